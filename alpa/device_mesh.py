@@ -1,0 +1,330 @@
+"""Clusters and device meshes.
+
+Four views of hardware, from the most abstract to the most concrete:
+
+* :class:`ClusterSpec` describes hardware that need not exist: nodes, devices per node,
+  peak FLOP/s and memory per device, bandwidth and latency inside and between nodes. The
+  planner can plan for a ``ClusterSpec`` with no devices at all.
+* :class:`VirtualPhysicalMesh` is a cluster not yet sliced, shape
+  ``(num_hosts, num_devices_per_host)``; the stage DP slices it into submeshes
+  ``(1,1), (1,2), (1,4) ... (1,M), (2,M) ... (N,M)``.
+* :class:`LocalPhysicalDeviceMesh` holds real devices of this process.
+* :class:`LogicalDeviceMesh` is a 2-D view ``(n0, n1)`` of a physical mesh with
+  alpha-beta parameters per axis, used by the cost model and lowered to a
+  ``jax.sharding.Mesh`` whose axes are ``Auto`` (DESIGN §3, §7).
+
+Collective costs along one logical axis with ``n`` devices, ``B`` bytes per device
+(alpha-beta model, DESIGN §4.3)::
+
+    all-gather       alpha + beta * (n-1)/n * B
+    all-reduce       alpha + beta * 2(n-1)/n * B
+    reduce-scatter   alpha + beta * (n-1)/n * B
+    all-to-all       alpha + beta * (n-1)/n**2 * B * n/2
+
+An axis of one device communicates nothing and costs 0.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+
+MESH_AXIS_NAMES = ("x", "y")
+
+
+# ----------------------------------------------------------------------------- cluster
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """A description of a cluster, real or not.
+
+    Bandwidths are in bytes/s per device, latencies in seconds, FLOP/s are the dense peak
+    of one device for the training dtype.
+    """
+
+    num_nodes: int
+    num_devices_per_node: int
+    device_flops: float
+    device_memory: int
+    intra_node_bandwidth: float
+    inter_node_bandwidth: float
+    intra_node_latency: float = 1e-5
+    inter_node_latency: float = 2e-5
+    name: str = "custom"
+
+    def __post_init__(self):
+        for attr in ("num_nodes", "num_devices_per_node"):
+            value = getattr(self, attr)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"ClusterSpec.{attr} must be a positive int, got {value!r}")
+        for attr in ("device_flops", "device_memory", "intra_node_bandwidth",
+                     "inter_node_bandwidth"):
+            value = getattr(self, attr)
+            if not value > 0:
+                raise ValueError(f"ClusterSpec.{attr} must be positive, got {value!r}")
+
+    @property
+    def num_devices(self) -> int:
+        return self.num_nodes * self.num_devices_per_node
+
+    @classmethod
+    def preset(cls, name: str, num_nodes: int = 1, num_devices_per_node: int = 8) -> ClusterSpec:
+        """A cluster of known devices: one of :data:`CLUSTER_PRESETS`."""
+        key = name.lower()
+        if key not in CLUSTER_PRESETS:
+            raise ValueError(
+                f"unknown cluster preset {name!r}; expected one of {sorted(CLUSTER_PRESETS)}"
+            )
+        return replace(
+            CLUSTER_PRESETS[key], num_nodes=num_nodes, num_devices_per_node=num_devices_per_node
+        )
+
+    @classmethod
+    def local(cls) -> ClusterSpec:
+        """This process's devices (virtual CPU devices or local GPUs) as one node."""
+        import jax
+
+        devices = jax.devices()
+        base = CLUSTER_PRESETS["cpu"]
+        if devices[0].platform == "gpu":
+            kind = devices[0].device_kind.lower()
+            base = next(
+                (spec for key, spec in CLUSTER_PRESETS.items() if key.split("-")[0] in kind),
+                CLUSTER_PRESETS["a100-80gb"],
+            )
+        return replace(base, num_nodes=1, num_devices_per_node=len(devices))
+
+    def get_virtual_physical_mesh(self) -> VirtualPhysicalMesh:
+        return VirtualPhysicalMesh(self.num_nodes, self.num_devices_per_node, cluster=self)
+
+
+_GB = 1 << 30
+CLUSTER_PRESETS: dict[str, ClusterSpec] = {
+    # Peak dense FLOP/s in fp16/bf16 tensor cores; NVLink per-direction bandwidth per GPU;
+    # inter-node: one NIC per GPU (100, 200, 400 Gb/s).
+    "v100-16gb": ClusterSpec(1, 8, 125e12, 16 * _GB, 150e9, 12.5e9, name="v100-16gb"),
+    "a100-40gb": ClusterSpec(1, 8, 312e12, 40 * _GB, 300e9, 25e9, name="a100-40gb"),
+    "a100-80gb": ClusterSpec(1, 8, 312e12, 80 * _GB, 300e9, 25e9, name="a100-80gb"),
+    "h100-80gb": ClusterSpec(1, 8, 989e12, 80 * _GB, 450e9, 50e9, name="h100-80gb"),
+    "h200-141gb": ClusterSpec(1, 8, 989e12, 141 * _GB, 450e9, 50e9, name="h200-141gb"),
+    # Virtual CPU devices in one process: copies run at about 10 GB/s (DESIGN §5).
+    "cpu": ClusterSpec(1, 8, 5e10, 2 * _GB, 10e9, 10e9, 1e-5, 1e-5, name="cpu"),
+}
+
+
+# ----------------------------------------------------------------------------- logical mesh
+
+
+@dataclass(frozen=True)
+class LogicalDeviceMesh:
+    """A 2-D view of devices with an alpha-beta communication model per axis.
+
+    ``devices`` may be ``None``: such a mesh is abstract, good for planning and cost
+    queries but not for lowering.
+    """
+
+    shape: tuple[int, int]
+    mesh_alpha: tuple[float, float] = (1.0, 1.0)
+    mesh_beta: tuple[float, float] = (1.0, 1.0)
+    devices: tuple[Any, ...] | None = field(default=None, compare=False, repr=False)
+    axis_names: tuple[str, str] = MESH_AXIS_NAMES
+
+    def __post_init__(self):
+        shape = tuple(self.shape)
+        if len(shape) != 2 or not all(isinstance(d, int) and d >= 1 for d in shape):
+            raise ValueError(f"LogicalDeviceMesh shape must be two positive ints, got {shape!r}")
+        object.__setattr__(self, "shape", shape)
+        object.__setattr__(self, "mesh_alpha", tuple(float(a) for a in self.mesh_alpha))
+        object.__setattr__(self, "mesh_beta", tuple(float(b) for b in self.mesh_beta))
+        if len(self.mesh_alpha) != 2 or len(self.mesh_beta) != 2:
+            raise ValueError("mesh_alpha and mesh_beta need one value per mesh axis (2)")
+        if self.devices is not None:
+            devices = tuple(self.devices)
+            if len(devices) != math.prod(shape):
+                raise ValueError(
+                    f"logical mesh shape {shape} needs {math.prod(shape)} devices, "
+                    f"got {len(devices)}"
+                )
+            object.__setattr__(self, "devices", devices)
+
+    @property
+    def num_devices(self) -> int:
+        return self.shape[0] * self.shape[1]
+
+    @property
+    def id_mesh(self) -> np.ndarray:
+        return np.arange(self.num_devices).reshape(self.shape)
+
+    # Collective costs; ``num_bytes`` is the size of the (full) value each device holds
+    # or produces, ``mesh_dim`` the logical axis the collective runs over.
+    def _alpha_beta(self, mesh_dim: int) -> tuple[int, float, float]:
+        return self.shape[mesh_dim], self.mesh_alpha[mesh_dim], self.mesh_beta[mesh_dim]
+
+    def all_gather_cost(self, num_bytes: float, mesh_dim: int) -> float:
+        n, alpha, beta = self._alpha_beta(mesh_dim)
+        return 0.0 if n == 1 else alpha + beta * (n - 1) / n * num_bytes
+
+    def all_reduce_cost(self, num_bytes: float, mesh_dim: int) -> float:
+        n, alpha, beta = self._alpha_beta(mesh_dim)
+        return 0.0 if n == 1 else alpha + beta * 2 * (n - 1) / n * num_bytes
+
+    def reduce_scatter_cost(self, num_bytes: float, mesh_dim: int) -> float:
+        n, alpha, beta = self._alpha_beta(mesh_dim)
+        return 0.0 if n == 1 else alpha + beta * (n - 1) / n * num_bytes
+
+    def all_to_all_cost(self, num_bytes: float, mesh_dim: int) -> float:
+        n, alpha, beta = self._alpha_beta(mesh_dim)
+        return 0.0 if n == 1 else alpha + beta * (n - 1) / n / n * num_bytes * (n / 2)
+
+    def get_jax_mesh(self):
+        """The ``jax.sharding.Mesh`` with Auto axes that this logical mesh lowers to."""
+        if self.devices is None:
+            raise ValueError("this LogicalDeviceMesh is abstract (no devices); cannot lower it")
+        return make_jax_mesh(self.devices, self.shape, self.axis_names)
+
+    def flatten(self) -> LogicalDeviceMesh:
+        """The same devices as a 1-D mesh ``(1, n)``."""
+        return replace(self, shape=(1, self.num_devices),
+                       mesh_alpha=(0.0, self.mesh_alpha[1]),
+                       mesh_beta=(0.0, max(self.mesh_beta)))
+
+
+def make_jax_mesh(devices: Sequence[Any], shape: Sequence[int], axis_names: Sequence[str]):
+    """A ``jax.sharding.Mesh`` with ``Auto`` axes (JAX >= 0.9 defaults to Explicit)."""
+    from jax.sharding import AxisType, Mesh
+
+    device_array = np.asarray(list(devices), dtype=object).reshape(tuple(shape))
+    return Mesh(device_array, tuple(axis_names), axis_types=(AxisType.Auto,) * len(shape))
+
+
+# ----------------------------------------------------------------------------- physical meshes
+
+
+def _check_logical_shape(mesh_shape: Sequence[int], num_devices: int) -> tuple[int, int]:
+    shape = tuple(mesh_shape)
+    if len(shape) == 1:
+        shape = (1, shape[0])
+    if len(shape) != 2 or not all(isinstance(d, int) and d >= 1 for d in shape):
+        raise ValueError(f"mesh_shape must be one or two positive ints, got {mesh_shape!r}")
+    if shape[0] * shape[1] != num_devices:
+        raise ValueError(
+            f"mesh_shape {shape} has {shape[0] * shape[1]} devices but the physical mesh "
+            f"has {num_devices}"
+        )
+    return shape
+
+
+def _default_alpha_beta(
+    cluster: ClusterSpec, shape: tuple[int, int], num_devices_per_host: int
+) -> tuple[tuple[float, float], tuple[float, float]]:
+    """Alpha (s) and beta (s/byte) per logical axis: an axis whose devices sit on one
+    host uses the intra-node link, one that spans hosts the inter-node link."""
+    alphas, betas = [], []
+    for axis, size in enumerate(shape):
+        # Devices are laid out row-major, so axis 1 stays in a host when it fits there and
+        # axis 0 steps by shape[1] devices.
+        span = size if axis == 1 else size * shape[1]
+        inside = span <= num_devices_per_host
+        alphas.append(cluster.intra_node_latency if inside else cluster.inter_node_latency)
+        bandwidth = cluster.intra_node_bandwidth if inside else cluster.inter_node_bandwidth
+        betas.append(1.0 / bandwidth)
+    return tuple(alphas), tuple(betas)
+
+
+@dataclass(frozen=True)
+class VirtualPhysicalMesh:
+    """A cluster of ``num_hosts x num_devices_per_host`` devices, not yet sliced."""
+
+    num_hosts: int
+    num_devices_per_host: int
+    cluster: ClusterSpec | None = None
+
+    def __post_init__(self):
+        for attr in ("num_hosts", "num_devices_per_host"):
+            value = getattr(self, attr)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{attr} must be a positive int, got {value!r}")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.num_hosts, self.num_devices_per_host)
+
+    @property
+    def num_devices(self) -> int:
+        return self.num_hosts * self.num_devices_per_host
+
+    def get_submesh_shapes(self) -> list[tuple[int, int]]:
+        """(1,1), (1,2), (1,4) ... (1,M), then (2,M) ... (N,M) (paper §5.2)."""
+        shapes = []
+        width = 1
+        while width < self.num_devices_per_host:
+            shapes.append((1, width))
+            width *= 2
+        shapes.append((1, self.num_devices_per_host))
+        shapes += [(h, self.num_devices_per_host) for h in range(2, self.num_hosts + 1)]
+        return shapes
+
+    def get_logical_mesh(
+        self,
+        mesh_shape: Sequence[int] | None = None,
+        mesh_alpha: Sequence[float] | None = None,
+        mesh_beta: Sequence[float] | None = None,
+    ) -> LogicalDeviceMesh:
+        shape = _check_logical_shape(mesh_shape or self.shape, self.num_devices)
+        cluster = self.cluster or CLUSTER_PRESETS["cpu"]
+        alpha, beta = _default_alpha_beta(cluster, shape, self.num_devices_per_host)
+        return LogicalDeviceMesh(shape, tuple(mesh_alpha or alpha), tuple(mesh_beta or beta))
+
+
+class LocalPhysicalDeviceMesh:
+    """Devices of this process, seen as one host."""
+
+    def __init__(self, devices: Sequence[Any] | None = None, cluster: ClusterSpec | None = None):
+        import jax
+
+        devices = list(jax.devices() if devices is None else devices)
+        if not devices:
+            raise ValueError("LocalPhysicalDeviceMesh needs at least one device")
+        if len(set(devices)) != len(devices):
+            raise ValueError(f"LocalPhysicalDeviceMesh got repeated devices: {devices}")
+        self.devices = tuple(devices)
+        self.cluster = cluster or ClusterSpec.local()
+
+    num_hosts = 1
+
+    @property
+    def num_devices_per_host(self) -> int:
+        return len(self.devices)
+
+    @property
+    def num_devices(self) -> int:
+        return len(self.devices)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (1, len(self.devices))
+
+    def get_logical_mesh(
+        self,
+        mesh_shape: Sequence[int] | None = None,
+        mesh_alpha: Sequence[float] | None = None,
+        mesh_beta: Sequence[float] | None = None,
+    ) -> LogicalDeviceMesh:
+        shape = _check_logical_shape(mesh_shape or self.shape, self.num_devices)
+        alpha, beta = _default_alpha_beta(self.cluster, shape, self.num_devices_per_host)
+        return LogicalDeviceMesh(
+            shape, tuple(mesh_alpha or alpha), tuple(mesh_beta or beta), devices=self.devices
+        )
+
+    def slice_1d(self, start: int, stop: int) -> LocalPhysicalDeviceMesh:
+        if not 0 <= start < stop <= self.num_devices:
+            raise ValueError(f"cannot slice devices [{start}, {stop}) of {self.num_devices}")
+        return LocalPhysicalDeviceMesh(self.devices[start:stop], self.cluster)
+
+    def __repr__(self) -> str:
+        return f"LocalPhysicalDeviceMesh({len(self.devices)} x {self.devices[0].platform})"

@@ -1,0 +1,48 @@
+"""ShardingPlan: where the values of one traced step live on one logical mesh.
+
+Every way of sharding a step (data parallel, ZeRO, manual PartitionSpecs, the ILP) ends in a
+``ShardingPlan``; one lowering (``alpa.shard_parallel.lowering``) turns any plan into a
+compiled XLA program. A plan names a ``PartitionSpec`` over the mesh axes
+(``logical_mesh.axis_names``) for every input and output of the jaxpr, and for the
+intermediate values it pins; everything else is left to XLA's sharding propagation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from jax.sharding import PartitionSpec
+
+from alpa.device_mesh import LogicalDeviceMesh
+
+REPLICATED = PartitionSpec()
+
+
+@dataclass(frozen=True)
+class ShardingPlan:
+    """A sharding decision for one jaxpr on one logical mesh.
+
+    Attributes:
+      logical_mesh: the mesh; its ``axis_names`` are the names used in the specs.
+      in_specs: one spec per jaxpr input (flat).
+      out_specs: one per jaxpr output; ``None`` lets XLA choose.
+      var_specs: intermediate values (``jax.extend.core.Var`` of the jaxpr) to pin with a
+        sharding constraint.
+      data_axes: mesh axes over which the batch (dim 0 of the batch arguments) is split;
+        gradient accumulation reduces gradients over these axes once per step.
+      grad_specs: specs for the gradients that ``alpa.grad`` marks, in the marker's operand
+        order, or ``None`` to leave them to XLA (ZeRO shards them like the optimizer state).
+      objective: the ILP objective when the plan came from the ILP, else ``None``.
+      method: a short name of what produced the plan, for messages.
+    """
+
+    logical_mesh: LogicalDeviceMesh
+    in_specs: tuple[PartitionSpec, ...]
+    out_specs: tuple[PartitionSpec | None, ...]
+    var_specs: Mapping[Any, PartitionSpec] = field(default_factory=dict)
+    data_axes: tuple[str, ...] = ()
+    grad_specs: tuple[PartitionSpec | None, ...] | None = None
+    objective: float | None = None
+    method: str = ""

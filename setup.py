@@ -1,0 +1,28 @@
+"""alpa: automatic inter- and intra-operator parallelism for JAX, on stock JAX."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="alpa",
+    version="0.1.0",
+    description="Automatic parallelization of JAX training steps (pipeline and sharding).",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    python_requires=">=3.10",
+    packages=find_packages(include=["alpa", "alpa.*"]),
+    install_requires=[
+        "jax>=0.10,<0.11",
+        "jaxlib>=0.10,<0.11",
+        "flax>=0.10",
+        "optax>=0.2",
+        "ray>=2.9",
+        "pulp>=2.7",
+        "numpy>=1.26",
+        "tqdm>=4.60",
+    ],
+    extras_require={
+        "gpu": ["cupy-cuda12x>=13"],
+        "test": ["pytest>=8", "pytest-xdist>=3", "ruff>=0.5"],
+    },
+)
