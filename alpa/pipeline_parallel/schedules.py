@@ -1,0 +1,198 @@
+"""Pipeline schedules as data.
+
+A schedule says which stage runs which micro-batch, and whether it runs the forward, the
+backward or the apply-grad computation, on each clock tick. It is a plain value: a tuple of
+ticks, each a tuple of :class:`Task` ``(stage, micro_batch, kind)``, at most one task per
+stage per tick (stage ``i`` runs on mesh ``i``). The runtime emitter turns a schedule plus
+the compiled stages into instruction lists; nothing here touches devices.
+
+With ``S`` stages and ``M`` micro-batches (DESIGN §5):
+
+* **GPipe** runs all forwards, then all backwards. Forward of micro-batch ``m`` on stage
+  ``s`` happens at tick ``s + m``; backward at tick ``(M + S - 1) + (S - 1 - s) + m``.
+  ``2 (M + S - 1)`` compute ticks; stage ``i`` holds the activations of all ``M``
+  micro-batches at its peak.
+* **1F1B** (PipeDream-flush) lets stage ``i`` run ``S - i - 1`` warm-up forwards, then
+  alternate one forward and one backward, then drain the remaining backwards. Every task
+  runs at the first tick its inputs are ready. It takes the same ``2 (M + S - 1)`` compute
+  ticks as GPipe, but stage ``i`` never holds more than ``S - i`` micro-batches of
+  activations.
+* **inference** runs forwards only: ``M + S - 1`` ticks.
+
+A training schedule ends with one ``apply`` tick in which every stage applies its
+gradients (``micro_batch`` is ``None`` there).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+TaskKind = Literal["forward", "backward", "apply"]
+
+
+@dataclass(frozen=True)
+class Task:
+    """One unit of work: ``stage`` runs ``kind`` on ``micro_batch`` (``None`` for apply)."""
+
+    stage: int
+    micro_batch: int | None
+    kind: TaskKind
+
+    def label(self) -> str:
+        if self.kind == "apply":
+            return "A"
+        return f"{self.kind[0].upper()}{self.micro_batch}"
+
+
+@dataclass(frozen=True)
+class PipelineSchedule:
+    """Clock ticks of tasks for ``num_stages`` stages and ``num_micro_batches``."""
+
+    name: str
+    num_stages: int
+    num_micro_batches: int
+    ticks: tuple[tuple[Task, ...], ...]
+
+    @property
+    def num_ticks(self) -> int:
+        return len(self.ticks)
+
+    def tasks(self) -> list[Task]:
+        """All tasks in execution order (tick by tick, stage by stage)."""
+        return [task for tick in self.ticks for task in tick]
+
+    def max_in_flight(self) -> list[int]:
+        """Per stage, the most micro-batches whose forward ran but whose backward did not."""
+        in_flight = [0] * self.num_stages
+        peak = [0] * self.num_stages
+        for task in self.tasks():
+            if task.kind == "forward":
+                in_flight[task.stage] += 1
+            elif task.kind == "backward":
+                in_flight[task.stage] -= 1
+            peak[task.stage] = max(peak[task.stage], in_flight[task.stage])
+        return peak
+
+    def grid(self) -> str:
+        """The schedule as a grid: one row per stage, one column per tick."""
+        width = max(3, len(str(self.num_micro_batches)) + 2)
+        header = "stage |" + "".join(f"{t:>{width}}" for t in range(self.num_ticks))
+        rows = [
+            f"{self.name}: {self.num_stages} stages x {self.num_micro_batches} micro-batches",
+            header,
+        ]
+        for stage in range(self.num_stages):
+            cells = []
+            for tick in self.ticks:
+                task = next((t for t in tick if t.stage == stage), None)
+                cells.append(f"{task.label() if task else '.':>{width}}")
+            rows.append(f"{stage:>5} |" + "".join(cells))
+        return "\n".join(rows)
+
+    def __str__(self) -> str:
+        return self.grid()
+
+
+def _check_sizes(num_stages: int, num_micro_batches: int) -> None:
+    for name, value in (("num_stages", num_stages), ("num_micro_batches", num_micro_batches)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+def _apply_tick(num_stages: int) -> tuple[Task, ...]:
+    return tuple(Task(s, None, "apply") for s in range(num_stages))
+
+
+def gpipe_schedule(num_stages: int, num_micro_batches: int) -> PipelineSchedule:
+    """All forwards, then all backwards, then apply (GPipe)."""
+    _check_sizes(num_stages, num_micro_batches)
+    S, M = num_stages, num_micro_batches
+    fill = M + S - 1
+    ticks: list[list[Task]] = [[] for _ in range(2 * fill)]
+    for s in range(S):
+        for m in range(M):
+            ticks[s + m].append(Task(s, m, "forward"))
+            ticks[fill + (S - 1 - s) + m].append(Task(s, m, "backward"))
+    ordered = [tuple(sorted(t, key=lambda task: task.stage)) for t in ticks]
+    return PipelineSchedule("gpipe", S, M, tuple(ordered) + (_apply_tick(S),))
+
+
+def one_f_one_b_schedule(num_stages: int, num_micro_batches: int) -> PipelineSchedule:
+    """1F1B (PipeDream-flush): warm-up forwards, alternate 1F/1B, drain, then apply."""
+    _check_sizes(num_stages, num_micro_batches)
+    S, M = num_stages, num_micro_batches
+    # The order of work on each stage.
+    orders: list[list[Task]] = []
+    for s in range(S):
+        warmup = min(S - s - 1, M)
+        order = [Task(s, m, "forward") for m in range(warmup)]
+        next_f, next_b = warmup, 0
+        while next_b < M:
+            if next_f < M:
+                order.append(Task(s, next_f, "forward"))
+                next_f += 1
+            order.append(Task(s, next_b, "backward"))
+            next_b += 1
+        orders.append(order)
+    # Clock it: each stage runs its next task at the first tick its inputs are ready.
+    done_at: dict[Task, int] = {}
+    positions = [0] * S
+    ticks: list[tuple[Task, ...]] = []
+    while any(positions[s] < len(orders[s]) for s in range(S)):
+        tick = []
+        for s in range(S):
+            if positions[s] == len(orders[s]):
+                continue
+            task = orders[s][positions[s]]
+            if all(done_at.get(dep, len(ticks)) < len(ticks) for dep in _deps(task, S)):
+                tick.append(task)
+        if not tick:
+            raise AssertionError("1F1B schedule deadlocked")  # a bug, not a user error
+        for task in tick:
+            done_at[task] = len(ticks)
+            positions[task.stage] += 1
+        ticks.append(tuple(tick))
+    return PipelineSchedule("1f1b", S, M, tuple(ticks) + (_apply_tick(S),))
+
+
+def inference_schedule(num_stages: int, num_micro_batches: int) -> PipelineSchedule:
+    """Forwards only: micro-batch ``m`` on stage ``s`` at tick ``s + m``."""
+    _check_sizes(num_stages, num_micro_batches)
+    S, M = num_stages, num_micro_batches
+    ticks: list[list[Task]] = [[] for _ in range(M + S - 1)]
+    for s in range(S):
+        for m in range(M):
+            ticks[s + m].append(Task(s, m, "forward"))
+    return PipelineSchedule("inference", S, M, tuple(tuple(t) for t in ticks))
+
+
+def _deps(task: Task, num_stages: int) -> list[Task]:
+    """The tasks whose outputs ``task`` reads (the dependency order every schedule keeps)."""
+    s, m = task.stage, task.micro_batch
+    if task.kind == "forward":
+        return [Task(s - 1, m, "forward")] if s > 0 else []
+    if task.kind == "backward":
+        deps = [Task(s, m, "forward")]
+        if s < num_stages - 1:
+            deps.append(Task(s + 1, m, "backward"))
+        return deps
+    return []
+
+
+task_dependencies = _deps
+
+#: Schedules by the name ``PipeshardParallel(pipeline_schedule=...)`` takes.
+schedules: dict[str, Callable[[int, int], PipelineSchedule]] = {
+    "gpipe": gpipe_schedule,
+    "1f1b": one_f_one_b_schedule,
+    "inference": inference_schedule,
+}
+
+
+def make_schedule(name: str, num_stages: int, num_micro_batches: int) -> PipelineSchedule:
+    """The schedule called ``name`` (a key of :data:`schedules`)."""
+    if name not in schedules:
+        raise ValueError(f"unknown pipeline_schedule {name!r}; expected one of {sorted(schedules)}")
+    return schedules[name](num_stages, num_micro_batches)

@@ -1,0 +1,85 @@
+"""Schedule invariants: every task once, dependency order, 1F1B memory bound, tick counts."""
+
+import itertools
+
+import pytest
+
+from alpa.pipeline_parallel.schedules import (
+    Task,
+    make_schedule,
+    schedules,
+    task_dependencies,
+)
+
+SIZES = list(itertools.product([1, 2, 3, 4], [1, 2, 3, 8]))
+
+
+def _tick_of(schedule):
+    tick_of = {}
+    for t, tick in enumerate(schedule.ticks):
+        stages = [task.stage for task in tick]
+        assert len(stages) == len(set(stages)), f"two tasks of one stage in tick {t}"
+        for task in tick:
+            assert task not in tick_of, f"{task} runs twice"
+            tick_of[task] = t
+    return tick_of
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("S,M", SIZES)
+def test_training_schedule_runs_each_task_once_in_order(name, S, M):
+    schedule = make_schedule(name, S, M)
+    tick_of = _tick_of(schedule)
+    expected = {
+        Task(s, m, k) for s in range(S) for m in range(M) for k in ("forward", "backward")
+    } | {Task(s, None, "apply") for s in range(S)}
+    assert set(tick_of) == expected
+    for task, tick in tick_of.items():
+        for dep in task_dependencies(task, S):
+            assert tick_of[dep] < tick, f"{task} at tick {tick} before its input {dep}"
+        if task.kind == "apply":
+            assert tick == schedule.num_ticks - 1
+    # The known tick counts: 2 (M + S - 1) compute ticks plus one apply tick.
+    assert schedule.num_ticks == 2 * (M + S - 1) + 1
+
+
+@pytest.mark.parametrize("S,M", SIZES)
+def test_1f1b_holds_at_most_s_minus_i_micro_batches(S, M):
+    peaks = make_schedule("1f1b", S, M).max_in_flight()
+    for i, peak in enumerate(peaks):
+        assert peak <= S - i
+        assert peak == min(S - i, M)
+    assert make_schedule("gpipe", S, M).max_in_flight() == [M] * S
+
+
+@pytest.mark.parametrize("S,M", SIZES)
+def test_inference_schedule(S, M):
+    schedule = make_schedule("inference", S, M)
+    tick_of = _tick_of(schedule)
+    assert set(tick_of) == {Task(s, m, "forward") for s in range(S) for m in range(M)}
+    for task, tick in tick_of.items():
+        assert tick == task.stage + task.micro_batch
+    assert schedule.num_ticks == M + S - 1
+
+
+def test_grid_prints_every_task():
+    schedule = make_schedule("1f1b", 2, 3)
+    text = str(schedule)
+    assert text.splitlines()[0] == "1f1b: 2 stages x 3 micro-batches"
+    rows = text.splitlines()[2:]
+    assert [r.split("|")[1].split() for r in rows] == [
+        ["F0", "F1", ".", "B0", "F2", "B1", ".", "B2", "A"],
+        [".", "F0", "B0", "F1", "B1", "F2", "B2", ".", "A"],
+    ]
+
+
+def test_registry_and_bad_names():
+    assert set(schedules) == {"gpipe", "1f1b", "inference"}
+    with pytest.raises(
+        ValueError,
+        match=r"unknown pipeline_schedule 'zero_bubble'; "
+        r"expected one of \['1f1b', 'gpipe', 'inference'\]",
+    ):
+        make_schedule("zero_bubble", 2, 2)
+    with pytest.raises(ValueError, match="num_micro_batches must be a positive int, got 0"):
+        make_schedule("gpipe", 2, 0)
