@@ -1,5 +1,17 @@
-"""alpa: automatic inter- and intra-operator parallelism for JAX."""
+"""alpa: automatic inter- and intra-operator parallelism for JAX.
 
+``import alpa`` is the only import a user needs; this module re-exports the public API.
+"""
+
+from alpa.api import (
+    get_global_physical_mesh,
+    get_global_virtual_physical_mesh,
+    grad,
+    init,
+    parallelize,
+    shutdown,
+    value_and_grad,
+)
 from alpa.device_mesh import (
     ClusterSpec,
     LocalPhysicalDeviceMesh,
@@ -7,9 +19,38 @@ from alpa.device_mesh import (
     VirtualPhysicalMesh,
 )
 from alpa.global_env import global_config
+from alpa.parallel_method import (
+    DataParallel,
+    ParallelMethod,
+    ShardParallel,
+    Zero2Parallel,
+    Zero3Parallel,
+)
+from alpa.pipeline_parallel.primitive_def import mark_pipeline_boundary
+from alpa.shard_parallel.auto_sharding import AutoShardingOption
+from alpa.shard_parallel.manual_sharding import ManualShardingOption
 
 __version__ = "0.1.0"
 
-
-def shutdown() -> None:  # replaced by alpa.api in the next commit
-    pass
+__all__ = [
+    "AutoShardingOption",
+    "ClusterSpec",
+    "DataParallel",
+    "LocalPhysicalDeviceMesh",
+    "LogicalDeviceMesh",
+    "ManualShardingOption",
+    "ParallelMethod",
+    "ShardParallel",
+    "VirtualPhysicalMesh",
+    "Zero2Parallel",
+    "Zero3Parallel",
+    "get_global_physical_mesh",
+    "get_global_virtual_physical_mesh",
+    "global_config",
+    "grad",
+    "init",
+    "mark_pipeline_boundary",
+    "parallelize",
+    "shutdown",
+    "value_and_grad",
+]

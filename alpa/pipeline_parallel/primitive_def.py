@@ -73,3 +73,12 @@ mlir.register_lowering(pipeline_p, _lowering)
 ad.primitive_jvps[pipeline_p] = _jvp
 ad.primitive_transposes[pipeline_p] = _transpose
 batching.primitive_batchers[pipeline_p] = _batch
+
+
+def mark_pipeline_boundary() -> None:
+    """Cut the program here into two pipeline layers (``ManualLayerOption``).
+
+    Call it between layers in the forward pass of a model; the backward pass inherits the
+    cut. It binds a marker with no operands: the cut is its position in the traced program.
+    """
+    pipeline_p.bind(name="boundary", mark_type="boundary")

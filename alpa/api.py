@@ -1,0 +1,350 @@
+"""The public entry points: ``init``, ``shutdown``, ``parallelize``, ``grad``.
+
+``parallelize`` wraps a step function. On each call it sorts the positional arguments into
+static ones (hashable Python values, part of the compilation key) and dynamic ones (pytrees
+of arrays), looks up an executable compiled for those shapes, dtypes and static values,
+compiles one if there is none (trace -> plan -> lower -> XLA), and runs it. A second call
+with the same shapes neither traces nor compiles.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from alpa.device_mesh import LocalPhysicalDeviceMesh, VirtualPhysicalMesh
+from alpa.executable import Executable
+from alpa.parallel_method import ParallelMethod, ShardParallel
+from alpa.pipeline_parallel.primitive_def import mark_pipeline_jaxpreqn
+from alpa.tracing import TracedStep, trace_step
+
+logger = logging.getLogger("alpa")
+
+# ----------------------------------------------------------------------------- cluster
+
+_global_physical_mesh: LocalPhysicalDeviceMesh | None = None
+
+
+def init(cluster: str = "local", *, devices: Sequence[Any] | None = None,
+         num_nodes: int | None = None, num_devices_per_node: int | None = None) -> None:
+    """Connect alpa to a cluster. A second ``init`` before ``shutdown`` does nothing.
+
+    Args:
+      cluster: ``"local"``: the devices of this process (GPUs, or virtual CPU devices).
+        ``"ray"`` is not available yet.
+      devices: with ``"local"``, a subset of ``jax.devices()`` to use.
+    """
+    global _global_physical_mesh
+    if cluster == "ray":
+        raise NotImplementedError(
+            "alpa.init(cluster='ray') is not available yet: the Ray runtime is a separate, "
+            "upcoming feature. Use alpa.init('local') (the default) to run on the devices "
+            "of this process.")
+    if cluster != "local":
+        raise ValueError(f"cluster must be 'local' or 'ray', got {cluster!r}")
+    if num_nodes not in (None, 1):
+        raise ValueError(f"cluster='local' has one node, got num_nodes={num_nodes!r}")
+    if _global_physical_mesh is not None:
+        return
+    mesh = LocalPhysicalDeviceMesh(devices)
+    if num_devices_per_node is not None and num_devices_per_node != mesh.num_devices:
+        raise ValueError(
+            f"num_devices_per_node={num_devices_per_node} but this process has "
+            f"{mesh.num_devices} devices")
+    _global_physical_mesh = mesh
+
+
+def shutdown() -> None:
+    """Forget the cluster; a later ``init`` starts afresh."""
+    global _global_physical_mesh
+    _global_physical_mesh = None
+
+
+def get_global_physical_mesh() -> LocalPhysicalDeviceMesh:
+    """The mesh of ``init``; calls ``init("local")`` (and says so) if it was not called."""
+    if _global_physical_mesh is None:
+        logger.info("alpa.init() was not called: using the %d local devices",
+                    len(jax.devices()))
+        init("local")
+    return _global_physical_mesh
+
+
+def get_global_virtual_physical_mesh() -> VirtualPhysicalMesh:
+    mesh = get_global_physical_mesh()
+    return VirtualPhysicalMesh(mesh.num_hosts, mesh.num_devices_per_host, mesh.cluster)
+
+
+# ----------------------------------------------------------------------------- gradients
+
+
+def value_and_grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False,
+                   holomorphic: bool = False, allow_int: bool = False,
+                   reduce_axes: Sequence[Any] = ()) -> Callable:
+    """``jax.value_and_grad`` that also marks where the gradients are complete.
+
+    The marker cuts the traced step into compute-grad (everything the gradients need)
+    and apply-grad (the rest), which gradient accumulation and pipelining rely on.
+    """
+    del reduce_axes
+    inner = jax.value_and_grad(fun, argnums=argnums, has_aux=has_aux,
+                               holomorphic=holomorphic, allow_int=allow_int)
+
+    @functools.wraps(fun)
+    def marked(*args, **kwargs):
+        out = inner(*args, **kwargs)
+        leaves, tree = jax.tree.flatten(out)
+        return jax.tree.unflatten(tree, mark_pipeline_jaxpreqn(leaves, "grad", "grad"))
+
+    return marked
+
+
+def grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False,
+         holomorphic: bool = False, allow_int: bool = False,
+         reduce_axes: Sequence[Any] = ()) -> Callable:
+    """``jax.grad`` that marks the gradients (see :func:`value_and_grad`)."""
+    inner = value_and_grad(fun, argnums, has_aux, holomorphic, allow_int, reduce_axes)
+
+    @functools.wraps(fun)
+    def marked(*args, **kwargs):
+        value, grads = inner(*args, **kwargs)
+        return (grads, value[1]) if has_aux else grads
+
+    return marked
+
+
+# ----------------------------------------------------------------------------- parallelize
+
+
+def parallelize(fun: Callable | None = None, *, static_argnums: Sequence[int] | str = "auto",
+                donate_argnums: Sequence[int] | str = "auto",
+                batch_argnums: Sequence[int] = (1,),
+                method: ParallelMethod | None = None):
+    """Parallelize a step function; usable as ``@parallelize`` or ``@parallelize(...)``.
+
+    Args:
+      fun: the step, written as for one device.
+      static_argnums: positions of arguments that are compile-time constants, or
+        ``"auto"``: Python scalars and strings, and arguments with no array inside.
+      donate_argnums: positions whose buffers the step may reuse, or ``"auto"``: every
+        flax ``TrainState`` argument.
+      batch_argnums: positions of the batch arguments: split on dim 0 over devices and
+        into micro-batches.
+      method: a :class:`~alpa.parallel_method.ParallelMethod`; default ``ShardParallel()``.
+    """
+
+    def decorate(f):
+        if not callable(f):
+            raise TypeError(f"parallelize expects a callable fun, got {type(f).__name__}: "
+                            f"{f!r}")
+        if method is not None and not isinstance(method, ParallelMethod):
+            raise TypeError(
+                "method must be a parallel method such as alpa.ShardParallel(), "
+                "alpa.DataParallel() or alpa.PipeshardParallel(), got "
+                f"{type(method).__name__}: {method!r}")
+        _check_argnums(static_argnums, "static_argnums")
+        _check_argnums(donate_argnums, "donate_argnums")
+        _check_argnums(batch_argnums, "batch_argnums", allow_auto=False)
+        return ParallelizedFunc(f, static_argnums, donate_argnums, tuple(batch_argnums),
+                                method or ShardParallel())
+
+    if fun is None:
+        return decorate
+    return decorate(fun)
+
+
+def _check_argnums(value, name: str, allow_auto: bool = True) -> None:
+    if allow_auto and value == "auto":
+        return
+    if isinstance(value, int) and not isinstance(value, bool):
+        raise TypeError(f"{name} must be a tuple of ints, got the int {value}; "
+                        f"write ({value},)")
+    if (not isinstance(value, Sequence) or isinstance(value, str)
+            or not all(isinstance(i, int) and not isinstance(i, bool) for i in value)):
+        expected = "'auto' or a tuple of ints" if allow_auto else "a tuple of ints"
+        raise TypeError(f"{name} must be {expected}, got {value!r}")
+
+
+def _is_array_leaf(x) -> bool:
+    return isinstance(x, jax.Array | np.ndarray | np.generic | jax.ShapeDtypeStruct
+                      | bool | int | float | complex)
+
+
+def _is_train_state(x) -> bool:
+    from flax.training.train_state import TrainState
+
+    return isinstance(x, TrainState)
+
+
+class ParallelizedFunc:
+    """A parallelized step. Calling it compiles (once per input signature) and runs."""
+
+    def __init__(self, fun: Callable, static_argnums, donate_argnums, batch_argnums,
+                 method: ParallelMethod):
+        self.fun = fun
+        self.static_argnums = static_argnums
+        self.donate_argnums = donate_argnums
+        self.batch_argnums = batch_argnums
+        self.method = method
+        self._cache: dict[Any, Executable] = {}
+        self._last_executable: Executable | None = None
+        functools.update_wrapper(self, fun)
+
+    # -- argument handling
+
+    def _resolve_argnums(self, args: Sequence[Any]):
+        n = len(args)
+        for pos in self.batch_argnums:
+            if not -n <= pos < n:
+                raise ValueError(
+                    f"batch_argnums={self.batch_argnums} is out of range for a call of "
+                    f"{self.fun.__name__} with {n} positional arguments")
+        batch = tuple(sorted(p % n for p in self.batch_argnums))
+        if self.static_argnums == "auto":
+            static = tuple(i for i, a in enumerate(args)
+                           if i not in batch and _is_auto_static(a))
+        else:
+            static = self._positions(self.static_argnums, n, "static_argnums")
+        if self.donate_argnums == "auto":
+            donate = tuple(i for i, a in enumerate(args) if _is_train_state(a))
+        else:
+            donate = self._positions(self.donate_argnums, n, "donate_argnums")
+        overlap = set(static) & (set(donate) | set(batch))
+        if overlap:
+            raise ValueError(f"arguments {sorted(overlap)} are static, so they cannot also "
+                             "be batch or donated arguments")
+        return static, batch, tuple(d for d in donate if d not in static)
+
+    def _positions(self, argnums, n: int, name: str) -> tuple[int, ...]:
+        for pos in argnums:
+            if not -n <= pos < n:
+                raise ValueError(f"{name}={tuple(argnums)} is out of range for a call of "
+                                 f"{self.fun.__name__} with {n} positional arguments")
+        return tuple(sorted(p % n for p in argnums))
+
+    def _flatten(self, args, static):
+        leaves, names = [], []
+        for i, arg in enumerate(args):
+            if i in static:
+                try:
+                    hash(arg)
+                except TypeError:
+                    raise TypeError(
+                        f"argument {i} of {self.fun.__name__} is static (static_argnums) but "
+                        f"not hashable: {type(arg).__name__}") from None
+                continue
+            for path, leaf in jax.tree_util.tree_flatten_with_path(arg)[0]:
+                name = f"argument {i}{jax.tree_util.keystr(path)}"
+                if not _is_array_leaf(leaf):
+                    raise TypeError(
+                        f"{name} of {self.fun.__name__} is a {type(leaf).__name__}, not an "
+                        "array: dynamic arguments must be pytrees of arrays. Mark the "
+                        "argument static with static_argnums, or remove the leaf.")
+                leaves.append(leaf)
+                names.append(name)
+        return leaves, names
+
+    def _check_micro_batches(self, args, batch) -> int:
+        k = self.method.num_micro_batches or 1
+        for pos in batch:
+            for path, leaf in jax.tree_util.tree_flatten_with_path(args[pos])[0]:
+                shape = np.shape(leaf)
+                where = f"argument {pos}{jax.tree_util.keystr(path)}"
+                if not shape:
+                    raise ValueError(f"{where} is a batch argument but is a scalar; batch "
+                                     "leaves need a batch dimension 0")
+                if shape[0] % k:
+                    raise ValueError(
+                        f"num_micro_batches={k} does not divide batch size {shape[0]} of "
+                        f"{where}")
+        return k
+
+    # -- compilation
+
+    def _compile(self, args) -> tuple[Executable, list]:
+        static, batch, donate = self._resolve_argnums(args)
+        leaves, names = self._flatten(args, static)
+        key = (
+            tuple((i, args[i]) for i in static),
+            jax.tree.structure(tuple(a for i, a in enumerate(args) if i not in static)),
+            tuple((np.shape(x), _dtype(x)) for x in leaves),
+            batch, donate,
+        )
+        executable = self._cache.get(key)
+        if executable is None:
+            k = self._check_micro_batches(args, batch)
+            traced = self._trace(args, static, batch, donate, names, k)
+            executable = self.method.compile_executable(traced, traced_args(args, batch, k))
+            self._cache[key] = executable
+        self._last_executable = executable
+        return executable, leaves
+
+    def _trace(self, args, static, batch, donate, names, k: int) -> TracedStep:
+        def trace_at(divisor: int) -> TracedStep:
+            abstract = traced_args(args, batch, divisor)
+            traced = trace_step(self.fun, abstract, static, batch, donate, names)
+            return dataclasses.replace(traced, retrace=lambda d: trace_at(divisor * d))
+
+        return trace_at(k)
+
+    # -- public
+
+    def __call__(self, *args, **kwargs):
+        if kwargs:
+            raise TypeError(f"{self.fun.__name__} was parallelized: pass its arguments "
+                            f"positionally (got keyword arguments {sorted(kwargs)})")
+        executable, leaves = self._compile(args)
+        outs = executable.launch(leaves)
+        return jax.tree.unflatten(executable.traced.out_tree, outs)
+
+    def get_executable(self, *args) -> Executable:
+        """Compile for these arguments (arrays or ``jax.ShapeDtypeStruct``) without
+        running."""
+        return self._compile(args)[0]
+
+    def get_last_executable(self) -> Executable:
+        if self._last_executable is None:
+            raise RuntimeError(f"{self.fun.__name__} has not been called or compiled yet")
+        return self._last_executable
+
+    def preshard_dynamic_args(self, *args):
+        """Place the dynamic arguments where the executable wants them; returns the
+        arguments with the dynamic ones replaced by placed arrays."""
+        executable, leaves = self._compile(args)
+        placed = iter(executable.preshard_flat_args(leaves))
+        static = self._resolve_argnums(args)[0]
+        out = []
+        for i, arg in enumerate(args):
+            if i in static:
+                out.append(arg)
+            else:
+                out.append(jax.tree.map(lambda _: next(placed), arg))
+        return tuple(out)
+
+
+def _dtype(x):
+    return str(getattr(x, "dtype", None) or np.asarray(x).dtype)
+
+
+def _is_auto_static(arg) -> bool:
+    if isinstance(arg, bool | int | float | str):
+        return True
+    if _is_train_state(arg):
+        return False
+    leaves = jax.tree.leaves(arg)
+    return not any(_is_array_leaf(x) for x in leaves)
+
+
+def traced_args(args, batch: Sequence[int], divisor: int) -> list:
+    """Arguments for tracing: dynamic ones abstract, batch leaves with dim 0 divided."""
+    out = list(args)
+    for i in batch:
+        out[i] = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct((np.shape(x)[0] // divisor,) + np.shape(x)[1:],
+                                           _dtype(x)), args[i])
+    return out

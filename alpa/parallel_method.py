@@ -1,0 +1,152 @@
+"""Parallel methods: how ``alpa.parallelize`` splits a step over devices.
+
+A method turns a :class:`~alpa.tracing.TracedStep` into an
+:class:`~alpa.executable.Executable`. ``ShardParallel`` runs the whole step on one mesh
+(intra-operator parallelism); ``DataParallel``, ``Zero2Parallel`` and ``Zero3Parallel`` are
+``ShardParallel`` with fixed plans; ``PipeshardParallel`` (``alpa.pipeline_parallel``) cuts
+the step into pipeline stages, each sharded on its own submesh.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from typing import Any
+
+from alpa.device_mesh import LocalPhysicalDeviceMesh, LogicalDeviceMesh
+from alpa.executable import Executable
+from alpa.shard_parallel.auto_sharding import AutoShardingOption
+from alpa.shard_parallel.data_parallel import data_parallel_plan
+from alpa.shard_parallel.executable import compile_shard_executable
+from alpa.shard_parallel.manual_sharding import ManualShardingOption, manual_sharding_plan
+from alpa.tracing import TracedStep
+
+
+class ParallelMethod(abc.ABC):
+    """What every method offers ``parallelize``."""
+
+    #: Number of micro-batches the batch arguments are split into, or ``None``.
+    num_micro_batches: int | None = None
+
+    @abc.abstractmethod
+    def compile_executable(self, traced: TracedStep, args: Sequence[Any]) -> Executable:
+        """Compile ``traced``; ``args`` are the call's positional arguments (arrays or
+        ``jax.ShapeDtypeStruct``), traced at micro-batch size when micro-batching."""
+
+
+def _check_num_micro_batches(value) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"num_micro_batches must be a positive int or None, got {value!r}")
+    return None if value == 1 else value
+
+
+def resolve_logical_mesh(devices, mesh_shape: Sequence[int] | None = None) -> LogicalDeviceMesh:
+    """The logical mesh a method runs on: ``devices`` may be ``None`` (the devices of
+    ``alpa.init``), a ``LocalPhysicalDeviceMesh``, a ``LogicalDeviceMesh`` or a list of
+    jax devices."""
+    if isinstance(devices, LogicalDeviceMesh):
+        if devices.devices is None:
+            raise ValueError("devices is an abstract LogicalDeviceMesh (no devices); "
+                             "an executable needs real devices")
+        if mesh_shape is not None and tuple(mesh_shape) != devices.shape:
+            return LocalPhysicalDeviceMesh(devices.devices).get_logical_mesh(mesh_shape)
+        return devices
+    if devices is None:
+        from alpa.api import get_global_physical_mesh
+
+        physical = get_global_physical_mesh()
+    elif isinstance(devices, LocalPhysicalDeviceMesh):
+        physical = devices
+    elif isinstance(devices, list | tuple):
+        physical = LocalPhysicalDeviceMesh(devices)
+    else:
+        raise TypeError(
+            "devices must be None, a LocalPhysicalDeviceMesh, a LogicalDeviceMesh or a "
+            f"list of jax devices, got {type(devices).__name__}")
+    return physical.get_logical_mesh(mesh_shape)
+
+
+class ShardParallel(ParallelMethod):
+    """Intra-operator parallelism: the whole step on one mesh.
+
+    With ``manual_sharding_option`` the user's PartitionSpecs decide. Otherwise the
+    auto-sharding pass decides (``alpa.shard_parallel.auto_sharding``); until that pass
+    lands, the plan is data parallel over all devices.
+
+    Args:
+      devices: see :func:`resolve_logical_mesh`.
+      num_micro_batches: split each batch argument into this many micro-batches and
+        accumulate gradients (the step must use ``alpa.grad``).
+      auto_sharding_option: options of the auto-sharding pass.
+      manual_sharding_option: user-given shardings.
+    """
+
+    def __init__(self, devices=None, num_micro_batches: int | None = None,
+                 auto_sharding_option: AutoShardingOption | None = None,
+                 manual_sharding_option: ManualShardingOption | None = None):
+        if auto_sharding_option is not None and not isinstance(auto_sharding_option,
+                                                               AutoShardingOption):
+            raise TypeError("auto_sharding_option must be an AutoShardingOption, got "
+                            f"{type(auto_sharding_option).__name__}")
+        if manual_sharding_option is not None and not isinstance(manual_sharding_option,
+                                                                 ManualShardingOption):
+            raise TypeError("manual_sharding_option must be a ManualShardingOption, got "
+                            f"{type(manual_sharding_option).__name__}")
+        self.devices = devices
+        self.num_micro_batches = _check_num_micro_batches(num_micro_batches)
+        self.auto_sharding_option = auto_sharding_option or AutoShardingOption()
+        self.manual_sharding_option = manual_sharding_option
+
+    def _plan(self, traced: TracedStep, args: Sequence[Any]):
+        mesh_shape = getattr(self.auto_sharding_option, "logical_mesh_shape", None)
+        logical_mesh = resolve_logical_mesh(self.devices, mesh_shape)
+        if self.manual_sharding_option is not None:
+            return manual_sharding_plan(traced, logical_mesh, self.manual_sharding_option, args)
+        return data_parallel_plan(traced, logical_mesh, method="ShardParallel")
+
+    def compile_executable(self, traced: TracedStep, args: Sequence[Any]) -> Executable:
+        return compile_shard_executable(traced, self._plan(traced, args), self.num_micro_batches)
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(num_micro_batches={self.num_micro_batches}, "
+                f"manual={self.manual_sharding_option is not None})")
+
+
+class _FixedPlanParallel(ParallelMethod):
+    """Data parallelism with a ZeRO stage: a ShardParallel whose plan is fixed."""
+
+    zero_stage = 0
+
+    def __init__(self, devices=None, num_micro_batches: int | None = None):
+        self.devices = devices
+        self.num_micro_batches = _check_num_micro_batches(num_micro_batches)
+
+    def compile_executable(self, traced: TracedStep, args: Sequence[Any]) -> Executable:
+        logical_mesh = resolve_logical_mesh(self.devices)
+        plan = data_parallel_plan(traced, logical_mesh, self.zero_stage, type(self).__name__)
+        return compile_shard_executable(traced, plan, self.num_micro_batches)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(num_micro_batches={self.num_micro_batches})"
+
+
+class DataParallel(_FixedPlanParallel):
+    """Split the batch over all devices; replicate parameters and optimizer state;
+    all-reduce gradients."""
+
+    zero_stage = 0
+
+
+class Zero2Parallel(_FixedPlanParallel):
+    """Data parallel with the optimizer state sharded over devices (ZeRO stage 2)."""
+
+    zero_stage = 2
+
+
+class Zero3Parallel(_FixedPlanParallel):
+    """Data parallel with parameters and optimizer state sharded (ZeRO stage 3);
+    parameters are gathered before use."""
+
+    zero_stage = 3

@@ -1,0 +1,114 @@
+"""Fixed plans: data parallelism and ZeRO stages 2 and 3 (DESIGN §4.6).
+
+All three split the batch (dim 0 of every batch leaf) over all devices, on mesh axis
+``x`` of an ``(n, 1)`` logical mesh, and differ in what else is split:
+
+=========  ===========  ===============  =====================================
+method     parameters   optimizer state  gradients
+=========  ===========  ===============  =====================================
+DP         replicated   replicated       all-reduced, replicated
+ZeRO-2     replicated   sharded (1/n)    reduced then sharded like the state
+ZeRO-3     sharded      sharded (1/n)    reduced then sharded; parameters are
+                                         gathered before use
+=========  ===========  ===============  =====================================
+
+A leaf is optimizer state when its path holds ``opt_state`` (flax ``TrainState``, or any
+pytree that follows that name). A leaf is sharded along its first dimension that ``n``
+divides; leaves with none (scalars such as Adam's step count) stay replicated.
+"""
+
+from __future__ import annotations
+
+from jax.sharding import PartitionSpec
+
+from alpa.device_mesh import LogicalDeviceMesh
+from alpa.shard_parallel.sharding_plan import REPLICATED, ShardingPlan
+from alpa.tracing import TracedStep
+
+DATA_AXIS = "x"
+
+
+def zero_spec(shape: tuple[int, ...], num_devices: int) -> PartitionSpec:
+    """Shard the first dimension that ``num_devices`` divides; else replicate."""
+    for dim, size in enumerate(shape):
+        if size % num_devices == 0 and size >= num_devices:
+            return PartitionSpec(*([None] * dim + [DATA_AXIS]))
+    return REPLICATED
+
+
+def _is_opt_state(name: str) -> bool:
+    return "opt_state" in name
+
+
+def data_parallel_plan(
+    traced: TracedStep,
+    logical_mesh: LogicalDeviceMesh,
+    zero_stage: int = 0,
+    method: str = "data parallel",
+) -> ShardingPlan:
+    if zero_stage not in (0, 2, 3):
+        raise ValueError(f"zero_stage must be 0, 2 or 3, got {zero_stage!r}")
+    mesh = LogicalDeviceMesh(
+        (logical_mesh.num_devices, 1),
+        logical_mesh.mesh_alpha,
+        logical_mesh.mesh_beta,
+        logical_mesh.devices,
+    )
+    n = mesh.num_devices
+
+    def state_spec(name: str, shape) -> PartitionSpec:
+        sharded = (zero_stage == 3) or (zero_stage == 2 and _is_opt_state(name))
+        return zero_spec(shape, n) if sharded else REPLICATED
+
+    in_specs = []
+    for aval, is_batch, name in zip(
+        traced.in_avals, traced.batch_invars, traced.leaf_names, strict=True
+    ):
+        if not is_batch:
+            in_specs.append(state_spec(name, aval.shape))
+            continue
+        if aval.ndim == 0 or aval.shape[0] % n:
+            size = "a scalar" if aval.ndim == 0 else f"batch size {aval.shape[0]}"
+            raise ValueError(
+                f"{method}: {name} has {size}, which does not split over the {n} devices "
+                f"(dim 0 of every batch argument must be divisible by {n}; with "
+                "num_micro_batches, the micro-batch size must be)"
+            )
+        in_specs.append(PartitionSpec(DATA_AXIS))
+
+    out_names = output_leaf_names(traced)
+    out_specs = tuple(
+        state_spec(name, v.aval.shape)
+        for name, v in zip(out_names, traced.jaxpr.outvars, strict=True)
+    )
+    var_specs = {}
+    if zero_stage == 3:  # gather parameters before use
+        var_specs = {
+            v: REPLICATED
+            for v, spec, b in zip(traced.jaxpr.invars, in_specs, traced.batch_invars, strict=True)
+            if not b and spec != REPLICATED
+        }
+    grad_specs = None
+    marker = traced.grad_marker()
+    if zero_stage and marker is not None:
+        grad_specs = tuple(zero_spec(v.aval.shape, n) for v in marker.outvars)
+    return ShardingPlan(
+        logical_mesh=mesh,
+        in_specs=tuple(in_specs),
+        out_specs=out_specs,
+        var_specs=var_specs,
+        data_axes=(DATA_AXIS,),
+        grad_specs=grad_specs,
+        method=method,
+    )
+
+
+def output_leaf_names(traced: TracedStep) -> list[str]:
+    import jax
+
+    n = len(traced.jaxpr.outvars)
+    dummy = jax.tree.unflatten(traced.out_tree, list(range(n)))
+    return [
+        "output" + jax.tree_util.keystr(path)
+        for path, _ in jax.tree_util.tree_flatten_with_path(dummy)[0]
+    ]

@@ -1,0 +1,155 @@
+"""Manual sharding: the user names a PartitionSpec for inputs and outputs.
+
+``ManualShardingOption(mesh_axis_names, in_axis_resources, out_axis_resources)`` turns
+into a :class:`ShardingPlan` whose mesh axes carry the user's names. A spec tree may be a
+prefix of the argument tree (one spec for a whole ``TrainState``). ``None`` replicates an
+input and leaves an output to XLA's sharding propagation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+from jax.sharding import PartitionSpec
+
+from alpa.device_mesh import LogicalDeviceMesh
+from alpa.shard_parallel.sharding_plan import ShardingPlan
+from alpa.tracing import TracedStep
+
+
+@dataclass(frozen=True)
+class ManualShardingOption:
+    """User-given shardings.
+
+    Attributes:
+      mesh_axis_names: one name per logical mesh axis (1 or 2 names).
+      submesh_axis_names: per pipeline stage, the axis names of its submesh (pipeshard).
+      in_axis_resources: a tuple with one entry per positional argument: a PartitionSpec,
+        ``None`` (replicated), or a pytree prefix of that argument with such leaves.
+      out_axis_resources: the same for the output pytree, or ``None``.
+    """
+
+    mesh_axis_names: tuple[str, ...]
+    submesh_axis_names: tuple[tuple[str, ...], ...] | None = None
+    in_axis_resources: Any = None
+    out_axis_resources: Any = None
+
+    def __post_init__(self):
+        names = self.mesh_axis_names
+        if (
+            not isinstance(names, tuple | list)
+            or not 1 <= len(names) <= 2
+            or not all(isinstance(n, str) for n in names)
+        ):
+            raise ValueError(f"mesh_axis_names must be a tuple of 1 or 2 axis names, got {names!r}")
+        object.__setattr__(self, "mesh_axis_names", tuple(names))
+
+
+def _is_spec_leaf(x) -> bool:
+    return x is None or isinstance(x, PartitionSpec)
+
+
+def broadcast_prefix_specs(prefix, tree, what: str) -> list[PartitionSpec | None]:
+    """One spec per leaf of ``tree`` from a spec tree that is a prefix of it."""
+    try:
+        nested = jax.tree.map(
+            lambda spec, sub: [spec] * len(jax.tree.leaves(sub)),
+            prefix,
+            tree,
+            is_leaf=_is_spec_leaf,
+        )
+    except ValueError as e:
+        raise ValueError(f"{what} does not match the structure of its value: {e}") from None
+    return [
+        s for group in jax.tree.leaves(nested, is_leaf=lambda x: isinstance(x, list)) for s in group
+    ]
+
+
+def _check_spec(spec, names: Sequence[str], ndim: int, where: str):
+    if spec is None:
+        return
+    used = [
+        n
+        for entry in spec
+        if entry is not None
+        for n in (entry if isinstance(entry, tuple) else (entry,))
+    ]
+    unknown = [n for n in used if n not in names]
+    if unknown:
+        raise ValueError(
+            f"{where}: PartitionSpec {spec} names mesh axes {unknown} that are "
+            f"not in mesh_axis_names {tuple(names)}"
+        )
+    if len(spec) > ndim:
+        raise ValueError(
+            f"{where}: PartitionSpec {spec} has {len(spec)} entries but the "
+            f"value has {ndim} dimensions"
+        )
+
+
+def manual_sharding_plan(
+    traced: TracedStep,
+    logical_mesh: LogicalDeviceMesh,
+    option: ManualShardingOption,
+    args: Sequence[Any],
+) -> ShardingPlan:
+    names = option.mesh_axis_names
+    if len(names) == 1:
+        mesh = LogicalDeviceMesh(
+            (1, logical_mesh.num_devices),
+            logical_mesh.mesh_alpha,
+            logical_mesh.mesh_beta,
+            logical_mesh.devices,
+            axis_names=(f"_{names[0]}_outer", names[0]),
+        )
+    else:
+        mesh = LogicalDeviceMesh(
+            logical_mesh.shape,
+            logical_mesh.mesh_alpha,
+            logical_mesh.mesh_beta,
+            logical_mesh.devices,
+            axis_names=names,
+        )
+
+    in_res = option.in_axis_resources
+    if in_res is None:
+        in_res = (None,) * len(args)
+    if not isinstance(in_res, tuple | list) or len(in_res) != len(args):
+        raise ValueError(
+            f"in_axis_resources must have one entry per positional argument ({len(args)}), "
+            f"got {in_res!r}"
+        )
+    in_specs: list = []
+    for pos in traced.dynamic_argnums:
+        in_specs += broadcast_prefix_specs(in_res[pos], args[pos], f"in_axis_resources[{pos}]")
+    for spec, aval, leaf in zip(in_specs, traced.in_avals, traced.leaf_names, strict=True):
+        _check_spec(spec, mesh.axis_names, aval.ndim, f"in_axis_resources for {leaf}")
+
+    out_avals = [v.aval for v in traced.jaxpr.outvars]
+    if option.out_axis_resources is None:
+        out_specs = [None] * len(out_avals)
+    else:
+        dummy = jax.tree.unflatten(traced.out_tree, [0] * len(out_avals))
+        out_specs = broadcast_prefix_specs(option.out_axis_resources, dummy, "out_axis_resources")
+    for i, (spec, aval) in enumerate(zip(out_specs, out_avals, strict=True)):
+        _check_spec(spec, mesh.axis_names, aval.ndim, f"out_axis_resources for output {i}")
+
+    # The batch is split over the axes that shard dim 0 of every batch leaf.
+    data_axes = None
+    for spec, is_batch in zip(in_specs, traced.batch_invars, strict=True):
+        if not is_batch:
+            continue
+        first = spec[0] if spec is not None and len(spec) else None
+        axes = set() if first is None else set(first if isinstance(first, tuple) else (first,))
+        data_axes = axes if data_axes is None else data_axes & axes
+    ordered = tuple(a for a in mesh.axis_names if a in (data_axes or set()))
+    return ShardingPlan(
+        logical_mesh=mesh,
+        in_specs=tuple(PartitionSpec() if s is None else s for s in in_specs),
+        out_specs=tuple(out_specs),
+        data_axes=ordered,
+        method="manual",
+    )

@@ -1,0 +1,184 @@
+"""Tracing: a user's step function and its arguments become a flat ``ClosedJaxpr``.
+
+``trace_step`` is the first pass of the compiler. It flattens the dynamic arguments into
+leaves, traces the function on abstract values, and inlines call-like primitives (``jit``,
+``closed_call``, ``custom_jvp_call``, ``custom_vjp_call``) so that every later pass sees one
+flat list of equations. The result, a :class:`TracedStep`, also records which leaves are
+batch leaves and which are donated, and a readable name for every leaf, for error messages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+from jax.extend.core import ClosedJaxpr, DropVar, Jaxpr, JaxprEqn, Literal, Var
+
+from alpa.pipeline_parallel.primitive_def import pipeline_p
+
+
+@dataclass(frozen=True)
+class TracedStep:
+    """A traced step: the flat jaxpr and what each of its inputs is.
+
+    Attributes:
+      closed_jaxpr: the program; ``invars`` are the dynamic leaves in order.
+      in_tree: treedef of the tuple of dynamic arguments.
+      out_tree: treedef of the function's output.
+      in_avals: abstract value of each dynamic leaf.
+      batch_invars: per leaf, whether it belongs to a batch argument (``batch_argnums``).
+      donated_invars: per leaf, whether its buffer may be reused for an output.
+      leaf_names: per leaf, e.g. ``"argument 1['x']"``, for messages.
+      dynamic_argnums: positions of the dynamic arguments in the original call.
+      name: the function's name.
+      retrace: ``retrace(d)`` traces the same step again with every batch leaf's dim 0
+        divided by ``d`` (set by ``parallelize``; used for per-device micro-batches).
+    """
+
+    closed_jaxpr: ClosedJaxpr
+    in_tree: Any
+    out_tree: Any
+    in_avals: tuple[Any, ...]
+    batch_invars: tuple[bool, ...]
+    donated_invars: tuple[bool, ...]
+    leaf_names: tuple[str, ...]
+    dynamic_argnums: tuple[int, ...]
+    name: str
+    retrace: Callable[[int], TracedStep] | None = field(default=None, compare=False,
+                                                       repr=False)
+
+    @property
+    def jaxpr(self) -> Jaxpr:
+        return self.closed_jaxpr.jaxpr
+
+    def grad_marker(self) -> JaxprEqn | None:
+        """The equation of the ``alpa.grad`` marker, if the step has one."""
+        markers = [e for e in self.jaxpr.eqns
+                   if e.primitive is pipeline_p and e.params["mark_type"] == "grad"]
+        if len(markers) > 1:
+            raise ValueError(
+                f"{self.name} calls alpa.grad / alpa.value_and_grad {len(markers)} times; "
+                "a training step may compute its gradients only once"
+            )
+        return markers[0] if markers else None
+
+
+def trace_step(
+    fun: Callable,
+    args: Sequence[Any],
+    static_argnums: Sequence[int],
+    batch_argnums: Sequence[int],
+    donate_argnums: Sequence[int],
+    leaf_names: Sequence[str],
+) -> TracedStep:
+    """Trace ``fun(*args)`` with the dynamic arguments abstract and inline its calls.
+
+    ``args`` may hold arrays or ``jax.ShapeDtypeStruct`` leaves: only shapes and dtypes
+    are read.
+    """
+    static = set(static_argnums)
+    dynamic_argnums = tuple(i for i in range(len(args)) if i not in static)
+    dynamic_args = tuple(args[i] for i in dynamic_argnums)
+    leaves, in_tree = jax.tree.flatten(dynamic_args)
+    in_avals = tuple(jax.ShapeDtypeStruct(jax.numpy.shape(x), _dtype_of(x)) for x in leaves)
+
+    out_tree_box = []
+
+    def flat_fun(*flat_leaves):
+        dyn = jax.tree.unflatten(in_tree, flat_leaves)
+        full = list(args)
+        for pos, value in zip(dynamic_argnums, dyn, strict=True):
+            full[pos] = value
+        out = fun(*full)
+        out_leaves, out_tree = jax.tree.flatten(out)
+        out_tree_box.append(out_tree)
+        return out_leaves
+
+    closed = jax.make_jaxpr(flat_fun)(*in_avals)
+    closed = inline_calls(closed)
+
+    batch_invars, donated_invars = [], []
+    for pos, arg in zip(dynamic_argnums, dynamic_args, strict=True):
+        n = len(jax.tree.leaves(arg))
+        batch_invars += [pos in batch_argnums] * n
+        donated_invars += [pos in donate_argnums] * n
+    return TracedStep(
+        closed_jaxpr=closed,
+        in_tree=in_tree,
+        out_tree=out_tree_box[-1],
+        in_avals=in_avals,
+        batch_invars=tuple(batch_invars),
+        donated_invars=tuple(donated_invars),
+        leaf_names=tuple(leaf_names),
+        dynamic_argnums=dynamic_argnums,
+        name=getattr(fun, "__name__", repr(fun)),
+    )
+
+
+def _dtype_of(x):
+    dtype = getattr(x, "dtype", None)
+    if dtype is not None:
+        return dtype
+    return jax.numpy.asarray(x).dtype
+
+
+# ----------------------------------------------------------------------------- inlining
+
+# Call-like primitives whose body is inlined, and the parameter that holds the body.
+_INLINE_PARAMS = {
+    "jit": "jaxpr",
+    "pjit": "jaxpr",
+    "closed_call": "call_jaxpr",
+    "core_call": "call_jaxpr",
+    "custom_jvp_call": "call_jaxpr",
+    "custom_vjp_call": "call_jaxpr",
+    "custom_vjp_call_jaxpr": "fun_jaxpr",
+}
+
+
+def inline_calls(closed: ClosedJaxpr) -> ClosedJaxpr:
+    """Inline every call-like equation, recursively, keeping the program's meaning.
+
+    ``remat2`` (checkpoint), ``scan``, ``while`` and ``cond`` stay as they are: their bodies
+    have semantics (rematerialization, loops, branches) that inlining would lose. Equations
+    copied out of a body get fresh output variables, since one body may be inlined twice.
+    """
+    constvars: list[Var] = list(closed.jaxpr.constvars)
+    consts: list[Any] = list(closed.consts)
+    eqns: list[JaxprEqn] = []
+
+    def emit(jaxpr: Jaxpr, env: dict, top: bool) -> None:
+        def read(v):
+            return v if isinstance(v, Literal) else env.get(v, v)
+
+        for eqn in jaxpr.eqns:
+            body_param = _INLINE_PARAMS.get(eqn.primitive.name)
+            body = eqn.params.get(body_param) if body_param else None
+            if body is not None:
+                inner = body.jaxpr if isinstance(body, ClosedJaxpr) else body
+                inner_consts = body.consts if isinstance(body, ClosedJaxpr) else ()
+                inner_env: dict = {}
+                for cv, c in zip(inner.constvars, inner_consts, strict=True):
+                    inner_env[cv] = Var(cv.aval)
+                    constvars.append(inner_env[cv])
+                    consts.append(c)
+                for iv, arg in zip(inner.invars, eqn.invars, strict=True):
+                    inner_env[iv] = read(arg)
+                emit(inner, inner_env, top=False)
+                for ov, inner_out in zip(eqn.outvars, inner.outvars, strict=True):
+                    env[ov] = (inner_out if isinstance(inner_out, Literal)
+                               else inner_env.get(inner_out, inner_out))
+                continue
+            outvars = list(eqn.outvars)
+            if not top:
+                outvars = [v if isinstance(v, DropVar) else Var(v.aval) for v in outvars]
+                env.update(zip(eqn.outvars, outvars, strict=True))
+            eqns.append(eqn.replace(invars=[read(v) for v in eqn.invars], outvars=outvars))
+
+    env: dict = {}
+    emit(closed.jaxpr, env, top=True)
+    outvars = [v if isinstance(v, Literal) else env.get(v, v) for v in closed.jaxpr.outvars]
+    jaxpr = Jaxpr(constvars, closed.jaxpr.invars, outvars, eqns, closed.jaxpr.effects)
+    return ClosedJaxpr(jaxpr, consts)

@@ -1,0 +1,121 @@
+"""Small public helpers that Alpa's users call (DESIGN §9)."""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable, Iterable
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+
+from alpa.global_env import global_config
+
+# ----------------------------------------------------------------------------- HLO
+
+_COLLECTIVE_RE = re.compile(
+    r"=\s*(?P<shape>.*?)\s(?P<op>all-reduce|all-gather|reduce-scatter|all-to-all)"
+    r"(?:-start)?\("
+)
+_SCALAR_SHAPE_RE = re.compile(r"^\(?\s*\w+\[\](\{[^}]*\})?\s*\)?$")
+
+
+class CollectiveCounts(NamedTuple):
+    total: int
+    all_reduce: int
+    all_gather: int
+    reduce_scatter: int
+    all_to_all: int
+
+
+def count_communication_primitives(hlo_text: str,
+                                   ignore_scalar_all_reduce: bool = False) -> CollectiveCounts:
+    """Count collective operations in HLO text.
+
+    Returns ``(total, all_reduce, all_gather, reduce_scatter, all_to_all)``. An operation
+    that XLA merged over a tuple of tensors counts once; an async ``-start``/``-done`` pair
+    counts once (only the start is counted). With ``ignore_scalar_all_reduce``, all-reduces
+    of one scalar (a loss, a global norm) are not counted.
+    """
+    counts = {"all-reduce": 0, "all-gather": 0, "reduce-scatter": 0, "all-to-all": 0}
+    for line in hlo_text.splitlines():
+        match = _COLLECTIVE_RE.search(line)
+        if match is None or line.lstrip().startswith("ROOT %tuple"):
+            continue
+        op = match.group("op")
+        if (ignore_scalar_all_reduce and op == "all-reduce"
+                and _SCALAR_SHAPE_RE.match(match.group("shape").strip())):
+            continue
+        counts[op] += 1
+    return CollectiveCounts(sum(counts.values()), counts["all-reduce"], counts["all-gather"],
+                            counts["reduce-scatter"], counts["all-to-all"])
+
+
+# ----------------------------------------------------------------------------- progress
+
+
+def disable_tqdm_globally() -> None:
+    """Turn off alpa's progress bars (``global_config.use_tqdm``)."""
+    global_config.use_tqdm = False
+
+
+def progress(iterable: Iterable, **kwargs) -> Iterable:
+    """``tqdm(iterable)`` when progress bars are on, else the iterable itself."""
+    if not global_config.use_tqdm:
+        return iterable
+    from tqdm.auto import tqdm
+
+    return tqdm(iterable, **kwargs)
+
+
+# ----------------------------------------------------------------------------- benchmarks
+
+
+def benchmark_func(run_func: Callable[[], Any], sync_func: Callable[[], Any] | None = None,
+                   warmup: int = 1, repeat: int = 3, number: int = 5,
+                   min_repeat_second: float | None = None) -> np.ndarray:
+    """Seconds per call of ``run_func``: ``repeat`` measurements, each the mean of
+    ``number`` calls, after ``warmup`` calls. ``sync_func`` waits for the device. With
+    ``min_repeat_second``, ``number`` grows so each measurement lasts at least that long."""
+    sync = sync_func or (lambda: None)
+    for _ in range(warmup):
+        run_func()
+    sync()
+    if min_repeat_second:
+        tic = time.perf_counter()
+        run_func()
+        sync()
+        one = max(time.perf_counter() - tic, 1e-9)
+        number = max(number, int(np.ceil(min_repeat_second / one)))
+    costs = []
+    for _ in range(repeat):
+        tic = time.perf_counter()
+        for _ in range(number):
+            run_func()
+        sync()
+        costs.append((time.perf_counter() - tic) / number)
+    return np.array(costs)
+
+
+def compute_gpt_tflops(batch_size: int, seq_len: int, num_layers: int, hidden_size: int,
+                       vocab_size: int, num_gpus: int, latency: float,
+                       backward: bool = True, checkpoint_activations: bool = False) -> float:
+    """Achieved TFLOP/s per device of a GPT step.
+
+    FLOPs of one forward pass over ``B`` sequences of ``s`` tokens (dense matmuls, 2 FLOPs
+    per multiply-add): per layer, QKV and output projections ``8Bsh^2``, the MLP ``16Bsh^2``
+    and attention scores plus the weighted sum ``4Bs^2h``, i.e. ``24Bsh^2 (1 + s/(6h))``;
+    the LM head ``2BshV``. The backward pass costs twice the forward pass, activation
+    checkpointing one more forward pass.
+    """
+    forward = (24 * batch_size * seq_len * hidden_size**2 * num_layers
+               * (1 + seq_len / (6 * hidden_size))
+               + 2 * batch_size * seq_len * hidden_size * vocab_size)
+    passes = 1 + (2 if backward else 0) + (1 if checkpoint_activations else 0)
+    return forward * passes / latency / num_gpus / 1e12
+
+
+def compute_param_number(pytree: Any) -> int:
+    """Number of scalars in all array leaves of ``pytree``."""
+    return int(sum(np.prod(np.shape(x)) for x in jax.tree.leaves(pytree)))
