@@ -9,7 +9,26 @@ modules; this one holds the options and wires the passes together.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
+
+from jax.extend.core import Literal
+from jax.sharding import PartitionSpec
+
+from alpa.device_mesh import LogicalDeviceMesh
+from alpa.global_env import global_config
+from alpa.shard_parallel import ilp_solver
+from alpa.shard_parallel.sharding_plan import ShardingPlan
+from alpa.shard_parallel.sharding_spec import (
+    Spec,
+    format_spec,
+    mesh_axes,
+    nbytes,
+    num_shards,
+    replicated,
+    to_partition_spec,
+)
+from alpa.shard_parallel.strategy_graph import GraphOptions, StrategyGraph, build_strategy_graph
 
 
 @dataclass(frozen=True)
@@ -133,6 +152,264 @@ class AutoShardingOption:
             )
 
 
-def plan_auto_sharding(traced, logical_mesh, option: AutoShardingOption):
-    """The ShardingPlan of ``traced`` on ``logical_mesh`` chosen by the ILP."""
-    raise NotImplementedError("the auto-sharding ILP lands in the next commit")
+# ----------------------------------------------------------------------------- planning
+
+
+@dataclass(frozen=True)
+class AutoShardingSolution:
+    """Everything the pass decided, as data: the graph, the choice per node, the costs.
+
+    ``to_sharding_plan()`` is what the lowering needs; ``format_table()`` is the readable
+    table that ``ALPA_DEBUG_PRINT_AS_STRATEGY=1`` prints; ``rows()`` is the same as tuples.
+    """
+
+    graph: StrategyGraph
+    solution: ilp_solver.Solution
+    batch_invars: tuple[bool, ...]
+    grad_operands: tuple | None
+
+    @property
+    def objective(self) -> float:
+        return self.solution.objective
+
+    @property
+    def mesh(self) -> LogicalDeviceMesh:
+        return self.graph.mesh
+
+    def spec_of(self, var) -> Spec | None:
+        if isinstance(var, Literal):
+            return None
+        node_id, k = self.graph.sources[var]
+        return self.graph.nodes[node_id].strategies[self.solution.choice[node_id]].out_specs[k]
+
+    def to_sharding_plan(self) -> ShardingPlan:
+        graph, mesh = self.graph, self.mesh
+        jaxpr = graph.jaxpr
+        in_specs = tuple(to_partition_spec(self.spec_of(v), mesh) for v in jaxpr.invars)
+        out_specs = tuple(
+            PartitionSpec() if isinstance(v, Literal) else to_partition_spec(self.spec_of(v), mesh)
+            for v in jaxpr.outvars
+        )
+        var_specs = {}
+        for eqn in jaxpr.eqns:
+            for v in eqn.outvars:
+                if v in graph.sources:
+                    var_specs[v] = to_partition_spec(self.spec_of(v), mesh)
+        data_axes: tuple[str, ...] = ()
+        for v, is_batch in zip(jaxpr.invars, self.batch_invars, strict=True):
+            if is_batch and v.aval.shape:
+                data_axes = tuple(mesh.axis_names[a] for a in self.spec_of(v)[0])
+                break
+        grad_specs = None
+        if self.grad_operands is not None:
+            grad_specs = tuple(
+                None if isinstance(v, Literal) else to_partition_spec(self.spec_of(v), mesh)
+                for v in self.grad_operands
+            )
+        return ShardingPlan(
+            logical_mesh=mesh,
+            in_specs=in_specs,
+            out_specs=out_specs,
+            var_specs=var_specs,
+            data_axes=data_axes,
+            grad_specs=grad_specs,
+            objective=self.objective,
+            method="auto-sharding ILP",
+        )
+
+    def rows(self) -> list[tuple[str, tuple[int, ...], str, str, float]]:
+        """Per node: (label, shape of its first output, strategy, spec, cost).
+
+        The cost is the node's own communication plus the resharding of its operands.
+        """
+        incoming = [0.0] * len(self.graph.nodes)
+        choice = self.solution.choice
+        for edge in self.graph.edges:
+            incoming[edge.dst] += float(edge.cost[choice[edge.src], choice[edge.dst]])
+        rows = []
+        for node in self.graph.nodes:
+            strategy = node.strategies[choice[node.id]]
+            shape = tuple(node.outvars[0].aval.shape) if node.outvars else ()
+            spec = format_spec(strategy.out_specs[0], self.mesh) if strategy.out_specs else "-"
+            cost = strategy.comm_cost + strategy.compute_cost + incoming[node.id]
+            rows.append((node.label, shape, strategy.name, spec, cost))
+        return rows
+
+    def format_table(self) -> str:
+        rows = self.rows()
+        header = ("value", "shape", "strategy", "sharding", "cost")
+        cells = [header] + [(r[0], str(r[1]), r[2], r[3], f"{r[4]:.4g}") for r in rows]
+        widths = [max(len(c[i]) for c in cells) for i in range(5)]
+        lines = [
+            f"auto-sharding plan on logical mesh {self.mesh.shape}: objective "
+            f"{self.objective:.6g}, {self.solution.status}"
+        ]
+        for c in cells:
+            lines.append("  ".join(x.ljust(w) for x, w in zip(c, widths, strict=True)))
+        return "\n".join(lines)
+
+
+def plan_auto_sharding(
+    traced, logical_mesh: LogicalDeviceMesh, option: AutoShardingOption
+) -> ShardingPlan:
+    """The ShardingPlan of a traced step on ``logical_mesh`` chosen by the ILP.
+
+    ``force_data_parallel`` and ``force_zero_stage_3`` are the fixed plans of
+    ``DataParallel`` and ``Zero3Parallel`` (the same program); with
+    ``enable_auto_sharding=False`` every input is replicated and XLA decides the rest.
+    """
+    if option.force_data_parallel or option.force_zero_stage_3:
+        from alpa.shard_parallel.data_parallel import data_parallel_plan
+
+        stage = 3 if option.force_zero_stage_3 else 0
+        return data_parallel_plan(traced, logical_mesh, zero_stage=stage)
+    if not option.enable_auto_sharding:
+        jaxpr = traced.closed_jaxpr.jaxpr
+        return ShardingPlan(
+            logical_mesh=logical_mesh,
+            in_specs=(PartitionSpec(),) * len(jaxpr.invars),
+            out_specs=(None,) * len(jaxpr.outvars),
+            method="replicated (auto-sharding disabled)",
+        )
+    solution = solve_auto_sharding(traced, logical_mesh, option)
+    if global_config.print_auto_sharding_strategy:
+        print(solution.format_table())
+    return solution.to_sharding_plan()
+
+
+def solve_auto_sharding(
+    traced, logical_mesh: LogicalDeviceMesh, option: AutoShardingOption | None = None
+) -> AutoShardingSolution:
+    """Build the strategy graph of a traced step, solve the ILP, return the decision."""
+    marker = traced.grad_marker()
+    return solve_jaxpr(
+        traced.closed_jaxpr,
+        logical_mesh,
+        option,
+        batch_invars=traced.batch_invars,
+        grad_operands=tuple(marker.invars) if marker is not None else None,
+        state_pairs=donated_state_pairs(traced),
+    )
+
+
+def donated_state_pairs(traced) -> tuple[tuple[int, int], ...]:
+    """Each donated input paired with the first unpaired output of the same shape and dtype,
+    in order: how a train step returns its updated state."""
+    jaxpr = traced.closed_jaxpr.jaxpr
+    taken: set[int] = set()
+    pairs = []
+    for i, (var, donated) in enumerate(zip(jaxpr.invars, traced.donated_invars, strict=True)):
+        if not donated:
+            continue
+        for o, out in enumerate(jaxpr.outvars):
+            if (
+                o not in taken
+                and out.aval.shape == var.aval.shape
+                and (out.aval.dtype == var.aval.dtype)
+            ):
+                taken.add(o)
+                pairs.append((i, o))
+                break
+    return tuple(pairs)
+
+
+def solve_jaxpr(
+    closed_jaxpr,
+    logical_mesh: LogicalDeviceMesh,
+    option: AutoShardingOption | None = None,
+    batch_invars=None,
+    grad_operands=None,
+    state_pairs=(),
+) -> AutoShardingSolution:
+    """The auto-sharding decision for a flat ``ClosedJaxpr``.
+
+    ``batch_invars[i]`` says whether input ``i`` holds a batch (dimension 0 is the batch);
+    default: no input does. ``state_pairs`` lists ``(input, output)`` indices of state the
+    step returns updated (see :func:`build_strategy_graph`).
+    """
+    option = AutoShardingOption() if option is None else option
+    if not isinstance(option, AutoShardingOption):
+        raise TypeError(
+            f"option must be an AutoShardingOption, got {option!r} ({type(option).__name__})"
+        )
+    if not isinstance(logical_mesh, LogicalDeviceMesh):
+        raise TypeError(
+            f"logical_mesh must be a LogicalDeviceMesh, got {type(logical_mesh).__name__}"
+        )
+    invars = closed_jaxpr.jaxpr.invars
+    if batch_invars is None:
+        batch_invars = (False,) * len(invars)
+    batch_invars = tuple(bool(b) for b in batch_invars)
+    if len(batch_invars) != len(invars):
+        raise ValueError(
+            f"batch_invars has {len(batch_invars)} entries but the jaxpr has {len(invars)} inputs"
+        )
+    mesh = _effective_mesh(logical_mesh, option)
+    graph_options = GraphOptions(
+        allow_mixed_mesh_shape=option.allow_mixed_mesh_shape,
+        allow_recompute_heavy_op=option.allow_recompute_heavy_op,
+        prefer_reduce_scatter=option.prefer_reduce_scatter,
+        allow_all_gather=option.allow_all_gather,
+        allow_all_to_all=option.allow_all_to_all,
+    )
+    input_filter = _input_filter(option, mesh, batch_invars, invars)
+    graph = build_strategy_graph(closed_jaxpr, mesh, graph_options, input_filter, state_pairs)
+    time_limit = option.solver_time_limit or global_config.ilp_time_limit
+    solution = ilp_solver.solve(graph, option.memory_budget_per_device, time_limit)
+    return AutoShardingSolution(graph, solution, batch_invars, grad_operands)
+
+
+def _effective_mesh(mesh: LogicalDeviceMesh, option: AutoShardingOption) -> LogicalDeviceMesh:
+    if option.force_data_parallel:
+        return mesh.flatten()
+    shape = option.logical_mesh_shape
+    if shape is not None and shape != mesh.shape:
+        if math.prod(shape) != mesh.num_devices:
+            raise ValueError(
+                f"AutoShardingOption.logical_mesh_shape={shape} needs {math.prod(shape)} "
+                f"devices but the mesh has {mesh.num_devices}"
+            )
+        mesh = replace(mesh, shape=shape)
+    if option.mesh_alpha is not None:
+        mesh = replace(mesh, mesh_alpha=option.mesh_alpha)
+    if option.mesh_beta is not None:
+        mesh = replace(mesh, mesh_beta=option.mesh_beta)
+    return mesh
+
+
+def _input_filter(option, mesh, batch_invars, invars):
+    """Which specs each jaxpr input may take, given the forcing options."""
+    all_axes = mesh_axes(mesh)
+
+    def batch_axes() -> tuple[int, ...] | None:
+        if option.force_data_parallel or option.force_zero_stage_3:
+            return all_axes
+        if option.force_batch_dim_to_mesh_dim is not None:
+            axis = option.force_batch_dim_to_mesh_dim
+            return (axis,) if mesh.shape[axis] > 1 else ()
+        return None
+
+    forced_batch = batch_axes()
+
+    def allowed(index: int, shape, specs: list[Spec]) -> list[Spec]:
+        is_batch = batch_invars[index] if index < len(batch_invars) else False
+        if is_batch:
+            if forced_batch is None or not shape:
+                return specs
+            keep = [s for s in specs if s[0] == forced_batch]
+            if option.force_data_parallel or option.force_zero_stage_3:
+                keep = [s for s in keep if all(not a for a in s[1:])]
+            return keep
+        if option.force_data_parallel:
+            return [replicated(len(shape))]
+        aval = invars[index].aval
+        size = nbytes(shape, aval.dtype.itemsize)
+        if option.force_zero_stage_3 and size >= option.force_zero_stage_3_all_gather_threshold:
+            full = [s for s in specs if num_shards(s, mesh) == mesh.num_devices]
+            return full or specs
+        if not option.allow_replicated_parameters and shape:
+            sharded = [s for s in specs if num_shards(s, mesh) > 1]
+            return sharded or specs
+        return specs
+
+    return allowed

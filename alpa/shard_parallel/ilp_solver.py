@@ -1,0 +1,365 @@
+"""The integer linear program that picks one strategy per node (paper §4.2, DESIGN §4.4).
+
+With ``s_v`` the one-hot choice of node ``v``, ``c_v`` its communication (+ compute) cost
+per strategy, ``R_uv`` the resharding cost matrix of edge ``u -> v`` and ``e_uv`` the one-hot
+choice of the strategy pair::
+
+    minimize    sum_v s_v . c_v  +  sum_(u,v) e_uv . R_uv
+    subject to  sum_i s_v[i] = 1,   s_v[i] in {0, 1}
+                sum_j e_uv[i, j] = s_u[i],   sum_i e_uv[i, j] = s_v[j],   e_uv >= 0
+                sum_(v live at t) s_v . m_v <= budget       for each liveness point t
+
+(``e_uv`` is integral whenever ``s`` is, so it is continuous here.)
+
+The graph is shrunk before the solve, exactly (the optimum does not change):
+
+1. *followers*: a node whose strategies mirror an operand's shares its variable; edges
+   inside such a group become unary costs on the diagonal;
+2. a group with one strategy is a constant; an edge to it is a unary cost of the other end;
+   an edge matrix of the form ``a_i + b_j`` is two unary costs;
+3. without a memory budget, *variable elimination*: a group with one neighbour is folded
+   into it (``c_u[i] += min_j R[i, j] + c_v[j]``), and a group with two neighbours ``a``,
+   ``b`` becomes an edge ``R_ab[i, k] = min_j R_a[i, j] + c_v[j] + R_b[j, k]``.
+
+What remains goes to CBC through PuLP. ``prob.sol_status`` is checked, not only
+``LpStatus``: a solve stopped at its time limit with a feasible plan reports "Optimal" too.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+import pulp
+
+from alpa.shard_parallel.strategy_graph import StrategyGraph, live_points
+
+
+class InfeasibleMemoryBudgetError(ValueError):
+    """No plan fits the per-device memory budget."""
+
+
+@dataclass(frozen=True)
+class Solution:
+    """The chosen strategy index per node, the plan's cost, and how the solve went."""
+
+    choice: tuple[int, ...]
+    objective: float
+    status: str
+    num_groups: int
+    num_ilp_nodes: int
+    num_ilp_edges: int
+    num_ilp_variables: int
+    mean_strategies: float
+    solve_time: float
+    peak_memory: float | None = None
+
+
+def evaluate(graph: StrategyGraph, choice) -> float:
+    """The cost of one choice of strategies under the graph's cost model."""
+    total = 0.0
+    for node in graph.nodes:
+        s = node.strategies[choice[node.id]]
+        total += s.comm_cost + s.compute_cost
+    for edge in graph.edges:
+        total += float(edge.cost[choice[edge.src], choice[edge.dst]])
+    return total
+
+
+def peak_memory(graph: StrategyGraph, choice) -> float:
+    """Bytes per device at the fullest liveness point under ``choice``."""
+    best = 0.0
+    for live in live_points(graph):
+        best = max(best, sum(graph.nodes[n].out_bytes[k][choice[n]] for n, k in live))
+    return best
+
+
+def solve(
+    graph: StrategyGraph, memory_budget: float | None = None, time_limit: float = 60.0
+) -> Solution:
+    """The cheapest choice of strategies (module docstring)."""
+    start = time.perf_counter()
+    groups = _Groups(graph)
+    groups.eliminate_edges()
+    if memory_budget is None:
+        groups.eliminate_variables()
+    core = sorted(g for g in groups.alive if groups.k[g] > 1)
+    num_pairs = sum(1 for g in core for h in groups.adj[g] if g < h)
+    status = "optimal"
+    num_vars = 0
+    if core and (num_pairs or memory_budget is not None):
+        picks, status, num_vars = _solve_ilp(graph, groups, core, memory_budget, time_limit)
+    else:
+        picks = {g: int(np.argmin(groups.unary[g] + groups.tie[g])) for g in core}
+    group_choice = groups.back_substitute(picks)
+    choice = tuple(group_choice[groups.find(n.id)] for n in graph.nodes)
+    ks = [groups.k[g] for g in groups.roots]
+    return Solution(
+        choice=choice,
+        objective=evaluate(graph, choice),
+        status=status,
+        num_groups=len(groups.roots),
+        num_ilp_nodes=len(core),
+        num_ilp_edges=num_pairs,
+        num_ilp_variables=num_vars,
+        mean_strategies=float(np.mean(ks)) if ks else 0.0,
+        solve_time=time.perf_counter() - start,
+        peak_memory=None if memory_budget is None else peak_memory(graph, choice),
+    )
+
+
+# ----------------------------------------------------------------------------- shrinking
+
+
+class _Groups:
+    """Decision groups (followers merged), their unary costs and pairwise matrices."""
+
+    def __init__(self, graph: StrategyGraph):
+        self.graph = graph
+        n = len(graph.nodes)
+        self.parent = list(range(n))
+        for node in graph.nodes:
+            if node.follow is not None:
+                root = self.find(node.follow)
+                if len(graph.nodes[root].strategies) == node.num_strategies:
+                    self.parent[node.id] = root
+        self.roots = sorted({self.find(i) for i in range(n)})
+        self.k = {g: graph.nodes[g].num_strategies for g in self.roots}
+        self.unary = {g: np.zeros(self.k[g]) for g in self.roots}
+        self.tie = {g: np.zeros(self.k[g]) for g in self.roots}
+        total_bytes = (
+            sum(
+                max(max(b) for b in node.out_bytes) if node.out_bytes else 0.0
+                for node in graph.nodes
+            )
+            or 1.0
+        )
+        positive = [e.cost[e.cost > 0].min() for e in graph.edges if (e.cost > 0).any()]
+        positive += [
+            s.comm_cost for node in graph.nodes for s in node.strategies if s.comm_cost > 0
+        ]
+        # Ties between equal-cost plans go to the one with less memory; the weight keeps the
+        # whole tie-breaking term below 1e-4 of the cheapest priced event.
+        weight = 1e-4 * (min(positive) if positive else 1.0) / total_bytes
+        for node in graph.nodes:
+            g = self.find(node.id)
+            self.unary[g] += [s.comm_cost + s.compute_cost for s in node.strategies]
+            self.tie[g] += weight * np.sum(node.out_bytes, axis=0) if node.out_bytes else 0.0
+        self.adj: dict[int, dict[int, np.ndarray]] = {g: {} for g in self.roots}
+        self.alive = set(self.roots)
+        self.constant = 0.0
+        self.eliminated: list[tuple] = []
+
+    def find(self, i: int) -> int:
+        while self.parent[i] != i:
+            self.parent[i] = self.parent[self.parent[i]]
+            i = self.parent[i]
+        return i
+
+    def add_pair(self, g: int, h: int, matrix: np.ndarray) -> None:
+        if h in self.adj[g]:
+            self.adj[g][h] = self.adj[g][h] + matrix
+        else:
+            self.adj[g][h] = matrix
+        self.adj[h][g] = self.adj[g][h].T
+
+    def remove_pair(self, g: int, h: int) -> None:
+        del self.adj[g][h]
+        del self.adj[h][g]
+
+    def eliminate_edges(self) -> None:
+        for edge in self.graph.edges:
+            g, h = self.find(edge.src), self.find(edge.dst)
+            if g == h:
+                self.unary[g] += np.diagonal(edge.cost)
+            elif self.k[g] == 1:
+                self.unary[h] += edge.cost[0]
+            elif self.k[h] == 1:
+                self.unary[g] += edge.cost[:, 0]
+            else:
+                self.add_pair(g, h, edge.cost)
+        for g in self.roots:
+            for h in sorted(self.adj[g]):
+                if g < h:
+                    self._split_if_separable(g, h)
+
+    def _split_if_separable(self, g: int, h: int) -> None:
+        m = self.adj[g][h]
+        a, b = m[:, 0], m[0, :] - m[0, 0]
+        if np.allclose(m, a[:, None] + b[None, :], rtol=1e-12, atol=1e-9):
+            self.unary[g] += a
+            self.unary[h] += b
+            self.remove_pair(g, h)
+
+    def eliminate_variables(self) -> None:
+        """Fold groups of degree <= 2 into their neighbours (module docstring, step 3)."""
+        queue = sorted(g for g in self.alive if self.k[g] > 1 and len(self.adj[g]) <= 2)
+        while queue:
+            next_queue = set()
+            for v in queue:
+                if v not in self.alive or not 0 < len(self.adj[v]) <= 2 or self.k[v] == 1:
+                    continue
+                neighbours = sorted(self.adj[v])
+                cost_v = self.unary[v] + self.tie[v]
+                if len(neighbours) == 1:
+                    (a,) = neighbours
+                    m = self.adj[v][a].T  # [a, v]
+                    total = m + cost_v[None, :]
+                    self.unary[a] += total.min(axis=1)
+                    self.eliminated.append(("leaf", v, a, total))
+                    self.remove_pair(v, a)
+                    next_queue.add(a)
+                elif len(neighbours) == 2:
+                    a, b = neighbours
+                    ma, mb = self.adj[a][v], self.adj[v][b]  # [a, v], [v, b]
+                    total = ma[:, :, None] + cost_v[None, :, None] + mb[None, :, :]
+                    self.eliminated.append(("series", v, (a, b), total))
+                    self.remove_pair(v, a)
+                    self.remove_pair(v, b)
+                    self.add_pair(a, b, total.min(axis=1))
+                    self._split_if_separable(a, b)
+                    next_queue.update((a, b))
+                self.alive.discard(v)
+            queue = sorted(
+                g for g in next_queue if g in self.alive and self.k[g] > 1 and len(self.adj[g]) <= 2
+            )
+
+    def back_substitute(self, picks: dict[int, int]) -> dict[int, int]:
+        choice = dict(picks)
+        for g in self.roots:
+            if g in self.alive and g not in choice:
+                choice[g] = int(np.argmin(self.unary[g] + self.tie[g]))
+        for kind, v, nb, total in reversed(self.eliminated):
+            if kind == "leaf":
+                choice[v] = int(np.argmin(total[choice[nb]]))
+            else:
+                a, b = nb
+                choice[v] = int(np.argmin(total[choice[a], :, choice[b]]))
+        return choice
+
+
+# ----------------------------------------------------------------------------- ILP
+
+
+def _cbc(time_limit: float):
+    """CBC: a system ``cbc`` when there is one, else the binary bundled with PuLP."""
+    coin = pulp.COIN_CMD(msg=False, timeLimit=time_limit)
+    if coin.available():
+        return coin
+    with warnings.catch_warnings():
+        # PuLP 3.3 deprecates its bundled CBC in favour of a separately installed one.
+        warnings.filterwarnings("ignore", "PULP_CBC_CMD is deprecated", DeprecationWarning)
+        return pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit)
+
+
+def _solve_ilp(graph, groups: _Groups, core, memory_budget, time_limit):
+    prob = pulp.LpProblem("auto_sharding", pulp.LpMinimize)
+    s = {
+        g: [prob.add_variable(f"s_{g}_{i}", cat="Binary") for i in range(groups.k[g])] for g in core
+    }
+    terms = []
+    for g in core:
+        prob += pulp.lpSum(s[g]) == 1, f"one_{g}"
+        cost = groups.unary[g] + groups.tie[g]
+        terms += [(var, float(c)) for c, var in zip(cost, s[g], strict=True) if c != 0]
+    num_vars = sum(len(v) for v in s.values())
+    for g in core:
+        for h in sorted(groups.adj[g]):
+            if h < g:
+                continue
+            m = groups.adj[g][h]
+            e = [
+                [prob.add_variable(f"e_{g}_{h}_{i}_{j}", 0, 1) for j in range(m.shape[1])]
+                for i in range(m.shape[0])
+            ]
+            num_vars += m.size
+            for i in range(m.shape[0]):
+                prob += pulp.lpSum(e[i]) == s[g][i], f"row_{g}_{h}_{i}"
+            for j in range(m.shape[1]):
+                prob += (
+                    pulp.lpSum(e[i][j] for i in range(m.shape[0])) == s[h][j],
+                    f"col_{g}_{h}_{j}",
+                )
+            terms += [
+                (e[i][j], float(m[i, j]))
+                for i in range(m.shape[0])
+                for j in range(m.shape[1])
+                if m[i, j] != 0
+            ]
+    prob += pulp.LpAffineExpression(terms)
+    if memory_budget is not None:
+        _add_memory_constraints(prob, graph, groups, s, memory_budget)
+    prob.solve(_cbc(time_limit))
+    if prob.sol_status == pulp.LpSolutionOptimal:
+        status = "optimal"
+    elif prob.sol_status == pulp.LpSolutionIntegerFeasible:
+        status = "feasible (time limit)"
+    elif memory_budget is not None:
+        raise InfeasibleMemoryBudgetError(_infeasible_message(graph, memory_budget, time_limit))
+    else:
+        raise RuntimeError(
+            f"the auto-sharding ILP found no plan: {pulp.LpStatus[prob.status]} "
+            f"(solution status {prob.sol_status}, time limit {time_limit} s)"
+        )
+    picks = {g: int(np.argmax([v.value() or 0.0 for v in s[g]])) for g in core}
+    return picks, status, num_vars
+
+
+def _memory_terms(graph, groups, s, live):
+    """Bytes alive at one point: per group, the summed sizes of its live values."""
+    per_group: dict[int, np.ndarray] = {}
+    constant = 0.0
+    for n, k in live:
+        g = groups.find(n)
+        sizes = np.asarray(graph.nodes[n].out_bytes[k])
+        if g in s:
+            per_group[g] = per_group.get(g, 0.0) + sizes
+        else:
+            constant += float(sizes[0])
+    # One coefficient per variable: an affine expression keeps only the last of duplicates.
+    terms = [
+        (var, float(b))
+        for g in sorted(per_group)
+        for b, var in zip(per_group[g], s[g], strict=True)
+    ]
+    return terms, constant
+
+
+def _add_memory_constraints(prob, graph, groups, s, budget) -> None:
+    seen = set()
+    for t, live in enumerate(live_points(graph)):
+        if live in seen:
+            continue
+        seen.add(live)
+        terms, constant = _memory_terms(graph, groups, s, live)
+        prob += pulp.LpAffineExpression(terms) <= budget - constant, f"mem_{t}"
+
+
+def _infeasible_message(graph, budget, time_limit) -> str:
+    smallest = smallest_peak_memory(graph, time_limit)
+    return (
+        f"memory_budget_per_device={budget:.0f} bytes cannot be met: the smallest plan found "
+        f"needs {smallest:.0f} bytes per device at its peak on logical mesh "
+        f"{graph.mesh.shape}; raise the budget or use more devices"
+    )
+
+
+def smallest_peak_memory(graph, time_limit) -> float:
+    """The least peak memory of any plan (min over plans of max over liveness points)."""
+    groups = _Groups(graph)
+    prob = pulp.LpProblem("smallest_plan", pulp.LpMinimize)
+    core = [g for g in groups.roots if groups.k[g] > 1]
+    s = {
+        g: [prob.add_variable(f"s_{g}_{i}", cat="Binary") for i in range(groups.k[g])] for g in core
+    }
+    for g in core:
+        prob += pulp.lpSum(s[g]) == 1
+    peak = prob.add_variable("peak", 0)
+    prob += peak
+    for live in set(live_points(graph)):
+        terms, constant = _memory_terms(graph, groups, s, live)
+        prob += pulp.LpAffineExpression(terms) + constant <= peak
+    prob.solve(_cbc(time_limit))
+    return float(peak.value() or 0.0)

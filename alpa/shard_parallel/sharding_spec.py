@@ -1,0 +1,143 @@
+"""Sharding specs of one tensor on a 2-D logical mesh, and what it costs to change them.
+
+A :data:`Spec` names, for every dimension of a tensor, the logical mesh axes that split it:
+``((), (1,))`` is a matrix whose columns are split over mesh axis 1 and whose rows are whole
+on every device. A mesh axis splits at most one dimension; a dimension split by both axes
+``(0, 1)`` is the "mixed mesh shape" (a 1-D view of the 2-D mesh). Mesh axes of size 1 never
+appear: splitting over one device is the same as not splitting.
+
+Resharding a value from spec ``A`` to spec ``B`` (DESIGN §4.3) is priced as the cheapest
+sequence of collectives: an axis that splits the same dimension in both costs nothing; an
+axis that moves to another dimension is an all-to-all (or an all-gather when all-to-all is
+not allowed); an axis that ``A`` uses and ``B`` does not is an all-gather; an axis that only
+``B`` uses is a local slice, which is free.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+
+from jax.sharding import PartitionSpec
+
+from alpa.device_mesh import LogicalDeviceMesh
+
+#: Per tensor dimension, the mesh axes that split it.
+Spec = tuple[tuple[int, ...], ...]
+
+#: The cost of a resharding that the options forbid; large enough that the solver picks it
+#: only when nothing else is possible, small enough to keep the ILP well conditioned.
+FORBIDDEN_COST = 1e13
+
+
+def replicated(rank: int) -> Spec:
+    return ((),) * rank
+
+
+def mesh_axes(mesh: LogicalDeviceMesh) -> tuple[int, ...]:
+    """The axes that have more than one device: the only ones worth splitting over."""
+    return tuple(a for a, n in enumerate(mesh.shape) if n > 1)
+
+
+def num_shards(spec: Spec, mesh: LogicalDeviceMesh) -> int:
+    return math.prod(mesh.shape[a] for axes in spec for a in axes)
+
+
+def used_axes(spec: Spec) -> tuple[int, ...]:
+    return tuple(sorted(a for axes in spec for a in axes))
+
+
+def axis_dim(spec: Spec, axis: int) -> int | None:
+    """The tensor dimension that ``axis`` splits in ``spec``, or ``None``."""
+    for dim, axes in enumerate(spec):
+        if axis in axes:
+            return dim
+    return None
+
+
+def divides(shape: Sequence[int], spec: Spec, mesh: LogicalDeviceMesh) -> bool:
+    return all(
+        size % math.prod(mesh.shape[a] for a in axes) == 0
+        for size, axes in zip(shape, spec, strict=True)
+    )
+
+
+def enumerate_specs(
+    shape: Sequence[int], mesh: LogicalDeviceMesh, allow_mixed: bool = False
+) -> list[Spec]:
+    """Every valid spec of a tensor of ``shape``, replicated first, in a fixed order."""
+    rank = len(shape)
+    axes = mesh_axes(mesh)
+    choices = [None, *range(rank)]
+    specs: list[Spec] = []
+    for assignment in itertools.product(choices, repeat=len(axes)):
+        dims: list[list[int]] = [[] for _ in range(rank)]
+        for axis, dim in zip(axes, assignment, strict=True):
+            if dim is not None:
+                dims[dim].append(axis)
+        if not allow_mixed and any(len(d) > 1 for d in dims):
+            continue
+        spec = tuple(tuple(d) for d in dims)
+        if divides(shape, spec, mesh):
+            specs.append(spec)
+    return sorted(set(specs), key=lambda s: (num_axes_used(s), s))
+
+
+def num_axes_used(spec: Spec) -> int:
+    return sum(len(axes) for axes in spec)
+
+
+def to_partition_spec(spec: Spec, mesh: LogicalDeviceMesh) -> PartitionSpec:
+    """The ``PartitionSpec`` over ``mesh.axis_names`` that lowers ``spec``."""
+    entries = []
+    for axes in spec:
+        if not axes:
+            entries.append(None)
+        elif len(axes) == 1:
+            entries.append(mesh.axis_names[axes[0]])
+        else:
+            entries.append(tuple(mesh.axis_names[a] for a in axes))
+    while entries and entries[-1] is None:
+        entries.pop()
+    return PartitionSpec(*entries)
+
+
+def format_spec(spec: Spec, mesh: LogicalDeviceMesh) -> str:
+    """``S0R``-style notation of Alpa: per dimension, ``S`` + axes or ``R``."""
+    if not spec:
+        return "scalar"
+    return "".join("S" + "".join(str(a) for a in axes) if axes else "R" for axes in spec)
+
+
+def nbytes(shape: Sequence[int], itemsize: int) -> int:
+    return math.prod(shape) * itemsize
+
+
+def resharding_cost(
+    src: Spec,
+    dst: Spec,
+    total_bytes: float,
+    mesh: LogicalDeviceMesh,
+    allow_all_gather: bool = True,
+    allow_all_to_all: bool = True,
+) -> float:
+    """The cost of turning a value held as ``src`` into ``dst`` (module docstring)."""
+    if src == dst:
+        return 0.0
+    cost = 0.0
+    shards = num_shards(src, mesh)
+    for axis in used_axes(src):
+        src_dim = axis_dim(src, axis)
+        dst_dim = axis_dim(dst, axis)
+        if src_dim == dst_dim and src[src_dim] == dst[dst_dim]:
+            continue
+        per_device = total_bytes / shards
+        if dst_dim is not None and allow_all_to_all and len(src[src_dim]) == 1:
+            cost += mesh.all_to_all_cost(per_device, axis)
+            continue
+        cost += mesh.all_gather_cost(per_device * mesh.shape[axis], axis)
+        if not allow_all_gather:
+            cost += FORBIDDEN_COST
+        shards //= mesh.shape[axis]
+    return cost

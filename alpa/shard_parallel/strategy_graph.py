@@ -1,0 +1,305 @@
+"""The strategy graph of a jaxpr: one node per value producer, one edge per value read.
+
+Every jaxpr input and every equation becomes a :class:`Node` holding its candidate
+strategies (from :mod:`strategy_rules`); every operand an equation reads from another node
+becomes an :class:`Edge` holding the resharding cost matrix ``cost[i, j]``: what it costs to
+turn the producer's output under its strategy ``i`` into what the consumer needs under its
+strategy ``j`` (DESIGN §4.1-4.3, paper §4.2). Identity-like equations (the pipeline marker,
+optimization barriers, sharding constraints) are not nodes: their outputs *are* their operands.
+
+A node that *follows* an operand (``Node.follow``) has strategies in one-to-one
+correspondence with the producer's; the solver gives both one decision variable.
+The graph also records liveness: for each program point, the values alive there, so that a
+memory budget can be imposed per point.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from jax import lax
+from jax.extend.core import ClosedJaxpr, DropVar, JaxprEqn, Literal, Var
+
+import alpa.shard_parallel.strategy_rules_contraction  # noqa: F401  (registers rules)
+from alpa.device_mesh import LogicalDeviceMesh
+from alpa.pipeline_parallel.primitive_def import pipeline_p
+from alpa.shard_parallel.sharding_spec import (
+    Spec,
+    enumerate_specs,
+    nbytes,
+    num_shards,
+    replicated,
+    resharding_cost,
+)
+from alpa.shard_parallel.strategy_rules import (
+    NodeStrategies,
+    RuleContext,
+    Strategy,
+    lookup_rule,
+    replicated_strategy,
+)
+
+# Equations whose outputs are their operands, unchanged.
+ALIAS_PRIMITIVES = {pipeline_p, lax.optimization_barrier_p, lax.sharding_constraint_p}
+
+#: Source of a value: (node id, output index).
+Source = tuple[int, int]
+
+
+@dataclass(frozen=True)
+class Node:
+    """A producer of values: a jaxpr input, a constant, or an equation."""
+
+    id: int
+    label: str
+    outvars: tuple[Var, ...]
+    strategies: tuple[Strategy, ...]
+    follow: int | None
+    # out_bytes[k][i]: bytes per device of output k under strategy i.
+    out_bytes: tuple[tuple[float, ...], ...]
+
+    @property
+    def num_strategies(self) -> int:
+        return len(self.strategies)
+
+
+@dataclass(frozen=True)
+class Edge:
+    src: int
+    dst: int
+    cost: np.ndarray  # [src strategy, dst strategy]
+
+
+@dataclass(frozen=True)
+class StrategyGraph:
+    """Nodes in program order, edges, where each value comes from, and liveness."""
+
+    mesh: LogicalDeviceMesh
+    nodes: tuple[Node, ...]
+    edges: tuple[Edge, ...]
+    sources: dict  # Var -> Source
+    input_nodes: tuple[int, ...]
+    output_sources: tuple[Source | None, ...]
+    jaxpr: object
+    eqn_sources: tuple[tuple[Source, ...], ...]
+    num_eqns: int
+    unknown_primitives: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class GraphOptions:
+    allow_mixed_mesh_shape: bool = False
+    allow_recompute_heavy_op: bool = False
+    prefer_reduce_scatter: bool = False
+    allow_all_gather: bool = True
+    allow_all_to_all: bool = True
+
+
+def build_strategy_graph(
+    closed_jaxpr: ClosedJaxpr,
+    mesh: LogicalDeviceMesh,
+    options: GraphOptions,
+    input_filter: Callable[[int, tuple[int, ...], list[Spec]], list[Spec]] | None = None,
+    state_pairs: Sequence[tuple[int, int]] = (),
+) -> StrategyGraph:
+    """The strategy graph of ``closed_jaxpr`` on ``mesh``.
+
+    ``input_filter(index, shape, specs)`` may narrow the specs allowed for jaxpr input
+    ``index`` (forced batch dimension, no replicated parameters, ...). ``state_pairs`` holds
+    ``(input, output)`` index pairs of training state (parameters, optimizer state) that the
+    step reads and returns updated: the output must come back in the input's spec for the
+    next step, so an edge prices the resharding from the one to the other.
+    """
+    jaxpr = closed_jaxpr.jaxpr
+    builder = _Builder(mesh, options)
+    for var in jaxpr.constvars:
+        builder.add_node(f"constant {var}", (var,), (_whole(var),), None)
+    input_nodes = []
+    for i, var in enumerate(jaxpr.invars):
+        shape = tuple(var.aval.shape)
+        specs = enumerate_specs(shape, mesh, options.allow_mixed_mesh_shape)
+        if input_filter is not None:
+            specs = input_filter(i, shape, specs) or specs
+        strategies = tuple(Strategy("input", (s,), ()) for s in specs)
+        input_nodes.append(builder.add_node(f"input {i}", (var,), strategies, None))
+    for t, eqn in enumerate(jaxpr.eqns):
+        builder.add_eqn(t, eqn)
+    for i, o in state_pairs:
+        out = jaxpr.outvars[o]
+        if not isinstance(out, Literal):
+            builder.add_state_edge(builder.sources[out], input_nodes[i], out)
+    output_sources = tuple(
+        None if isinstance(v, Literal) else builder.sources[v] for v in jaxpr.outvars
+    )
+    if builder.unknown:
+        names = ", ".join(sorted(builder.unknown))
+        warnings.warn(
+            f"auto-sharding has no strategy rule for {names}; these equations run replicated",
+            stacklevel=3,
+        )
+    return StrategyGraph(
+        mesh=mesh,
+        nodes=tuple(builder.nodes),
+        edges=tuple(builder.edges),
+        sources=builder.sources,
+        input_nodes=tuple(input_nodes),
+        output_sources=output_sources,
+        jaxpr=jaxpr,
+        eqn_sources=tuple(tuple(x) for x in builder.eqn_sources),
+        num_eqns=len(jaxpr.eqns),
+        unknown_primitives=tuple(sorted(builder.unknown)),
+    )
+
+
+def _whole(var) -> Strategy:
+    return Strategy("replicated", (replicated(len(var.aval.shape)),), ())
+
+
+class _Builder:
+    def __init__(self, mesh: LogicalDeviceMesh, options: GraphOptions):
+        self.mesh = mesh
+        self.options = options
+        self.nodes: list[Node] = []
+        self.edges: list[Edge] = []
+        self.sources: dict = {}
+        self.eqn_sources: list[list[Source]] = []
+        self.unknown: set[str] = set()
+        self._cost_cache: dict = {}
+
+    def add_node(self, label, outvars, strategies, follow) -> int:
+        node_id = len(self.nodes)
+        out_bytes = []
+        for k, var in enumerate(outvars):
+            aval = var.aval
+            size = nbytes(getattr(aval, "shape", ()), _itemsize(aval))
+            out_bytes.append(
+                tuple(size / num_shards(s.out_specs[k], self.mesh) for s in strategies)
+            )
+        self.nodes.append(
+            Node(node_id, label, tuple(outvars), tuple(strategies), follow, tuple(out_bytes))
+        )
+        for k, var in enumerate(outvars):
+            if not isinstance(var, DropVar):
+                self.sources[var] = (node_id, k)
+        return node_id
+
+    def add_eqn(self, t: int, eqn: JaxprEqn) -> None:
+        if eqn.primitive in ALIAS_PRIMITIVES:
+            for inv, outv in zip(eqn.invars, eqn.outvars, strict=True):
+                if isinstance(outv, DropVar):
+                    continue
+                if isinstance(inv, Literal):
+                    self.add_node(f"literal of eqn {t}", (outv,), (_whole(outv),), None)
+                else:
+                    self.sources[outv] = self.sources[inv]
+            self.eqn_sources.append([])
+            return
+        operand_specs = tuple(
+            None if isinstance(v, Literal) else self._specs_of(self.sources[v]) for v in eqn.invars
+        )
+        ctx = RuleContext(
+            self.mesh,
+            self.options.allow_mixed_mesh_shape,
+            self.options.allow_recompute_heavy_op,
+            self.options.prefer_reduce_scatter,
+            operand_specs,
+        )
+        rule = lookup_rule(eqn.primitive)
+        if rule is None:
+            self.unknown.add(eqn.primitive.name)
+            result = replicated_strategy(eqn)
+        else:
+            result = rule(eqn, ctx)
+        if not result.strategies:
+            result = replicated_strategy(eqn)
+        follow = None
+        if result.follow is not None:
+            follow = self.sources[eqn.invars[result.follow]][0]
+        node_id = self.add_node(
+            f"eqn {t} {eqn.primitive.name}", tuple(eqn.outvars), result.strategies, follow
+        )
+        self.eqn_sources.append([(node_id, k) for k in range(len(eqn.outvars))])
+        self._add_edges(eqn, node_id, result)
+
+    def _specs_of(self, source: Source) -> tuple[Spec, ...]:
+        node_id, k = source
+        return tuple(s.out_specs[k] for s in self.nodes[node_id].strategies)
+
+    def _add_edges(self, eqn: JaxprEqn, node_id: int, result: NodeStrategies) -> None:
+        for j, var in enumerate(eqn.invars):
+            if isinstance(var, Literal):
+                continue
+            src_id, k = self.sources[var]
+            src_specs = self._specs_of((src_id, k))
+            dst_specs = [s.in_specs[j] for s in result.strategies]
+            total = nbytes(var.aval.shape, _itemsize(var.aval))
+            cost = np.zeros((len(src_specs), len(dst_specs)))
+            for a, src in enumerate(src_specs):
+                for b, dst in enumerate(dst_specs):
+                    if dst is not None and src != dst:
+                        cost[a, b] = self._reshard(src, dst, total)
+            self.edges.append(Edge(src_id, node_id, cost))
+
+    def add_state_edge(self, source: Source, input_node: int, var) -> None:
+        src_id, k = source
+        src_specs = self._specs_of(source)
+        dst_specs = self._specs_of((input_node, 0))
+        total = nbytes(var.aval.shape, _itemsize(var.aval))
+        cost = np.zeros((len(src_specs), len(dst_specs)))
+        for a, src in enumerate(src_specs):
+            for b, dst in enumerate(dst_specs):
+                if src != dst:
+                    cost[a, b] = self._reshard(src, dst, total)
+        self.edges.append(Edge(src_id, input_node, cost))
+
+    def _reshard(self, src: Spec, dst: Spec, total: float) -> float:
+        key = (src, dst, total)
+        cost = self._cost_cache.get(key)
+        if cost is None:
+            cost = resharding_cost(
+                src, dst, total, self.mesh,
+                self.options.allow_all_gather, self.options.allow_all_to_all,
+            )  # fmt: skip
+            self._cost_cache[key] = cost
+        return cost
+
+
+def _itemsize(aval) -> int:
+    dtype = getattr(aval, "dtype", None)
+    try:
+        return int(np.dtype(dtype).itemsize)
+    except TypeError:
+        return 4
+
+
+def live_points(graph: StrategyGraph) -> list[tuple[Source, ...]]:
+    """Live values just before each equation frees an operand for the last time.
+
+    A value is live from its definition (inputs: from the start) to its last read (outputs:
+    to the end). Only points where some value dies can be peaks, so only those are kept.
+    """
+    jaxpr, sources, eqn_sources = graph.jaxpr, graph.sources, graph.eqn_sources
+    last_use: dict = {}
+    for t, eqn in enumerate(jaxpr.eqns):
+        for v in eqn.invars:
+            if not isinstance(v, Literal):
+                last_use[sources[v]] = t
+    end = len(jaxpr.eqns)
+    for v in jaxpr.outvars:
+        if not isinstance(v, Literal):
+            last_use[sources[v]] = end
+    born: dict = {}
+    for v in (*jaxpr.constvars, *jaxpr.invars):
+        born[sources[v]] = -1
+    for t, outs in enumerate(eqn_sources):
+        for src in outs:
+            born.setdefault(src, t)
+    dying = set(last_use.values())
+    points = []
+    for t in sorted(dying):
+        live = tuple(sorted(s for s, b in born.items() if b <= t and last_use.get(s, b) >= t))
+        points.append(live)
+    return points

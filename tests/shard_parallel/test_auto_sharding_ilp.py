@@ -1,0 +1,262 @@
+"""The auto-sharding ILP judged by closed-form objectives (DESIGN §4 oracles).
+
+An MLP train step (two dense layers with bias, mean squared error, SGD update) is planned on
+1-D and 2-D logical meshes. Each expected objective is derived here from the same
+``LogicalDeviceMesh`` cost functions the planner uses:
+
+* data parallel: every gradient is all-reduced once, and the scalar loss once;
+* Megatron (first kernel split by columns, second by rows): one forward all-reduce of the
+  ``batch x hidden`` activations; the backward pass needs none (the input's gradient is
+  not computed);
+* 2-D: data parallel over mesh axis 0 (gradients of split kernels are 1/n1 of the size)
+  and Megatron over axis 1 (activations are 1/n0 of the batch).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from alpa.device_mesh import LogicalDeviceMesh
+from alpa.shard_parallel.auto_sharding import AutoShardingOption, solve_jaxpr
+from alpa.shard_parallel.ilp_solver import (
+    InfeasibleMemoryBudgetError,
+    peak_memory,
+    smallest_peak_memory,
+)
+
+F32 = 4
+
+
+def mlp_step_jaxpr(batch: int, hidden: int, num_layers: int = 2):
+    def step(params, x, y):
+        def loss_fn(p):
+            h = x
+            for i in range(num_layers):
+                h = h @ p[f"w{i}"] + p[f"b{i}"]
+                if i < num_layers - 1:
+                    h = jnp.maximum(h, 0.0)  # jax.nn.relu is a custom_jvp call
+            return jnp.mean((h - y) ** 2)
+
+        grads = jax.grad(loss_fn)(params)
+        return jax.tree.map(lambda w, g: w - 0.1 * g, params, grads)
+
+    params = {}
+    for i in range(num_layers):
+        params[f"w{i}"] = jax.ShapeDtypeStruct((hidden, hidden), jnp.float32)
+        params[f"b{i}"] = jax.ShapeDtypeStruct((hidden,), jnp.float32)
+    x = jax.ShapeDtypeStruct((batch, hidden), jnp.float32)
+    closed = jax.make_jaxpr(step)(params, x, x)
+    num_params = 2 * num_layers
+    return closed, (False,) * num_params + (True, True)
+
+
+def solve_mlp(closed, mesh, option=None, batch_invars=()):
+    """Solve with the updated parameters tied to the parameters (train-state pairs)."""
+    num_params = len(closed.jaxpr.outvars)
+    pairs = tuple((i, i) for i in range(num_params))
+    return solve_jaxpr(closed, mesh, option, batch_invars=batch_invars, state_pairs=pairs)
+
+
+def data_parallel_cost(mesh, hidden, num_layers, axes):
+    param_bytes = [hidden * hidden * F32, hidden * F32] * num_layers
+    return sum(mesh.all_reduce_cost(b, a) for b in param_bytes + [F32] for a in axes)
+
+
+def megatron_cost(mesh, batch, hidden, num_layers, axis):
+    return (num_layers - 1) * mesh.all_reduce_cost(batch * hidden * F32, axis)
+
+
+MESHES_1D = [(1, 4), (1, 8), (4, 1), (8, 1)]
+ALPHA_BETA = [((1, 1), (1, 1)), ((1, 1), (1, 0.1))]
+
+
+@pytest.mark.parametrize("shape", MESHES_1D)
+@pytest.mark.parametrize("alpha,beta", ALPHA_BETA)
+def test_large_batch_small_hidden_is_data_parallel(shape, alpha, beta):
+    mesh = LogicalDeviceMesh(shape, alpha, beta)
+    axis = 0 if shape[0] > 1 else 1
+    closed, batch = mlp_step_jaxpr(batch=1024, hidden=16)
+    solution = solve_mlp(closed, mesh, batch_invars=batch)
+    assert solution.objective == pytest.approx(data_parallel_cost(mesh, 16, 2, [axis]))
+    plan = solution.to_sharding_plan()
+    name = mesh.axis_names[axis]
+    assert plan.in_specs[:4] == (P(),) * 4  # parameters replicated
+    assert plan.in_specs[4] == P(name) and plan.data_axes == (name,)
+
+
+@pytest.mark.parametrize("shape", MESHES_1D)
+@pytest.mark.parametrize("alpha,beta", ALPHA_BETA)
+def test_small_batch_large_hidden_is_megatron(shape, alpha, beta):
+    mesh = LogicalDeviceMesh(shape, alpha, beta)
+    axis = 0 if shape[0] > 1 else 1
+    closed, batch = mlp_step_jaxpr(batch=16, hidden=512)
+    solution = solve_mlp(closed, mesh, batch_invars=batch)
+    assert solution.objective == pytest.approx(megatron_cost(mesh, 16, 512, 2, axis))
+    plan = solution.to_sharding_plan()
+    name = mesh.axis_names[axis]
+    # in order b0, b1, w0, w1 (pytree order): column then row.
+    assert plan.in_specs[2] == P(None, name)
+    assert plan.in_specs[3] == P(name)
+
+
+def test_four_layer_megatron_has_three_all_reduces():
+    mesh = LogicalDeviceMesh((1, 4), (1, 1), (1, 1))
+    closed, batch = mlp_step_jaxpr(batch=16, hidden=512, num_layers=4)
+    solution = solve_mlp(closed, mesh, batch_invars=batch)
+    assert solution.objective == pytest.approx(megatron_cost(mesh, 16, 512, 4, 1))
+
+
+@pytest.mark.parametrize("shape", [(2, 4), (2, 2)])
+def test_2d_mesh_large_batch_is_data_parallel_on_both_axes(shape):
+    # Splitting the batch over both axes is the mixed mesh shape (one dimension, two axes).
+    mesh = LogicalDeviceMesh(shape, (1, 1), (1, 0.1))
+    closed, batch = mlp_step_jaxpr(batch=1024, hidden=16)
+    option = AutoShardingOption(allow_mixed_mesh_shape=True)
+    solution = solve_mlp(closed, mesh, option, batch_invars=batch)
+    assert solution.objective == pytest.approx(data_parallel_cost(mesh, 16, 2, [0, 1]))
+
+
+@pytest.mark.parametrize("shape", [(2, 4), (2, 2)])
+def test_2d_mesh_is_data_parallel_plus_megatron(shape):
+    batch_size, hidden = 512, 128
+    mesh = LogicalDeviceMesh(shape, (1, 1), (1, 0.1))
+    n0, n1 = shape
+    closed, batch = mlp_step_jaxpr(batch_size, hidden)
+    solution = solve_mlp(closed, mesh, batch_invars=batch)
+    expected = (
+        2 * mesh.all_reduce_cost(hidden * hidden * F32 / n1, 0)  # split kernels' gradients
+        + mesh.all_reduce_cost(hidden * F32 / n1, 0)  # first bias, split by columns
+        + mesh.all_reduce_cost(hidden * F32, 0)  # second bias, whole
+        + mesh.all_reduce_cost(F32, 0)  # the loss
+        + megatron_cost(mesh, batch_size // n0, hidden, 2, 1)
+    )
+    assert solution.objective == pytest.approx(expected)
+    plan = solution.to_sharding_plan()
+    assert plan.data_axes == ("x",)
+    assert plan.in_specs[2] == P(None, "y") and plan.in_specs[3] == P("y")
+
+
+def test_plan_is_deterministic():
+    mesh = LogicalDeviceMesh((2, 4), (1, 1), (1, 0.1))
+    closed, batch = mlp_step_jaxpr(128, 128)
+    first = solve_mlp(closed, mesh, batch_invars=batch)
+    second = solve_mlp(closed, mesh, batch_invars=batch)
+    assert first.solution.choice == second.solution.choice
+    assert first.to_sharding_plan().in_specs == second.to_sharding_plan().in_specs
+
+
+def test_force_batch_dim_to_mesh_dim():
+    mesh = LogicalDeviceMesh((2, 4), (1, 1), (1, 0.1))
+    closed, batch = mlp_step_jaxpr(batch=16, hidden=512)
+    option = AutoShardingOption(force_batch_dim_to_mesh_dim=1)
+    plan = solve_mlp(closed, mesh, option, batch_invars=batch).to_sharding_plan()
+    assert plan.data_axes == ("y",)
+    assert plan.in_specs[4][0] == "y" and plan.in_specs[5][0] == "y"
+
+
+def test_force_data_parallel_flattens_the_mesh():
+    mesh = LogicalDeviceMesh((2, 4), (1, 1), (1, 1))
+    closed, batch = mlp_step_jaxpr(batch=1024, hidden=16)
+    option = AutoShardingOption(force_data_parallel=True)
+    solution = solve_mlp(closed, mesh, option, batch_invars=batch)
+    plan = solution.to_sharding_plan()
+    assert plan.logical_mesh.shape == (1, 8)
+    assert plan.in_specs[:4] == (P(),) * 4
+    assert plan.data_axes == ("y",)
+    flat = mesh.flatten()
+    assert solution.objective == pytest.approx(data_parallel_cost(flat, 16, 2, [1]))
+
+
+def test_no_replicated_parameters():
+    mesh = LogicalDeviceMesh((1, 4))
+    closed, batch = mlp_step_jaxpr(batch=1024, hidden=16)
+    option = AutoShardingOption(allow_replicated_parameters=False)
+    plan = solve_mlp(closed, mesh, option, batch_invars=batch).to_sharding_plan()
+    assert all(spec != P() for spec in plan.in_specs[:4])
+
+
+def test_memory_budget_changes_the_plan():
+    mesh = LogicalDeviceMesh((1, 4))
+    closed, batch = mlp_step_jaxpr(batch=512, hidden=128)
+    free = solve_mlp(closed, mesh, batch_invars=batch)
+    free_peak = peak_memory(free.graph, free.solution.choice)
+    smallest = smallest_peak_memory(free.graph, time_limit=30)
+    assert smallest < free_peak
+    budget = (smallest + free_peak) / 2
+    option = AutoShardingOption(memory_budget_per_device=budget)
+    tight = solve_mlp(closed, mesh, option, batch_invars=batch)
+    assert tight.solution.peak_memory <= budget
+    assert tight.objective > free.objective
+    assert tight.to_sharding_plan().in_specs != free.to_sharding_plan().in_specs
+
+
+def test_impossible_memory_budget_names_the_budget():
+    mesh = LogicalDeviceMesh((1, 4))
+    closed, batch = mlp_step_jaxpr(batch=64, hidden=64)
+    option = AutoShardingOption(memory_budget_per_device=1000)
+    with pytest.raises(InfeasibleMemoryBudgetError, match=r"memory_budget_per_device=1000 bytes"):
+        solve_mlp(closed, mesh, option, batch_invars=batch)
+    with pytest.raises(InfeasibleMemoryBudgetError, match=r"smallest plan found needs \d+ bytes"):
+        solve_mlp(closed, mesh, option, batch_invars=batch)
+
+
+def test_unknown_primitive_runs_replicated_with_one_warning():
+    prim = jax.extend.core.Primitive("my_custom_op")
+    prim.def_impl(lambda x: x)
+    prim.def_abstract_eval(lambda x: x)
+
+    def f(x, w):
+        y = prim.bind(x @ w)
+        return prim.bind(y) @ w
+
+    x = jax.ShapeDtypeStruct((64, 64), jnp.float32)
+    closed = jax.make_jaxpr(f)(x, x)
+    with pytest.warns(UserWarning, match="no strategy rule for my_custom_op") as record:
+        solution = solve_jaxpr(closed, LogicalDeviceMesh((1, 4)), batch_invars=(True, False))
+    assert len(record) == 1
+    rows = {row[0]: row for row in solution.rows()}
+    assert rows["eqn 1 my_custom_op"][3] == "RR"
+
+
+def test_format_table_lists_every_value():
+    mesh = LogicalDeviceMesh((1, 4))
+    closed, batch = mlp_step_jaxpr(batch=16, hidden=512)
+    solution = solve_mlp(closed, mesh, batch_invars=batch)
+    table = solution.format_table()
+    assert "dot_general" in table and "objective" in table
+    assert len(table.splitlines()) == len(solution.graph.nodes) + 2
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(force_batch_dim_to_mesh_dim=2), "force_batch_dim_to_mesh_dim"),
+        (dict(memory_budget_per_device=-1), "memory_budget_per_device"),
+        (dict(logical_mesh_shape=(2, 0)), "logical_mesh_shape"),
+        (dict(mesh_beta=(1,)), "mesh_beta"),
+        (dict(prefer_reduce_scatter=1), "prefer_reduce_scatter must be a bool"),
+    ],
+)
+def test_bad_options(kwargs, message):
+    with pytest.raises((ValueError, TypeError), match=message):
+        AutoShardingOption(**kwargs)
+
+
+def test_resharding_costs_follow_the_mesh_cost_functions():
+    from alpa.shard_parallel.sharding_spec import resharding_cost
+
+    mesh = LogicalDeviceMesh((2, 4), (1, 1), (1, 0.1))
+    size = 1024.0
+    assert resharding_cost(((), ()), ((0,), (1,)), size, mesh) == 0.0  # slicing is free
+    assert resharding_cost(((1,), ()), ((), ()), size, mesh) == mesh.all_gather_cost(size, 1)
+    assert resharding_cost(((1,), ()), ((), (1,)), size, mesh) == mesh.all_to_all_cost(size / 4, 1)
+    no_a2a = resharding_cost(((1,), ()), ((), (1,)), size, mesh, allow_all_to_all=False)
+    assert no_a2a == mesh.all_gather_cost(size, 1)
+    assert np.isclose(
+        resharding_cost(((0,), (1,)), ((), ()), size, mesh),
+        mesh.all_gather_cost(size / 4, 0) + mesh.all_gather_cost(size, 1),
+    )
