@@ -1,0 +1,424 @@
+"""Computation split: a traced training step becomes per-stage computations.
+
+Input: the flat jaxpr of one step (traced at micro-batch size), the layer of every forward
+equation (from the boundary markers, see ``layer_construction``) and the stage of every
+layer. Output: a :class:`PipelineProgram`: for every stage a forward, a backward and one or
+more apply-grad computations, each a list of equations with the values it reads and
+writes, plus where every value lives.
+
+The step's equations fall in three parts:
+
+* **forward**: the equations of layer ``l`` run in the forward computation of its stage;
+* **backward**: JAX emits the backward pass after the whole forward pass. An operand-less
+  boundary marker leaves no trace there, so each backward equation is placed by its data:
+  it may run no later than the backward computations that read it, i.e. on a stage no
+  higher than the stages of the backward values it reads (``U``); among those, it goes to
+  the highest stage on which its forward operands already are. This is the mirror of the
+  forward cut: the transpose of an equation of layer ``l`` reads the cotangent from stage
+  ``>= l`` and the forward values of stage ``l``. In the last layer, equations that depend
+  only on forward values form the forward computation of the last stage; the cotangent
+  seed (built from constants) starts the backward.
+* **apply-grad** (after the ``alpa.grad`` marker): each equation runs on the stage that
+  holds most of its operands' bytes, so a stage's gradients and optimizer state never
+  leave its mesh; small values such as a global gradient norm move between meshes.
+  Because such values create dependencies between stages, apply equations are grouped in
+  levels: level ``n + 1`` may read what any stage computed at level ``<= n``.
+
+Equations whose operands are all constants (``iota``, ``broadcast 0.0``, the cotangent
+seed) are not placed: every computation that needs their value recomputes it, rather than
+receiving it from another mesh.
+
+The values the ``alpa.grad`` marker receives are summed over micro-batches (gradient
+accumulation) and divided by the number of micro-batches, so the apply part sees the mean,
+as the serial step over the full batch does for a mean loss.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+from jax.extend.core import ClosedJaxpr, DropVar, JaxprEqn, Var
+from jax.extend.core import Literal as JaxLiteral
+
+from alpa.pipeline_parallel.primitive_def import pipeline_p
+
+ComputationKind = Literal["forward", "backward", "apply"]
+
+
+@dataclass(frozen=True, eq=False)
+class StageComputation:
+    """The equations one stage runs for one kind of task.
+
+    ``invars`` are the values read from outside (other computations, step inputs);
+    ``outvars`` the values other computations, the accumulation or the outputs read.
+    Apply computations of one stage are ordered by ``level``.
+    """
+
+    stage: int
+    kind: ComputationKind
+    level: int
+    eqns: tuple[JaxprEqn, ...]
+    invars: tuple[Var, ...]
+    outvars: tuple[Var, ...]
+
+    @property
+    def name(self) -> str:
+        suffix = f"_{self.level}" if self.kind == "apply" else ""
+        return f"stage{self.stage}_{self.kind}{suffix}"
+
+
+@dataclass(frozen=True, eq=False)
+class PipelineProgram:
+    """A step split into stage computations, and where each value lives.
+
+    Attributes:
+      closed_jaxpr: the traced step.
+      num_stages: number of stages (meshes).
+      computations: every computation.
+      home: for every produced value, the stage whose mesh computes it; for every step
+        input, the stages that read it (its placement).
+      per_micro_batch: values that exist once per micro-batch (everything the forward and
+        backward computations produce).
+      batch_dependent: values that depend on a batch argument.
+      accumulated: marker output -> the per-micro-batch value it accumulates.
+      aliases: marker output -> step input or literal it equals (nothing to accumulate).
+      is_training: whether the step has an ``alpa.grad`` marker.
+    """
+
+    closed_jaxpr: ClosedJaxpr
+    num_stages: int
+    computations: tuple[StageComputation, ...]
+    home: dict[Var, int]
+    input_stages: dict[Var, tuple[int, ...]]
+    per_micro_batch: frozenset[Var]
+    batch_dependent: frozenset[Var]
+    accumulated: dict[Var, Var]
+    aliases: dict[Var, Any]
+    is_training: bool
+    const_eqns: dict[Var, JaxprEqn] = field(default_factory=dict)
+
+    def computation(self, stage: int, kind: str, level: int = 0) -> StageComputation | None:
+        for comp in self.computations:
+            if (comp.stage, comp.kind, comp.level) == (stage, kind, level):
+                return comp
+        return None
+
+    def apply_levels(self) -> int:
+        return 1 + max((c.level for c in self.computations if c.kind == "apply"), default=-1)
+
+
+def _is_var(v) -> bool:
+    return isinstance(v, Var) and not isinstance(v, DropVar | JaxLiteral)
+
+
+def _nbytes(v) -> int:
+    aval = v.aval
+    return int(np.prod(aval.shape, dtype=np.int64)) * np.dtype(aval.dtype).itemsize
+
+
+def split_computations(
+    closed_jaxpr: ClosedJaxpr,
+    eqn_layers: Sequence[int | None],
+    layer_to_stage: Sequence[int],
+    batch_invars: Sequence[bool],
+) -> PipelineProgram:
+    """Split a step into stage computations (see the module docstring).
+
+    ``eqn_layers[i]`` is the layer of forward equation ``i`` (``None`` for markers and for
+    equations after the ``alpa.grad`` marker or after the last layer's forward start).
+    """
+    jaxpr = closed_jaxpr.jaxpr
+    eqns = list(jaxpr.eqns)
+    num_stages = max(layer_to_stage) + 1
+    S_last = num_stages - 1
+    grad_index = next(
+        (
+            i
+            for i, e in enumerate(eqns)
+            if e.primitive is pipeline_p and e.params["mark_type"] == "grad"
+        ),
+        None,
+    )
+    is_training = grad_index is not None
+    compute_end = grad_index if is_training else len(eqns)
+
+    # Constant-only equations: recomputed wherever needed.
+    const_eqns: dict[Var, JaxprEqn] = {}
+    consts = set(jaxpr.constvars)
+    for eqn in eqns:
+        if eqn.primitive is pipeline_p or eqn.effects:
+            continue
+        if all(not _is_var(v) or v in consts or v in const_eqns for v in eqn.invars):
+            for v in eqn.outvars:
+                if _is_var(v):
+                    const_eqns[v] = eqn
+
+    def is_const(v) -> bool:
+        return not _is_var(v) or v in consts or v in const_eqns
+
+    global_invars = list(jaxpr.invars)
+    batch_set = {v for v, b in zip(global_invars, batch_invars, strict=True) if b}
+    invar_set = set(global_invars)
+
+    # ---- forward and backward placement
+    stage_of: dict[JaxprEqn, int] = {}
+    kind_of: dict[JaxprEqn, str] = {}
+    home: dict[Var, int] = {}
+    avail: dict[Var, set[int]] = {v: set() for v in global_invars}
+    forward_vars: set[Var] = set(global_invars)
+    last_layer = len(layer_to_stage) - 1
+    for i in range(compute_end):
+        eqn = eqns[i]
+        if eqn.primitive is pipeline_p and not eqn.outvars:
+            continue
+        if (
+            eqn.outvars
+            and all(v in const_eqns for v in eqn.outvars if _is_var(v))
+            and any(_is_var(v) for v in eqn.outvars)
+        ):
+            # A constant of the forward part counts as a forward value; one of the last
+            # layer's region may be the cotangent seed, which starts the backward.
+            if not (is_training and eqn_layers[i] in (None, last_layer)):
+                forward_vars.update(v for v in eqn.outvars if _is_var(v))
+            continue
+        layer = eqn_layers[i]
+        reads = [v for v in eqn.invars if _is_var(v) and not is_const(v)]
+        in_tail = is_training and (layer is None or layer == last_layer)
+        if not in_tail:
+            stage, kind = layer_to_stage[layer if layer is not None else last_layer], "forward"
+        elif reads and all(v in forward_vars for v in eqn.invars if _is_var(v) and v not in consts):
+            stage, kind = S_last, "forward"
+        else:
+            stage, kind = _backward_stage(reads, forward_vars, home, avail, S_last), "backward"
+        stage_of[eqn], kind_of[eqn] = stage, kind
+        for v in reads:
+            if v in forward_vars and kind == "forward":
+                avail.setdefault(v, set()).add(stage)
+        for v in eqn.outvars:
+            if _is_var(v):
+                home[v] = stage
+                avail[v] = {stage}
+                if kind == "forward":
+                    forward_vars.add(v)
+
+    # ---- the alpa.grad marker: accumulated values
+    accumulated: dict[Var, Var] = {}
+    aliases: dict[Var, Any] = {}
+    if is_training:
+        marker = eqns[grad_index]
+        for operand, out in zip(marker.invars, marker.outvars, strict=True):
+            if not _is_var(out):
+                continue
+            if _is_var(operand) and operand in home:
+                accumulated[out] = operand
+                home[out] = home[operand]
+            else:
+                aliases[out] = operand
+                if _is_var(operand) and operand in invar_set:
+                    home[out] = min(avail[operand], default=0)
+
+    # ---- apply placement
+    apply_eqns = []
+    produced_in_compute = {v for e in eqns[:compute_end] for v in e.outvars if _is_var(v)}
+    for eqn in eqns[compute_end + 1 :] if is_training else ():
+        if eqn.primitive is pipeline_p and not eqn.outvars:
+            continue
+        if all(v in const_eqns for v in eqn.outvars if _is_var(v)) and any(
+            _is_var(v) for v in eqn.outvars
+        ):
+            continue
+        for v in eqn.invars:
+            if _is_var(v) and v in produced_in_compute and v not in const_eqns:
+                raise ValueError(
+                    "a value computed from the batch before alpa.grad is read after it "
+                    "without passing through alpa.grad / alpa.value_and_grad; return it "
+                    "from the loss function as auxiliary output (has_aux=True) instead"
+                )
+        apply_eqns.append(eqn)
+    _place_apply(
+        apply_eqns, is_const, avail, home, accumulated, invar_set, num_stages, stage_of, kind_of
+    )
+    level_of: dict[Var, int] = {}
+    apply_level: dict[JaxprEqn, int] = {}
+    for eqn in apply_eqns:
+        stage = stage_of[eqn]
+        level = 0
+        for v in eqn.invars:
+            if _is_var(v) and v in level_of:
+                level = max(level, level_of[v] + (home[v] != stage))
+        apply_level[eqn] = level
+        for v in eqn.outvars:
+            if _is_var(v):
+                level_of[v] = level
+
+    # ---- group equations into computations
+    groups: dict[tuple[int, str, int], list[JaxprEqn]] = {}
+    for eqn in eqns:
+        if eqn in stage_of:
+            key = (stage_of[eqn], kind_of[eqn], apply_level.get(eqn, 0))
+            groups.setdefault(key, []).append(eqn)
+    if not is_training:
+        for s in range(num_stages):
+            groups.setdefault((s, "forward", 0), [])
+    else:
+        for s in range(num_stages):
+            groups.setdefault((s, "forward", 0), [])
+            groups.setdefault((s, "backward", 0), [])
+
+    # Values read outside the computation that produces them.
+    outputs_needed: set[Var] = {v for v in jaxpr.outvars if _is_var(v)}
+    outputs_needed |= set(accumulated.values())
+    readers: dict[Var, set[tuple]] = {}
+    for key, group in groups.items():
+        for eqn in group:
+            for v in eqn.invars:
+                if _is_var(v):
+                    readers.setdefault(v, set()).add(key)
+
+    computations = []
+    for key in sorted(groups, key=lambda k: (k[1] != "forward", k[1] != "backward", k[2], k[0])):
+        group = groups[key]
+        produced = {v for e in group for v in e.outvars if _is_var(v)}
+        needed_consts: set[Var] = set()
+        invars: list[Var] = []
+        for eqn in group:
+            for v in eqn.invars:
+                if not _is_var(v) or v in produced:
+                    continue
+                if v in const_eqns:
+                    _collect_consts(v, const_eqns, needed_consts)
+                elif v not in consts and v not in invars:
+                    invars.append(v)
+        const_part = [e for e in eqns if any(o in needed_consts for o in e.outvars)]
+        outvars = [
+            v
+            for e in group
+            for v in e.outvars
+            if _is_var(v) and (v in outputs_needed or readers.get(v, set()) - {key})
+        ]
+        computations.append(
+            StageComputation(
+                stage=key[0],
+                kind=key[1],
+                level=key[2],
+                eqns=tuple(_dedup(const_part) + group),
+                invars=tuple(invars),
+                outvars=tuple(outvars),
+            )
+        )
+
+    per_micro_batch = frozenset(v for e in eqns[:compute_end] for v in e.outvars if _is_var(v))
+    readers_of_input: dict[Var, set[int]] = {v: set() for v in global_invars}
+    for comp in computations:
+        for v in comp.invars:
+            if v in readers_of_input:
+                readers_of_input[v].add(comp.stage)
+    input_stages = {
+        v: tuple(sorted(readers_of_input[v] or avail.get(v) or {0})) for v in global_invars
+    }
+    return PipelineProgram(
+        closed_jaxpr=closed_jaxpr,
+        num_stages=num_stages,
+        computations=tuple(computations),
+        home=home,
+        input_stages=input_stages,
+        per_micro_batch=per_micro_batch,
+        batch_dependent=frozenset(_batch_dependent(eqns, batch_set)),
+        accumulated=accumulated,
+        aliases=aliases,
+        is_training=is_training,
+        const_eqns=const_eqns,
+    )
+
+
+def _place_apply(
+    apply_eqns, is_const, avail, home, accumulated, invar_set, num_stages, stage_of, kind_of
+) -> None:
+    """Stages of apply-grad equations: where most of their operand bytes are.
+
+    Equations none of whose operands has a place yet (``b1 * mu`` of an optimizer state
+    read for the first time) are placed afterwards, in reverse order, where most of the
+    bytes of their results are read.
+    """
+    where: dict[Var, set[int]] = {v: set(s) for v, s in avail.items() if v in invar_set}
+    for out in accumulated:
+        where[out] = {home[out]}
+    deferred = []
+    for eqn in apply_eqns:
+        score = np.zeros(num_stages)
+        for v in eqn.invars:
+            if _is_var(v) and not is_const(v):
+                for s in where.get(v, ()):
+                    score[s] += _nbytes(v)
+        if not score.any():
+            deferred.append(eqn)
+            continue
+        _set_apply_stage(
+            eqn, int(np.argmax(score)), where, avail, home, invar_set, stage_of, kind_of
+        )
+    consumers: dict[Var, list] = {}
+    for eqn in apply_eqns:
+        for v in eqn.invars:
+            if _is_var(v):
+                consumers.setdefault(v, []).append(eqn)
+    for eqn in reversed(deferred):
+        score = np.zeros(num_stages)
+        for v in eqn.outvars:
+            for c in consumers.get(v, ()) if _is_var(v) else ():
+                if c in stage_of:
+                    score[stage_of[c]] += _nbytes(v)
+        _set_apply_stage(
+            eqn, int(np.argmax(score)), where, avail, home, invar_set, stage_of, kind_of
+        )
+
+
+def _set_apply_stage(eqn, stage, where, avail, home, invar_set, stage_of, kind_of) -> None:
+    stage_of[eqn], kind_of[eqn] = stage, "apply"
+    for v in eqn.invars:
+        if _is_var(v) and v in invar_set:
+            where.setdefault(v, set()).add(stage)
+            avail.setdefault(v, set()).add(stage)
+    for v in eqn.outvars:
+        if _is_var(v):
+            home[v] = stage
+            where[v] = {stage}
+
+
+def _backward_stage(reads, forward_vars, home, avail, last_stage) -> int:
+    """The stage of a backward equation: see the module docstring."""
+    upper = min((home[v] for v in reads if v not in forward_vars), default=last_stage)
+    stage = upper
+    for v in reads:
+        if v in forward_vars:
+            below = [s for s in avail.get(v, ()) if s <= upper]
+            stage = min(stage, max(below) if below else upper)
+    return stage
+
+
+def _collect_consts(v, const_eqns, out: set) -> None:
+    if v in out or v not in const_eqns:
+        return
+    out.add(v)
+    for u in const_eqns[v].invars:
+        if _is_var(u):
+            _collect_consts(u, const_eqns, out)
+
+
+def _dedup(eqns: list) -> list:
+    seen, out = set(), []
+    for e in eqns:
+        if id(e) not in seen:
+            seen.add(id(e))
+            out.append(e)
+    return out
+
+
+def _batch_dependent(eqns, batch_set) -> set:
+    dependent = set(batch_set)
+    for eqn in eqns:
+        if any(_is_var(v) and v in dependent for v in eqn.invars):
+            dependent.update(v for v in eqn.outvars if _is_var(v))
+    return dependent

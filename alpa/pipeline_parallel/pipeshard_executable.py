@@ -1,0 +1,319 @@
+"""PipeshardDriverExecutable: a step compiled into pipeline stages on submeshes.
+
+Compilation (``compile_pipeshard_executable``) runs the inter-op passes in order:
+
+    traced step --layers--> eqn layers --stages--> StagePlan --split--> PipelineProgram
+       --schedule + emitter--> PipelineInstructions --jax.jit per computation--> executable
+
+Each stage computation is compiled with ``jax.jit`` on its own submesh. Until the
+intra-op pass shards stages, each stage is data parallel on its submesh: a value that
+depends on the batch is split along dimension 0 over all devices of the submesh (when it
+divides), every other value is replicated.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from alpa.device_mesh import make_jax_mesh
+from alpa.executable import Executable, PlacementSpec
+from alpa.pipeline_parallel.computation import (
+    PipelineProgram,
+    StageComputation,
+    _collect_consts,
+    _is_var,
+    split_computations,
+)
+from alpa.pipeline_parallel.layer_construction import manual_layers, resolve_layer_option
+from alpa.pipeline_parallel.primitive_def import pipeline_p
+from alpa.pipeline_parallel.runtime_emitter import (
+    PipelineInstructions,
+    emit_instructions,
+    simulate_memory,
+)
+from alpa.pipeline_parallel.schedules import PipelineSchedule, make_schedule
+from alpa.pipeline_parallel.stage_construction import StagePlan, plan_stages
+from alpa.runtime.local_runtime import LocalPipelineRuntime
+from alpa.tracing import TracedStep
+
+DATA_AXES = ("x", "y")
+
+
+def compile_pipeshard_executable(
+    traced: TracedStep,
+    devices: Sequence[Any],
+    num_micro_batches: int,
+    pipeline_schedule: str = "1f1b",
+    layer_option: Any = None,
+    stage_option: Any = None,
+) -> PipeshardDriverExecutable:
+    """Compile ``traced`` (traced at micro-batch size) into a pipeshard executable."""
+    resolve_layer_option(layer_option)
+    eqn_layers, num_layers = manual_layers(traced.closed_jaxpr)
+    stage_plan = plan_stages(stage_option, num_layers, len(devices))
+    program = split_computations(
+        traced.closed_jaxpr, eqn_layers, stage_plan.layer_to_stage, traced.batch_invars
+    )
+    if pipeline_schedule == "inference" and program.is_training:
+        raise ValueError(
+            "pipeline_schedule='inference' cannot run a training step (it calls alpa.grad); "
+            "use 'gpipe' or '1f1b'"
+        )
+    schedule = make_schedule(pipeline_schedule, stage_plan.num_stages, num_micro_batches)
+    if not program.is_training and pipeline_schedule != "inference":
+        raise ValueError(
+            f"the step has no alpa.grad, so it is an inference step; pass "
+            f"pipeline_schedule='inference' instead of {pipeline_schedule!r}"
+        )
+    names = _name_vars(traced.closed_jaxpr)
+    instructions = emit_instructions(program, schedule, names)
+    return PipeshardDriverExecutable(
+        traced, program, stage_plan, schedule, instructions, names, devices, num_micro_batches
+    )
+
+
+def _name_vars(closed_jaxpr) -> dict:
+    names: dict = {}
+    jaxpr = closed_jaxpr.jaxpr
+
+    def add(v):
+        if _is_var(v) and v not in names:
+            names[v] = f"v{len(names)}"
+
+    for v in list(jaxpr.constvars) + list(jaxpr.invars):
+        add(v)
+    for eqn in jaxpr.eqns:
+        for v in eqn.outvars:
+            add(v)
+    return names
+
+
+def _eval_eqns(eqns, env: dict) -> None:
+    def read(v):
+        return v.val if not _is_var(v) else env[v]
+
+    for eqn in eqns:
+        if eqn.primitive is pipeline_p and not eqn.outvars:
+            continue
+        outs = eqn.primitive.bind(
+            *[read(v) for v in eqn.invars], **eqn.primitive.get_bind_params(eqn.params)
+        )
+        if not eqn.primitive.multiple_results:
+            outs = [outs]
+        for v, out in zip(eqn.outvars, outs, strict=True):
+            if _is_var(v):
+                env[v] = out
+
+
+class PipeshardDriverExecutable(Executable):
+    """Runs a pipelined step on local submeshes (the driver runs every mesh's program)."""
+
+    def __init__(
+        self,
+        traced: TracedStep,
+        program: PipelineProgram,
+        stage_plan: StagePlan,
+        schedule: PipelineSchedule,
+        instructions: PipelineInstructions,
+        names: dict,
+        devices: Sequence[Any],
+        num_micro_batches: int,
+    ):
+        self.traced = traced
+        self.program = program
+        self.stage_plan = stage_plan
+        self.schedule = schedule
+        self.instructions = instructions
+        self.num_micro_batches = num_micro_batches
+        self._names = names
+        self._var_of = {name: v for v, name in names.items()}
+        self.meshes = [
+            make_jax_mesh(devices[a:b], shape, DATA_AXES)
+            for (a, b), shape in zip(
+                stage_plan.device_ranges, stage_plan.logical_shapes, strict=True
+            )
+        ]
+        jaxpr = traced.closed_jaxpr.jaxpr
+        self._consts_env = dict(zip(jaxpr.constvars, traced.closed_jaxpr.consts, strict=True))
+        self._compiled = [self._compile(c) for c in program.computations]
+        leaf_index = {names[v]: i for i, v in enumerate(jaxpr.invars)}
+        micro = [
+            a.shape[0] if b and a.shape else None
+            for a, b in zip(traced.in_avals, traced.batch_invars, strict=True)
+        ]
+        self.runtime = LocalPipelineRuntime(
+            program=instructions,
+            computations=self._compiled,
+            sharding_of=lambda key: self._sharding(self._var_of[key[0]], key[2]),
+            micro_batch_size=micro,
+            computation_names=[c.name for c in program.computations],
+            leaf_index=leaf_index,
+        )
+        const_env = dict(self._consts_env)
+        const_outputs = {name for kind, name in instructions.outputs if kind == "const"}
+        if const_outputs:
+            needed: set = set()
+            for n in const_outputs:
+                _collect_consts(self._var_of[n], program.const_eqns, needed)
+            _eval_eqns([e for e in jaxpr.eqns if any(o in needed for o in e.outvars)], const_env)
+        self._const_outputs = {n: const_env[self._var_of[n]] for n in const_outputs}
+        self.collect_trace = False
+        self._last_outputs: list = []
+
+    # -- compilation
+
+    def _sharding(self, var, mesh: int) -> NamedSharding:
+        jax_mesh = self.meshes[mesh]
+        n = jax_mesh.devices.size
+        shape = var.aval.shape
+        if var in self.program.batch_dependent and shape and shape[0] % n == 0:
+            return NamedSharding(jax_mesh, PartitionSpec(DATA_AXES))
+        return NamedSharding(jax_mesh, PartitionSpec())
+
+    def _compile(self, comp: StageComputation):
+        consts = {v: c for v, c in self._consts_env.items()}
+
+        def fn(*args):
+            env = dict(consts)
+            env.update(zip(comp.invars, args, strict=True))
+            _eval_eqns(comp.eqns, env)
+            return [env[v] for v in comp.outvars]
+
+        fn.__name__ = comp.name
+        in_shardings = [self._sharding(v, comp.stage) for v in comp.invars]
+        out_shardings = [self._sharding(v, comp.stage) for v in comp.outvars]
+        structs = [
+            jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, sharding=s)
+            for v, s in zip(comp.invars, in_shardings, strict=True)
+        ]
+        lowered = jax.jit(fn, in_shardings=in_shardings, out_shardings=out_shardings).lower(
+            *structs
+        )
+        return lowered.compile()
+
+    # -- Executable interface
+
+    def launch(self, flat_args: Sequence[Any]) -> list[jax.Array]:
+        self._check_batch(flat_args)
+        outputs = self.runtime.run(flat_args, self._const_outputs, blocking=self.collect_trace)
+        self._last_outputs = [o for o in outputs if isinstance(o, jax.Array)]
+        return outputs
+
+    def _check_batch(self, flat_args) -> None:
+        k = self.num_micro_batches
+        for i, (arg, aval, is_batch) in enumerate(
+            zip(flat_args, self.traced.in_avals, self.traced.batch_invars, strict=True)
+        ):
+            if is_batch and np.shape(arg)[0] != aval.shape[0] * k:
+                raise ValueError(
+                    f"{self.traced.leaf_names[i]} has batch size {np.shape(arg)[0]} but the "
+                    f"step was compiled for {aval.shape[0] * k} ({k} micro-batches of "
+                    f"{aval.shape[0]})"
+                )
+
+    def preshard_flat_args(self, flat_args: Sequence[Any]) -> list[Any]:
+        out = []
+        jaxpr = self.traced.closed_jaxpr.jaxpr
+        for v, arg, is_batch in zip(jaxpr.invars, flat_args, self.traced.batch_invars, strict=True):
+            if is_batch:
+                out.append(arg)
+            else:
+                out.append(jax.device_put(arg, self._sharding(v, self.program.input_stages[v][0])))
+        return out
+
+    def flat_input_placement_specs(self) -> list[PlacementSpec]:
+        jaxpr = self.traced.closed_jaxpr.jaxpr
+        return [self._placement(v, self.program.input_stages[v]) for v in jaxpr.invars]
+
+    def flat_output_placement_specs(self) -> list[PlacementSpec]:
+        specs = []
+        jaxpr = self.traced.closed_jaxpr.jaxpr
+        for v, (kind, value) in zip(jaxpr.outvars, self.instructions.outputs, strict=True):
+            if kind == "key":
+                specs.append(self._placement(v, (value[2],)))
+            elif kind == "concat":
+                specs.append(self._placement(v, (value[0][2],)))
+            else:
+                specs.append(PlacementSpec(getattr(v, "aval", None), (), ()))
+        return specs
+
+    def _placement(self, var, meshes) -> PlacementSpec:
+        return PlacementSpec(
+            var.aval, tuple(meshes), tuple(self._sharding(var, m).spec for m in meshes)
+        )
+
+    def get_hlo_text(self) -> list[str]:
+        """One HLO module per stage computation: forward, backward, apply-grad, in that order."""
+        return [c.as_text() for c in self._compiled]
+
+    def get_stage_allocation_size(self) -> list[int]:
+        """Per stage computation, the bytes XLA allocates per device (args + temps + outputs)."""
+        sizes = []
+        for compiled in self._compiled:
+            mem = compiled.memory_analysis()
+            sizes.append(
+                int(
+                    mem.argument_size_in_bytes
+                    + mem.output_size_in_bytes
+                    + mem.temp_size_in_bytes
+                    - mem.alias_size_in_bytes
+                )
+            )
+        return sizes
+
+    def get_peak_live_bytes(self) -> list[int]:
+        """Per mesh, the peak bytes of buffers a step creates (the emitter's accounting)."""
+        return simulate_memory(self.instructions)
+
+    def dump_stage_execution_trace(self, path: str) -> None:
+        """Write the last step as a Chrome trace (opens in Perfetto or chrome://tracing).
+
+        Times are dispatch times unless ``collect_trace`` was set before the step, in which
+        case every computation was waited for.
+        """
+        events = []
+        base = min((e.start for e in self.runtime.events), default=0.0)
+        for e in self.runtime.events:
+            events.append(
+                {
+                    "name": e.name,
+                    "ph": "X",
+                    "pid": 0,
+                    "tid": e.mesh,
+                    "ts": (e.start - base) * 1e6,
+                    "dur": (e.end - e.start) * 1e6,
+                }
+            )
+        for mesh in range(len(self.meshes)):
+            events.append(
+                {
+                    "name": "thread_name",
+                    "ph": "M",
+                    "pid": 0,
+                    "tid": mesh,
+                    "args": {"name": f"mesh {mesh}"},
+                }
+            )
+        with open(path, "w") as f:
+            json.dump({"traceEvents": events}, f)
+
+    def dump_debug_info(self, folder: str) -> None:
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, "schedule.txt"), "w") as f:
+            f.write(self.schedule.grid() + "\n")
+        with open(os.path.join(folder, "instructions.txt"), "w") as f:
+            f.write("\n".join(str(i) for i in self.instructions.instructions) + "\n")
+        for comp, text in zip(self.program.computations, self.get_hlo_text(), strict=True):
+            with open(os.path.join(folder, f"{comp.name}.hlo"), "w") as f:
+                f.write(text)
+
+    def live_buffers_after_step(self) -> list:
+        """Buffers of the last step still referenced besides inputs and outputs (none)."""
+        return list(self.runtime.leftover)

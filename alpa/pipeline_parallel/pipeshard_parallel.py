@@ -1,0 +1,99 @@
+"""PipeshardParallel: pipeline stages on submeshes, each stage sharded on its own mesh.
+
+The user's boundaries (``alpa.mark_pipeline_boundary()``) cut the forward pass into layers
+(``layer_option``); consecutive layers form stages, each on a slice of the devices
+(``stage_option``); micro-batches flow through a schedule (``pipeline_schedule``). See
+``pipeshard_executable`` for the passes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from alpa.executable import Executable
+from alpa.parallel_method import ParallelMethod
+from alpa.pipeline_parallel.layer_construction import resolve_layer_option
+from alpa.pipeline_parallel.pipeshard_executable import compile_pipeshard_executable
+from alpa.pipeline_parallel.schedules import schedules
+from alpa.pipeline_parallel.stage_construction import resolve_stage_option
+from alpa.tracing import TracedStep
+
+
+class PipeshardParallel(ParallelMethod):
+    """Inter-operator (pipeline) plus intra-operator parallelism.
+
+    Args:
+      devices: ``None`` (the devices of ``alpa.init``), a ``LocalPhysicalDeviceMesh`` or a
+        list of jax devices.
+      num_micro_batches: micro-batches per step; divides the batch size.
+      default_auto_sharding_option: sharding options of every stage (stages are data
+        parallel on their submesh until the intra-op pass is wired in).
+      pipeline_schedule: ``"1f1b"``, ``"gpipe"`` or ``"inference"``.
+      layer_option: ``"manual"`` or ``ManualLayerOption``.
+      stage_option: ``"uniform"``, ``UniformStageOption`` or ``ManualStageOption``.
+      stage_input_shardings, manual_sharding_option: not supported yet (must be ``None``).
+    """
+
+    def __init__(
+        self,
+        devices=None,
+        num_micro_batches: int = 1,
+        default_auto_sharding_option=None,
+        pipeline_schedule: str = "1f1b",
+        layer_option=None,
+        stage_option=None,
+        stage_input_shardings=None,
+        manual_sharding_option=None,
+    ):
+        if (
+            isinstance(num_micro_batches, bool)
+            or not isinstance(num_micro_batches, int)
+            or num_micro_batches < 1
+        ):
+            raise ValueError(f"num_micro_batches must be a positive int, got {num_micro_batches!r}")
+        if pipeline_schedule not in schedules:
+            raise ValueError(
+                f"unknown pipeline_schedule {pipeline_schedule!r}; expected one of "
+                f"{sorted(schedules)}"
+            )
+        for name, value in (
+            ("stage_input_shardings", stage_input_shardings),
+            ("manual_sharding_option", manual_sharding_option),
+        ):
+            if value is not None:
+                raise NotImplementedError(f"PipeshardParallel({name}=...) is not supported yet")
+        self.devices = devices
+        self.num_micro_batches = num_micro_batches
+        self.default_auto_sharding_option = default_auto_sharding_option
+        self.pipeline_schedule = pipeline_schedule
+        self.layer_option = resolve_layer_option(layer_option)
+        self.stage_option = resolve_stage_option(stage_option)
+
+    def _devices(self) -> list[Any]:
+        devices = self.devices
+        if devices is None:
+            from alpa.api import get_global_physical_mesh
+
+            return list(get_global_physical_mesh().devices)
+        if hasattr(devices, "devices"):
+            return list(devices.devices)
+        return list(devices)
+
+    def compile_executable(self, traced: TracedStep, args: Sequence[Any]) -> Executable:
+        del args
+        return compile_pipeshard_executable(
+            traced,
+            self._devices(),
+            self.num_micro_batches,
+            pipeline_schedule=self.pipeline_schedule,
+            layer_option=self.layer_option,
+            stage_option=self.stage_option,
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"PipeshardParallel(num_micro_batches={self.num_micro_batches}, "
+            f"pipeline_schedule={self.pipeline_schedule!r}, "
+            f"stage_option={self.stage_option!r})"
+        )

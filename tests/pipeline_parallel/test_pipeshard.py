@@ -1,0 +1,261 @@
+"""PipeshardParallel on 8 virtual CPU devices: numerics against the serial step, memory,
+executable helpers and bad input."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from conftest import devices_or_skip
+
+import alpa
+from alpa.pipeline_parallel.pipeshard_parallel import PipeshardParallel
+from alpa.pipeline_parallel.stage_construction import ManualStageOption, UniformStageOption
+
+BATCH = 16
+
+
+def _mlp_loss(num_layers):
+    def loss(params, x, y):
+        h = x
+        for i in range(num_layers):
+            h = jnp.tanh(h @ params[f"w{i}"] + params[f"b{i}"])
+            if i < num_layers - 1:
+                alpa.mark_pipeline_boundary()
+        return jnp.mean((h - y) ** 2)
+
+    return loss
+
+
+def _mlp(num_layers, hidden=8):
+    keys = jax.random.split(jax.random.PRNGKey(0), num_layers + 2)
+    params = {}
+    for i in range(num_layers):
+        params[f"w{i}"] = jax.random.normal(keys[i], (hidden, hidden)) / np.sqrt(hidden)
+        params[f"b{i}"] = jnp.full((hidden,), 0.1 * i)
+    x = jax.random.normal(keys[-2], (BATCH, hidden))
+    y = jax.random.normal(keys[-1], (BATCH, hidden))
+    return params, (x, y)
+
+
+def _train_step(loss, tx, grad_fn):
+    def step(params, opt_state, batch):
+        value, grads = grad_fn(loss)(params, *batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, value
+
+    return step
+
+
+def _check_against_serial(loss, params, batch, method, tx=None, steps=2):
+    tx = tx or optax.chain(optax.clip_by_global_norm(0.3), optax.adam(1e-2))
+    opt_state = tx.init(params)
+    serial = jax.jit(_train_step(loss, tx, jax.value_and_grad))
+    parallel = alpa.parallelize(
+        _train_step(loss, tx, alpa.value_and_grad), method=method, batch_argnums=(2,)
+    )
+    ref_state, state = (params, opt_state), (params, opt_state)
+    for _ in range(steps):
+        ref = serial(*ref_state, batch)
+        out = parallel(*state, batch)
+        for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(ref), strict=True):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)
+        ref_state, state = ref[:2], out[:2]
+    return parallel.get_last_executable()
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+@pytest.mark.parametrize("num_micro_batches", [1, 2, 8])
+def test_mlp_two_stages(schedule, num_micro_batches):
+    devices_or_skip(8)
+    params, batch = _mlp(2)
+    method = PipeshardParallel(
+        num_micro_batches=num_micro_batches, pipeline_schedule=schedule, stage_option="uniform"
+    )
+    executable = _check_against_serial(_mlp_loss(2), params, batch, method)
+    assert executable.live_buffers_after_step() == []
+    assert [m.devices.size for m in executable.meshes] == [4, 4]
+
+
+def test_mlp_four_stages_uniform_option():
+    devices_or_skip(8)
+    params, batch = _mlp(4)
+    method = PipeshardParallel(num_micro_batches=4, stage_option=UniformStageOption(4))
+    executable = _check_against_serial(_mlp_loss(4), params, batch, method)
+    assert executable.stage_plan.num_stages == 4
+    assert executable.live_buffers_after_step() == []
+
+
+def test_uneven_submeshes_and_layers_per_stage():
+    devices_or_skip(8)
+    params, batch = _mlp(3)
+    stage_option = ManualStageOption([[0, 1], [2]], [(1, 2), (1, 6)])
+    method = PipeshardParallel(num_micro_batches=2, stage_option=stage_option)
+    executable = _check_against_serial(_mlp_loss(3), params, batch, method)
+    assert [m.devices.size for m in executable.meshes] == [2, 6]
+    # Each parameter and its optimizer state live on the mesh of the stage that uses it.
+    specs = executable.get_input_placement_specs()
+    assert specs[0]["w0"].mesh_ids == (0,) and specs[0]["w2"].mesh_ids == (1,)
+    adam_state = specs[1][1][0]
+    assert adam_state.mu["w1"].mesh_ids == (0,) and adam_state.mu["w2"].mesh_ids == (1,)
+
+
+def _tied_loss(params, tokens, labels):
+    embedding = params["embedding"]  # used by the first and the last stage
+    h = embedding[tokens]
+    h = jnp.tanh(h @ params["w0"])
+    alpa.mark_pipeline_boundary()
+    h = jnp.tanh(h @ params["w1"])
+    logits = h @ embedding.T
+    logp = jax.nn.log_softmax(logits)
+    return -jnp.mean(jnp.take_along_axis(logp, labels[..., None], axis=-1))
+
+
+def test_tied_embedding_across_stages():
+    devices_or_skip(8)
+    vocab, dim = 16, 8
+    keys = jax.random.split(jax.random.PRNGKey(1), 4)
+    params = {
+        "embedding": jax.random.normal(keys[0], (vocab, dim)),
+        "w0": jax.random.normal(keys[1], (dim, dim)) / 3,
+        "w1": jax.random.normal(keys[2], (dim, dim)) / 3,
+    }
+    tokens = jax.random.randint(keys[3], (BATCH, 4), 0, vocab)
+    labels = (tokens + 1) % vocab
+    method = PipeshardParallel(num_micro_batches=4, pipeline_schedule="gpipe")
+    executable = _check_against_serial(_tied_loss, params, (tokens, labels), method)
+    assert executable.get_input_placement_specs()[0]["embedding"].mesh_ids == (0, 1)
+
+
+def test_inference_schedule():
+    devices_or_skip(8)
+    params, (x, _) = _mlp(2)
+
+    def infer(params, x):
+        h = jnp.tanh(x @ params["w0"] + params["b0"])
+        alpa.mark_pipeline_boundary()
+        return jnp.tanh(h @ params["w1"] + params["b1"]), jnp.sum(params["b1"])
+
+    method = PipeshardParallel(num_micro_batches=4, pipeline_schedule="inference")
+    out = alpa.parallelize(infer, method=method, batch_argnums=(1,))(params, x)
+    ref = infer(params, x)
+    for a, b in zip(out, ref, strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)
+
+
+def _executable(schedule, num_micro_batches, num_layers=2):
+    params, batch = _mlp(num_layers)
+    tx = optax.sgd(0.1)
+    method = PipeshardParallel(num_micro_batches=num_micro_batches, pipeline_schedule=schedule)
+    step = alpa.parallelize(
+        _train_step(_mlp_loss(num_layers), tx, alpa.value_and_grad),
+        method=method,
+        batch_argnums=(2,),
+    )
+    return step.get_executable(params, tx.init(params), batch)
+
+
+def test_1f1b_peak_activation_memory_below_gpipe():
+    devices_or_skip(8)
+    gpipe = _executable("gpipe", 8).get_peak_live_bytes()
+    one_f_one_b = _executable("1f1b", 8).get_peak_live_bytes()
+    assert one_f_one_b[0] < gpipe[0]
+    assert all(a <= b for a, b in zip(one_f_one_b, gpipe, strict=True))
+
+
+def test_executable_helpers(tmp_path):
+    devices_or_skip(8)
+    params, batch = _mlp(2)
+    tx = optax.sgd(0.1)
+    method = PipeshardParallel(num_micro_batches=2)
+    step = alpa.parallelize(
+        _train_step(_mlp_loss(2), tx, alpa.value_and_grad), method=method, batch_argnums=(2,)
+    )
+    step(params, tx.init(params), batch)
+    executable = step.get_last_executable()
+    names = [c.name for c in executable.program.computations]
+    assert names[:4] == ["stage0_forward", "stage1_forward", "stage0_backward", "stage1_backward"]
+    assert all(n.startswith(("stage0_apply", "stage1_apply")) for n in names[4:])
+    hlo = executable.get_hlo_text()
+    assert isinstance(hlo, list) and len(hlo) == len(names) and "HloModule" in hlo[0]
+    assert all(size > 0 for size in executable.get_stage_allocation_size())
+    path = tmp_path / "trace.json"
+    executable.dump_stage_execution_trace(str(path))
+    events = json.loads(path.read_text())["traceEvents"]
+    runs = [e for e in events if e["ph"] == "X" and "stage0_forward" in e["name"]]
+    assert len(runs) == 2 and {e["tid"] for e in events} == {0, 1}
+    out_specs = executable.get_output_placement_specs()
+    assert out_specs[0]["w1"].mesh_ids == (1,)
+    executable.dump_debug_info(str(tmp_path / "debug"))
+    assert "F0" in (tmp_path / "debug" / "schedule.txt").read_text()
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+def _compile_two_layers(**method_kwargs):
+    params, batch = _mlp(2)
+    tx = optax.sgd(0.1)
+    step = alpa.parallelize(
+        _train_step(_mlp_loss(2), tx, alpa.value_and_grad),
+        method=PipeshardParallel(**method_kwargs),
+        batch_argnums=(2,),
+    )
+    return step.get_executable(params, tx.init(params), batch)
+
+
+def test_layer_ids_that_skip_or_repeat():
+    with pytest.raises(
+        ValueError,
+        match=r"forward_stage_layer_ids \[\[0\], \[2\]\] must list "
+        r"layers 0..1 in order, each exactly once",
+    ):
+        ManualStageOption([[0], [2]], [(1, 4), (1, 4)])
+    with pytest.raises(ValueError, match=r"\[\[0, 1\], \[1\]\] must list layers 0..2"):
+        ManualStageOption([[0, 1], [1]], [(1, 4), (1, 4)])
+
+
+def test_submeshes_that_need_too_many_devices():
+    devices_or_skip(8)
+    option = ManualStageOption([[0], [1]], [(1, 4), (1, 6)])
+    with pytest.raises(
+        ValueError,
+        match=r"submesh_physical_shapes \[\[1, 4\], \[1, 6\]\] "
+        r"need 10 devices but only 8 exist",
+    ):
+        _compile_two_layers(stage_option=option)
+
+
+def test_boundary_count_must_match_stage_assignment():
+    devices_or_skip(8)
+    option = ManualStageOption([[0], [1], [2]], [(1, 2), (1, 2), (1, 2)])
+    with pytest.raises(
+        ValueError,
+        match=r"the step has 2 layers \(1 mark_pipeline_boundary "
+        r"calls\) but forward_stage_layer_ids assigns 3 layers",
+    ):
+        _compile_two_layers(stage_option=option)
+
+
+def test_num_micro_batches_must_divide_batch():
+    devices_or_skip(8)
+    with pytest.raises(ValueError, match=r"num_micro_batches=3 does not divide batch size 16"):
+        _compile_two_layers(num_micro_batches=3)
+
+
+def test_unknown_schedule():
+    with pytest.raises(
+        ValueError,
+        match=r"unknown pipeline_schedule 'interleaved'; expected "
+        r"one of \['1f1b', 'gpipe', 'inference'\]",
+    ):
+        PipeshardParallel(pipeline_schedule="interleaved")
+    devices_or_skip(8)
+    with pytest.raises(
+        ValueError,
+        match=r"pipeline_schedule='inference' cannot run a "
+        r"training step",
+    ):
+        _compile_two_layers(pipeline_schedule="inference")
