@@ -52,6 +52,44 @@ def count_communication_primitives(hlo_text: str,
                             counts["reduce-scatter"], counts["all-to-all"])
 
 
+_COMPUTATION_RE = re.compile(r"^(?:ENTRY\s+)?%?(?P<name>[\w.\-]+)\s.*\{\s*$")
+_CALLEE_RE = re.compile(
+    r"(?:body|condition|to_apply|calls|branch_computations)=\{?(?P<names>%?[\w.\-]+"
+    r"(?:,\s*%?[\w.\-]+)*)\}?")
+
+
+def _split_computations(hlo_text: str) -> dict[str, list[str]]:
+    computations: dict[str, list[str]] = {}
+    current = None
+    for line in hlo_text.splitlines():
+        header = _COMPUTATION_RE.match(line)
+        if header and not line.startswith(" "):
+            current = header.group("name")
+            computations[current] = []
+        elif current is not None:
+            computations[current].append(line)
+    return computations
+
+
+def count_loop_communication_primitives(hlo_text: str) -> CollectiveCounts:
+    """Like :func:`count_communication_primitives`, counting only the collectives that run
+    inside the body of a ``while`` loop (e.g. once per micro-batch)."""
+    computations = _split_computations(hlo_text)
+    pending = [m.group(1) for line in hlo_text.splitlines() if " while(" in line
+               for m in [re.search(r"body=%?([\w.\-]+)", line)] if m]
+    seen: set[str] = set()
+    while pending:
+        name = pending.pop()
+        if name in seen or name not in computations:
+            continue
+        seen.add(name)
+        for line in computations[name]:
+            for match in _CALLEE_RE.finditer(line):
+                pending += [n.strip().lstrip("%") for n in match.group("names").split(",")]
+    body_text = "\n".join(line for name in sorted(seen) for line in computations[name])
+    return count_communication_primitives(body_text)
+
+
 # ----------------------------------------------------------------------------- progress
 
 

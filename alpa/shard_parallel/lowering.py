@@ -31,7 +31,7 @@ from jax.extend.core import Jaxpr, Literal, Var
 from jax.sharding import NamedSharding, PartitionSpec
 
 from alpa.shard_parallel.sharding_plan import ShardingPlan
-from alpa.tracing import TracedStep
+from alpa.tracing import TracedStep, new_jaxpr
 
 # ----------------------------------------------------------------------------- evaluation
 
@@ -127,9 +127,10 @@ def split_at_grad_marker(traced: TracedStep) -> GradSplit:
             "value must be returned by the differentiated function (use has_aux=True for "
             "extra values) so that it can be accumulated over micro-batches."
         )
-    compute = Jaxpr(jaxpr.constvars, jaxpr.invars, list(marker.invars), compute_eqns)
-    apply = Jaxpr(
-        jaxpr.constvars, list(jaxpr.invars) + list(marker.outvars), jaxpr.outvars, apply_eqns
+    compute = new_jaxpr(jaxpr, jaxpr.constvars, jaxpr.invars, marker.invars, compute_eqns)
+    apply = new_jaxpr(
+        jaxpr, jaxpr.constvars, list(jaxpr.invars) + list(marker.outvars), jaxpr.outvars,
+        apply_eqns,
     )
     return GradSplit(compute, apply, tuple(marker.outvars))
 

@@ -180,5 +180,13 @@ def inline_calls(closed: ClosedJaxpr) -> ClosedJaxpr:
     env: dict = {}
     emit(closed.jaxpr, env, top=True)
     outvars = [v if isinstance(v, Literal) else env.get(v, v) for v in closed.jaxpr.outvars]
-    jaxpr = Jaxpr(constvars, closed.jaxpr.invars, outvars, eqns, closed.jaxpr.effects)
-    return ClosedJaxpr(jaxpr, consts)
+    return ClosedJaxpr(new_jaxpr(closed.jaxpr, constvars, closed.jaxpr.invars, outvars, eqns),
+                       consts)
+
+
+def new_jaxpr(template: Jaxpr, constvars, invars, outvars, eqns) -> Jaxpr:
+    """A jaxpr cut from ``template`` (same effects and function name; argument and
+    result names unknown, as their count may differ)."""
+    debug_info = template.debug_info.with_unknown_names()
+    return Jaxpr(list(constvars), list(invars), list(outvars), list(eqns), template.effects,
+                 debug_info=debug_info)

@@ -1,0 +1,59 @@
+"""Public helpers of alpa.util and alpa.testing."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from alpa.testing import assert_allclose
+from alpa.util import (
+    benchmark_func,
+    compute_gpt_tflops,
+    compute_param_number,
+    count_communication_primitives,
+)
+
+HLO = """
+ENTRY %main {
+  %p0 = f32[8,8]{1,0} parameter(0)
+  %all-reduce = (f32[8]{0}, f32[8,8]{1,0}) all-reduce(%a, %b), replica_groups={{0,1}}, to_apply=%add
+  %all-reduce.1 = f32[] all-reduce(%c), replica_groups={{0,1}}, to_apply=%add
+  %ags = (f32[4]{0}, f32[8]{0}) all-gather-start(%d), dimensions={0}
+  %agd = f32[8]{0} all-gather-done(%ags)
+  %rs = f32[4]{0} reduce-scatter(%e), dimensions={0}, to_apply=%add
+  %a2a = f32[8,8]{1,0} all-to-all(%f), dimensions={0}
+  ROOT %t = (f32[8]{0}) tuple(%agd)
+}
+"""
+
+
+def test_count_communication_primitives():
+    # The tuple all-reduce counts once, the async all-gather pair once.
+    assert count_communication_primitives(HLO) == (5, 2, 1, 1, 1)
+    assert count_communication_primitives(HLO, ignore_scalar_all_reduce=True) == (4, 1, 1, 1, 1)
+    assert count_communication_primitives("") == (0, 0, 0, 0, 0)
+
+
+def test_compute_gpt_tflops_closed_form():
+    # B=1, s=1, h=1, L=1, V=0: forward 24*(1+1/6) = 28 FLOPs, with backward 3x.
+    assert compute_gpt_tflops(1, 1, 1, 1, 0, 1, 1e-12) == pytest.approx(84.0)
+    assert compute_gpt_tflops(1, 1, 1, 1, 0, 1, 1e-12, backward=False) == pytest.approx(28.0)
+    assert compute_gpt_tflops(1, 1, 1, 1, 0, 2, 1e-12, checkpoint_activations=True) == (
+        pytest.approx(56.0))
+
+
+def test_compute_param_number():
+    assert compute_param_number({"a": jnp.ones((3, 4)), "b": [np.ones(5)]}) == 17
+
+
+def test_benchmark_func_counts_calls():
+    calls = []
+    costs = benchmark_func(lambda: calls.append(1), warmup=2, repeat=3, number=4)
+    assert costs.shape == (3,) and len(calls) == 2 + 12
+
+
+def test_assert_allclose_checks_structure_and_values():
+    assert_allclose({"a": np.ones(3)}, {"a": np.ones(3) + 1e-6})
+    with pytest.raises(AssertionError, match="structure"):
+        assert_allclose({"a": np.ones(3)}, {"b": np.ones(3)})
+    with pytest.raises(AssertionError, match=r"leaf \['a'\]"):
+        assert_allclose({"a": np.ones(3)}, {"a": np.zeros(3)})
