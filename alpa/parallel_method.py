@@ -15,7 +15,7 @@ from typing import Any
 
 from alpa.device_mesh import LocalPhysicalDeviceMesh, LogicalDeviceMesh
 from alpa.executable import Executable
-from alpa.shard_parallel.auto_sharding import AutoShardingOption
+from alpa.shard_parallel.auto_sharding import AutoShardingOption, plan_auto_sharding
 from alpa.shard_parallel.data_parallel import data_parallel_plan
 from alpa.shard_parallel.executable import compile_shard_executable
 from alpa.shard_parallel.manual_sharding import ManualShardingOption, manual_sharding_plan
@@ -72,8 +72,7 @@ class ShardParallel(ParallelMethod):
     """Intra-operator parallelism: the whole step on one mesh.
 
     With ``manual_sharding_option`` the user's PartitionSpecs decide. Otherwise the
-    auto-sharding pass decides (``alpa.shard_parallel.auto_sharding``); until that pass
-    lands, the plan is data parallel over all devices.
+    auto-sharding pass decides (``alpa.shard_parallel.auto_sharding``).
 
     Args:
       devices: see :func:`resolve_logical_mesh`.
@@ -104,7 +103,7 @@ class ShardParallel(ParallelMethod):
         logical_mesh = resolve_logical_mesh(self.devices, mesh_shape)
         if self.manual_sharding_option is not None:
             return manual_sharding_plan(traced, logical_mesh, self.manual_sharding_option, args)
-        return data_parallel_plan(traced, logical_mesh, method="ShardParallel")
+        return plan_auto_sharding(traced, logical_mesh, self.auto_sharding_option)
 
     def compile_executable(self, traced: TracedStep, args: Sequence[Any]) -> Executable:
         return compile_shard_executable(traced, self._plan(traced, args), self.num_micro_batches)
@@ -150,3 +149,8 @@ class Zero3Parallel(_FixedPlanParallel):
     parameters are gathered before use."""
 
     zero_stage = 3
+
+
+# PipeshardParallel lives with the other inter-op passes; imported last because it builds
+# on ParallelMethod above.
+from alpa.pipeline_parallel.pipeshard_parallel import PipeshardParallel  # noqa: E402, F401

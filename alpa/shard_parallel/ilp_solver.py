@@ -76,12 +76,20 @@ def peak_memory(graph: StrategyGraph, choice) -> float:
     return best
 
 
+#: Graphs with more decision groups than this get repeated structure tied (step 4).
+TIE_LAYERS_ABOVE_GROUPS = 150
+#: Rounds of colour refinement that decide which groups are "the same" across layers.
+TIE_ROUNDS = 3
+
+
 def solve(
     graph: StrategyGraph, memory_budget: float | None = None, time_limit: float = 60.0
 ) -> Solution:
     """The cheapest choice of strategies (module docstring)."""
     start = time.perf_counter()
     groups = _Groups(graph)
+    if len(groups.roots) > TIE_LAYERS_ABOVE_GROUPS:
+        groups.tie_repeated_structure()
     groups.eliminate_edges()
     if memory_budget is None:
         groups.eliminate_variables()
@@ -151,6 +159,53 @@ class _Groups:
         self.alive = set(self.roots)
         self.constant = 0.0
         self.eliminated: list[tuple] = []
+
+    def tie_repeated_structure(self) -> None:
+        """Give groups that look the same from ``TIE_ROUNDS`` edges away one variable.
+
+        Colour refinement (Weisfeiler-Lehman) over the node graph: a node's colour starts as
+        its primitive, shapes and strategies, and is refined by the colours of its operands
+        and consumers. Groups whose roots end with equal colours and equal strategy lists
+        are merged: in a stack of identical layers, layer ``i``'s matmul and layer ``j``'s
+        take the same strategy. This only restricts the plan (the objective stays the exact
+        cost of the chosen plan); it is applied to large graphs, where it keeps the ILP the
+        size of one layer.
+        """
+        graph = self.graph
+        colour = {}
+        for node in graph.nodes:
+            op = node.label.split(" ", 2)[-1] if node.label.startswith("eqn") else node.label
+            if node.label.startswith("input"):
+                op = "input"
+            shapes = tuple(tuple(v.aval.shape) for v in node.outvars)
+            specs = tuple(s.out_specs for s in node.strategies)
+            colour[node.id] = hash((op, shapes, specs))
+        preds: dict[int, list[int]] = {n.id: [] for n in graph.nodes}
+        succs: dict[int, list[int]] = {n.id: [] for n in graph.nodes}
+        for edge in graph.edges:
+            preds[edge.dst].append(edge.src)
+            succs[edge.src].append(edge.dst)
+        for _ in range(TIE_ROUNDS):
+            colour = {
+                n: hash((c, tuple(colour[p] for p in preds[n]),
+                         tuple(sorted(colour[q] for q in succs[n]))))
+                for n, c in colour.items()
+            }  # fmt: skip
+        by_colour: dict[int, list[int]] = {}
+        for g in self.roots:
+            by_colour.setdefault(colour[g], []).append(g)
+        merged = set()
+        for members in by_colour.values():
+            head = members[0]
+            for g in members[1:]:
+                if self.k[g] == self.k[head]:
+                    self.parent[g] = head
+                    self.unary[head] += self.unary.pop(g)
+                    self.tie[head] += self.tie.pop(g)
+                    merged.add(g)
+        self.roots = [g for g in self.roots if g not in merged]
+        self.adj = {g: {} for g in self.roots}
+        self.alive = set(self.roots)
 
     def find(self, i: int) -> int:
         while self.parent[i] != i:

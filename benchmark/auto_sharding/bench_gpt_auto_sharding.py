@@ -1,0 +1,137 @@
+"""Planning time of the auto-sharding pass on GPT train steps (DESIGN §4, issue 3).
+
+For each GPT preset (125M, 350M, 1.3B; adamw; abstract inputs, so no weights are allocated)
+and each logical mesh (8,1), (2,4), (1,8) of an abstract 8-device cluster, this traces the
+train step, builds the strategy graph, solves the ILP, and reports: jaxpr equations, graph
+nodes, decision groups after shrinking, ILP nodes/edges/variables, mean strategies per group,
+solve time, planning time (trace to plan), and the objective next to the hand plans (data
+parallel, Megatron-style model parallel, and the 2-D combination) evaluated with the same
+cost model: each hand plan is the ILP with the parameters' specs fixed to the hand choice.
+
+Usage: python benchmark/auto_sharding/bench_gpt_auto_sharding.py [--models 125M 350M 1.3B]
+       [--meshes 8,1 2,4 1,8] [--out benchmark/auto_sharding/results.json] [--batch 16]
+XLA compile time is not measured here (it needs real devices; see the tests).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+
+import jax
+
+from alpa.device_mesh import LogicalDeviceMesh
+from alpa.model.gpt import GPT_PRESETS, get_gpt_train_state_and_step
+from alpa.shard_parallel.auto_sharding import AutoShardingOption, donated_state_pairs, solve_jaxpr
+from alpa.shard_parallel.sharding_spec import Spec
+from alpa.tracing.trace import trace_step
+
+
+def trace_gpt(name: str, batch_size: int, num_layers: int | None):
+    config = GPT_PRESETS[name]
+    if num_layers is not None:
+        config = dataclasses.replace(config, num_layers=num_layers)
+    state, batch, step = get_gpt_train_state_and_step(config, batch_size, abstract=True)
+    leaves = jax.tree_util.tree_flatten_with_path((state, batch))[0]
+    names = [jax.tree_util.keystr(path) for path, _ in leaves]
+    return trace_step(step, (state, batch), (), (1,), (0,), names)
+
+
+def hand_filter(kind: str, mesh: LogicalDeviceMesh, names, batch_invars):
+    """Parameter specs of a hand plan: dp (replicated), megatron (kernels split on their
+    output features on the model axis; the projections after attention and the second MLP
+    kernel on their input features), or 2d (data on axis 0, Megatron on axis 1)."""
+    model_axis = 1 if mesh.shape[1] > 1 else 0
+
+    def wanted(name: str, shape) -> Spec | None:
+        rank = len(shape)
+        if kind == "dp" or rank == 0:
+            return ((),) * rank
+        row = any(key in name for key in ("out_proj", "fc2", "output", "proj']"))
+        if "kernel" in name and rank == 2:
+            return ((model_axis,), ()) if row else ((), (model_axis,))
+        if "embedding" in name and rank == 2:
+            return ((model_axis,), ())
+        return ((),) * rank
+
+    def allowed(index, shape, specs):
+        if batch_invars[index]:
+            if kind == "megatron" or not shape:
+                return [s for s in specs if all(not a for a in s)]
+            data = (0,) if kind == "2d" or model_axis == 1 and mesh.shape[0] > 1 else (0, 1)
+            keep = [s for s in specs if s[0] == tuple(a for a in data if mesh.shape[a] > 1)]
+            return [s for s in keep if all(not a for a in s[1:])] or specs
+        spec = wanted(names[index], shape)
+        return [s for s in specs if s == spec] or specs
+
+    return allowed
+
+
+def run(model: str, mesh_shape, batch_size: int, num_layers: int | None) -> dict:
+    start = time.perf_counter()
+    traced = trace_gpt(model, batch_size, num_layers)
+    traced_at = time.perf_counter()
+    mesh = LogicalDeviceMesh(mesh_shape, (1.0, 1.0), (1.0, 0.1))
+    pairs = donated_state_pairs(traced)
+    solution = solve_jaxpr(
+        traced.closed_jaxpr, mesh, AutoShardingOption(), traced.batch_invars, None, pairs
+    )
+    done = time.perf_counter()
+    sol = solution.solution
+    result = {
+        "model": model,
+        "num_layers": num_layers or GPT_PRESETS[model].num_layers,
+        "mesh": list(mesh_shape),
+        "batch_size": batch_size,
+        "jaxpr_eqns": solution.graph.num_eqns,
+        "graph_nodes": len(solution.graph.nodes),
+        "graph_edges": len(solution.graph.edges),
+        "groups_after_following": sol.num_groups,
+        "ilp_nodes": sol.num_ilp_nodes,
+        "ilp_edges": sol.num_ilp_edges,
+        "ilp_variables": sol.num_ilp_variables,
+        "mean_strategies_per_group": round(sol.mean_strategies, 2),
+        "solve_time_s": round(sol.solve_time, 2),
+        "trace_time_s": round(traced_at - start, 2),
+        "planning_time_s": round(done - start, 2),
+        "status": sol.status,
+        "objective": solution.objective,
+    }
+    jaxpr = traced.closed_jaxpr
+    for kind in ("dp", "megatron", "2d"):
+        if kind == "2d" and 1 in mesh_shape:
+            continue
+        import alpa.shard_parallel.strategy_graph as sg
+        from alpa.shard_parallel import ilp_solver
+
+        graph = sg.build_strategy_graph(
+            jaxpr, mesh, sg.GraphOptions(),
+            hand_filter(kind, mesh, traced.leaf_names, traced.batch_invars), pairs,
+        )  # fmt: skip
+        result[f"hand_{kind}_objective"] = ilp_solver.solve(graph).objective
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", default=["125M", "350M", "1.3B"])
+    parser.add_argument("--meshes", nargs="+", default=["8,1", "2,4", "1,8"])
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--num-layers", type=int, default=None)
+    parser.add_argument("--out", default="benchmark/auto_sharding/results.json")
+    args = parser.parse_args()
+    results = []
+    for model in args.models:
+        for mesh in args.meshes:
+            shape = tuple(int(x) for x in mesh.split(","))
+            row = run(model, shape, args.batch, args.num_layers)
+            print(json.dumps(row), flush=True)
+            results.append(row)
+    with open(args.out, "w") as f:
+        json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
