@@ -26,7 +26,10 @@ from alpa.parallel_method import (
     Zero2Parallel,
     Zero3Parallel,
 )
+from alpa.pipeline_parallel.layer_construction import ManualLayerOption
+from alpa.pipeline_parallel.pipeshard_parallel import PipeshardParallel
 from alpa.pipeline_parallel.primitive_def import mark_pipeline_boundary
+from alpa.pipeline_parallel.stage_construction import ManualStageOption, UniformStageOption
 from alpa.shard_parallel.auto_sharding import AutoShardingOption
 from alpa.shard_parallel.manual_sharding import ManualShardingOption
 
@@ -38,9 +41,13 @@ __all__ = [
     "DataParallel",
     "LocalPhysicalDeviceMesh",
     "LogicalDeviceMesh",
+    "ManualLayerOption",
     "ManualShardingOption",
+    "ManualStageOption",
     "ParallelMethod",
+    "PipeshardParallel",
     "ShardParallel",
+    "UniformStageOption",
     "VirtualPhysicalMesh",
     "Zero2Parallel",
     "Zero3Parallel",
