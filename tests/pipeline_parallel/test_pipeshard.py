@@ -259,3 +259,34 @@ def test_unknown_schedule():
         r"training step",
     ):
         _compile_two_layers(pipeline_schedule="inference")
+
+
+def test_gradients_stay_on_their_stage_and_buffers_die_after_last_use():
+    devices_or_skip(8)
+    executable = _executable("1f1b", 4, num_layers=4)
+    program, instructions = executable.program, executable.instructions
+    # Every accumulated gradient is produced (and accumulated) on the stage that owns the
+    # parameter, so no gradient crosses meshes.
+    names = executable._names
+    accumulated = {names[out] for out in program.accumulated}
+    for ins in instructions.instructions:
+        if ins.op == "RESHARD":
+            (src,), (dst,) = ins.inputs, ins.outputs
+            assert src[2] != dst[2] and src[0] == dst[0]
+            assert src[0] not in accumulated
+    # The backward of stage s runs on mesh s and stage s's parameters only live there.
+    specs = executable.get_input_placement_specs()[0]
+    assert [specs[f"w{i}"].mesh_ids for i in range(4)] == [(0,), (1,), (2,), (3,)]
+    # FREE follows the last use of every buffer that is not an input or an output.
+    last_use, freed = {}, set()
+    for i, ins in enumerate(instructions.instructions):
+        if ins.op == "FREE":
+            for key in ins.inputs:
+                assert key not in freed and last_use[key] < i
+                freed.add(key)
+        else:
+            for key in ins.inputs + ins.outputs:
+                assert key not in freed, f"{key} used after FREE"
+                last_use[key] = i
+    output_keys = {v for kind, v in instructions.outputs if kind == "key"}
+    assert set(last_use) - freed == (set(last_use) & (instructions.persistent | output_keys))
