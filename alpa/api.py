@@ -69,7 +69,7 @@ def shutdown() -> None:
 def get_global_physical_mesh() -> LocalPhysicalDeviceMesh:
     """The mesh of ``init``; calls ``init("local")`` (and says so) if it was not called."""
     if _global_physical_mesh is None:
-        logger.info("alpa.init() was not called: using the %d local devices",
+        logger.warning("alpa.init() was not called: using the %d local devices",
                     len(jax.devices()))
         init("local")
     return _global_physical_mesh

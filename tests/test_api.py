@@ -106,10 +106,12 @@ def test_get_executable_accepts_abstract_arguments():
 
 
 def test_init_shutdown_and_implicit_init(caplog):
-    caplog.set_level(logging.INFO, logger="alpa")
+    caplog.set_level(logging.WARNING, logger="alpa")
     mesh = alpa.get_global_physical_mesh()
+    assert alpa.get_global_physical_mesh() is mesh
     assert mesh.num_devices == 8
-    assert "alpa.init() was not called" in caplog.text
+    assert [r.getMessage() for r in caplog.records] == [
+        "alpa.init() was not called: using the 8 local devices"]
     alpa.init("local")  # already initialized: no-op
     assert alpa.get_global_physical_mesh() is mesh
     alpa.shutdown()
