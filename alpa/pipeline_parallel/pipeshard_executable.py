@@ -5,10 +5,9 @@ Compilation (``compile_pipeshard_executable``) runs the inter-op passes in order
     traced step --layers--> eqn layers --stages--> StagePlan --split--> PipelineProgram
        --schedule + emitter--> PipelineInstructions --jax.jit per computation--> executable
 
-Each stage computation is compiled with ``jax.jit`` on its own submesh. Until the
-intra-op pass shards stages, each stage is data parallel on its submesh: a value that
-depends on the batch is split along dimension 0 over all devices of the submesh (when it
-divides), every other value is replicated.
+Each stage computation is compiled with ``jax.jit`` on its own submesh, with the
+shardings the intra-op pass chose for that stage (``stage_sharding``): the auto-sharding
+ILP on the stage's logical submesh, or data parallel with ``force_data_parallel=True``.
 """
 
 from __future__ import annotations
@@ -20,9 +19,9 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding
 
-from alpa.device_mesh import make_jax_mesh
+from alpa.device_mesh import LocalPhysicalDeviceMesh, make_jax_mesh
 from alpa.executable import Executable, PlacementSpec
 from alpa.pipeline_parallel.computation import (
     PipelineProgram,
@@ -40,10 +39,14 @@ from alpa.pipeline_parallel.runtime_emitter import (
 )
 from alpa.pipeline_parallel.schedules import PipelineSchedule, make_schedule
 from alpa.pipeline_parallel.stage_construction import StagePlan, plan_stages
+from alpa.pipeline_parallel.stage_sharding import (
+    DATA_AXES,
+    data_parallel_spec,
+    plan_stage_shardings,
+    stage_options,
+)
 from alpa.runtime.local_runtime import LocalPipelineRuntime
 from alpa.tracing import TracedStep
-
-DATA_AXES = ("x", "y")
 
 
 def compile_pipeshard_executable(
@@ -53,11 +56,13 @@ def compile_pipeshard_executable(
     pipeline_schedule: str = "1f1b",
     layer_option: Any = None,
     stage_option: Any = None,
+    default_auto_sharding_option: Any = None,
 ) -> PipeshardDriverExecutable:
     """Compile ``traced`` (traced at micro-batch size) into a pipeshard executable."""
     resolve_layer_option(layer_option)
     eqn_layers, num_layers = manual_layers(traced.closed_jaxpr)
     stage_plan = plan_stages(stage_option, num_layers, len(devices))
+    options = stage_options(default_auto_sharding_option, stage_plan.autosharding_option_dicts)
     program = split_computations(
         traced.closed_jaxpr, eqn_layers, stage_plan.layer_to_stage, traced.batch_invars
     )
@@ -75,7 +80,15 @@ def compile_pipeshard_executable(
     names = _name_vars(traced.closed_jaxpr)
     instructions = emit_instructions(program, schedule, names)
     return PipeshardDriverExecutable(
-        traced, program, stage_plan, schedule, instructions, names, devices, num_micro_batches
+        traced,
+        program,
+        stage_plan,
+        schedule,
+        instructions,
+        names,
+        devices,
+        num_micro_batches,
+        options,
     )
 
 
@@ -95,7 +108,9 @@ def _name_vars(closed_jaxpr) -> dict:
     return names
 
 
-def _eval_eqns(eqns, env: dict) -> None:
+def _eval_eqns(eqns, env: dict, constraints: dict | None = None) -> None:
+    constraints = constraints or {}
+
     def read(v):
         return v.val if not _is_var(v) else env[v]
 
@@ -109,6 +124,9 @@ def _eval_eqns(eqns, env: dict) -> None:
             outs = [outs]
         for v, out in zip(eqn.outvars, outs, strict=True):
             if _is_var(v):
+                sharding = constraints.get(v)
+                if sharding is not None:
+                    out = jax.lax.with_sharding_constraint(out, sharding)
                 env[v] = out
 
 
@@ -125,6 +143,7 @@ class PipeshardDriverExecutable(Executable):
         names: dict,
         devices: Sequence[Any],
         num_micro_batches: int,
+        options: Sequence[Any] | None = None,
     ):
         self.traced = traced
         self.program = program
@@ -134,12 +153,21 @@ class PipeshardDriverExecutable(Executable):
         self.num_micro_batches = num_micro_batches
         self._names = names
         self._var_of = {name: v for v, name in names.items()}
-        self.meshes = [
-            make_jax_mesh(devices[a:b], shape, DATA_AXES)
-            for (a, b), shape in zip(
-                stage_plan.device_ranges, stage_plan.logical_shapes, strict=True
+        self.options = list(options or stage_options(None, stage_plan.autosharding_option_dicts))
+        self.logical_meshes = []
+        for (a, b), shape, option in zip(
+            stage_plan.device_ranges, stage_plan.logical_shapes, self.options, strict=True
+        ):
+            shape = option.logical_mesh_shape or shape
+            self.logical_meshes.append(
+                LocalPhysicalDeviceMesh(devices[a:b]).get_logical_mesh(
+                    shape, option.mesh_alpha, option.mesh_beta
+                )
             )
-        ]
+        self.meshes = [make_jax_mesh(m.devices, m.shape, DATA_AXES) for m in self.logical_meshes]
+        self.stage_specs, self.stage_objectives = plan_stage_shardings(
+            traced, program, self.logical_meshes, self.options, names
+        )
         jaxpr = traced.closed_jaxpr.jaxpr
         self._consts_env = dict(zip(jaxpr.constvars, traced.closed_jaxpr.consts, strict=True))
         self._compiled = [self._compile(c) for c in program.computations]
@@ -171,19 +199,25 @@ class PipeshardDriverExecutable(Executable):
 
     def _sharding(self, var, mesh: int) -> NamedSharding:
         jax_mesh = self.meshes[mesh]
-        n = jax_mesh.devices.size
-        shape = var.aval.shape
-        if var in self.program.batch_dependent and shape and shape[0] % n == 0:
-            return NamedSharding(jax_mesh, PartitionSpec(DATA_AXES))
-        return NamedSharding(jax_mesh, PartitionSpec())
+        spec = self.stage_specs.get((var, mesh))
+        if spec is None:
+            spec = data_parallel_spec(var, self.program, jax_mesh.devices.size)
+        return NamedSharding(jax_mesh, spec)
 
     def _compile(self, comp: StageComputation):
         consts = {v: c for v, c in self._consts_env.items()}
+        # The intermediate values the stage's plan names are pinned to their sharding.
+        constraints = {
+            v: self._sharding(v, comp.stage)
+            for e in comp.eqns
+            for v in e.outvars
+            if _is_var(v) and (v, comp.stage) in self.stage_specs
+        }
 
         def fn(*args):
             env = dict(consts)
             env.update(zip(comp.invars, args, strict=True))
-            _eval_eqns(comp.eqns, env)
+            _eval_eqns(comp.eqns, env, constraints)
             return [env[v] for v in comp.outvars]
 
         fn.__name__ = comp.name

@@ -27,8 +27,9 @@ class PipeshardParallel(ParallelMethod):
       devices: ``None`` (the devices of ``alpa.init``), a ``LocalPhysicalDeviceMesh`` or a
         list of jax devices.
       num_micro_batches: micro-batches per step; divides the batch size.
-      default_auto_sharding_option: sharding options of every stage (stages are data
-        parallel on their submesh until the intra-op pass is wired in).
+      default_auto_sharding_option: ``AutoShardingOption`` of every stage (default
+        ``AutoShardingOption()``: the ILP shards each stage on its logical submesh); the
+        stage option's per-stage dicts override its fields.
       pipeline_schedule: ``"1f1b"``, ``"gpipe"`` or ``"inference"``.
       layer_option: ``"manual"`` or ``ManualLayerOption``.
       stage_option: ``"uniform"``, ``UniformStageOption`` or ``ManualStageOption``.
@@ -89,6 +90,7 @@ class PipeshardParallel(ParallelMethod):
             pipeline_schedule=self.pipeline_schedule,
             layer_option=self.layer_option,
             stage_option=self.stage_option,
+            default_auto_sharding_option=self.default_auto_sharding_option,
         )
 
     def __repr__(self) -> str:

@@ -290,3 +290,56 @@ def test_gradients_stay_on_their_stage_and_buffers_die_after_last_use():
                 last_use[key] = i
     output_keys = {v for kind, v in instructions.outputs if kind == "key"}
     assert set(last_use) - freed == (set(last_use) & (instructions.persistent | output_keys))
+
+
+def _sharded_weights(executable, stage):
+    """Step inputs on ``stage``'s mesh that are not batch leaves but are split."""
+    program = executable.program
+    jaxpr = executable.traced.closed_jaxpr.jaxpr
+    split = []
+    for v, is_batch in zip(jaxpr.invars, executable.traced.batch_invars, strict=True):
+        if is_batch or stage not in program.input_stages[v]:
+            continue
+        if any(entry is not None for entry in executable._sharding(v, stage).spec):
+            split.append(v)
+    return split
+
+
+def test_stages_use_the_ilp_and_honour_per_stage_options():
+    # Batch 4, hidden 64: splitting the weights (model parallel) beats data parallel.
+    devices = devices_or_skip(8)
+    loss = _mlp_loss(2)
+    keys = jax.random.split(jax.random.PRNGKey(1), 4)
+    hidden = 64
+    params = {
+        f"w{i}": jax.random.normal(keys[i], (hidden, hidden)) / np.sqrt(hidden) for i in range(2)
+    }
+    params.update({f"b{i}": jnp.zeros((hidden,)) for i in range(2)})
+    batch = (jax.random.normal(keys[2], (4, hidden)), jax.random.normal(keys[3], (4, hidden)))
+    stage_option = ManualStageOption(
+        [[0], [1]],
+        [(1, 4), (1, 4)],
+        submesh_logical_shapes=[(1, 4), (1, 4)],
+        submesh_autosharding_option_dicts=[{"force_data_parallel": True}, {}],
+    )
+    method = PipeshardParallel(devices, num_micro_batches=2, stage_option=stage_option)
+    executable = _check_against_serial(loss, params, batch, method, tx=optax.sgd(0.1))
+    assert executable.options[0].force_data_parallel
+    assert not executable.options[1].force_data_parallel
+    # Stage 0 is data parallel: every parameter replicated, no ILP.
+    assert _sharded_weights(executable, 0) == []
+    assert 0 not in executable.stage_objectives
+    # Stage 1 comes from the ILP, which splits its weight over the 4 devices.
+    assert 1 in executable.stage_objectives
+    split = _sharded_weights(executable, 1)
+    assert any(v.aval.shape == (hidden, hidden) for v in split), split
+
+
+def test_default_auto_sharding_option_force_data_parallel_applies_to_every_stage():
+    devices = devices_or_skip(8)
+    params, batch = _mlp(2, hidden=64)
+    option = alpa.AutoShardingOption(force_data_parallel=True)
+    method = PipeshardParallel(devices, num_micro_batches=2, default_auto_sharding_option=option)
+    executable = _check_against_serial(_mlp_loss(2), params, batch, method, steps=1)
+    assert executable.stage_objectives == {}
+    assert _sharded_weights(executable, 0) == [] and _sharded_weights(executable, 1) == []

@@ -1,0 +1,165 @@
+"""Intra-op pass per stage: the sharding of every value on every submesh.
+
+Each stage is sharded on its own logical submesh by the auto-sharding ILP
+(``alpa.shard_parallel.auto_sharding``) with that stage's ``AutoShardingOption``. The
+result is one table, ``(value, mesh) -> PartitionSpec``: a value has one sharding on a
+mesh, so every computation that writes or reads it there (and every ``LOAD``,
+``RESHARD`` and ``ACCUMULATE`` into it) agrees.
+
+* The forward and backward computations of a stage are planned **together**, as one
+  jaxpr: a value the forward passes to its backward is an intermediate of that jaxpr, so
+  both computations use the one sharding the ILP chose for it.
+* Apply-grad computations are planned afterwards, one at a time; their inputs that
+  already have a sharding on the mesh (parameters, accumulated gradients) keep it, and
+  XLA reshards inside the computation where the ILP would have preferred another.
+* Values the ILP does not name (or all values, with ``force_data_parallel=True`` or
+  ``enable_auto_sharding=False``) are data parallel: split along dimension 0 over all
+  devices of the submesh when they depend on the batch and it divides, else replicated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import jax
+from jax.extend.core import ClosedJaxpr
+from jax.sharding import PartitionSpec
+
+from alpa.device_mesh import LogicalDeviceMesh
+from alpa.pipeline_parallel.computation import PipelineProgram, StageComputation, _is_var
+from alpa.shard_parallel.auto_sharding import AutoShardingOption, plan_auto_sharding
+from alpa.tracing import TracedStep, new_jaxpr
+
+DATA_AXES = ("x", "y")
+
+
+def stage_options(
+    default: AutoShardingOption | None, dicts: Sequence[dict | None]
+) -> list[AutoShardingOption]:
+    """Per stage, ``default`` (or ``AutoShardingOption()``) updated by the stage's dict."""
+    if default is not None and not isinstance(default, AutoShardingOption):
+        raise TypeError(
+            "default_auto_sharding_option must be an AutoShardingOption, got "
+            f"{type(default).__name__}"
+        )
+    base = default or AutoShardingOption()
+    options = []
+    for s, d in enumerate(dicts):
+        if d is None:
+            options.append(base)
+            continue
+        fields = {f.name for f in dataclasses.fields(AutoShardingOption)}
+        unknown = sorted(set(d) - fields)
+        if unknown:
+            raise ValueError(f"stage {s}: unknown AutoShardingOption fields {unknown}")
+        options.append(dataclasses.replace(base, **d))
+    for s, option in enumerate(options):
+        if option.force_zero_stage_3:
+            raise NotImplementedError(
+                f"stage {s}: force_zero_stage_3 is not supported by PipeshardParallel yet"
+            )
+    return options
+
+
+def uses_ilp(option: AutoShardingOption, num_devices: int) -> bool:
+    return num_devices > 1 and option.enable_auto_sharding and not option.force_data_parallel
+
+
+def data_parallel_spec(var, program: PipelineProgram, num_devices: int) -> PartitionSpec:
+    shape = var.aval.shape
+    if var in program.batch_dependent and shape and shape[0] % num_devices == 0:
+        return PartitionSpec(DATA_AXES)
+    return PartitionSpec()
+
+
+def plan_stage_shardings(
+    traced: TracedStep,
+    program: PipelineProgram,
+    logical_meshes: Sequence[LogicalDeviceMesh],
+    options: Sequence[AutoShardingOption],
+    names: dict,
+) -> tuple[dict, dict]:
+    """The table ``(var, mesh) -> PartitionSpec`` and, per stage, the ILP plan objective(s)
+    (``{stage: [objective, ...]}``) of the computations the ILP planned."""
+    table: dict = {}
+    objectives: dict[int, list[float]] = {}
+    closed = traced.closed_jaxpr
+    for s in range(program.num_stages):
+        mesh, option = logical_meshes[s], options[s]
+        if not uses_ilp(option, mesh.num_devices):
+            continue
+        comps = [program.computation(s, "forward"), program.computation(s, "backward")]
+        comps = [c for c in comps if c is not None and c.eqns]
+        if comps:
+            objectives.setdefault(s, []).append(
+                _plan_into(table, s, comps, closed, program, mesh, option, names, traced)
+            )
+        for out, operand in program.accumulated.items():
+            if program.home[out] == s and (operand, s) in table:
+                table[(out, s)] = table[(operand, s)]
+    for comp in program.computations:
+        s = comp.stage
+        mesh, option = logical_meshes[s], options[s]
+        if comp.kind != "apply" or not comp.eqns or not uses_ilp(option, mesh.num_devices):
+            continue
+        objectives.setdefault(s, []).append(
+            _plan_into(table, s, [comp], closed, program, mesh, option, names, traced)
+        )
+    return table, objectives
+
+
+def _plan_into(
+    table,
+    s,
+    comps: Sequence[StageComputation],
+    closed: ClosedJaxpr,
+    program,
+    mesh,
+    option,
+    names,
+    traced,
+) -> float | None:
+    """Plan ``comps`` (of stage ``s``) as one jaxpr; record the specs not yet in ``table``."""
+    eqns, seen = [], set()
+    for comp in comps:
+        for eqn in comp.eqns:
+            if id(eqn) not in seen:
+                seen.add(id(eqn))
+                eqns.append(eqn)
+    produced = {v for e in eqns for v in e.outvars if _is_var(v)}
+    invars, outvars = [], []
+    for comp in comps:
+        invars += [v for v in comp.invars if v not in produced and v not in invars]
+        outvars += [v for v in comp.outvars if v not in outvars]
+    jaxpr = new_jaxpr(closed.jaxpr, closed.jaxpr.constvars, invars, outvars, eqns)
+    step_names = dict(zip(closed.jaxpr.invars, traced.leaf_names, strict=True))
+    batch = tuple(
+        v in program.batch_dependent
+        and bool(v.aval.shape)
+        and v.aval.shape[0] % mesh.num_devices == 0
+        for v in invars
+    )
+    sub = TracedStep(
+        closed_jaxpr=ClosedJaxpr(jaxpr, closed.consts),
+        in_tree=jax.tree.structure(tuple(range(len(invars)))),
+        out_tree=jax.tree.structure(tuple(range(len(outvars)))),
+        in_avals=tuple(v.aval for v in invars),
+        batch_invars=batch,
+        donated_invars=(False,) * len(invars),
+        leaf_names=tuple(step_names.get(v, names[v]) for v in invars),
+        dynamic_argnums=(),
+        name=f"stage{s}",
+    )
+    plan = plan_auto_sharding(sub, mesh, option)
+    if tuple(plan.logical_mesh.shape) != tuple(mesh.shape):
+        return plan.objective  # a fixed plan on another view of the mesh: data parallel
+    for v, spec in zip(invars, plan.in_specs, strict=True):
+        table.setdefault((v, s), spec)
+    for v, spec in plan.var_specs.items():
+        if _is_var(v) and v in produced:
+            table.setdefault((v, s), spec)
+    for v, spec in zip(outvars, plan.out_specs, strict=True):
+        if spec is not None:
+            table.setdefault((v, s), spec)
+    return plan.objective
