@@ -35,6 +35,7 @@ as the serial step over the full batch does for a mean loss.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -422,3 +423,51 @@ def _batch_dependent(eqns, batch_set) -> set:
         if any(_is_var(v) and v in dependent for v in eqn.invars):
             dependent.update(v for v in eqn.outvars if _is_var(v))
     return dependent
+
+
+def rematerialize(program: PipelineProgram) -> PipelineProgram:
+    """Layer rematerialization (``ManualLayerOption(remat_layer=True)``).
+
+    The backward computation of every stage recomputes the forward values of its own stage
+    it reads, from the forward computation's inputs, instead of receiving them: the
+    forward keeps as outputs only what other stages, the accumulation or the step's
+    outputs read, so the activations of a micro-batch do not stay alive between its
+    forward and its backward (the memory/compute trade of ``jax.checkpoint``).
+    """
+    jaxpr = program.closed_jaxpr.jaxpr
+    comps = list(program.computations)
+    kept_outside: set[Var] = {v for v in jaxpr.outvars if _is_var(v)}
+    kept_outside |= set(program.accumulated.values())
+    new_comps = {}
+    for s in range(program.num_stages):
+        fwd, bwd = program.computation(s, "forward"), program.computation(s, "backward")
+        if fwd is None or bwd is None or not fwd.eqns or not bwd.eqns:
+            continue
+        producer = {v: e for e in fwd.eqns for v in e.outvars if _is_var(v)}
+        residuals = [v for v in bwd.invars if v in producer]
+        if not residuals or any(producer[v].effects for v in residuals):
+            continue
+        needed: set[int] = set()
+        stack = list(residuals)
+        while stack:
+            eqn = producer.get(stack.pop())
+            if eqn is None or id(eqn) in needed:
+                continue
+            needed.add(id(eqn))
+            stack += [u for u in eqn.invars if _is_var(u)]
+        recompute = [e for e in fwd.eqns if id(e) in needed]
+        if any(e.effects for e in recompute):
+            continue
+        produced = {v for e in recompute for v in e.outvars if _is_var(v)}
+        invars = [v for v in bwd.invars if v not in producer]
+        for eqn in recompute:
+            for v in eqn.invars:
+                if _is_var(v) and v not in produced and v in fwd.invars and v not in invars:
+                    invars.append(v)
+        others = {v for c in comps if c is not fwd and c is not bwd for v in c.invars}
+        new_comps[fwd] = dataclasses.replace(
+            fwd, outvars=tuple(v for v in fwd.outvars if v in others or v in kept_outside)
+        )
+        bwd_eqns = [e for e in recompute if e not in bwd.eqns] + list(bwd.eqns)
+        new_comps[bwd] = dataclasses.replace(bwd, eqns=tuple(bwd_eqns), invars=tuple(invars))
+    return dataclasses.replace(program, computations=tuple(new_comps.get(c, c) for c in comps))

@@ -23,8 +23,8 @@ class ManualLayerOption:
     """Layers are the parts between the user's ``mark_pipeline_boundary()`` calls.
 
     Attributes:
-      remat_layer: rematerialize each layer's activations in its backward pass
-        (not supported yet: must be ``False``).
+      remat_layer: each stage's backward recomputes the forward activations of its
+        stage instead of keeping them from the forward (``computation.rematerialize``).
     """
 
     remat_layer: bool = False
@@ -32,8 +32,6 @@ class ManualLayerOption:
     def __post_init__(self):
         if not isinstance(self.remat_layer, bool):
             raise ValueError(f"remat_layer must be a bool, got {self.remat_layer!r}")
-        if self.remat_layer:
-            raise NotImplementedError("ManualLayerOption(remat_layer=True) is not supported yet")
 
 
 def resolve_layer_option(option) -> ManualLayerOption:

@@ -28,6 +28,7 @@ from alpa.pipeline_parallel.computation import (
     StageComputation,
     _collect_consts,
     _is_var,
+    rematerialize,
     split_computations,
 )
 from alpa.pipeline_parallel.layer_construction import manual_layers, resolve_layer_option
@@ -59,13 +60,15 @@ def compile_pipeshard_executable(
     default_auto_sharding_option: Any = None,
 ) -> PipeshardDriverExecutable:
     """Compile ``traced`` (traced at micro-batch size) into a pipeshard executable."""
-    resolve_layer_option(layer_option)
+    layer_option = resolve_layer_option(layer_option)
     eqn_layers, num_layers = manual_layers(traced.closed_jaxpr)
     stage_plan = plan_stages(stage_option, num_layers, len(devices))
     options = stage_options(default_auto_sharding_option, stage_plan.autosharding_option_dicts)
     program = split_computations(
         traced.closed_jaxpr, eqn_layers, stage_plan.layer_to_stage, traced.batch_invars
     )
+    if layer_option.remat_layer and program.is_training:
+        program = rematerialize(program)
     if pipeline_schedule == "inference" and program.is_training:
         raise ValueError(
             "pipeline_schedule='inference' cannot run a training step (it calls alpa.grad); "

@@ -343,3 +343,29 @@ def test_default_auto_sharding_option_force_data_parallel_applies_to_every_stage
     executable = _check_against_serial(_mlp_loss(2), params, batch, method, steps=1)
     assert executable.stage_objectives == {}
     assert _sharded_weights(executable, 0) == [] and _sharded_weights(executable, 1) == []
+
+
+def test_remat_layer_matches_serial_and_keeps_fewer_activations():
+    from alpa.pipeline_parallel.layer_construction import ManualLayerOption
+
+    devices = devices_or_skip(4)
+    params, batch = _mlp(4, hidden=32)
+    executables = {}
+    for remat in (False, True):
+        method = PipeshardParallel(
+            devices,
+            num_micro_batches=8,
+            pipeline_schedule="gpipe",
+            layer_option=ManualLayerOption(remat_layer=remat),
+            stage_option=UniformStageOption(num_stages=2, submesh_physical_shape=(1, 1)),
+        )
+        executables[remat] = _check_against_serial(_mlp_loss(4), params, batch, method)
+    plain, remat = executables[False], executables[True]
+    for stage in range(2):
+        fwd_plain = plain.program.computation(stage, "forward")
+        fwd_remat = remat.program.computation(stage, "forward")
+        assert len(fwd_remat.outvars) < len(fwd_plain.outvars)
+        # The backward recomputes instead: it reads no value of its own forward.
+        bwd = remat.program.computation(stage, "backward")
+        own = {v for e in fwd_remat.eqns for v in e.outvars}
+        assert not own & set(bwd.invars)
