@@ -38,6 +38,42 @@ def dense(features: int, dtype: DType, name: str | None = None, use_bias: bool =
     )
 
 
+def embed_tokens(
+    input_ids: jax.Array,
+    position_ids: jax.Array | None,
+    vocab_size: int,
+    max_seq_len: int,
+    hidden_size: int,
+    dtype: DType,
+) -> tuple[jax.Array, nn.Embed]:
+    """GPT-2 input: token embedding ``wte`` plus learned position embedding ``wpe``.
+
+    Call it inside a ``@nn.compact`` method: ``wte`` and ``wpe`` become submodules of the
+    calling module. ``position_ids`` defaults to ``0..seq-1`` in every row. Returns the
+    embedded input ``[batch, seq, hidden]`` and ``wte``, for a tied LM head (:func:`lm_head`).
+    """
+    if input_ids.ndim != 2:
+        raise ValueError(f"input_ids must be [batch, seq], got shape {input_ids.shape}")
+    seq_len = input_ids.shape[1]
+    if seq_len > max_seq_len:
+        raise ValueError(f"input of length {seq_len} exceeds config.seq_len={max_seq_len}")
+    if position_ids is None:
+        position_ids = jnp.broadcast_to(jnp.arange(seq_len), input_ids.shape)
+    embed_init = nn.initializers.normal(INIT_STD)
+    wte = nn.Embed(vocab_size, hidden_size, dtype=dtype, embedding_init=embed_init, name="wte")
+    wpe = nn.Embed(max_seq_len, hidden_size, dtype=dtype, embedding_init=embed_init, name="wpe")
+    return wte(input_ids) + wpe(position_ids), wte
+
+
+def lm_head(
+    x: jax.Array, wte: nn.Embed, tie_word_embeddings: bool, vocab_size: int, dtype: DType
+) -> jax.Array:
+    """Logits over the vocabulary: ``wte`` transposed when tied, else a ``lm_head`` kernel."""
+    if tie_word_embeddings:
+        return wte.attend(x)
+    return dense(vocab_size, dtype, "lm_head", use_bias=False)(x)
+
+
 def causal_mask(seq_len: int) -> jax.Array:
     """``mask[q, k] = k <= q``: query position ``q`` may attend to key positions up to itself."""
     positions = jnp.arange(seq_len)

@@ -51,7 +51,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from alpa.model.layers import INIT_STD, FeedForward, MultiHeadAttention, dense
+from alpa.model.layers import (
+    INIT_STD,
+    FeedForward,
+    MultiHeadAttention,
+    embed_tokens,
+    lm_head,
+)
 from alpa.model.model_util import (
     DType,
     GradFunc,
@@ -295,22 +301,9 @@ class FlaxMoEForLMModule(nn.Module):
     ) -> tuple[jax.Array, jax.Array]:
         del deterministic  # no dropout
         cfg = self.config
-        if input_ids.ndim != 2:
-            raise ValueError(f"input_ids must be [batch, seq], got shape {input_ids.shape}")
-        seq_len = input_ids.shape[1]
-        if seq_len > cfg.seq_len:
-            raise ValueError(f"input of length {seq_len} exceeds config.seq_len={cfg.seq_len}")
-        if position_ids is None:
-            position_ids = jnp.broadcast_to(jnp.arange(seq_len), input_ids.shape)
-
-        embed_init = nn.initializers.normal(INIT_STD)
-        wte = nn.Embed(
-            cfg.vocab_size, cfg.hidden_size, dtype=cfg.dtype, embedding_init=embed_init, name="wte"
+        x, wte = embed_tokens(
+            input_ids, position_ids, cfg.vocab_size, cfg.seq_len, cfg.hidden_size, cfg.dtype
         )
-        wpe = nn.Embed(
-            cfg.seq_len, cfg.hidden_size, dtype=cfg.dtype, embedding_init=embed_init, name="wpe"
-        )
-        x = wte(input_ids) + wpe(position_ids)
 
         aux_loss = jnp.zeros((), jnp.float32)
         for i in range(cfg.num_layers):
@@ -320,10 +313,7 @@ class FlaxMoEForLMModule(nn.Module):
                 mark_pipeline_boundary()
 
         x = nn.LayerNorm(epsilon=cfg.layer_norm_epsilon, dtype=cfg.dtype, name="ln_f")(x)
-        if cfg.tie_word_embeddings:
-            logits = wte.attend(x)
-        else:
-            logits = dense(cfg.vocab_size, cfg.dtype, "lm_head", use_bias=False)(x)
+        logits = lm_head(x, wte, cfg.tie_word_embeddings, cfg.vocab_size, cfg.dtype)
         return logits, aux_loss
 
 
