@@ -20,7 +20,6 @@ the reference Alpa does, that the loss is a mean over the batch.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -129,7 +128,10 @@ def split_at_grad_marker(traced: TracedStep) -> GradSplit:
         )
     compute = new_jaxpr(jaxpr, jaxpr.constvars, jaxpr.invars, marker.invars, compute_eqns)
     apply = new_jaxpr(
-        jaxpr, jaxpr.constvars, list(jaxpr.invars) + list(marker.outvars), jaxpr.outvars,
+        jaxpr,
+        jaxpr.constvars,
+        list(jaxpr.invars) + list(marker.outvars),
+        jaxpr.outvars,
         apply_eqns,
     )
     return GradSplit(compute, apply, tuple(marker.outvars))
@@ -139,6 +141,23 @@ def _split_leading(x, k: int):
     return x.reshape((k, x.shape[0] // k) + x.shape[1:])
 
 
+def _accumulate(compute: Jaxpr, consts, params, batch, is_batch, k: int, constraints) -> list:
+    """``sum_i compute(params, batch_i)`` over ``k`` micro-batches, in one ``lax.scan``.
+
+    ``params`` and ``batch`` are the non-batch and batch leaves, in input order.
+    """
+
+    def body(acc, mb_leaves):
+        mb_it, p_it = iter(mb_leaves), iter(params)
+        args = [next(mb_it) if b else next(p_it) for b in is_batch]
+        outs = eval_jaxpr_with_constraints(compute, consts, args, constraints)
+        return [a + o for a, o in zip(acc, outs, strict=True)], None
+
+    init = [jnp.zeros(v.aval.shape, v.aval.dtype) for v in compute.outvars]
+    acc, _ = jax.lax.scan(body, init, [_split_leading(x, k) for x in batch])
+    return acc
+
+
 def _average(total, count: int):
     if jnp.issubdtype(total.dtype, jnp.inexact):
         return total / count
@@ -146,17 +165,6 @@ def _average(total, count: int):
 
 
 # ----------------------------------------------------------------------------- lowering
-
-
-def _drop_axes(spec: PartitionSpec, axes: Sequence[str]) -> PartitionSpec:
-    def keep(entry):
-        if entry is None:
-            return None
-        names = entry if isinstance(entry, tuple) else (entry,)
-        names = tuple(n for n in names if n not in axes)
-        return None if not names else (names if len(names) > 1 else names[0])
-
-    return PartitionSpec(*[keep(e) for e in spec])
 
 
 def build_step_function(
@@ -194,23 +202,18 @@ def build_step_function(
             split.apply, closed.consts, list(leaves) + list(grads), apply_shardings
         )
 
+    def params_and_batch(leaves):
+        params = [x for x, b in zip(leaves, is_batch, strict=True) if not b]
+        batch = [x for x, b in zip(leaves, is_batch, strict=True) if b]
+        return params, batch
+
     if not data_axes:
 
         def step(*leaves):
-            mbs = [
-                _split_leading(x, k) if b else None for x, b in zip(leaves, is_batch, strict=True)
-            ]
-
-            def body(acc, mb_leaves):
-                it = iter(mb_leaves)
-                args = [next(it) if b else x for x, b in zip(leaves, is_batch, strict=True)]
-                outs = eval_jaxpr_with_constraints(
-                    split.compute, closed.consts, args, var_shardings
-                )
-                return [a + o for a, o in zip(acc, outs, strict=True)], None
-
-            init = [jnp.zeros(v.aval.shape, v.aval.dtype) for v in split.compute.outvars]
-            acc, _ = jax.lax.scan(body, init, [m for m in mbs if m is not None])
+            params, batch = params_and_batch(leaves)
+            acc = _accumulate(
+                split.compute, closed.consts, params, batch, is_batch, k, var_shardings
+            )
             return apply_part(leaves, [_average(a, k) for a in acc])
 
         return step
@@ -229,14 +232,7 @@ def build_step_function(
     batch_spec = PartitionSpec(data_axes if len(data_axes) > 1 else data_axes[0])
 
     def accumulate(params, batch):
-        def body(acc, mb_leaves):
-            mb_it, p_it = iter(mb_leaves), iter(params)
-            args = [next(mb_it) if b else next(p_it) for b in is_batch]
-            outs = eval_jaxpr_with_constraints(local_split.compute, local_consts, args, {})
-            return [a + o for a, o in zip(acc, outs, strict=True)], None
-
-        init = [jnp.zeros(v.aval.shape, v.aval.dtype) for v in local_split.compute.outvars]
-        acc, _ = jax.lax.scan(body, init, [_split_leading(x, k) for x in batch])
+        acc = _accumulate(local_split.compute, local_consts, params, batch, is_batch, k, {})
         # The one cross-device reduction of the step, after the loop.
         return [_average(jax.lax.psum(a, data_axes), k * num_data) for a in acc]
 
@@ -253,8 +249,6 @@ def build_step_function(
     )
 
     def step(*leaves):
-        params = [x for x, b in zip(leaves, is_batch, strict=True) if not b]
-        batch = [x for x, b in zip(leaves, is_batch, strict=True) if b]
-        return apply_part(leaves, accumulate_sm(params, batch))
+        return apply_part(leaves, accumulate_sm(*params_and_batch(leaves)))
 
     return step
