@@ -21,6 +21,7 @@ import numpy as np
 from alpa.device_mesh import LocalPhysicalDeviceMesh, VirtualPhysicalMesh
 from alpa.executable import Executable
 from alpa.parallel_method import ParallelMethod, ShardParallel
+from alpa.pipeline_parallel.layer_construction import mark_layers
 from alpa.pipeline_parallel.primitive_def import mark_pipeline_jaxpreqn
 from alpa.tracing import TracedStep, trace_step
 
@@ -90,9 +91,12 @@ def value_and_grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: boo
 
     The marker cuts the traced step into compute-grad (everything the gradients need)
     and apply-grad (the rest), which gradient accumulation and pipelining rely on.
+    Before differentiating, ``fun``'s ``mark_pipeline_boundary()`` cuts become layer
+    markers on the values that cross them (``layer_construction.mark_layers``), so the
+    backward pass carries the mirrored cuts.
     """
     del reduce_axes
-    inner = jax.value_and_grad(fun, argnums=argnums, has_aux=has_aux,
+    inner = jax.value_and_grad(mark_layers(fun), argnums=argnums, has_aux=has_aux,
                                holomorphic=holomorphic, allow_int=allow_int)
 
     @functools.wraps(fun)

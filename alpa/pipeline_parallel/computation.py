@@ -9,15 +9,17 @@ writes, plus where every value lives.
 The step's equations fall in three parts:
 
 * **forward**: the equations of layer ``l`` run in the forward computation of its stage;
-* **backward**: JAX emits the backward pass after the whole forward pass. An operand-less
-  boundary marker leaves no trace there, so each backward equation is placed by its data:
-  it may run no later than the backward computations that read it, i.e. on a stage no
-  higher than the stages of the backward values it reads (``U``); among those, it goes to
-  the highest stage on which its forward operands already are. This is the mirror of the
-  forward cut: the transpose of an equation of layer ``l`` reads the cotangent from stage
-  ``>= l`` and the forward values of stage ``l``. In the last layer, equations that depend
-  only on forward values form the forward computation of the last stage; the cotangent
-  seed (built from constants) starts the backward.
+* **backward**: JAX emits the backward pass after the whole forward pass. ``alpa.grad``
+  wraps every layer in ``start`` / ``end`` markers that JAX's transpose mirrors into the
+  backward pass (``layer_construction``), so the equations between the mirrored markers of
+  layer ``l`` form the backward of its stage. Backward equations outside every pair (the
+  cotangent seed, a sum of the cotangents of a value several layers read), and all of
+  them in a step cut by operand-less boundaries alone, are placed by their data: no
+  later than the backward computations that read them, i.e. on a stage no higher than
+  the stages of the backward values they read; among those, on the highest stage on
+  which their forward operands already are. Without layer markers, equations of the last
+  layer that depend only on forward values form the forward computation of the last
+  stage; the cotangent seed (built from constants) starts the backward.
 * **apply-grad** (after the ``alpa.grad`` marker): each equation runs on the stage that
   holds most of its operands' bytes, so a stage's gradients and optimizer state never
   leave its mesh; small values such as a global gradient norm move between meshes.
@@ -125,11 +127,14 @@ def split_computations(
     eqn_layers: Sequence[int | None],
     layer_to_stage: Sequence[int],
     batch_invars: Sequence[bool],
+    eqn_kinds: Sequence[str | None] | None = None,
 ) -> PipelineProgram:
     """Split a step into stage computations (see the module docstring).
 
-    ``eqn_layers[i]`` is the layer of forward equation ``i`` (``None`` for markers and for
-    equations after the ``alpa.grad`` marker or after the last layer's forward start).
+    ``eqn_layers[i]`` is the layer of equation ``i`` and ``eqn_kinds[i]`` whether it is
+    part of that layer's forward or backward (``layer_construction.manual_layers``).
+    Without ``eqn_kinds`` (a step cut by boundaries alone), ``eqn_layers`` covers the
+    forward pass and backward equations are placed by their data.
     """
     jaxpr = closed_jaxpr.jaxpr
     eqns = list(jaxpr.eqns)
@@ -175,20 +180,31 @@ def split_computations(
         eqn = eqns[i]
         if eqn.primitive is pipeline_p and not eqn.outvars:
             continue
+        hint = eqn_kinds[i] if eqn_kinds is not None else None
         if (
             eqn.outvars
             and all(v in const_eqns for v in eqn.outvars if _is_var(v))
             and any(_is_var(v) for v in eqn.outvars)
         ):
-            # A constant of the forward part counts as a forward value; one of the last
-            # layer's region may be the cotangent seed, which starts the backward.
-            if not (is_training and eqn_layers[i] in (None, last_layer)):
+            # A constant of the forward part counts as a forward value; without layer
+            # markers, one of the last layer's region may be the cotangent seed, which
+            # starts the backward.
+            if eqn_kinds is not None:
+                is_forward = hint == "forward"
+            else:
+                is_forward = not (is_training and eqn_layers[i] in (None, last_layer))
+            if is_forward:
                 forward_vars.update(v for v in eqn.outvars if _is_var(v))
             continue
         layer = eqn_layers[i]
         reads = [v for v in eqn.invars if _is_var(v) and not is_const(v)]
         in_tail = is_training and (layer is None or layer == last_layer)
-        if not in_tail:
+        if hint is not None:
+            stage, kind = layer_to_stage[layer], hint
+        elif eqn_kinds is not None:
+            # A backward equation outside every layer's markers.
+            stage, kind = _backward_stage(reads, forward_vars, home, avail, S_last), "backward"
+        elif not in_tail:
             stage, kind = layer_to_stage[layer if layer is not None else last_layer], "forward"
         elif reads and all(v in forward_vars for v in eqn.invars if _is_var(v) and v not in consts):
             stage, kind = S_last, "forward"

@@ -61,11 +61,15 @@ def compile_pipeshard_executable(
 ) -> PipeshardDriverExecutable:
     """Compile ``traced`` (traced at micro-batch size) into a pipeshard executable."""
     layer_option = resolve_layer_option(layer_option)
-    eqn_layers, num_layers = manual_layers(traced.closed_jaxpr)
-    stage_plan = plan_stages(stage_option, num_layers, len(devices))
+    layers = manual_layers(traced.closed_jaxpr)
+    stage_plan = plan_stages(stage_option, layers.num_layers, len(devices))
     options = stage_options(default_auto_sharding_option, stage_plan.autosharding_option_dicts)
     program = split_computations(
-        traced.closed_jaxpr, eqn_layers, stage_plan.layer_to_stage, traced.batch_invars
+        traced.closed_jaxpr,
+        layers.layers,
+        stage_plan.layer_to_stage,
+        traced.batch_invars,
+        layers.kinds,
     )
     if layer_option.remat_layer and program.is_training:
         program = rematerialize(program)

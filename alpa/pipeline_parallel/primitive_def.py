@@ -23,8 +23,14 @@ pipeline_p = Primitive("pipeline_marker")
 pipeline_p.multiple_results = True
 
 MARK_TYPES = ("start", "end", "boundary", "grad", "jvp_start", "jvp_end")
-_MIRROR = {"start": "end", "end": "start", "boundary": "boundary", "grad": "grad",
-           "jvp_start": "end", "jvp_end": "start"}
+_MIRROR = {
+    "start": "end",
+    "end": "start",
+    "boundary": "boundary",
+    "grad": "grad",
+    "jvp_start": "end",
+    "jvp_end": "start",
+}
 
 
 def mark_pipeline_jaxpreqn(values, name: str, mark_type: str):
@@ -50,10 +56,23 @@ def _lowering(ctx, *args, name, mark_type):
 
 
 def _jvp(primals, tangents, *, name, mark_type):
+    # Only tangents that are not symbolic zeros are marked: a value without a tangent (the
+    # batch, a constant) then leaves no marker operand, hence no wasted cotangent, in the
+    # backward pass.
     primals_out = pipeline_p.bind(*primals, name=name, mark_type=mark_type)
     tangent_type = {"start": "jvp_start", "end": "jvp_end"}.get(mark_type, mark_type)
-    tangents = [ad.instantiate_zeros(t) for t in tangents]
-    tangents_out = pipeline_p.bind(*tangents, name=name, mark_type=tangent_type)
+    nonzero = [type(t) is not ad.Zero for t in tangents]
+    if not any(nonzero):
+        return primals_out, list(tangents)
+    marked = iter(
+        pipeline_p.bind(
+            *[t for t, nz in zip(tangents, nonzero, strict=True) if nz],
+            name=name,
+            mark_type=tangent_type,
+        )
+    )
+    # The marker is the identity, so a zero tangent stays the same zero.
+    tangents_out = [next(marked) if nz else t for t, nz in zip(tangents, nonzero, strict=True)]
     return primals_out, tangents_out
 
 
