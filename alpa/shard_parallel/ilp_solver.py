@@ -138,23 +138,31 @@ class _Groups:
         self.unary = {g: np.zeros(self.k[g]) for g in self.roots}
         self.tie = {g: np.zeros(self.k[g]) for g in self.roots}
         total_bytes = (
-            sum(
-                max(max(b) for b in node.out_bytes) if node.out_bytes else 0.0
-                for node in graph.nodes
-            )
+            sum(max(max(b) for b in node.out_bytes) if node.out_bytes else 0.0
+                for node in graph.nodes)
             or 1.0
-        )
-        positive = [e.cost[e.cost > 0].min() for e in graph.edges if (e.cost > 0).any()]
+        )  # fmt: skip
+        # Repeated layers share strategy tuples and edge matrices: each is read once.
+        matrices = {id(e.cost): e.cost for e in graph.edges}
+        positive = [m[m > 0].min() for m in matrices.values() if (m > 0).any()]
         positive += [
             s.comm_cost for node in graph.nodes for s in node.strategies if s.comm_cost > 0
         ]
         # Ties between equal-cost plans go to the one with less memory; the weight keeps the
         # whole tie-breaking term below 1e-4 of the cheapest priced event.
         weight = 1e-4 * (min(positive) if positive else 1.0) / total_bytes
+        costs: dict[int, np.ndarray] = {}
+        sizes: dict[tuple, np.ndarray] = {}
         for node in graph.nodes:
             g = self.find(node.id)
-            self.unary[g] += [s.comm_cost + s.compute_cost for s in node.strategies]
-            self.tie[g] += weight * np.sum(node.out_bytes, axis=0) if node.out_bytes else 0.0
+            key = id(node.strategies)
+            if key not in costs:
+                costs[key] = np.array([s.comm_cost + s.compute_cost for s in node.strategies])
+            self.unary[g] += costs[key]
+            if node.out_bytes:
+                if node.out_bytes not in sizes:
+                    sizes[node.out_bytes] = np.sum(node.out_bytes, axis=0)
+                self.tie[g] += weight * sizes[node.out_bytes]
         self.adj: dict[int, dict[int, np.ndarray]] = {g: {} for g in self.roots}
         self.alive = set(self.roots)
         self.constant = 0.0
@@ -173,12 +181,16 @@ class _Groups:
         """
         graph = self.graph
         colour = {}
+        spec_hashes: dict[int, int] = {}  # repeated layers share strategy tuples
         for node in graph.nodes:
             op = node.label.split(" ", 2)[-1] if node.label.startswith("eqn") else node.label
             if node.label.startswith("input"):
                 op = "input"
             shapes = tuple(tuple(v.aval.shape) for v in node.outvars)
-            specs = tuple(s.out_specs for s in node.strategies)
+            specs = spec_hashes.get(id(node.strategies))
+            if specs is None:
+                specs = hash(tuple(s.out_specs for s in node.strategies))
+                spec_hashes[id(node.strategies)] = specs
             colour[node.id] = hash((op, shapes, specs))
         preds: dict[int, list[int]] = {n.id: [] for n in graph.nodes}
         succs: dict[int, list[int]] = {n.id: [] for n in graph.nodes}
@@ -298,15 +310,21 @@ class _Groups:
 # ----------------------------------------------------------------------------- ILP
 
 
+#: CBC options: solve the root LP with the dual simplex before branch and bound. CBC's
+#: default root solve takes ~10x longer on these problems (whose relaxations are often
+#: integral already); the branch and bound that follows is unchanged.
+CBC_OPTIONS = ("dualSimplex",)
+
+
 def _cbc(time_limit: float):
     """CBC: a system ``cbc`` when there is one, else the binary bundled with PuLP."""
-    coin = pulp.COIN_CMD(msg=False, timeLimit=time_limit)
+    coin = pulp.COIN_CMD(msg=False, timeLimit=time_limit, options=list(CBC_OPTIONS))
     if coin.available():
         return coin
     with warnings.catch_warnings():
         # PuLP 3.3 deprecates its bundled CBC in favour of a separately installed one.
         warnings.filterwarnings("ignore", "PULP_CBC_CMD is deprecated", DeprecationWarning)
-        return pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit)
+        return pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit, options=list(CBC_OPTIONS))
 
 
 def _solve_ilp(graph, groups: _Groups, core, memory_budget, time_limit):

@@ -11,6 +11,12 @@ A node that *follows* an operand (``Node.follow``) has strategies in one-to-one
 correspondence with the producer's; the solver gives both one decision variable.
 The graph also records liveness: for each program point, the values alive there, so that a
 memory budget can be imposed per point.
+
+A stack of identical layers repeats the same equations on the same shapes, so the builder
+does each piece of work once: a strategy rule runs once per distinct (primitive, parameters,
+operand and result shapes and dtypes, operand specs) (rules read nothing else, in particular
+not literal values or variable identity), and one read-only cost matrix serves every edge
+with the same producer specs, consumer specs and byte size.
 """
 
 from __future__ import annotations
@@ -118,13 +124,19 @@ def build_strategy_graph(
     for var in jaxpr.constvars:
         builder.add_node(f"constant {var}", (var,), (_whole(var),), None)
     input_nodes = []
+    all_specs: dict[tuple[int, ...], list[Spec]] = {}
+    input_strategies: dict[tuple[Spec, ...], tuple[Strategy, ...]] = {}
     for i, var in enumerate(jaxpr.invars):
         shape = tuple(var.aval.shape)
-        specs = enumerate_specs(shape, mesh, options.allow_mixed_mesh_shape)
+        if shape not in all_specs:
+            all_specs[shape] = enumerate_specs(shape, mesh, options.allow_mixed_mesh_shape)
+        specs = list(all_specs[shape])
         if input_filter is not None:
             specs = input_filter(i, shape, specs) or specs
-        strategies = tuple(Strategy("input", (s,), ()) for s in specs)
-        input_nodes.append(builder.add_node(f"input {i}", (var,), strategies, None))
+        specs = tuple(specs)
+        if specs not in input_strategies:
+            input_strategies[specs] = tuple(Strategy("input", (s,), ()) for s in specs)
+        input_nodes.append(builder.add_node(f"input {i}", (var,), input_strategies[specs], None))
     for t, eqn in enumerate(jaxpr.eqns):
         builder.add_eqn(t, eqn)
     for i, o in state_pairs:
@@ -167,24 +179,43 @@ class _Builder:
         self.sources: dict = {}
         self.eqn_sources: list[list[Source]] = []
         self.unknown: set[str] = set()
+        # Per node, per output: the output spec under each strategy (the operand specs of
+        # the node's consumers).
+        self._out_specs: list[tuple[tuple[Spec, ...], ...]] = []
         self._cost_cache: dict = {}
+        self._matrix_cache: dict = {}
+        self._rule_cache: dict = {}
+        self._shards_cache: dict = {}
+        self._bytes_cache: dict = {}
 
     def add_node(self, label, outvars, strategies, follow) -> int:
         node_id = len(self.nodes)
         out_bytes = []
+        out_specs = []
         for k, var in enumerate(outvars):
             aval = var.aval
             size = nbytes(getattr(aval, "shape", ()), _itemsize(aval))
-            out_bytes.append(
-                tuple(size / num_shards(s.out_specs[k], self.mesh) for s in strategies)
-            )
+            specs = tuple(s.out_specs[k] for s in strategies)
+            out_specs.append(specs)
+            sizes = self._bytes_cache.get((specs, size))
+            if sizes is None:
+                sizes = tuple(size / self._num_shards(spec) for spec in specs)
+                self._bytes_cache[(specs, size)] = sizes
+            out_bytes.append(sizes)
         self.nodes.append(
             Node(node_id, label, tuple(outvars), tuple(strategies), follow, tuple(out_bytes))
         )
+        self._out_specs.append(tuple(out_specs))
         for k, var in enumerate(outvars):
             if not isinstance(var, DropVar):
                 self.sources[var] = (node_id, k)
         return node_id
+
+    def _num_shards(self, spec: Spec) -> int:
+        shards = self._shards_cache.get(spec)
+        if shards is None:
+            shards = self._shards_cache[spec] = num_shards(spec, self.mesh)
+        return shards
 
     def add_eqn(self, t: int, eqn: JaxprEqn) -> None:
         if eqn.primitive in ALIAS_PRIMITIVES:
@@ -212,9 +243,14 @@ class _Builder:
             self.unknown.add(eqn.primitive.name)
             result = replicated_strategy(eqn)
         else:
-            result = rule(eqn, ctx)
-        if not result.strategies:
-            result = replicated_strategy(eqn)
+            key = _rule_key(eqn, operand_specs)
+            result = None if key is None else self._rule_cache.get(key)
+            if result is None:
+                result = rule(eqn, ctx)
+                if not result.strategies:
+                    result = replicated_strategy(eqn)
+                if key is not None:
+                    self._rule_cache[key] = result
         follow = None
         if result.follow is not None:
             follow = self.sources[eqn.invars[result.follow]][0]
@@ -226,34 +262,43 @@ class _Builder:
 
     def _specs_of(self, source: Source) -> tuple[Spec, ...]:
         node_id, k = source
-        return tuple(s.out_specs[k] for s in self.nodes[node_id].strategies)
+        return self._out_specs[node_id][k]
 
     def _add_edges(self, eqn: JaxprEqn, node_id: int, result: NodeStrategies) -> None:
         for j, var in enumerate(eqn.invars):
             if isinstance(var, Literal):
                 continue
             src_id, k = self.sources[var]
-            src_specs = self._specs_of((src_id, k))
-            dst_specs = [s.in_specs[j] for s in result.strategies]
+            dst_specs = tuple(s.in_specs[j] for s in result.strategies)
             total = nbytes(var.aval.shape, _itemsize(var.aval))
+            cost = self._matrix(self._specs_of((src_id, k)), dst_specs, total)
+            self.edges.append(Edge(src_id, node_id, cost))
+
+    def add_state_edge(self, source: Source, input_node: int, var) -> None:
+        total = nbytes(var.aval.shape, _itemsize(var.aval))
+        cost = self._matrix(self._specs_of(source), self._specs_of((input_node, 0)), total)
+        self.edges.append(Edge(source[0], input_node, cost))
+
+    def _matrix(
+        self, src_specs: tuple[Spec, ...], dst_specs: tuple[Spec | None, ...], total: float
+    ) -> np.ndarray:
+        """``cost[a, b]``: resharding ``src_specs[a]`` to ``dst_specs[b]`` (0 where the
+        consumer takes the value as it is, ``None``).
+
+        Repeated layers read values of the same shapes under the same specs, so most edges
+        share one matrix; the cached matrices are read-only.
+        """
+        key = (src_specs, dst_specs, total)
+        cost = self._matrix_cache.get(key)
+        if cost is None:
             cost = np.zeros((len(src_specs), len(dst_specs)))
             for a, src in enumerate(src_specs):
                 for b, dst in enumerate(dst_specs):
                     if dst is not None and src != dst:
                         cost[a, b] = self._reshard(src, dst, total)
-            self.edges.append(Edge(src_id, node_id, cost))
-
-    def add_state_edge(self, source: Source, input_node: int, var) -> None:
-        src_id, k = source
-        src_specs = self._specs_of(source)
-        dst_specs = self._specs_of((input_node, 0))
-        total = nbytes(var.aval.shape, _itemsize(var.aval))
-        cost = np.zeros((len(src_specs), len(dst_specs)))
-        for a, src in enumerate(src_specs):
-            for b, dst in enumerate(dst_specs):
-                if src != dst:
-                    cost[a, b] = self._reshard(src, dst, total)
-        self.edges.append(Edge(src_id, input_node, cost))
+            cost.flags.writeable = False
+            self._matrix_cache[key] = cost
+        return cost
 
     def _reshard(self, src: Spec, dst: Spec, total: float) -> float:
         key = (src, dst, total)
@@ -265,6 +310,32 @@ class _Builder:
             )  # fmt: skip
             self._cost_cache[key] = cost
         return cost
+
+
+def _rule_key(eqn: JaxprEqn, operand_specs) -> tuple | None:
+    """What a strategy rule reads: the primitive, its parameters, the operands' and results'
+    shapes and dtypes (and which operands are literals), and the operands' specs.
+
+    Two equations with equal keys get the same strategies, so the rule runs once for all the
+    layers of a stack. ``None`` when a parameter is unhashable (the rule then always runs).
+    """
+    try:
+        params = tuple(sorted(eqn.params.items()))
+        key = (
+            eqn.primitive,
+            params,
+            tuple(_aval_key(v.aval, isinstance(v, Literal)) for v in eqn.invars),
+            tuple(_aval_key(v.aval, False) for v in eqn.outvars),
+            operand_specs,
+        )
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def _aval_key(aval, literal: bool) -> tuple:
+    return (literal, tuple(getattr(aval, "shape", ())), getattr(aval, "dtype", None))
 
 
 def _itemsize(aval) -> int:
