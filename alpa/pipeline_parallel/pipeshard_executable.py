@@ -46,6 +46,7 @@ from alpa.pipeline_parallel.stage_sharding import (
     plan_stage_shardings,
     stage_options,
 )
+from alpa.pipeline_parallel.user_shardings import input_names, pinned_specs
 from alpa.runtime.local_runtime import LocalPipelineRuntime
 from alpa.tracing import TracedStep
 
@@ -58,8 +59,15 @@ def compile_pipeshard_executable(
     layer_option: Any = None,
     stage_option: Any = None,
     default_auto_sharding_option: Any = None,
+    manual_sharding_option: Any = None,
+    stage_input_shardings: Any = None,
+    args: Sequence[Any] = (),
 ) -> PipeshardDriverExecutable:
-    """Compile ``traced`` (traced at micro-batch size) into a pipeshard executable."""
+    """Compile ``traced`` (traced at micro-batch size) into a pipeshard executable.
+
+    ``args`` are the step's positional arguments (abstract or not), which
+    ``manual_sharding_option.in_axis_resources`` is matched against.
+    """
     layer_option = resolve_layer_option(layer_option)
     layers = manual_layers(traced.closed_jaxpr)
     stage_plan = plan_stages(stage_option, layers.num_layers, len(devices))
@@ -85,6 +93,13 @@ def compile_pipeshard_executable(
             f"pipeline_schedule='inference' instead of {pipeline_schedule!r}"
         )
     names = _name_vars(traced.closed_jaxpr)
+    mesh_shapes = [
+        tuple(option.logical_mesh_shape or shape)
+        for option, shape in zip(options, stage_plan.logical_shapes, strict=True)
+    ]
+    pinned = pinned_specs(
+        traced, program, args, mesh_shapes, manual_sharding_option, stage_input_shardings, names
+    )
     instructions = emit_instructions(program, schedule, names)
     return PipeshardDriverExecutable(
         traced,
@@ -96,6 +111,7 @@ def compile_pipeshard_executable(
         devices,
         num_micro_batches,
         options,
+        pinned,
     )
 
 
@@ -151,6 +167,7 @@ class PipeshardDriverExecutable(Executable):
         devices: Sequence[Any],
         num_micro_batches: int,
         options: Sequence[Any] | None = None,
+        pinned: dict | None = None,
     ):
         self.traced = traced
         self.program = program
@@ -173,7 +190,7 @@ class PipeshardDriverExecutable(Executable):
             )
         self.meshes = [make_jax_mesh(m.devices, m.shape, DATA_AXES) for m in self.logical_meshes]
         self.stage_specs, self.stage_objectives = plan_stage_shardings(
-            traced, program, self.logical_meshes, self.options, names
+            traced, program, self.logical_meshes, self.options, names, pinned
         )
         jaxpr = traced.closed_jaxpr.jaxpr
         self._consts_env = dict(zip(jaxpr.constvars, traced.closed_jaxpr.consts, strict=True))
@@ -289,6 +306,11 @@ class PipeshardDriverExecutable(Executable):
         return PlacementSpec(
             var.aval, tuple(meshes), tuple(self._sharding(var, m).spec for m in meshes)
         )
+
+    def get_stage_input_names(self) -> list[list[str]]:
+        """Per stage, its inputs (what its forward and backward read from outside), in the
+        order ``PipeshardParallel(stage_input_shardings=...)`` takes their specs."""
+        return input_names(self.program, self.traced, self._names)
 
     def get_hlo_text(self) -> list[str]:
         """One HLO module per stage computation: forward, backward, apply-grad, in that order."""

@@ -17,6 +17,11 @@ from alpa.pipeline_parallel.layer_construction import resolve_layer_option
 from alpa.pipeline_parallel.pipeshard_executable import compile_pipeshard_executable
 from alpa.pipeline_parallel.schedules import schedules
 from alpa.pipeline_parallel.stage_construction import resolve_stage_option
+from alpa.pipeline_parallel.user_shardings import (
+    check_axis_names,
+    check_manual_sharding_option,
+    check_stage_input_shardings,
+)
 from alpa.tracing import TracedStep
 
 
@@ -33,7 +38,13 @@ class PipeshardParallel(ParallelMethod):
       pipeline_schedule: ``"1f1b"``, ``"gpipe"`` or ``"inference"``.
       layer_option: ``"manual"`` or ``ManualLayerOption``.
       stage_option: ``"uniform"``, ``UniformStageOption`` or ``ManualStageOption``.
-      stage_input_shardings, manual_sharding_option: not supported yet (must be ``None``).
+      stage_input_shardings: per stage, a list with a ``PartitionSpec`` (or ``None``) per
+        input of the stage (``executable.get_stage_input_names()``), in the submesh's
+        axes ``("x", "y")`` or those of ``manual_sharding_option``.
+      manual_sharding_option: a ``ManualShardingOption`` whose ``in_axis_resources`` /
+        ``out_axis_resources`` pin the step's inputs and outputs on the stages that read
+        or produce them, in the axis names ``submesh_axis_names[stage]`` (default
+        ``mesh_axis_names``). See ``alpa.pipeline_parallel.user_shardings``.
     """
 
     def __init__(
@@ -58,12 +69,13 @@ class PipeshardParallel(ParallelMethod):
                 f"unknown pipeline_schedule {pipeline_schedule!r}; expected one of "
                 f"{sorted(schedules)}"
             )
-        for name, value in (
-            ("stage_input_shardings", stage_input_shardings),
-            ("manual_sharding_option", manual_sharding_option),
-        ):
-            if value is not None:
-                raise NotImplementedError(f"PipeshardParallel({name}=...) is not supported yet")
+        if manual_sharding_option is not None:
+            manual_sharding_option = check_manual_sharding_option(manual_sharding_option)
+        if stage_input_shardings is not None:
+            stage_input_shardings = check_stage_input_shardings(stage_input_shardings)
+        check_axis_names(manual_sharding_option, stage_input_shardings)
+        self.manual_sharding_option = manual_sharding_option
+        self.stage_input_shardings = stage_input_shardings
         self.devices = devices
         self.num_micro_batches = num_micro_batches
         self.default_auto_sharding_option = default_auto_sharding_option
@@ -82,7 +94,6 @@ class PipeshardParallel(ParallelMethod):
         return list(devices)
 
     def compile_executable(self, traced: TracedStep, args: Sequence[Any]) -> Executable:
-        del args
         return compile_pipeshard_executable(
             traced,
             self._devices(),
@@ -91,6 +102,9 @@ class PipeshardParallel(ParallelMethod):
             layer_option=self.layer_option,
             stage_option=self.stage_option,
             default_auto_sharding_option=self.default_auto_sharding_option,
+            manual_sharding_option=self.manual_sharding_option,
+            stage_input_shardings=self.stage_input_shardings,
+            args=args,
         )
 
     def __repr__(self) -> str:

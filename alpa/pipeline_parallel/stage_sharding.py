@@ -79,10 +79,13 @@ def plan_stage_shardings(
     logical_meshes: Sequence[LogicalDeviceMesh],
     options: Sequence[AutoShardingOption],
     names: dict,
+    pinned: dict | None = None,
 ) -> tuple[dict, dict]:
     """The table ``(var, mesh) -> PartitionSpec`` and, per stage, the ILP plan objective(s)
-    (``{stage: [objective, ...]}``) of the computations the ILP planned."""
-    table: dict = {}
+    (``{stage: [objective, ...]}``) of the computations the ILP planned.
+
+    ``pinned`` entries (the user's, ``user_shardings``) are kept as they are."""
+    table: dict = dict(pinned or {})
     objectives: dict[int, list[float]] = {}
     closed = traced.closed_jaxpr
     for s in range(program.num_stages):

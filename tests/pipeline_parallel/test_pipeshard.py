@@ -369,3 +369,29 @@ def test_remat_layer_matches_serial_and_keeps_fewer_activations():
         bwd = remat.program.computation(stage, "backward")
         own = {v for e in fwd_remat.eqns for v in e.outvars}
         assert not own & set(bwd.invars)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="a data-parallel stage's backward all-reduces its gradients once per micro-batch; "
+    "reducing once per step in apply-grad needs the backward at per-device batch (see "
+    "docs/pipeline.md, 'Not yet')",
+)
+def test_data_parallel_stage_reduces_gradients_once_per_step():
+    from alpa.util import count_communication_primitives
+
+    devices_or_skip(8)
+    params, batch = _mlp(2, hidden=16)
+    option = alpa.AutoShardingOption(force_data_parallel=True)
+    method = PipeshardParallel(num_micro_batches=2, default_auto_sharding_option=option)
+    executable = _check_against_serial(
+        _mlp_loss(2), params, batch, method, tx=optax.sgd(0.1), steps=1
+    )
+    names = [c.name for c in executable.program.computations]
+    hlo = dict(zip(names, executable.get_hlo_text(), strict=True))
+    for stage in range(2):
+        backward = count_communication_primitives(hlo[f"stage{stage}_backward"], True)
+        apply = count_communication_primitives(hlo[f"stage{stage}_apply_0"])
+        assert backward.all_reduce == 0 and backward.reduce_scatter == 0, backward
+        assert apply.all_reduce >= 1, apply

@@ -1,0 +1,229 @@
+"""PipeshardParallel(manual_sharding_option=..., stage_input_shardings=...): the pinned
+specs reach the compiled stages (their input shardings), numerics match the serial step,
+and bad specs fail with the exact error."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from conftest import devices_or_skip
+from jax.sharding import PartitionSpec as P
+
+import alpa
+from alpa.pipeline_parallel.pipeshard_parallel import PipeshardParallel
+from alpa.pipeline_parallel.user_shardings import stage_inputs
+
+HIDDEN, BATCH = 16, 16
+
+
+def _loss(params, x, y):
+    h = jnp.tanh(x @ params["w0"] + params["b0"])
+    alpa.mark_pipeline_boundary()
+    h = jnp.tanh(h @ params["w1"] + params["b1"])
+    return jnp.mean((h - y) ** 2)
+
+
+def _setup():
+    keys = jax.random.split(jax.random.PRNGKey(0), 4)
+    params = {
+        "w0": jax.random.normal(keys[0], (HIDDEN, HIDDEN)) / 4,
+        "b0": jnp.full((HIDDEN,), 0.1),
+        "w1": jax.random.normal(keys[1], (HIDDEN, HIDDEN)) / 4,
+        "b1": jnp.zeros((HIDDEN,)),
+    }
+    batch = (
+        jax.random.normal(keys[2], (BATCH, HIDDEN)),
+        jax.random.normal(keys[3], (BATCH, HIDDEN)),
+    )
+    return params, batch
+
+
+def _step(grad_fn, tx):
+    def step(params, opt_state, batch):
+        value, grads = grad_fn(_loss)(params, *batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, value
+
+    return step
+
+
+def _run(method, steps=2):
+    params, batch = _setup()
+    tx = optax.sgd(0.1)
+    serial = jax.jit(_step(jax.value_and_grad, tx))
+    parallel = alpa.parallelize(_step(alpa.value_and_grad, tx), method=method, batch_argnums=(2,))
+    ref = out = (params, tx.init(params))
+    for _ in range(steps):
+        ref = serial(*ref[:2], batch)
+        out = parallel(*out[:2], batch)
+        for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(ref), strict=True):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)
+    return parallel.get_last_executable(), out
+
+
+def _input_shard_shape(executable, name, stage, kind="forward"):
+    """The per-device shape of step input ``name`` as the compiled computation takes it."""
+    program = executable.program
+    jaxpr = executable.traced.closed_jaxpr.jaxpr
+    index = {n: v for v, n in zip(jaxpr.invars, executable.traced.leaf_names, strict=True)}
+    var = index.get(name, name)
+    comp = program.computation(stage, kind)
+    position = list(comp.invars).index(var)
+    compiled = executable._compiled[list(program.computations).index(comp)]
+    return compiled.input_shardings[0][position].shard_shape(var.aval.shape)
+
+
+def _megatron(axis):
+    return {"w0": P(None, axis), "b0": P(axis), "w1": P(axis, None), "b1": P()}
+
+
+MEGATRON_IN = _megatron("model")
+
+
+def test_manual_sharding_option_pins_step_inputs_and_outputs():
+    devices_or_skip(8)
+    option = alpa.ManualShardingOption(
+        ("model",),
+        in_axis_resources=(MEGATRON_IN, None, P()),
+        out_axis_resources=(MEGATRON_IN, None, P()),
+    )
+    method = PipeshardParallel(num_micro_batches=2, manual_sharding_option=option)
+    executable, (params, _, _) = _run(method)
+    # Stage 0 takes w0 split by columns over its 4 devices, stage 1 w1 split by rows.
+    assert _input_shard_shape(executable, "argument 0['w0']", 0) == (HIDDEN, HIDDEN // 4)
+    assert _input_shard_shape(executable, "argument 0['b0']", 0) == (HIDDEN // 4,)
+    assert _input_shard_shape(executable, "argument 0['w1']", 1) == (HIDDEN // 4, HIDDEN)
+    # The batch (a replicated spec) is whole on every device of stage 0.
+    assert _input_shard_shape(executable, "argument 2[0]", 0) == (BATCH // 2, HIDDEN)
+    # The updated parameters come back with the out_axis_resources split.
+    assert params["w0"].sharding.shard_shape((HIDDEN, HIDDEN)) == (HIDDEN, HIDDEN // 4)
+    assert params["w1"].sharding.shard_shape((HIDDEN, HIDDEN)) == (HIDDEN // 4, HIDDEN)
+    assert len(params["w0"].sharding.device_set) == 4
+
+
+def test_manual_sharding_option_with_axis_names_per_submesh():
+    devices_or_skip(8)
+    option = alpa.ManualShardingOption(
+        ("unused",),
+        submesh_axis_names=(("data", "model"), ("model",)),
+        in_axis_resources=(
+            {"w0": P(None, "model"), "b0": P(), "w1": P("model"), "b1": P()},
+            None,
+            (P("data"), None),  # x (read by stage 0) split over "data"; y replicated
+        ),
+    )
+    stage_option = alpa.ManualStageOption([[0], [1]], [(1, 4), (1, 4)], [(2, 2), (1, 4)])
+    method = PipeshardParallel(
+        num_micro_batches=2, stage_option=stage_option, manual_sharding_option=option
+    )
+    executable, _ = _run(method)
+    # Stage 0 is a 2x2 mesh: the batch split over "data" (2), w0's columns over "model" (2).
+    assert _input_shard_shape(executable, "argument 2[0]", 0) == (BATCH // 4, HIDDEN)
+    assert _input_shard_shape(executable, "argument 0['w0']", 0) == (HIDDEN, HIDDEN // 2)
+    # Stage 1 names its one axis "model": it spans the 4 devices.
+    assert _input_shard_shape(executable, "argument 0['w1']", 1) == (HIDDEN // 4, HIDDEN)
+
+
+def test_stage_input_shardings_pin_the_inputs_of_a_stage():
+    devices_or_skip(8)
+    plain, _ = _run(PipeshardParallel(num_micro_batches=2), steps=1)
+    names = [[n.rsplit(" ", 1)[0] for n in stage] for stage in plain.get_stage_input_names()]
+    # Stage 1 reads w1, b1, y and the activation of stage 0 (an internal value v<n>).
+    assert {n for n in names[1] if n.startswith("argument")} == {
+        "argument 0['w1']",
+        "argument 0['b1']",
+        "argument 2[1]",
+    }
+    activation = next(i for i, n in enumerate(names[1]) if not n.startswith("argument"))
+    specs = [None] * len(names[1])
+    specs[activation] = P(None, ("x", "y"))  # the activation's features, 4 ways
+    specs[names[1].index("argument 0['w1']")] = P("y", None)
+    method = PipeshardParallel(num_micro_batches=2, stage_input_shardings=[None, specs])
+    executable, _ = _run(method)
+    act = stage_inputs(executable.program, 1)[activation]
+    assert act.aval.shape == (BATCH // 2, HIDDEN)
+    assert _input_shard_shape(executable, act, 1) == (BATCH // 2, HIDDEN // 4)
+    assert _input_shard_shape(executable, "argument 0['w1']", 1) == (HIDDEN // 4, HIDDEN)
+    # Unpinned inputs keep what the stage's plan chose.
+    assert executable.get_stage_input_names()[0] == plain.get_stage_input_names()[0]
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+def _compile(method):
+    params, batch = _setup()
+    tx = optax.sgd(0.1)
+    step = alpa.parallelize(_step(alpa.value_and_grad, tx), method=method, batch_argnums=(2,))
+    return step.get_executable(params, tx.init(params), batch)
+
+
+def test_bad_axis_names_fail_when_the_method_is_built():
+    with pytest.raises(
+        ValueError,
+        match=r"stage_input_shardings\[1\]\[0\]: P\('model',\) names "
+        r"mesh axes \['model'\] that are not in stage 1's submesh axis names \('x', 'y'\)",
+    ):
+        PipeshardParallel(stage_input_shardings=[None, [P("model")]])
+    option = alpa.ManualShardingOption(("data",), in_axis_resources=(P("model"),))
+    with pytest.raises(
+        ValueError,
+        match=r"manual_sharding_option.in_axis_resources: P\('model',\) names mesh axes "
+        r"\['model'\] that are not in the submesh axis names \('data',\)",
+    ):
+        PipeshardParallel(manual_sharding_option=option)
+    with pytest.raises(TypeError, match=r"stage_input_shardings\[0\]\[0\] must be a PartitionSpec"):
+        PipeshardParallel(stage_input_shardings=[["x"]])
+    with pytest.raises(
+        TypeError, match=r"manual_sharding_option must be an alpa.ManualShardingOption"
+    ):
+        PipeshardParallel(manual_sharding_option={"in_axis_resources": None})
+    option = alpa.ManualShardingOption(("m",), submesh_axis_names=(("a",), ("b",), ("c",)))
+    with pytest.raises(
+        ValueError,
+        match=r"stage_input_shardings has 2 stages but "
+        r"manual_sharding_option.submesh_axis_names has 3",
+    ):
+        PipeshardParallel(stage_input_shardings=[None, None], manual_sharding_option=option)
+
+
+def test_bad_lengths_and_splits_fail_when_the_step_compiles():
+    devices_or_skip(8)
+    with pytest.raises(
+        ValueError, match=r"stage_input_shardings has 3 entries but the pipeline has 2 stages"
+    ):
+        _compile(PipeshardParallel(stage_input_shardings=[None, None, None]))
+    with pytest.raises(
+        ValueError,
+        match=r"stage_input_shardings\[0\] has 1 specs but stage 0 has 4 inputs: argument "
+        r"2\[0\] float32\[16,16\], argument 0\['w0'\] float32\[16,16\], argument 0\['b0'\] "
+        r"float32\[16\], v\d+ float32\[16,16\]",
+    ):
+        _compile(PipeshardParallel(stage_input_shardings=[[P()], None]))
+    option = alpa.ManualShardingOption(("m",), in_axis_resources=(_megatron("m"), None))
+    with pytest.raises(
+        ValueError, match=r"in_axis_resources must have one entry per positional argument \(3\)"
+    ):
+        _compile(PipeshardParallel(manual_sharding_option=option))
+    bad = dict(_megatron("m"), b0=P(None, "m"))
+    option = alpa.ManualShardingOption(("m",), in_axis_resources=(bad, None, P()))
+    with pytest.raises(
+        ValueError,
+        match=r"in_axis_resources for argument 0\['b0'\]: P\(None, 'm'\) has 2 "
+        r"entries but the value has 1 dimensions",
+    ):
+        _compile(PipeshardParallel(manual_sharding_option=option))
+    option = alpa.ManualShardingOption(("m",), submesh_axis_names=(("m",),))
+    with pytest.raises(
+        ValueError, match=r"submesh_axis_names has 1 entries but the pipeline has 2 stages"
+    ):
+        _compile(PipeshardParallel(manual_sharding_option=option))
+    stage_option = alpa.ManualStageOption([[0], [1]], [(1, 2), (1, 6)])
+    option = alpa.ManualShardingOption(("m",), in_axis_resources=(_megatron("m"), None, P()))
+    with pytest.raises(
+        ValueError,
+        match=r"in_axis_resources for argument 0\['w1'\]: P\('m', None\) splits "
+        r"dimension 0 of size 16 into 6 parts on stage 1's submesh, which does not divide it",
+    ):
+        _compile(PipeshardParallel(stage_option=stage_option, manual_sharding_option=option))
