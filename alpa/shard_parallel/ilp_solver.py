@@ -9,7 +9,12 @@ choice of the strategy pair::
                 sum_j e_uv[i, j] = s_u[i],   sum_i e_uv[i, j] = s_v[j],   e_uv >= 0
                 sum_(v live at t) s_v . m_v <= budget       for each liveness point t
 
-(``e_uv`` is integral whenever ``s`` is, so it is continuous here.)
+(``e_uv`` is integral whenever ``s`` is, so it is continuous here.) Strategies of ``u``
+whose rows of ``R_uv`` are equal (say, several strategies of a matmul that need the same
+operand spec) share one row of ``e_uv``, and likewise equal columns: with ``I`` a class of
+equal rows and ``J`` one of equal columns, ``sum_J e_uv[I, J] = sum_(i in I) s_u[i]`` and
+``sum_I e_uv[I, J] = sum_(j in J) s_v[j]``. For integral ``s`` this prices exactly the
+chosen pair, and the LP relaxation is the same (split ``e_uv[I, J]`` in proportion to ``s``).
 
 The graph is shrunk before the solve, exactly (the optimum does not change):
 
@@ -20,6 +25,10 @@ The graph is shrunk before the solve, exactly (the optimum does not change):
 3. without a memory budget, *variable elimination*: a group with one neighbour is folded
    into it (``c_u[i] += min_j R[i, j] + c_v[j]``), and a group with two neighbours ``a``,
    ``b`` becomes an edge ``R_ab[i, k] = min_j R_a[i, j] + c_v[j] + R_b[j, k]``.
+
+Before these, a graph of more than ``TIE_LAYERS_ABOVE_GROUPS`` groups has its repeated
+structure tied (step 4, :meth:`_Groups.tie_repeated_structure`): a restriction, not an exact
+step, that keeps the ILP of an ``L``-layer model the size of one layer's.
 
 What remains goes to CBC through PuLP. ``prob.sol_status`` is checked, not only
 ``LpStatus``: a solve stopped at its time limit with a feasible plan reports "Optimal" too.
@@ -343,23 +352,25 @@ def _solve_ilp(graph, groups: _Groups, core, memory_budget, time_limit):
             if h < g:
                 continue
             m = groups.adj[g][h]
+            rows, cols = _equal_lines(m), _equal_lines(m.T)
             e = [
-                [prob.add_variable(f"e_{g}_{h}_{i}_{j}", 0, 1) for j in range(m.shape[1])]
-                for i in range(m.shape[0])
+                [prob.add_variable(f"e_{g}_{h}_{a}_{b}", 0, 1) for b in range(len(cols))]
+                for a in range(len(rows))
             ]
-            num_vars += m.size
-            for i in range(m.shape[0]):
-                prob += pulp.lpSum(e[i]) == s[g][i], f"row_{g}_{h}_{i}"
-            for j in range(m.shape[1]):
+            num_vars += len(rows) * len(cols)
+            for a, members in enumerate(rows):
+                prob += pulp.lpSum(e[a]) == pulp.lpSum(s[g][i] for i in members), f"row_{g}_{h}_{a}"
+            for b, members in enumerate(cols):
                 prob += (
-                    pulp.lpSum(e[i][j] for i in range(m.shape[0])) == s[h][j],
-                    f"col_{g}_{h}_{j}",
+                    pulp.lpSum(e[a][b] for a in range(len(rows)))
+                    == pulp.lpSum(s[h][j] for j in members),
+                    f"col_{g}_{h}_{b}",
                 )
             terms += [
-                (e[i][j], float(m[i, j]))
-                for i in range(m.shape[0])
-                for j in range(m.shape[1])
-                if m[i, j] != 0
+                (e[a][b], float(m[ri[0], cj[0]]))
+                for a, ri in enumerate(rows)
+                for b, cj in enumerate(cols)
+                if m[ri[0], cj[0]] != 0
             ]
     prob += pulp.LpAffineExpression(terms)
     if memory_budget is not None:
@@ -378,6 +389,14 @@ def _solve_ilp(graph, groups: _Groups, core, memory_budget, time_limit):
         )
     picks = {g: int(np.argmax([v.value() or 0.0 for v in s[g]])) for g in core}
     return picks, status, num_vars
+
+
+def _equal_lines(m: np.ndarray) -> list[list[int]]:
+    """Indices of equal rows of ``m``, grouped, in order of first appearance."""
+    classes: dict[bytes, list[int]] = {}
+    for i, row in enumerate(m):
+        classes.setdefault(row.tobytes(), []).append(i)
+    return list(classes.values())
 
 
 def _memory_terms(graph, groups, s, live):
