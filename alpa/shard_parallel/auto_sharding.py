@@ -10,9 +10,11 @@ modules; this one holds the options and wires the passes together.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import Literal as TypingLiteral
 
-from jax.extend.core import Literal
+from jax.extend.core import Literal, Var
 from jax.sharding import PartitionSpec
 
 from alpa.device_mesh import LogicalDeviceMesh
@@ -28,7 +30,13 @@ from alpa.shard_parallel.sharding_spec import (
     replicated,
     to_partition_spec,
 )
-from alpa.shard_parallel.strategy_graph import GraphOptions, StrategyGraph, build_strategy_graph
+from alpa.shard_parallel.strategy_graph import (
+    GraphOptions,
+    Node,
+    StrategyGraph,
+    build_strategy_graph,
+)
+from alpa.shard_parallel.strategy_rules import Strategy
 
 
 @dataclass(frozen=True)
@@ -167,6 +175,7 @@ class AutoShardingSolution:
     solution: ilp_solver.Solution
     batch_invars: tuple[bool, ...]
     grad_operands: tuple | None
+    state_pairs: tuple[tuple[int, int], ...] = ()
 
     @property
     def objective(self) -> float:
@@ -186,15 +195,27 @@ class AutoShardingSolution:
         graph, mesh = self.graph, self.mesh
         jaxpr = graph.jaxpr
         in_specs = tuple(to_partition_spec(self.spec_of(v), mesh) for v in jaxpr.invars)
-        out_specs = tuple(
+        out_specs = [
             PartitionSpec() if isinstance(v, Literal) else to_partition_spec(self.spec_of(v), mesh)
             for v in jaxpr.outvars
-        )
+        ]
+        # Updated state leaves the step in its input's spec, as the state edge priced it: the
+        # resharding (if any) happens inside the program, and the donated buffer can be
+        # reused for the output.
+        for i, o in self.state_pairs:
+            out_specs[o] = in_specs[i]
+        out_specs = tuple(out_specs)
         var_specs = {}
         for eqn in jaxpr.eqns:
             for v in eqn.outvars:
                 if v in graph.sources:
                     var_specs[v] = to_partition_spec(self.spec_of(v), mesh)
+        operand_specs = {}
+        for eqn, needs in zip(jaxpr.eqns, self._operand_needs(), strict=True):
+            if any(n is not None for n in needs):
+                operand_specs[eqn] = tuple(
+                    None if n is None else to_partition_spec(n, mesh) for n in needs
+                )
         data_axes: tuple[str, ...] = ()
         for v, is_batch in zip(jaxpr.invars, self.batch_invars, strict=True):
             if is_batch and v.aval.shape:
@@ -211,11 +232,33 @@ class AutoShardingSolution:
             in_specs=in_specs,
             out_specs=out_specs,
             var_specs=var_specs,
+            operand_specs=operand_specs,
             data_axes=data_axes,
             grad_specs=grad_specs,
             objective=self.objective,
             method="auto-sharding ILP",
         )
+
+    def _operand_needs(self) -> list[tuple[Spec | None, ...]]:
+        """Per equation, per operand: the spec the chosen strategy reads it in, where that
+        differs from the spec its producer holds it in (a resharding edge), else ``None``."""
+        graph, choice = self.graph, self.solution.choice
+        result = []
+        for eqn, sources in zip(graph.jaxpr.eqns, graph.eqn_sources, strict=True):
+            if not sources:  # an alias (marker, barrier): no node, nothing to reshard
+                result.append((None,) * len(eqn.invars))
+                continue
+            node_id = sources[0][0]
+            in_specs = graph.nodes[node_id].strategies[choice[node_id]].in_specs
+            needs = []
+            for j, v in enumerate(eqn.invars):
+                need = in_specs[j] if j < len(in_specs) else None
+                if isinstance(v, Literal) or need is None or need == self.spec_of(v):
+                    needs.append(None)
+                else:
+                    needs.append(need)
+            result.append(tuple(needs))
+        return result
 
     def rows(self) -> list[tuple[str, tuple[int, ...], str, str, float]]:
         """Per node: (label, shape of its first output, strategy, spec, cost).
@@ -289,6 +332,7 @@ def solve_auto_sharding(
         batch_invars=traced.batch_invars,
         grad_operands=tuple(marker.invars) if marker is not None else None,
         state_pairs=donated_state_pairs(traced),
+        memory_model="xla",
     )
 
 
@@ -320,13 +364,19 @@ def solve_jaxpr(
     batch_invars=None,
     grad_operands=None,
     state_pairs=(),
+    memory_model: TypingLiteral["jaxpr", "xla"] = "jaxpr",
 ) -> AutoShardingSolution:
     """The auto-sharding decision for a flat ``ClosedJaxpr``.
 
     ``batch_invars[i]`` says whether input ``i`` holds a batch (dimension 0 is the batch);
     default: no input does. ``state_pairs`` lists ``(input, output)`` indices of state the
-    step returns updated (see :func:`build_strategy_graph`).
+    step returns updated (see :func:`build_strategy_graph`). ``memory_model`` says what
+    ``option.memory_budget_per_device`` bounds: ``"jaxpr"``, the jaxpr values live at each
+    point (the solver's own liveness); ``"xla"``, the allocation XLA reports for the
+    compiled step (:func:`xla_memory_graph`; what :func:`solve_auto_sharding` uses).
     """
+    if memory_model not in ("jaxpr", "xla"):
+        raise ValueError(f"memory_model must be 'jaxpr' or 'xla', got {memory_model!r}")
     option = AutoShardingOption() if option is None else option
     if not isinstance(option, AutoShardingOption):
         raise TypeError(
@@ -355,8 +405,122 @@ def solve_jaxpr(
     input_filter = _input_filter(option, mesh, batch_invars, invars)
     graph = build_strategy_graph(closed_jaxpr, mesh, graph_options, input_filter, state_pairs)
     time_limit = option.solver_time_limit or global_config.ilp_time_limit
-    solution = ilp_solver.solve(graph, option.memory_budget_per_device, time_limit)
-    return AutoShardingSolution(graph, solution, batch_invars, grad_operands)
+    budget = option.memory_budget_per_device
+    if budget is None or memory_model == "jaxpr":
+        solution = ilp_solver.solve(graph, budget, time_limit)
+    else:
+        solution = _solve_within_budget(graph, budget, time_limit, state_pairs)
+    return AutoShardingSolution(
+        graph, solution, batch_invars, grad_operands, tuple(tuple(p) for p in state_pairs)
+    )
+
+
+def xla_memory_graph(graph: StrategyGraph, state_pairs: Sequence[tuple[int, int]]) -> StrategyGraph:
+    """``graph`` with the liveness of XLA's buffer assignment, for the memory budget.
+
+    XLA reports a step's allocation per device as arguments + outputs + temporaries -
+    donated aliases: the caller's arguments and the step's results are allocations of the
+    whole step, and intermediates share the temporary heap, resharded copies of operands
+    included. The solver's liveness (``strategy_graph.live_points``) instead frees an input
+    after its last read, allocates an output where it is computed, and knows no copies,
+    which undercounts what XLA holds. This graph has the same nodes, strategies and costs,
+    plus zero-cost *copy nodes*, and the jaxpr the liveness is read from is rewritten so
+    that:
+
+    * every input that is not donated into an output is live from the start to the end;
+    * every output is live from the first equation to the end;
+    * a donated input paired with an output (``state_pairs``) is not counted at all: its
+      buffer is the output's;
+    * every operand an equation reads in its own spec (not the one it follows) has a copy
+      of that spec's size, live while the equation runs: the buffer a resharding writes.
+      It is counted whether or not the producer's spec differs, an upper bound: which of
+      the two happens is an edge decision, and the solver's memory terms are per node.
+
+    A copy node follows its consumer, so the solver gives it the consumer's variable; the
+    first ``len(graph.nodes)`` entries of a choice for this graph are a choice for ``graph``.
+    """
+    jaxpr = graph.jaxpr
+    nodes = list(graph.nodes)
+    sources = dict(graph.sources)
+    eqns = list(jaxpr.eqns)
+    eqn_sources = [list(x) for x in graph.eqn_sources]
+    for t, eqn in enumerate(jaxpr.eqns):
+        if not graph.eqn_sources[t]:  # an alias equation: no node
+            continue
+        consumer = graph.nodes[graph.eqn_sources[t][0][0]]
+        copies = []
+        for j, v in enumerate(eqn.invars):
+            if isinstance(v, Literal) or sources[v][0] == consumer.follow:
+                continue
+            needs = [s.in_specs[j] if j < len(s.in_specs) else None for s in consumer.strategies]
+            if all(n is None for n in needs):
+                continue
+            size = nbytes(v.aval.shape, v.aval.dtype.itemsize)
+            rank = len(v.aval.shape)
+            specs = [replicated(rank) if n is None else n for n in needs]
+            copy = Var(v.aval)
+            node = Node(
+                id=len(nodes),
+                label=f"copy of operand {j} of eqn {t}",
+                outvars=(copy,),
+                strategies=tuple(Strategy("operand copy", (s,), ()) for s in specs),
+                follow=consumer.id,
+                out_bytes=(
+                    tuple(0.0 if n is None else size / num_shards(n, graph.mesh) for n in needs),
+                ),
+            )
+            nodes.append(node)
+            sources[copy] = (node.id, 0)
+            eqn_sources[t].append((node.id, 0))
+            copies.append(copy)
+        if copies:
+            eqns[t] = eqn.replace(invars=[*eqn.invars, *copies])
+    donated = {i for i, _ in state_pairs}
+    held = [v for i, v in enumerate(jaxpr.invars) if i not in donated]
+    inputs = {graph.sources[v] for v in jaxpr.invars}
+    results = []
+    for src in graph.output_sources:
+        if src is not None and src not in inputs and src not in results:
+            results.append(src)
+    if eqn_sources:
+        eqn_sources[0] = [*results, *eqn_sources[0]]
+    memory_jaxpr = jaxpr.replace(invars=held, outvars=[*jaxpr.outvars, *held], eqns=eqns)
+    return replace(
+        graph,
+        nodes=tuple(nodes),
+        sources=sources,
+        jaxpr=memory_jaxpr,
+        eqn_sources=tuple(tuple(x) for x in eqn_sources),
+    )
+
+
+def xla_peak_memory(
+    graph: StrategyGraph, choice: Sequence[int], state_pairs: Sequence[tuple[int, int]] = ()
+) -> float:
+    """Peak bytes per device of ``choice`` (one strategy per node of ``graph``) under the
+    memory model of the budget (:func:`xla_memory_graph`)."""
+    memory_graph = xla_memory_graph(graph, state_pairs)
+    full = list(choice)
+    for node in memory_graph.nodes[len(full) :]:
+        full.append(full[node.follow])
+    return ilp_solver.peak_memory(memory_graph, full)
+
+
+def _solve_within_budget(
+    graph: StrategyGraph, budget: float, time_limit: float, state_pairs
+) -> ilp_solver.Solution:
+    """The cheapest plan whose peak bytes per device, as XLA allocates them
+    (:func:`xla_memory_graph`), fit ``budget``."""
+    memory_graph = xla_memory_graph(graph, state_pairs)
+    solution = ilp_solver.solve(memory_graph, budget, time_limit)
+    solution = replace(solution, choice=solution.choice[: len(graph.nodes)])
+    # Without a pairwise term the solver may pick per group without an ILP; the budget must
+    # hold all the same.
+    if solution.peak_memory is not None and solution.peak_memory > budget * (1 + 1e-9):
+        raise ilp_solver.InfeasibleMemoryBudgetError(
+            ilp_solver._infeasible_message(memory_graph, budget, time_limit)
+        )
+    return solution
 
 
 def _effective_mesh(mesh: LogicalDeviceMesh, option: AutoShardingOption) -> LogicalDeviceMesh:

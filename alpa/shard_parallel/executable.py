@@ -48,6 +48,7 @@ def compile_shard_executable(
 
     def step(*leaves):
         return tuple(inner(*leaves))
+
     donate = tuple(i for i, d in enumerate(traced.donated_invars) if d)
     jitted = jax.jit(
         step, in_shardings=in_shardings, out_shardings=out_shardings, donate_argnums=donate

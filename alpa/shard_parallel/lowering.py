@@ -35,12 +35,30 @@ from alpa.tracing import TracedStep, new_jaxpr
 # ----------------------------------------------------------------------------- evaluation
 
 
-def eval_jaxpr_with_constraints(jaxpr: Jaxpr, consts, args, constraints: dict) -> list:
-    """Evaluate ``jaxpr``, pinning every var in ``constraints`` to its sharding."""
+def eval_jaxpr_with_constraints(
+    jaxpr: Jaxpr, consts, args, constraints: dict, operand_constraints: dict | None = None
+) -> list:
+    """Evaluate ``jaxpr``, pinning every var in ``constraints`` to its sharding.
+
+    ``operand_constraints[eqn][j]`` (a sharding or ``None``) reshards operand ``j`` of
+    ``eqn`` just before ``eqn`` reads it: the plan's resharding edges. Without it XLA's
+    partitioner would decide how to feed the consumer from the producer's sharding, and it
+    may all-gather where the plan priced an all-to-all.
+    """
     env: dict[Var, Any] = {}
+    resharded: dict[tuple[Var, Any], Any] = {}
+    operand_constraints = operand_constraints or {}
 
     def read(v):
         return v.val if isinstance(v, Literal) else env[v]
+
+    def read_as(v, sharding):
+        if sharding is None or isinstance(v, Literal):
+            return read(v)
+        key = (v, sharding)
+        if key not in resharded:  # one resharding per value and spec, shared by readers
+            resharded[key] = jax.lax.with_sharding_constraint(env[v], sharding)
+        return resharded[key]
 
     def write(v, value):
         sharding = constraints.get(v)
@@ -55,8 +73,10 @@ def eval_jaxpr_with_constraints(jaxpr: Jaxpr, consts, args, constraints: dict) -
     for eqn in jaxpr.eqns:
         # In JAX 0.10 get_bind_params returns only the params (no sub-functions).
         params = eqn.primitive.get_bind_params(eqn.params)
+        needs = operand_constraints.get(eqn) or (None,) * len(eqn.invars)
+        operands = [read_as(v, n) for v, n in zip(eqn.invars, needs, strict=True)]
         with eqn.ctx.manager:
-            outs = eqn.primitive.bind(*[read(v) for v in eqn.invars], **params)
+            outs = eqn.primitive.bind(*operands, **params)
         if not eqn.primitive.multiple_results:
             outs = [outs]
         for v, value in zip(eqn.outvars, outs, strict=True):
@@ -141,7 +161,9 @@ def _split_leading(x, k: int):
     return x.reshape((k, x.shape[0] // k) + x.shape[1:])
 
 
-def _accumulate(compute: Jaxpr, consts, params, batch, is_batch, k: int, constraints) -> list:
+def _accumulate(
+    compute: Jaxpr, consts, params, batch, is_batch, k: int, constraints, operand_constraints=None
+) -> list:
     """``sum_i compute(params, batch_i)`` over ``k`` micro-batches, in one ``lax.scan``.
 
     ``params`` and ``batch`` are the non-batch and batch leaves, in input order.
@@ -150,7 +172,7 @@ def _accumulate(compute: Jaxpr, consts, params, batch, is_batch, k: int, constra
     def body(acc, mb_leaves):
         mb_it, p_it = iter(mb_leaves), iter(params)
         args = [next(mb_it) if b else next(p_it) for b in is_batch]
-        outs = eval_jaxpr_with_constraints(compute, consts, args, constraints)
+        outs = eval_jaxpr_with_constraints(compute, consts, args, constraints, operand_constraints)
         return [a + o for a, o in zip(acc, outs, strict=True)], None
 
     init = [jnp.zeros(v.aval.shape, v.aval.dtype) for v in compute.outvars]
@@ -174,6 +196,10 @@ def build_step_function(
     leaves out, batch leaves at full batch size."""
     closed = traced.closed_jaxpr
     var_shardings = {v: NamedSharding(mesh, s) for v, s in plan.var_specs.items()}
+    operand_shardings = {
+        eqn: tuple(None if s is None else NamedSharding(mesh, s) for s in specs)
+        for eqn, specs in plan.operand_specs.items()
+    }
     marker = traced.grad_marker()
     if marker is not None and plan.grad_specs is not None:
         for v, spec in zip(marker.outvars, plan.grad_specs, strict=True):
@@ -183,7 +209,9 @@ def build_step_function(
     if not num_micro_batches:
 
         def step(*leaves):
-            return eval_jaxpr_with_constraints(closed.jaxpr, closed.consts, leaves, var_shardings)
+            return eval_jaxpr_with_constraints(
+                closed.jaxpr, closed.consts, leaves, var_shardings, operand_shardings
+            )
 
         return step
 
@@ -199,7 +227,11 @@ def build_step_function(
 
     def apply_part(leaves, grads):
         return eval_jaxpr_with_constraints(
-            split.apply, closed.consts, list(leaves) + list(grads), apply_shardings
+            split.apply,
+            closed.consts,
+            list(leaves) + list(grads),
+            apply_shardings,
+            operand_shardings,
         )
 
     def params_and_batch(leaves):
@@ -212,7 +244,14 @@ def build_step_function(
         def step(*leaves):
             params, batch = params_and_batch(leaves)
             acc = _accumulate(
-                split.compute, closed.consts, params, batch, is_batch, k, var_shardings
+                split.compute,
+                closed.consts,
+                params,
+                batch,
+                is_batch,
+                k,
+                var_shardings,
+                operand_shardings,
             )
             return apply_part(leaves, [_average(a, k) for a in acc])
 

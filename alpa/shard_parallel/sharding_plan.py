@@ -30,6 +30,12 @@ class ShardingPlan:
       out_specs: one per jaxpr output; ``None`` lets XLA choose.
       var_specs: intermediate values (``jax.extend.core.Var`` of the jaxpr) to pin with a
         sharding constraint.
+      operand_specs: per equation (the ``JaxprEqn`` object of the jaxpr), the spec each
+        operand must be resharded to before the equation reads it, ``None`` where it is read
+        as produced. Only equations that read some operand in another spec than its
+        producer's are listed: these are the plan's resharding edges, made explicit so that
+        XLA performs the planned collective (all-to-all, slice) rather than one of its own
+        choosing around the consumer.
       data_axes: mesh axes over which the batch (dim 0 of the batch arguments) is split;
         gradient accumulation reduces gradients over these axes once per step.
       grad_specs: specs for the gradients that ``alpa.grad`` marks, in the marker's operand
@@ -42,6 +48,7 @@ class ShardingPlan:
     in_specs: tuple[PartitionSpec, ...]
     out_specs: tuple[PartitionSpec | None, ...]
     var_specs: Mapping[Any, PartitionSpec] = field(default_factory=dict)
+    operand_specs: Mapping[Any, tuple[PartitionSpec | None, ...]] = field(default_factory=dict)
     data_axes: tuple[str, ...] = ()
     grad_specs: tuple[PartitionSpec | None, ...] | None = None
     objective: float | None = None

@@ -8,6 +8,8 @@ needs, the parameters' output shardings show the strategy, and the numbers equal
 
 from __future__ import annotations
 
+import re
+
 import jax
 import pytest
 from jax.sharding import PartitionSpec as P
@@ -123,10 +125,28 @@ def test_force_data_parallel_is_data_parallel_program(mlp_wide_hidden):
 
 @pytest.fixture(scope="module")
 def mlp_mid():
-    """Batch 64, hidden 16 on (8, 1): the free plan mixes strategies and its compiled HLO
-    holds all-gathers and all-to-alls."""
+    """Batch 64, hidden 16 on (8, 1): the free plan mixes strategies; its reshardings are
+    all-to-alls."""
     state, batch, step = get_mlp_train_state_and_step(64, 16, num_layers=2)
     return state, batch, step, jax.jit(step)(state, batch)
+
+
+def test_hlo_collectives_are_the_plans_reshardings(mlp_mid):
+    """The plan (``ALPA_DEBUG_PRINT_AS_STRATEGY=1``) splits the first layer by columns and
+    the second by rows of the batch: it prices two all-to-alls (the first ReLU output
+    RS0 -> S0R before the second matmul, the second layer's input gradient S0R -> RS0 before
+    the ReLU mask), the all-reduces of the first layer's weight and bias gradients (tupled
+    into one by XLA), and no all-gather. The compiled program holds exactly these. (When the
+    lowering pinned only the producers' specs, XLA fed the weight-gradient matmul by
+    all-gathering both operands instead: 2 all-gathers that no edge of the plan priced.)"""
+    state, batch, step, expected = mlp_mid
+    out, executable = _compile(step, state, batch, (8, 1))
+    assert_allclose(out, expected, rtol=1e-4, atol=1e-4)
+    counts = _counts(executable)
+    assert counts.all_gather == 0, counts
+    assert counts.all_to_all == 2, counts
+    assert counts.all_reduce == 1, counts
+    assert counts.total == 3, counts
 
 
 def test_all_gather_disallowed_plan_prices_no_all_gather(mlp_mid):
@@ -141,44 +161,71 @@ def test_all_gather_disallowed_plan_prices_no_all_gather(mlp_mid):
     assert executable.auto_sharding_objective < FORBIDDEN_COST
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known gap: with allow_all_gather=False the ILP plan has no all-gather edge, but "
-    "XLA's SPMD partitioner still inserts 2 all-gathers (next to the plan's all-to-alls) "
-    "when it lowers the sharding constraints of this MLP",
-)
-def test_no_all_gather_in_hlo_when_disallowed(mlp_mid):
-    state, batch, step, _ = mlp_mid
-    _, free = _compile(step, state, batch, (8, 1))
-    assert _counts(free).all_gather > 0, "the test needs a case whose free plan all-gathers"
-    _, executable = _compile(step, state, batch, (8, 1), allow_all_gather=False)
-    assert _counts(executable).all_gather == 0, _counts(executable)
-
-
-@pytest.mark.xfail(
-    strict=True,
-    reason="known gap: the ILP's memory model counts live values of the jaxpr, while XLA's "
-    "allocation also holds the non-donated arguments next to the outputs; at 90 % of the free "
-    "allocation the ILP keeps the same plan and XLA reports 416708 > 375037 bytes",
-)
-def test_memory_budget_changes_plan_and_fits(mlp_wide_hidden):
-    """A budget of 90 % of the free plan's per-device allocation: the ILP (which counts live
-    bytes, not XLA's buffers) finds a plan that is no cheaper than the free one, and the
-    allocation XLA reports for the compiled step fits the budget."""
+def test_no_all_gather_in_hlo_when_disallowed(mlp_wide_hidden):
+    """With ``prefer_reduce_scatter`` the free plan of the wide MLP on (8, 1) all-gathers
+    one value (the batch-split output gradient, S0R -> RR, before the first weight-gradient
+    matmul): one all-gather in the HLO. With ``allow_all_gather=False`` the plan is priced
+    higher and the program has none."""
     state, batch, step, expected = mlp_wide_hidden
+    _, free = _compile(step, state, batch, (8, 1), prefer_reduce_scatter=True)
+    assert _counts(free).all_gather == 1, _counts(free)
+    out, executable = _compile(
+        step, state, batch, (8, 1), prefer_reduce_scatter=True, allow_all_gather=False
+    )
+    assert_allclose(out, expected, rtol=1e-4, atol=1e-4)
+    assert _counts(executable).all_gather == 0, _counts(executable)
+    assert executable.auto_sharding_objective > free.auto_sharding_objective
+
+
+# ----------------------------------------------------------------------------- memory
+
+
+@pytest.fixture(scope="module")
+def mlp_replicated_input():
+    """Batch 512, hidden 64 on (8, 1): the cheapest plan splits the first layer by columns
+    and keeps the input batch (512 x 64, 128 KiB) whole on every device; splitting it by
+    rows saves memory at a higher communication cost."""
+    state, batch, step = get_mlp_train_state_and_step(512, 64, num_layers=2)
+    return state, batch, step, jax.jit(step)(state, batch)
+
+
+def test_memory_budget_changes_plan_and_fits(mlp_replicated_input):
+    """A budget of 90 % of the free plan's per-device allocation (XLA's arguments + outputs +
+    temporaries: 301184 bytes, budget 271066): the ILP, which counts what XLA holds (whole-step
+    arguments and outputs, live intermediates and resharded copies), picks a dearer plan that
+    splits the input batch, and the allocation XLA reports for it fits (210272 bytes)."""
+    state, batch, step, expected = mlp_replicated_input
     _, free = _compile(step, state, batch, (8, 1))
+    x = len(free.plan.in_specs) - 2  # the input batch: the leaf before the targets
+    assert free.plan.in_specs[x] == P(), "the test needs a free plan that replicates x"
     free_bytes = free.get_total_allocation_size()
     budget = 0.9 * free_bytes
     out, executable = _compile(step, state, batch, (8, 1), memory_budget_per_device=budget)
     assert_allclose(out, expected, rtol=1e-4, atol=1e-4)
-    assert executable.auto_sharding_objective >= free.auto_sharding_objective
+    assert executable.plan.in_specs[x] == P("x")
+    assert executable.auto_sharding_objective > free.auto_sharding_objective
     assert executable.get_total_allocation_size() <= budget
 
 
+INFEASIBLE = (
+    r"memory_budget_per_device=1000 bytes cannot be met: the smallest plan found needs "
+    r"(\d+) bytes per device at its peak on logical mesh \(8, 1\); raise the budget or use "
+    r"more devices"
+)
+
+
 def test_impossible_memory_budget_is_a_clear_error(mlp_wide_batch):
-    state, batch, step, _ = mlp_wide_batch
-    with pytest.raises(InfeasibleMemoryBudgetError, match=r"memory_budget_per_device=1000 bytes"):
+    """The error names the budget and the smallest plan's peak; that peak is a real plan: a
+    budget of it (plus one byte) compiles and XLA's allocation fits it, and 1 % less fails."""
+    state, batch, step, expected = mlp_wide_batch
+    with pytest.raises(InfeasibleMemoryBudgetError, match=f"^{INFEASIBLE}$") as info:
         _compile(step, state, batch, (8, 1), memory_budget_per_device=1000.0)
+    smallest = int(re.search(INFEASIBLE, str(info.value)).group(1))
+    out, executable = _compile(step, state, batch, (8, 1), memory_budget_per_device=smallest + 1)
+    assert_allclose(out, expected, rtol=1e-4, atol=1e-4)
+    assert executable.get_total_allocation_size() <= smallest + 1
+    with pytest.raises(InfeasibleMemoryBudgetError, match=f"needs {smallest} bytes"):
+        _compile(step, state, batch, (8, 1), memory_budget_per_device=0.99 * smallest)
 
 
 def test_plan_is_deterministic(mlp_wide_hidden):
