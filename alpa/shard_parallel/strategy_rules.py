@@ -207,9 +207,22 @@ def elementwise_rule(eqn: JaxprEqn, ctx: RuleContext) -> NodeStrategies:
     if any(shape_of(v) != out_shape for v in eqn.outvars):
         return replicated_strategy(eqn)
     index = pick_followed(eqn, ctx, out_shape)
-    if index is None:
-        return generator_strategies(eqn, ctx) if out_shape else replicated_strategy(eqn)
     outs = len(eqn.outvars)
+    if index is None and not out_shape:
+        return replicated_strategy(eqn)
+    if index is None:
+        # Every operand is broadcast along some size-1 dimension (``[b, s, 1] * [1, 1, h]``
+        # in a layer norm): any result spec, each operand split where its size matches.
+        return NodeStrategies(
+            tuple(
+                Strategy(
+                    format_spec(spec, ctx.mesh),
+                    (spec,) * outs,
+                    same_spec_operands(eqn, spec, out_shape),
+                )
+                for spec in enumerate_specs(out_shape, ctx.mesh, ctx.allow_mixed_mesh_shape)
+            )
+        )
     return follow(
         eqn, ctx, index, lambda s: (same_spec_operands(eqn, s, out_shape), (s,) * outs, 0.0)
     )
@@ -237,25 +250,27 @@ def opaque_rule(eqn: JaxprEqn, ctx: RuleContext) -> NodeStrategies:
 
 @register(lax.broadcast_in_dim_p)
 def broadcast_in_dim_rule(eqn: JaxprEqn, ctx: RuleContext) -> NodeStrategies:
+    """One strategy per spec of the *result*, not per spec of the operand.
+
+    A new (or size-1 expanded) dimension may be split for free: each device materializes
+    only its slice. Following the operand instead would leave the result replicated whenever
+    the operand is (a batch-norm statistic of ``[channels]`` broadcast to the activations'
+    ``[batch, h, w, channels]``), and every elementwise op that mixes it with a batch-split
+    activation would then force an all-gather of that activation.
+    """
     operand = eqn.invars[0]
     in_shape, out_shape = shape_of(operand), tuple(eqn.params["shape"])
     if isinstance(operand, Literal) or int(np.prod(in_shape)) == 1:
         return generator_strategies(eqn, ctx)
     dims = eqn.params["broadcast_dimensions"]
-
-    def derive(spec):
-        out = [()] * len(out_shape)
-        keep = []
-        for d, axes in enumerate(spec):
-            if axes and in_shape[d] == out_shape[dims[d]]:
-                out[dims[d]] = axes
-                keep.append(axes)
-            else:
-                keep.append(())
-        ins = (tuple(keep),) + (None,) * (len(eqn.invars) - 1)
-        return ins, (tuple(out),), 0.0
-
-    return follow(eqn, ctx, 0, derive)
+    rest = (None,) * (len(eqn.invars) - 1)
+    strategies = []
+    for spec in enumerate_specs(out_shape, ctx.mesh, ctx.allow_mixed_mesh_shape):
+        kept = tuple(
+            spec[dims[d]] if in_shape[d] == out_shape[dims[d]] else () for d in range(len(in_shape))
+        )
+        strategies.append(Strategy(format_spec(spec, ctx.mesh), (spec,), (kept, *rest)))
+    return NodeStrategies(tuple(strategies))
 
 
 def reshape_groups(in_shape, out_shape) -> list[tuple[list[int], list[int]]]:

@@ -1,0 +1,253 @@
+"""The conv net (Wide-ResNet) and BERT through the auto-sharding ILP (DESIGN §4 oracles).
+
+Each compiled test plans a tiny model with ``ShardParallel`` (the ILP) on the 8 virtual CPU
+devices and checks the collectives counted in the compiled HLO against what the chosen
+strategy needs, the parameters' output shardings, and the numbers against the serial
+``jax.jit(step)`` at 1e-4. Cost parameters are alpha = beta = 1 on both mesh axes.
+
+The rule tests price single convolutions of a forward and backward pass without compiling:
+every convolution of a batch-split step has a batch-split strategy that needs no resharding,
+and only the kernel gradient (which contracts over the batch) pays an all-reduce.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+import alpa
+from alpa.model.bert import BertConfig, get_bert_train_state_and_step
+from alpa.model.wide_resnet import WResNetConfig, get_wresnet_train_state_and_step
+from alpa.shard_parallel.sharding_spec import enumerate_specs
+from alpa.shard_parallel.strategy_graph import GraphOptions, build_strategy_graph
+from alpa.shard_parallel.strategy_rules import RuleContext, lookup_rule
+from alpa.testing import assert_allclose
+from alpa.tracing.trace import trace_step
+from alpa.util import count_communication_primitives
+
+ALPHA_BETA = ((1.0, 1.0), (1.0, 1.0))
+
+
+def _mesh(shape):
+    devices = jax.devices()[: shape[0] * shape[1]]
+    return alpa.LocalPhysicalDeviceMesh(devices).get_logical_mesh(shape, *ALPHA_BETA)
+
+
+def _compile(step, state, batch, shape, **option):
+    method = alpa.ShardParallel(
+        devices=_mesh(shape), auto_sharding_option=alpa.AutoShardingOption(**option)
+    )
+    p_step = alpa.parallelize(step, method=method, donate_argnums=())
+    out = p_step(state, batch)
+    return out, p_step.get_last_executable()
+
+
+def _counts(executable):
+    return count_communication_primitives(executable.get_hlo_text())
+
+
+def _specs(tree) -> set[P]:
+    return {leaf.sharding.spec for leaf in jax.tree_util.tree_leaves(tree)}
+
+
+def _data_axis(executable, shape) -> str:
+    return executable.plan.logical_mesh.axis_names[0 if shape[0] > 1 else 1]
+
+
+# ----------------------------------------------------------------------------- Wide-ResNet
+
+#: Stem conv3x3 + BN, then one basic block (conv3x3 + BN + relu + conv3x3 + BN) whose input
+#: and output widths agree (4 channels, stride 1), so it has no shortcut convolution: three
+#: batch norms in a chain. Batch 32 of 8x8 images: every activation (32x8x8x4 floats, 32 KiB)
+#: dwarfs every parameter (at most 3x3x4x4 floats), so data parallelism is the cheapest plan.
+WRESNET = WResNetConfig((1,), num_filters=4, width_factor=1, num_classes=4, image_size=8)
+WRESNET_BATCH_NORMS = 3
+
+
+@pytest.fixture(scope="module")
+def wresnet():
+    state, batch, step = get_wresnet_train_state_and_step(WRESNET, 32)
+    return state, batch, step, jax.jit(step)(state, batch)
+
+
+@pytest.mark.parametrize("shape", [(8, 1), (1, 8)])
+def test_wresnet_large_batch_is_data_parallel(wresnet, shape):
+    state, batch, step, expected = wresnet
+    out, executable = _compile(step, state, batch, shape)
+    assert_allclose(out, expected, rtol=1e-4, atol=1e-4)
+    new_state, _ = out
+    # Data parallel: parameters, optimizer state and running statistics stay whole; the
+    # images are split by batch over the mesh axis that has the devices.
+    assert _specs(new_state.params) == {P()}
+    assert _specs(new_state.opt_state) == {P()}
+    assert _specs(new_state.batch_stats) == {P()}
+    assert executable.plan.data_axes == (_data_axis(executable, shape),)
+    # With the batch split, batch norm in training mode needs, per layer:
+    #  * forward: the batch mean of x and of x^2 (two sums, one tuple all-reduce);
+    #  * backward: the batch sums of the cotangent and of cotangent * x, without which the
+    #    input's gradient cannot be formed (one tuple all-reduce).
+    # XLA's all-reduce combiner packs each parameter gradient into the first of these that
+    # follows it; the gradients of what precedes the first batch norm (the stem kernel) are
+    # only ready after the last backward one and travel in one final all-reduce. Hence
+    # 2 x 3 + 1 = 7 all-reduces, and nothing else (no all-gather, no all-to-all).
+    counts = _counts(executable)
+    assert counts.all_reduce == 2 * WRESNET_BATCH_NORMS + 1, counts
+    assert counts.total == counts.all_reduce, counts
+
+
+def test_wresnet_plan_is_data_parallel_program(wresnet):
+    """The ILP's program has exactly DataParallel's collectives and parameter shardings."""
+    state, batch, step, _ = wresnet
+    out, executable = _compile(step, state, batch, (8, 1))
+    dp_step = alpa.parallelize(step, method=alpa.DataParallel(), donate_argnums=())
+    dp_out = dp_step(state, batch)
+    assert _counts(executable) == _counts(dp_step.get_last_executable())
+    assert _specs(out[0].params) == _specs(dp_out[0].params) == {P()}
+
+
+# ----------------------------------------------------------------------------- BERT
+
+#: One BERT layer (hidden 8, 2 heads, FFN 32), vocabulary 16, sequence 8, batch 128: every
+#: activation (128x8x8 floats) is far larger than every parameter (the 16x8 tied embedding,
+#: the 8x32 FFN kernels), so data parallelism is the cheapest plan.
+BERT = BertConfig(
+    hidden_size=8, num_layers=1, num_heads=2, vocab_size=16, max_position_embeddings=8
+)
+
+
+@pytest.fixture(scope="module")
+def bert():
+    state, batch, step = get_bert_train_state_and_step(BERT, 128)
+    return state, batch, step, jax.jit(step)(state, batch)
+
+
+@pytest.mark.parametrize("shape", [(8, 1), (1, 8)])
+def test_bert_large_batch_is_data_parallel(bert, shape):
+    state, batch, step, expected = bert
+    # pyproject turns warnings into errors: a primitive without a strategy rule fails here.
+    out, executable = _compile(step, state, batch, shape)
+    assert_allclose(out, expected, rtol=1e-4, atol=1e-4)
+    new_state, _ = out
+    assert _specs(new_state.params) == {P()}
+    assert _specs(new_state.opt_state) == {P()}
+    axis = _data_axis(executable, shape)
+    assert executable.plan.data_axes == (axis,)
+    # The batch arguments are sorted by key: attention_mask, input_ids, label_mask, labels,
+    # position_ids, token_type_ids. All are split by batch except label_mask: the loss
+    # divides by the number of masked tokens, sum(label_mask), and the ILP reads that
+    # argument whole (free) rather than summing a split one (an all-reduce).
+    assert executable.plan.in_specs[-6:] == (P(axis), P(axis), P(), P(axis), P(axis), P(axis))
+    # Data parallel with the token count computed locally: one all-reduce, the tuple of
+    # every parameter gradient together with the loss's partial sum (XLA combines them).
+    counts = _counts(executable)
+    assert counts.all_reduce == 1, counts
+    assert counts.total == 1, counts
+
+
+# ----------------------------------------------------------------------------- rule coverage
+
+
+def _graph(step, state, batch, shape=(8, 1)):
+    traced = trace_step(step, (state, batch), (), (1,), (), ("state", "batch"))
+    return build_strategy_graph(traced.closed_jaxpr, _mesh(shape), GraphOptions())
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "adamw", "sgd"])
+@pytest.mark.parametrize(
+    "config",
+    [
+        WRESNET,
+        WResNetConfig(
+            (1, 1), num_filters=4, width_factor=1, num_classes=4, image_size=16,
+            block="bottleneck", imagenet_stem=True,
+        ),
+    ],
+    ids=["basic", "bottleneck-imagenet-stem"],
+)  # fmt: skip
+def test_wresnet_step_has_a_rule_for_every_primitive(config, optimizer):
+    """Strided and 1x1 convolutions, max pooling and its gradient (select_and_scatter_add),
+    batch norm, the global average pool, and every optimizer: no replicated fallback."""
+    state, batch, step = get_wresnet_train_state_and_step(
+        config, 16, optimizer=optimizer, abstract=True
+    )
+    assert _graph(step, state, batch).unknown_primitives == ()
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "adamw", "sgd"])
+def test_bert_step_has_a_rule_for_every_primitive(optimizer):
+    state, batch, step = get_bert_train_state_and_step(BERT, 16, optimizer=optimizer, abstract=True)
+    assert _graph(step, state, batch).unknown_primitives == ()
+
+
+# ----------------------------------------------------------------------------- conv rules
+
+
+def _conv_eqns():
+    """The three convolutions of the forward and backward pass of one NHWC conv3x3:
+    ``[forward, input gradient, kernel gradient]`` in the order ``jax.grad`` emits them."""
+
+    def loss(x, w):
+        y = lax.conv_general_dilated(
+            x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
+        )
+        return jnp.sum(y**2)
+
+    x = jax.ShapeDtypeStruct((32, 8, 8, 16), jnp.float32)
+    w = jax.ShapeDtypeStruct((3, 3, 16, 16), jnp.float32)
+    jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(x, w).jaxpr
+    return [e for e in jaxpr.eqns if e.primitive is lax.conv_general_dilated_p]
+
+
+def _conv_strategies(eqn, mesh):
+    operand_specs = tuple(
+        tuple(enumerate_specs(v.aval.shape, mesh)) for v in eqn.invars
+    )  # fmt: skip
+    ctx = RuleContext(mesh, False, False, False, operand_specs)
+    return lookup_rule(eqn.primitive)(eqn, ctx).strategies
+
+
+def test_conv_rule_offers_batch_split_for_forward_and_both_gradients():
+    """On (8, 1), split the batch dimension N of the activations and of their cotangents:
+    the forward and input-gradient convolutions then run locally (no communication), and
+    the kernel gradient, which contracts over N, ends in one all-reduce of the 3x3x16x16
+    kernel (9216 bytes: alpha + beta * 2 * 7/8 * 9216 = 16129)."""
+    mesh = _mesh((8, 1))
+    forward, *backward = _conv_eqns()
+    batch_split = ((0,), (), (), ())
+    kernel_whole = ((),) * 4
+    by_operands = {}
+    for eqn in (forward, *backward):
+        for s in _conv_strategies(eqn, mesh):
+            by_operands[(id(eqn), tuple(s.in_specs))] = s
+    # forward: images x kernel -> activations
+    s = by_operands[(id(forward), (batch_split, kernel_whole))]
+    assert s.out_specs == (batch_split,) and s.comm_cost == 0
+    # The two backward convolutions, told apart by their results' shapes.
+    input_grad = next(e for e in backward if e.outvars[0].aval.shape == (32, 8, 8, 16))
+    kernel_grad = next(e for e in backward if e.outvars[0].aval.shape == (3, 3, 16, 16))
+    s = by_operands[(id(input_grad), (batch_split, kernel_whole))]
+    assert s.out_specs == (batch_split,) and s.comm_cost == 0
+    s = by_operands[(id(kernel_grad), (batch_split, batch_split))]
+    assert s.out_specs == (kernel_whole,)
+    assert s.comm_cost == pytest.approx(1 + 2 * 7 / 8 * 9216)
+
+
+def test_conv_rule_splits_output_and_input_features():
+    """On (1, 8), the forward convolution also offers Megatron's two splits: output features
+    (kernel split on O, result split on C, no communication) and input features (both
+    operands split on the contracted C_in, result all-reduced: 32x8x8x16 floats, 131072
+    bytes, alpha + beta * 2 * 7/8 * 131072 = 229377)."""
+    mesh = _mesh((1, 8))
+    forward = _conv_eqns()[0]
+    strategies = {tuple(s.in_specs): s for s in _conv_strategies(forward, mesh)}
+    whole4 = ((),) * 4
+    out_feature = strategies[(whole4, ((), (), (), (1,)))]
+    assert out_feature.out_specs == (((), (), (), (1,)),) and out_feature.comm_cost == 0
+    in_feature = strategies[(((), (), (), (1,)), ((), (), (1,), ()))]
+    assert in_feature.out_specs == (whole4,)
+    assert in_feature.comm_cost == pytest.approx(1 + 2 * 7 / 8 * 131072)
+    # Heavy ops use every mesh axis: no strategy leaves the convolution replicated.
+    assert all(s.in_specs != (whole4, whole4) for s in strategies.values())
