@@ -1,42 +1,69 @@
 """Planning time of the auto-sharding pass on GPT train steps (DESIGN §4, issue 3).
 
 For each GPT preset (125M, 350M, 1.3B; adamw; abstract inputs, so no weights are allocated)
-and each logical mesh (8,1), (2,4), (1,8) of an abstract 8-device cluster, this traces the
-train step, builds the strategy graph, solves the ILP, and reports: jaxpr equations, graph
-nodes, decision groups after shrinking, ILP nodes/edges/variables, mean strategies per group,
-solve time, planning time (trace to plan), and the objective next to the hand plans (data
-parallel, Megatron-style model parallel, and the 2-D combination) evaluated with the same
-cost model: each hand plan is the ILP with the parameters' specs fixed to the hand choice.
+and each logical mesh (8,1), (2,4), (1,8) of an 8-device cluster, this traces the train
+step, builds the strategy graph, solves the ILP, and reports: jaxpr equations, graph nodes,
+decision groups after shrinking, ILP nodes/edges/variables, mean strategies per group, the
+time of each phase, and the objective next to the hand plans (data parallel, Megatron-style
+model parallel, and the 2-D combination) evaluated with the same cost model: each hand plan
+is the ILP with the parameters' specs fixed to the hand choice.
+
+Timings (seconds): ``model_init_time_s`` builds the abstract train state (``jax.eval_shape``
+of the flax init; user code, before planning); ``trace_time_s`` is ``trace_step``;
+``graph_build_time_s`` and ``solve_time_s`` are the two halves of ``solve_jaxpr``;
+``planning_time_s`` = trace + graph build + solve (trace to plan). With ``--compile``,
+``compile_time_s`` is XLA's lowering + compilation of the planned step through
+``compile_shard_executable`` on abstract inputs, on 8 virtual CPU devices (set below, before
+jax is imported), so no weights are allocated either.
 
 Usage: python benchmark/auto_sharding/bench_gpt_auto_sharding.py [--models 125M 350M 1.3B]
        [--meshes 8,1 2,4 1,8] [--out benchmark/auto_sharding/results.json] [--batch 16]
-XLA compile time is not measured here (it needs real devices; see the tests).
+       [--compile [MODEL ...]] [--num-layers N]
+Results of the full run (2-core machine, shared): benchmark/auto_sharding/results.json.
 """
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
-import json
-import time
+import os
 
-import jax
+if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    ).strip()
 
-from alpa.device_mesh import LogicalDeviceMesh
-from alpa.model.gpt import GPT_PRESETS, get_gpt_train_state_and_step
-from alpa.shard_parallel.auto_sharding import AutoShardingOption, donated_state_pairs, solve_jaxpr
-from alpa.shard_parallel.sharding_spec import Spec
-from alpa.tracing.trace import trace_step
+import argparse  # noqa: E402
+import dataclasses  # noqa: E402
+import json  # noqa: E402
+import time  # noqa: E402
+
+import jax  # noqa: E402
+
+from alpa.device_mesh import LogicalDeviceMesh  # noqa: E402
+from alpa.model.gpt import GPT_PRESETS, get_gpt_train_state_and_step  # noqa: E402
+from alpa.shard_parallel import ilp_solver  # noqa: E402
+from alpa.shard_parallel import strategy_graph as sg  # noqa: E402
+from alpa.shard_parallel.auto_sharding import (  # noqa: E402
+    AutoShardingOption,
+    donated_state_pairs,
+    solve_jaxpr,
+)
+from alpa.shard_parallel.sharding_spec import Spec  # noqa: E402
+from alpa.tracing.trace import trace_step  # noqa: E402
 
 
-def trace_gpt(name: str, batch_size: int, num_layers: int | None):
+def make_gpt(name: str, batch_size: int, num_layers: int | None):
     config = GPT_PRESETS[name]
     if num_layers is not None:
         config = dataclasses.replace(config, num_layers=num_layers)
     state, batch, step = get_gpt_train_state_and_step(config, batch_size, abstract=True)
     leaves = jax.tree_util.tree_flatten_with_path((state, batch))[0]
     names = [jax.tree_util.keystr(path) for path, _ in leaves]
-    return trace_step(step, (state, batch), (), (1,), (0,), names)
+    return step, (state, batch), names
+
+
+def trace_gpt(name: str, batch_size: int, num_layers: int | None):
+    step, args, names = make_gpt(name, batch_size, num_layers)
+    return trace_step(step, args, (), (1,), (0,), names)
 
 
 def hand_filter(kind: str, mesh: LogicalDeviceMesh, names, batch_invars):
@@ -69,11 +96,14 @@ def hand_filter(kind: str, mesh: LogicalDeviceMesh, names, batch_invars):
     return allowed
 
 
-def run(model: str, mesh_shape, batch_size: int, num_layers: int | None) -> dict:
+def run(model: str, mesh_shape, batch_size: int, num_layers: int | None, compile_: bool) -> dict:
     start = time.perf_counter()
-    traced = trace_gpt(model, batch_size, num_layers)
+    step, args, names = make_gpt(model, batch_size, num_layers)
+    made_at = time.perf_counter()
+    traced = trace_step(step, args, (), (1,), (0,), names)
     traced_at = time.perf_counter()
-    mesh = LogicalDeviceMesh(mesh_shape, (1.0, 1.0), (1.0, 0.1))
+    devices = tuple(jax.devices()[:8]) if len(jax.devices()) >= 8 else None
+    mesh = LogicalDeviceMesh(mesh_shape, (1.0, 1.0), (1.0, 0.1), devices=devices)
     pairs = donated_state_pairs(traced)
     solution = solve_jaxpr(
         traced.closed_jaxpr, mesh, AutoShardingOption(), traced.batch_invars, None, pairs
@@ -93,9 +123,11 @@ def run(model: str, mesh_shape, batch_size: int, num_layers: int | None) -> dict
         "ilp_edges": sol.num_ilp_edges,
         "ilp_variables": sol.num_ilp_variables,
         "mean_strategies_per_group": round(sol.mean_strategies, 2),
+        "model_init_time_s": round(made_at - start, 2),
+        "trace_time_s": round(traced_at - made_at, 2),
+        "graph_build_time_s": round(done - traced_at - sol.solve_time, 2),
         "solve_time_s": round(sol.solve_time, 2),
-        "trace_time_s": round(traced_at - start, 2),
-        "planning_time_s": round(done - start, 2),
+        "planning_time_s": round(done - made_at, 2),
         "status": sol.status,
         "objective": solution.objective,
     }
@@ -103,14 +135,19 @@ def run(model: str, mesh_shape, batch_size: int, num_layers: int | None) -> dict
     for kind in ("dp", "megatron", "2d"):
         if kind == "2d" and 1 in mesh_shape:
             continue
-        import alpa.shard_parallel.strategy_graph as sg
-        from alpa.shard_parallel import ilp_solver
-
         graph = sg.build_strategy_graph(
             jaxpr, mesh, sg.GraphOptions(),
             hand_filter(kind, mesh, traced.leaf_names, traced.batch_invars), pairs,
         )  # fmt: skip
         result[f"hand_{kind}_objective"] = ilp_solver.solve(graph).objective
+    if compile_:
+        if devices is None:
+            raise RuntimeError("--compile needs 8 devices; XLA_FLAGS was set before this run")
+        from alpa.shard_parallel.executable import compile_shard_executable
+
+        tic = time.perf_counter()
+        compile_shard_executable(traced, solution.to_sharding_plan(), None)
+        result["compile_time_s"] = round(time.perf_counter() - tic, 2)
     return result
 
 
@@ -120,13 +157,18 @@ def main() -> None:
     parser.add_argument("--meshes", nargs="+", default=["8,1", "2,4", "1,8"])
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--num-layers", type=int, default=None)
+    parser.add_argument(
+        "--compile", nargs="*", default=None, metavar="MODEL",
+        help="also compile the planned step (for the given models; all when none given)",
+    )  # fmt: skip
     parser.add_argument("--out", default="benchmark/auto_sharding/results.json")
     args = parser.parse_args()
     results = []
     for model in args.models:
         for mesh in args.meshes:
             shape = tuple(int(x) for x in mesh.split(","))
-            row = run(model, shape, args.batch, args.num_layers)
+            compile_ = args.compile is not None and (not args.compile or model in args.compile)
+            row = run(model, shape, args.batch, args.num_layers, compile_)
             print(json.dumps(row), flush=True)
             results.append(row)
     with open(args.out, "w") as f:
