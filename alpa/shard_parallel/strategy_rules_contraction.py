@@ -17,6 +17,7 @@ a strategy that leaves an axis unused repeats the same FLOPs on its devices.
 from __future__ import annotations
 
 import itertools
+import math
 
 from jax import lax
 from jax.extend.core import JaxprEqn, Literal
@@ -142,20 +143,50 @@ def _literal_free(eqn: JaxprEqn, strategy: Strategy) -> Strategy:
 
 @register(lax.conv_general_dilated_p)
 def conv_rule(eqn: JaxprEqn, ctx: RuleContext) -> NodeStrategies:
+    """Roles through the dimension numbers (``*_spec[0]`` is the batch or output-feature
+    dimension, ``*_spec[1]`` the feature or input-feature dimension; spatial dimensions stay
+    whole). JAX's backward pass swaps them: the kernel gradient's lhs "batch" is the
+    activations' channels and its contracted "feature" is the real batch, so splitting the
+    batch there is a ``contract`` role (an all-reduce of the kernel gradient).
+
+    * ungrouped: ``batch``, ``out_feature`` (Megatron's column split), ``contract`` (the
+      input features, all-reduced);
+    * ``feature_group_count = G`` (a grouped or depthwise convolution and its input
+      gradient): ``batch``, and ``group``: whole groups per device, which splits the lhs
+      features, the kernel's output features and the result's features alike;
+    * ``batch_group_count = G`` (the kernel gradient of a grouped convolution): ``group``
+      over the lhs "batch" and the output features, and ``contract`` over the real batch.
+
+    A ``group`` role needs every mesh axis it may use to divide ``G``.
+    """
     dn = eqn.params["dimension_numbers"]
     lhs, rhs = shape_of(eqn.invars[0]), shape_of(eqn.invars[1])
     out = shape_of(eqn.outvars[0])
-    batch_roles = [("batch", (dn.lhs_spec[0], None, dn.out_spec[0]))]
-    roles = list(batch_roles)
-    if eqn.params["feature_group_count"] == 1 and eqn.params["batch_group_count"] == 1:
-        roles.append(("out_feature", (None, dn.rhs_spec[0], dn.out_spec[1])))
-        roles.append(("contract", (dn.lhs_spec[1], dn.rhs_spec[1], None)))
-    elif eqn.params["batch_group_count"] != 1:
-        roles = [("out_feature", (None, dn.rhs_spec[0], dn.out_spec[1]))]
+    feature_groups = eqn.params["feature_group_count"]
+    batch_groups = eqn.params["batch_group_count"]
+    batch = ("batch", (dn.lhs_spec[0], None, dn.out_spec[0]))
+    out_feature = ("out_feature", (None, dn.rhs_spec[0], dn.out_spec[1]))
+    contract = ("contract", (dn.lhs_spec[1], dn.rhs_spec[1], None))
+    if feature_groups == 1 and batch_groups == 1:
+        roles = [batch, out_feature, contract]
+    elif feature_groups != 1:
+        group_role = ("group", (dn.lhs_spec[1], dn.rhs_spec[0], dn.out_spec[1]))
+        roles = [batch] + ([group_role] if _groups_fit(ctx, feature_groups) else [])
+    else:
+        group_role = ("group", (dn.lhs_spec[0], dn.rhs_spec[0], dn.out_spec[1]))
+        roles = ([group_role] if _groups_fit(ctx, batch_groups) else []) + [contract]
     strategies = _contraction_strategies(
         eqn, ctx, roles, (len(lhs), len(rhs), len(out)), (lhs, rhs, out), {"contract"}, 2
     )
     return NodeStrategies(tuple(strategies))
+
+
+def _groups_fit(ctx: RuleContext, groups: int) -> bool:
+    """Whether any assignment of mesh axes to one role leaves whole groups per device."""
+    sizes = [ctx.mesh.shape[a] for a in mesh_axes(ctx.mesh)]
+    if ctx.allow_mixed_mesh_shape and groups % math.prod(sizes):
+        return False
+    return all(groups % n == 0 for n in sizes)
 
 
 # ----------------------------------------------------------------------------- gather/scatter

@@ -185,20 +185,25 @@ def test_bert_step_has_a_rule_for_every_primitive(optimizer):
 # ----------------------------------------------------------------------------- conv rules
 
 
-def _conv_eqns():
-    """The three convolutions of the forward and backward pass of one NHWC conv3x3:
-    ``[forward, input gradient, kernel gradient]`` in the order ``jax.grad`` emits them."""
+def _conv_eqns(groups: int = 1):
+    """The three convolutions of the forward and backward pass of one NHWC conv3x3 with 16
+    channels in ``groups`` groups: ``[forward, input gradient, kernel gradient]``, the two
+    gradients told apart by their results' shapes."""
 
     def loss(x, w):
         y = lax.conv_general_dilated(
-            x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
-        )
+            x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"),
+            feature_group_count=groups,
+        )  # fmt: skip
         return jnp.sum(y**2)
 
     x = jax.ShapeDtypeStruct((32, 8, 8, 16), jnp.float32)
-    w = jax.ShapeDtypeStruct((3, 3, 16, 16), jnp.float32)
+    w = jax.ShapeDtypeStruct((3, 3, 16 // groups, 16), jnp.float32)
     jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(x, w).jaxpr
-    return [e for e in jaxpr.eqns if e.primitive is lax.conv_general_dilated_p]
+    forward, *backward = [e for e in jaxpr.eqns if e.primitive is lax.conv_general_dilated_p]
+    input_grad = next(e for e in backward if e.outvars[0].aval.shape == x.shape)
+    kernel_grad = next(e for e in backward if e.outvars[0].aval.shape == w.shape)
+    return forward, input_grad, kernel_grad
 
 
 def _conv_strategies(eqn, mesh):
@@ -215,21 +220,18 @@ def test_conv_rule_offers_batch_split_for_forward_and_both_gradients():
     the kernel gradient, which contracts over N, ends in one all-reduce of the 3x3x16x16
     kernel (9216 bytes: alpha + beta * 2 * 7/8 * 9216 = 16129)."""
     mesh = _mesh((8, 1))
-    forward, *backward = _conv_eqns()
+    forward, input_grad, kernel_grad = _conv_eqns()
     batch_split = ((0,), (), (), ())
     kernel_whole = ((),) * 4
     by_operands = {}
-    for eqn in (forward, *backward):
+    for eqn in (forward, input_grad, kernel_grad):
         for s in _conv_strategies(eqn, mesh):
             by_operands[(id(eqn), tuple(s.in_specs))] = s
-    # forward: images x kernel -> activations
-    s = by_operands[(id(forward), (batch_split, kernel_whole))]
-    assert s.out_specs == (batch_split,) and s.comm_cost == 0
-    # The two backward convolutions, told apart by their results' shapes.
-    input_grad = next(e for e in backward if e.outvars[0].aval.shape == (32, 8, 8, 16))
-    kernel_grad = next(e for e in backward if e.outvars[0].aval.shape == (3, 3, 16, 16))
-    s = by_operands[(id(input_grad), (batch_split, kernel_whole))]
-    assert s.out_specs == (batch_split,) and s.comm_cost == 0
+    # forward: images x kernel -> activations; input gradient: cotangent x flipped kernel.
+    for eqn in (forward, input_grad):
+        s = by_operands[(id(eqn), (batch_split, kernel_whole))]
+        assert s.out_specs == (batch_split,) and s.comm_cost == 0
+    # kernel gradient: activations x cotangent, contracted over the batch.
     s = by_operands[(id(kernel_grad), (batch_split, batch_split))]
     assert s.out_specs == (kernel_whole,)
     assert s.comm_cost == pytest.approx(1 + 2 * 7 / 8 * 9216)
@@ -251,3 +253,58 @@ def test_conv_rule_splits_output_and_input_features():
     assert in_feature.comm_cost == pytest.approx(1 + 2 * 7 / 8 * 131072)
     # Heavy ops use every mesh axis: no strategy leaves the convolution replicated.
     assert all(s.in_specs != (whole4, whole4) for s in strategies.values())
+
+
+def test_depthwise_conv_rule_splits_batch_and_groups():
+    """A depthwise convolution (16 groups of one channel). On (8, 1) the batch split runs
+    the forward and input gradient (``feature_group_count=16``) locally, and the kernel
+    gradient (``batch_group_count=16``) contracts over the batch: an all-reduce of the
+    3x3x1x16 kernel (576 bytes: 1 + 2 * 7/8 * 576 = 1009). On (1, 8) every convolution can
+    instead keep two whole groups per device: channels split, no communication at all."""
+    forward, input_grad, kernel_grad = _conv_eqns(groups=16)
+    batch_split = ((0,), (), (), ())
+    whole4 = ((),) * 4
+    mesh = _mesh((8, 1))
+    for eqn in (forward, input_grad):
+        strategies = {tuple(s.in_specs): s for s in _conv_strategies(eqn, mesh)}
+        s = strategies[(batch_split, whole4)]
+        assert s.out_specs == (batch_split,) and s.comm_cost == 0
+    strategies = {tuple(s.in_specs): s for s in _conv_strategies(kernel_grad, mesh)}
+    s = strategies[(batch_split, batch_split)]
+    assert s.out_specs == (whole4,)
+    assert s.comm_cost == pytest.approx(1 + 2 * 7 / 8 * 576)
+    mesh = _mesh((1, 8))
+    channels = ((), (), (), (1,))
+    kernel = {
+        forward: ((), (), (), (1,)),  # HWIO: O holds the groups
+        input_grad: ((), (), (1,), ()),  # the flipped kernel: HWOI
+    }
+    for eqn, kernel_spec in kernel.items():
+        strategies = {tuple(s.in_specs): s for s in _conv_strategies(eqn, mesh)}
+        s = strategies[(channels, kernel_spec)]
+        assert s.out_specs == (channels,) and s.comm_cost == 0
+    strategies = {tuple(s.in_specs): s for s in _conv_strategies(kernel_grad, mesh)}
+    s = strategies[(channels, channels)]
+    assert s.out_specs == (((), (), (), (1,)),) and s.comm_cost == 0
+
+
+@pytest.mark.parametrize("shape", [(8, 1), (1, 8)])
+def test_depthwise_conv_step_numerics(shape):
+    """An SGD step of a depthwise conv3x3 through the ILP equals the serial step."""
+
+    def step(w, x):
+        def loss(w):
+            y = lax.conv_general_dilated(
+                x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"),
+                feature_group_count=16,
+            )  # fmt: skip
+            return jnp.mean(jnp.tanh(y) ** 2)
+
+        return w - 0.1 * jax.grad(loss)(w)
+
+    key_w, key_x = jax.random.split(jax.random.key(0))
+    w = jax.random.normal(key_w, (3, 3, 1, 16))
+    x = jax.random.normal(key_x, (32, 8, 8, 16))
+    method = alpa.ShardParallel(devices=_mesh(shape))
+    out = alpa.parallelize(step, method=method, donate_argnums=())(w, x)
+    assert_allclose(out, jax.jit(step)(w, x), rtol=1e-4, atol=1e-4)
