@@ -11,7 +11,7 @@ mesh, so every computation that writes or reads it there (and every ``LOAD``,
   both computations use the one sharding the ILP chose for it.
 * Apply-grad computations are planned afterwards, one at a time; their inputs that
   already have a sharding on the mesh (parameters, accumulated gradients) keep it, and
-  XLA reshards inside the computation where the ILP would have preferred another.
+  the ILP plans around it (``fixed_in_specs``), as it does around the user's pins.
 * Values the ILP does not name (or all values, with ``force_data_parallel=True`` or
   ``enable_auto_sharding=False``) are data parallel: split along dimension 0 over all
   devices of the submesh when they depend on the batch and it divides, else replicated.
@@ -154,7 +154,11 @@ def _plan_into(
         dynamic_argnums=(),
         name=f"stage{s}",
     )
-    plan = plan_auto_sharding(sub, mesh, option)
+    # Inputs that already have a sharding on this mesh (the user's pins, or parameters and
+    # gradients an earlier computation of the stage planned) arrive in it: the ILP plans
+    # around them instead of assuming a spec XLA would then have to reshard into.
+    fixed = [table.get((v, s)) for v in invars]
+    plan = plan_auto_sharding(sub, mesh, option, fixed_in_specs=fixed)
     if tuple(plan.logical_mesh.shape) != tuple(mesh.shape):
         return plan.objective  # a fixed plan on another view of the mesh: data parallel
     for v, spec in zip(invars, plan.in_specs, strict=True):

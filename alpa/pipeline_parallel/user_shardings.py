@@ -3,7 +3,8 @@
 
 Both produce entries of the table ``(value, mesh) -> PartitionSpec`` of
 ``stage_sharding`` before the intra-op pass runs; the pass keeps them and chooses the
-rest (XLA reshards inside a computation where its plan would have preferred another).
+rest, taking a pinned input of a computation as a fixed input spec of its ILP (pinned
+outputs are constraints the ILP does not see; XLA reshards to them).
 
 * ``manual_sharding_option`` (``ManualShardingOption``) gives PartitionSpecs for the whole
   step: ``in_axis_resources`` (one entry per positional argument, a spec or a pytree

@@ -24,6 +24,7 @@ from alpa.shard_parallel.sharding_plan import ShardingPlan
 from alpa.shard_parallel.sharding_spec import (
     Spec,
     format_spec,
+    from_partition_spec,
     mesh_axes,
     nbytes,
     num_shards,
@@ -293,13 +294,18 @@ class AutoShardingSolution:
 
 
 def plan_auto_sharding(
-    traced, logical_mesh: LogicalDeviceMesh, option: AutoShardingOption
+    traced,
+    logical_mesh: LogicalDeviceMesh,
+    option: AutoShardingOption,
+    fixed_in_specs: Sequence[PartitionSpec | None] | None = None,
 ) -> ShardingPlan:
     """The ShardingPlan of a traced step on ``logical_mesh`` chosen by the ILP.
 
     ``force_data_parallel`` and ``force_zero_stage_3`` are the fixed plans of
     ``DataParallel`` and ``Zero3Parallel`` (the same program); with
     ``enable_auto_sharding=False`` every input is replicated and XLA decides the rest.
+    ``fixed_in_specs[i]``, when not ``None``, is the sharding input ``i`` arrives in (over
+    ``logical_mesh.axis_names``): the ILP plans around it instead of choosing it.
     """
     if option.force_data_parallel or option.force_zero_stage_3:
         from alpa.shard_parallel.data_parallel import data_parallel_plan
@@ -314,14 +320,17 @@ def plan_auto_sharding(
             out_specs=(None,) * len(jaxpr.outvars),
             method="replicated (auto-sharding disabled)",
         )
-    solution = solve_auto_sharding(traced, logical_mesh, option)
+    solution = solve_auto_sharding(traced, logical_mesh, option, fixed_in_specs)
     if global_config.print_auto_sharding_strategy:
         print(solution.format_table())
     return solution.to_sharding_plan()
 
 
 def solve_auto_sharding(
-    traced, logical_mesh: LogicalDeviceMesh, option: AutoShardingOption | None = None
+    traced,
+    logical_mesh: LogicalDeviceMesh,
+    option: AutoShardingOption | None = None,
+    fixed_in_specs: Sequence[PartitionSpec | None] | None = None,
 ) -> AutoShardingSolution:
     """Build the strategy graph of a traced step, solve the ILP, return the decision."""
     marker = traced.grad_marker()
@@ -333,6 +342,7 @@ def solve_auto_sharding(
         grad_operands=tuple(marker.invars) if marker is not None else None,
         state_pairs=donated_state_pairs(traced),
         memory_model="xla",
+        fixed_in_specs=fixed_in_specs,
     )
 
 
@@ -365,6 +375,7 @@ def solve_jaxpr(
     grad_operands=None,
     state_pairs=(),
     memory_model: TypingLiteral["jaxpr", "xla"] = "jaxpr",
+    fixed_in_specs: Sequence[PartitionSpec | None] | None = None,
 ) -> AutoShardingSolution:
     """The auto-sharding decision for a flat ``ClosedJaxpr``.
 
@@ -374,6 +385,7 @@ def solve_jaxpr(
     ``option.memory_budget_per_device`` bounds: ``"jaxpr"``, the jaxpr values live at each
     point (the solver's own liveness); ``"xla"``, the allocation XLA reports for the
     compiled step (:func:`xla_memory_graph`; what :func:`solve_auto_sharding` uses).
+    ``fixed_in_specs[i]`` (a ``PartitionSpec`` or ``None``) fixes input ``i``'s sharding.
     """
     if memory_model not in ("jaxpr", "xla"):
         raise ValueError(f"memory_model must be 'jaxpr' or 'xla', got {memory_model!r}")
@@ -402,7 +414,16 @@ def solve_jaxpr(
         allow_all_gather=option.allow_all_gather,
         allow_all_to_all=option.allow_all_to_all,
     )
-    input_filter = _input_filter(option, mesh, batch_invars, invars)
+    if fixed_in_specs is not None and len(fixed_in_specs) != len(invars):
+        raise ValueError(
+            f"fixed_in_specs has {len(fixed_in_specs)} entries but the jaxpr has "
+            f"{len(invars)} inputs"
+        )
+    fixed = [
+        None if p is None else from_partition_spec(p, len(v.aval.shape), mesh)
+        for v, p in zip(invars, fixed_in_specs or (None,) * len(invars), strict=True)
+    ]
+    input_filter = _input_filter(option, mesh, batch_invars, invars, fixed)
     graph = build_strategy_graph(closed_jaxpr, mesh, graph_options, input_filter, state_pairs)
     time_limit = option.solver_time_limit or global_config.ilp_time_limit
     budget = option.memory_budget_per_device
@@ -541,8 +562,9 @@ def _effective_mesh(mesh: LogicalDeviceMesh, option: AutoShardingOption) -> Logi
     return mesh
 
 
-def _input_filter(option, mesh, batch_invars, invars):
-    """Which specs each jaxpr input may take, given the forcing options."""
+def _input_filter(option, mesh, batch_invars, invars, fixed: Sequence[Spec | None]):
+    """Which specs each jaxpr input may take, given the forcing options and the inputs
+    whose sharding is fixed (they take exactly that one)."""
     all_axes = mesh_axes(mesh)
 
     def batch_axes() -> tuple[int, ...] | None:
@@ -556,6 +578,8 @@ def _input_filter(option, mesh, batch_invars, invars):
     forced_batch = batch_axes()
 
     def allowed(index: int, shape, specs: list[Spec]) -> list[Spec]:
+        if fixed[index] is not None:
+            return [fixed[index]]
         is_batch = batch_invars[index] if index < len(batch_invars) else False
         if is_batch:
             if forced_batch is None or not shape:

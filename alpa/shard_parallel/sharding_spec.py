@@ -103,6 +103,28 @@ def to_partition_spec(spec: Spec, mesh: LogicalDeviceMesh) -> PartitionSpec:
     return PartitionSpec(*entries)
 
 
+def from_partition_spec(pspec: PartitionSpec, rank: int, mesh: LogicalDeviceMesh) -> Spec:
+    """The :data:`Spec` of a ``PartitionSpec`` over ``mesh.axis_names`` for a value of
+    ``rank`` dimensions; mesh axes of one device split nothing and are dropped."""
+    if len(pspec) > rank:
+        raise ValueError(f"PartitionSpec {pspec} has more entries than the value's rank {rank}")
+    spec = []
+    for entry in (*pspec, *(None,) * (rank - len(pspec))):
+        names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+        axes = []
+        for name in names:
+            if name not in mesh.axis_names:
+                raise ValueError(
+                    f"PartitionSpec {pspec} names mesh axis {name!r}; the mesh's axes are "
+                    f"{tuple(mesh.axis_names)}"
+                )
+            axis = mesh.axis_names.index(name)
+            if mesh.shape[axis] > 1:
+                axes.append(axis)
+        spec.append(tuple(axes))
+    return tuple(spec)
+
+
 def format_spec(spec: Spec, mesh: LogicalDeviceMesh) -> str:
     """``S0R``-style notation of Alpa: per dimension, ``S`` + axes or ``R``."""
     if not spec:

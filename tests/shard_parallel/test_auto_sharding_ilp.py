@@ -103,6 +103,39 @@ def test_small_batch_large_hidden_is_megatron(shape, alpha, beta):
     assert plan.in_specs[3] == P(name)
 
 
+def test_fixed_input_specs_are_planned_around():
+    """Large batch, small hidden: free, the plan is data parallel. With the batch ``x``
+    fixed to arrive split by features, the cheapest plan turns it into a batch split with
+    an all-to-all and is data parallel from there: the ILP prices the fixed spec instead of
+    choosing another. ``x`` has two readers (the first layer's matmul and its kernel
+    gradient), and the cost model prices a resharding per reading edge: two all-to-alls."""
+    mesh = LogicalDeviceMesh((1, 4), (1, 1), (1, 1))
+    closed, batch = mlp_step_jaxpr(batch=1024, hidden=16)
+    free = solve_mlp(closed, mesh, batch_invars=batch)
+    dp = data_parallel_cost(mesh, 16, 2, (1,))
+    assert free.objective == pytest.approx(dp)
+    # in order b0, b1, w0, w1, x, y.
+    fixed = (None,) * 4 + (P(None, "y"), None)
+    pairs = tuple((i, i) for i in range(4))
+    pinned = solve_jaxpr(closed, mesh, batch_invars=batch, state_pairs=pairs, fixed_in_specs=fixed)
+    x_bytes = 1024 * 16 * F32
+    assert pinned.objective == pytest.approx(dp + 2 * mesh.all_to_all_cost(x_bytes / 4, 1))
+    assert pinned.to_sharding_plan().in_specs[4] == P(None, "y")
+    assert free.to_sharding_plan().in_specs[4] == P("y")
+
+
+def test_bad_fixed_input_specs():
+    mesh = LogicalDeviceMesh((1, 4))
+    closed, batch = mlp_step_jaxpr(batch=16, hidden=16)
+    with pytest.raises(ValueError, match="fixed_in_specs has 1 entries but the jaxpr has 6"):
+        solve_jaxpr(closed, mesh, batch_invars=batch, fixed_in_specs=(P(),))
+    bad = (P("model"),) + (None,) * 5
+    with pytest.raises(
+        ValueError, match=r"names mesh axis 'model'; the mesh's axes are \('x', 'y'\)"
+    ):
+        solve_jaxpr(closed, mesh, batch_invars=batch, fixed_in_specs=bad)
+
+
 def test_four_layer_megatron_has_three_all_reduces():
     mesh = LogicalDeviceMesh((1, 4), (1, 1), (1, 1))
     closed, batch = mlp_step_jaxpr(batch=16, hidden=512, num_layers=4)
