@@ -20,7 +20,11 @@ from jax.sharding import PartitionSpec as P
 
 import alpa
 from alpa.model.bert import BertConfig, get_bert_train_state_and_step
+from alpa.model.gpt import GPTConfig, get_gpt_train_state_and_step
+from alpa.model.mlp import MLPModel, get_mlp_train_state_and_step
+from alpa.model.moe import MoEConfig, get_moe_train_state_and_step
 from alpa.model.wide_resnet import WResNetConfig, get_wresnet_train_state_and_step
+from alpa.shard_parallel.auto_sharding import solve_auto_sharding
 from alpa.shard_parallel.sharding_spec import enumerate_specs
 from alpa.shard_parallel.strategy_graph import GraphOptions, build_strategy_graph
 from alpa.shard_parallel.strategy_rules import RuleContext, lookup_rule
@@ -180,6 +184,64 @@ def test_wresnet_step_has_a_rule_for_every_primitive(config, optimizer):
 def test_bert_step_has_a_rule_for_every_primitive(optimizer):
     state, batch, step = get_bert_train_state_and_step(BERT, 16, optimizer=optimizer, abstract=True)
     assert _graph(step, state, batch).unknown_primitives == ()
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "adamw", "sgd"])
+@pytest.mark.parametrize(
+    "name, factory",
+    [
+        ("mlp", lambda opt: get_mlp_train_state_and_step(
+            MLPModel(hidden_size=16, num_layers=2, output_dim=4), 16, 8, optimizer=opt,
+            abstract=True)),
+        ("gpt-tied", lambda opt: get_gpt_train_state_and_step(
+            GPTConfig(hidden_size=16, num_layers=1, num_heads=2, seq_len=8, vocab_size=32),
+            4, optimizer=opt, abstract=True)),
+        ("gpt-untied", lambda opt: get_gpt_train_state_and_step(
+            GPTConfig(hidden_size=16, num_layers=1, num_heads=2, seq_len=8, vocab_size=32,
+                      tie_word_embeddings=False), 4, optimizer=opt, abstract=True)),
+        ("moe", lambda opt: get_moe_train_state_and_step(
+            MoEConfig(hidden_size=16, num_layers=2, num_heads=2, num_experts=4, seq_len=8,
+                      vocab_size=32, expert_group_size=8), 4, optimizer=opt, abstract=True)),
+    ],
+    ids=lambda x: x if isinstance(x, str) else "",
+)  # fmt: skip
+def test_model_steps_have_a_rule_for_every_primitive(name, factory, optimizer):
+    """The other models of ``alpa.model`` (attention, softmax, GELU, layer norm, top-2
+    gating with capacity, the tied and untied LM head) with each optimizer."""
+    state, batch, step = factory(optimizer)
+    assert _graph(step, state, batch).unknown_primitives == ()
+
+
+def test_control_flow_runs_replicated_and_matches_serial():
+    """``lax.scan`` over stacked layers, ``lax.cond`` and ``jax.checkpoint`` are planned as
+    opaque equations (replicated; XLA partitions their bodies): the planner neither crashes
+    nor warns, the scan's node takes the replicated strategy, and the step's numbers equal
+    the serial step's."""
+
+    def step(params, batch):
+        def loss_fn(p):
+            def layer(h, w):
+                return jax.checkpoint(lambda h: jnp.tanh(h @ w))(h), None
+
+            h, _ = lax.scan(layer, batch["x"], p["stack"])
+            h = lax.cond(jnp.sum(h) > 0, lambda v: v * 2.0, lambda v: v - 1.0, h)
+            return jnp.mean((h @ p["out"] - batch["y"]) ** 2)
+
+        loss, grads = alpa.value_and_grad(loss_fn)(params)
+        return jax.tree.map(lambda w, g: w - 0.1 * g, params, grads), loss
+
+    k = jax.random.split(jax.random.key(0), 4)
+    params = {
+        "stack": jax.random.normal(k[0], (3, 16, 16)) * 0.3,
+        "out": jax.random.normal(k[1], (16, 4)),
+    }
+    batch = {"x": jax.random.normal(k[2], (32, 16)), "y": jax.random.normal(k[3], (32, 4))}
+    out, _ = _compile(step, params, batch, (8, 1))
+    assert_allclose(out, jax.jit(step)(params, batch), rtol=1e-4, atol=1e-4)
+    traced = trace_step(step, (params, batch), (), (1,), (), ("params", "batch"))
+    solution = solve_auto_sharding(traced, _mesh((8, 1)))
+    opaque = {row[0].split()[-1] for row in solution.rows() if row[2] == "opaque"}
+    assert {"scan", "cond"} <= opaque, opaque
 
 
 # ----------------------------------------------------------------------------- conv rules
