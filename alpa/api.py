@@ -32,8 +32,13 @@ logger = logging.getLogger("alpa")
 _global_physical_mesh: LocalPhysicalDeviceMesh | None = None
 
 
-def init(cluster: str = "local", *, devices: Sequence[Any] | None = None,
-         num_nodes: int | None = None, num_devices_per_node: int | None = None) -> None:
+def init(
+    cluster: str = "local",
+    *,
+    devices: Sequence[Any] | None = None,
+    num_nodes: int | None = None,
+    num_devices_per_node: int | None = None,
+) -> None:
     """Connect alpa to a cluster. A second ``init`` before ``shutdown`` does nothing.
 
     Args:
@@ -46,7 +51,8 @@ def init(cluster: str = "local", *, devices: Sequence[Any] | None = None,
         raise NotImplementedError(
             "alpa.init(cluster='ray') is not available yet: the Ray runtime is a separate, "
             "upcoming feature. Use alpa.init('local') (the default) to run on the devices "
-            "of this process.")
+            "of this process."
+        )
     if cluster != "local":
         raise ValueError(f"cluster must be 'local' or 'ray', got {cluster!r}")
     if num_nodes not in (None, 1):
@@ -57,7 +63,8 @@ def init(cluster: str = "local", *, devices: Sequence[Any] | None = None,
     if num_devices_per_node is not None and num_devices_per_node != mesh.num_devices:
         raise ValueError(
             f"num_devices_per_node={num_devices_per_node} but this process has "
-            f"{mesh.num_devices} devices")
+            f"{mesh.num_devices} devices"
+        )
     _global_physical_mesh = mesh
 
 
@@ -70,8 +77,7 @@ def shutdown() -> None:
 def get_global_physical_mesh() -> LocalPhysicalDeviceMesh:
     """The mesh of ``init``; calls ``init("local")`` (and says so) if it was not called."""
     if _global_physical_mesh is None:
-        logger.warning("alpa.init() was not called: using the %d local devices",
-                    len(jax.devices()))
+        logger.warning("alpa.init() was not called: using the %d local devices", len(jax.devices()))
         init("local")
     return _global_physical_mesh
 
@@ -84,9 +90,14 @@ def get_global_virtual_physical_mesh() -> VirtualPhysicalMesh:
 # ----------------------------------------------------------------------------- gradients
 
 
-def value_and_grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False,
-                   holomorphic: bool = False, allow_int: bool = False,
-                   reduce_axes: Sequence[Any] = ()) -> Callable:
+def value_and_grad(
+    fun: Callable,
+    argnums: int | Sequence[int] = 0,
+    has_aux: bool = False,
+    holomorphic: bool = False,
+    allow_int: bool = False,
+    reduce_axes: Sequence[Any] = (),
+) -> Callable:
     """``jax.value_and_grad`` that also marks where the gradients are complete.
 
     The marker cuts the traced step into compute-grad (everything the gradients need)
@@ -96,8 +107,13 @@ def value_and_grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: boo
     backward pass carries the mirrored cuts.
     """
     del reduce_axes
-    inner = jax.value_and_grad(mark_layers(fun), argnums=argnums, has_aux=has_aux,
-                               holomorphic=holomorphic, allow_int=allow_int)
+    inner = jax.value_and_grad(
+        mark_layers(fun),
+        argnums=argnums,
+        has_aux=has_aux,
+        holomorphic=holomorphic,
+        allow_int=allow_int,
+    )
 
     @functools.wraps(fun)
     def marked(*args, **kwargs):
@@ -108,9 +124,14 @@ def value_and_grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: boo
     return marked
 
 
-def grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False,
-         holomorphic: bool = False, allow_int: bool = False,
-         reduce_axes: Sequence[Any] = ()) -> Callable:
+def grad(
+    fun: Callable,
+    argnums: int | Sequence[int] = 0,
+    has_aux: bool = False,
+    holomorphic: bool = False,
+    allow_int: bool = False,
+    reduce_axes: Sequence[Any] = (),
+) -> Callable:
     """``jax.grad`` that marks the gradients (see :func:`value_and_grad`)."""
     inner = value_and_grad(fun, argnums, has_aux, holomorphic, allow_int, reduce_axes)
 
@@ -125,10 +146,14 @@ def grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False,
 # ----------------------------------------------------------------------------- parallelize
 
 
-def parallelize(fun: Callable | None = None, *, static_argnums: Sequence[int] | str = "auto",
-                donate_argnums: Sequence[int] | str = "auto",
-                batch_argnums: Sequence[int] = (1,),
-                method: ParallelMethod | None = None):
+def parallelize(
+    fun: Callable | None = None,
+    *,
+    static_argnums: Sequence[int] | str = "auto",
+    donate_argnums: Sequence[int] | str = "auto",
+    batch_argnums: Sequence[int] = (1,),
+    method: ParallelMethod | None = None,
+):
     """Parallelize a step function; usable as ``@parallelize`` or ``@parallelize(...)``.
 
     Args:
@@ -144,18 +169,19 @@ def parallelize(fun: Callable | None = None, *, static_argnums: Sequence[int] | 
 
     def decorate(f):
         if not callable(f):
-            raise TypeError(f"parallelize expects a callable fun, got {type(f).__name__}: "
-                            f"{f!r}")
+            raise TypeError(f"parallelize expects a callable fun, got {type(f).__name__}: {f!r}")
         if method is not None and not isinstance(method, ParallelMethod):
             raise TypeError(
                 "method must be a parallel method such as alpa.ShardParallel(), "
                 "alpa.DataParallel() or alpa.PipeshardParallel(), got "
-                f"{type(method).__name__}: {method!r}")
+                f"{type(method).__name__}: {method!r}"
+            )
         _check_argnums(static_argnums, "static_argnums")
         _check_argnums(donate_argnums, "donate_argnums")
         _check_argnums(batch_argnums, "batch_argnums", allow_auto=False)
-        return ParallelizedFunc(f, static_argnums, donate_argnums, tuple(batch_argnums),
-                                method or ShardParallel())
+        return ParallelizedFunc(
+            f, static_argnums, donate_argnums, tuple(batch_argnums), method or ShardParallel()
+        )
 
     if fun is None:
         return decorate
@@ -166,17 +192,20 @@ def _check_argnums(value, name: str, allow_auto: bool = True) -> None:
     if allow_auto and value == "auto":
         return
     if isinstance(value, int) and not isinstance(value, bool):
-        raise TypeError(f"{name} must be a tuple of ints, got the int {value}; "
-                        f"write ({value},)")
-    if (not isinstance(value, Sequence) or isinstance(value, str)
-            or not all(isinstance(i, int) and not isinstance(i, bool) for i in value)):
+        raise TypeError(f"{name} must be a tuple of ints, got the int {value}; write ({value},)")
+    if (
+        not isinstance(value, Sequence)
+        or isinstance(value, str)
+        or not all(isinstance(i, int) and not isinstance(i, bool) for i in value)
+    ):
         expected = "'auto' or a tuple of ints" if allow_auto else "a tuple of ints"
         raise TypeError(f"{name} must be {expected}, got {value!r}")
 
 
 def _is_array_leaf(x) -> bool:
-    return isinstance(x, jax.Array | np.ndarray | np.generic | jax.ShapeDtypeStruct
-                      | bool | int | float | complex)
+    return isinstance(
+        x, jax.Array | np.ndarray | np.generic | jax.ShapeDtypeStruct | bool | int | float | complex
+    )
 
 
 def _is_train_state(x) -> bool:
@@ -188,8 +217,9 @@ def _is_train_state(x) -> bool:
 class ParallelizedFunc:
     """A parallelized step. Calling it compiles (once per input signature) and runs."""
 
-    def __init__(self, fun: Callable, static_argnums, donate_argnums, batch_argnums,
-                 method: ParallelMethod):
+    def __init__(
+        self, fun: Callable, static_argnums, donate_argnums, batch_argnums, method: ParallelMethod
+    ):
         self.fun = fun
         self.static_argnums = static_argnums
         self.donate_argnums = donate_argnums
@@ -207,11 +237,11 @@ class ParallelizedFunc:
             if not -n <= pos < n:
                 raise ValueError(
                     f"batch_argnums={self.batch_argnums} is out of range for a call of "
-                    f"{self.fun.__name__} with {n} positional arguments")
+                    f"{self.fun.__name__} with {n} positional arguments"
+                )
         batch = tuple(sorted(p % n for p in self.batch_argnums))
         if self.static_argnums == "auto":
-            static = tuple(i for i, a in enumerate(args)
-                           if i not in batch and _is_auto_static(a))
+            static = tuple(i for i, a in enumerate(args) if i not in batch and _is_auto_static(a))
         else:
             static = self._positions(self.static_argnums, n, "static_argnums")
         if self.donate_argnums == "auto":
@@ -220,15 +250,19 @@ class ParallelizedFunc:
             donate = self._positions(self.donate_argnums, n, "donate_argnums")
         overlap = set(static) & (set(donate) | set(batch))
         if overlap:
-            raise ValueError(f"arguments {sorted(overlap)} are static, so they cannot also "
-                             "be batch or donated arguments")
+            raise ValueError(
+                f"arguments {sorted(overlap)} are static, so they cannot also "
+                "be batch or donated arguments"
+            )
         return static, batch, tuple(d for d in donate if d not in static)
 
     def _positions(self, argnums, n: int, name: str) -> tuple[int, ...]:
         for pos in argnums:
             if not -n <= pos < n:
-                raise ValueError(f"{name}={tuple(argnums)} is out of range for a call of "
-                                 f"{self.fun.__name__} with {n} positional arguments")
+                raise ValueError(
+                    f"{name}={tuple(argnums)} is out of range for a call of "
+                    f"{self.fun.__name__} with {n} positional arguments"
+                )
         return tuple(sorted(p % n for p in argnums))
 
     def _flatten(self, args, static):
@@ -240,7 +274,8 @@ class ParallelizedFunc:
                 except TypeError:
                     raise TypeError(
                         f"argument {i} of {self.fun.__name__} is static (static_argnums) but "
-                        f"not hashable: {type(arg).__name__}") from None
+                        f"not hashable: {type(arg).__name__}"
+                    ) from None
                 continue
             for path, leaf in jax.tree_util.tree_flatten_with_path(arg)[0]:
                 name = f"argument {i}{jax.tree_util.keystr(path)}"
@@ -248,7 +283,8 @@ class ParallelizedFunc:
                     raise TypeError(
                         f"{name} of {self.fun.__name__} is a {type(leaf).__name__}, not an "
                         "array: dynamic arguments must be pytrees of arrays. Mark the "
-                        "argument static with static_argnums, or remove the leaf.")
+                        "argument static with static_argnums, or remove the leaf."
+                    )
                 leaves.append(leaf)
                 names.append(name)
         return leaves, names
@@ -260,12 +296,14 @@ class ParallelizedFunc:
                 shape = np.shape(leaf)
                 where = f"argument {pos}{jax.tree_util.keystr(path)}"
                 if not shape:
-                    raise ValueError(f"{where} is a batch argument but is a scalar; batch "
-                                     "leaves need a batch dimension 0")
+                    raise ValueError(
+                        f"{where} is a batch argument but is a scalar; batch "
+                        "leaves need a batch dimension 0"
+                    )
                 if shape[0] % k:
                     raise ValueError(
-                        f"num_micro_batches={k} does not divide batch size {shape[0]} of "
-                        f"{where}")
+                        f"num_micro_batches={k} does not divide batch size {shape[0]} of {where}"
+                    )
         return k
 
     # -- compilation
@@ -277,7 +315,8 @@ class ParallelizedFunc:
             tuple((i, args[i]) for i in static),
             jax.tree.structure(tuple(a for i, a in enumerate(args) if i not in static)),
             tuple((np.shape(x), _dtype(x)) for x in leaves),
-            batch, donate,
+            batch,
+            donate,
         )
         executable = self._cache.get(key)
         if executable is None:
@@ -300,8 +339,10 @@ class ParallelizedFunc:
 
     def __call__(self, *args, **kwargs):
         if kwargs:
-            raise TypeError(f"{self.fun.__name__} was parallelized: pass its arguments "
-                            f"positionally (got keyword arguments {sorted(kwargs)})")
+            raise TypeError(
+                f"{self.fun.__name__} was parallelized: pass its arguments "
+                f"positionally (got keyword arguments {sorted(kwargs)})"
+            )
         executable, leaves = self._compile(args)
         outs = executable.launch(leaves)
         return jax.tree.unflatten(executable.traced.out_tree, outs)
@@ -349,6 +390,9 @@ def traced_args(args, batch: Sequence[int], divisor: int) -> list:
     out = list(args)
     for i in batch:
         out[i] = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct((np.shape(x)[0] // divisor,) + np.shape(x)[1:],
-                                           _dtype(x)), args[i])
+            lambda x: jax.ShapeDtypeStruct(
+                (np.shape(x)[0] // divisor,) + np.shape(x)[1:], _dtype(x)
+            ),
+            args[i],
+        )
     return out

@@ -62,8 +62,12 @@ class ClusterSpec:
             value = getattr(self, attr)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"ClusterSpec.{attr} must be a positive int, got {value!r}")
-        for attr in ("device_flops", "device_memory", "intra_node_bandwidth",
-                     "inter_node_bandwidth"):
+        for attr in (
+            "device_flops",
+            "device_memory",
+            "intra_node_bandwidth",
+            "inter_node_bandwidth",
+        ):
             value = getattr(self, attr)
             if not value > 0:
                 raise ValueError(f"ClusterSpec.{attr} must be positive, got {value!r}")
@@ -189,9 +193,12 @@ class LogicalDeviceMesh:
 
     def flatten(self) -> LogicalDeviceMesh:
         """The same devices as a 1-D mesh ``(1, n)``."""
-        return replace(self, shape=(1, self.num_devices),
-                       mesh_alpha=(0.0, self.mesh_alpha[1]),
-                       mesh_beta=(0.0, max(self.mesh_beta)))
+        return replace(
+            self,
+            shape=(1, self.num_devices),
+            mesh_alpha=(0.0, self.mesh_alpha[1]),
+            mesh_beta=(0.0, max(self.mesh_beta)),
+        )
 
 
 def make_jax_mesh(devices: Sequence[Any], shape: Sequence[int], axis_names: Sequence[str]):

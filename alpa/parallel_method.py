@@ -48,8 +48,10 @@ def resolve_logical_mesh(devices, mesh_shape: Sequence[int] | None = None) -> Lo
     jax devices."""
     if isinstance(devices, LogicalDeviceMesh):
         if devices.devices is None:
-            raise ValueError("devices is an abstract LogicalDeviceMesh (no devices); "
-                             "an executable needs real devices")
+            raise ValueError(
+                "devices is an abstract LogicalDeviceMesh (no devices); "
+                "an executable needs real devices"
+            )
         if mesh_shape is not None and tuple(mesh_shape) != devices.shape:
             return LocalPhysicalDeviceMesh(devices.devices).get_logical_mesh(mesh_shape)
         return devices
@@ -64,7 +66,8 @@ def resolve_logical_mesh(devices, mesh_shape: Sequence[int] | None = None) -> Lo
     else:
         raise TypeError(
             "devices must be None, a LocalPhysicalDeviceMesh, a LogicalDeviceMesh or a "
-            f"list of jax devices, got {type(devices).__name__}")
+            f"list of jax devices, got {type(devices).__name__}"
+        )
     return physical.get_logical_mesh(mesh_shape)
 
 
@@ -82,17 +85,27 @@ class ShardParallel(ParallelMethod):
       manual_sharding_option: user-given shardings.
     """
 
-    def __init__(self, devices=None, num_micro_batches: int | None = None,
-                 auto_sharding_option: AutoShardingOption | None = None,
-                 manual_sharding_option: ManualShardingOption | None = None):
-        if auto_sharding_option is not None and not isinstance(auto_sharding_option,
-                                                               AutoShardingOption):
-            raise TypeError("auto_sharding_option must be an AutoShardingOption, got "
-                            f"{type(auto_sharding_option).__name__}")
-        if manual_sharding_option is not None and not isinstance(manual_sharding_option,
-                                                                 ManualShardingOption):
-            raise TypeError("manual_sharding_option must be a ManualShardingOption, got "
-                            f"{type(manual_sharding_option).__name__}")
+    def __init__(
+        self,
+        devices=None,
+        num_micro_batches: int | None = None,
+        auto_sharding_option: AutoShardingOption | None = None,
+        manual_sharding_option: ManualShardingOption | None = None,
+    ):
+        if auto_sharding_option is not None and not isinstance(
+            auto_sharding_option, AutoShardingOption
+        ):
+            raise TypeError(
+                "auto_sharding_option must be an AutoShardingOption, got "
+                f"{type(auto_sharding_option).__name__}"
+            )
+        if manual_sharding_option is not None and not isinstance(
+            manual_sharding_option, ManualShardingOption
+        ):
+            raise TypeError(
+                "manual_sharding_option must be a ManualShardingOption, got "
+                f"{type(manual_sharding_option).__name__}"
+            )
         self.devices = devices
         self.num_micro_batches = _check_num_micro_batches(num_micro_batches)
         self.auto_sharding_option = auto_sharding_option or AutoShardingOption()
@@ -109,8 +122,10 @@ class ShardParallel(ParallelMethod):
         return compile_shard_executable(traced, self._plan(traced, args), self.num_micro_batches)
 
     def __repr__(self) -> str:
-        return (f"{type(self).__name__}(num_micro_batches={self.num_micro_batches}, "
-                f"manual={self.manual_sharding_option is not None})")
+        return (
+            f"{type(self).__name__}(num_micro_batches={self.num_micro_batches}, "
+            f"manual={self.manual_sharding_option is not None})"
+        )
 
 
 class _FixedPlanParallel(ParallelMethod):

@@ -22,14 +22,22 @@ def assert_allclose(x: Any, y: Any, rtol: float = 1e-4, atol: float = 1e-4) -> N
         a, b = np.asarray(a), np.asarray(b)
         if a.shape != b.shape:
             raise AssertionError(f"leaf {path or '<root>'}: shape {a.shape} != {b.shape}")
-        np.testing.assert_allclose(a.astype(np.float64) if a.dtype.kind == "V" else a,
-                                   b, rtol=rtol, atol=atol, err_msg=f"leaf {path or '<root>'}")
+        np.testing.assert_allclose(
+            a.astype(np.float64) if a.dtype.kind == "V" else a,
+            b,
+            rtol=rtol,
+            atol=atol,
+            err_msg=f"leaf {path or '<root>'}",
+        )
 
 
-def get_mlp_train_state_and_step(batch_size: int, hidden_size: int, num_layers: int = 4,
-                                 use_bias: bool = True,
-                                 add_manual_pipeline_marker: bool = False,
-                                 ) -> tuple[Any, dict[str, jax.Array], Callable]:
+def get_mlp_train_state_and_step(
+    batch_size: int,
+    hidden_size: int,
+    num_layers: int = 4,
+    use_bias: bool = True,
+    add_manual_pipeline_marker: bool = False,
+) -> tuple[Any, dict[str, jax.Array], Callable]:
     """``(state, batch, train_step)`` of an MLP regression trained with Adam.
 
     ``train_step(state, batch) -> state`` differentiates with ``alpa.grad``, so it works
@@ -39,10 +47,15 @@ def get_mlp_train_state_and_step(batch_size: int, hidden_size: int, num_layers: 
     from alpa.model.mlp import MLPModel
     from alpa.model.mlp import get_mlp_train_state_and_step as make
 
-    model = MLPModel(hidden_size=hidden_size, num_layers=num_layers, use_bias=use_bias,
-                     add_manual_pipeline_markers=add_manual_pipeline_marker)
-    state, batch, step = make(model, batch_size, hidden_size, optimizer="adam",
-                              grad_func=alpa.value_and_grad)
+    model = MLPModel(
+        hidden_size=hidden_size,
+        num_layers=num_layers,
+        use_bias=use_bias,
+        add_manual_pipeline_markers=add_manual_pipeline_marker,
+    )
+    state, batch, step = make(
+        model, batch_size, hidden_size, optimizer="adam", grad_func=alpa.value_and_grad
+    )
 
     def train_step(state, batch):
         new_state, _ = step(state, batch)

@@ -29,8 +29,9 @@ class CollectiveCounts(NamedTuple):
     all_to_all: int
 
 
-def count_communication_primitives(hlo_text: str,
-                                   ignore_scalar_all_reduce: bool = False) -> CollectiveCounts:
+def count_communication_primitives(
+    hlo_text: str, ignore_scalar_all_reduce: bool = False
+) -> CollectiveCounts:
     """Count collective operations in HLO text.
 
     Returns ``(total, all_reduce, all_gather, reduce_scatter, all_to_all)``. An operation
@@ -44,18 +45,27 @@ def count_communication_primitives(hlo_text: str,
         if match is None or line.lstrip().startswith("ROOT %tuple"):
             continue
         op = match.group("op")
-        if (ignore_scalar_all_reduce and op == "all-reduce"
-                and _SCALAR_SHAPE_RE.match(match.group("shape").strip())):
+        if (
+            ignore_scalar_all_reduce
+            and op == "all-reduce"
+            and _SCALAR_SHAPE_RE.match(match.group("shape").strip())
+        ):
             continue
         counts[op] += 1
-    return CollectiveCounts(sum(counts.values()), counts["all-reduce"], counts["all-gather"],
-                            counts["reduce-scatter"], counts["all-to-all"])
+    return CollectiveCounts(
+        sum(counts.values()),
+        counts["all-reduce"],
+        counts["all-gather"],
+        counts["reduce-scatter"],
+        counts["all-to-all"],
+    )
 
 
 _COMPUTATION_RE = re.compile(r"^(?:ENTRY\s+)?%?(?P<name>[\w.\-]+)\s.*\{\s*$")
 _CALLEE_RE = re.compile(
     r"(?:body|condition|to_apply|calls|branch_computations)=\{?(?P<names>%?[\w.\-]+"
-    r"(?:,\s*%?[\w.\-]+)*)\}?")
+    r"(?:,\s*%?[\w.\-]+)*)\}?"
+)
 
 
 def _split_computations(hlo_text: str) -> dict[str, list[str]]:
@@ -75,8 +85,13 @@ def count_loop_communication_primitives(hlo_text: str) -> CollectiveCounts:
     """Like :func:`count_communication_primitives`, counting only the collectives that run
     inside the body of a ``while`` loop (e.g. once per micro-batch)."""
     computations = _split_computations(hlo_text)
-    pending = [m.group(1) for line in hlo_text.splitlines() if " while(" in line
-               for m in [re.search(r"body=%?([\w.\-]+)", line)] if m]
+    pending = [
+        m.group(1)
+        for line in hlo_text.splitlines()
+        if " while(" in line
+        for m in [re.search(r"body=%?([\w.\-]+)", line)]
+        if m
+    ]
     seen: set[str] = set()
     while pending:
         name = pending.pop()
@@ -110,9 +125,14 @@ def progress(iterable: Iterable, **kwargs) -> Iterable:
 # ----------------------------------------------------------------------------- benchmarks
 
 
-def benchmark_func(run_func: Callable[[], Any], sync_func: Callable[[], Any] | None = None,
-                   warmup: int = 1, repeat: int = 3, number: int = 5,
-                   min_repeat_second: float | None = None) -> np.ndarray:
+def benchmark_func(
+    run_func: Callable[[], Any],
+    sync_func: Callable[[], Any] | None = None,
+    warmup: int = 1,
+    repeat: int = 3,
+    number: int = 5,
+    min_repeat_second: float | None = None,
+) -> np.ndarray:
     """Seconds per call of ``run_func``: ``repeat`` measurements, each the mean of
     ``number`` calls, after ``warmup`` calls. ``sync_func`` waits for the device. With
     ``min_repeat_second``, ``number`` grows so each measurement lasts at least that long."""
@@ -136,9 +156,17 @@ def benchmark_func(run_func: Callable[[], Any], sync_func: Callable[[], Any] | N
     return np.array(costs)
 
 
-def compute_gpt_tflops(batch_size: int, seq_len: int, num_layers: int, hidden_size: int,
-                       vocab_size: int, num_gpus: int, latency: float,
-                       backward: bool = True, checkpoint_activations: bool = False) -> float:
+def compute_gpt_tflops(
+    batch_size: int,
+    seq_len: int,
+    num_layers: int,
+    hidden_size: int,
+    vocab_size: int,
+    num_gpus: int,
+    latency: float,
+    backward: bool = True,
+    checkpoint_activations: bool = False,
+) -> float:
     """Achieved TFLOP/s per device of a GPT step.
 
     FLOPs of one forward pass over ``B`` sequences of ``s`` tokens (dense matmuls, 2 FLOPs
@@ -147,9 +175,10 @@ def compute_gpt_tflops(batch_size: int, seq_len: int, num_layers: int, hidden_si
     the LM head ``2BshV``. The backward pass costs twice the forward pass, activation
     checkpointing one more forward pass.
     """
-    forward = (24 * batch_size * seq_len * hidden_size**2 * num_layers
-               * (1 + seq_len / (6 * hidden_size))
-               + 2 * batch_size * seq_len * hidden_size * vocab_size)
+    forward = (
+        24 * batch_size * seq_len * hidden_size**2 * num_layers * (1 + seq_len / (6 * hidden_size))
+        + 2 * batch_size * seq_len * hidden_size * vocab_size
+    )
     passes = 1 + (2 if backward else 0) + (1 if checkpoint_activations else 0)
     return forward * passes / latency / num_gpus / 1e12
 

@@ -10,8 +10,9 @@ compiled program and the bytes each device allocates.
 import os
 
 # Virtual CPU devices; this flag only affects the CPU platform, so GPUs win when present.
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                           + " --xla_force_host_platform_device_count=8")
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+)
 
 import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
@@ -52,17 +53,25 @@ def main():
     print(f"{len(devices)} x {devices[0].platform} devices")
 
     rng = np.random.default_rng(0)
-    batch = {"x": jnp.asarray(rng.standard_normal((256, 512)), jnp.float32),
-             "y": jnp.asarray(rng.standard_normal((256, 512)), jnp.float32)}
+    batch = {
+        "x": jnp.asarray(rng.standard_normal((256, 512)), jnp.float32),
+        "y": jnp.asarray(rng.standard_normal((256, 512)), jnp.float32),
+    }
     model = MLP()
     params = model.init(jax.random.PRNGKey(0), batch["x"])
     state = TrainState.create(apply_fn=model.apply, params=params, tx=optax.adam(1e-3))
 
     expected = jax.jit(train_step)(state, batch)
-    print(f"{'method':<34}{'matches serial':>15}{'all-reduce':>11}{'all-gather':>11}"
-          f"{'MiB/device':>11}")
-    for method in (alpa.DataParallel(), alpa.Zero2Parallel(), alpa.Zero3Parallel(),
-                   alpa.DataParallel(num_micro_batches=4)):
+    print(
+        f"{'method':<34}{'matches serial':>15}{'all-reduce':>11}{'all-gather':>11}"
+        f"{'MiB/device':>11}"
+    )
+    for method in (
+        alpa.DataParallel(),
+        alpa.Zero2Parallel(),
+        alpa.Zero3Parallel(),
+        alpa.DataParallel(num_micro_batches=4),
+    ):
         p_step = alpa.parallelize(train_step, method=method, donate_argnums=())
         out = p_step(state, batch)
         executable = p_step.get_last_executable()
@@ -76,8 +85,7 @@ def main():
         label = type(method).__name__
         if method.num_micro_batches:
             label += f", {method.num_micro_batches} micro-batches"
-        print(f"{label:<34}{ok:>15}{counts.all_reduce:>11}{counts.all_gather:>11}"
-              f"{mib:>11.2f}")
+        print(f"{label:<34}{ok:>15}{counts.all_reduce:>11}{counts.all_gather:>11}{mib:>11.2f}")
     alpa.shutdown()
 
 

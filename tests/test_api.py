@@ -89,7 +89,10 @@ def test_executable_api(tmp_path):
     assert kernel_spec.aval.shape == (16, 16)
     executable.dump_debug_info(str(tmp_path))
     assert {p.name for p in tmp_path.iterdir()} == {
-        "train_step.jaxpr.txt", "train_step.hlo.txt", "train_step.plan.txt"}
+        "train_step.jaxpr.txt",
+        "train_step.hlo.txt",
+        "train_step.plan.txt",
+    }
     out = p_step(state, batch)
     executable.sync()
     leaf = out.params["Dense_0"]["kernel"]
@@ -98,8 +101,7 @@ def test_executable_api(tmp_path):
 
 def test_get_executable_accepts_abstract_arguments():
     state, batch, train_step = _mlp()
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype),
-                            (state, batch))
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), (state, batch))
     p_step = alpa.parallelize(train_step, method=alpa.DataParallel())
     executable = p_step.get_executable(*abstract)
     assert executable.get_total_allocation_size() > 0
@@ -111,7 +113,8 @@ def test_init_shutdown_and_implicit_init(caplog):
     assert alpa.get_global_physical_mesh() is mesh
     assert mesh.num_devices == 8
     assert [r.getMessage() for r in caplog.records] == [
-        "alpa.init() was not called: using the 8 local devices"]
+        "alpa.init() was not called: using the 8 local devices"
+    ]
     alpa.init("local")  # already initialized: no-op
     assert alpa.get_global_physical_mesh() is mesh
     alpa.shutdown()
@@ -153,25 +156,35 @@ def test_argnums_types():
 
 def test_batch_argnums_out_of_range():
     f = alpa.parallelize(lambda w, b: w * b, batch_argnums=(2,))
-    with pytest.raises(ValueError, match=r"batch_argnums=\(2,\) is out of range for a call "
-                                         r"of <lambda> with 2 positional arguments"):
+    with pytest.raises(
+        ValueError,
+        match=r"batch_argnums=\(2,\) is out of range for a call "
+        r"of <lambda> with 2 positional arguments",
+    ):
         f(jnp.ones(()), jnp.ones((8,)))
 
 
 def test_non_array_leaf_in_dynamic_argument():
     f = alpa.parallelize(lambda w, b: w["a"] * b, method=alpa.DataParallel())
-    with pytest.raises(TypeError, match=r"argument 0\['name'\] of <lambda> is a str, not an "
-                                        "array"):
+    with pytest.raises(
+        TypeError,
+        match=r"argument 0\['name'\] of <lambda> is a str, not an "
+        "array",
+    ):
         f({"a": jnp.ones(()), "name": "layer"}, jnp.ones((8,)))
 
 
 def test_mesh_shape_that_does_not_match_device_count():
     mesh = alpa.LocalPhysicalDeviceMesh()
-    with pytest.raises(ValueError, match=r"mesh_shape \(3, 2\) has 6 devices but the physical "
-                                         "mesh has 8"):
+    with pytest.raises(
+        ValueError,
+        match=r"mesh_shape \(3, 2\) has 6 devices but the physical "
+        "mesh has 8",
+    ):
         mesh.get_logical_mesh((3, 2))
-    method = alpa.ShardParallel(auto_sharding_option=alpa.AutoShardingOption(
-        logical_mesh_shape=(2, 2)))
+    method = alpa.ShardParallel(
+        auto_sharding_option=alpa.AutoShardingOption(logical_mesh_shape=(2, 2))
+    )
     f = alpa.parallelize(lambda w, b: w * b, method=method)
     with pytest.raises(ValueError, match=r"mesh_shape \(2, 2\) has 4 devices"):
         f(jnp.ones(()), jnp.ones((8,)))
@@ -180,21 +193,26 @@ def test_mesh_shape_that_does_not_match_device_count():
 def test_batch_not_divisible_by_num_micro_batches():
     state, batch, train_step = _mlp()
     f = alpa.parallelize(train_step, method=alpa.DataParallel(num_micro_batches=3))
-    with pytest.raises(ValueError, match=r"num_micro_batches=3 does not divide batch size 16 "
-                                         r"of argument 1\['x'\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"num_micro_batches=3 does not divide batch size 16 "
+        r"of argument 1\['x'\]",
+    ):
         f(state, batch)
 
 
 def test_batch_not_divisible_by_devices():
     f = alpa.parallelize(lambda w, b: w * b, method=alpa.DataParallel())
-    with pytest.raises(ValueError, match=r"argument 1 has batch size 6, which does not split "
-                                         "over the 8 devices"):
+    with pytest.raises(
+        ValueError,
+        match=r"argument 1 has batch size 6, which does not split "
+        "over the 8 devices",
+    ):
         f(jnp.ones(()), jnp.ones((6,)))
 
 
 def test_bad_num_micro_batches():
-    with pytest.raises(ValueError, match="num_micro_batches must be a positive int or None, "
-                                         "got 0"):
+    with pytest.raises(ValueError, match="num_micro_batches must be a positive int or None, got 0"):
         alpa.DataParallel(num_micro_batches=0)
 
 

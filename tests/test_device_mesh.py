@@ -29,8 +29,7 @@ def test_presets_and_virtual_mesh():
     with pytest.raises(ValueError, match="unknown cluster preset 'tpu'"):
         ClusterSpec.preset("tpu")
     virtual = spec.get_virtual_physical_mesh()
-    assert virtual.get_submesh_shapes() == [(1, 1), (1, 2), (1, 4), (1, 8), (2, 8), (3, 8),
-                                            (4, 8)]
+    assert virtual.get_submesh_shapes() == [(1, 1), (1, 2), (1, 4), (1, 8), (2, 8), (3, 8), (4, 8)]
     logical = virtual.get_logical_mesh((4, 8))
     # Axis 1 stays inside a node (NVLink), axis 0 crosses nodes (the NIC).
     assert logical.mesh_beta[1] < logical.mesh_beta[0]

@@ -38,7 +38,8 @@ def test_compute_gpt_tflops_closed_form():
     assert compute_gpt_tflops(1, 1, 1, 1, 0, 1, 1e-12) == pytest.approx(84.0)
     assert compute_gpt_tflops(1, 1, 1, 1, 0, 1, 1e-12, backward=False) == pytest.approx(28.0)
     assert compute_gpt_tflops(1, 1, 1, 1, 0, 2, 1e-12, checkpoint_activations=True) == (
-        pytest.approx(56.0))
+        pytest.approx(56.0)
+    )
 
 
 def test_compute_param_number():

@@ -46,8 +46,7 @@ class TracedStep:
     leaf_names: tuple[str, ...]
     dynamic_argnums: tuple[int, ...]
     name: str
-    retrace: Callable[[int], TracedStep] | None = field(default=None, compare=False,
-                                                       repr=False)
+    retrace: Callable[[int], TracedStep] | None = field(default=None, compare=False, repr=False)
 
     @property
     def jaxpr(self) -> Jaxpr:
@@ -55,8 +54,11 @@ class TracedStep:
 
     def grad_marker(self) -> JaxprEqn | None:
         """The equation of the ``alpa.grad`` marker, if the step has one."""
-        markers = [e for e in self.jaxpr.eqns
-                   if e.primitive is pipeline_p and e.params["mark_type"] == "grad"]
+        markers = [
+            e
+            for e in self.jaxpr.eqns
+            if e.primitive is pipeline_p and e.params["mark_type"] == "grad"
+        ]
         if len(markers) > 1:
             raise ValueError(
                 f"{self.name} calls alpa.grad / alpa.value_and_grad {len(markers)} times; "
@@ -168,8 +170,11 @@ def inline_calls(closed: ClosedJaxpr) -> ClosedJaxpr:
                     inner_env[iv] = read(arg)
                 emit(inner, inner_env, top=False)
                 for ov, inner_out in zip(eqn.outvars, inner.outvars, strict=True):
-                    env[ov] = (inner_out if isinstance(inner_out, Literal)
-                               else inner_env.get(inner_out, inner_out))
+                    env[ov] = (
+                        inner_out
+                        if isinstance(inner_out, Literal)
+                        else inner_env.get(inner_out, inner_out)
+                    )
                 continue
             outvars = list(eqn.outvars)
             if not top:
@@ -180,13 +185,20 @@ def inline_calls(closed: ClosedJaxpr) -> ClosedJaxpr:
     env: dict = {}
     emit(closed.jaxpr, env, top=True)
     outvars = [v if isinstance(v, Literal) else env.get(v, v) for v in closed.jaxpr.outvars]
-    return ClosedJaxpr(new_jaxpr(closed.jaxpr, constvars, closed.jaxpr.invars, outvars, eqns),
-                       consts)
+    return ClosedJaxpr(
+        new_jaxpr(closed.jaxpr, constvars, closed.jaxpr.invars, outvars, eqns), consts
+    )
 
 
 def new_jaxpr(template: Jaxpr, constvars, invars, outvars, eqns) -> Jaxpr:
     """A jaxpr cut from ``template`` (same effects and function name; argument and
     result names unknown, as their count may differ)."""
     debug_info = template.debug_info.with_unknown_names()
-    return Jaxpr(list(constvars), list(invars), list(outvars), list(eqns), template.effects,
-                 debug_info=debug_info)
+    return Jaxpr(
+        list(constvars),
+        list(invars),
+        list(outvars),
+        list(eqns),
+        template.effects,
+        debug_info=debug_info,
+    )

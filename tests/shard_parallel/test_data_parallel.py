@@ -31,19 +31,23 @@ def _run(mlp, method):
 
 def _local_bytes(tree) -> int:
     """Bytes that device 0 holds of the arrays in ``tree``."""
-    return sum(shard.data.nbytes for x in jax.tree.leaves(tree)
-               for shard in x.addressable_shards if shard.device == jax.devices()[0])
+    return sum(
+        shard.data.nbytes
+        for x in jax.tree.leaves(tree)
+        for shard in x.addressable_shards
+        if shard.device == jax.devices()[0]
+    )
 
 
-@pytest.mark.parametrize("method_cls", [alpa.DataParallel, alpa.Zero2Parallel,
-                                        alpa.Zero3Parallel, alpa.ShardParallel])
+@pytest.mark.parametrize(
+    "method_cls", [alpa.DataParallel, alpa.Zero2Parallel, alpa.Zero3Parallel, alpa.ShardParallel]
+)
 def test_matches_serial(mlp, method_cls):
     out, _, expected = _run(mlp, method_cls())
     assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("method_cls", [alpa.DataParallel, alpa.Zero2Parallel,
-                                        alpa.Zero3Parallel])
+@pytest.mark.parametrize("method_cls", [alpa.DataParallel, alpa.Zero2Parallel, alpa.Zero3Parallel])
 @pytest.mark.parametrize("num_micro_batches", [2, 4])
 def test_micro_batches_match_full_batch(mlp, method_cls, num_micro_batches):
     out, executable, expected = _run(mlp, method_cls(num_micro_batches=num_micro_batches))
@@ -70,8 +74,7 @@ def test_zero2_shards_optimizer_state(mlp):
     dp_out, dp_exec, _ = _run(mlp, alpa.DataParallel())
     out, executable, _ = _run(mlp, alpa.Zero2Parallel())
     # Adam's mu and nu: every tensor has a dim divisible by 8, so each device holds 1/8.
-    serial_bytes = sum(np.asarray(x).nbytes for x in jax.tree.leaves(state.opt_state)
-                       if np.ndim(x))
+    serial_bytes = sum(np.asarray(x).nbytes for x in jax.tree.leaves(state.opt_state) if np.ndim(x))
     moments = [x for x in jax.tree.leaves(out.opt_state) if x.ndim]
     assert _local_bytes(moments) * N == serial_bytes
     for leaf in moments:
@@ -100,7 +103,8 @@ def test_zero3_shards_and_gathers_parameters(mlp):
     assert all(s.sharding_specs[0] == P("x") for s in jax.tree.leaves(in_specs.params))
     # Every parameter tensor is gathered before its use.
     assert count_communication_primitives(executable.get_hlo_text()).all_gather >= (
-        NUM_PARAM_TENSORS)
+        NUM_PARAM_TENSORS
+    )
 
 
 def test_batch_norm_like_state_and_aux_with_micro_batches():
@@ -116,8 +120,10 @@ def test_batch_norm_like_state_and_aux_with_micro_batches():
 
     rng = np.random.default_rng(0)
     w = jnp.asarray(rng.standard_normal((8, 4)), jnp.float32)
-    batch = {"x": jnp.asarray(rng.standard_normal((32, 8)), jnp.float32),
-             "y": jnp.asarray(rng.standard_normal((32, 4)), jnp.float32)}
+    batch = {
+        "x": jnp.asarray(rng.standard_normal((32, 8)), jnp.float32),
+        "y": jnp.asarray(rng.standard_normal((32, 4)), jnp.float32),
+    }
     expected = jax.jit(step)(w, batch)
     got = alpa.parallelize(step, method=alpa.DataParallel(num_micro_batches=2))(w, batch)
     assert_allclose(got, expected, rtol=1e-4, atol=1e-4)
@@ -129,6 +135,7 @@ def test_batch_dependent_value_outside_grad_is_an_error():
         return w - g, jnp.sum(batch)  # the sum escapes alpa.grad
 
     f = alpa.parallelize(step, method=alpa.DataParallel(num_micro_batches=2))
-    with pytest.raises(ValueError, match="depends on the batch but does not pass through "
-                                         "alpa.grad"):
+    with pytest.raises(
+        ValueError, match="depends on the batch but does not pass through alpa.grad"
+    ):
         f(jnp.ones((4,)), jnp.ones((16, 4)))

@@ -16,14 +16,18 @@ B, D, H = 16, 32, 64
 
 def _params():
     rng = np.random.default_rng(0)
-    return {"w1": jnp.asarray(rng.standard_normal((D, H)) / np.sqrt(D), jnp.float32),
-            "w2": jnp.asarray(rng.standard_normal((H, D)) / np.sqrt(H), jnp.float32)}
+    return {
+        "w1": jnp.asarray(rng.standard_normal((D, H)) / np.sqrt(D), jnp.float32),
+        "w2": jnp.asarray(rng.standard_normal((H, D)) / np.sqrt(H), jnp.float32),
+    }
 
 
 def _batch():
     rng = np.random.default_rng(1)
-    return {"x": jnp.asarray(rng.standard_normal((B, D)), jnp.float32),
-            "y": jnp.asarray(rng.standard_normal((B, D)), jnp.float32)}
+    return {
+        "x": jnp.asarray(rng.standard_normal((B, D)), jnp.float32),
+        "y": jnp.asarray(rng.standard_normal((B, D)), jnp.float32),
+    }
 
 
 def _forward(params, x):
@@ -35,8 +39,13 @@ MEGATRON = {"w1": P(None, "model"), "w2": P("model", None)}
 
 def _method(in_res, out_res, mesh_shape=(1, 8), names=("data", "model"), **kw):
     mesh = alpa.LocalPhysicalDeviceMesh().get_logical_mesh(mesh_shape)
-    return alpa.ShardParallel(devices=mesh, manual_sharding_option=alpa.ManualShardingOption(
-        names, in_axis_resources=in_res, out_axis_resources=out_res), **kw)
+    return alpa.ShardParallel(
+        devices=mesh,
+        manual_sharding_option=alpa.ManualShardingOption(
+            names, in_axis_resources=in_res, out_axis_resources=out_res
+        ),
+        **kw,
+    )
 
 
 def test_megatron_forward_needs_one_all_reduce():
@@ -112,13 +121,19 @@ def test_one_axis_name():
 def test_unknown_axis_name_is_an_error():
     method = _method(({"w1": P(None, "tensor"), "w2": P()}, P()), None)
     f = alpa.parallelize(_forward, method=method)
-    with pytest.raises(ValueError, match=r"in_axis_resources for argument 0\['w1'\]: "
-                                         r"PartitionSpec .* names mesh axes \['tensor'\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"in_axis_resources for argument 0\['w1'\]: "
+        r"PartitionSpec .* names mesh axes \['tensor'\]",
+    ):
         f(_params(), _batch()["x"])
 
 
 def test_in_axis_resources_length_is_checked():
     f = alpa.parallelize(_forward, method=_method((MEGATRON,), None))
-    with pytest.raises(ValueError, match=r"in_axis_resources must have one entry per "
-                                         r"positional argument \(2\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"in_axis_resources must have one entry per "
+        r"positional argument \(2\)",
+    ):
         f(_params(), _batch()["x"])
