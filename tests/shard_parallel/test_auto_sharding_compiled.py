@@ -9,15 +9,19 @@ needs, the parameters' output shardings show the strategy, and the numbers equal
 from __future__ import annotations
 
 import re
+from collections import Counter
 
 import jax
 import pytest
+from jax.extend.core import Literal
 from jax.sharding import PartitionSpec as P
 
 import alpa
 from alpa.model.gpt import GPTConfig, get_gpt_train_state_and_step
 from alpa.model.moe import MoEConfig, get_moe_train_state_and_step
+from alpa.shard_parallel.auto_sharding import AutoShardingOption, solve_auto_sharding
 from alpa.shard_parallel.ilp_solver import InfeasibleMemoryBudgetError
+from alpa.shard_parallel.sharding_spec import Spec, axis_dim, used_axes
 from alpa.testing import assert_allclose, get_mlp_train_state_and_step
 from alpa.util import count_communication_primitives
 
@@ -238,46 +242,215 @@ def test_plan_is_deterministic(mlp_wide_hidden):
     assert first.auto_sharding_objective == second.auto_sharding_objective
 
 
+# ----------------------------------------------------------------------------- plan vs HLO
+
+
+def _resharding_collectives(src: Spec, dst: Spec) -> list[str]:
+    """The collectives ``resharding_cost`` prices for ``src -> dst`` (``allow_all_to_all``),
+    one per mesh axis: an axis that moves to another dimension is an all-to-all (an
+    all-gather when it shared its dimension with the other axis), an axis that ``dst`` drops
+    is an all-gather, an axis only ``dst`` uses is a free slice."""
+    kinds = []
+    for axis in used_axes(src):
+        src_dim, dst_dim = axis_dim(src, axis), axis_dim(dst, axis)
+        if src_dim == dst_dim and src[src_dim] == dst[dst_dim]:
+            continue
+        moves = dst_dim is not None and len(src[src_dim]) == 1
+        kinds.append("all_to_all" if moves else "all_gather")
+    return kinds
+
+
+_REDUCE_SCATTER_RE = re.compile(r" RS\d+->")
+
+
+def _plan_collectives(executable, **option) -> Counter:
+    """The collectives the executable's ILP plan prices, by kind, read from the plan as data.
+
+    * each node whose chosen strategy communicates by itself (a dot or reduction with a
+      split contracting/reduced dimension; ``... = RRR AR1``, or ``... RS1->S1RR`` with
+      ``prefer_reduce_scatter``): one all-reduce (reduce-scatter) of its result;
+    * each resharding edge (an operand read in another spec than its producer's): the
+      collectives of that resharding. The lowering reshards a value once per target spec,
+      shared by all its readers (``lowering.eval_jaxpr_with_constraints``), so a
+      ``(value, spec)`` pair counts once, though the ILP prices every reading edge.
+
+    The planning is re-run on the executable's trace with the same ``option`` fields
+    (deterministic); its objective and input specs must be the executable's.
+    """
+    plan = executable.plan
+    solution = solve_auto_sharding(
+        executable.traced, plan.logical_mesh, AutoShardingOption(**option)
+    )
+    assert solution.objective == executable.auto_sharding_objective
+    assert solution.to_sharding_plan().in_specs == plan.in_specs
+    graph, choice = solution.graph, solution.solution.choice
+    counts = Counter()
+    for node in graph.nodes:
+        strategy = node.strategies[choice[node.id]]
+        if strategy.comm_cost > 0:
+            scatter = _REDUCE_SCATTER_RE.search(strategy.name)
+            counts["reduce_scatter" if scatter else "all_reduce"] += 1
+    reshardings = set()
+    for eqn, sources in zip(graph.jaxpr.eqns, graph.eqn_sources, strict=True):
+        if not sources:  # an alias equation: no node
+            continue
+        consumer = graph.nodes[sources[0][0]]
+        needs = consumer.strategies[choice[consumer.id]].in_specs
+        for v, need in zip(eqn.invars, needs, strict=False):
+            if not isinstance(v, Literal) and need is not None:
+                reshardings.add((v, need))
+    for v, need in reshardings:
+        counts.update(_resharding_collectives(solution.spec_of(v), need))
+    for i, o in solution.state_pairs:  # updated state leaves in its input's spec
+        out, inp = graph.jaxpr.outvars[o], graph.jaxpr.invars[i]
+        if not isinstance(out, Literal):
+            counts.update(_resharding_collectives(solution.spec_of(out), solution.spec_of(inp)))
+    return counts
+
+
+_ALL_REDUCE_RE = re.compile(r"=\s*(?P<shape>.*?)\s+all-reduce(?:-start)?\(")
+_ARRAY_SHAPE_RE = re.compile(r"\b[a-z]+\d*\[[\d,]*\]")
+
+
+def _all_reduced_values(hlo_text: str) -> int:
+    """How many arrays the HLO all-reduces: an all-reduce that XLA's combiner merged over a
+    tuple counts once per tuple element (``count_communication_primitives`` counts it once)."""
+    values = 0
+    for line in hlo_text.splitlines():
+        match = _ALL_REDUCE_RE.search(line)
+        if match is not None:
+            values += len(_ARRAY_SHAPE_RE.findall(match.group("shape")))
+    return values
+
+
+def _assert_hlo_is_plan(executable, expected: dict[str, int], all_reduce_ops: int) -> None:
+    """The plan prices ``expected`` collectives (all-reduces counted per value), and the HLO
+    holds them: the same all-gathers, all-to-alls and reduce-scatters, and the same
+    all-reduced values in ``all_reduce_ops`` all-reduce operations (XLA tuples independent
+    all-reduces)."""
+    planned = _plan_collectives(executable)
+    kinds = ("all_reduce", "all_gather", "all_to_all", "reduce_scatter")
+    assert {k: planned[k] for k in kinds} == expected, planned
+    counts = _counts(executable)
+    hlo = {
+        "all_reduce": _all_reduced_values(executable.get_hlo_text()),
+        "all_gather": counts.all_gather,
+        "all_to_all": counts.all_to_all,
+        "reduce_scatter": counts.reduce_scatter,
+    }
+    assert hlo == expected, counts
+    assert counts.all_reduce == all_reduce_ops, counts
+    total = all_reduce_ops + expected["all_gather"] + expected["all_to_all"]
+    assert counts.total == total + expected["reduce_scatter"], counts
+
+
 # ----------------------------------------------------------------------------- transformer
 
 
-def test_gpt_layers_split_attention_heads():
-    """Two GPT blocks (hidden 64, 8 heads) with batch 2 on (1, 8): Megatron's plan splits the
-    query/key/value kernels by output columns (= by heads, 8 heads over 8 devices), the
-    attention output and MLP output kernels by rows, the MLP input kernel by columns."""
-    config = GPTConfig(hidden_size=64, num_layers=2, num_heads=8, seq_len=16, vocab_size=128)
+@pytest.mark.parametrize("num_layers", [1, 2])
+def test_gpt_layers_split_attention_heads(num_layers):
+    """``L`` GPT blocks (hidden 64, 8 heads, seq 16, vocab 128, batch 2) on (1, 8): Megatron's
+    parameter split (query/key/value and the MLP input kernel by output columns = by heads,
+    the attention output and MLP output kernels by rows), a vocabulary-split LM head, and one
+    deviation in the backward pass that the cost model prices below Megatron's.
+
+    The plan (``ALPA_DEBUG_PRINT_AS_STRATEGY=1``) prices, per block:
+
+    * 3 all-reduces of ``[2, 16, 64]`` (8 KiB): the forward partial sums of the two
+      row-parallel layers (attention output, MLP output), and the input gradient of the
+      column-parallel MLP input layer;
+    * for each of query, key and value, the input gradient ``dq @ Wq.T`` is not all-reduced
+      as in Megatron; instead the head-split output gradient ``dq`` is all-gathered and the
+      kernel moves from a column to a row split by an all-to-all, so that each device
+      computes its slice of hidden columns of the input gradient: 3 all-gathers and 3
+      all-to-alls (``RRS1 -> RRR`` and ``RS1 -> S1R`` before the three ``RRR x S1R = RRS1``);
+    * the sum of the three hidden-split gradients enters the first LayerNorm's backward,
+      whose elementwise ops follow the replicated forward values: 2 all-gathers (``RRS1 ->
+      RRR`` before a ``mul`` and an ``add_any``) and 1 all-reduce of a ``[2, 16]`` row sum.
+
+    Under the cost model (alpha = beta = 1, 8 devices) Megatron's three input-gradient
+    all-reduces cost 3 x (1 + 2 * 7/8 * 8192) = 43011 (the model has no partial-sum spec,
+    so the three partial sums cannot be added before one all-reduce); the plan's
+    3 x (7169 + 897) + 2 x 7169 + 225 = 38761 is cheaper by 4250 per block.
+
+    Once per step: the LM head's input gradient (contraction over the split vocabulary:
+    1 all-reduce of ``[2, 16, 64]``) and the cross-entropy over vocabulary-split logits (max,
+    sum of exponentials, label log-probability, and the backward's sum over the vocabulary:
+    4 all-reduces of ``[2, 16]``). No reduce-scatter; the parameter gradients are computed
+    on the shards that own the parameters, so none is all-reduced.
+
+    Total: 4L + 5 all-reduced values, 5L all-gathers, 3L all-to-alls. XLA's all-reduce
+    combiner tuples two pairs of independent all-reduces (e.g. the cross-entropy's
+    label-only backward term goes with a forward partial sum): 4L + 3 all-reduce operations.
+    """
+    config = GPTConfig(
+        hidden_size=64, num_layers=num_layers, num_heads=8, seq_len=16, vocab_size=128
+    )
     state, batch, step = get_gpt_train_state_and_step(config, 2, grad_func=alpa.value_and_grad)
     out, executable = _compile(step, state, batch, (1, 8))
     assert_allclose(out, jax.jit(step)(state, batch), rtol=1e-4, atol=1e-4)
     specs = _param_specs(_params_of(out))
-    for block in ("block_0", "block_1"):
+    for i in range(num_layers):
+        block = f"block_{i}"
         for name in ("query", "key", "value"):
             assert specs[f"['{block}']['attn']['{name}']['kernel']"] == P(None, "y")
         assert specs[f"['{block}']['attn']['out']['kernel']"] == P("y")
         assert specs[f"['{block}']['mlp']['wi']['kernel']"] == P(None, "y")
         assert specs[f"['{block}']['mlp']['wo']['kernel']"] == P("y")
-    # Each block's two row-parallel layers (attention out, MLP out) all-reduce their partial
-    # sums in the forward pass and, as the mirrored column-parallel inputs, the activation
-    # gradients in the backward pass: at least 4 all-reduces per block.
-    counts = _counts(executable)
-    assert counts.all_reduce >= 4 * config.num_layers, counts
+    n = num_layers
+    expected = {"all_reduce": 4 * n + 5, "all_gather": 5 * n, "all_to_all": 3 * n}
+    _assert_hlo_is_plan(executable, {**expected, "reduce_scatter": 0}, 4 * n + 3)
 
 
 # ----------------------------------------------------------------------------- MoE
 
 
-def test_moe_splits_experts_with_all_to_all():
-    """An MoE block with 8 experts on (1, 8): the experts' batched weights are split on the
-    expert dimension, and tokens reach their experts' devices by all-to-all."""
+@pytest.mark.parametrize("num_layers", [2, 4])
+def test_moe_splits_experts_with_all_to_all(num_layers):
+    """``L`` MoE-GPT blocks (hidden 32, 4 heads, 8 experts, seq 16, vocab 128, groups of 16
+    tokens, batch 8) on (1, 8); blocks 1, 3, ... have an MoE MLP. The plan is data parallel
+    (batch and token groups split) except where a split of another dimension is cheaper: the
+    experts' batched weights are split on the expert dimension, and tokens reach their
+    experts' devices by all-to-all.
+
+    The plan (``ALPA_DEBUG_PRINT_AS_STRATEGY=1``) prices, per pair of blocks (dense, MoE):
+
+    * MoE block: 4 all-to-alls of the ``[E, G, C, H]`` expert inputs/outputs between the
+      group split and the expert split: dispatch and combine in the forward pass, and their
+      transposes in the backward pass (GShard). The weight-gradient einsums re-read the
+      forward values in the same specs, sharing those reshardings;
+    * dense block: the MLP weight gradients are computed split on the intermediate
+      dimension instead of all-reduced: for each of ``wi`` and ``wo``, the ``[8, 16, 128]``
+      activation (or its gradient) moves from the batch split to the intermediate split (1
+      all-to-all, 1 + 7/64 * 8192 * 4 = 3585) and the ``[8, 16, 32]`` one is all-gathered
+      (1 + 7/8 * 16384 = 14337), 17922 in all against 28673 for all-reducing the 16 KiB
+      gradient: 2 all-gathers, 2 all-to-alls;
+    * 14 all-reduced gradients per block: every other parameter (attention kernels and
+      biases, LayerNorms, dense MLP biases; the router kernel and the balancing loss in the
+      MoE block) is replicated and summed over the batch split.
+
+    Once per step: the LM head's weight gradient is vocabulary-split the same way (1
+    all-to-all, 1 all-gather); the token and position embeddings' gradients are
+    scatter-added hidden-split from an all-to-all of the input gradient (1, shared by both),
+    and the LM head's vocabulary-split share of the tied embedding's gradient moves to the
+    hidden split to be added (1 all-to-all); the loss and the final LayerNorm: 3 all-reduced
+    values.
+
+    Total, with P = L / 2 pairs: 3 + 28P all-reduced values, 1 + 2P all-gathers, 3 + 6P
+    all-to-alls. XLA's combiner tuples every all-reduce into one operation.
+    """
     config = MoEConfig(
-        hidden_size=32, num_layers=2, num_heads=4, num_experts=8, seq_len=16,
+        hidden_size=32, num_layers=num_layers, num_heads=4, num_experts=8, seq_len=16,
         vocab_size=128, expert_group_size=16,
     )  # fmt: skip
     state, batch, step = get_moe_train_state_and_step(config, 8, grad_func=alpa.value_and_grad)
     out, executable = _compile(step, state, batch, (1, 8))
     assert_allclose(out, jax.jit(step)(state, batch), rtol=1e-4, atol=1e-4)
     specs = _param_specs(_params_of(out))
-    assert specs["['block_1']['moe']['wi']"] == P("y")
-    assert specs["['block_1']['moe']['wo']"] == P("y")
-    counts = _counts(executable)
-    assert counts.all_to_all >= 1, counts
+    for i in range(1, num_layers, 2):
+        assert specs[f"['block_{i}']['moe']['wi']"] == P("y")
+        assert specs[f"['block_{i}']['moe']['wo']"] == P("y")
+    pairs = num_layers // 2
+    expected = {"all_reduce": 3 + 28 * pairs, "all_gather": 1 + 2 * pairs}
+    expected.update(all_to_all=3 + 6 * pairs, reduce_scatter=0)
+    _assert_hlo_is_plan(executable, expected, 1)
