@@ -62,3 +62,27 @@ def get_mlp_train_state_and_step(
         return new_state
 
     return state, batch, train_step
+
+
+def unit_cost_mesh(shape: tuple[int, int]):
+    """The logical mesh ``shape`` over the first ``shape[0] * shape[1]`` local devices, with
+    alpha = beta = 1 on both axes: the cost parameters the closed-form oracles assume."""
+    import alpa
+
+    devices = jax.devices()[: shape[0] * shape[1]]
+    return alpa.LocalPhysicalDeviceMesh(devices).get_logical_mesh(shape, (1.0, 1.0), (1.0, 1.0))
+
+
+def run_auto_sharded(step: Callable, state: Any, batch: Any, shape: tuple[int, int], **option):
+    """Run ``step(state, batch)`` once with ``ShardParallel`` planned by the auto-sharding ILP
+    on :func:`unit_cost_mesh` ``(shape)``; ``option`` holds ``AutoShardingOption`` fields.
+    Returns ``(outputs, executable)``. Nothing is donated, so the inputs stay usable for the
+    serial reference."""
+    import alpa
+
+    method = alpa.ShardParallel(
+        devices=unit_cost_mesh(shape), auto_sharding_option=alpa.AutoShardingOption(**option)
+    )
+    p_step = alpa.parallelize(step, method=method, donate_argnums=())
+    out = p_step(state, batch)
+    return out, p_step.get_last_executable()

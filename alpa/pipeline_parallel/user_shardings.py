@@ -38,7 +38,11 @@ from jax.sharding import PartitionSpec
 
 from alpa.pipeline_parallel.computation import PipelineProgram, _is_var
 from alpa.pipeline_parallel.stage_sharding import DATA_AXES
-from alpa.shard_parallel.manual_sharding import ManualShardingOption, broadcast_prefix_specs
+from alpa.shard_parallel.manual_sharding import (
+    ManualShardingOption,
+    broadcast_prefix_specs,
+    unknown_axis_names,
+)
 from alpa.tracing import TracedStep
 
 Key = tuple[Var, int]
@@ -116,13 +120,7 @@ def check_axis_names(
 def _check_spec_names(spec, names, where: str, whose: str) -> None:
     if spec is None:
         return
-    used = [
-        n
-        for entry in spec
-        if entry is not None
-        for n in (entry if isinstance(entry, tuple) else (entry,))
-    ]
-    unknown = [n for n in used if n not in names]
+    unknown = unknown_axis_names(spec, names)
     if unknown:
         raise ValueError(
             f"{where}: {spec} names mesh axes {unknown} that are not in "

@@ -68,16 +68,21 @@ def broadcast_prefix_specs(prefix, tree, what: str) -> list[PartitionSpec | None
     ]
 
 
-def _check_spec(spec, names: Sequence[str], ndim: int, where: str):
-    if spec is None:
-        return
+def unknown_axis_names(spec: PartitionSpec, names: Sequence[str]) -> list[str]:
+    """The mesh axis names ``spec`` uses that are not in ``names``, in order."""
     used = [
         n
         for entry in spec
         if entry is not None
         for n in (entry if isinstance(entry, tuple) else (entry,))
     ]
-    unknown = [n for n in used if n not in names]
+    return [n for n in used if n not in names]
+
+
+def _check_spec(spec, names: Sequence[str], ndim: int, where: str):
+    if spec is None:
+        return
+    unknown = unknown_axis_names(spec, names)
     if unknown:
         raise ValueError(
             f"{where}: PartitionSpec {spec} names mesh axes {unknown} that are "

@@ -23,23 +23,8 @@ from alpa.shard_parallel.auto_sharding import AutoShardingOption, solve_auto_sha
 from alpa.shard_parallel.ilp_solver import InfeasibleMemoryBudgetError
 from alpa.shard_parallel.sharding_spec import Spec, axis_dim, used_axes
 from alpa.testing import assert_allclose, get_mlp_train_state_and_step
+from alpa.testing import run_auto_sharded as _compile
 from alpa.util import count_communication_primitives
-
-ALPHA_BETA = ((1.0, 1.0), (1.0, 1.0))
-
-
-def _mesh(shape):
-    devices = jax.devices()[: shape[0] * shape[1]]
-    return alpa.LocalPhysicalDeviceMesh(devices).get_logical_mesh(shape, *ALPHA_BETA)
-
-
-def _compile(step, state, batch, shape, **option):
-    method = alpa.ShardParallel(
-        devices=_mesh(shape), auto_sharding_option=alpa.AutoShardingOption(**option)
-    )
-    p_step = alpa.parallelize(step, method=method, donate_argnums=())
-    out = p_step(state, batch)
-    return out, p_step.get_last_executable()
 
 
 def _param_specs(params) -> dict[str, P]:

@@ -29,24 +29,10 @@ from alpa.shard_parallel.sharding_spec import enumerate_specs
 from alpa.shard_parallel.strategy_graph import GraphOptions, build_strategy_graph
 from alpa.shard_parallel.strategy_rules import RuleContext, lookup_rule
 from alpa.testing import assert_allclose
+from alpa.testing import run_auto_sharded as _compile
+from alpa.testing import unit_cost_mesh as _mesh
 from alpa.tracing.trace import trace_step
 from alpa.util import count_communication_primitives
-
-ALPHA_BETA = ((1.0, 1.0), (1.0, 1.0))
-
-
-def _mesh(shape):
-    devices = jax.devices()[: shape[0] * shape[1]]
-    return alpa.LocalPhysicalDeviceMesh(devices).get_logical_mesh(shape, *ALPHA_BETA)
-
-
-def _compile(step, state, batch, shape, **option):
-    method = alpa.ShardParallel(
-        devices=_mesh(shape), auto_sharding_option=alpa.AutoShardingOption(**option)
-    )
-    p_step = alpa.parallelize(step, method=method, donate_argnums=())
-    out = p_step(state, batch)
-    return out, p_step.get_last_executable()
 
 
 def _counts(executable):
