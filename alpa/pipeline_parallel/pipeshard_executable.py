@@ -335,6 +335,11 @@ class PipeshardDriverExecutable(Executable):
         """Per mesh, the peak bytes of buffers a step creates (the emitter's accounting)."""
         return simulate_memory(self.instructions)
 
+    def get_resharded_bytes(self) -> int:
+        """Bytes the last step moved between meshes (``RESHARD``), counted by the tile
+        planner: each piece of a value once per destination host."""
+        return self.runtime.resharded_bytes
+
     def dump_stage_execution_trace(self, path: str) -> None:
         """Write the last step as a Chrome trace (opens in Perfetto or chrome://tracing).
 
@@ -352,6 +357,7 @@ class PipeshardDriverExecutable(Executable):
                     "tid": e.mesh,
                     "ts": (e.start - base) * 1e6,
                     "dur": (e.end - e.start) * 1e6,
+                    "args": e.args,
                 }
             )
         for mesh in range(len(self.meshes)):

@@ -17,8 +17,9 @@ possibly with another sharding. This module plans the move as pure tile arithmet
 
 The plan is data (:class:`ReshardingPlan`); :func:`apply_plan` executes it on numpy
 arrays, which is how tests check that every needed byte arrives exactly once and the array
-is reproduced. The in-process runtime moves values with ``jax.device_put`` and uses the plan
-for its byte accounting; a Ray or NCCL backend sends the plan's pieces.
+is reproduced. The in-process runtime moves values with ``jax.device_put`` and counts the
+plan's bytes (``LocalPipelineRuntime.resharded_bytes``); a Ray or NCCL backend sends the
+plan's pieces.
 """
 
 from __future__ import annotations

@@ -395,3 +395,40 @@ def test_data_parallel_stage_reduces_gradients_once_per_step():
         apply = count_communication_primitives(hlo[f"stage{stage}_apply_0"])
         assert backward.all_reduce == 0 and backward.reduce_scatter == 0, backward
         assert apply.all_reduce >= 1, apply
+
+
+@pytest.mark.parametrize("replicate_activation", [False, True])
+def test_resharded_bytes_follow_the_tile_plan(replicate_activation):
+    """Two data-parallel stages on (1, 4) and (1, 4), 2 micro-batches of [8, 8] float32: per
+    micro-batch the activation crosses forward and its cotangent backward, each element
+    once: 2 x 2 x 8 x 8 x 4 = 1024 bytes per step. Replicating the activation on stage 1
+    (its first input) does not change the count: the tile plan sends each piece once to the
+    destination host, which copies it to its 4 devices (not 4 x 256 bytes)."""
+    devices_or_skip(8)
+    params, batch = _mlp(2)
+    pins = None
+    if replicate_activation:
+        pins = [None, [jax.sharding.PartitionSpec(), None, None, None]]
+    method = PipeshardParallel(
+        num_micro_batches=2,
+        stage_option="uniform",
+        default_auto_sharding_option=alpa.AutoShardingOption(force_data_parallel=True),
+        stage_input_shardings=pins,
+    )
+    executable = _check_against_serial(
+        _mlp_loss(2), params, batch, method, tx=optax.sgd(0.1), steps=1
+    )
+    names = executable.get_stage_input_names()[1]
+    assert names[0].endswith("float32[8,8]") and "argument" not in names[0], names
+    assert executable.get_resharded_bytes() == 2 * 2 * 8 * 8 * 4
+    sent = [e.args["bytes"] for e in executable.runtime.events if e.name.startswith("reshard")]
+    assert sent == [256] * 4, sent
+    runtime = executable.runtime
+    specs = [
+        runtime.sharding_of(ins.outputs[0]).spec
+        for ins in runtime.program.instructions
+        if ins.op == "RESHARD"
+    ]
+    P = jax.sharding.PartitionSpec
+    forward = P() if replicate_activation else P(("x", "y"))
+    assert specs == [forward, P(("x", "y"))] * 2, specs
