@@ -31,6 +31,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from alpa.shard_parallel.sharding_spec import entry_names
+
 Box = tuple[tuple[int, int], ...]  # (start, stop) per array dimension
 
 
@@ -63,8 +65,7 @@ class MeshSharding:
         entries = list(spec) + [None] * (ndim - len(spec))
         dim_axes = []
         for entry in entries:
-            names = () if entry is None else (entry,) if isinstance(entry, str) else entry
-            dim_axes.append(tuple(axis_names.index(n) for n in names))
+            dim_axes.append(tuple(axis_names.index(n) for n in entry_names(entry)))
         return cls(tuple(mesh_shape), tuple(dim_axes))
 
     @property

@@ -43,6 +43,7 @@ from alpa.shard_parallel.manual_sharding import (
     broadcast_prefix_specs,
     unknown_axis_names,
 )
+from alpa.shard_parallel.sharding_spec import entry_names
 from alpa.tracing import TracedStep
 
 Key = tuple[Var, int]
@@ -271,14 +272,13 @@ def _translate(
             f"{where}: {spec} has {len(spec)} entries but the value has "
             f"{len(shape)} dimensions (shape {tuple(shape)})"
         )
+    _check_spec_names(spec, tuple(mapping), where, f"stage {stage}'s")
     entries = []
     for dim, entry in enumerate(spec):
         if entry is None:
             entries.append(None)
             continue
-        used = entry if isinstance(entry, tuple) else (entry,)
-        _check_spec_names(spec, tuple(mapping), where, f"stage {stage}'s")
-        axes = tuple(a for n in used for a in mapping[n])
+        axes = tuple(a for n in entry_names(entry) for a in mapping[n])
         parts = math.prod(sizes[a] for a in axes)
         if shape[dim] % parts:
             raise ValueError(

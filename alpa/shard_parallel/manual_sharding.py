@@ -17,6 +17,7 @@ from jax.sharding import PartitionSpec
 
 from alpa.device_mesh import LogicalDeviceMesh
 from alpa.shard_parallel.sharding_plan import ShardingPlan
+from alpa.shard_parallel.sharding_spec import entry_names
 from alpa.tracing import TracedStep
 
 
@@ -70,13 +71,7 @@ def broadcast_prefix_specs(prefix, tree, what: str) -> list[PartitionSpec | None
 
 def unknown_axis_names(spec: PartitionSpec, names: Sequence[str]) -> list[str]:
     """The mesh axis names ``spec`` uses that are not in ``names``, in order."""
-    used = [
-        n
-        for entry in spec
-        if entry is not None
-        for n in (entry if isinstance(entry, tuple) else (entry,))
-    ]
-    return [n for n in used if n not in names]
+    return [n for entry in spec for n in entry_names(entry) if n not in names]
 
 
 def _check_spec(spec, names: Sequence[str], ndim: int, where: str):

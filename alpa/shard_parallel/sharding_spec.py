@@ -103,6 +103,13 @@ def to_partition_spec(spec: Spec, mesh: LogicalDeviceMesh) -> PartitionSpec:
     return PartitionSpec(*entries)
 
 
+def entry_names(entry) -> tuple[str, ...]:
+    """The mesh axis names of one ``PartitionSpec`` entry (``None``, a name, or a tuple)."""
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
 def from_partition_spec(pspec: PartitionSpec, rank: int, mesh: LogicalDeviceMesh) -> Spec:
     """The :data:`Spec` of a ``PartitionSpec`` over ``mesh.axis_names`` for a value of
     ``rank`` dimensions; mesh axes of one device split nothing and are dropped."""
@@ -110,9 +117,8 @@ def from_partition_spec(pspec: PartitionSpec, rank: int, mesh: LogicalDeviceMesh
         raise ValueError(f"PartitionSpec {pspec} has more entries than the value's rank {rank}")
     spec = []
     for entry in (*pspec, *(None,) * (rank - len(pspec))):
-        names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
         axes = []
-        for name in names:
+        for name in entry_names(entry):
             if name not in mesh.axis_names:
                 raise ValueError(
                     f"PartitionSpec {pspec} names mesh axis {name!r}; the mesh's axes are "

@@ -480,21 +480,11 @@ def generic_reduce_window_rule(eqn: JaxprEqn, ctx: RuleContext) -> NodeStrategie
     return follow(eqn, ctx, 0, derive)
 
 
-@register(lax.select_and_scatter_add_p)
-def select_and_scatter_add_rule(eqn: JaxprEqn, ctx: RuleContext) -> NodeStrategies:
-    # operands: (source, operand); the result has the operand's shape.
-    whole = _windowed_dims(eqn.params, len(shape_of(eqn.invars[1])))
-
-    def derive(spec):
-        spec = drop_dims(spec, whole)
-        return (spec, spec), (spec,), 0.0
-
-    return follow(eqn, ctx, 1, derive)
-
-
-@register(lax.select_and_gather_add_p)
-def select_and_gather_add_rule(eqn: JaxprEqn, ctx: RuleContext) -> NodeStrategies:
-    # operands: (tangents, operand), both of the input's shape; windowed dims stay whole.
+@register(lax.select_and_scatter_add_p, lax.select_and_gather_add_p)
+def select_and_window_rule(eqn: JaxprEqn, ctx: RuleContext) -> NodeStrategies:
+    """Max-pool gradients. Operands: scatter-add (source, operand), the result of the
+    operand's shape; gather-add (tangents, operand), both of the input's shape. The
+    windowed dims stay whole, so one spec serves both operands and the result."""
     whole = _windowed_dims(eqn.params, len(shape_of(eqn.invars[1])))
 
     def derive(spec):
