@@ -1,8 +1,21 @@
 """alpa: automatic inter- and intra-operator parallelism for JAX.
 
-``import alpa`` is the only import a user needs; this module re-exports the public API.
+``import alpa`` is the only import a user needs; this module re-exports the public API and
+makes the submodules that Alpa's tutorials reach through the package (``alpa.util``,
+``alpa.testing``, ``alpa.device_mesh``, ``alpa.parallel_method``, ``alpa.pipeline_parallel``,
+``alpa.shard_parallel``, ``alpa.global_env``) attributes of it.
 """
 
+# Submodules used as ``alpa.<name>.<attr>`` after a bare ``import alpa``.
+from alpa import (  # noqa: F401
+    device_mesh,
+    global_env,
+    parallel_method,
+    pipeline_parallel,
+    shard_parallel,
+    testing,
+    util,
+)
 from alpa.api import (
     get_global_physical_mesh,
     get_global_virtual_physical_mesh,

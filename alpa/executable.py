@@ -1,9 +1,20 @@
 """Executable: what a parallelized function runs once it is compiled.
 
 Every parallel method compiles a :class:`~alpa.tracing.TracedStep` into an ``Executable``.
-``ParallelizedFunc`` flattens the call's dynamic arguments into leaves, hands them to
-:meth:`Executable.launch`, and rebuilds the output pytree from the flat outputs. The
-executable owns where every leaf lives (its placement specs) and its compiled programs.
+A call reaches it one of two ways:
+
+* **a cache hit** (the call looks like the last one): ``ParallelizedFunc`` hands the dynamic
+  arguments, as the user's pytrees, to :meth:`Executable.dispatch`. For a one-mesh
+  executable that is XLA's compiled program itself, whose C++ fast path checks the
+  arguments, places host and uncommitted arrays and runs, as a ``jax.jit`` call does.
+  A dispatch raises ``TypeError`` / ``ValueError`` *before running anything* when the
+  arguments are not what it was compiled for (other shapes, a committed array in a
+  sharding that is not equivalent to the planned one); the caller then takes the slow path.
+* **the slow path**: ``ParallelizedFunc`` builds the full cache key, compiles if needed, and
+  calls :meth:`Executable.launch` on the flat leaves, which first places every leaf that is
+  not already in a sharding equivalent to the planned one.
+
+The executable owns where every leaf lives (its placement specs) and its compiled programs.
 """
 
 from __future__ import annotations
@@ -37,6 +48,38 @@ class Executable(abc.ABC):
         """Run one step on flat dynamic leaves (full batch); return flat outputs."""
 
     @abc.abstractmethod
+    def dispatch(self, *dynamic_args: Any) -> Any:
+        """Run one step on the dynamic arguments as pytrees; return the output pytree.
+
+        Raises ``TypeError`` or ``ValueError`` before running anything when the arguments
+        are not those it was compiled for (see the module docstring)."""
+
+    def placing_dispatch(self) -> Any:
+        """A :meth:`dispatch` that first places leaves whose sharding is not equivalent to
+        the planned one (for callers whose inputs keep arriving elsewhere)."""
+        in_tree = self.traced.in_tree
+        shardings = self.flat_input_shardings()
+        placed_as: list[Any] = [None] * len(shardings)
+
+        def placing(*dynamic_args):
+            leaves, tree = jax.tree.flatten(dynamic_args)
+            if tree != in_tree:
+                raise TypeError(f"pytree structure {tree} differs from the compiled {in_tree}")
+            for i, (x, s) in enumerate(zip(leaves, shardings, strict=True)):
+                if isinstance(x, jax.Array) and x.sharding is not placed_as[i]:
+                    if is_placed(x, s):
+                        placed_as[i] = x.sharding  # next time an identity check suffices
+                    else:
+                        leaves[i] = jax.device_put(x, s)
+            return self.dispatch(*jax.tree.unflatten(in_tree, leaves))
+
+        return placing
+
+    def flat_input_shardings(self) -> list[Any]:
+        """Per dynamic leaf, the ``jax.sharding.Sharding`` a step wants it in."""
+        raise NotImplementedError(f"{type(self).__name__} has no single input placement")
+
+    @abc.abstractmethod
     def preshard_flat_args(self, flat_args: Sequence[Any]) -> list[Any]:
         """Place flat leaves where :meth:`launch` wants them, without running."""
 
@@ -54,8 +97,9 @@ class Executable(abc.ABC):
 
     def sync(self) -> None:
         """Wait until every computation launched so far has finished."""
-        for array in getattr(self, "_last_outputs", ()):
-            array.block_until_ready()
+        for array in jax.tree.leaves(getattr(self, "_last_outputs", ())):
+            if isinstance(array, jax.Array) and not array.is_deleted():
+                array.block_until_ready()
 
     def get_input_placement_specs(self):
         """A pytree like the dynamic arguments, one ``PlacementSpec`` per leaf."""
@@ -65,3 +109,13 @@ class Executable(abc.ABC):
     def get_output_placement_specs(self):
         """A pytree like the output, one ``PlacementSpec`` per leaf."""
         return jax.tree.unflatten(self.traced.out_tree, self.flat_output_placement_specs())
+
+
+def is_placed(x: Any, sharding: Any) -> bool:
+    """Whether ``x`` is an array already laid out as ``sharding`` asks: the same sharding,
+    or an equivalent one (``P()`` and ``P(None, None)``; a 1-device mesh and that device).
+    Such an input is used as it is, never copied."""
+    if not isinstance(x, jax.Array):
+        return False
+    current = x.sharding
+    return current == sharding or current.is_equivalent_to(sharding, x.ndim)

@@ -48,7 +48,8 @@ from alpa.pipeline_parallel.stage_sharding import (
 )
 from alpa.pipeline_parallel.user_shardings import input_names, pinned_specs
 from alpa.runtime.local_runtime import LocalPipelineRuntime
-from alpa.tracing import TracedStep
+from alpa.shard_parallel.executable import full_batch_avals
+from alpa.tracing import TracedStep, leaf_signature
 
 
 def compile_pipeshard_executable(
@@ -218,6 +219,7 @@ class PipeshardDriverExecutable(Executable):
         self._const_outputs = {n: const_env[self._var_of[n]] for n in const_outputs}
         self.collect_trace = False
         self._last_outputs: list = []
+        self._signatures = [leaf_signature(a) for a in full_batch_avals(traced, num_micro_batches)]
 
     # -- compilation
 
@@ -257,6 +259,19 @@ class PipeshardDriverExecutable(Executable):
         return lowered.compile()
 
     # -- Executable interface
+
+    def dispatch(self, *dynamic_args: Any) -> Any:
+        leaves, tree = jax.tree.flatten(dynamic_args)
+        if tree != self.traced.in_tree:
+            raise TypeError(
+                f"pytree structure {tree} differs from the compiled {self.traced.in_tree}"
+            )
+        for x, signature in zip(leaves, self._signatures, strict=True):
+            if leaf_signature(x) != signature:
+                raise TypeError(
+                    f"argument {leaf_signature(x)} differs from the compiled {signature}"
+                )
+        return jax.tree.unflatten(self.traced.out_tree, self.launch(leaves))
 
     def launch(self, flat_args: Sequence[Any]) -> list[jax.Array]:
         self._check_batch(flat_args)

@@ -1,9 +1,12 @@
 """MeshExecutable: one compiled XLA program on one device mesh.
 
 ``compile_shard_executable`` lowers a :class:`ShardingPlan` (``lowering.py``) with
-``jax.jit`` and compiles it for the full-batch input shapes. The executable places its
-inputs with the plan's shardings, runs, and exposes what XLA compiled: its HLO, its
-per-device memory, and where every input and output lives.
+``jax.jit`` and compiles it for the full-batch input shapes. The program takes the dynamic
+arguments as the user's pytrees, with the plan's shardings as ``in_shardings`` and the
+donated arguments as ``donate_argnums``, so that a cache hit is one call of XLA's compiled
+program: its C++ fast path checks the arguments, places host arrays and runs, at
+``jax.jit``'s own dispatch cost. The executable also exposes what XLA compiled: its HLO,
+its per-device memory, and where every input and output lives.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding
 
-from alpa.executable import Executable, PlacementSpec
+from alpa.executable import Executable, PlacementSpec, is_placed
 from alpa.global_env import global_config
 from alpa.shard_parallel.lowering import build_step_function
 from alpa.shard_parallel.sharding_plan import ShardingPlan
@@ -34,8 +37,19 @@ def full_batch_avals(traced: TracedStep, num_micro_batches: int | None):
         shape = aval.shape
         if is_batch and k > 1:
             shape = (shape[0] * k,) + tuple(shape[1:])
-        avals.append(jax.ShapeDtypeStruct(shape, aval.dtype))
+        avals.append(jax.ShapeDtypeStruct(shape, aval.dtype, weak_type=aval.weak_type))
     return avals
+
+
+def donated_argnums(traced: TracedStep) -> tuple[int, ...]:
+    """Positions, among the dynamic arguments, of those whose buffers are donated (a
+    dynamic argument is donated as a whole, so its first leaf says)."""
+    donated, start = [], 0
+    for position, subtree in enumerate(traced.in_tree.children()):
+        if subtree.num_leaves and traced.donated_invars[start]:
+            donated.append(position)
+        start += subtree.num_leaves
+    return tuple(donated)
 
 
 def compile_shard_executable(
@@ -45,16 +59,21 @@ def compile_shard_executable(
     in_shardings = tuple(NamedSharding(mesh, s) for s in plan.in_specs)
     out_shardings = tuple(None if s is None else NamedSharding(mesh, s) for s in plan.out_specs)
     inner = build_step_function(traced, plan, mesh, num_micro_batches)
+    in_tree, out_tree = traced.in_tree, traced.out_tree
 
-    def step(*leaves):
-        return tuple(inner(*leaves))
+    def step(*dynamic_args):
+        return jax.tree.unflatten(out_tree, inner(*jax.tree.leaves(dynamic_args)))
 
-    donate = tuple(i for i, d in enumerate(traced.donated_invars) if d)
     jitted = jax.jit(
-        step, in_shardings=in_shardings, out_shardings=out_shardings, donate_argnums=donate
+        step,
+        in_shardings=jax.tree.unflatten(in_tree, in_shardings),
+        out_shardings=jax.tree.unflatten(out_tree, out_shardings),
+        donate_argnums=donated_argnums(traced),
     )
     tic = time.perf_counter()
-    lowered = jitted.lower(*full_batch_avals(traced, num_micro_batches))
+    lowered = jitted.lower(
+        *jax.tree.unflatten(in_tree, full_batch_avals(traced, num_micro_batches))
+    )
     compiled = lowered.compile()
     if global_config.print_compilation_time:
         logger.warning(
@@ -80,7 +99,9 @@ class MeshExecutable(Executable):
         self.in_shardings = in_shardings
         self.out_shardings = tuple(jax.tree.leaves(compiled.output_shardings))
         self.num_micro_batches = num_micro_batches
-        self._last_outputs: list[jax.Array] = []
+        self._last_outputs: Any = ()
+        # A cache hit calls XLA's compiled program directly (see the module docstring).
+        self.dispatch = compiled
 
     @property
     def auto_sharding_objective(self) -> float | None:
@@ -88,18 +109,22 @@ class MeshExecutable(Executable):
         return self.plan.objective
 
     def preshard_flat_args(self, flat_args: Sequence[Any]) -> list[jax.Array]:
-        placed = []
-        for x, sharding in zip(flat_args, self.in_shardings, strict=True):
-            if isinstance(x, jax.Array) and x.sharding == sharding:
-                placed.append(x)
-            else:
-                placed.append(jax.device_put(x, sharding))
-        return placed
+        return [
+            x if is_placed(x, sharding) else jax.device_put(x, sharding)
+            for x, sharding in zip(flat_args, self.in_shardings, strict=True)
+        ]
+
+    def flat_input_shardings(self) -> list[Any]:
+        return list(self.in_shardings)
+
+    def dispatch(self, *dynamic_args: Any) -> Any:  # replaced per instance by the program
+        return self.compiled(*dynamic_args)
 
     def launch(self, flat_args: Sequence[Any]) -> list[jax.Array]:
-        outs = self.compiled(*self.preshard_flat_args(flat_args))
-        self._last_outputs = list(outs)
-        return self._last_outputs
+        placed = jax.tree.unflatten(self.traced.in_tree, self.preshard_flat_args(flat_args))
+        outs = self.compiled(*placed)
+        self._last_outputs = outs
+        return self.traced.out_tree.flatten_up_to(outs)
 
     def _placement(self, avals, shardings) -> list[PlacementSpec]:
         return [

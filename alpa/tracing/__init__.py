@@ -1,5 +1,19 @@
 """Tracing pass: user function -> flat ClosedJaxpr (see ``trace.py``)."""
 
-from alpa.tracing.trace import TracedStep, inline_calls, new_jaxpr, trace_step
+from alpa.tracing.trace import (
+    TracedStep,
+    abstractify,
+    inline_calls,
+    leaf_signature,
+    new_jaxpr,
+    trace_step,
+)
 
-__all__ = ["TracedStep", "inline_calls", "new_jaxpr", "trace_step"]
+__all__ = [
+    "TracedStep",
+    "abstractify",
+    "inline_calls",
+    "leaf_signature",
+    "new_jaxpr",
+    "trace_step",
+]

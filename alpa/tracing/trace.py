@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import jax
+import numpy as np
 from jax.extend.core import ClosedJaxpr, DropVar, Jaxpr, JaxprEqn, Literal, Var
 
 from alpa.pipeline_parallel.primitive_def import pipeline_p
@@ -84,7 +85,7 @@ def trace_step(
     dynamic_argnums = tuple(i for i in range(len(args)) if i not in static)
     dynamic_args = tuple(args[i] for i in dynamic_argnums)
     leaves, in_tree = jax.tree.flatten(dynamic_args)
-    in_avals = tuple(jax.ShapeDtypeStruct(jax.numpy.shape(x), _dtype_of(x)) for x in leaves)
+    in_avals = tuple(abstractify(x) for x in leaves)
 
     out_tree_box = []
 
@@ -119,11 +120,29 @@ def trace_step(
     )
 
 
-def _dtype_of(x):
-    dtype = getattr(x, "dtype", None)
-    if dtype is not None:
-        return dtype
-    return jax.numpy.asarray(x).dtype
+def abstractify(x) -> jax.ShapeDtypeStruct:
+    """The abstract value ``jax.jit`` sees for a leaf: shape, canonical dtype and weak type.
+
+    A Python scalar is weakly typed (``0`` is ``~int32[]``, as is ``step + 1`` computed from
+    it), so ``TrainState.create(...)``'s ``step=0`` and the array a step returns for it key
+    and trace alike, and the step compiles once, as under ``jax.jit``.
+    """
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return (
+            x
+            if x.sharding is None
+            else jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=x.weak_type)
+        )
+    aval = jax.typeof(x)
+    return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=aval.weak_type)
+
+
+def leaf_signature(x) -> tuple:
+    """The part of a leaf that an executable is compiled for (a cache-key entry)."""
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return (tuple(x.shape), np.dtype(x.dtype), bool(x.weak_type))
+    aval = jax.typeof(x)
+    return (aval.shape, aval.dtype, aval.weak_type)
 
 
 # ----------------------------------------------------------------------------- inlining

@@ -28,7 +28,9 @@ def _setup():
     keys = jax.random.split(jax.random.PRNGKey(0), 4)
     params = {
         "w0": jax.random.normal(keys[0], (HIDDEN, HIDDEN)) / 4,
-        "b0": jnp.full((HIDDEN,), 0.1),
+        # A dtype, so that b0 is not weakly typed: the step would compile again on the
+        # second call (its output is strongly typed), as jax.jit does.
+        "b0": jnp.full((HIDDEN,), 0.1, jnp.float32),
         "w1": jax.random.normal(keys[1], (HIDDEN, HIDDEN)) / 4,
         "b1": jnp.zeros((HIDDEN,)),
     }

@@ -1,0 +1,282 @@
+"""Dispatch: what ``import alpa`` exposes, one compile per step, and cache hits that neither
+recompile nor copy inputs already in place (issue 9).
+
+Compiles are counted as XLA backend compiles reported through ``jax.monitoring``; each test
+that asserts "no compile" also shows the counter counting (the first call, a new static
+value, a new shape), so the assertion can fail.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from conftest import devices_or_skip
+from flax.training.train_state import TrainState
+from jax.sharding import NamedSharding, PartitionSpec
+
+import alpa
+from alpa.testing import assert_allclose
+
+_COMPILES: list[str] = []
+
+
+def _on_duration(event: str, duration: float, **kwargs) -> None:
+    if event == "/jax/core/compile/backend_compile_duration":
+        _COMPILES.append(event)
+
+
+jax.monitoring.register_event_duration_secs_listener(_on_duration)
+
+
+def compiles() -> int:
+    return len(_COMPILES)
+
+
+# ----------------------------------------------------------------------------- import alpa
+
+
+def test_import_alpa_exposes_the_submodules_of_the_tutorial():
+    # The first lines of Alpa's tutorial, in a fresh interpreter: nothing imported but alpa.
+    script = textwrap.dedent(
+        """
+        import types
+        import alpa
+        alpa.util.disable_tqdm_globally()
+        assert alpa.global_env.global_config.use_tqdm is False
+        for name in ("util", "testing", "device_mesh", "parallel_method",
+                     "pipeline_parallel", "shard_parallel", "global_env"):
+            assert isinstance(getattr(alpa, name), types.ModuleType), name
+        alpa.testing.assert_allclose([1.0], [1.0])
+        print("ok")
+        """
+    )
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "ok"
+
+
+# ----------------------------------------------------------------------------- one compile
+
+
+class _Model:
+    """A 2-layer MLP with a pipeline boundary between the layers (ignored by the one-mesh
+    methods), as a flax-free apply function."""
+
+    @staticmethod
+    def apply(params, x):
+        h = jnp.tanh(x @ params["w0"] + params["b0"])
+        alpa.mark_pipeline_boundary()
+        return jnp.tanh(h @ params["w1"] + params["b1"])
+
+
+def _train_state(hidden=16, batch_size=32):
+    keys = jax.random.split(jax.random.PRNGKey(0), 4)
+    params = {
+        "w0": jax.random.normal(keys[0], (hidden, hidden)) / 4,
+        "b0": jnp.zeros((hidden,)),
+        "w1": jax.random.normal(keys[1], (hidden, hidden)) / 4,
+        "b1": jnp.zeros((hidden,)),
+    }
+    batch = {
+        "x": jax.random.normal(keys[2], (batch_size, hidden)),
+        "y": jax.random.normal(keys[3], (batch_size, hidden)),
+    }
+    # As users write it: step=0 is a Python int, an int32 array after the first step.
+    state = TrainState.create(apply_fn=_Model.apply, params=params, tx=optax.adam(1e-2))
+    assert isinstance(state.step, int)
+    return state, batch
+
+
+def _make_step(grad):
+    def train_step(state, batch):
+        def loss_fn(params):
+            out = state.apply_fn(params, batch["x"])
+            return jnp.mean((out - batch["y"]) ** 2)
+
+        grads = grad(loss_fn)(state.params)
+        return state.apply_gradients(grads=grads)
+
+    return train_step
+
+
+def _pipeshard(schedule="1f1b", num_micro_batches=4):
+    return alpa.PipeshardParallel(
+        num_micro_batches=num_micro_batches,
+        layer_option="manual",
+        stage_option=alpa.ManualStageOption([[0], [1]], [(1, 4), (1, 4)]),
+        pipeline_schedule=schedule,
+    )
+
+
+METHODS = {
+    "shard_parallel": lambda: alpa.ShardParallel(),
+    "shard_parallel_2x4": lambda: alpa.ShardParallel(
+        auto_sharding_option=alpa.AutoShardingOption(logical_mesh_shape=(2, 4))
+    ),
+    "data_parallel": lambda: alpa.DataParallel(),
+    "data_parallel_micro_batches": lambda: alpa.DataParallel(num_micro_batches=2),
+    "zero2": lambda: alpa.Zero2Parallel(),
+    "zero3": lambda: alpa.Zero3Parallel(),
+    "pipeshard_1f1b": lambda: _pipeshard("1f1b"),
+    "pipeshard_gpipe": lambda: _pipeshard("gpipe"),
+}
+_RECOMPILES = pytest.mark.xfail(
+    strict=True, reason="the pipeline runtime's jitted helpers compile on call 2"
+)
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(n, marks=_RECOMPILES) if n.startswith("pipeshard") else n
+        for n in sorted(METHODS)
+    ],
+)
+def test_train_state_create_step_compiles_once(name):
+    devices_or_skip(8)
+    state, batch = _train_state()
+    parallel = alpa.parallelize(_make_step(alpa.grad), method=METHODS[name]())
+    serial = jax.jit(_make_step(jax.grad))
+    ref = state
+    for _ in range(4):
+        ref = serial(ref, batch)
+    before = compiles()
+    out = parallel(state, batch)  # donates the state
+    assert compiles() > before  # the counter counts: the first call compiles
+    for _ in range(3):  # calls 2, 3 and 4
+        before = compiles()
+        out = parallel(out, batch)
+        assert compiles() == before, f"{name}: a cache hit compiled"
+    assert_allclose(out.params, ref.params)
+    assert int(out.step) == 4
+    # Weakly typed, as under jax.jit.
+    assert (out.step.dtype, out.step.weak_type) == (ref.step.dtype, ref.step.weak_type)
+
+
+def test_static_python_float_compiles_once_and_again_when_it_changes():
+    state, batch = _train_state()
+
+    def step(state, batch, learning_rate):
+        grads = alpa.grad(lambda p: jnp.mean((state.apply_fn(p, batch["x"]) - batch["y"]) ** 2))(
+            state.params
+        )
+        params = jax.tree.map(lambda p, g: p - learning_rate * g, state.params, grads)
+        return state.replace(params=params, step=state.step + 1)
+
+    ref = state
+    for _ in range(4):
+        ref = jax.jit(step, static_argnums=2)(ref, batch, 0.1)
+    parallel = alpa.parallelize(step, method=alpa.DataParallel())
+    out = parallel(state, batch, 0.1)
+    before = compiles()
+    for _ in range(3):
+        out = parallel(out, batch, 0.1)
+    assert compiles() == before
+    assert_allclose(out.params, ref.params)
+    parallel(out, batch, 0.05)  # a new static value is a new executable
+    assert compiles() > before
+
+
+# ----------------------------------------------------------------------------- cache hits
+
+
+def test_cache_hit_refuses_other_shapes_and_structures():
+    traces = []
+
+    @alpa.parallelize(method=alpa.DataParallel())
+    def step(w, batch):
+        traces.append(jax.tree.structure(batch))
+        return w + jnp.mean(jax.tree.leaves(batch)[0])
+
+    def full(shape, value):  # a dtype, so that the array is not weakly typed
+        return jnp.full(shape, value, jnp.float32)
+
+    w = jnp.zeros(())
+    assert float(step(w, {"x": full((8, 4), 1.0)})) == 1.0
+    assert float(step(w, {"x": full((8, 4), 2.0)})) == 2.0
+    assert len(traces) == 1
+    # Another batch size: the last executable's dispatch refuses it, it is compiled anew.
+    assert float(step(w, {"x": full((16, 4), 3.0)})) == 3.0
+    # Same leaves, other structure: not silently run by the last executable.
+    assert float(step(w, {"z": full((16, 4), 4.0)})) == 4.0
+    assert len(traces) == 3
+    # Back to the first shapes: the cached executable, no trace.
+    assert float(step(w, {"x": full((8, 4), 5.0)})) == 5.0
+    assert len(traces) == 3
+
+
+def test_python_scalar_where_an_array_was_is_a_static_argument():
+    traces = []
+
+    @alpa.parallelize(method=alpa.DataParallel())
+    def step(w, batch, scale):
+        traces.append(type(scale))
+        return w + scale * jnp.sum(batch)
+
+    w, batch = jnp.zeros(()), jnp.ones((8,))
+    assert float(step(w, batch, jnp.float32(2.0))) == 16.0
+    assert float(step(w, batch, 3.0)) == 24.0  # Python float: static under "auto"
+    assert float(step(w, batch, 3.0)) == 24.0
+    assert len(traces) == 2
+
+
+def _replicated_equivalent(x, mesh):
+    # P(None, ...) is P(): equivalent, not equal, to the plan's sharding. From a fresh copy:
+    # device_put may share a buffer with its source, which a donation would then delete.
+    x = jnp.array(x, copy=True)
+    return jax.device_put(x, NamedSharding(mesh, PartitionSpec(*[None] * np.ndim(x))))
+
+
+def test_inputs_in_an_equivalent_sharding_are_not_copied():
+    devices = devices_or_skip(8)
+    mesh = jax.make_mesh((8,), ("d",), axis_types=(jax.sharding.AxisType.Auto,), devices=devices)
+    state, batch = _train_state()
+    ref = jax.jit(_make_step(jax.grad))(state, batch)
+    parallel = alpa.parallelize(_make_step(alpa.grad), method=alpa.DataParallel())
+    # The state is donated: an input used as it is (not copied) is deleted by the call.
+    for _call in range(3):  # the slow path, then cache hits
+        placed = jax.tree.map(lambda x: _replicated_equivalent(x, mesh), state)
+        kernel = placed.params["w0"]
+        specs = parallel.get_executable(placed, batch).get_input_placement_specs()
+        planned = NamedSharding(mesh, specs[0].params["w0"].sharding_specs[0])
+        assert kernel.sharding != planned and kernel.sharding.is_equivalent_to(planned, 2)
+        out = parallel(placed, batch)
+        assert kernel.is_deleted(), "an input in an equivalent sharding was copied"
+        assert_allclose(out.params, ref.params)
+    # Control: split by rows the kernel is not in place, so it is gathered into a new
+    # buffer (and the input is not deleted).
+    placed = jax.tree.map(lambda x: _replicated_equivalent(x, mesh), state)
+    kernel = jax.device_put(state.params["w0"], NamedSharding(mesh, PartitionSpec("d")))
+    placed = placed.replace(params={**placed.params, "w0": kernel})
+    out = parallel(placed, batch)
+    assert not kernel.is_deleted()
+    assert_allclose(out.params, ref.params)
+
+
+def test_inputs_that_keep_arriving_elsewhere_are_placed_without_recompiling():
+    devices = devices_or_skip(8)
+    state, batch = _train_state()
+    parallel = alpa.parallelize(
+        _make_step(alpa.grad), method=alpa.DataParallel(), donate_argnums=()
+    )
+    serial = jax.jit(_make_step(jax.grad))
+    ref = serial(state, batch)
+    parallel(state, batch)
+    # A committed single-device batch: the dispatch refuses it, the slow path places it; from
+    # then on the hit places it first. (jax's device_put from one device to the mesh compiles
+    # a small program the first time, so compiles are counted from the second batch on.)
+    assert_allclose(parallel(state, jax.device_put(batch, devices[1])).params, ref.params)
+    before = compiles()
+    for _ in range(3):
+        moved = jax.device_put(batch, devices[1])
+        assert_allclose(parallel(state, moved).params, ref.params)
+    assert compiles() == before
