@@ -34,6 +34,7 @@ from alpa.pipeline_parallel.computation import (
 from alpa.pipeline_parallel.layer_construction import manual_layers, resolve_layer_option
 from alpa.pipeline_parallel.primitive_def import pipeline_p
 from alpa.pipeline_parallel.runtime_emitter import (
+    Kernel,
     PipelineInstructions,
     emit_instructions,
     simulate_memory,
@@ -45,9 +46,10 @@ from alpa.pipeline_parallel.stage_sharding import (
     data_parallel_spec,
     plan_stage_shardings,
     stage_options,
+    tie_donated_outputs,
 )
 from alpa.pipeline_parallel.user_shardings import input_names, pinned_specs
-from alpa.runtime.local_runtime import LocalPipelineRuntime
+from alpa.runtime.local_runtime import LocalPipelineRuntime, RuntimeContext, reshard_bytes
 from alpa.shard_parallel.executable import full_batch_avals
 from alpa.tracing import TracedStep, leaf_signature
 
@@ -193,22 +195,32 @@ class PipeshardDriverExecutable(Executable):
         self.stage_specs, self.stage_objectives = plan_stage_shardings(
             traced, program, self.logical_meshes, self.options, names, pinned
         )
+        tie_donated_outputs(
+            traced, program, self.stage_specs, [m.devices.size for m in self.meshes]
+        )
         jaxpr = traced.closed_jaxpr.jaxpr
         self._consts_env = dict(zip(jaxpr.constvars, traced.closed_jaxpr.consts, strict=True))
-        self._compiled = [self._compile(c) for c in program.computations]
+        self._kernels = [self._compile_kernel(kernel) for kernel in instructions.kernels]
+        self._compiled: dict[int, Any] = {
+            kernel.computation: compiled
+            for kernel, compiled in zip(instructions.kernels, self._kernels, strict=True)
+        }
+        self._zeros: dict[tuple, Any] = {}
         leaf_index = {names[v]: i for i, v in enumerate(jaxpr.invars)}
         micro = [
             a.shape[0] if b and a.shape else None
             for a, b in zip(traced.in_avals, traced.batch_invars, strict=True)
         ]
-        self.runtime = LocalPipelineRuntime(
-            program=instructions,
-            computations=self._compiled,
-            sharding_of=lambda key: self._sharding(self._var_of[key[0]], key[2]),
+        kernel_names = [program.computations[k.computation].name for k in instructions.kernels]
+        context = RuntimeContext(
+            kernels=self._kernels,
+            allocs=self._alloc,
+            sharding_of=self._key_sharding,
             micro_batch_size=micro,
-            computation_names=[c.name for c in program.computations],
-            leaf_index=leaf_index,
+            kernel_names=kernel_names,
+            shape_of=lambda key: tuple(self._var_of[key[0]].aval.shape),
         )
+        self.runtime = LocalPipelineRuntime(instructions, context, leaf_index, self._reshard_bytes)
         const_env = dict(self._consts_env)
         const_outputs = {name for kind, name in instructions.outputs if kind == "const"}
         if const_outputs:
@@ -230,8 +242,38 @@ class PipeshardDriverExecutable(Executable):
             spec = data_parallel_spec(var, self.program, jax_mesh.devices.size)
         return NamedSharding(jax_mesh, spec)
 
-    def _compile(self, comp: StageComputation):
-        consts = {v: c for v, c in self._consts_env.items()}
+    def _key_sharding(self, key) -> NamedSharding:
+        return self._sharding(self._var_of[key[0]], key[2])
+
+    def _reshard_bytes(self, ins) -> int:
+        (src,), (dst,) = ins.inputs, ins.outputs
+        aval = self._var_of[src[0]].aval
+        return reshard_bytes(
+            aval.shape, aval.dtype, self._key_sharding(src), self._key_sharding(dst)
+        )
+
+    def _alloc(self, keys) -> Any:
+        """A compiled function returning zeros for the buffers ``keys`` (accumulators)."""
+        avals = [self._var_of[key[0]].aval for key in keys]
+        shardings = tuple(self._key_sharding(key) for key in keys)
+        signature = (tuple((a.shape, a.dtype) for a in avals), shardings)
+        if signature not in self._zeros:
+
+            def zeros():
+                return tuple(jax.numpy.zeros(a.shape, a.dtype) for a in avals)
+
+            self._zeros[signature] = jax.jit(zeros, out_shardings=shardings).lower().compile()
+        return self._zeros[signature]
+
+    def _compile_kernel(self, kernel: Kernel):
+        """Compile what a ``RUN`` of ``kernel`` calls: the stage computation, its kept
+        outputs, then each accumulated value (``sum + scale * value``, the sums donated)."""
+        comp = self.program.computations[kernel.computation]
+        sums = [a for a in kernel.accumulate if a.reads_sum]
+        return self._compile(comp, kernel, sums)
+
+    def _compile(self, comp: StageComputation, kernel: Kernel | None = None, sums=()):
+        consts = dict(self._consts_env)
         # The intermediate values the stage's plan names are pinned to their sharding.
         constraints = {
             v: self._sharding(v, comp.stage)
@@ -239,44 +281,60 @@ class PipeshardDriverExecutable(Executable):
             for v in e.outvars
             if _is_var(v) and (v, comp.stage) in self.stage_specs
         }
+        kept = list(range(len(comp.outvars))) if kernel is None else list(kernel.kept)
+        accumulate = () if kernel is None else kernel.accumulate
+        num_in = len(comp.invars)
 
         def fn(*args):
             env = dict(consts)
-            env.update(zip(comp.invars, args, strict=True))
+            env.update(zip(comp.invars, args[:num_in], strict=True))
             _eval_eqns(comp.eqns, env, constraints)
-            return [env[v] for v in comp.outvars]
+            outs = [env[comp.outvars[i]] for i in kept]
+            running = iter(args[num_in:])
+            for a in accumulate:
+                value = env[comp.outvars[a.outvar_index]]
+                if a.scale is not None:
+                    value = value * np.asarray(a.scale, value.dtype)
+                outs.append(next(running) + value if a.reads_sum else value)
+            return outs
 
         fn.__name__ = comp.name
-        in_shardings = [self._sharding(v, comp.stage) for v in comp.invars]
-        out_shardings = [self._sharding(v, comp.stage) for v in comp.outvars]
+        in_vars = list(comp.invars) + [a.marker_out for a in sums]
+        out_vars = [comp.outvars[i] for i in kept] + [a.marker_out for a in accumulate]
+        in_shardings = [self._sharding(v, comp.stage) for v in in_vars]
+        out_shardings = [self._sharding(v, comp.stage) for v in out_vars]
         structs = [
-            jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, sharding=s)
-            for v, s in zip(comp.invars, in_shardings, strict=True)
+            jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, sharding=s, weak_type=v.aval.weak_type)
+            for v, s in zip(in_vars, in_shardings, strict=True)
         ]
-        lowered = jax.jit(fn, in_shardings=in_shardings, out_shardings=out_shardings).lower(
-            *structs
+        jitted = jax.jit(
+            fn,
+            in_shardings=in_shardings,
+            out_shardings=out_shardings,
+            donate_argnums=tuple(range(num_in, len(in_vars))),
         )
-        return lowered.compile()
+        return jitted.lower(*structs).compile()
 
     # -- Executable interface
 
     def dispatch(self, *dynamic_args: Any) -> Any:
         leaves, tree = jax.tree.flatten(dynamic_args)
         if tree != self.traced.in_tree:
-            raise TypeError(
-                f"pytree structure {tree} differs from the compiled {self.traced.in_tree}"
-            )
+            raise TypeError(f"pytree {tree} differs from the compiled {self.traced.in_tree}")
         for x, signature in zip(leaves, self._signatures, strict=True):
             if leaf_signature(x) != signature:
                 raise TypeError(
                     f"argument {leaf_signature(x)} differs from the compiled {signature}"
                 )
-        return jax.tree.unflatten(self.traced.out_tree, self.launch(leaves))
+        return jax.tree.unflatten(self.traced.out_tree, self._run(leaves))
 
     def launch(self, flat_args: Sequence[Any]) -> list[jax.Array]:
         self._check_batch(flat_args)
+        return self._run(flat_args)
+
+    def _run(self, flat_args: Sequence[Any]) -> list:
         outputs = self.runtime.run(flat_args, self._const_outputs, blocking=self.collect_trace)
-        self._last_outputs = [o for o in outputs if isinstance(o, jax.Array)]
+        self._last_outputs = outputs
         return outputs
 
     def _check_batch(self, flat_args) -> None:
@@ -327,15 +385,23 @@ class PipeshardDriverExecutable(Executable):
         order ``PipeshardParallel(stage_input_shardings=...)`` takes their specs."""
         return input_names(self.program, self.traced, self._names)
 
+    def _compiled_computation(self, index: int):
+        """The compiled program of computation ``index`` (its kernel's, if a RUN calls it)."""
+        if index not in self._compiled:
+            self._compiled[index] = self._compile(self.program.computations[index])
+        return self._compiled[index]
+
     def get_hlo_text(self) -> list[str]:
         """One HLO module per stage computation: forward, backward, apply-grad, in that order."""
-        return [c.as_text() for c in self._compiled]
+        return [
+            self._compiled_computation(i).as_text() for i in range(len(self.program.computations))
+        ]
 
     def get_stage_allocation_size(self) -> list[int]:
         """Per stage computation, the bytes XLA allocates per device (args + temps + outputs)."""
         sizes = []
-        for compiled in self._compiled:
-            mem = compiled.memory_analysis()
+        for i in range(len(self.program.computations)):
+            mem = self._compiled_computation(i).memory_analysis()
             sizes.append(
                 int(
                     mem.argument_size_in_bytes

@@ -1,11 +1,23 @@
 """Runtime emitter: schedule + stage computations -> instruction lists per mesh.
 
 The emitter walks the schedule tick by tick. For each task it makes sure every input of the
-task's computation is on the task's mesh (``LOAD`` a micro-batch slice of a batch argument,
-or ``RESHARD`` a value from the mesh that holds it), emits ``RUN``, and ``ACCUMULATE``s the
-values the ``alpa.grad`` marker receives. A liveness pass then inserts ``FREE`` right after
-the last use of every buffer, so a value dies as soon as nothing needs it; only the step's
-inputs (parameters, optimizer state: the caller's arrays) and outputs survive a step.
+task's computation is on the task's mesh (``LOAD`` the micro-batches of a batch argument,
+or ``RESHARD`` a value from the mesh that holds it) and emits ``RUN``. A liveness pass then
+attaches to every instruction the buffers whose last use it is (``Instruction.free``), so a
+value dies as soon as nothing needs it; only the step's inputs (parameters, optimizer
+state: the caller's arrays) and outputs survive a step. The opcodes:
+
+* ``LOAD``: the ``k`` micro-batches of one batch argument on one mesh, in one instruction
+  (one split, one transfer call), when the mesh first needs one of them.
+* ``RUN``: a :class:`Kernel`: a stage computation, the outputs other instructions read,
+  and the values it **accumulates** for the ``alpa.grad`` marker. Gradient accumulation
+  happens inside the computation that produces the gradient, as in Alpa: the running sum
+  is an input and a donated output of the stage's backward, and each micro-batch adds its
+  gradient times ``1/k`` (floats; integers are summed), so the apply part reads the mean.
+  With one micro-batch the gradient is written as the marker's value directly.
+* ``ALLOC``: the zero accumulators of one kernel, once per step, before its first
+  micro-batch.
+* ``RESHARD``: a value from the mesh that holds it to the mesh that needs it.
 
 A buffer is named by a :data:`BufferKey` ``(value name, micro-batch or None, mesh)``.
 :func:`simulate_memory` replays the instructions and reports the peak of live bytes each
@@ -14,8 +26,9 @@ mesh holds, which is how the 1F1B and GPipe schedules are compared.
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 from dataclasses import dataclass
-from typing import Literal
 
 import numpy as np
 
@@ -23,38 +36,76 @@ from alpa.pipeline_parallel.computation import PipelineProgram, _is_var, _nbytes
 from alpa.pipeline_parallel.schedules import PipelineSchedule
 
 BufferKey = tuple[str, int | None, int]
-OpName = Literal["LOAD", "RUN", "RESHARD", "ACCUMULATE", "FREE"]
+
+
+class Op(str, enum.Enum):
+    """Instruction opcodes (a ``str`` enum: ``Op.RUN == "RUN"``)."""
+
+    LOAD = "LOAD"
+    RUN = "RUN"
+    ALLOC = "ALLOC"
+    RESHARD = "RESHARD"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True)
+class Accumulation:
+    """A value a kernel accumulates: ``program.accumulated[marker_out] == operand``, where
+    the operand is the computation's output ``outvar_index``. ``scale`` multiplies each
+    micro-batch's value (``1/k`` for floats, ``None``: none); with ``reads_sum`` the
+    running sum is an input (donated) and the output is ``sum + scale * value``, without
+    it the output is ``scale * value`` (one micro-batch)."""
+
+    outvar_index: int
+    marker_out: object
+    scale: float | None
+    reads_sum: bool
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """What a ``RUN`` calls: computation ``computation`` of the program, returning its
+    outputs ``kept`` (indices into its ``outvars``) followed by the ``accumulate``d values;
+    its inputs are its ``invars`` followed by the running sums that are read."""
+
+    computation: int
+    kept: tuple[int, ...]
+    accumulate: tuple[Accumulation, ...]
 
 
 @dataclass(frozen=True)
 class Instruction:
     """One step of a mesh's program.
 
-    * ``LOAD``: ``outputs[0]`` = micro-batch ``micro_batch`` of step input ``leaf``.
-    * ``RUN``: ``outputs`` = computation ``computation``(``inputs``).
+    * ``LOAD``: ``outputs`` = the micro-batches of step input ``leaf``, in order.
+    * ``RUN``: ``outputs`` = kernel ``computation``(``inputs``).
+    * ``ALLOC``: ``outputs`` = zeros (the running sums of a kernel).
     * ``RESHARD``: ``outputs[0]`` (on ``mesh``) = ``inputs[0]`` (on another mesh).
-    * ``ACCUMULATE``: ``outputs[0]`` = ``inputs[0]`` (first micro-batch) or
-      ``outputs[0] + inputs[0]``; times ``scale`` when ``scale`` is set.
-    * ``FREE``: drop ``inputs``.
+
+    After it runs, the buffers ``free`` are dropped (their last use).
     """
 
-    op: OpName
+    op: Op
     mesh: int
     inputs: tuple[BufferKey, ...] = ()
     outputs: tuple[BufferKey, ...] = ()
     computation: int | None = None
     micro_batch: int | None = None
     leaf: int | None = None
-    first: bool = False
-    scale: float | None = None
+    free: tuple[BufferKey, ...] = ()
 
     def __str__(self) -> str:
         def keys(ks):
             return ", ".join(f"{n}@{m if m is not None else '*'}" for n, m, _ in ks)
 
-        extra = f" c{self.computation}" if self.computation is not None else ""
+        extra = f" k{self.computation}" if self.computation is not None else ""
+        mb = f" mb{self.micro_batch}" if self.micro_batch is not None else ""
+        freed = f" free({keys(self.free)})" if self.free else ""
         return (
-            f"[mesh {self.mesh}] {self.op}{extra} ({keys(self.inputs)}) -> ({keys(self.outputs)})"
+            f"[mesh {self.mesh}] {self.op}{extra}{mb} ({keys(self.inputs)}) -> "
+            f"({keys(self.outputs)}){freed}"
         )
 
 
@@ -63,6 +114,7 @@ class PipelineInstructions:
     """The emitted program: one global order, and per-mesh views of it."""
 
     instructions: tuple[Instruction, ...]
+    kernels: tuple[Kernel, ...]
     num_meshes: int
     persistent: frozenset  # input buffers the caller owns
     outputs: tuple  # per step output: a key, a tuple of per-micro-batch keys, or a literal
@@ -70,6 +122,11 @@ class PipelineInstructions:
 
     def for_mesh(self, mesh: int) -> list[Instruction]:
         return [ins for ins in self.instructions if ins.mesh == mesh]
+
+    def count(self, op: Op | str) -> int:
+        """How many instructions have opcode ``op``."""
+        op = Op(op)
+        return sum(ins.op is op for ins in self.instructions)
 
 
 def emit_instructions(
@@ -90,7 +147,6 @@ def emit_instructions(
     instructions: list[Instruction] = []
     present: set[BufferKey] = set()
     nbytes: dict[BufferKey, int] = {}
-    var_of: dict[str, object] = {names[v]: v for v in names}
 
     persistent = set()
     for v in invars:
@@ -108,51 +164,86 @@ def emit_instructions(
         key = (names[v], mb_of(v, mb), mesh)
         if key in present:
             return key
-        nbytes[key] = _nbytes(v)
         if _is_batch_input(v, program):
-            instructions.append(
-                Instruction("LOAD", mesh, (), (key,), micro_batch=mb, leaf=leaf_of[v])
+            keys = tuple((names[v], m, mesh) for m in range(k))
+            instructions.append(Instruction(Op.LOAD, mesh, (), keys, leaf=leaf_of[v]))
+            for each in keys:
+                nbytes[each] = _nbytes(v)
+            present.update(keys)
+            return key
+        nbytes[key] = _nbytes(v)
+        sources = [program.home[v]] if v in program.home else list(program.input_stages[v])
+        src = next(
+            ((names[v], key[1], s) for s in sources if (names[v], key[1], s) in present), None
+        )
+        if src is None:
+            raise AssertionError(
+                f"value {names[v]} (micro-batch {mb}) is not computed before mesh {mesh} needs it"
             )
-        else:
-            sources = [program.home[v]] if v in program.home else list(program.input_stages[v])
-            src = next(
-                ((names[v], key[1], s) for s in sources if (names[v], key[1], s) in present), None
-            )
-            if src is None:
-                raise AssertionError(
-                    f"value {names[v]} (micro-batch {mb}) is not computed "
-                    f"before mesh {mesh} needs it"
-                )
-            instructions.append(Instruction("RESHARD", mesh, (src,), (key,)))
+        instructions.append(Instruction(Op.RESHARD, mesh, (src,), (key,)))
         present.add(key)
         return key
 
+    # Which outputs of each computation are read by anything but the accumulation.
     accumulated_by_operand = {op: out for out, op in program.accumulated.items()}
-    accumulate_count: dict = {}
+    read_elsewhere = {v for c in program.computations for v in c.invars}
+    read_elsewhere |= {v for v in jaxpr.outvars if _is_var(v)}
+    kernels: list[Kernel] = []
+    kernel_of: dict[int, int] = {}
+
+    def kernel_for(comp) -> int:
+        index = comps[comp]
+        if index not in kernel_of:
+            kept, accumulate = [], []
+            for i, v in enumerate(comp.outvars):
+                out = accumulated_by_operand.get(v)
+                if out is not None and out not in read_elsewhere:
+                    out = None  # a marked value nothing reads (alpa.grad's loss): not summed
+                if out is None or v in read_elsewhere:
+                    kept.append(i)
+                if out is not None:
+                    scale = 1.0 / k if k > 1 and _is_float(out) else None
+                    accumulate.append(Accumulation(i, out, scale, reads_sum=k > 1))
+            kernel_of[index] = len(kernels)
+            kernels.append(Kernel(index, tuple(kept), tuple(accumulate)))
+        return kernel_of[index]
 
     def run(comp, mb):
-        ins = tuple(ensure(v, mb, comp.stage) for v in comp.invars)
-        outs = tuple((names[v], mb_of(v, mb), comp.stage) for v in comp.outvars)
-        for key, v in zip(outs, comp.outvars, strict=True):
-            nbytes[key] = _nbytes(v)
-        if comp.eqns:
+        if not comp.eqns:
+            present.update((names[v], mb_of(v, mb), comp.stage) for v in comp.outvars)
+            return
+        kernel = kernels[kernel_for(comp)]
+        ins = [ensure(v, mb, comp.stage) for v in comp.invars]
+        outs = [
+            (names[comp.outvars[i]], mb_of(comp.outvars[i], mb), comp.stage) for i in kernel.kept
+        ]
+        sums = [(names[a.marker_out], None, comp.stage) for a in kernel.accumulate]
+        for key, a in zip(sums, kernel.accumulate, strict=True):
+            nbytes[key] = _nbytes(a.marker_out)
+        missing = tuple(
+            key
+            for key, a in zip(sums, kernel.accumulate, strict=True)
+            if a.reads_sum and key not in present
+        )
+        if missing:
             instructions.append(
-                Instruction("RUN", comp.stage, ins, outs, computation=comps[comp], micro_batch=mb)
+                Instruction(Op.ALLOC, comp.stage, (), missing, computation=kernel_of[comps[comp]])
             )
-        present.update(outs)
-        for v, key in zip(comp.outvars, outs, strict=True):
-            out = accumulated_by_operand.get(v)
-            if out is None:
-                continue
-            n = accumulate_count.get(out, 0)
-            accumulate_count[out] = n + 1
-            scale = 1.0 / k if n == k - 1 and k > 1 and _is_float(out) else None
-            dst = (names[out], None, comp.stage)
-            nbytes[dst] = _nbytes(out)
-            instructions.append(
-                Instruction("ACCUMULATE", comp.stage, (key,), (dst,), first=n == 0, scale=scale)
+            present.update(missing)
+        ins += [key for key, a in zip(sums, kernel.accumulate, strict=True) if a.reads_sum]
+        for key, i in zip(outs, kernel.kept, strict=True):
+            nbytes[key] = _nbytes(comp.outvars[i])
+        instructions.append(
+            Instruction(
+                Op.RUN,
+                comp.stage,
+                tuple(ins),
+                tuple(outs + sums),
+                computation=kernel_of[comps[comp]],
+                micro_batch=mb,
             )
-            present.add(dst)
+        )
+        present.update(outs + sums)
 
     for tick in schedule.ticks:
         apply_stages = [t.stage for t in tick if t.kind == "apply"]
@@ -190,7 +281,6 @@ def emit_instructions(
             outputs.append(("key", ensure(v, None, program.input_stages[v][0])))
         else:
             outputs.append(("key", (names[v], None, program.home[v])))
-    del var_of
     final_keys = set()
     for kind, value in outputs:
         if kind == "key":
@@ -199,7 +289,8 @@ def emit_instructions(
             final_keys.update(value)
 
     return PipelineInstructions(
-        instructions=tuple(_insert_frees(instructions, persistent, final_keys)),
+        instructions=tuple(_attach_frees(instructions, persistent | final_keys)),
+        kernels=tuple(kernels),
         num_meshes=program.num_stages,
         persistent=frozenset(persistent),
         outputs=tuple(outputs),
@@ -216,25 +307,20 @@ def _is_float(v) -> bool:
     return np.issubdtype(np.dtype(v.aval.dtype), np.inexact)
 
 
-def _insert_frees(instructions, persistent, final_keys) -> list[Instruction]:
+def _attach_frees(instructions, keep) -> list[Instruction]:
+    """Each instruction, with the buffers whose last use it is (not ``keep``) to drop."""
     last_use: dict[BufferKey, int] = {}
     for i, ins in enumerate(instructions):
         for key in ins.inputs + ins.outputs:
             last_use[key] = i
-    keep = persistent | final_keys
-    frees_after: dict[int, list[BufferKey]] = {}
+    frees: dict[int, list[BufferKey]] = {}
     for key, i in last_use.items():
         if key not in keep:
-            frees_after.setdefault(i, []).append(key)
-    out = []
-    for i, ins in enumerate(instructions):
-        out.append(ins)
-        by_mesh: dict[int, list] = {}
-        for key in frees_after.get(i, ()):
-            by_mesh.setdefault(key[2], []).append(key)
-        for mesh, keys in sorted(by_mesh.items()):
-            out.append(Instruction("FREE", mesh, tuple(sorted(keys, key=str))))
-    return out
+            frees.setdefault(i, []).append(key)
+    return [
+        dataclasses.replace(ins, free=tuple(sorted(frees[i], key=str))) if i in frees else ins
+        for i, ins in enumerate(instructions)
+    ]
 
 
 def simulate_memory(program: PipelineInstructions) -> list[int]:
@@ -243,15 +329,14 @@ def simulate_memory(program: PipelineInstructions) -> list[int]:
     peak = [0] * program.num_meshes
     alive: set = set()
     for ins in program.instructions:
-        if ins.op == "FREE":
-            for key in ins.inputs:
-                if key in alive:
-                    alive.remove(key)
-                    live[key[2]] -= program.nbytes[key]
-            continue
         for key in ins.outputs:
             if key not in alive and key not in program.persistent:
                 alive.add(key)
                 live[key[2]] += program.nbytes[key]
-        peak[ins.mesh] = max(peak[ins.mesh], live[ins.mesh])
+        for mesh in {key[2] for key in ins.outputs} | {ins.mesh}:
+            peak[mesh] = max(peak[mesh], live[mesh])
+        for key in ins.free:
+            if key in alive:
+                alive.remove(key)
+                live[key[2]] -= program.nbytes[key]
     return peak

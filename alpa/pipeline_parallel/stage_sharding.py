@@ -4,7 +4,7 @@ Each stage is sharded on its own logical submesh by the auto-sharding ILP
 (``alpa.shard_parallel.auto_sharding``) with that stage's ``AutoShardingOption``. The
 result is one table, ``(value, mesh) -> PartitionSpec``: a value has one sharding on a
 mesh, so every computation that writes or reads it there (and every ``LOAD``,
-``RESHARD`` and ``ACCUMULATE`` into it) agrees.
+``RESHARD`` and accumulator into it) agrees.
 
 * The forward and backward computations of a stage are planned **together**, as one
   jaxpr: a value the forward passes to its backward is an intermediate of that jaxpr, so
@@ -15,6 +15,11 @@ mesh, so every computation that writes or reads it there (and every ``LOAD``,
 * Values the ILP does not name (or all values, with ``force_data_parallel=True`` or
   ``enable_auto_sharding=False``) are data parallel: split along dimension 0 over all
   devices of the submesh when they depend on the batch and it divides, else replicated.
+* A step output that replaces a donated input (the updated parameters and optimizer state
+  of a train step, paired as ``ShardParallel`` pairs them) takes that input's sharding on
+  its mesh (:func:`tie_donated_outputs`), so the next step's inputs are already in place;
+  the apply-grad computation lays it out so, on the device, instead of every step
+  starting with a resharding of the whole state.
 """
 
 from __future__ import annotations
@@ -28,7 +33,11 @@ from jax.sharding import PartitionSpec
 
 from alpa.device_mesh import LogicalDeviceMesh
 from alpa.pipeline_parallel.computation import PipelineProgram, StageComputation, _is_var
-from alpa.shard_parallel.auto_sharding import AutoShardingOption, plan_auto_sharding
+from alpa.shard_parallel.auto_sharding import (
+    AutoShardingOption,
+    donated_state_pairs,
+    plan_auto_sharding,
+)
 from alpa.tracing import TracedStep, new_jaxpr
 
 DATA_AXES = ("x", "y")
@@ -170,3 +179,23 @@ def _plan_into(
         if spec is not None:
             table.setdefault((v, s), spec)
     return plan.objective
+
+
+def tie_donated_outputs(
+    traced: TracedStep, program: PipelineProgram, table: dict, mesh_sizes: Sequence[int]
+) -> None:
+    """Give each output that replaces a donated input the input's spec on the output's mesh
+    (``table`` is updated in place; ``mesh_sizes[s]``: devices of mesh ``s``; see the
+    module docstring)."""
+    jaxpr = traced.closed_jaxpr.jaxpr
+    for i, o in donated_state_pairs(traced):
+        var_in, var_out = jaxpr.invars[i], jaxpr.outvars[o]
+        if not _is_var(var_out) or var_out not in program.home:
+            continue
+        mesh = program.home[var_out]
+        if mesh not in program.input_stages[var_in]:
+            continue
+        spec = table.get((var_in, mesh))
+        if spec is None:
+            spec = data_parallel_spec(var_in, program, mesh_sizes[mesh])
+        table[(var_out, mesh)] = spec

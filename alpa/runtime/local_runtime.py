@@ -2,14 +2,19 @@
 
 Every mesh is a set of this process's devices; the driver itself walks the instruction
 list (DESIGN §6). Values move between submeshes with ``jax.device_put`` (DESIGN §7: a jit
-never reads an array of another mesh), and each ``RESHARD`` is also planned tile by tile
-(``pipeline_parallel.resharding``, cached per shape and pair of shardings): the plan's bytes,
-what a cross-host backend would send, are counted per step (``resharded_bytes``). Buffers
-are plain references in a dict keyed by ``BufferKey``; ``FREE`` drops them, and JAX frees
-device memory when the last reference goes.
+never reads an array of another mesh); each ``RESHARD`` is also planned tile by tile
+(``pipeline_parallel.resharding``) when the runtime is built, and the plan's bytes, what a
+cross-host backend would send, are counted per step (``resharded_bytes``).
 
-The runtime records, per instruction, when it was dispatched (or, with
-``blocking=True``, when it finished), which the executable writes as a Chrome trace.
+**Prebuilt closures.** Nothing is interpreted per step. When the runtime is built, every
+buffer key gets an integer slot and every instruction becomes one closure
+``fn(env, flat_args)`` made by the handler of its opcode (:data:`HANDLERS`), with its
+compiled program, input and output slots, shardings and the slots it frees (its
+``Instruction.free``) bound in. A step is then ``for fn in closures: fn(env, args)`` over a
+list of slots; JAX frees device memory when a slot's last reference goes.
+
+The runtime records, per instruction, when it was dispatched (or, with ``blocking=True``,
+when it finished), which the executable writes as a Chrome trace.
 """
 
 from __future__ import annotations
@@ -21,10 +26,16 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding
+from jax.sharding import NamedSharding, PartitionSpec
 
-from alpa.pipeline_parallel.resharding import MeshSharding, ReshardingPlan, plan_resharding
-from alpa.pipeline_parallel.runtime_emitter import BufferKey, PipelineInstructions
+from alpa.executable import is_placed
+from alpa.pipeline_parallel.resharding import MeshSharding, plan_resharding
+from alpa.pipeline_parallel.runtime_emitter import (
+    BufferKey,
+    Instruction,
+    Op,
+    PipelineInstructions,
+)
 
 
 @dataclass
@@ -36,88 +47,212 @@ class TraceEvent:
     args: dict = field(default_factory=dict)
 
 
-@dataclass
+@dataclass(frozen=True)
+class RuntimeContext:
+    """What the handlers need from the executable.
+
+    Attributes:
+      kernels: per ``Kernel`` of the instructions, its compiled program.
+      allocs: ``alloc(keys) -> callable`` returning zeros for those buffers.
+      sharding_of: ``BufferKey -> jax.sharding.Sharding`` of that buffer on its mesh.
+      micro_batch_size: per step-input leaf, its micro-batch size (for ``LOAD``).
+      kernel_names: per kernel, a name for the trace.
+      shape_of: ``BufferKey -> shape`` of that buffer.
+    """
+
+    kernels: Sequence[Callable]
+    allocs: Callable[[tuple[BufferKey, ...]], Callable]
+    sharding_of: Callable[[BufferKey], Any]
+    micro_batch_size: Sequence[int | None]
+    kernel_names: Sequence[str]
+    shape_of: Callable[[BufferKey], tuple[int, ...]]
+
+
+# A built instruction: the closure, its trace name and arguments, and its output slots.
+_Built = tuple[Callable, str, dict, tuple[int, ...]]
+
+
+def _build_run(ins: Instruction, slot: dict, ctx: RuntimeContext) -> _Built:
+    program = ctx.kernels[ins.computation]
+    in_slots = tuple(slot[k] for k in ins.inputs)
+    out_slots = tuple(slot[k] for k in ins.outputs)
+    free = tuple(slot[k] for k in ins.free)
+
+    def run(env, args):
+        outs = program(*[env[i] for i in in_slots])
+        for i, value in zip(out_slots, outs, strict=True):
+            env[i] = value
+        for i in free:
+            env[i] = None
+
+    name = f"{ctx.kernel_names[ins.computation]} mb{ins.micro_batch}"
+    return run, name, {}, out_slots
+
+
+def _build_alloc(ins: Instruction, slot: dict, ctx: RuntimeContext) -> _Built:
+    zeros = ctx.allocs(ins.outputs)
+    out_slots = tuple(slot[k] for k in ins.outputs)
+
+    def alloc(env, args):
+        for i, value in zip(out_slots, zeros(), strict=True):
+            env[i] = value
+
+    return alloc, f"alloc {len(out_slots)} accumulators", {}, out_slots
+
+
+def _build_load(ins: Instruction, slot: dict, ctx: RuntimeContext) -> _Built:
+    """All micro-batches of a batch argument onto one mesh in three calls, whatever ``k``:
+    view it as ``[k, size, ...]``, place that with each micro-batch laid out as the mesh
+    wants it (``P(None, *spec)``), and cut it into the ``k`` micro-batches with one
+    compiled call on the mesh (every device slices its own rows: no communication)."""
+    leaf, keys = ins.leaf, ins.outputs
+    size = ctx.micro_batch_size[leaf]
+    k = len(keys)
+    sharding = ctx.sharding_of(keys[0])
+    if any(ctx.sharding_of(key) != sharding for key in keys):
+        raise AssertionError(f"micro-batches of {keys[0][0]} differ in sharding")
+    stacked = NamedSharding(sharding.mesh, PartitionSpec(None, *sharding.spec))
+    unstack = jax.jit(lambda s: [s[m] for m in range(k)], out_shardings=[sharding] * k)
+    out_slots = tuple(slot[key] for key in keys)
+    free = tuple(slot[key] for key in ins.free)
+
+    def load(env, args):
+        x = args[leaf]
+        if not isinstance(x, jax.Array):
+            x = np.asarray(x)
+        if k == 1:
+            env[out_slots[0]] = jax.device_put(x, sharding)
+        else:
+            x = jax.device_put(x.reshape((k, size) + x.shape[1:]), stacked)
+            for i, value in zip(out_slots, unstack(x), strict=True):
+                env[i] = value
+        for i in free:
+            env[i] = None
+
+    return load, f"load {keys[0][0]}", {}, out_slots
+
+
+def _build_reshard(ins: Instruction, slot: dict, ctx: RuntimeContext) -> _Built:
+    """``jax.device_put`` to the destination mesh, after laying the value out on its own
+    mesh as the destination wants it when that is needed. ``device_put`` between device
+    sets copies buffers device to device, asynchronously, only when every destination
+    shard is the index of some source shard; otherwise JAX fetches the whole value to the
+    host, which waits for the computation that produces it and so stalls the pipeline. A
+    compiled identity with the destination's spec on the source mesh (same shape) makes
+    the indices match. Between meshes of different shapes that is not always possible, and
+    the host path remains."""
+    (src,), (dst,) = ins.inputs, ins.outputs
+    src_slot, dst_slot = slot[src], slot[dst]
+    sharding, source = ctx.sharding_of(dst), ctx.sharding_of(src)
+    free = tuple(slot[k] for k in ins.free)
+    shape = ctx.shape_of(src)
+    relayout = None
+    if not _indices_covered(source, sharding, shape) and source.mesh.shape == sharding.mesh.shape:
+        relayout = jax.jit(lambda v: v, out_shardings=NamedSharding(source.mesh, sharding.spec))
+
+    def reshard(env, args):
+        value = env[src_slot]
+        if relayout is not None:
+            value = relayout(value)
+        env[dst_slot] = jax.device_put(value, sharding)
+        for i in free:
+            env[i] = None
+
+    return reshard, f"reshard {src[0]} {src[2]}->{dst[2]}", {}, (dst_slot,)
+
+
+def _indices_covered(src, dst, shape) -> bool:
+    """Whether every shard ``dst`` needs is exactly a shard ``src`` has."""
+    have = {_index_key(i) for i in src.devices_indices_map(shape).values()}
+    return all(_index_key(i) in have for i in dst.devices_indices_map(shape).values())
+
+
+def _index_key(index) -> tuple:
+    return tuple((s.start, s.stop, s.step) for s in index)
+
+
+#: Opcode -> builder of the instruction's closure.
+HANDLERS: dict[Op, Callable[[Instruction, dict, RuntimeContext], _Built]] = {
+    Op.RUN: _build_run,
+    Op.ALLOC: _build_alloc,
+    Op.LOAD: _build_load,
+    Op.RESHARD: _build_reshard,
+}
+
+
 class LocalPipelineRuntime:
-    """Executes :class:`PipelineInstructions`.
+    """Executes :class:`PipelineInstructions` through prebuilt closures.
 
     Attributes:
       program: the instructions.
-      computations: callables, indexed like ``Instruction.computation``.
       sharding_of: ``BufferKey -> jax.sharding.Sharding`` of that buffer on its mesh.
-      micro_batch_size: per step-input leaf, its micro-batch size (for ``LOAD``).
-      computation_names: for the trace.
-      leaf_index: name of a step input -> its position in the flat arguments.
-      resharded_bytes: bytes the last step's ``RESHARD`` instructions sent between meshes,
-        by the tile plan (each piece once per destination host).
+      resharded_bytes: bytes a step's ``RESHARD`` instructions send between meshes, by the
+        tile plan (each piece once per destination host).
+      events: the last step's trace events.
     """
 
-    program: PipelineInstructions
-    computations: Sequence[Callable]
-    sharding_of: Callable[[BufferKey], Any]
-    micro_batch_size: Sequence[int | None]
-    computation_names: Sequence[str]
-    leaf_index: dict[str, int] = field(default_factory=dict)
-    events: list[TraceEvent] = field(default_factory=list)
-    leftover: list[BufferKey] = field(default_factory=list)
-    resharded_bytes: int = 0
-    _plans: dict = field(default_factory=dict)
-
-    def __post_init__(self):
-        self._add = jax.jit(lambda a, b: a + b)
-        self._add_scale = jax.jit(lambda a, b, s: (a + b) * s.astype(a.dtype))
-        self._scale = jax.jit(lambda a, s: a * s.astype(a.dtype))
+    def __init__(
+        self,
+        program: PipelineInstructions,
+        context: RuntimeContext,
+        leaf_index: dict[str, int],
+        reshard_plan_bytes: Callable[[Instruction], int],
+    ):
+        self.program = program
+        self.sharding_of = context.sharding_of
+        keys: list[BufferKey] = sorted(
+            {key for ins in program.instructions for key in ins.inputs + ins.outputs}
+            | set(program.persistent),
+            key=str,
+        )
+        for kind, value in program.outputs:
+            if kind == "key" and value not in keys:
+                keys.append(value)
+        self._slot = {key: i for i, key in enumerate(keys)}
+        self._num_slots = len(keys)
+        self._persistent = [
+            (self._slot[key], leaf_index[key[0]], context.sharding_of(key))
+            for key in sorted(program.persistent, key=str)
+        ]
+        self._placed_as: list[Any] = [None] * len(self._persistent)
+        self._steps: list[_Built] = []
+        self.resharded_bytes = 0
+        for ins in program.instructions:
+            fn, name, args, out_slots = HANDLERS[ins.op](ins, self._slot, context)
+            if ins.op is Op.RESHARD:
+                args = {"bytes": reshard_plan_bytes(ins)}
+                self.resharded_bytes += args["bytes"]
+            self._steps.append((fn, name, args, out_slots))
+        self._meshes = [ins.mesh for ins in program.instructions]
+        self._outputs = [
+            (kind, self._slot[value] if kind == "key" else value) for kind, value in program.outputs
+        ]
+        self._times: list[float] = []
+        self._last_env: list = []
 
     def run(self, flat_args: Sequence[Any], consts: dict, blocking: bool = False) -> list:
-        env: dict[BufferKey, Any] = {}
-        for key in self.program.persistent:
-            leaf = self._leaf_of_key(key)
-            env[key] = _place(flat_args[leaf], self.sharding_of(key))
-        events = []
-        resharded = 0
-        for ins in self.program.instructions:
-            start = time.perf_counter()
-            if ins.op == "FREE":
-                for key in ins.inputs:
-                    env.pop(key, None)
-                continue
-            args = {}
-            if ins.op == "LOAD":
-                (key,) = ins.outputs
-                size = self.micro_batch_size[ins.leaf]
-                arg = flat_args[ins.leaf]
-                piece = arg[ins.micro_batch * size : (ins.micro_batch + 1) * size]
-                env[key] = jax.device_put(piece, self.sharding_of(key))
-                name = f"load {key[0]} mb{ins.micro_batch}"
-            elif ins.op == "RESHARD":
-                (src,), (dst,) = ins.inputs, ins.outputs
-                value, sharding = env[src], self.sharding_of(dst)
-                sent = self._plan(value, sharding).num_elements_sent() * value.dtype.itemsize
-                resharded += sent
-                env[dst] = jax.device_put(value, sharding)
-                name = f"reshard {src[0]} {src[2]}->{dst[2]}"
-                args = {"bytes": sent}
-            elif ins.op == "RUN":
-                outs = self.computations[ins.computation](*[env[k] for k in ins.inputs])
-                env.update(zip(ins.outputs, outs, strict=True))
-                name = f"{self.computation_names[ins.computation]} mb{ins.micro_batch}"
-                if blocking:
-                    jax.block_until_ready(outs)
-            elif ins.op == "ACCUMULATE":
-                (src,), (dst,) = ins.inputs, ins.outputs
-                value = env[src]
-                scale = None if ins.scale is None else np.float32(ins.scale)
-                if ins.first:
-                    env[dst] = value if scale is None else self._scale(value, scale)
-                elif scale is None:
-                    env[dst] = self._add(env[dst], value)
-                else:
-                    env[dst] = self._add_scale(env[dst], value, scale)
-                name = f"accumulate {dst[0]}"
+        env: list[Any] = [None] * self._num_slots
+        placed_as = self._placed_as
+        for n, (i, leaf, sharding) in enumerate(self._persistent):
+            x = flat_args[leaf]
+            if isinstance(x, jax.Array) and x.sharding is placed_as[n]:
+                env[i] = x
+            elif is_placed(x, sharding):
+                placed_as[n] = x.sharding  # next time an identity check suffices
+                env[i] = x
             else:
-                raise AssertionError(f"unknown instruction {ins.op}")
-            events.append(TraceEvent(name, ins.mesh, start, time.perf_counter(), args))
+                env[i] = jax.device_put(x, sharding)
+        clock = time.perf_counter
+        times = [clock()]
+        for fn, _, _, out_slots in self._steps:
+            fn(env, flat_args)
+            if blocking:
+                jax.block_until_ready([env[i] for i in out_slots])
+            times.append(clock())
+        self._times = times
+        self._last_env = env
         outputs = []
-        for kind, value in self.program.outputs:
+        for kind, value in self._outputs:
             if kind == "literal":
                 outputs.append(jax.numpy.asarray(value))
             elif kind == "const":
@@ -125,27 +260,45 @@ class LocalPipelineRuntime:
             elif kind == "key":
                 outputs.append(env[value])
             else:
-                outputs.append(_concat([env[k] for k in value]))
-        # Nothing but inputs and outputs may stay alive after a step.
-        output_keys = {v for kind, v in self.program.outputs if kind == "key"}
-        output_keys |= {k for kind, v in self.program.outputs if kind == "concat" for k in v}
-        self.leftover = sorted(set(env) - self.program.persistent - output_keys, key=str)
-        self.events = events
-        self.resharded_bytes = resharded
+                outputs.append(_concat([env[self._slot[k]] for k in value]))
         return outputs
 
-    def _leaf_of_key(self, key: BufferKey) -> int:
-        return self.leaf_index[key[0]]
+    @property
+    def events(self) -> list[TraceEvent]:
+        """The last step, one event per instruction."""
+        times = self._times
+        return [
+            TraceEvent(name, mesh, times[i], times[i + 1], dict(args))
+            for i, ((_, name, args, _), mesh) in enumerate(
+                zip(self._steps, self._meshes, strict=True)
+            )
+        ]
 
-    def _plan(self, value, dst_sharding) -> ReshardingPlan:
-        ndim = len(value.shape)
-        key = (value.shape, value.sharding, dst_sharding)
-        plan = self._plans.get(key)
-        if plan is None:
-            src = _mesh_sharding(value.sharding, ndim)
-            plan = plan_resharding(value.shape, src, _mesh_sharding(dst_sharding, ndim))
-            self._plans[key] = plan
-        return plan
+    @property
+    def leftover(self) -> list[BufferKey]:
+        """Buffers of the last step still alive besides inputs and outputs (none)."""
+        keep = set(self.program.persistent)
+        for kind, value in self.program.outputs:
+            if kind == "key":
+                keep.add(value)
+            elif kind == "concat":
+                keep.update(value)
+        return sorted(
+            (
+                key
+                for key, i in self._slot.items()
+                if i < len(self._last_env) and self._last_env[i] is not None and key not in keep
+            ),
+            key=str,
+        )
+
+
+def reshard_bytes(shape: tuple[int, ...], dtype: Any, src, dst) -> int:
+    """Bytes the tile plan sends to move a value of ``shape`` from sharding ``src`` to
+    ``dst`` (each piece once per destination host)."""
+    ndim = len(shape)
+    plan = plan_resharding(shape, _mesh_sharding(src, ndim), _mesh_sharding(dst, ndim))
+    return plan.num_elements_sent() * np.dtype(dtype).itemsize
 
 
 def _mesh_sharding(sharding, ndim: int) -> MeshSharding:
@@ -158,12 +311,6 @@ def _mesh_sharding(sharding, ndim: int) -> MeshSharding:
     if len(sharding.device_set) == 1:
         return MeshSharding((1, 1), ((),) * ndim)
     raise NotImplementedError(f"resharding plan for sharding {sharding}")
-
-
-def _place(value, sharding):
-    if isinstance(value, jax.Array) and value.sharding == sharding:
-        return value
-    return jax.device_put(value, sharding)
 
 
 _concat_fn = jax.jit(lambda *xs: jax.numpy.concatenate(xs, axis=0))

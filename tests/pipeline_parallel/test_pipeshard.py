@@ -277,17 +277,17 @@ def test_gradients_stay_on_their_stage_and_buffers_die_after_last_use():
     # The backward of stage s runs on mesh s and stage s's parameters only live there.
     specs = executable.get_input_placement_specs()[0]
     assert [specs[f"w{i}"].mesh_ids for i in range(4)] == [(0,), (1,), (2,), (3,)]
-    # FREE follows the last use of every buffer that is not an input or an output.
+    # Each buffer that is not an input or an output is freed by the instruction that uses
+    # it last, and never used after that.
+    assert {ins.op for ins in instructions.instructions} <= {"LOAD", "RUN", "ALLOC", "RESHARD"}
     last_use, freed = {}, set()
     for i, ins in enumerate(instructions.instructions):
-        if ins.op == "FREE":
-            for key in ins.inputs:
-                assert key not in freed and last_use[key] < i
-                freed.add(key)
-        else:
-            for key in ins.inputs + ins.outputs:
-                assert key not in freed, f"{key} used after FREE"
-                last_use[key] = i
+        for key in ins.inputs + ins.outputs:
+            assert key not in freed, f"{key} used after it was freed"
+            last_use[key] = i
+        for key in ins.free:
+            assert key not in freed and last_use[key] == i
+            freed.add(key)
     output_keys = {v for kind, v in instructions.outputs if kind == "key"}
     assert set(last_use) - freed == (set(last_use) & (instructions.persistent | output_keys))
 
