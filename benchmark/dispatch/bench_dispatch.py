@@ -1,19 +1,24 @@
 """Dispatch overhead of a parallelized step against ``jax.jit`` of the same step (issue 9).
 
 What a user runs: a flax ``TrainState`` with optax adam, an MLP regression step, steady state
-after warm-up. Each case times the alpa step and its ``jax.jit`` reference in interleaved
-rounds (a round runs ``--steps`` steps of one, then of the other), every step waited for
-(``jax.block_until_ready``), and reports the median step time of each and their ratio.
+after warm-up. The reference is ``jax.jit`` of the same step function (``alpa.grad`` is
+``jax.grad`` plus an identity marker, so plain ``jax.jit`` runs it too). Each case times the
+alpa step and its ``jax.jit`` reference in interleaved turns, one step of each at a time
+(``--rounds`` x ``--steps`` steps each), every step waited for (``jax.block_until_ready``),
+and reports the median step time of each and their ratio.
 
 Cases:
 
 * ``tiny`` / ``1ms`` / ``25ms`` MLP steps on **1 device** (``ShardParallel`` on one device vs
   plain ``jax.jit``) and on **8 devices** (``DataParallel`` vs a hand-sharded ``jax.jit``:
   parameters and optimizer state replicated, batch split on dim 0, state donated).
-* a **2-stage pipeline** (``PipeshardParallel``, 1F1B, 4+4 devices) with 4 and 16
-  micro-batches: instructions per step, driver time per instruction (the time ``launch``
-  takes to dispatch one step, divided by its instructions), and its step time against
-  ``DataParallel`` of the same step on all 8 devices.
+* a **2-stage pipeline** (``PipeshardParallel``, 1F1B, 4+4 devices, a small MLP whose step
+  time is the driver's) with 4 and 16 micro-batches: instructions per step, driver time
+  per instruction (the time a call takes to return, every instruction dispatched, divided
+  by the instructions), how much of it is spent inside the instructions' JAX calls, and
+  the step time against ``DataParallel`` of the same step on all 8 devices;
+* **JAX's floor**: a compiled call on a 4-device mesh and a ``device_put`` between two
+  4-device meshes, without alpa.
 
 Results go to ``benchmark/dispatch/results.json`` (``--out``) and a table is printed; the
 table in ``docs/dispatch.md`` is this output.
@@ -95,17 +100,16 @@ def copy_tree(tree):
 
 
 def timed_rounds(fns: dict, states: dict, batch, rounds: int, steps: int) -> dict:
-    """Median seconds per step of each ``fns[name](state, batch) -> state``, interleaved."""
+    """Median seconds per step of each ``fns[name](state, batch) -> state``, interleaved
+    step by step (one step of each in turn), so that drift of a shared machine hits all
+    alike."""
     times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(rounds):
+    for _ in range(rounds * steps):
         for name, fn in fns.items():
-            state = states[name]
-            for _ in range(steps):
-                tic = time.perf_counter()
-                state = fn(state, batch)
-                jax.block_until_ready(state)
-                times[name].append(time.perf_counter() - tic)
-            states[name] = state
+            tic = time.perf_counter()
+            states[name] = fn(states[name], batch)
+            jax.block_until_ready(states[name])
+            times[name].append(time.perf_counter() - tic)
     return {name: statistics.median(t) for name, t in times.items()}
 
 
@@ -115,7 +119,7 @@ def bench_mlp(size: str, num_devices: int, rounds: int, steps: int) -> dict:
     state, batch = make_state(hidden, layers, batch_size)
     if num_devices == 1:
         method = alpa.ShardParallel(devices=devices)
-        jitted = jax.jit(make_step(jax.grad), donate_argnums=(0,))
+        jitted = jax.jit(make_step(alpa.grad), donate_argnums=(0,))
         reference = "jax.jit"
     else:
         method = alpa.DataParallel(devices=devices)
@@ -125,7 +129,7 @@ def bench_mlp(size: str, num_devices: int, rounds: int, steps: int) -> dict:
         replicated = NamedSharding(mesh, PartitionSpec())
         rows = NamedSharding(mesh, PartitionSpec("d"))
         jitted = jax.jit(
-            make_step(jax.grad),
+            make_step(alpa.grad),
             in_shardings=(replicated, rows),
             out_shardings=replicated,
             donate_argnums=(0,),
@@ -157,8 +161,13 @@ def instruction_count(executable) -> int:
     return len(executable.instructions.instructions)
 
 
+# Pipeline model: small enough that a step's time is the driver's (the 2-stage step of
+# issue 9's measurements), large enough to be a real MLP.
+PIPELINE = (64, 4, 64)
+
+
 def bench_pipeline(num_micro_batches: int, rounds: int, steps: int) -> dict:
-    hidden, layers, batch_size = 256, 4, 256
+    hidden, layers, batch_size = PIPELINE
     devices = jax.devices()[:8]
     state, batch = make_state(hidden, layers, batch_size, boundary=True)
     pipeshard = alpa.PipeshardParallel(
@@ -183,18 +192,20 @@ def bench_pipeline(num_micro_batches: int, rounds: int, steps: int) -> dict:
         jax.block_until_ready(states[name])
     medians = timed_rounds(fns, states, batch, rounds, steps)
 
-    # Driver time: how long one step takes to dispatch (launch returns before the stages
-    # finish), per instruction.
+    # Driver time: how long one call takes to return (every instruction dispatched), and
+    # how much of it is spent inside the instructions (their JAX calls) rather than in the
+    # loop around them.
     executable = fns["pipeshard"].get_last_executable()
     num_instructions = instruction_count(executable)
-    driver = []
+    dispatch, inside = [], []
     pipe_state = states["pipeshard"]
     for _ in range(rounds * steps):
         tic = time.perf_counter()
         pipe_state = fns["pipeshard"](pipe_state, batch)
-        driver.append(time.perf_counter() - tic)
+        dispatch.append(time.perf_counter() - tic)
+        inside.append(sum(e.end - e.start for e in executable.runtime.events))
         jax.block_until_ready(pipe_state)
-    dispatch = statistics.median(driver)
+    dispatch_s, inside_s = statistics.median(dispatch), statistics.median(inside)
     return {
         "case": f"2-stage pipeline, {num_micro_batches} micro-batches",
         "method": "PipeshardParallel (1f1b, 2 x 4 devices)",
@@ -203,11 +214,46 @@ def bench_pipeline(num_micro_batches: int, rounds: int, steps: int) -> dict:
         "layers": layers,
         "batch": batch_size,
         "instructions_per_step": num_instructions,
-        "driver_us_per_instruction": dispatch / num_instructions * 1e6,
-        "dispatch_ms": dispatch * 1e3,
+        "driver_us_per_instruction": dispatch_s / num_instructions * 1e6,
+        "in_instructions_us_per_instruction": inside_s / num_instructions * 1e6,
+        "outside_instructions_us_per_step": (dispatch_s - inside_s) * 1e6,
+        "dispatch_ms": dispatch_s * 1e3,
         "pipeshard_ms": medians["pipeshard"] * 1e3,
         "dp_ms": medians["dp"] * 1e3,
         "ratio_vs_dp": medians["pipeshard"] / medians["dp"],
+    }
+
+
+def bench_jax_floor(repeats: int = 200) -> dict:
+    """JAX's own cost, no alpa: one call of a compiled identity-sized program on a 4-device
+    mesh, and one ``jax.device_put`` of its result to another 4-device mesh (same layout),
+    each waited for before the next, on [8, 64] float32."""
+    meshes = [
+        jax.make_mesh(
+            (1, 4),
+            ("x", "y"),
+            axis_types=(jax.sharding.AxisType.Auto,) * 2,
+            devices=jax.devices()[4 * i : 4 * i + 4],
+        )
+        for i in range(2)
+    ]
+    src, dst = (NamedSharding(m, PartitionSpec(("x", "y"))) for m in meshes)
+    program = jax.jit(lambda a: a + 1, in_shardings=src, out_shardings=src)
+    x = jax.device_put(jnp.ones((8, 64)), src)
+    times: dict[str, list[float]] = {"run": [], "device_put": []}
+    for _ in range(repeats):
+        tic = time.perf_counter()
+        y = program(x)
+        times["run"].append(time.perf_counter() - tic)
+        y.block_until_ready()
+        tic = time.perf_counter()
+        z = jax.device_put(y, dst)
+        times["device_put"].append(time.perf_counter() - tic)
+        z.block_until_ready()
+    return {
+        "case": "jax floor (no alpa)",
+        "run_4_devices_us": statistics.median(times["run"]) * 1e6,
+        "device_put_4_to_4_devices_us": statistics.median(times["device_put"]) * 1e6,
     }
 
 
@@ -219,7 +265,7 @@ def print_table(rows: list[dict]) -> None:
                 f"{r['case']:<36} {r['reference']:<24} {r['jit_ms']:8.3f} {r['alpa_ms']:8.3f} "
                 f"{r['ratio']:6.2f}"
             )
-        else:
+        elif "dp_ms" in r:
             print(
                 f"{r['case']:<36} {r['reference']:<24} {r['dp_ms']:8.3f} "
                 f"{r['pipeshard_ms']:8.3f} {r['ratio_vs_dp']:6.2f}"
@@ -227,9 +273,15 @@ def print_table(rows: list[dict]) -> None:
     for r in rows:
         if "instructions_per_step" in r:
             print(
-                f"{r['case']}: {r['instructions_per_step']} instructions per step, "
-                f"driver {r['driver_us_per_instruction']:.1f} us per instruction "
-                f"({r['dispatch_ms']:.2f} ms to dispatch a step)"
+                f"{r['case']}: {r['instructions_per_step']} instructions per step; driver "
+                f"{r['driver_us_per_instruction']:.0f} us per instruction "
+                f"({r['in_instructions_us_per_instruction']:.0f} us inside its JAX calls); "
+                f"{r['outside_instructions_us_per_step']:.0f} us per step outside them"
+            )
+        elif "run_4_devices_us" in r:
+            print(
+                f"{r['case']}: a compiled call on 4 devices {r['run_4_devices_us']:.0f} us, "
+                f"device_put between 4-device meshes {r['device_put_4_to_4_devices_us']:.0f} us"
             )
 
 
@@ -256,6 +308,8 @@ def main() -> None:
         for k in (4, 16):
             rows.append(bench_pipeline(k, args.rounds, args.steps))
             print(rows[-1], flush=True)
+        rows.append(bench_jax_floor())
+        print(rows[-1], flush=True)
     print_table(rows)
     result = {
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, jax {jax.__version__}",
