@@ -31,6 +31,22 @@ def assert_allclose(x: Any, y: Any, rtol: float = 1e-4, atol: float = 1e-4) -> N
         )
 
 
+def regression_train_step(grad: Callable = jax.grad) -> Callable:
+    """``train_step(state, batch) -> state``: one step of mean-squared-error regression of
+    ``state.apply_fn(state.params, batch["x"])`` onto ``batch["y"]``, differentiated with
+    ``grad`` (``alpa.grad`` for a parallelized step, ``jax.grad`` for its serial
+    reference; ``jax.jit`` runs either)."""
+
+    def train_step(state, batch):
+        def loss_fn(params):
+            out = state.apply_fn(params, batch["x"])
+            return jax.numpy.mean((out - batch["y"]) ** 2)
+
+        return state.apply_gradients(grads=grad(loss_fn)(state.params))
+
+    return train_step
+
+
 def get_mlp_train_state_and_step(
     batch_size: int,
     hidden_size: int,

@@ -21,7 +21,7 @@ from flax.training.train_state import TrainState
 from jax.sharding import NamedSharding, PartitionSpec
 
 import alpa
-from alpa.testing import assert_allclose
+from alpa.testing import assert_allclose, regression_train_step
 
 _COMPILES: list[str] = []
 
@@ -96,18 +96,6 @@ def _train_state(hidden=16, batch_size=32):
     return state, batch
 
 
-def _make_step(grad):
-    def train_step(state, batch):
-        def loss_fn(params):
-            out = state.apply_fn(params, batch["x"])
-            return jnp.mean((out - batch["y"]) ** 2)
-
-        grads = grad(loss_fn)(state.params)
-        return state.apply_gradients(grads=grads)
-
-    return train_step
-
-
 def _pipeshard(schedule="1f1b", num_micro_batches=4):
     return alpa.PipeshardParallel(
         num_micro_batches=num_micro_batches,
@@ -135,8 +123,8 @@ METHODS = {
 def test_train_state_create_step_compiles_once(name):
     devices_or_skip(8)
     state, batch = _train_state()
-    parallel = alpa.parallelize(_make_step(alpa.grad), method=METHODS[name]())
-    serial = jax.jit(_make_step(jax.grad))
+    parallel = alpa.parallelize(regression_train_step(alpa.grad), method=METHODS[name]())
+    serial = jax.jit(regression_train_step(jax.grad))
     ref = state
     for _ in range(4):
         ref = serial(ref, batch)
@@ -231,8 +219,8 @@ def test_inputs_in_an_equivalent_sharding_are_not_copied():
     devices = devices_or_skip(8)
     mesh = jax.make_mesh((8,), ("d",), axis_types=(jax.sharding.AxisType.Auto,), devices=devices)
     state, batch = _train_state()
-    ref = jax.jit(_make_step(jax.grad))(state, batch)
-    parallel = alpa.parallelize(_make_step(alpa.grad), method=alpa.DataParallel())
+    ref = jax.jit(regression_train_step(jax.grad))(state, batch)
+    parallel = alpa.parallelize(regression_train_step(alpa.grad), method=alpa.DataParallel())
     # The state is donated: an input used as it is (not copied) is deleted by the call.
     for _call in range(3):  # the slow path, then cache hits
         placed = jax.tree.map(lambda x: _replicated_equivalent(x, mesh), state)
@@ -257,9 +245,9 @@ def test_inputs_that_keep_arriving_elsewhere_are_placed_without_recompiling():
     devices = devices_or_skip(8)
     state, batch = _train_state()
     parallel = alpa.parallelize(
-        _make_step(alpa.grad), method=alpa.DataParallel(), donate_argnums=()
+        regression_train_step(alpa.grad), method=alpa.DataParallel(), donate_argnums=()
     )
-    serial = jax.jit(_make_step(jax.grad))
+    serial = jax.jit(regression_train_step(jax.grad))
     ref = serial(state, batch)
     parallel(state, batch)
     # A committed single-device batch: the dispatch refuses it, the slow path places it; from
@@ -283,7 +271,7 @@ def _pipeline_executable(num_micro_batches, schedule="1f1b", **option):
     method = _pipeshard(schedule, num_micro_batches)
     if option:
         method.default_auto_sharding_option = alpa.AutoShardingOption(**option)
-    parallel = alpa.parallelize(_make_step(alpa.grad), method=method)
+    parallel = alpa.parallelize(regression_train_step(alpa.grad), method=method)
     return parallel, parallel.get_executable(state, batch), state, batch
 
 
@@ -348,6 +336,7 @@ def test_pipeline_state_comes_back_where_the_next_step_reads_it(option):
     ):
         name = jax.tree_util.keystr(path)
         assert (a.mesh_ids, a.sharding_specs) == (b.mesh_ids, b.sharding_specs), name
-    ref = jax.jit(_make_step(jax.grad))(jax.jit(_make_step(jax.grad))(state, batch), batch)
+    serial = jax.jit(regression_train_step(jax.grad))
+    ref = serial(serial(state, batch), batch)
     out = parallel(parallel(state, batch), batch)
     assert_allclose(out.params, ref.params)

@@ -22,7 +22,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from alpa.device_mesh import LocalPhysicalDeviceMesh, make_jax_mesh
-from alpa.executable import Executable, PlacementSpec
+from alpa.executable import Executable, PlacementSpec, is_placed
 from alpa.pipeline_parallel.computation import (
     PipelineProgram,
     StageComputation,
@@ -353,10 +353,11 @@ class PipeshardDriverExecutable(Executable):
         out = []
         jaxpr = self.traced.closed_jaxpr.jaxpr
         for v, arg, is_batch in zip(jaxpr.invars, flat_args, self.traced.batch_invars, strict=True):
-            if is_batch:
+            sharding = None if is_batch else self._sharding(v, self.program.input_stages[v][0])
+            if sharding is None or is_placed(arg, sharding):
                 out.append(arg)
             else:
-                out.append(jax.device_put(arg, self._sharding(v, self.program.input_stages[v][0])))
+                out.append(jax.device_put(arg, sharding))
         return out
 
     def flat_input_placement_specs(self) -> list[PlacementSpec]:

@@ -4,7 +4,8 @@ Every mesh is a set of this process's devices; the driver itself walks the instr
 list (DESIGN §6). Values move between submeshes with ``jax.device_put`` (DESIGN §7: a jit
 never reads an array of another mesh); each ``RESHARD`` is also planned tile by tile
 (``pipeline_parallel.resharding``) when the runtime is built, and the plan's bytes, what a
-cross-host backend would send, are counted per step (``resharded_bytes``).
+cross-host backend would send, are what a step sends (``resharded_bytes``, the same every
+step).
 
 **Prebuilt closures.** Nothing is interpreted per step. When the runtime is built, every
 buffer key gets an integer slot and every instruction becomes one closure

@@ -51,6 +51,7 @@ from flax.training.train_state import TrainState  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
 import alpa  # noqa: E402
+from alpa.testing import regression_train_step  # noqa: E402
 
 # (hidden width, layers, batch) of each MLP size; on this 2-core machine the 1-device jit step
 # takes about 0.05 ms, 1 ms and 25 ms.
@@ -69,18 +70,6 @@ class MLP(nn.Module):
                 alpa.mark_pipeline_boundary()
             x = nn.relu(nn.Dense(self.hidden)(x))
         return x
-
-
-def make_step(grad):
-    def train_step(state, batch):
-        def loss_fn(params):
-            out = state.apply_fn(params, batch["x"])
-            return jnp.mean((out - batch["y"]) ** 2)
-
-        grads = grad(loss_fn)(state.params)
-        return state.apply_gradients(grads=grads)
-
-    return train_step
 
 
 def make_state(hidden: int, layers: int, batch_size: int, boundary: bool = False):
@@ -119,7 +108,7 @@ def bench_mlp(size: str, num_devices: int, rounds: int, steps: int) -> dict:
     state, batch = make_state(hidden, layers, batch_size)
     if num_devices == 1:
         method = alpa.ShardParallel(devices=devices)
-        jitted = jax.jit(make_step(alpa.grad), donate_argnums=(0,))
+        jitted = jax.jit(regression_train_step(alpa.grad), donate_argnums=(0,))
         reference = "jax.jit"
     else:
         method = alpa.DataParallel(devices=devices)
@@ -129,14 +118,14 @@ def bench_mlp(size: str, num_devices: int, rounds: int, steps: int) -> dict:
         replicated = NamedSharding(mesh, PartitionSpec())
         rows = NamedSharding(mesh, PartitionSpec("d"))
         jitted = jax.jit(
-            make_step(alpa.grad),
+            regression_train_step(alpa.grad),
             in_shardings=(replicated, rows),
             out_shardings=replicated,
             donate_argnums=(0,),
         )
         batch = jax.device_put(batch, rows)
         reference = "jax.jit (hand-sharded)"
-    parallel = alpa.parallelize(make_step(alpa.grad), method=method)
+    parallel = alpa.parallelize(regression_train_step(alpa.grad), method=method)
     states = {"alpa": copy_tree(state), "jit": copy_tree(state)}
     fns = {"alpa": parallel, "jit": jitted}
     for name in fns:  # warm-up: compile, and reach the steady state's input placement
@@ -182,8 +171,10 @@ def bench_pipeline(num_micro_batches: int, rounds: int, steps: int) -> dict:
         default_auto_sharding_option=alpa.AutoShardingOption(force_data_parallel=True),
     )
     fns = {
-        "pipeshard": alpa.parallelize(make_step(alpa.grad), method=pipeshard),
-        "dp": alpa.parallelize(make_step(alpa.grad), method=alpa.DataParallel(devices=devices)),
+        "pipeshard": alpa.parallelize(regression_train_step(alpa.grad), method=pipeshard),
+        "dp": alpa.parallelize(
+            regression_train_step(alpa.grad), method=alpa.DataParallel(devices=devices)
+        ),
     }
     states = {name: copy_tree(state) for name in fns}
     for name in fns:
