@@ -1,76 +1,122 @@
 """alpa: automatic inter- and intra-operator parallelism for JAX.
 
-``import alpa`` is the only import a user needs; this module re-exports the public API and
-makes the submodules that Alpa's tutorials reach through the package (``alpa.util``,
-``alpa.testing``, ``alpa.device_mesh``, ``alpa.parallel_method``, ``alpa.pipeline_parallel``,
-``alpa.shard_parallel``, ``alpa.global_env``) attributes of it.
+``import alpa`` is the only import a user needs: every public name below, and the submodules
+that Alpa's tutorials reach through the package (``alpa.util``, ``alpa.testing``,
+``alpa.device_mesh``, ``alpa.parallel_method``, ``alpa.pipeline_parallel``,
+``alpa.shard_parallel``, ``alpa.global_env``), are attributes of it.
+
+They are loaded on first use (PEP 562), so that importing one pass (``import
+alpa.tracing``, ``import alpa.shard_parallel.auto_sharding``) loads that pass and what it
+stands on, never the passes above it (DESIGN §2: imports point down only).
 """
 
-# Submodules used as ``alpa.<name>.<attr>`` after a bare ``import alpa``.
-from alpa import (  # noqa: F401
-    device_mesh,
-    global_env,
-    parallel_method,
-    pipeline_parallel,
-    shard_parallel,
-    testing,
-    util,
-)
-from alpa.api import (
-    get_global_physical_mesh,
-    get_global_virtual_physical_mesh,
-    grad,
-    init,
-    parallelize,
-    shutdown,
-    value_and_grad,
-)
-from alpa.device_mesh import (
-    ClusterSpec,
-    LocalPhysicalDeviceMesh,
-    LogicalDeviceMesh,
-    VirtualPhysicalMesh,
-)
-from alpa.global_env import global_config
-from alpa.parallel_method import (
-    DataParallel,
-    ParallelMethod,
-    ShardParallel,
-    Zero2Parallel,
-    Zero3Parallel,
-)
-from alpa.pipeline_parallel.layer_construction import ManualLayerOption
-from alpa.pipeline_parallel.pipeshard_parallel import PipeshardParallel
-from alpa.pipeline_parallel.primitive_def import mark_pipeline_boundary
-from alpa.pipeline_parallel.stage_construction import ManualStageOption, UniformStageOption
-from alpa.shard_parallel.auto_sharding import AutoShardingOption
-from alpa.shard_parallel.manual_sharding import ManualShardingOption
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "AutoShardingOption",
-    "ClusterSpec",
-    "DataParallel",
-    "LocalPhysicalDeviceMesh",
-    "LogicalDeviceMesh",
-    "ManualLayerOption",
-    "ManualShardingOption",
-    "ManualStageOption",
-    "ParallelMethod",
-    "PipeshardParallel",
-    "ShardParallel",
-    "UniformStageOption",
-    "VirtualPhysicalMesh",
-    "Zero2Parallel",
-    "Zero3Parallel",
-    "get_global_physical_mesh",
-    "get_global_virtual_physical_mesh",
-    "global_config",
-    "grad",
-    "init",
-    "mark_pipeline_boundary",
-    "parallelize",
-    "shutdown",
-    "value_and_grad",
-]
+# Public name -> the module that defines it.
+_EXPORTS = {
+    "init": "alpa.cluster",
+    "shutdown": "alpa.cluster",
+    "get_global_physical_mesh": "alpa.cluster",
+    "get_global_virtual_physical_mesh": "alpa.cluster",
+    "grad": "alpa.api",
+    "parallelize": "alpa.api",
+    "value_and_grad": "alpa.api",
+    "ClusterSpec": "alpa.device_mesh",
+    "LocalPhysicalDeviceMesh": "alpa.device_mesh",
+    "LogicalDeviceMesh": "alpa.device_mesh",
+    "VirtualPhysicalMesh": "alpa.device_mesh",
+    "global_config": "alpa.global_env",
+    "DataParallel": "alpa.parallel_method",
+    "ParallelMethod": "alpa.parallel_method",
+    "PipeshardParallel": "alpa.parallel_method",
+    "ShardParallel": "alpa.parallel_method",
+    "Zero2Parallel": "alpa.parallel_method",
+    "Zero3Parallel": "alpa.parallel_method",
+    "ManualLayerOption": "alpa.pipeline_parallel.layer_construction",
+    "ManualStageOption": "alpa.pipeline_parallel.stage_construction",
+    "UniformStageOption": "alpa.pipeline_parallel.stage_construction",
+    "mark_pipeline_boundary": "alpa.tracing.primitive_def",
+    "AutoShardingOption": "alpa.shard_parallel.auto_sharding",
+    "ManualShardingOption": "alpa.shard_parallel.manual_sharding",
+}
+
+# Submodules reachable as ``alpa.<name>`` after a bare ``import alpa``.
+_SUBMODULES = (
+    "api",
+    "cluster",
+    "device_mesh",
+    "executable",
+    "global_env",
+    "model",
+    "parallel_method",
+    "pipeline_parallel",
+    "runtime",
+    "shard_parallel",
+    "testing",
+    "tracing",
+    "util",
+)
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is not None:
+        value = getattr(importlib.import_module(module), name)
+        globals()[name] = value  # later lookups are plain attribute reads
+        return value
+    if name in _SUBMODULES:
+        return importlib.import_module(f"alpa.{name}")
+    raise AttributeError(f"module 'alpa' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS) | set(_SUBMODULES))
+
+
+if TYPE_CHECKING:  # what the lazy names are, for type checkers and editors
+    from alpa import (  # noqa: F401
+        device_mesh,
+        global_env,
+        parallel_method,
+        pipeline_parallel,
+        shard_parallel,
+        testing,
+        util,
+    )
+    from alpa.api import grad, parallelize, value_and_grad  # noqa: F401
+    from alpa.cluster import (  # noqa: F401
+        get_global_physical_mesh,
+        get_global_virtual_physical_mesh,
+        init,
+        shutdown,
+    )
+    from alpa.device_mesh import (  # noqa: F401
+        ClusterSpec,
+        LocalPhysicalDeviceMesh,
+        LogicalDeviceMesh,
+        VirtualPhysicalMesh,
+    )
+    from alpa.global_env import global_config  # noqa: F401
+    from alpa.parallel_method import (  # noqa: F401
+        DataParallel,
+        ParallelMethod,
+        PipeshardParallel,
+        ShardParallel,
+        Zero2Parallel,
+        Zero3Parallel,
+    )
+    from alpa.pipeline_parallel.layer_construction import ManualLayerOption  # noqa: F401
+    from alpa.pipeline_parallel.stage_construction import (  # noqa: F401
+        ManualStageOption,
+        UniformStageOption,
+    )
+    from alpa.shard_parallel.auto_sharding import AutoShardingOption  # noqa: F401
+    from alpa.shard_parallel.manual_sharding import ManualShardingOption  # noqa: F401
+    from alpa.tracing.primitive_def import mark_pipeline_boundary  # noqa: F401

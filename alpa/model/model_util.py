@@ -34,6 +34,8 @@ import numpy as np
 import optax
 from flax.training import train_state
 
+from alpa.tracing.primitive_def import mark_pipeline_boundary  # noqa: F401 (re-exported)
+
 #: A numpy/jax dtype or scalar type such as ``jnp.float32`` or ``jnp.bfloat16``.
 DType = Any
 #: A pytree of arrays, or of ``jax.ShapeDtypeStruct`` when built abstractly.
@@ -110,22 +112,6 @@ def softmax_cross_entropy(
 def count_params(params: PyTree) -> int:
     """The number of scalars in a pytree of arrays or ``jax.ShapeDtypeStruct``."""
     return sum(math.prod(leaf.shape) for leaf in jax.tree_util.tree_leaves(params))
-
-
-def mark_pipeline_boundary() -> None:
-    """Cut the traced program here into two pipeline layers (``ManualLayerOption``).
-
-    Imported lazily so that ``alpa.model`` does not depend on the pipeline pass at import time.
-    """
-    try:
-        from alpa.pipeline_parallel.primitive_def import mark_pipeline_boundary as _mark
-    except ImportError as e:  # pragma: no cover - the marker ships with alpa
-        raise RuntimeError(
-            "add_manual_pipeline_markers=True needs "
-            "alpa.pipeline_parallel.primitive_def.mark_pipeline_boundary, which could not be "
-            f"imported: {e}"
-        ) from e
-    _mark()
 
 
 def init_key(seed: int) -> jax.Array:

@@ -46,7 +46,7 @@ import numpy as np
 from jax.extend.core import ClosedJaxpr, DropVar, JaxprEqn, Var
 from jax.extend.core import Literal as JaxLiteral
 
-from alpa.pipeline_parallel.primitive_def import pipeline_p
+from alpa.tracing.primitive_def import pipeline_p
 
 ComputationKind = Literal["forward", "backward", "apply"]
 

@@ -41,7 +41,7 @@ import numpy as np
 from jax.extend.core import ClosedJaxpr, Var
 from jax.extend.core import Literal as JaxLiteral
 
-from alpa.pipeline_parallel.primitive_def import mark_pipeline_jaxpreqn, pipeline_p
+from alpa.tracing.primitive_def import mark_pipeline_jaxpreqn, pipeline_p
 
 LAYER_PREFIX = "layer_"
 

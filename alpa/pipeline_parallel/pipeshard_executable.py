@@ -32,7 +32,6 @@ from alpa.pipeline_parallel.computation import (
     split_computations,
 )
 from alpa.pipeline_parallel.layer_construction import manual_layers, resolve_layer_option
-from alpa.pipeline_parallel.primitive_def import pipeline_p
 from alpa.pipeline_parallel.runtime_emitter import (
     Kernel,
     PipelineInstructions,
@@ -52,6 +51,7 @@ from alpa.pipeline_parallel.user_shardings import input_names, pinned_specs
 from alpa.runtime.local_runtime import LocalPipelineRuntime, RuntimeContext, reshard_bytes
 from alpa.shard_parallel.executable import full_batch_avals
 from alpa.tracing import TracedStep, leaf_signature
+from alpa.tracing.primitive_def import pipeline_p
 
 
 def compile_pipeshard_executable(

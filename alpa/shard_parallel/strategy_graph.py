@@ -31,7 +31,6 @@ from jax.extend.core import ClosedJaxpr, DropVar, JaxprEqn, Literal, Var
 
 import alpa.shard_parallel.strategy_rules_contraction  # noqa: F401  (registers rules)
 from alpa.device_mesh import LogicalDeviceMesh
-from alpa.pipeline_parallel.primitive_def import pipeline_p
 from alpa.shard_parallel.sharding_spec import (
     Spec,
     enumerate_specs,
@@ -47,6 +46,7 @@ from alpa.shard_parallel.strategy_rules import (
     lookup_rule,
     replicated_strategy,
 )
+from alpa.tracing.primitive_def import pipeline_p
 
 # Equations whose outputs are their operands, unchanged.
 ALIAS_PRIMITIVES = {pipeline_p, lax.optimization_barrier_p, lax.sharding_constraint_p}

@@ -17,7 +17,7 @@ import jax
 import numpy as np
 from jax.extend.core import ClosedJaxpr, DropVar, Jaxpr, JaxprEqn, Literal, Var
 
-from alpa.pipeline_parallel.primitive_def import pipeline_p
+from alpa.tracing.primitive_def import pipeline_p
 
 
 @dataclass(frozen=True)

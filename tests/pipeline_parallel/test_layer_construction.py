@@ -8,9 +8,9 @@ import pytest
 from conftest import devices_or_skip
 
 import alpa
+from alpa.parallel_method import PipeshardParallel
 from alpa.pipeline_parallel.layer_construction import manual_layers
-from alpa.pipeline_parallel.pipeshard_parallel import PipeshardParallel
-from alpa.pipeline_parallel.primitive_def import pipeline_p
+from alpa.tracing.primitive_def import pipeline_p
 
 
 def _params(hidden=8):

@@ -11,7 +11,7 @@ import pytest
 from conftest import devices_or_skip
 
 import alpa
-from alpa.pipeline_parallel.pipeshard_parallel import PipeshardParallel
+from alpa.parallel_method import PipeshardParallel
 from alpa.pipeline_parallel.stage_construction import ManualStageOption, UniformStageOption
 
 BATCH = 16

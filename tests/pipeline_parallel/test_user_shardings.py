@@ -11,7 +11,7 @@ from conftest import devices_or_skip
 from jax.sharding import PartitionSpec as P
 
 import alpa
-from alpa.pipeline_parallel.pipeshard_parallel import PipeshardParallel
+from alpa.parallel_method import PipeshardParallel
 from alpa.pipeline_parallel.user_shardings import stage_inputs
 
 HIDDEN, BATCH = 16, 16

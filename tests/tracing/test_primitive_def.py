@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from alpa.pipeline_parallel.primitive_def import (
+from alpa.tracing.primitive_def import (
     mark_pipeline_boundary,
     mark_pipeline_jaxpreqn,
     pipeline_p,
