@@ -2,8 +2,9 @@
 
 ``ManualStageOption`` takes both from the user; ``UniformStageOption`` splits layers and
 devices evenly. Either resolves to a :class:`StagePlan`. Submeshes are consecutive slices
-of the devices, in stage order. The dynamic program that chooses both automatically
-(``AutoStageOption``, paper §5.2) is a later issue.
+of the devices, in stage order. The dynamic program that chooses both (paper §5.2) is in
+``stage_dp`` (``get_submesh_choices``, ``training_dp``, re-exported here at Alpa's path);
+``AutoStageOption``, which feeds it stage costs, is not there yet.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from alpa.pipeline_parallel.stage_dp import get_submesh_choices, training_dp  # noqa: F401
 
 
 @dataclass(frozen=True)
