@@ -1,0 +1,105 @@
+r"""Layer clustering: cut a step's forward equations into ``layer_num`` contiguous layers.
+
+This is the pure core of ``AutoLayerOption`` (paper §5.2, "operator clustering"): the
+forward pass, a sequence of ``N`` equations with FLOPs :math:`w_e`, is cut into ``K``
+contiguous layers so that
+
+* every layer's FLOPs are at most :math:`(1 + \epsilon)\,\bar w`, with
+  :math:`\bar w = \sum_e w_e / K` the average (the balance the stage DP needs: a layer is
+  its unit of work), and
+* the bytes that cross layer boundaries are least. A layer ``[l, r)`` reads
+  :math:`\mathrm{in}(l, r)` bytes from earlier layers: the values its equations read that
+  equations before ``l`` produced, each value counted once per layer that reads it (the
+  bytes a pipeline would send to that layer's stage). Step inputs (parameters, the batch)
+  are not counted: every layer reads them from where they live.
+
+With :math:`G(q, r)` the least crossing bytes of equations ``[0, r)`` cut into ``q``
+layers,
+
+.. math::  G(q, r) = \min_{l < r:\ w(l, r) \le (1 + \epsilon) \bar w}
+           G(q - 1, l) + \mathrm{in}(l, r), \qquad G(0, 0) = 0,
+
+and the answer is :math:`G(K, N)`. ``in(l, r)`` for all pairs is filled in :math:`O(N^2)`
+(:func:`layer_input_bytes`); the DP takes :math:`O(K N^2)`, vectorised over ``l``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+
+def layer_input_bytes(
+    eqn_inputs: Sequence[Sequence[int]], producer: Sequence[int], nbytes: Sequence[int]
+) -> np.ndarray:
+    """``in[l, r]``: bytes that equations ``l..r-1`` read from equations before ``l``.
+
+    Args:
+      eqn_inputs: per equation, the ids of the values it reads (any order, repeats fine).
+      producer: per value id, the equation that produces it, or ``-1`` for a step input.
+      nbytes: per value id, its size in bytes.
+    """
+    n = len(eqn_inputs)
+    cost = np.zeros((n + 1, n + 1))
+    for left in range(n):
+        seen: set[int] = set()
+        total = 0.0
+        for right in range(left, n):
+            for value in eqn_inputs[right]:
+                p = producer[value]
+                if 0 <= p < left and value not in seen:
+                    seen.add(value)
+                    total += nbytes[value]
+            cost[left, right + 1] = total
+    return cost
+
+
+def cluster_layers(
+    flops: Sequence[float], input_bytes: np.ndarray, layer_num: int, tolerance: float = 0.5
+) -> tuple[tuple[int, ...], float]:
+    """Cut ``len(flops)`` equations into ``layer_num`` layers (module docstring).
+
+    Returns ``(starts, crossing_bytes)``: the first equation of every layer after the first
+    (``layer_num - 1`` increasing positions) and the least crossing bytes. Raises
+    ``ValueError`` for a ``layer_num`` outside ``1..len(flops)`` or when no cut keeps every
+    layer within the tolerance.
+    """
+    n = len(flops)
+    if isinstance(layer_num, bool) or not isinstance(layer_num, int | np.integer):
+        raise TypeError(f"layer_num must be an int, got {type(layer_num).__name__}")
+    if not 1 <= layer_num <= n:
+        raise ValueError(
+            f"layer_num={layer_num} must be between 1 and the {n} equations of the forward "
+            "pass (each layer needs at least one)"
+        )
+    if tolerance < 0:
+        raise ValueError(f"tolerance must be >= 0, got {tolerance}")
+    input_bytes = np.asarray(input_bytes, dtype=np.float64)
+    if input_bytes.shape != (n + 1, n + 1):
+        raise ValueError(f"input_bytes has shape {input_bytes.shape}; expected {(n + 1, n + 1)}")
+    prefix = np.concatenate([[0.0], np.cumsum(np.asarray(flops, dtype=np.float64))])
+    cap = prefix[-1] / layer_num * (1 + tolerance) * (1 + 1e-12) + 1e-12
+    inf = np.inf
+    g = np.full((layer_num + 1, n + 1), inf)
+    back = np.full((layer_num + 1, n + 1), -1, dtype=np.int64)
+    g[0, 0] = 0.0
+    for q in range(1, layer_num + 1):
+        for right in range(q, n + 1):
+            lefts = np.arange(q - 1, right)
+            fits = prefix[right] - prefix[lefts] <= cap
+            candidates = np.where(fits, g[q - 1, lefts] + input_bytes[lefts, right], inf)
+            best = int(np.argmin(candidates))
+            g[q, right], back[q, right] = candidates[best], lefts[best]
+    if not np.isfinite(g[layer_num, n]):
+        raise ValueError(
+            f"no cut of the {n} forward equations into layer_num={layer_num} layers keeps "
+            f"every layer within tolerance={tolerance} of the average FLOPs "
+            f"({prefix[-1] / layer_num:.4g}); raise the tolerance or lower layer_num"
+        )
+    starts, right = [], n
+    for q in range(layer_num, 0, -1):
+        right = int(back[q, right])
+        starts.append(right)
+    assert starts[-1] == 0
+    return tuple(reversed(starts[:-1])), float(g[layer_num, n])
