@@ -340,3 +340,24 @@ def test_pipeline_state_comes_back_where_the_next_step_reads_it(option):
     ref = serial(serial(state, batch), batch)
     out = parallel(parallel(state, batch), batch)
     assert_allclose(out.params, ref.params)
+
+
+def test_pipeline_error_during_a_cache_hit_is_not_retried():
+    """A dispatch refuses arguments only before running anything; an error from inside a
+    pipeline step surfaces (as a RuntimeError naming the step), and the step is not run a
+    second time through the slow path."""
+    devices_or_skip(8)
+    parallel, executable, state, batch = _pipeline_executable(2)
+    state = parallel(state, batch)  # the next call is a cache hit
+    runs = []
+    original = executable.runtime.run
+
+    def failing_run(*args, **kwargs):
+        runs.append(1)
+        raise ValueError("injected failure inside the step")
+
+    executable.runtime.run = failing_run
+    with pytest.raises(RuntimeError, match="train_step: pipeline step failed: injected failure"):
+        parallel(state, batch)
+    assert len(runs) == 1
+    executable.runtime.run = original

@@ -326,7 +326,17 @@ class PipeshardDriverExecutable(Executable):
                 raise TypeError(
                     f"argument {leaf_signature(x)} differs from the compiled {signature}"
                 )
-        return jax.tree.unflatten(self.traced.out_tree, self._run(leaves))
+        try:
+            outputs = self._run(leaves)
+        except (TypeError, ValueError) as e:
+            # The caller reads these as "not my arguments" (nothing ran); from here on a
+            # step was under way, so it must not be retried as if it had not run.
+            raise RuntimeError(f"{self.traced.name}: pipeline step failed: {e}") from e
+        return jax.tree.unflatten(self.traced.out_tree, outputs)
+
+    def placing_dispatch(self) -> Any:
+        # The runtime places each input on its mesh at the start of every step.
+        return self.dispatch
 
     def launch(self, flat_args: Sequence[Any]) -> list[jax.Array]:
         self._check_batch(flat_args)
