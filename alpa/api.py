@@ -329,9 +329,8 @@ class ParallelizedFunc:
     def preshard_dynamic_args(self, *args):
         """Place the dynamic arguments where the executable wants them; returns the
         arguments with the dynamic ones replaced by placed arrays."""
-        executable, leaves, _ = self._compile(args)
+        executable, leaves, static = self._compile(args)
         placed = iter(executable.preshard_flat_args(leaves))
-        static = self._resolve_argnums(args)[0]
         out = []
         for i, arg in enumerate(args):
             if i in static:

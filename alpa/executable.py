@@ -20,7 +20,7 @@ The executable owns where every leaf lives (its placement specs) and its compile
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,20 +58,13 @@ class Executable(abc.ABC):
         """A :meth:`dispatch` that first places leaves whose sharding is not equivalent to
         the planned one (for callers whose inputs keep arriving elsewhere)."""
         in_tree = self.traced.in_tree
-        shardings = self.flat_input_shardings()
-        placed_as: list[Any] = [None] * len(shardings)
+        place = leaf_placer(self.flat_input_shardings())
 
         def placing(*dynamic_args):
             leaves, tree = jax.tree.flatten(dynamic_args)
             if tree != in_tree:
                 raise TypeError(f"pytree structure {tree} differs from the compiled {in_tree}")
-            for i, (x, s) in enumerate(zip(leaves, shardings, strict=True)):
-                if isinstance(x, jax.Array) and x.sharding is not placed_as[i]:
-                    if is_placed(x, s):
-                        placed_as[i] = x.sharding  # next time an identity check suffices
-                    else:
-                        leaves[i] = jax.device_put(x, s)
-            return self.dispatch(*jax.tree.unflatten(in_tree, leaves))
+            return self.dispatch(*jax.tree.unflatten(in_tree, place(leaves)))
 
         return placing
 
@@ -119,3 +112,23 @@ def is_placed(x: Any, sharding: Any) -> bool:
         return False
     current = x.sharding
     return current == sharding or current.is_equivalent_to(sharding, x.ndim)
+
+
+def leaf_placer(shardings: Sequence[Any]) -> Callable[[list], list]:
+    """``place(leaves)``: each leaf in its sharding (``leaves[i]`` in ``shardings[i]``),
+    moved with ``jax.device_put`` only when it is not already placed (:func:`is_placed`).
+    The sharding an array was last accepted in is remembered per position, so a leaf that
+    keeps arriving the same way costs an identity check."""
+    accepted: list[Any] = [None] * len(shardings)
+
+    def place(leaves: list) -> list:
+        for i, (x, sharding) in enumerate(zip(leaves, shardings, strict=True)):
+            if isinstance(x, jax.Array) and x.sharding is accepted[i]:
+                continue
+            if is_placed(x, sharding):
+                accepted[i] = x.sharding
+            else:
+                leaves[i] = jax.device_put(x, sharding)
+        return leaves
+
+    return place

@@ -10,9 +10,9 @@ step).
 **Prebuilt closures.** Nothing is interpreted per step. When the runtime is built, every
 buffer key gets an integer slot and every instruction becomes one closure
 ``fn(env, flat_args)`` made by the handler of its opcode (:data:`HANDLERS`), with its
-compiled program, input and output slots, shardings and the slots it frees (its
-``Instruction.free``) bound in. A step is then ``for fn in closures: fn(env, args)`` over a
-list of slots; JAX frees device memory when a slot's last reference goes.
+compiled program, input and output slots and shardings bound in. A step is then a loop
+over the closures on a list of slots, dropping after each instruction the slots of its
+``Instruction.free``; JAX frees device memory when a slot's last reference goes.
 
 The runtime records, per instruction, when it was dispatched (or, with ``blocking=True``,
 when it finished), which the executable writes as a Chrome trace.
@@ -29,7 +29,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from alpa.executable import is_placed
+from alpa.executable import leaf_placer
 from alpa.pipeline_parallel.resharding import MeshSharding, plan_resharding
 from alpa.pipeline_parallel.runtime_emitter import (
     BufferKey,
@@ -70,6 +70,7 @@ class RuntimeContext:
 
 
 # A built instruction: the closure, its trace name and arguments, and its output slots.
+# (The runtime loop frees an instruction's ``free`` slots after it, whatever its opcode.)
 _Built = tuple[Callable, str, dict, tuple[int, ...]]
 
 
@@ -77,14 +78,11 @@ def _build_run(ins: Instruction, slot: dict, ctx: RuntimeContext) -> _Built:
     program = ctx.kernels[ins.computation]
     in_slots = tuple(slot[k] for k in ins.inputs)
     out_slots = tuple(slot[k] for k in ins.outputs)
-    free = tuple(slot[k] for k in ins.free)
 
     def run(env, args):
         outs = program(*[env[i] for i in in_slots])
         for i, value in zip(out_slots, outs, strict=True):
             env[i] = value
-        for i in free:
-            env[i] = None
 
     name = f"{ctx.kernel_names[ins.computation]} mb{ins.micro_batch}"
     return run, name, {}, out_slots
@@ -115,7 +113,6 @@ def _build_load(ins: Instruction, slot: dict, ctx: RuntimeContext) -> _Built:
     stacked = NamedSharding(sharding.mesh, PartitionSpec(None, *sharding.spec))
     unstack = jax.jit(lambda s: [s[m] for m in range(k)], out_shardings=[sharding] * k)
     out_slots = tuple(slot[key] for key in keys)
-    free = tuple(slot[key] for key in ins.free)
 
     def load(env, args):
         x = args[leaf]
@@ -127,8 +124,6 @@ def _build_load(ins: Instruction, slot: dict, ctx: RuntimeContext) -> _Built:
             x = jax.device_put(x.reshape((k, size) + x.shape[1:]), stacked)
             for i, value in zip(out_slots, unstack(x), strict=True):
                 env[i] = value
-        for i in free:
-            env[i] = None
 
     return load, f"load {keys[0][0]}", {}, out_slots
 
@@ -145,7 +140,6 @@ def _build_reshard(ins: Instruction, slot: dict, ctx: RuntimeContext) -> _Built:
     (src,), (dst,) = ins.inputs, ins.outputs
     src_slot, dst_slot = slot[src], slot[dst]
     sharding, source = ctx.sharding_of(dst), ctx.sharding_of(src)
-    free = tuple(slot[k] for k in ins.free)
     shape = ctx.shape_of(src)
     relayout = None
     if not _indices_covered(source, sharding, shape) and source.mesh.shape == sharding.mesh.shape:
@@ -156,8 +150,6 @@ def _build_reshard(ins: Instruction, slot: dict, ctx: RuntimeContext) -> _Built:
         if relayout is not None:
             value = relayout(value)
         env[dst_slot] = jax.device_put(value, sharding)
-        for i in free:
-            env[i] = None
 
     return reshard, f"reshard {src[0]} {src[2]}->{dst[2]}", {}, (dst_slot,)
 
@@ -211,12 +203,12 @@ class LocalPipelineRuntime:
                 keys.append(value)
         self._slot = {key: i for i, key in enumerate(keys)}
         self._num_slots = len(keys)
-        self._persistent = [
-            (self._slot[key], leaf_index[key[0]], context.sharding_of(key))
-            for key in sorted(program.persistent, key=str)
-        ]
-        self._placed_as: list[Any] = [None] * len(self._persistent)
+        persistent = sorted(program.persistent, key=str)
+        self._persistent_slots = [self._slot[key] for key in persistent]
+        self._persistent_leaves = [leaf_index[key[0]] for key in persistent]
+        self._place = leaf_placer([context.sharding_of(key) for key in persistent])
         self._steps: list[_Built] = []
+        self._frees: list[tuple[int, ...]] = []
         self.resharded_bytes = 0
         for ins in program.instructions:
             fn, name, args, out_slots = HANDLERS[ins.op](ins, self._slot, context)
@@ -224,6 +216,7 @@ class LocalPipelineRuntime:
                 args = {"bytes": reshard_plan_bytes(ins)}
                 self.resharded_bytes += args["bytes"]
             self._steps.append((fn, name, args, out_slots))
+            self._frees.append(tuple(self._slot[key] for key in ins.free))
         self._meshes = [ins.mesh for ins in program.instructions]
         self._outputs = [
             (kind, self._slot[value] if kind == "key" else value) for kind, value in program.outputs
@@ -233,22 +226,17 @@ class LocalPipelineRuntime:
 
     def run(self, flat_args: Sequence[Any], consts: dict, blocking: bool = False) -> list:
         env: list[Any] = [None] * self._num_slots
-        placed_as = self._placed_as
-        for n, (i, leaf, sharding) in enumerate(self._persistent):
-            x = flat_args[leaf]
-            if isinstance(x, jax.Array) and x.sharding is placed_as[n]:
-                env[i] = x
-            elif is_placed(x, sharding):
-                placed_as[n] = x.sharding  # next time an identity check suffices
-                env[i] = x
-            else:
-                env[i] = jax.device_put(x, sharding)
+        placed = self._place([flat_args[leaf] for leaf in self._persistent_leaves])
+        for i, value in zip(self._persistent_slots, placed, strict=True):
+            env[i] = value
         clock = time.perf_counter
         times = [clock()]
-        for fn, _, _, out_slots in self._steps:
+        for (fn, _, _, out_slots), free in zip(self._steps, self._frees, strict=True):
             fn(env, flat_args)
             if blocking:
                 jax.block_until_ready([env[i] for i in out_slots])
+            for i in free:
+                env[i] = None
             times.append(clock())
         self._times = times
         self._last_env = env

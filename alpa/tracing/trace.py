@@ -139,10 +139,8 @@ def abstractify(x) -> jax.ShapeDtypeStruct:
 
 def leaf_signature(x) -> tuple:
     """The part of a leaf that an executable is compiled for (a cache-key entry)."""
-    if isinstance(x, jax.ShapeDtypeStruct):
-        return (tuple(x.shape), np.dtype(x.dtype), bool(x.weak_type))
-    aval = jax.typeof(x)
-    return (aval.shape, aval.dtype, aval.weak_type)
+    aval = abstractify(x)
+    return (tuple(aval.shape), np.dtype(aval.dtype), bool(aval.weak_type))
 
 
 # ----------------------------------------------------------------------------- inlining
