@@ -37,7 +37,10 @@ _EXPORTS = {
     "ShardParallel": "alpa.parallel_method",
     "Zero2Parallel": "alpa.parallel_method",
     "Zero3Parallel": "alpa.parallel_method",
+    "AutoLayerOption": "alpa.pipeline_parallel.layer_construction",
     "ManualLayerOption": "alpa.pipeline_parallel.layer_construction",
+    "automatic_remat": "alpa.pipeline_parallel.remat",
+    "manual_remat": "alpa.pipeline_parallel.remat",
     "ManualStageOption": "alpa.pipeline_parallel.stage_construction",
     "UniformStageOption": "alpa.pipeline_parallel.stage_construction",
     "mark_pipeline_boundary": "alpa.tracing.primitive_def",
@@ -112,7 +115,11 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and editors
         Zero2Parallel,
         Zero3Parallel,
     )
-    from alpa.pipeline_parallel.layer_construction import ManualLayerOption  # noqa: F401
+    from alpa.pipeline_parallel.layer_construction import (  # noqa: F401
+        AutoLayerOption,
+        ManualLayerOption,
+    )
+    from alpa.pipeline_parallel.remat import automatic_remat, manual_remat  # noqa: F401
     from alpa.pipeline_parallel.stage_construction import (  # noqa: F401
         ManualStageOption,
         UniformStageOption,

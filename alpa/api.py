@@ -290,7 +290,10 @@ class ParallelizedFunc:
     def _trace(self, args, static, batch, donate, names, k: int) -> TracedStep:
         def trace_at(divisor: int) -> TracedStep:
             abstract = traced_args(args, batch, divisor)
-            traced = trace_step(self.fun, abstract, static, batch, donate, names)
+            # The method's options that act while tracing (PipeshardParallel's layer
+            # option, read by alpa.grad's layer rewrite) hold for every (re)trace.
+            with self.method.trace_context():
+                traced = trace_step(self.fun, abstract, static, batch, donate, names)
             return dataclasses.replace(traced, retrace=lambda d: trace_at(divisor * d))
 
         return trace_at(k)
@@ -320,6 +323,17 @@ class ParallelizedFunc:
         """Compile for these arguments (arrays or ``jax.ShapeDtypeStruct``) without
         running."""
         return self._compile(args)[0]
+
+    def plan(self, *args):
+        """The method's plan for these arguments (arrays or ``jax.ShapeDtypeStruct``)
+        without compiling or running anything: a ``PipeshardPlan`` for
+        ``PipeshardParallel``, a ``ShardingPlan`` otherwise. The method's ``devices`` may
+        be a cluster that is not here (a ``VirtualPhysicalMesh`` or ``ClusterSpec``)."""
+        static, batch, donate = self._resolve_argnums(args)
+        _, names = self._flatten(args, static)
+        k = self._check_micro_batches(args, batch)
+        traced = self._trace(args, static, batch, donate, names, k)
+        return self.method.plan(traced, traced_args(args, batch, k))
 
     def get_last_executable(self) -> Executable:
         if self._last_executable is None:

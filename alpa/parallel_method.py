@@ -10,14 +10,21 @@ stages, each sharded on its own submesh (the passes are in ``alpa.pipeline_paral
 from __future__ import annotations
 
 import abc
+import contextlib
 from collections.abc import Sequence
 from typing import Any
 
 from alpa.cluster import get_global_physical_mesh
-from alpa.device_mesh import LocalPhysicalDeviceMesh, LogicalDeviceMesh
+from alpa.device_mesh import (
+    ClusterSpec,
+    LocalPhysicalDeviceMesh,
+    LogicalDeviceMesh,
+    VirtualPhysicalMesh,
+)
 from alpa.executable import Executable
-from alpa.pipeline_parallel.layer_construction import resolve_layer_option
-from alpa.pipeline_parallel.pipeshard_executable import compile_pipeshard_executable
+from alpa.pipeline_parallel.layer_construction import layer_option_context, resolve_layer_option
+from alpa.pipeline_parallel.pipeshard_executable import PipeshardDriverExecutable
+from alpa.pipeline_parallel.pipeshard_plan import PipeshardPlan, plan_pipeshard
 from alpa.pipeline_parallel.schedules import schedules
 from alpa.pipeline_parallel.stage_construction import resolve_stage_option
 from alpa.pipeline_parallel.user_shardings import (
@@ -43,6 +50,16 @@ class ParallelMethod(abc.ABC):
         """Compile ``traced``; ``args`` are the call's positional arguments (arrays or
         ``jax.ShapeDtypeStruct``), traced at micro-batch size when micro-batching."""
 
+    @abc.abstractmethod
+    def plan(self, traced: TracedStep, args: Sequence[Any]) -> Any:
+        """Every decision of a compile of ``traced``, without compiling or running
+        anything (``devices`` may be a cluster that is not here)."""
+
+    def trace_context(self) -> contextlib.AbstractContextManager:
+        """A context that ``parallelize`` traces the step in: options that act while
+        tracing (none by default)."""
+        return contextlib.nullcontext()
+
 
 def _check_num_micro_batches(value) -> int | None:
     if value is None:
@@ -52,16 +69,27 @@ def _check_num_micro_batches(value) -> int | None:
     return None if value == 1 else value
 
 
-def resolve_logical_mesh(devices, mesh_shape: Sequence[int] | None = None) -> LogicalDeviceMesh:
+def resolve_logical_mesh(
+    devices, mesh_shape: Sequence[int] | None = None, require_devices: bool = True
+) -> LogicalDeviceMesh:
     """The logical mesh a method runs on: ``devices`` may be ``None`` (the devices of
     ``alpa.init``), a ``LocalPhysicalDeviceMesh``, a ``LogicalDeviceMesh`` or a list of
-    jax devices."""
-    if isinstance(devices, LogicalDeviceMesh):
-        if devices.devices is None:
+    jax devices; for a plan only (``require_devices=False``) also a
+    ``VirtualPhysicalMesh`` or a ``ClusterSpec`` (a cluster that need not be here)."""
+    if isinstance(devices, ClusterSpec):
+        devices = devices.get_virtual_physical_mesh()
+    if isinstance(devices, VirtualPhysicalMesh) or (
+        isinstance(devices, LogicalDeviceMesh) and devices.devices is None
+    ):
+        if require_devices:
             raise ValueError(
-                "devices is an abstract LogicalDeviceMesh (no devices); "
-                "an executable needs real devices"
+                f"devices is {type(devices).__name__} (a cluster that is not here, no devices):"
+                " it can be planned for with parallelize(...).plan(*args), not run"
             )
+        if isinstance(devices, LogicalDeviceMesh):
+            return devices
+        return devices.get_logical_mesh(mesh_shape)
+    if isinstance(devices, LogicalDeviceMesh):
         if mesh_shape is not None and tuple(mesh_shape) != devices.shape:
             return LocalPhysicalDeviceMesh(devices.devices).get_logical_mesh(mesh_shape)
         return devices
@@ -73,8 +101,9 @@ def resolve_logical_mesh(devices, mesh_shape: Sequence[int] | None = None) -> Lo
         physical = LocalPhysicalDeviceMesh(devices)
     else:
         raise TypeError(
-            "devices must be None, a LocalPhysicalDeviceMesh, a LogicalDeviceMesh or a "
-            f"list of jax devices, got {type(devices).__name__}"
+            "devices must be None, a LocalPhysicalDeviceMesh, a LogicalDeviceMesh, a "
+            "VirtualPhysicalMesh, a ClusterSpec or a list of jax devices, got "
+            f"{type(devices).__name__}"
         )
     return physical.get_logical_mesh(mesh_shape)
 
@@ -119,15 +148,17 @@ class ShardParallel(ParallelMethod):
         self.auto_sharding_option = auto_sharding_option or AutoShardingOption()
         self.manual_sharding_option = manual_sharding_option
 
-    def _plan(self, traced: TracedStep, args: Sequence[Any]):
+    def plan(self, traced: TracedStep, args: Sequence[Any], require_devices: bool = False):
+        """The ``ShardingPlan`` of ``traced``; touches no device."""
         mesh_shape = getattr(self.auto_sharding_option, "logical_mesh_shape", None)
-        logical_mesh = resolve_logical_mesh(self.devices, mesh_shape)
+        logical_mesh = resolve_logical_mesh(self.devices, mesh_shape, require_devices)
         if self.manual_sharding_option is not None:
             return manual_sharding_plan(traced, logical_mesh, self.manual_sharding_option, args)
         return plan_auto_sharding(traced, logical_mesh, self.auto_sharding_option)
 
     def compile_executable(self, traced: TracedStep, args: Sequence[Any]) -> Executable:
-        return compile_shard_executable(traced, self._plan(traced, args), self.num_micro_batches)
+        plan = self.plan(traced, args, require_devices=True)
+        return compile_shard_executable(traced, plan, self.num_micro_batches)
 
     def __repr__(self) -> str:
         return (
@@ -145,9 +176,13 @@ class _FixedPlanParallel(ParallelMethod):
         self.devices = devices
         self.num_micro_batches = _check_num_micro_batches(num_micro_batches)
 
+    def plan(self, traced: TracedStep, args: Sequence[Any], require_devices: bool = False):
+        """The fixed ``ShardingPlan``; touches no device."""
+        logical_mesh = resolve_logical_mesh(self.devices, require_devices=require_devices)
+        return data_parallel_plan(traced, logical_mesh, self.zero_stage, type(self).__name__)
+
     def compile_executable(self, traced: TracedStep, args: Sequence[Any]) -> Executable:
-        logical_mesh = resolve_logical_mesh(self.devices)
-        plan = data_parallel_plan(traced, logical_mesh, self.zero_stage, type(self).__name__)
+        plan = self.plan(traced, args, require_devices=True)
         return compile_shard_executable(traced, plan, self.num_micro_batches)
 
     def __repr__(self) -> str:
@@ -181,15 +216,19 @@ class PipeshardParallel(ParallelMethod):
     """Inter-operator (pipeline) plus intra-operator parallelism.
 
     Args:
-      devices: ``None`` (the devices of ``alpa.init``), a ``LocalPhysicalDeviceMesh`` or a
+      devices: ``None`` (the devices of ``alpa.init``), a ``LocalPhysicalDeviceMesh``, a
+        ``VirtualPhysicalMesh`` or ``ClusterSpec`` (for ``plan()`` only) or a
         list of jax devices.
       num_micro_batches: micro-batches per step; divides the batch size.
       default_auto_sharding_option: ``AutoShardingOption`` of every stage (default
         ``AutoShardingOption()``: the ILP shards each stage on its logical submesh); the
         stage option's per-stage dicts override its fields.
       pipeline_schedule: ``"1f1b"``, ``"gpipe"`` or ``"inference"``.
-      layer_option: ``"manual"`` or ``ManualLayerOption``.
-      stage_option: ``"uniform"``, ``UniformStageOption`` or ``ManualStageOption``.
+      layer_option: ``"manual"``, ``ManualLayerOption`` or ``AutoLayerOption`` (layers by
+        clustering the loss function's equations; ``layer_construction``).
+      stage_option: ``"auto"`` or ``AutoStageOption`` (the stage DP picks stages,
+        submeshes and logical shapes; ``stage_construction``), ``"uniform"``,
+        ``UniformStageOption`` or ``ManualStageOption``.
       stage_input_shardings: per stage, a list with a ``PartitionSpec`` (or ``None``) per
         input of the stage (``executable.get_stage_input_names()``), in the submesh's
         axes ``("x", "y")`` or those of ``manual_sharding_option``.
@@ -235,18 +274,35 @@ class PipeshardParallel(ParallelMethod):
         self.layer_option = resolve_layer_option(layer_option)
         self.stage_option = resolve_stage_option(stage_option)
 
-    def _devices(self) -> list[Any]:
+    def _cluster(self) -> tuple[int, int, ClusterSpec, list[Any] | None]:
+        """``(num_hosts, num_devices_per_host, cluster, devices)``; ``devices`` is ``None``
+        for a cluster that is not here (a ``VirtualPhysicalMesh`` or ``ClusterSpec``)."""
         devices = self.devices
+        if isinstance(devices, ClusterSpec):
+            devices = devices.get_virtual_physical_mesh()
+        if isinstance(devices, VirtualPhysicalMesh):
+            cluster = devices.cluster or ClusterSpec.preset("cpu", devices.num_hosts)
+            return devices.num_hosts, devices.num_devices_per_host, cluster, None
         if devices is None:
-            return list(get_global_physical_mesh().devices)
-        if hasattr(devices, "devices"):
-            return list(devices.devices)
-        return list(devices)
+            physical = get_global_physical_mesh()
+        elif isinstance(devices, LocalPhysicalDeviceMesh):
+            physical = devices
+        else:
+            physical = LocalPhysicalDeviceMesh(list(getattr(devices, "devices", devices)))
+        return 1, physical.num_devices, physical.cluster, list(physical.devices)
 
-    def compile_executable(self, traced: TracedStep, args: Sequence[Any]) -> Executable:
-        return compile_pipeshard_executable(
+    def _plan(self, traced: TracedStep, args: Sequence[Any], require_devices: bool):
+        num_hosts, per_host, cluster, devices = self._cluster()
+        if devices is None and require_devices:
+            raise ValueError(
+                f"devices is {type(self.devices).__name__} (a cluster that is not here, no "
+                "devices): it can be planned for with parallelize(...).plan(*args), not run"
+            )
+        plan = plan_pipeshard(
             traced,
-            self._devices(),
+            num_hosts,
+            per_host,
+            cluster,
             self.num_micro_batches,
             pipeline_schedule=self.pipeline_schedule,
             layer_option=self.layer_option,
@@ -255,7 +311,22 @@ class PipeshardParallel(ParallelMethod):
             manual_sharding_option=self.manual_sharding_option,
             stage_input_shardings=self.stage_input_shardings,
             args=args,
+            devices=devices,
         )
+        return plan, devices
+
+    def plan(self, traced: TracedStep, args: Sequence[Any]) -> PipeshardPlan:
+        """The ``PipeshardPlan`` of ``traced``; compiles and runs nothing (only
+        ``AutoStageOption(cost_model="measured")`` uses the devices)."""
+        return self._plan(traced, args, require_devices=False)[0]
+
+    def trace_context(self) -> contextlib.AbstractContextManager:
+        """The layer option: ``alpa.grad`` cuts the loss function as it says."""
+        return layer_option_context(self.layer_option)
+
+    def compile_executable(self, traced: TracedStep, args: Sequence[Any]) -> Executable:
+        plan, devices = self._plan(traced, args, require_devices=True)
+        return PipeshardDriverExecutable(plan, devices)
 
     def __repr__(self) -> str:
         return (

@@ -1,8 +1,13 @@
-"""Quickstart: one training step of a flax MLP, serial and parallelized three ways.
+"""Quickstart: one training step of a flax MLP, serial and parallelized automatically.
 
-Runs on the GPUs of this machine, or on 8 virtual CPU devices when there are none. For each
-method it prints whether the result matches the serial step, the collectives in the
-compiled program and the bytes each device allocates.
+Runs on the GPUs of this machine, or on 8 virtual CPU devices when there are none. It shows
+
+1. the auto-sharding ILP's plan for the step on a 2x4 mesh (every parameter's sharding),
+2. an automatic pipeline (layers clustered, stages and submeshes by the stage DP),
+3. the fixed methods (data parallel, ZeRO-2/3, gradient accumulation),
+
+and for each whether the result matches the serial step, the collectives in the compiled
+program and the bytes each device allocates.
 
     python examples/quickstart.py
 """
@@ -62,6 +67,36 @@ def main():
     state = TrainState.create(apply_fn=model.apply, params=params, tx=optax.adam(1e-3))
 
     expected = jax.jit(train_step)(state, batch)
+
+    # 1. The ILP's plan on a 2-D mesh.
+    method = alpa.ShardParallel(
+        auto_sharding_option=alpa.AutoShardingOption(logical_mesh_shape=(2, 4))
+    )
+    p_step = alpa.parallelize(train_step, method=method, donate_argnums=())
+    plan = p_step.plan(state, batch)
+    print(f"\n1. auto-sharding plan on a {plan.logical_mesh.shape} mesh (mesh axes x, y):")
+    leaves = jax.tree_util.tree_flatten_with_path(state.params)[0]
+    for (path, leaf), spec in zip(leaves, plan.in_specs[1 : 1 + len(leaves)], strict=True):
+        print(f"   {jax.tree_util.keystr(path):<42}{str(leaf.shape):<14}{spec}")
+    out = p_step(state, batch)
+    assert_allclose(out, expected, rtol=1e-4, atol=1e-4)
+    counts = count_communication_primitives(p_step.get_last_executable().get_hlo_text())
+    print(
+        f"   matches the serial step; {counts.all_reduce} all-reduce, "
+        f"{counts.all_gather} all-gather, {counts.reduce_scatter} reduce-scatter"
+    )
+
+    # 2. An automatic pipeline: layers, stages, submeshes and logical shapes chosen.
+    method = alpa.PipeshardParallel(
+        num_micro_batches=4,
+        layer_option=alpa.AutoLayerOption(layer_num=2),
+        stage_option="auto",
+    )
+    p_step = alpa.parallelize(train_step, method=method, donate_argnums=())
+    print("\n2.", p_step.plan(state, batch))
+    out = p_step(state, batch)
+    assert_allclose(out, expected, rtol=1e-4, atol=1e-4)
+    print("   matches the serial step\n\n3. fixed methods:")
     print(
         f"{'method':<34}{'matches serial':>15}{'all-reduce':>11}{'all-gather':>11}"
         f"{'MiB/device':>11}"

@@ -149,9 +149,9 @@ def create_train_state(
             batch_stats=variables.get("batch_stats"),
         )
 
+    if abstract:  # the key too is only traced: no device is touched
+        return jax.eval_shape(lambda *args: init(init_key(seed), *args), *init_args)
     rng = init_key(seed)
-    if abstract:
-        return jax.eval_shape(init, rng, *init_args)
     # Initialization runs once, and on CPU compiling its random-number code with full LLVM
     # optimization costs more than running it unoptimized.
     options = _RUN_ONCE_COMPILER_OPTIONS if jax.default_backend() == "cpu" else None

@@ -1,15 +1,26 @@
 """Layer construction: cut a step into pipeline layers, in the forward and backward pass.
 
-``ManualLayerOption`` takes the user's cuts: ``alpa.mark_pipeline_boundary()`` calls split
-the forward pass into ``number of boundaries + 1`` layers, in program order.
+Two options decide the cut of the forward pass (the loss function):
+
+* ``ManualLayerOption`` takes the user's cuts: ``alpa.mark_pipeline_boundary()`` calls
+  split the forward pass into ``number of boundaries + 1`` layers, in program order.
+* ``AutoLayerOption(layer_num)`` ignores boundaries and clusters the loss function's
+  equations into ``layer_num`` contiguous layers (paper §5.2, ``layer_clustering``): every
+  layer's FLOPs within ``(1 + layer_eps)`` times the average, and the least bytes crossing
+  layer boundaries. ``remat_mode="coarse_grained_remat"`` then recomputes each stage's
+  forward in its backward (``computation.rematerialize``);
+  ``remat_mode="fine_grained_remat"`` first wraps ``fine_grained_remat_layer_num``
+  clustered segments of the loss function in ``jax.checkpoint`` (``remat``), so that a
+  layer is a run of whole checkpointed segments. An inference step (no ``alpa.grad``) is
+  clustered the same way, by :func:`construct_layers`.
 
 A boundary binds a marker with no operands, and JAX's AD carries an equation without
 operands into the forward sweep only, so the backward pass would keep no trace of the cut.
 :func:`mark_layers` (applied by ``alpa.grad`` / ``alpa.value_and_grad`` before they
 differentiate, as in Alpa's ``layer_construction``) therefore rewrites the loss function:
-it traces it to a jaxpr, cuts the equations at the boundaries into layers and re-evaluates
-them with every layer wrapped in a ``start`` marker on the values that enter it and an
-``end`` marker on the values that leave it::
+it traces it to a jaxpr, cuts the equations into layers (as the active option says) and
+re-evaluates them with every layer wrapped in a ``start`` marker on the values that enter
+it and an ``end`` marker on the values that leave it::
 
     start_0(params, x) -> eqns of layer 0 -> end_0(h) -> start_1(h, params) -> ... -> end_1(loss)
 
@@ -26,26 +37,62 @@ sums of cotangents of a value that several layers read) are placed by their data
 ``computation.split_computations``. A step whose boundaries were not rewritten (an
 inference step, or one differentiated with ``jax.grad``) is cut by its boundaries alone.
 
-Automatic layer construction (``AutoLayerOption``, clustering by FLOPs) is a later issue.
+The option reaches ``mark_layers``, which runs while the step is traced, through
+:func:`layer_option_context`: ``PipeshardParallel`` traces the step inside it
+(``ParallelMethod.trace_context``). Outside any context, ``mark_layers`` cuts at the
+boundaries, as ``ManualLayerOption()`` does.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
+from contextvars import ContextVar
+from dataclasses import InitVar, dataclass
 from typing import Literal
 
 import jax
 import numpy as np
 from jax.extend.core import ClosedJaxpr, Var
-from jax.extend.core import Literal as JaxLiteral
 
+from alpa.pipeline_parallel.remat import clustered_remat
+from alpa.pipeline_parallel.segments import (
+    Segments,
+    boundary_segments,
+    check_eps,
+    check_layer_num,
+    check_static_argnums,
+    clustered_segments,
+    eval_eqns,
+    initial_env,
+    is_boundary,
+    read,
+    rewrite_traced,
+    segment_interface,
+)
 from alpa.tracing.primitive_def import mark_pipeline_jaxpreqn, pipeline_p
 
 LAYER_PREFIX = "layer_"
 
 EqnKind = Literal["forward", "backward"]
+RematMode = Literal["none", "coarse_grained_remat", "fine_grained_remat"]
+REMAT_MODES = ("none", "coarse_grained_remat", "fine_grained_remat")
+
+__all__ = [
+    "AutoLayerOption",
+    "LayerAssignment",
+    "ManualLayerOption",
+    "construct_layers",
+    "is_boundary",
+    "is_layer_marker",
+    "layer_option_context",
+    "manual_layers",
+    "mark_layers",
+    "resolve_layer_option",
+]
+
+# ----------------------------------------------------------------------------- options
 
 
 @dataclass(frozen=True)
@@ -63,21 +110,158 @@ class ManualLayerOption:
         if not isinstance(self.remat_layer, bool):
             raise ValueError(f"remat_layer must be a bool, got {self.remat_layer!r}")
 
+    def rewrite_loss(self, fun: Callable) -> Callable:
+        """``fun`` with its boundaries replaced by layer markers (:func:`mark_layers`)."""
 
-def resolve_layer_option(option) -> ManualLayerOption:
-    """``None`` / ``"manual"`` / a ``ManualLayerOption``."""
+        def rewrite(closed: ClosedJaxpr, values: list) -> list:
+            return _eval_layered(closed, boundary_segments(closed.jaxpr.eqns), values)
+
+        return rewrite_traced(fun, rewrite)
+
+    def layers(self, closed_jaxpr: ClosedJaxpr) -> LayerAssignment:
+        """The layer of every equation of a traced step (:func:`manual_layers`)."""
+        return manual_layers(closed_jaxpr)
+
+
+@dataclass(frozen=True)
+class AutoLayerOption:
+    """Layers chosen by clustering the loss function's equations (module docstring).
+
+    Attributes:
+      layer_num: the number of layers, at most the number of the loss function's
+        equations. Layers are the stage DP's units; a multiple of the number of stages
+        you expect (or of the model's repeated blocks) cuts best.
+      remat_mode: ``"none"``; ``"coarse_grained_remat"`` (each stage's backward
+        recomputes its forward, as ``ManualLayerOption(remat_layer=True)``); or
+        ``"fine_grained_remat"`` (``fine_grained_remat_layer_num`` clustered segments of
+        the loss function under ``jax.checkpoint``, see ``alpa.automatic_remat``).
+      fine_grained_remat_layer_num: the number of checkpointed segments (default
+        ``layer_num``), at least ``layer_num``; read only with ``"fine_grained_remat"``.
+      layer_eps: every layer's FLOPs are at most ``(1 + layer_eps)`` times the average.
+        ``eps=`` (Alpa's name) is accepted too.
+      static_argnums: positions of loss-function arguments that are constants of the
+        trace (arguments that are not arrays always are).
+    """
+
+    layer_num: int
+    remat_mode: RematMode = "none"
+    fine_grained_remat_layer_num: int | None = None
+    layer_eps: float = 0.6
+    static_argnums: tuple[int, ...] = ()
+    eps: InitVar[float | None] = None
+
+    def __post_init__(self, eps):
+        name = "AutoLayerOption"
+        check_layer_num(self.layer_num, name)
+        if self.remat_mode not in REMAT_MODES:
+            raise ValueError(
+                f"{name}: remat_mode must be one of {REMAT_MODES}, got {self.remat_mode!r}"
+            )
+        fine = self.fine_grained_remat_layer_num
+        if fine is not None:
+            check_layer_num(fine, name, "fine_grained_remat_layer_num")
+            if self.remat_mode == "fine_grained_remat" and fine < self.layer_num:
+                raise ValueError(
+                    f"{name}: fine_grained_remat_layer_num={fine} is less than "
+                    f"layer_num={self.layer_num}; a layer is a run of whole rematerialized "
+                    "segments, so there must be at least as many segments as layers"
+                )
+        if eps is not None:  # Alpa's name
+            if self.layer_eps not in (0.6, eps):
+                raise ValueError(
+                    f"{name}: got layer_eps={self.layer_eps} and eps={eps}; they are the "
+                    "same tolerance, pass one"
+                )
+            object.__setattr__(self, "layer_eps", eps)
+        check_eps(self.layer_eps, name, "layer_eps")
+        object.__setattr__(self, "static_argnums", check_static_argnums(self.static_argnums, name))
+
+    @property
+    def remat_layer(self) -> bool:
+        """Stage-level rematerialization (``computation.rematerialize``)."""
+        return self.remat_mode == "coarse_grained_remat"
+
+    def _what(self) -> str:
+        return f"AutoLayerOption(layer_num={self.layer_num}, layer_eps={self.layer_eps})"
+
+    def rewrite_loss(self, fun: Callable) -> Callable:
+        """``fun`` cut into ``layer_num`` clustered layers, each wrapped in layer markers
+        (:func:`mark_layers`); with fine-grained remat, over checkpointed segments."""
+        if self.remat_mode == "fine_grained_remat":
+            segments = self.fine_grained_remat_layer_num or self.layer_num
+            fun = clustered_remat(
+                fun,
+                segments,
+                self.layer_eps,
+                self.static_argnums,
+                f"AutoLayerOption(remat_mode='fine_grained_remat', "
+                f"fine_grained_remat_layer_num={segments}, layer_eps={self.layer_eps})",
+            )
+
+        def rewrite(closed: ClosedJaxpr, values: list) -> list:
+            segments = clustered_segments(
+                closed.jaxpr.eqns, self.layer_num, self.layer_eps, self._what(), "the loss function"
+            )
+            return _eval_layered(closed, segments, values)
+
+        return rewrite_traced(fun, rewrite, self.static_argnums, inline_jit=True)
+
+    def layers(self, closed_jaxpr: ClosedJaxpr) -> LayerAssignment:
+        """The layer of every equation of a traced step: from the markers ``alpa.grad``
+        left (a training step), else by clustering the step's equations (inference)."""
+        eqns = closed_jaxpr.jaxpr.eqns
+        if any(
+            is_layer_marker(e) or (e.primitive is pipeline_p and e.params["mark_type"] == "grad")
+            for e in eqns
+        ):
+            return manual_layers(closed_jaxpr)
+        body = [e for e in eqns if e.primitive is not pipeline_p]
+        segments = clustered_segments(
+            body, self.layer_num, self.layer_eps, self._what(), "the inference step"
+        )
+        layer_of = {id(e): layer for layer, seg in enumerate(segments) for e in seg}
+        return LayerAssignment(tuple(layer_of.get(id(e)) for e in eqns), None, self.layer_num)
+
+
+LayerOption = ManualLayerOption | AutoLayerOption
+
+
+def resolve_layer_option(option) -> LayerOption:
+    """``None`` / ``"manual"`` / a ``ManualLayerOption`` / an ``AutoLayerOption``."""
     if option is None or option == "manual":
         return ManualLayerOption()
-    if isinstance(option, ManualLayerOption):
+    if isinstance(option, ManualLayerOption | AutoLayerOption):
         return option
     raise ValueError(
-        f"layer_option must be 'manual' or a ManualLayerOption, got {option!r} "
-        f"({type(option).__name__})"
+        f"layer_option must be 'manual', a ManualLayerOption or an AutoLayerOption, got "
+        f"{option!r} ({type(option).__name__})"
     )
 
 
-def is_boundary(eqn) -> bool:
-    return eqn.primitive is pipeline_p and eqn.params["mark_type"] == "boundary"
+_active_option: ContextVar[LayerOption | None] = ContextVar("alpa_layer_option", default=None)
+
+
+@contextlib.contextmanager
+def layer_option_context(option) -> Iterator[LayerOption]:
+    """Within the ``with`` block, :func:`mark_layers` cuts as ``option`` says."""
+    resolved = resolve_layer_option(option)
+    token = _active_option.set(resolved)
+    try:
+        yield resolved
+    finally:
+        _active_option.reset(token)
+
+
+def current_layer_option() -> LayerOption:
+    """The option of the innermost :func:`layer_option_context` (default: manual)."""
+    return _active_option.get() or ManualLayerOption()
+
+
+def construct_layers(closed_jaxpr: ClosedJaxpr, layer_option) -> LayerAssignment:
+    """The layer of every equation of a traced step, as ``layer_option`` says: from the
+    markers ``alpa.grad`` left, from the boundaries, or (``AutoLayerOption``, inference)
+    by clustering the step's equations."""
+    return resolve_layer_option(layer_option).layers(closed_jaxpr)
 
 
 def is_layer_marker(eqn) -> bool:
@@ -92,46 +276,29 @@ def is_layer_marker(eqn) -> bool:
 
 
 def mark_layers(fun: Callable) -> Callable:
-    """``fun`` with its boundaries replaced by layer ``start`` / ``end`` markers.
+    """``fun`` with every layer wrapped in ``start`` / ``end`` layer markers.
 
-    The result computes the same values. Without boundaries in ``fun``'s own equations it
-    is ``fun`` re-evaluated from its jaxpr. Arguments that are not arrays (Python numbers,
-    strings) are treated as constants of the trace.
+    The layers are cut as the active option says (:func:`layer_option_context`; default:
+    at ``fun``'s boundaries). The result computes the same values. Without boundaries in
+    ``fun``'s own equations (manual) or with ``layer_num=1`` it is ``fun`` re-evaluated
+    from its jaxpr. Arguments that are not arrays (Python numbers, strings) are treated as
+    constants of the trace.
     """
 
     @functools.wraps(fun)
     def wrapped(*args, **kwargs):
-        leaves, tree = jax.tree.flatten((args, kwargs))
-        dynamic = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array | np.ndarray)]
-
-        def flat_fun(*values):
-            full = list(leaves)
-            for i, value in zip(dynamic, values, strict=True):
-                full[i] = value
-            call_args, call_kwargs = jax.tree.unflatten(tree, full)
-            return fun(*call_args, **call_kwargs)
-
-        values = [leaves[i] for i in dynamic]
-        closed, out_shape = jax.make_jaxpr(flat_fun, return_shape=True)(*values)
-        outs = _eval_layered(closed, values)
-        return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
+        return current_layer_option().rewrite_loss(fun)(*args, **kwargs)
 
     return wrapped
 
 
-def _eval_layered(closed: ClosedJaxpr, args) -> list:
+def _eval_layered(closed: ClosedJaxpr, segments: Segments, args: Sequence) -> list:
+    """Evaluate ``closed`` on ``args``, segment ``l`` between ``layer_l`` markers."""
     jaxpr = closed.jaxpr
-    segments: list[list] = [[]]
-    for eqn in jaxpr.eqns:
-        if is_boundary(eqn):
-            segments.append([])
-        else:
-            segments[-1].append(eqn)
-    env: dict = dict(zip(jaxpr.invars, args, strict=True))
-    env.update(zip(jaxpr.constvars, closed.consts, strict=True))
+    env = initial_env(closed, args)
     if len(segments) == 1:
-        _eval_eqns(segments[0], env)
-        return [_read(env, v) for v in jaxpr.outvars]
+        eval_eqns(segments[0], env)
+        return [read(env, v) for v in jaxpr.outvars]
 
     # Values a marker may carry: floating values (they have tangents) that are traced (a
     # concrete constant stays a constant, which every stage can recompute).
@@ -140,31 +307,14 @@ def _eval_layered(closed: ClosedJaxpr, args) -> list:
         for v, c in zip(jaxpr.constvars, closed.consts, strict=True)
         if isinstance(c, jax.core.Tracer)
     }
-    layer_of: dict[Var, int] = {}
-    for layer, eqns in enumerate(segments):
-        for eqn in eqns:
-            for v in eqn.outvars:
-                layer_of[v] = layer
-                traced.add(v)
-    read_by: dict[Var, set[int]] = {}
-    for layer, eqns in enumerate(segments):
-        for eqn in eqns:
-            for v in eqn.invars:
-                if isinstance(v, Var) and not isinstance(v, JaxLiteral):
-                    read_by.setdefault(v, set()).add(layer)
-    outputs = {v for v in jaxpr.outvars if isinstance(v, Var) and not isinstance(v, JaxLiteral)}
+    traced |= {v for eqns in segments for eqn in eqns for v in eqn.outvars}
 
-    def markable(v) -> bool:
+    def markable(v: Var) -> bool:
         return v in traced and np.issubdtype(np.dtype(v.aval.dtype), np.inexact)
 
-    for layer, eqns in enumerate(segments):
+    interface = segment_interface(closed, segments)
+    for layer, (eqns, (entering, leaving)) in enumerate(zip(segments, interface, strict=True)):
         name = f"{LAYER_PREFIX}{layer}"
-        entering = _unique(
-            v
-            for eqn in eqns
-            for v in eqn.invars
-            if isinstance(v, Var) and not isinstance(v, JaxLiteral) and layer_of.get(v) != layer
-        )
         entering = [v for v in entering if markable(v)]
         local = dict(env)
         local.update(
@@ -174,13 +324,7 @@ def _eval_layered(closed: ClosedJaxpr, args) -> list:
                 strict=True,
             )
         )
-        _eval_eqns(eqns, local)
-        leaving = _unique(
-            v
-            for eqn in eqns
-            for v in eqn.outvars
-            if v in outputs or any(r > layer for r in read_by.get(v, ()))
-        )
+        eval_eqns(eqns, local)
         marked = [v for v in leaving if markable(v)]
         env.update((v, local[v]) for v in leaving)
         env.update(
@@ -188,26 +332,7 @@ def _eval_layered(closed: ClosedJaxpr, args) -> list:
                 marked, mark_pipeline_jaxpreqn([local[v] for v in marked], name, "end"), strict=True
             )
         )
-    return [_read(env, v) for v in jaxpr.outvars]
-
-
-def _unique(values) -> list:
-    return list(dict.fromkeys(values))
-
-
-def _read(env, v):
-    return v.val if isinstance(v, JaxLiteral) else env[v]
-
-
-def _eval_eqns(eqns, env: dict) -> None:
-    for eqn in eqns:
-        with eqn.ctx.manager:
-            outs = eqn.primitive.bind(
-                *[_read(env, v) for v in eqn.invars], **eqn.primitive.get_bind_params(eqn.params)
-            )
-        if not eqn.primitive.multiple_results:
-            outs = [outs]
-        env.update(zip(eqn.outvars, outs, strict=True))
+    return [read(env, v) for v in jaxpr.outvars]
 
 
 # ----------------------------------------------------------------------------- reading

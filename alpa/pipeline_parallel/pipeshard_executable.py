@@ -1,9 +1,9 @@
 """PipeshardDriverExecutable: a step compiled into pipeline stages on submeshes.
 
-Compilation (``compile_pipeshard_executable``) runs the inter-op passes in order:
-
-    traced step --layers--> eqn layers --stages--> StagePlan --split--> PipelineProgram
-       --schedule + emitter--> PipelineInstructions --jax.jit per computation--> executable
+Compilation (``compile_pipeshard_executable``) makes a ``PipeshardPlan`` (``pipeshard_plan``:
+layers, stages, split, per-stage shardings, schedule, instructions; no device touched) and
+hands it to :class:`PipeshardDriverExecutable`, which compiles the plan's computations on
+the devices of each submesh and runs them with the local runtime.
 
 Each stage computation is compiled with ``jax.jit`` on its own submesh, with the
 shardings the intra-op pass chose for that stage (``stage_sharding``): the auto-sharding
@@ -21,33 +21,23 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from alpa.device_mesh import LocalPhysicalDeviceMesh, make_jax_mesh
+from alpa.device_mesh import ClusterSpec, make_jax_mesh
 from alpa.executable import Executable, PlacementSpec, is_placed
 from alpa.pipeline_parallel.computation import (
-    PipelineProgram,
     StageComputation,
     _collect_consts,
     _is_var,
-    rematerialize,
-    split_computations,
 )
-from alpa.pipeline_parallel.layer_construction import manual_layers, resolve_layer_option
+from alpa.pipeline_parallel.pipeshard_plan import PipeshardPlan, plan_pipeshard
 from alpa.pipeline_parallel.runtime_emitter import (
     Kernel,
-    PipelineInstructions,
-    emit_instructions,
     simulate_memory,
 )
-from alpa.pipeline_parallel.schedules import PipelineSchedule, make_schedule
-from alpa.pipeline_parallel.stage_construction import StagePlan, plan_stages
 from alpa.pipeline_parallel.stage_sharding import (
     DATA_AXES,
     data_parallel_spec,
-    plan_stage_shardings,
-    stage_options,
-    tie_donated_outputs,
 )
-from alpa.pipeline_parallel.user_shardings import input_names, pinned_specs
+from alpa.pipeline_parallel.user_shardings import input_names
 from alpa.runtime.local_runtime import LocalPipelineRuntime, RuntimeContext, reshard_bytes
 from alpa.shard_parallel.executable import full_batch_avals
 from alpa.tracing import TracedStep, leaf_signature
@@ -65,73 +55,26 @@ def compile_pipeshard_executable(
     manual_sharding_option: Any = None,
     stage_input_shardings: Any = None,
     args: Sequence[Any] = (),
+    cluster: ClusterSpec | None = None,
 ) -> PipeshardDriverExecutable:
-    """Compile ``traced`` (traced at micro-batch size) into a pipeshard executable.
-
-    ``args`` are the step's positional arguments (abstract or not), which
-    ``manual_sharding_option.in_axis_resources`` is matched against.
-    """
-    layer_option = resolve_layer_option(layer_option)
-    layers = manual_layers(traced.closed_jaxpr)
-    stage_plan = plan_stages(stage_option, layers.num_layers, len(devices))
-    options = stage_options(default_auto_sharding_option, stage_plan.autosharding_option_dicts)
-    program = split_computations(
-        traced.closed_jaxpr,
-        layers.layers,
-        stage_plan.layer_to_stage,
-        traced.batch_invars,
-        layers.kinds,
-    )
-    if layer_option.remat_layer and program.is_training:
-        program = rematerialize(program)
-    if pipeline_schedule == "inference" and program.is_training:
-        raise ValueError(
-            "pipeline_schedule='inference' cannot run a training step (it calls alpa.grad); "
-            "use 'gpipe' or '1f1b'"
-        )
-    schedule = make_schedule(pipeline_schedule, stage_plan.num_stages, num_micro_batches)
-    if not program.is_training and pipeline_schedule != "inference":
-        raise ValueError(
-            f"the step has no alpa.grad, so it is an inference step; pass "
-            f"pipeline_schedule='inference' instead of {pipeline_schedule!r}"
-        )
-    names = _name_vars(traced.closed_jaxpr)
-    mesh_shapes = [
-        tuple(option.logical_mesh_shape or shape)
-        for option, shape in zip(options, stage_plan.logical_shapes, strict=True)
-    ]
-    pinned = pinned_specs(
-        traced, program, args, mesh_shapes, manual_sharding_option, stage_input_shardings, names
-    )
-    instructions = emit_instructions(program, schedule, names)
-    return PipeshardDriverExecutable(
+    """Plan ``traced`` (traced at micro-batch size) on ``devices`` (one host) and compile
+    the plan (``pipeshard_plan.plan_pipeshard`` for the arguments)."""
+    plan = plan_pipeshard(
         traced,
-        program,
-        stage_plan,
-        schedule,
-        instructions,
-        names,
-        devices,
+        1,
+        len(devices),
+        cluster or ClusterSpec.local(),
         num_micro_batches,
-        options,
-        pinned,
+        pipeline_schedule=pipeline_schedule,
+        layer_option=layer_option,
+        stage_option=stage_option,
+        default_auto_sharding_option=default_auto_sharding_option,
+        manual_sharding_option=manual_sharding_option,
+        stage_input_shardings=stage_input_shardings,
+        args=args,
+        devices=devices,
     )
-
-
-def _name_vars(closed_jaxpr) -> dict:
-    names: dict = {}
-    jaxpr = closed_jaxpr.jaxpr
-
-    def add(v):
-        if _is_var(v) and v not in names:
-            names[v] = f"v{len(names)}"
-
-    for v in list(jaxpr.constvars) + list(jaxpr.invars):
-        add(v)
-    for eqn in jaxpr.eqns:
-        for v in eqn.outvars:
-            add(v)
-    return names
+    return PipeshardDriverExecutable(plan, devices)
 
 
 def _eval_eqns(eqns, env: dict, constraints: dict | None = None) -> None:
@@ -159,45 +102,24 @@ def _eval_eqns(eqns, env: dict, constraints: dict | None = None) -> None:
 class PipeshardDriverExecutable(Executable):
     """Runs a pipelined step on local submeshes (the driver runs every mesh's program)."""
 
-    def __init__(
-        self,
-        traced: TracedStep,
-        program: PipelineProgram,
-        stage_plan: StagePlan,
-        schedule: PipelineSchedule,
-        instructions: PipelineInstructions,
-        names: dict,
-        devices: Sequence[Any],
-        num_micro_batches: int,
-        options: Sequence[Any] | None = None,
-        pinned: dict | None = None,
-    ):
+    def __init__(self, plan: PipeshardPlan, devices: Sequence[Any]):
+        traced, program, stage_plan = plan.traced, plan.program, plan.stage_plan
+        instructions, names = plan.instructions, plan.names
+        self.plan = plan
         self.traced = traced
         self.program = program
         self.stage_plan = stage_plan
-        self.schedule = schedule
+        self.schedule = plan.schedule
         self.instructions = instructions
-        self.num_micro_batches = num_micro_batches
+        self.num_micro_batches = plan.num_micro_batches
         self._names = names
         self._var_of = {name: v for v, name in names.items()}
-        self.options = list(options or stage_options(None, stage_plan.autosharding_option_dicts))
-        self.logical_meshes = []
-        for (a, b), shape, option in zip(
-            stage_plan.device_ranges, stage_plan.logical_shapes, self.options, strict=True
-        ):
-            shape = option.logical_mesh_shape or shape
-            self.logical_meshes.append(
-                LocalPhysicalDeviceMesh(devices[a:b]).get_logical_mesh(
-                    shape, option.mesh_alpha, option.mesh_beta
-                )
-            )
-        self.meshes = [make_jax_mesh(m.devices, m.shape, DATA_AXES) for m in self.logical_meshes]
-        self.stage_specs, self.stage_objectives = plan_stage_shardings(
-            traced, program, self.logical_meshes, self.options, names, pinned
-        )
-        tie_donated_outputs(
-            traced, program, self.stage_specs, [m.devices.size for m in self.meshes]
-        )
+        self.options = list(plan.options)
+        self.meshes = [
+            make_jax_mesh(devices[a:b], logical.shape, DATA_AXES)
+            for (a, b), logical in zip(stage_plan.device_ranges, plan.logical_meshes, strict=True)
+        ]
+        self.stage_specs, self.stage_objectives = plan.stage_specs, plan.objectives
         jaxpr = traced.closed_jaxpr.jaxpr
         self._consts_env = dict(zip(jaxpr.constvars, traced.closed_jaxpr.consts, strict=True))
         self._kernels = [self._compile_kernel(kernel) for kernel in instructions.kernels]
@@ -219,6 +141,7 @@ class PipeshardDriverExecutable(Executable):
             micro_batch_size=micro,
             kernel_names=kernel_names,
             shape_of=lambda key: tuple(self._var_of[key[0]].aval.shape),
+            in_flight_limit=2 if devices[0].platform == "cpu" else None,
         )
         self.runtime = LocalPipelineRuntime(instructions, context, leaf_index, self._reshard_bytes)
         const_env = dict(self._consts_env)
@@ -231,7 +154,8 @@ class PipeshardDriverExecutable(Executable):
         self._const_outputs = {n: const_env[self._var_of[n]] for n in const_outputs}
         self.collect_trace = False
         self._last_outputs: list = []
-        self._signatures = [leaf_signature(a) for a in full_batch_avals(traced, num_micro_batches)]
+        full = full_batch_avals(traced, plan.num_micro_batches)
+        self._signatures = [leaf_signature(a) for a in full]
 
     # -- compilation
 

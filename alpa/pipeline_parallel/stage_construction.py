@@ -1,19 +1,37 @@
 """Stage construction: which layers form each stage, and the submesh each stage runs on.
 
-``ManualStageOption`` takes both from the user; ``UniformStageOption`` splits layers and
-devices evenly. Either resolves to a :class:`StagePlan`. Submeshes are consecutive slices
-of the devices, in stage order. The dynamic program that chooses both (paper §5.2) is in
-``stage_dp`` (``get_submesh_choices``, ``training_dp``, re-exported here at Alpa's path);
-``AutoStageOption``, which feeds it stage costs, is not there yet.
+Every stage option resolves through one method, ``option.plan(context) -> StagePlan``:
+
+* ``ManualStageOption`` takes layers and submesh shapes from the user;
+* ``UniformStageOption`` splits layers and devices evenly;
+* ``AutoStageOption`` (``stage_option="auto"``) runs the dynamic program of the paper
+  (§5.2, ``stage_dp.training_dp``) on the stage costs of a ``StageCostModel``
+  (``stage_cost``): it picks, at once, the layers of each stage, its submesh and its
+  logical shape and auto-sharding option.
+
+A submesh is a host-aligned 2-D slice ``(hosts, devices_per_host)`` of the cluster
+(:func:`place_submeshes`); ``StagePlan.device_ranges`` are its devices as a range of the
+cluster's devices numbered host by host. ``get_submesh_choices`` and ``training_dp`` are
+re-exported here at Alpa's path; ``get_last_dp_result()`` says what the last DP chose.
 """
 
 from __future__ import annotations
 
+import math
+import os
+import tempfile
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from alpa.pipeline_parallel.stage_dp import get_submesh_choices, training_dp  # noqa: F401
+import numpy as np
+
+from alpa.pipeline_parallel.stage_dp import (  # noqa: F401 (Alpa's path)
+    SUBMESH_SPACES,
+    get_submesh_choices,
+    training_dp,
+)
 
 
 @dataclass(frozen=True)
@@ -69,6 +87,9 @@ class ManualStageOption:
                     )
             object.__setattr__(self, "submesh_logical_shapes", logical)
 
+    def plan(self, context: StageContext) -> StagePlan:
+        return _manual_plan(self, context)
+
 
 @dataclass(frozen=True)
 class UniformStageOption:
@@ -93,77 +114,418 @@ class UniformStageOption:
         ):
             raise ValueError(f"num_stages must be a positive int, got {self.num_stages!r}")
 
+    def plan(self, context: StageContext) -> StagePlan:
+        return _uniform_plan(self, context)
+
+
+@dataclass(frozen=True)
+class AutoStageOption:
+    """Stages, submeshes and logical shapes chosen by the stage DP (paper §5.2).
+
+    Attributes (Alpa's, with Alpa's meanings):
+      submesh_physical_shape_space: submesh shapes a stage may take
+        (``get_submesh_choices``): ``"power_of_two"``, ``"small_power_of_two"``, ``"all"``
+        or ``"manual"`` (then ``manually_specified_submeshes``).
+      manually_specified_submeshes: ``(hosts, devices_per_host)`` shapes for ``"manual"``.
+      submesh_logical_shape_space: logical views of each submesh
+        (``stage_cost.get_logical_configs``), default ``"single_node_model_parallel"``.
+      stage_imbalance_tolerance: only ``inf`` (no bound on how unequal stages may be) is
+        supported; a finite value is refused.
+      use_hlo_cost_model: ``True`` selects the analytic model (an estimate from the
+        program, no profiling) whatever ``cost_model`` says.
+      profiling_database_filename: the disk cache of the measured model.
+      cached_profile_result: a ``.npz`` file of stage cost tables written by an earlier
+        DP (``get_last_dp_result()[0]``) for the same step and cluster: reused instead of
+        costing the stages again.
+
+    Attributes (alpa's):
+      cost_model: ``"analytic"`` (default: FLOPs at the cluster's rate plus the ILP's
+        communication, no devices needed), ``"measured"`` (compile and time every
+        candidate stage on this process's devices) or a ``StageCostModel``.
+      memory_budget_per_device: bytes a stage may use per device (default: the
+        ``AutoShardingOption``'s ``memory_budget_per_device``, else the cluster's device
+        memory).
+    """
+
+    submesh_physical_shape_space: str = "power_of_two"
+    manually_specified_submeshes: Sequence[Sequence[int]] | None = None
+    submesh_logical_shape_space: str = "single_node_model_parallel"
+    stage_imbalance_tolerance: float = math.inf
+    use_hlo_cost_model: bool = False
+    profiling_database_filename: str | None = None
+    cached_profile_result: str | None = None
+    cost_model: Any = "analytic"
+    memory_budget_per_device: float | None = None
+
+    def __post_init__(self):
+        from alpa.pipeline_parallel.stage_cost import LOGICAL_SHAPE_SPACES
+
+        if self.submesh_physical_shape_space not in SUBMESH_SPACES:
+            raise ValueError(
+                f"submesh_physical_shape_space must be one of {SUBMESH_SPACES}, got "
+                f"{self.submesh_physical_shape_space!r}"
+            )
+        if self.submesh_logical_shape_space not in LOGICAL_SHAPE_SPACES:
+            raise ValueError(
+                f"submesh_logical_shape_space must be one of {LOGICAL_SHAPE_SPACES}, got "
+                f"{self.submesh_logical_shape_space!r}"
+            )
+        if self.stage_imbalance_tolerance != math.inf:
+            raise NotImplementedError(
+                f"stage_imbalance_tolerance={self.stage_imbalance_tolerance!r}: only inf "
+                "(no bound) is supported"
+            )
+        if not (self.cost_model in ("analytic", "measured") or callable(self.cost_model)):
+            raise ValueError(
+                f"cost_model must be 'analytic', 'measured' or a StageCostModel, got "
+                f"{self.cost_model!r}"
+            )
+        budget = self.memory_budget_per_device
+        if budget is not None and not budget > 0:
+            raise ValueError(f"memory_budget_per_device must be positive, got {budget!r}")
+
+    def cost_model_instance(self, devices: Sequence[Any] | None):
+        from alpa.pipeline_parallel.stage_cost import AnalyticStageCost, MeasuredStageCost
+
+        if self.use_hlo_cost_model or self.cost_model == "analytic":
+            return AnalyticStageCost()
+        if self.cost_model == "measured":
+            if devices is None:
+                raise ValueError(
+                    "AutoStageOption(cost_model='measured') needs real devices; a plan for "
+                    "a ClusterSpec that is not here uses cost_model='analytic'"
+                )
+            return MeasuredStageCost(devices, self.profiling_database_filename)
+        return self.cost_model
+
+    def plan(self, context: StageContext) -> StagePlan:
+        return plan_auto_stages(self, context)
+
 
 @dataclass(frozen=True)
 class StagePlan:
-    """Resolved stages: layers, device slices and logical shapes per stage."""
+    """Resolved stages: layers, submeshes and logical shapes per stage.
+
+    Attributes:
+      layer_to_stage: per layer, its stage.
+      submesh_shapes: per stage, its ``(hosts, devices_per_host)``.
+      device_ranges: per stage, ``[start, stop)`` of the cluster's devices (numbered host
+        by host) its submesh takes.
+      logical_shapes: per stage, its 2-D logical mesh shape.
+      autosharding_option_dicts: per stage, ``AutoShardingOption`` fields or ``None``.
+      latencies: per stage, the cost model's latency per micro-batch (auto stages only).
+      memory: per stage, the cost model's bytes per device (auto stages only).
+      predicted_cost: the DP's pipeline latency of one step (auto stages only).
+    """
 
     layer_to_stage: tuple[int, ...]
     device_ranges: tuple[tuple[int, int], ...]
     logical_shapes: tuple[tuple[int, int], ...]
     autosharding_option_dicts: tuple[dict | None, ...]
+    submesh_shapes: tuple[tuple[int, int], ...] = ()
+    latencies: tuple[float, ...] | None = None
+    memory: tuple[float, ...] | None = None
+    predicted_cost: float | None = None
 
     @property
     def num_stages(self) -> int:
         return len(self.device_ranges)
 
+    def stage_layers(self) -> list[list[int]]:
+        out: list[list[int]] = [[] for _ in range(self.num_stages)]
+        for layer, stage in enumerate(self.layer_to_stage):
+            out[stage].append(layer)
+        return out
 
-def resolve_stage_option(option) -> ManualStageOption | UniformStageOption:
+
+@dataclass(frozen=True, eq=False)
+class StageContext:
+    """What a stage option plans from.
+
+    Attributes:
+      num_layers: layers of the step.
+      num_hosts, num_devices_per_host: the cluster's shape.
+      cluster: its hardware (a ``ClusterSpec``).
+      devices: the real devices, or ``None`` when planning for a cluster that is not here.
+      traced, layers, names: the traced step, its ``LayerAssignment`` and value names
+        (auto stages cost the layers' computations).
+      num_micro_batches: micro-batches per step.
+      option: the default ``AutoShardingOption``.
+    """
+
+    num_layers: int
+    num_hosts: int
+    num_devices_per_host: int
+    cluster: Any = None
+    devices: Sequence[Any] | None = None
+    traced: Any = None
+    layers: Any = None
+    names: dict | None = None
+    num_micro_batches: int = 1
+    option: Any = None
+
+    @property
+    def num_devices(self) -> int:
+        return self.num_hosts * self.num_devices_per_host
+
+
+def resolve_stage_option(option) -> ManualStageOption | UniformStageOption | AutoStageOption:
     if option is None or option == "uniform":
         return UniformStageOption()
-    if isinstance(option, ManualStageOption | UniformStageOption):
+    if option == "auto":
+        return AutoStageOption()
+    if isinstance(option, ManualStageOption | UniformStageOption | AutoStageOption):
         return option
     raise ValueError(
-        f"stage_option must be 'uniform', a UniformStageOption or a ManualStageOption, "
-        f"got {option!r} ({type(option).__name__})"
+        f"stage_option must be 'uniform', 'auto', a UniformStageOption, a ManualStageOption "
+        f"or an AutoStageOption, got {option!r} ({type(option).__name__})"
     )
 
 
-def plan_stages(option: Any, num_layers: int, num_devices: int) -> StagePlan:
-    """Resolve ``option`` for a step of ``num_layers`` layers on ``num_devices`` devices."""
-    option = resolve_stage_option(option)
-    if isinstance(option, ManualStageOption):
-        ids = option.forward_stage_layer_ids
-        num_assigned = sum(len(s) for s in ids)
-        if num_assigned != num_layers:
-            raise ValueError(
-                f"the step has {num_layers} layers ({num_layers - 1} "
-                f"mark_pipeline_boundary calls) but forward_stage_layer_ids assigns "
-                f"{num_assigned} layers"
-            )
-        layer_to_stage = tuple(s for s, stage in enumerate(ids) for _ in stage)
-        shapes = option.submesh_physical_shapes
-        logical = option.submesh_logical_shapes or tuple((1, a * b) for a, b in shapes)
-        dicts = tuple(option.submesh_autosharding_option_dicts or (None,) * len(ids))
+def plan_stages(option: Any, context: StageContext) -> StagePlan:
+    """Resolve ``option`` for ``context`` (a step's layers on a cluster)."""
+    return resolve_stage_option(option).plan(context)
+
+
+def _manual_plan(option: ManualStageOption, context: StageContext) -> StagePlan:
+    ids = option.forward_stage_layer_ids
+    num_layers = context.num_layers
+    num_assigned = sum(len(s) for s in ids)
+    if num_assigned != num_layers:
+        raise ValueError(
+            f"the step has {num_layers} layers ({num_layers - 1} "
+            f"mark_pipeline_boundary calls) but forward_stage_layer_ids assigns "
+            f"{num_assigned} layers"
+        )
+    layer_to_stage = tuple(s for s, stage in enumerate(ids) for _ in stage)
+    shapes = option.submesh_physical_shapes
+    logical = option.submesh_logical_shapes or tuple((1, a * b) for a, b in shapes)
+    dicts = tuple(option.submesh_autosharding_option_dicts or (None,) * len(ids))
+    return _finish(context, layer_to_stage, shapes, logical, dicts)
+
+
+def _uniform_plan(option: UniformStageOption, context: StageContext) -> StagePlan:
+    num_layers, num_devices = context.num_layers, context.num_devices
+    num_stages = option.num_stages or num_layers
+    if num_layers % num_stages:
+        raise ValueError(
+            f"UniformStageOption(num_stages={num_stages}) does not divide the "
+            f"{num_layers} layers of the step"
+        )
+    per = num_layers // num_stages
+    layer_to_stage = tuple(layer // per for layer in range(num_layers))
+    if option.submesh_physical_shape is not None:
+        shape = tuple(option.submesh_physical_shape)
     else:
-        num_stages = option.num_stages or num_layers
-        if num_layers % num_stages:
+        if num_devices % num_stages:
             raise ValueError(
-                f"UniformStageOption(num_stages={num_stages}) does not divide the "
-                f"{num_layers} layers of the step"
+                f"{num_stages} stages cannot split {num_devices} devices evenly; pass "
+                "UniformStageOption(submesh_physical_shape=...)"
             )
-        per = num_layers // num_stages
-        layer_to_stage = tuple(layer // per for layer in range(num_layers))
-        if option.submesh_physical_shape is not None:
-            shape = tuple(option.submesh_physical_shape)
-        else:
-            if num_devices % num_stages:
-                raise ValueError(
-                    f"{num_stages} stages cannot split {num_devices} devices evenly; pass "
-                    "UniformStageOption(submesh_physical_shape=...)"
-                )
-            shape = (1, num_devices // num_stages)
-        shapes = (shape,) * num_stages
-        logical = (tuple(option.submesh_logical_shape or (1, shape[0] * shape[1])),) * num_stages
-        dicts = (option.submesh_autosharding_option,) * num_stages
+        shape = _even_shape(context, num_devices // num_stages)
+    shapes = (shape,) * num_stages
+    logical = (tuple(option.submesh_logical_shape or (1, shape[0] * shape[1])),) * num_stages
+    dicts = (option.submesh_autosharding_option,) * num_stages
+    return _finish(context, layer_to_stage, shapes, logical, dicts)
+
+
+def _even_shape(context: StageContext, size: int) -> tuple[int, int]:
+    per_host = context.num_devices_per_host
+    if size <= per_host:
+        return (1, size)
+    if size % per_host:
+        raise ValueError(
+            f"a submesh of {size} devices is not whole hosts of {per_host} devices; pass "
+            "UniformStageOption(submesh_physical_shape=...)"
+        )
+    return (size // per_host, per_host)
+
+
+def _finish(context, layer_to_stage, shapes, logical, dicts, **extra) -> StagePlan:
     needed = sum(a * b for a, b in shapes)
-    if needed > num_devices:
+    if needed > context.num_devices:
         raise ValueError(
             f"submesh_physical_shapes {[list(s) for s in shapes]} need {needed} devices "
-            f"but only {num_devices} exist"
+            f"but only {context.num_devices} exist"
         )
-    ranges, start = [], 0
-    for a, b in shapes:
-        ranges.append((start, start + a * b))
-        start += a * b
-    return StagePlan(layer_to_stage, tuple(ranges), tuple(tuple(s) for s in logical), dicts)
+    ranges = place_submeshes(shapes, context.num_hosts, context.num_devices_per_host)
+    return StagePlan(
+        tuple(layer_to_stage),
+        ranges,
+        tuple(tuple(int(n) for n in s) for s in logical),
+        tuple(dicts),
+        tuple(tuple(int(n) for n in s) for s in shapes),
+        **extra,
+    )
+
+
+def place_submeshes(
+    shapes: Sequence[Sequence[int]], num_hosts: int, num_devices_per_host: int
+) -> tuple[tuple[int, int], ...]:
+    """Per stage, the ``[start, stop)`` device range of its submesh on the cluster.
+
+    A submesh spanning hosts takes whole hosts; one within a host takes a contiguous run
+    of that host's devices. Larger submeshes are placed first, each at the lowest free
+    position where it fits (for power-of-two widths this packs any set of shapes whose
+    devices fit). A set that cannot be placed is a ``ValueError``.
+    """
+    per_host = num_devices_per_host
+    free = np.ones((num_hosts, per_host), dtype=bool)
+    ranges: list[tuple[int, int] | None] = [None] * len(shapes)
+    order = sorted(range(len(shapes)), key=lambda s: -shapes[s][0] * shapes[s][1])
+    for s in order:
+        hosts, width = (int(n) for n in shapes[s])
+        if hosts > 1 and width != per_host:
+            raise ValueError(
+                f"submesh {(hosts, width)} spans hosts, so it must take whole hosts "
+                f"({per_host} devices each)"
+            )
+        spot = None
+        for h in range(num_hosts - hosts + 1):
+            for d in range(per_host - width + 1):
+                if free[h : h + hosts, d : d + width].all():
+                    spot = (h, d)
+                    break
+            if spot is not None:
+                break
+        if spot is None:
+            raise ValueError(
+                f"submeshes {[tuple(x) for x in shapes]} cannot be placed on a cluster of "
+                f"{num_hosts} hosts x {per_host} devices"
+            )
+        h, d = spot
+        free[h : h + hosts, d : d + width] = False
+        start = h * per_host + d
+        ranges[s] = (start, start + hosts * width)
+    return tuple(ranges)
+
+
+# ----------------------------------------------------------------------------- auto stages
+
+_LAST_DP_RESULT: tuple | None = None
+
+
+def get_last_dp_result() -> tuple:
+    """What the last stage DP chose, as in Alpa: ``(compute_cost_file_name,
+    forward_stage_layer_ids, submesh_shapes, logical_mesh_shapes,
+    autosharding_option_dicts)``; the file (``.npz``) holds the stage cost tables
+    (``compute_cost``, ``max_n_succ_stages``, ``memory``). All ``None`` before any DP ran."""
+    if _LAST_DP_RESULT is None:
+        return (None, None, None, None, None)
+    return _LAST_DP_RESULT
+
+
+def stage_problem(option: AutoStageOption, context: StageContext):
+    """The :class:`~alpa.pipeline_parallel.stage_cost.StageProblem` of ``context``."""
+    from alpa.pipeline_parallel.computation import split_computations
+    from alpa.pipeline_parallel.stage_cost import StageProblem, get_logical_configs
+    from alpa.shard_parallel.auto_sharding import AutoShardingOption
+
+    layers, traced = context.layers, context.traced
+    program = split_computations(
+        traced.closed_jaxpr,
+        layers.layers,
+        tuple(range(layers.num_layers)),
+        traced.batch_invars,
+        layers.kinds,
+    )
+    choices = get_submesh_choices(
+        context.num_hosts,
+        context.num_devices_per_host,
+        option.submesh_physical_shape_space,
+        option.manually_specified_submeshes,
+    )
+    batch = [
+        a.shape[0]
+        for a, b in zip(traced.in_avals, traced.batch_invars, strict=True)
+        if b and a.shape
+    ]
+    batch_size = batch[0] if batch else None
+    configs = tuple(
+        get_logical_configs(m, option.submesh_logical_shape_space, batch_size) for m in choices
+    )
+    default = context.option or AutoShardingOption()
+    budget = (
+        option.memory_budget_per_device
+        or default.memory_budget_per_device
+        or context.cluster.device_memory
+    )
+    return StageProblem(
+        traced, program, context.names or {}, choices, configs, context.cluster, default, budget
+    )
+
+
+def plan_auto_stages(option: AutoStageOption, context: StageContext) -> StagePlan:
+    """Cost every candidate stage, run the DP, and resolve its solution."""
+    global _LAST_DP_RESULT
+    from alpa.pipeline_parallel.stage_cost import StageCosts
+
+    problem = stage_problem(option, context)
+    L, M, C = problem.num_layers, len(problem.submesh_choices), problem.num_configs
+    costs = None
+    if option.cached_profile_result is not None:
+        with np.load(option.cached_profile_result) as saved:
+            costs = StageCosts(saved["compute_cost"], saved["max_n_succ_stages"], saved["memory"])
+        if costs.compute_cost.shape != (L, L, M, C):
+            raise ValueError(
+                f"cached_profile_result {option.cached_profile_result!r} holds tables of "
+                f"shape {costs.compute_cost.shape}; this step and cluster need {(L, L, M, C)}"
+            )
+    if costs is None:
+        costs = option.cost_model_instance(context.devices)(problem)
+    try:
+        total, solution = training_dp(
+            L,
+            context.num_devices,
+            context.num_micro_batches,
+            problem.submesh_choices,
+            C,
+            costs.compute_cost,
+            costs.max_n_succ_stages,
+        )
+    except ValueError as e:
+        finite = np.isfinite(costs.compute_cost)
+        if not finite.any():
+            raise ValueError(
+                f"no stage of the step fits in memory_budget_per_device="
+                f"{problem.memory_budget:.4g} bytes (the smallest stage needs "
+                f"{np.min(costs.memory):.4g} bytes per device); raise the budget or use "
+                "more devices"
+            ) from e
+        raise ValueError(f"{e} (memory_budget_per_device={problem.memory_budget:.4g} bytes)") from e
+    layer_to_stage = [0] * L
+    shapes, logical, dicts, latencies, memory = [], [], [], [], []
+    for s, ((start, end), m, c) in enumerate(solution):
+        for layer in range(start, end):
+            layer_to_stage[layer] = s
+        config = problem.configs[m][c]
+        shapes.append(problem.submesh_choices[m])
+        logical.append(config.shape)
+        dicts.append(config.option_dict or None)
+        latencies.append(float(costs.compute_cost[start, end - 1, m, c]))
+        memory.append(float(costs.memory[start, end - 1, m, c]))
+    path = os.path.join(tempfile.gettempdir(), f"alpa-compute-cost-{time.time_ns()}.npz")
+    np.savez(
+        path,
+        compute_cost=costs.compute_cost,
+        max_n_succ_stages=costs.max_n_succ_stages,
+        memory=costs.memory,
+    )
+    plan = _finish(
+        context,
+        layer_to_stage,
+        shapes,
+        logical,
+        dicts,
+        latencies=tuple(latencies),
+        memory=tuple(memory),
+        predicted_cost=float(total),
+    )
+    _LAST_DP_RESULT = (
+        path,
+        plan.stage_layers(),
+        [list(s) for s in shapes],
+        [list(s) for s in logical],
+        [d or {} for d in dicts],
+    )
+    return plan

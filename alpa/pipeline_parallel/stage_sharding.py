@@ -133,36 +133,8 @@ def _plan_into(
     traced,
 ) -> float | None:
     """Plan ``comps`` (of stage ``s``) as one jaxpr; record the specs not yet in ``table``."""
-    eqns, seen = [], set()
-    for comp in comps:
-        for eqn in comp.eqns:
-            if id(eqn) not in seen:
-                seen.add(id(eqn))
-                eqns.append(eqn)
-    produced = {v for e in eqns for v in e.outvars if _is_var(v)}
-    invars, outvars = [], []
-    for comp in comps:
-        invars += [v for v in comp.invars if v not in produced and v not in invars]
-        outvars += [v for v in comp.outvars if v not in outvars]
-    jaxpr = new_jaxpr(closed.jaxpr, closed.jaxpr.constvars, invars, outvars, eqns)
-    step_names = dict(zip(closed.jaxpr.invars, traced.leaf_names, strict=True))
-    batch = tuple(
-        v in program.batch_dependent
-        and bool(v.aval.shape)
-        and v.aval.shape[0] % mesh.num_devices == 0
-        for v in invars
-    )
-    sub = TracedStep(
-        closed_jaxpr=ClosedJaxpr(jaxpr, closed.consts),
-        in_tree=jax.tree.structure(tuple(range(len(invars)))),
-        out_tree=jax.tree.structure(tuple(range(len(outvars)))),
-        in_avals=tuple(v.aval for v in invars),
-        batch_invars=batch,
-        donated_invars=(False,) * len(invars),
-        leaf_names=tuple(step_names.get(v, names[v]) for v in invars),
-        dynamic_argnums=(),
-        name=f"stage{s}",
-    )
+    sub, produced = merged_step(traced, program, comps, mesh.num_devices, names, f"stage{s}")
+    invars, outvars = sub.jaxpr.invars, sub.jaxpr.outvars
     # Inputs that already have a sharding on this mesh (the user's pins, or parameters and
     # gradients an earlier computation of the stage planned) arrive in it: the ILP plans
     # around them instead of assuming a spec XLA would then have to reshard into.
@@ -179,6 +151,50 @@ def _plan_into(
         if spec is not None:
             table.setdefault((v, s), spec)
     return plan.objective
+
+
+def merged_step(
+    traced: TracedStep,
+    program: PipelineProgram,
+    comps: Sequence[StageComputation],
+    num_devices: int,
+    names: dict,
+    name: str,
+) -> tuple[TracedStep, set]:
+    """``comps`` as one step (equations in order, each once; inputs: what they read from
+    outside; outputs: what they write for others) for the intra-op pass on a mesh of
+    ``num_devices`` devices, and the set of values its equations produce. Batch inputs are
+    those that depend on the batch and whose dimension 0 ``num_devices`` divides."""
+    closed = traced.closed_jaxpr
+    eqns, seen = [], set()
+    for comp in comps:
+        for eqn in comp.eqns:
+            if id(eqn) not in seen:
+                seen.add(id(eqn))
+                eqns.append(eqn)
+    produced = {v for e in eqns for v in e.outvars if _is_var(v)}
+    invars, outvars = [], []
+    for comp in comps:
+        invars += [v for v in comp.invars if v not in produced and v not in invars]
+        outvars += [v for v in comp.outvars if v not in outvars]
+    jaxpr = new_jaxpr(closed.jaxpr, closed.jaxpr.constvars, invars, outvars, eqns)
+    step_names = dict(zip(closed.jaxpr.invars, traced.leaf_names, strict=True))
+    batch = tuple(
+        v in program.batch_dependent and bool(v.aval.shape) and v.aval.shape[0] % num_devices == 0
+        for v in invars
+    )
+    sub = TracedStep(
+        closed_jaxpr=ClosedJaxpr(jaxpr, closed.consts),
+        in_tree=jax.tree.structure(tuple(range(len(invars)))),
+        out_tree=jax.tree.structure(tuple(range(len(outvars)))),
+        in_avals=tuple(v.aval for v in invars),
+        batch_invars=batch,
+        donated_invars=(False,) * len(invars),
+        leaf_names=tuple(step_names.get(v, names.get(v, str(v))) for v in invars),
+        dynamic_argnums=(),
+        name=name,
+    )
+    return sub, produced
 
 
 def tie_donated_outputs(

@@ -20,6 +20,7 @@ when it finished), which the executable writes as a Chrome trace.
 
 from __future__ import annotations
 
+import collections
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -59,6 +60,11 @@ class RuntimeContext:
       micro_batch_size: per step-input leaf, its micro-batch size (for ``LOAD``).
       kernel_names: per kernel, a name for the trace.
       shape_of: ``BufferKey -> shape`` of that buffer.
+      in_flight_limit: on XLA's CPU backend, how many ``RUN``s a mesh may have queued
+        before the next waits for the oldest (``None``: no limit). XLA's CPU collectives
+        can abort when many programs with collectives are queued on the same devices
+        (``docs/dispatch.md``, known issues); GPUs need no limit.
+      in_flight: per mesh, the outputs of its queued ``RUN``s (emptied after each step).
     """
 
     kernels: Sequence[Callable]
@@ -67,6 +73,8 @@ class RuntimeContext:
     micro_batch_size: Sequence[int | None]
     kernel_names: Sequence[str]
     shape_of: Callable[[BufferKey], tuple[int, ...]]
+    in_flight_limit: int | None = None
+    in_flight: dict = field(default_factory=dict)
 
 
 # A built instruction: the closure, its trace name and arguments, and its output slots.
@@ -79,10 +87,19 @@ def _build_run(ins: Instruction, slot: dict, ctx: RuntimeContext) -> _Built:
     in_slots = tuple(slot[k] for k in ins.inputs)
     out_slots = tuple(slot[k] for k in ins.outputs)
 
+    limit = ctx.in_flight_limit
+    queued = ctx.in_flight.setdefault(ins.mesh, collections.deque())
+
     def run(env, args):
         outs = program(*[env[i] for i in in_slots])
         for i, value in zip(out_slots, outs, strict=True):
             env[i] = value
+        if limit is not None and outs:
+            queued.append(outs[0])
+            if len(queued) > limit:
+                oldest = queued.popleft()
+                if not oldest.is_deleted():  # a donated output: a later RUN consumed it
+                    oldest.block_until_ready()
 
     name = f"{ctx.kernel_names[ins.computation]} mb{ins.micro_batch}"
     return run, name, {}, out_slots
@@ -191,6 +208,7 @@ class LocalPipelineRuntime:
         leaf_index: dict[str, int],
         reshard_plan_bytes: Callable[[Instruction], int],
     ):
+        self._context = context
         self.program = program
         self.sharding_of = context.sharding_of
         keys: list[BufferKey] = sorted(
@@ -238,6 +256,8 @@ class LocalPipelineRuntime:
             for i in free:
                 env[i] = None
             times.append(clock())
+        for queued in self._context.in_flight.values():
+            queued.clear()
         self._times = times
         self._last_env = env
         outputs = []

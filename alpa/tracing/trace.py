@@ -9,7 +9,7 @@ batch leaves and which are donated, and a readable name for every leaf, for erro
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -157,12 +157,15 @@ _INLINE_PARAMS = {
 }
 
 
-def inline_calls(closed: ClosedJaxpr) -> ClosedJaxpr:
+def inline_calls(closed: ClosedJaxpr, primitives: Collection[str] | None = None) -> ClosedJaxpr:
     """Inline every call-like equation, recursively, keeping the program's meaning.
 
     ``remat2`` (checkpoint), ``scan``, ``while`` and ``cond`` stay as they are: their bodies
     have semantics (rematerialization, loops, branches) that inlining would lose. Equations
     copied out of a body get fresh output variables, since one body may be inlined twice.
+    ``primitives`` restricts the inlined calls to those names (default: every call-like
+    primitive). A function still to be differentiated must keep its ``custom_jvp_call`` /
+    ``custom_vjp_call`` equations, whose derivative rules are not those of their bodies.
     """
     constvars: list[Var] = list(closed.jaxpr.constvars)
     consts: list[Any] = list(closed.consts)
@@ -173,7 +176,10 @@ def inline_calls(closed: ClosedJaxpr) -> ClosedJaxpr:
             return v if isinstance(v, Literal) else env.get(v, v)
 
         for eqn in jaxpr.eqns:
-            body_param = _INLINE_PARAMS.get(eqn.primitive.name)
+            name = eqn.primitive.name
+            body_param = (
+                _INLINE_PARAMS.get(name) if primitives is None or name in primitives else None
+            )
             body = eqn.params.get(body_param) if body_param else None
             if body is not None:
                 inner = body.jaxpr if isinstance(body, ClosedJaxpr) else body

@@ -1,0 +1,310 @@
+"""PipeshardPlan: every decision of a pipeshard compile, made without touching a device.
+
+:func:`plan_pipeshard` runs the inter-op passes in order (DESIGN.md §5)::
+
+    traced step --layers--> LayerAssignment --stages--> StagePlan --split--> PipelineProgram
+       --intra-op per stage--> sharding table --schedule--> PipelineSchedule
+       --emit--> PipelineInstructions  ==> PipeshardPlan
+
+Each stage is sharded by the same ``plan_auto_sharding`` that ``ShardParallel`` uses, on a
+logical view of its submesh built from the ``ClusterSpec`` (alpha-beta per axis), so the
+same plan is made whether the cluster is here (the executable then compiles it on the
+devices of each submesh) or not (``parallelize(...).plan(*args)`` on a
+``VirtualPhysicalMesh``). Only ``AutoStageOption(cost_model="measured")`` runs anything,
+and it needs the devices.
+
+A plan prints as a table (stage, layers, submesh, logical shape, latency, memory) with
+its schedule grid; :meth:`PipeshardPlan.summary` is its JSON-able record and
+:meth:`PipeshardPlan.stage_option` replays its stages as a ``ManualStageOption``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from alpa.device_mesh import ClusterSpec, LogicalDeviceMesh, VirtualPhysicalMesh
+from alpa.pipeline_parallel.computation import (
+    PipelineProgram,
+    _is_var,
+    rematerialize,
+    split_computations,
+)
+from alpa.pipeline_parallel.layer_construction import (
+    LayerAssignment,
+    construct_layers,
+    resolve_layer_option,
+)
+from alpa.pipeline_parallel.runtime_emitter import PipelineInstructions, emit_instructions
+from alpa.pipeline_parallel.schedules import PipelineSchedule, make_schedule
+from alpa.pipeline_parallel.stage_construction import (
+    AutoStageOption,
+    ManualStageOption,
+    StageContext,
+    StagePlan,
+    plan_stages,
+    resolve_stage_option,
+)
+from alpa.pipeline_parallel.stage_sharding import (
+    plan_stage_shardings,
+    stage_options,
+    tie_donated_outputs,
+)
+from alpa.pipeline_parallel.user_shardings import pinned_specs
+from alpa.shard_parallel.auto_sharding import AutoShardingOption
+from alpa.tracing import TracedStep
+
+
+@dataclass(frozen=True, eq=False)
+class PipeshardPlan:
+    """Every decision of a pipeshard compile (module docstring).
+
+    Attributes:
+      traced: the traced step (at micro-batch size).
+      names: a short name for every value (``v0``, ``v1``, ...) used by instructions.
+      cluster: the hardware planned for; ``num_hosts`` x ``num_devices_per_host`` of it.
+      layers: the layer of every equation.
+      stage_plan: stages, their layers, submeshes, logical shapes and options.
+      options: per stage, its resolved ``AutoShardingOption``.
+      logical_meshes: per stage, the logical mesh its sharding was planned on.
+      program: the stage computations and where every value lives.
+      stage_specs: ``(value, stage) -> PartitionSpec`` for every value the plan places.
+      objectives: per stage, the ILP objective(s) of its computations.
+      schedule: the clock ticks of the pipeline.
+      instructions: the typed instruction list of one step.
+      num_micro_batches: micro-batches per step.
+    """
+
+    traced: TracedStep
+    names: dict
+    cluster: ClusterSpec
+    num_hosts: int
+    num_devices_per_host: int
+    layers: LayerAssignment
+    stage_plan: StagePlan
+    options: tuple[AutoShardingOption, ...]
+    logical_meshes: tuple[LogicalDeviceMesh, ...]
+    program: PipelineProgram
+    stage_specs: dict
+    objectives: dict
+    schedule: PipelineSchedule
+    instructions: PipelineInstructions
+    num_micro_batches: int
+
+    @property
+    def num_stages(self) -> int:
+        return self.stage_plan.num_stages
+
+    def stage_option(self) -> ManualStageOption:
+        """These stages as a ``ManualStageOption`` (to compile them again without the DP)."""
+        plan = self.stage_plan
+        return ManualStageOption(
+            forward_stage_layer_ids=plan.stage_layers(),
+            submesh_physical_shapes=plan.submesh_shapes,
+            submesh_logical_shapes=plan.logical_shapes,
+            submesh_autosharding_option_dicts=[d or {} for d in plan.autosharding_option_dicts],
+        )
+
+    def summary(self) -> dict:
+        """The plan's decisions as JSON-able data (what ``to_json`` writes)."""
+        plan = self.stage_plan
+        stages = []
+        for s in range(plan.num_stages):
+            stages.append(
+                {
+                    "layers": plan.stage_layers()[s],
+                    "submesh": list(plan.submesh_shapes[s]),
+                    "devices": list(plan.device_ranges[s]),
+                    "logical_shape": list(self.logical_meshes[s].shape),
+                    "autosharding_option": plan.autosharding_option_dicts[s] or {},
+                    "latency": None if plan.latencies is None else plan.latencies[s],
+                    "memory": None if plan.memory is None else plan.memory[s],
+                }
+            )
+        specs = sorted((self.names[v], s, str(spec)) for (v, s), spec in self.stage_specs.items())
+        return {
+            "name": self.traced.name,
+            "cluster": {
+                "name": self.cluster.name,
+                "num_hosts": self.num_hosts,
+                "num_devices_per_host": self.num_devices_per_host,
+            },
+            "num_layers": self.layers.num_layers,
+            "num_micro_batches": self.num_micro_batches,
+            "schedule": self.schedule.name,
+            "predicted_cost": plan.predicted_cost,
+            "stages": stages,
+            "ticks": [[str(task) for task in tick] for tick in self.schedule.ticks],
+            "instructions": [str(ins) for ins in self.instructions.instructions],
+            "shardings": [list(x) for x in specs],
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.summary(), indent=1)
+
+    @staticmethod
+    def from_json(text: str) -> dict:
+        """The summary a ``to_json`` wrote."""
+        return json.loads(text)
+
+    def format_table(self) -> str:
+        summary = self.summary()
+        header = ("stage", "layers", "submesh", "devices", "logical", "latency", "memory")
+        rows = [header]
+        for s, stage in enumerate(summary["stages"]):
+            layers = stage["layers"]
+            span = f"{layers[0]}" if len(layers) == 1 else f"{layers[0]}-{layers[-1]}"
+            latency = "-" if stage["latency"] is None else f"{stage['latency'] * 1e3:.3f} ms"
+            memory = "-" if stage["memory"] is None else f"{stage['memory'] / 2**20:.1f} MiB"
+            rows.append(
+                (
+                    str(s),
+                    span,
+                    "x".join(map(str, stage["submesh"])),
+                    f"{stage['devices'][0]}..{stage['devices'][1] - 1}",
+                    "x".join(map(str, stage["logical_shape"])),
+                    latency,
+                    memory,
+                )
+            )
+        widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+        cluster = summary["cluster"]
+        title = (
+            f"pipeshard plan of {summary['name']}: {summary['num_layers']} layers, "
+            f"{self.num_stages} stages on {cluster['num_hosts']}x"
+            f"{cluster['num_devices_per_host']} {cluster['name']}, "
+            f"{summary['num_micro_batches']} micro-batches, {summary['schedule']}"
+        )
+        if summary["predicted_cost"] is not None:
+            title += f", predicted {summary['predicted_cost'] * 1e3:.3f} ms/step"
+        lines = [title]
+        lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
+        return "\n".join(lines) + "\n" + self.schedule.grid()
+
+    def __str__(self) -> str:
+        return self.format_table()
+
+    def __repr__(self) -> str:
+        return f"<PipeshardPlan of {self.traced.name}: {self.num_stages} stages>\n{self}"
+
+
+def _name_vars(closed_jaxpr) -> dict:
+    names: dict = {}
+    jaxpr = closed_jaxpr.jaxpr
+
+    def add(v):
+        if _is_var(v) and v not in names:
+            names[v] = f"v{len(names)}"
+
+    for v in list(jaxpr.constvars) + list(jaxpr.invars):
+        add(v)
+    for eqn in jaxpr.eqns:
+        for v in eqn.outvars:
+            add(v)
+    return names
+
+
+def plan_pipeshard(
+    traced: TracedStep,
+    num_hosts: int,
+    num_devices_per_host: int,
+    cluster: ClusterSpec,
+    num_micro_batches: int,
+    pipeline_schedule: str = "1f1b",
+    layer_option: Any = None,
+    stage_option: Any = None,
+    default_auto_sharding_option: Any = None,
+    manual_sharding_option: Any = None,
+    stage_input_shardings: Any = None,
+    args: Sequence[Any] = (),
+    devices: Sequence[Any] | None = None,
+) -> PipeshardPlan:
+    """Plan ``traced`` (traced at micro-batch size) for a cluster of ``num_hosts`` x
+    ``num_devices_per_host`` devices of kind ``cluster`` (module docstring).
+
+    ``devices`` are the real devices, when there are any (only a measured stage cost model
+    uses them). ``args`` are the step's positional arguments (abstract or not), which
+    ``manual_sharding_option.in_axis_resources`` is matched against.
+    """
+    layer_option = resolve_layer_option(layer_option)
+    layers = construct_layers(traced.closed_jaxpr, layer_option)
+    names = _name_vars(traced.closed_jaxpr)
+    stage_option = resolve_stage_option(stage_option)
+    if isinstance(stage_option, AutoStageOption) and layers.num_layers == 1:
+        raise ValueError(
+            "stage_option='auto' needs layers to group into stages, but the step has one "
+            "layer (no mark_pipeline_boundary() call); pass layer_option="
+            "AutoLayerOption(layer_num=...) or mark the boundaries by hand"
+        )
+    context = StageContext(
+        num_layers=layers.num_layers,
+        num_hosts=num_hosts,
+        num_devices_per_host=num_devices_per_host,
+        cluster=cluster,
+        devices=devices,
+        traced=traced,
+        layers=layers,
+        names=names,
+        num_micro_batches=num_micro_batches,
+        option=default_auto_sharding_option,
+    )
+    stage_plan = plan_stages(stage_option, context)
+    options = stage_options(default_auto_sharding_option, stage_plan.autosharding_option_dicts)
+    program = split_computations(
+        traced.closed_jaxpr,
+        layers.layers,
+        stage_plan.layer_to_stage,
+        traced.batch_invars,
+        layers.kinds,
+    )
+    if layer_option.remat_layer and program.is_training:
+        program = rematerialize(program)
+    if pipeline_schedule == "inference" and program.is_training:
+        raise ValueError(
+            "pipeline_schedule='inference' cannot run a training step (it calls alpa.grad); "
+            "use 'gpipe' or '1f1b'"
+        )
+    schedule = make_schedule(pipeline_schedule, stage_plan.num_stages, num_micro_batches)
+    if not program.is_training and pipeline_schedule != "inference":
+        raise ValueError(
+            f"the step has no alpa.grad, so it is an inference step; pass "
+            f"pipeline_schedule='inference' instead of {pipeline_schedule!r}"
+        )
+    logical_meshes = []
+    for submesh, shape, option in zip(
+        stage_plan.submesh_shapes, stage_plan.logical_shapes, options, strict=True
+    ):
+        virtual = VirtualPhysicalMesh(int(submesh[0]), int(submesh[1]), cluster=cluster)
+        logical_meshes.append(
+            virtual.get_logical_mesh(
+                option.logical_mesh_shape or shape, option.mesh_alpha, option.mesh_beta
+            )
+        )
+    mesh_shapes = [tuple(m.shape) for m in logical_meshes]
+    pinned = pinned_specs(
+        traced, program, args, mesh_shapes, manual_sharding_option, stage_input_shardings, names
+    )
+    stage_specs, objectives = plan_stage_shardings(
+        traced, program, logical_meshes, options, names, pinned
+    )
+    tie_donated_outputs(traced, program, stage_specs, [m.num_devices for m in logical_meshes])
+    instructions = emit_instructions(program, schedule, names)
+    return PipeshardPlan(
+        traced=traced,
+        names=names,
+        cluster=cluster,
+        num_hosts=num_hosts,
+        num_devices_per_host=num_devices_per_host,
+        layers=layers,
+        stage_plan=stage_plan,
+        options=tuple(options),
+        logical_meshes=tuple(logical_meshes),
+        program=program,
+        stage_specs=stage_specs,
+        objectives=objectives,
+        schedule=schedule,
+        instructions=instructions,
+        num_micro_batches=num_micro_batches,
+    )

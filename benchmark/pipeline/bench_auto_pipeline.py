@@ -1,0 +1,170 @@
+"""Planning time of automatic pipelines: GPT on clusters that are not here (issue 10).
+
+For each case (GPT size, ``ClusterSpec`` preset, nodes x GPUs), this builds the train step
+on abstract inputs (``jax.ShapeDtypeStruct``; no weights allocated, no device touched) and
+calls ``parallelize(step, method=PipeshardParallel(devices=cluster,
+layer_option=AutoLayerOption(...), stage_option="auto")).plan(state, batch)`` with the
+analytic stage cost model. It writes, per case, the time split
+
+* ``trace_s``: tracing the step (without the layer clustering inside ``alpa.grad``),
+* ``layer_clustering_s``: the layer clustering DP (``segments.clustered_segments``),
+* ``stage_cost_s``: the stage cost table (``AnalyticStageCost``: one ILP per distinct
+  layer and submesh configuration),
+* ``dp_s``: the stage DP (``training_dp``),
+* ``rest_s``: the rest of ``plan()`` (computation split, each chosen stage's ILP, schedule,
+  instructions),
+
+the chosen plan (stages, layers, submeshes, logical shapes) and its predicted iteration
+time, to a JSON file, and prints a summary table.
+
+Alpa (OSDI 2022) needed 2,393 s for GPT-39B on 64 GPUs (1,583 s compiling, 804 s
+profiling, 1.65 s DP); the target here is under 60 s per case on a 2-core machine.
+
+Usage: python benchmark/pipeline/bench_auto_pipeline.py [--cases 1.3B:8 39B:64 ...]
+       [--out benchmark/pipeline/results.json] [--batch 1024] [--micro-batches 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import time
+
+import alpa
+from alpa.device_mesh import ClusterSpec
+from alpa.model.gpt import GPT_PRESETS, get_gpt_train_state_and_step
+from alpa.pipeline_parallel import layer_construction, segments, stage_construction
+from alpa.pipeline_parallel.stage_cost import AnalyticStageCost
+
+# (model, GPUs): Alpa's weak-scaling pairs, and GPT-39B on 64 GPUs as in its paper.
+DEFAULT_CASES = ("1.3B:8", "2.6B:16", "6.7B:32", "15B:64", "39B:64")
+
+
+class Timers:
+    """Accumulated seconds of the functions ``wrap`` patched."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+
+    def wrap(self, owner, name: str, key: str):
+        original = getattr(owner, name)
+
+        @functools.wraps(original)
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.seconds[key] = self.seconds.get(key, 0.0) + time.perf_counter() - start
+
+        setattr(owner, name, timed)
+
+
+def run_case(model: str, num_gpus: int, batch: int, micro_batches: int, timers: Timers) -> dict:
+    config = GPT_PRESETS[model]
+    per_node = min(num_gpus, 8)
+    cluster = ClusterSpec.preset("a100-40gb", num_gpus // per_node, per_node)
+    layer_num = min(config.num_layers, 16)
+    state, data, step = get_gpt_train_state_and_step(
+        config, batch, grad_func=alpa.value_and_grad, abstract=True
+    )
+    method = alpa.PipeshardParallel(
+        devices=cluster,
+        num_micro_batches=micro_batches,
+        layer_option=alpa.AutoLayerOption(layer_num=layer_num, layer_eps=1.0),
+        stage_option="auto",
+    )
+    timers.seconds.clear()
+    parallel = alpa.parallelize(step, method=method)
+    start = time.perf_counter()
+    plan = parallel.plan(state, data)
+    total = time.perf_counter() - start
+    split = dict(timers.seconds)
+    trace = split.get("trace", 0.0) - split.get("layer_clustering", 0.0)
+    known = trace + sum(split.get(k, 0.0) for k in ("layer_clustering", "stage_cost", "dp"))
+    stages = plan.summary()["stages"]
+    return {
+        "model": model,
+        "num_gpus": num_gpus,
+        "cluster": f"{cluster.num_nodes}x{cluster.num_devices_per_node} {cluster.name}",
+        "batch_size": batch,
+        "num_micro_batches": micro_batches,
+        "layer_num": layer_num,
+        "total_s": total,
+        "trace_s": trace,
+        "layer_clustering_s": split.get("layer_clustering", 0.0),
+        "stage_cost_s": split.get("stage_cost", 0.0),
+        "dp_s": split.get("dp", 0.0),
+        "rest_s": total - known,
+        "predicted_iteration_s": plan.stage_plan.predicted_cost,
+        "stages": [
+            {k: s[k] for k in ("layers", "submesh", "logical_shape", "latency", "memory")}
+            for s in stages
+        ],
+        "plan": str(plan).splitlines()[: len(stages) + 2],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", nargs="+", default=list(DEFAULT_CASES))
+    parser.add_argument("--batch", type=int, default=1024)
+    parser.add_argument("--micro-batches", type=int, default=64)
+    parser.add_argument("--out", default="benchmark/pipeline/results.json")
+    args = parser.parse_args()
+    alpa.util.disable_tqdm_globally()
+    # Only trace-time work is timed; nothing here compiles or touches a device.
+
+    timers = Timers()
+    timers.wrap(alpa.api.ParallelizedFunc, "_trace", "trace")
+    timers.wrap(segments, "clustered_segments", "layer_clustering")
+    timers.wrap(layer_construction, "clustered_segments", "layer_clustering")
+    timers.wrap(AnalyticStageCost, "__call__", "stage_cost")
+    timers.wrap(stage_construction, "training_dp", "dp")
+
+    results = []
+    for case in args.cases:
+        model, gpus = case.split(":")
+        result = run_case(model, int(gpus), args.batch, args.micro_batches, timers)
+        results.append(result)
+        print("\n".join(result["plan"]), flush=True)
+        with open(args.out, "w") as f:
+            json.dump({"machine": "2-core CPU", "results": results}, f, indent=1)
+
+    header = (
+        "model",
+        "GPUs",
+        "total s",
+        "trace",
+        "layers",
+        "stage costs",
+        "DP",
+        "rest",
+        "stages",
+        "predicted s/iter",
+    )
+    rows = [header]
+    for r in results:
+        rows.append(
+            (
+                r["model"],
+                str(r["num_gpus"]),
+                f"{r['total_s']:.1f}",
+                f"{r['trace_s']:.1f}",
+                f"{r['layer_clustering_s']:.2f}",
+                f"{r['stage_cost_s']:.1f}",
+                f"{r['dp_s']:.2f}",
+                f"{r['rest_s']:.1f}",
+                str(len(r["stages"])),
+                f"{r['predicted_iteration_s']:.3f}",
+            )
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    for row in rows:
+        print("  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)))
+    print(f"results: {args.out}")
+
+
+if __name__ == "__main__":
+    main()
