@@ -27,9 +27,12 @@ Usage: python benchmark/pipeline/bench_auto_pipeline.py [--cases 1.3B:8 39B:64 .
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import time
+
+import jax.numpy as jnp
 
 import alpa
 from alpa.device_mesh import ClusterSpec
@@ -62,7 +65,7 @@ class Timers:
 
 
 def run_case(model: str, num_gpus: int, batch: int, micro_batches: int, timers: Timers) -> dict:
-    config = GPT_PRESETS[model]
+    config = dataclasses.replace(GPT_PRESETS[model], dtype=jnp.float16)  # as Alpa's runs
     per_node = min(num_gpus, 8)
     cluster = ClusterSpec.preset("a100-40gb", num_gpus // per_node, per_node)
     layer_num = min(config.num_layers, 16)
@@ -110,7 +113,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", nargs="+", default=list(DEFAULT_CASES))
     parser.add_argument("--batch", type=int, default=1024)
-    parser.add_argument("--micro-batches", type=int, default=64)
+    parser.add_argument("--micro-batches", type=int, default=128)
     parser.add_argument("--out", default="benchmark/pipeline/results.json")
     args = parser.parse_args()
     alpa.util.disable_tqdm_globally()
