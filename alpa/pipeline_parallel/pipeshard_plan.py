@@ -173,7 +173,8 @@ class PipeshardPlan:
         cluster = summary["cluster"]
         title = (
             f"pipeshard plan of {summary['name']}: {summary['num_layers']} layers, "
-            f"{self.num_stages} stages on {cluster['num_hosts']}x"
+            f"{self.num_stages} stage{'s' if self.num_stages != 1 else ''} on "
+            f"{cluster['num_hosts']}x"
             f"{cluster['num_devices_per_host']} {cluster['name']}, "
             f"{summary['num_micro_batches']} micro-batches, {summary['schedule']}"
         )
