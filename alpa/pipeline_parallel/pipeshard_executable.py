@@ -1,9 +1,9 @@
 """PipeshardDriverExecutable: a step compiled into pipeline stages on submeshes.
 
-Compilation (``compile_pipeshard_executable``) makes a ``PipeshardPlan`` (``pipeshard_plan``:
-layers, stages, split, per-stage shardings, schedule, instructions; no device touched) and
-hands it to :class:`PipeshardDriverExecutable`, which compiles the plan's computations on
-the devices of each submesh and runs them with the local runtime.
+``PipeshardParallel`` makes a ``PipeshardPlan`` (``pipeshard_plan.plan_pipeshard``: layers,
+stages, split, per-stage shardings, schedule, instructions; no device touched) and hands
+it to :class:`PipeshardDriverExecutable`, which compiles the plan's computations on the
+devices of each submesh and runs them with the local runtime.
 
 Each stage computation is compiled with ``jax.jit`` on its own submesh, with the
 shardings the intra-op pass chose for that stage (``stage_sharding``): the auto-sharding
@@ -21,14 +21,14 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from alpa.device_mesh import ClusterSpec, make_jax_mesh
+from alpa.device_mesh import make_jax_mesh
 from alpa.executable import Executable, PlacementSpec, is_placed
 from alpa.pipeline_parallel.computation import (
     StageComputation,
     _collect_consts,
     _is_var,
 )
-from alpa.pipeline_parallel.pipeshard_plan import PipeshardPlan, plan_pipeshard
+from alpa.pipeline_parallel.pipeshard_plan import PipeshardPlan
 from alpa.pipeline_parallel.runtime_emitter import (
     Kernel,
     simulate_memory,
@@ -40,41 +40,8 @@ from alpa.pipeline_parallel.stage_sharding import (
 from alpa.pipeline_parallel.user_shardings import input_names
 from alpa.runtime.local_runtime import LocalPipelineRuntime, RuntimeContext, reshard_bytes
 from alpa.shard_parallel.executable import full_batch_avals
-from alpa.tracing import TracedStep, leaf_signature
+from alpa.tracing import leaf_signature
 from alpa.tracing.primitive_def import pipeline_p
-
-
-def compile_pipeshard_executable(
-    traced: TracedStep,
-    devices: Sequence[Any],
-    num_micro_batches: int,
-    pipeline_schedule: str = "1f1b",
-    layer_option: Any = None,
-    stage_option: Any = None,
-    default_auto_sharding_option: Any = None,
-    manual_sharding_option: Any = None,
-    stage_input_shardings: Any = None,
-    args: Sequence[Any] = (),
-    cluster: ClusterSpec | None = None,
-) -> PipeshardDriverExecutable:
-    """Plan ``traced`` (traced at micro-batch size) on ``devices`` (one host) and compile
-    the plan (``pipeshard_plan.plan_pipeshard`` for the arguments)."""
-    plan = plan_pipeshard(
-        traced,
-        1,
-        len(devices),
-        cluster or ClusterSpec.local(),
-        num_micro_batches,
-        pipeline_schedule=pipeline_schedule,
-        layer_option=layer_option,
-        stage_option=stage_option,
-        default_auto_sharding_option=default_auto_sharding_option,
-        manual_sharding_option=manual_sharding_option,
-        stage_input_shardings=stage_input_shardings,
-        args=args,
-        devices=devices,
-    )
-    return PipeshardDriverExecutable(plan, devices)
 
 
 def _eval_eqns(eqns, env: dict, constraints: dict | None = None) -> None:

@@ -274,6 +274,38 @@ def _ilp_layer(problem: StageProblem, layer: int, m: int, config: LogicalConfig,
     return cache[key]
 
 
+class _LayerPlans:
+    """``get(layer, m, config)``: :func:`_ilp_layer` of that layer, once per layer and
+    configuration (and once per distinct layer jaxpr for the ILP itself)."""
+
+    def __init__(self, problem: StageProblem):
+        self.problem = problem
+        self._by_structure: dict = {}
+        self._by_layer: dict = {}
+
+    def get(self, layer: int, m: int, config: LogicalConfig) -> tuple[float, float]:
+        key = (layer, m, config)
+        if key not in self._by_layer:
+            self._by_layer[key] = _ilp_layer(self.problem, layer, m, config, self._by_structure)
+        return self._by_layer[key]
+
+
+def _stage_memory(problem: StageProblem, facts: Sequence[_LayerFacts], plans: _LayerPlans):
+    """``memory(i, j, m, c, config) -> (state, activation)`` bytes per device of a stage of
+    layers ``i..j`` (module docstring)."""
+
+    def memory(i, j, m, c, config):
+        n = int(np.prod(problem.submesh_choices[m]))
+        state = activation = 0.0
+        for layer in range(i, j + 1):
+            _, fraction = plans.get(layer, m, config)
+            state += facts[layer].state_bytes * fraction
+            activation += facts[layer].activation_bytes / n
+        return state, activation
+
+    return memory
+
+
 def _fill(problem: StageProblem, latency_of, memory_of) -> StageCosts:
     """Tables from per-(layers, m, c) latency and (state, activation) bytes per device."""
     L, M, C = problem.num_layers, len(problem.submesh_choices), problem.num_configs
@@ -314,35 +346,19 @@ class AnalyticStageCost:
         cluster = problem.cluster
         bandwidth = self.cross_mesh_bandwidth or cluster.inter_node_bandwidth
         facts = [_layer_facts(problem, layer) for layer in range(problem.num_layers)]
-        cache: dict = {}
-        per_layer: dict = {}
-
-        def layer_on(layer, m, c, config):
-            key = (layer, m, c)
-            if key not in per_layer:
-                per_layer[key] = _ilp_layer(problem, layer, m, config, cache)
-            return per_layer[key]
+        plans = _LayerPlans(problem)
 
         def latency(i, j, m, c, config):
             n = int(np.prod(problem.submesh_choices[m]))
             total = 0.0
             for layer in range(i, j + 1):
-                comm, _ = layer_on(layer, m, c, config)
+                comm, _ = plans.get(layer, m, config)
                 total += facts[layer].flops / (n * cluster.device_flops) + comm
             if i > 0:
                 total += 2 * facts[i].entering_bytes / bandwidth
             return total
 
-        def memory(i, j, m, c, config):
-            n = int(np.prod(problem.submesh_choices[m]))
-            state = activation = 0.0
-            for layer in range(i, j + 1):
-                _, fraction = layer_on(layer, m, c, config)
-                state += facts[layer].state_bytes * fraction
-                activation += facts[layer].activation_bytes / n
-            return state, activation
-
-        return _fill(problem, latency, memory)
+        return _fill(problem, latency, _stage_memory(problem, facts, plans))
 
 
 class MeasuredStageCost:
@@ -374,7 +390,6 @@ class MeasuredStageCost:
 
         devices = list(self.devices or jax.devices())
         cache = self._load()
-        analytic_cache: dict = {}
         facts = [_layer_facts(problem, layer) for layer in range(problem.num_layers)]
         L = problem.num_layers
         candidates = [
@@ -413,15 +428,7 @@ class MeasuredStageCost:
         def latency(i, j, m, c, config):
             return latencies.get((i, j, m, c), np.inf)
 
-        def memory(i, j, m, c, config):
-            n = int(np.prod(problem.submesh_choices[m]))
-            state = activation = 0.0
-            for layer in range(i, j + 1):
-                _, fraction = _ilp_layer(problem, layer, m, config, analytic_cache)
-                state += facts[layer].state_bytes * fraction
-                activation += facts[layer].activation_bytes / n
-            return state, activation
-
+        memory = _stage_memory(problem, facts, _LayerPlans(problem))
         return _fill(problem, latency, memory)
 
     def _time(self, step: TracedStep, mesh, option: AutoShardingOption) -> float:
