@@ -66,6 +66,92 @@ def _eval_eqns(eqns, env: dict, constraints: dict | None = None) -> None:
                 env[v] = out
 
 
+class StagePrograms:
+    """The jitted functions of a plan's stage computations on given meshes: concrete
+    ``jax.sharding.Mesh`` es (compiled here) or ``AbstractMesh`` es (exported for Ray
+    workers). Both runtimes build their programs from it."""
+
+    def __init__(self, plan: PipeshardPlan, meshes: Sequence[Any]):
+        self.plan = plan
+        self.program = plan.program
+        self.meshes = list(meshes)
+        self.stage_specs = plan.stage_specs
+        self.var_of = {name: v for v, name in plan.names.items()}
+        jaxpr = plan.traced.closed_jaxpr.jaxpr
+        self.consts_env = dict(zip(jaxpr.constvars, plan.traced.closed_jaxpr.consts, strict=True))
+
+    def sharding(self, var, mesh: int) -> NamedSharding:
+        jax_mesh = self.meshes[mesh]
+        spec = self.stage_specs.get((var, mesh))
+        if spec is None:
+            spec = data_parallel_spec(var, self.program, jax_mesh.size)
+        return NamedSharding(jax_mesh, spec)
+
+    def key_sharding(self, key) -> NamedSharding:
+        return self.sharding(self.var_of[key[0]], key[2])
+
+    def zeros(self, keys):
+        """``jax.jit`` of a function returning zeros for the buffers ``keys``."""
+        avals = [self.var_of[key[0]].aval for key in keys]
+        shardings = tuple(self.key_sharding(key) for key in keys)
+
+        def zeros():
+            return tuple(jax.numpy.zeros(a.shape, a.dtype) for a in avals)
+
+        return jax.jit(zeros, out_shardings=shardings)
+
+    def kernel(self, kernel: Kernel):
+        """What a ``RUN`` of ``kernel`` calls: the stage computation, its kept outputs,
+        then each accumulated value (``sum + scale * value``, the sums donated); returns
+        ``(jitted, input structs)``."""
+        comp = self.program.computations[kernel.computation]
+        sums = [a for a in kernel.accumulate if a.reads_sum]
+        return self.computation(comp, kernel, sums)
+
+    def computation(self, comp: StageComputation, kernel: Kernel | None = None, sums=()):
+        consts = dict(self.consts_env)
+        # The intermediate values the stage's plan names are pinned to their sharding.
+        constraints = {
+            v: self.sharding(v, comp.stage)
+            for e in comp.eqns
+            for v in e.outvars
+            if _is_var(v) and (v, comp.stage) in self.stage_specs
+        }
+        kept = list(range(len(comp.outvars))) if kernel is None else list(kernel.kept)
+        accumulate = () if kernel is None else kernel.accumulate
+        num_in = len(comp.invars)
+
+        def fn(*args):
+            env = dict(consts)
+            env.update(zip(comp.invars, args[:num_in], strict=True))
+            _eval_eqns(comp.eqns, env, constraints)
+            outs = [env[comp.outvars[i]] for i in kept]
+            running = iter(args[num_in:])
+            for a in accumulate:
+                value = env[comp.outvars[a.outvar_index]]
+                if a.scale is not None:
+                    value = value * np.asarray(a.scale, value.dtype)
+                outs.append(next(running) + value if a.reads_sum else value)
+            return outs
+
+        fn.__name__ = comp.name
+        in_vars = list(comp.invars) + [a.marker_out for a in sums]
+        out_vars = [comp.outvars[i] for i in kept] + [a.marker_out for a in accumulate]
+        in_shardings = [self.sharding(v, comp.stage) for v in in_vars]
+        out_shardings = [self.sharding(v, comp.stage) for v in out_vars]
+        structs = [
+            jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, sharding=s, weak_type=v.aval.weak_type)
+            for v, s in zip(in_vars, in_shardings, strict=True)
+        ]
+        jitted = jax.jit(
+            fn,
+            in_shardings=in_shardings,
+            out_shardings=out_shardings,
+            donate_argnums=tuple(range(num_in, len(in_vars))),
+        )
+        return jitted, structs
+
+
 class PipeshardDriverExecutable(Executable):
     """Runs a pipelined step on local submeshes (the driver runs every mesh's program)."""
 
@@ -87,8 +173,9 @@ class PipeshardDriverExecutable(Executable):
             for (a, b), logical in zip(stage_plan.device_ranges, plan.logical_meshes, strict=True)
         ]
         self.stage_specs, self.stage_objectives = plan.stage_specs, plan.objectives
+        self.stage_programs = StagePrograms(plan, self.meshes)
         jaxpr = traced.closed_jaxpr.jaxpr
-        self._consts_env = dict(zip(jaxpr.constvars, traced.closed_jaxpr.consts, strict=True))
+        self._consts_env = self.stage_programs.consts_env
         self._kernels = [self._compile_kernel(kernel) for kernel in instructions.kernels]
         self._compiled: dict[int, Any] = {
             kernel.computation: compiled
@@ -127,14 +214,10 @@ class PipeshardDriverExecutable(Executable):
     # -- compilation
 
     def _sharding(self, var, mesh: int) -> NamedSharding:
-        jax_mesh = self.meshes[mesh]
-        spec = self.stage_specs.get((var, mesh))
-        if spec is None:
-            spec = data_parallel_spec(var, self.program, jax_mesh.devices.size)
-        return NamedSharding(jax_mesh, spec)
+        return self.stage_programs.sharding(var, mesh)
 
     def _key_sharding(self, key) -> NamedSharding:
-        return self._sharding(self._var_of[key[0]], key[2])
+        return self.stage_programs.key_sharding(key)
 
     def _reshard_bytes(self, ins) -> int:
         (src,), (dst,) = ins.inputs, ins.outputs
@@ -145,65 +228,19 @@ class PipeshardDriverExecutable(Executable):
 
     def _alloc(self, keys) -> Any:
         """A compiled function returning zeros for the buffers ``keys`` (accumulators)."""
-        avals = [self._var_of[key[0]].aval for key in keys]
         shardings = tuple(self._key_sharding(key) for key in keys)
+        avals = [self._var_of[key[0]].aval for key in keys]
         signature = (tuple((a.shape, a.dtype) for a in avals), shardings)
         if signature not in self._zeros:
-
-            def zeros():
-                return tuple(jax.numpy.zeros(a.shape, a.dtype) for a in avals)
-
-            self._zeros[signature] = jax.jit(zeros, out_shardings=shardings).lower().compile()
+            self._zeros[signature] = self.stage_programs.zeros(keys).lower().compile()
         return self._zeros[signature]
 
     def _compile_kernel(self, kernel: Kernel):
-        """Compile what a ``RUN`` of ``kernel`` calls: the stage computation, its kept
-        outputs, then each accumulated value (``sum + scale * value``, the sums donated)."""
-        comp = self.program.computations[kernel.computation]
-        sums = [a for a in kernel.accumulate if a.reads_sum]
-        return self._compile(comp, kernel, sums)
+        jitted, structs = self.stage_programs.kernel(kernel)
+        return jitted.lower(*structs).compile()
 
-    def _compile(self, comp: StageComputation, kernel: Kernel | None = None, sums=()):
-        consts = dict(self._consts_env)
-        # The intermediate values the stage's plan names are pinned to their sharding.
-        constraints = {
-            v: self._sharding(v, comp.stage)
-            for e in comp.eqns
-            for v in e.outvars
-            if _is_var(v) and (v, comp.stage) in self.stage_specs
-        }
-        kept = list(range(len(comp.outvars))) if kernel is None else list(kernel.kept)
-        accumulate = () if kernel is None else kernel.accumulate
-        num_in = len(comp.invars)
-
-        def fn(*args):
-            env = dict(consts)
-            env.update(zip(comp.invars, args[:num_in], strict=True))
-            _eval_eqns(comp.eqns, env, constraints)
-            outs = [env[comp.outvars[i]] for i in kept]
-            running = iter(args[num_in:])
-            for a in accumulate:
-                value = env[comp.outvars[a.outvar_index]]
-                if a.scale is not None:
-                    value = value * np.asarray(a.scale, value.dtype)
-                outs.append(next(running) + value if a.reads_sum else value)
-            return outs
-
-        fn.__name__ = comp.name
-        in_vars = list(comp.invars) + [a.marker_out for a in sums]
-        out_vars = [comp.outvars[i] for i in kept] + [a.marker_out for a in accumulate]
-        in_shardings = [self._sharding(v, comp.stage) for v in in_vars]
-        out_shardings = [self._sharding(v, comp.stage) for v in out_vars]
-        structs = [
-            jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, sharding=s, weak_type=v.aval.weak_type)
-            for v, s in zip(in_vars, in_shardings, strict=True)
-        ]
-        jitted = jax.jit(
-            fn,
-            in_shardings=in_shardings,
-            out_shardings=out_shardings,
-            donate_argnums=tuple(range(num_in, len(in_vars))),
-        )
+    def _compile(self, comp: StageComputation):
+        jitted, structs = self.stage_programs.computation(comp)
         return jitted.lower(*structs).compile()
 
     # -- Executable interface
