@@ -20,6 +20,8 @@ setup(
         "pulp>=2.7",
         "numpy>=1.26",
         "tqdm>=4.60",
+        # jax.export serializes the programs the driver ships to Ray mesh workers.
+        "flatbuffers>=24",
     ],
     extras_require={
         "gpu": ["cupy-cuda12x>=13"],

@@ -23,6 +23,11 @@ _EXPORTS = {
     "shutdown": "alpa.cluster",
     "get_global_physical_mesh": "alpa.cluster",
     "get_global_virtual_physical_mesh": "alpa.cluster",
+    "get_global_cluster": "alpa.cluster",
+    "DeviceCluster": "alpa.runtime.ray_mesh",
+    "DistributedArray": "alpa.runtime.ray_mesh",
+    "DistributedPhysicalDeviceMesh": "alpa.runtime.ray_mesh",
+    "prefetch": "alpa.runtime.ray_mesh",
     "grad": "alpa.api",
     "parallelize": "alpa.api",
     "value_and_grad": "alpa.api",
@@ -95,6 +100,7 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and editors
     )
     from alpa.api import grad, parallelize, value_and_grad  # noqa: F401
     from alpa.cluster import (  # noqa: F401
+        get_global_cluster,
         get_global_physical_mesh,
         get_global_virtual_physical_mesh,
         init,
@@ -123,6 +129,12 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and editors
     from alpa.pipeline_parallel.stage_construction import (  # noqa: F401
         ManualStageOption,
         UniformStageOption,
+    )
+    from alpa.runtime.ray_mesh import (  # noqa: F401
+        DeviceCluster,
+        DistributedArray,
+        DistributedPhysicalDeviceMesh,
+        prefetch,
     )
     from alpa.shard_parallel.auto_sharding import AutoShardingOption  # noqa: F401
     from alpa.shard_parallel.manual_sharding import ManualShardingOption  # noqa: F401

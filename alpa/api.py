@@ -164,7 +164,7 @@ def _check_argnums(value, name: str, allow_auto: bool = True) -> None:
 def _is_array_leaf(x) -> bool:
     return isinstance(
         x, jax.Array | np.ndarray | np.generic | jax.ShapeDtypeStruct | bool | int | float | complex
-    )
+    ) or getattr(x, "is_distributed_array", False)
 
 
 def _is_train_state(x) -> bool:

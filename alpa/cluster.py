@@ -17,35 +17,49 @@ from alpa.device_mesh import LocalPhysicalDeviceMesh, VirtualPhysicalMesh
 
 logger = logging.getLogger("alpa")
 
-_global_physical_mesh: LocalPhysicalDeviceMesh | None = None
+_global_physical_mesh: Any = None  # LocalPhysicalDeviceMesh or, for Ray, built on demand
+_global_cluster: Any = None  # alpa.runtime.ray_mesh.DeviceCluster under init("ray")
+_started_ray = False
 
 
 def init(
     cluster: str = "local",
-    *,
-    devices: Sequence[Any] | None = None,
+    cluster_address: str | None = None,
     num_nodes: int | None = None,
     num_devices_per_node: int | None = None,
+    namespace: str = "alpa_default_space",
+    *,
+    devices: Sequence[Any] | None = None,
 ) -> None:
     """Connect alpa to a cluster. A second ``init`` before ``shutdown`` does nothing.
 
     Args:
       cluster: ``"local"``: the devices of this process (GPUs, or virtual CPU devices).
-        ``"ray"`` is not available yet.
+        ``"ray"``: the Ray cluster this process is connected to (``ray.init()`` called
+        before), else the one at ``cluster_address``, else a running one
+        (``address="auto"``), else a new local one; mesh workers own the devices
+        (``docs/ray.md``).
+      cluster_address: with ``"ray"``, the address of the Ray cluster to connect to.
+      num_nodes: with ``"ray"``, use this many of its nodes (default all).
+      num_devices_per_node: with ``"ray"``, devices per node (default: a GPU node's GPUs;
+        :data:`alpa.runtime.ray_mesh.DEFAULT_CPU_DEVICES_PER_NODE` virtual devices on a
+        CPU-only node). With ``"local"``, a check of the local device count.
+      namespace: with ``"ray"``, the Ray namespace of a Ray alpa starts or connects to.
       devices: with ``"local"``, a subset of ``jax.devices()`` to use.
     """
-    global _global_physical_mesh
+    global _global_physical_mesh, _global_cluster
     if cluster == "ray":
-        raise NotImplementedError(
-            "alpa.init(cluster='ray') is not available yet: the Ray runtime is a separate, "
-            "upcoming feature. Use alpa.init('local') (the default) to run on the devices "
-            "of this process."
-        )
+        if devices is not None:
+            raise ValueError("devices= is for cluster='local'; Ray meshes own their devices")
+        if _global_cluster is not None or _global_physical_mesh is not None:
+            return
+        _global_cluster = _init_ray(cluster_address, num_nodes, num_devices_per_node, namespace)
+        return
     if cluster != "local":
         raise ValueError(f"cluster must be 'local' or 'ray', got {cluster!r}")
     if num_nodes not in (None, 1):
         raise ValueError(f"cluster='local' has one node, got num_nodes={num_nodes!r}")
-    if _global_physical_mesh is not None:
+    if _global_physical_mesh is not None or _global_cluster is not None:
         return
     mesh = LocalPhysicalDeviceMesh(devices)
     if num_devices_per_node is not None and num_devices_per_node != mesh.num_devices:
@@ -56,20 +70,66 @@ def init(
     _global_physical_mesh = mesh
 
 
+def _init_ray(cluster_address, num_nodes, num_devices_per_node, namespace):
+    global _started_ray
+    try:
+        import ray
+    except ImportError as e:  # pragma: no cover - ray is a dependency
+        raise RuntimeError("alpa.init('ray') needs ray: pip install ray") from e
+    from alpa.runtime.ray_mesh import DeviceCluster
+
+    if not ray.is_initialized():
+        address = cluster_address or "auto"
+        try:
+            ray.init(address=address, namespace=namespace, log_to_driver=False)
+        except ConnectionError:
+            if cluster_address is not None:
+                raise
+            logger.warning("no running Ray cluster found: starting a local one")
+            ray.init(
+                namespace=namespace,
+                include_dashboard=False,
+                log_to_driver=False,
+                _node_ip_address="127.0.0.1",
+            )
+            _started_ray = True
+    return DeviceCluster(num_nodes, num_devices_per_node)
+
+
 def shutdown() -> None:
-    """Forget the cluster; a later ``init`` starts afresh."""
-    global _global_physical_mesh
+    """Forget the cluster and kill its mesh workers; a later ``init`` starts afresh."""
+    global _global_physical_mesh, _global_cluster, _started_ray
+    if _global_cluster is not None:
+        _global_cluster.shutdown()
+        if _started_ray:
+            import ray
+
+            ray.shutdown()
+            _started_ray = False
     _global_physical_mesh = None
+    _global_cluster = None
 
 
-def get_global_physical_mesh() -> LocalPhysicalDeviceMesh:
-    """The mesh of ``init``; calls ``init("local")`` (and says so) if it was not called."""
-    if _global_physical_mesh is None:
+def get_global_cluster():
+    """The ``DeviceCluster`` of ``alpa.init("ray")`` (``None`` under ``"local"``)."""
+    return _global_cluster
+
+
+def get_global_physical_mesh(create_if_not_exist: bool = True):
+    """The mesh of ``init``: the local devices, or under Ray the mesh of every node's
+    devices (its workers start on first use). Calls ``init("local")`` (and says so) if
+    ``init`` was not called."""
+    global _global_physical_mesh
+    if _global_cluster is not None:
+        return _global_cluster.get_physical_mesh()
+    if _global_physical_mesh is None and create_if_not_exist:
         logger.warning("alpa.init() was not called: using the %d local devices", len(jax.devices()))
         init("local")
     return _global_physical_mesh
 
 
 def get_global_virtual_physical_mesh() -> VirtualPhysicalMesh:
+    if _global_cluster is not None:
+        return _global_cluster.get_virtual_physical_mesh()
     mesh = get_global_physical_mesh()
     return VirtualPhysicalMesh(mesh.num_hosts, mesh.num_devices_per_host, mesh.cluster)

@@ -26,7 +26,7 @@ from typing import Any
 
 import jax
 
-from alpa.tracing import TracedStep
+from alpa.tracing import TracedStep, leaf_signature
 
 
 @dataclass(frozen=True)
@@ -102,6 +102,21 @@ class Executable(abc.ABC):
     def get_output_placement_specs(self):
         """A pytree like the output, one ``PlacementSpec`` per leaf."""
         return jax.tree.unflatten(self.traced.out_tree, self.flat_output_placement_specs())
+
+
+def check_dispatch_args(
+    traced: TracedStep, dynamic_args: Sequence[Any], signatures: Sequence[tuple]
+) -> list[Any]:
+    """The flat leaves of ``dynamic_args``, after checking they are what the step was
+    compiled for (``TypeError`` otherwise, before anything runs: see the module
+    docstring)."""
+    leaves, tree = jax.tree.flatten(dynamic_args)
+    if tree != traced.in_tree:
+        raise TypeError(f"pytree {tree} differs from the compiled {traced.in_tree}")
+    for x, signature in zip(leaves, signatures, strict=True):
+        if leaf_signature(x) != signature:
+            raise TypeError(f"argument {leaf_signature(x)} differs from the compiled {signature}")
+    return leaves
 
 
 def is_placed(x: Any, sharding: Any) -> bool:

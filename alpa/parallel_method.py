@@ -14,7 +14,7 @@ import contextlib
 from collections.abc import Sequence
 from typing import Any
 
-from alpa.cluster import get_global_physical_mesh
+from alpa.cluster import get_global_cluster, get_global_physical_mesh
 from alpa.device_mesh import (
     ClusterSpec,
     LocalPhysicalDeviceMesh,
@@ -25,6 +25,8 @@ from alpa.executable import Executable
 from alpa.pipeline_parallel.layer_construction import layer_option_context, resolve_layer_option
 from alpa.pipeline_parallel.pipeshard_executable import PipeshardDriverExecutable
 from alpa.pipeline_parallel.pipeshard_plan import PipeshardPlan, plan_pipeshard
+from alpa.pipeline_parallel.pipeshard_ray_executable import PipeshardRayExecutable
+from alpa.pipeline_parallel.resharding import worker_transfer_plan
 from alpa.pipeline_parallel.schedules import schedules
 from alpa.pipeline_parallel.stage_construction import resolve_stage_option
 from alpa.pipeline_parallel.user_shardings import (
@@ -32,8 +34,10 @@ from alpa.pipeline_parallel.user_shardings import (
     check_manual_sharding_option,
     check_stage_input_shardings,
 )
+from alpa.runtime.ray_mesh import DeviceCluster, DistributedPhysicalDeviceMesh
 from alpa.shard_parallel.auto_sharding import AutoShardingOption, plan_auto_sharding
 from alpa.shard_parallel.data_parallel import data_parallel_plan
+from alpa.shard_parallel.distributed_executable import DistributedMeshExecutable
 from alpa.shard_parallel.executable import compile_shard_executable
 from alpa.shard_parallel.manual_sharding import ManualShardingOption, manual_sharding_plan
 from alpa.tracing import TracedStep
@@ -95,7 +99,7 @@ def resolve_logical_mesh(
         return devices
     if devices is None:
         physical = get_global_physical_mesh()
-    elif isinstance(devices, LocalPhysicalDeviceMesh):
+    elif isinstance(devices, LocalPhysicalDeviceMesh | DistributedPhysicalDeviceMesh):
         physical = devices
     elif isinstance(devices, list | tuple):
         physical = LocalPhysicalDeviceMesh(devices)
@@ -106,6 +110,18 @@ def resolve_logical_mesh(
             f"{type(devices).__name__}"
         )
     return physical.get_logical_mesh(mesh_shape)
+
+
+def _compile_one_mesh(devices, traced: TracedStep, plan, num_micro_batches) -> Executable:
+    """A one-mesh executable: in this process, or on the Ray workers of a distributed
+    mesh (``devices`` one, or ``None`` under ``alpa.init("ray")``)."""
+    if devices is None:
+        devices = get_global_physical_mesh()
+    if isinstance(devices, DistributedPhysicalDeviceMesh):
+        return DistributedMeshExecutable(
+            traced, plan, devices, num_micro_batches, worker_transfer_plan
+        )
+    return compile_shard_executable(traced, plan, num_micro_batches)
 
 
 class ShardParallel(ParallelMethod):
@@ -158,7 +174,7 @@ class ShardParallel(ParallelMethod):
 
     def compile_executable(self, traced: TracedStep, args: Sequence[Any]) -> Executable:
         plan = self.plan(traced, args, require_devices=True)
-        return compile_shard_executable(traced, plan, self.num_micro_batches)
+        return _compile_one_mesh(self.devices, traced, plan, self.num_micro_batches)
 
     def __repr__(self) -> str:
         return (
@@ -183,7 +199,7 @@ class _FixedPlanParallel(ParallelMethod):
 
     def compile_executable(self, traced: TracedStep, args: Sequence[Any]) -> Executable:
         plan = self.plan(traced, args, require_devices=True)
-        return compile_shard_executable(traced, plan, self.num_micro_batches)
+        return _compile_one_mesh(self.devices, traced, plan, self.num_micro_batches)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(num_micro_batches={self.num_micro_batches})"
@@ -276,13 +292,18 @@ class PipeshardParallel(ParallelMethod):
 
     def _cluster(self) -> tuple[int, int, ClusterSpec, list[Any] | None]:
         """``(num_hosts, num_devices_per_host, cluster, devices)``; ``devices`` is ``None``
-        for a cluster that is not here (a ``VirtualPhysicalMesh`` or ``ClusterSpec``)."""
+        for a cluster that is not here (a ``VirtualPhysicalMesh`` or ``ClusterSpec``) and
+        for a Ray cluster (its workers own the devices)."""
         devices = self.devices
         if isinstance(devices, ClusterSpec):
             devices = devices.get_virtual_physical_mesh()
         if isinstance(devices, VirtualPhysicalMesh):
             cluster = devices.cluster or ClusterSpec.preset("cpu", devices.num_hosts)
             return devices.num_hosts, devices.num_devices_per_host, cluster, None
+        ray_cluster = self._ray_cluster()
+        if ray_cluster is not None:
+            spec = ray_cluster.spec
+            return ray_cluster.num_hosts, ray_cluster.num_devices_per_host, spec, None
         if devices is None:
             physical = get_global_physical_mesh()
         elif isinstance(devices, LocalPhysicalDeviceMesh):
@@ -291,9 +312,16 @@ class PipeshardParallel(ParallelMethod):
             physical = LocalPhysicalDeviceMesh(list(getattr(devices, "devices", devices)))
         return 1, physical.num_devices, physical.cluster, list(physical.devices)
 
+    def _ray_cluster(self):
+        """The ``DeviceCluster`` stages run on: ``alpa.init("ray")``'s, when ``devices``
+        is ``None`` (or that cluster itself)."""
+        if isinstance(self.devices, DeviceCluster):
+            return self.devices
+        return get_global_cluster() if self.devices is None else None
+
     def _plan(self, traced: TracedStep, args: Sequence[Any], require_devices: bool):
         num_hosts, per_host, cluster, devices = self._cluster()
-        if devices is None and require_devices:
+        if devices is None and require_devices and self._ray_cluster() is None:
             raise ValueError(
                 f"devices is {type(self.devices).__name__} (a cluster that is not here, no "
                 "devices): it can be planned for with parallelize(...).plan(*args), not run"
@@ -326,7 +354,17 @@ class PipeshardParallel(ParallelMethod):
 
     def compile_executable(self, traced: TracedStep, args: Sequence[Any]) -> Executable:
         plan, devices = self._plan(traced, args, require_devices=True)
-        return PipeshardDriverExecutable(plan, devices)
+        ray_cluster = self._ray_cluster()
+        if ray_cluster is None:
+            return PipeshardDriverExecutable(plan, devices)
+        per_host = ray_cluster.num_devices_per_host
+        meshes = []
+        for start, stop in plan.stage_plan.device_ranges:
+            hosts = tuple(range(start // per_host, (stop - 1) // per_host + 1))
+            meshes.append(
+                ray_cluster.get_physical_mesh(hosts, min(stop - start, per_host), start % per_host)
+            )
+        return PipeshardRayExecutable(plan, meshes)
 
     def __repr__(self) -> str:
         return (

@@ -9,6 +9,10 @@ import os
 NUM_DEVICES = 8
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Ray tests bind every node to 127.0.0.1. Unless clusters are marked local-only before ray
+# is imported, Ray resolves a node's 127.0.0.1 to the machine's address and a second
+# simulated node cannot reach the first.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 _flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in _flags:
     os.environ["XLA_FLAGS"] = f"{_flags} --xla_force_host_platform_device_count={NUM_DEVICES}"

@@ -129,11 +129,13 @@ def test_init_shutdown_and_implicit_init(caplog):
     assert out.sharding.num_devices == 4
 
 
-def test_init_ray_is_a_clear_error():
-    with pytest.raises(NotImplementedError, match="cluster='ray'.*not available yet"):
-        alpa.init("ray")
+def test_init_bad_cluster_is_a_clear_error():
+    # alpa.init("ray") itself is tested on a local Ray cluster (tests/runtime/).
     with pytest.raises(ValueError, match="cluster must be 'local' or 'ray', got 'slurm'"):
         alpa.init("slurm")
+    with pytest.raises(ValueError, match="devices= is for cluster='local'"):
+        alpa.init("ray", devices=jax.devices())
+    assert alpa.get_global_cluster() is None
 
 
 # ----------------------------------------------------------------------------- bad input

@@ -22,7 +22,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from alpa.device_mesh import make_jax_mesh
-from alpa.executable import Executable, PlacementSpec, is_placed
+from alpa.executable import Executable, PlacementSpec, check_dispatch_args, is_placed
 from alpa.pipeline_parallel.computation import (
     StageComputation,
     _collect_consts,
@@ -39,7 +39,7 @@ from alpa.pipeline_parallel.stage_sharding import (
 )
 from alpa.pipeline_parallel.user_shardings import input_names
 from alpa.runtime.local_runtime import LocalPipelineRuntime, RuntimeContext, reshard_bytes
-from alpa.shard_parallel.executable import full_batch_avals
+from alpa.shard_parallel.executable import device_peak_bytes, full_batch_avals
 from alpa.tracing import leaf_signature
 from alpa.tracing.primitive_def import pipeline_p
 
@@ -103,7 +103,7 @@ class StagePrograms:
     def kernel(self, kernel: Kernel):
         """What a ``RUN`` of ``kernel`` calls: the stage computation, its kept outputs,
         then each accumulated value (``sum + scale * value``, the sums donated); returns
-        ``(jitted, input structs)``."""
+        ``(jitted, input structs, output shardings)``."""
         comp = self.program.computations[kernel.computation]
         sums = [a for a in kernel.accumulate if a.reads_sum]
         return self.computation(comp, kernel, sums)
@@ -149,7 +149,7 @@ class StagePrograms:
             out_shardings=out_shardings,
             donate_argnums=tuple(range(num_in, len(in_vars))),
         )
-        return jitted, structs
+        return jitted, structs, out_shardings
 
 
 class PipeshardDriverExecutable(Executable):
@@ -236,24 +236,17 @@ class PipeshardDriverExecutable(Executable):
         return self._zeros[signature]
 
     def _compile_kernel(self, kernel: Kernel):
-        jitted, structs = self.stage_programs.kernel(kernel)
+        jitted, structs, _ = self.stage_programs.kernel(kernel)
         return jitted.lower(*structs).compile()
 
     def _compile(self, comp: StageComputation):
-        jitted, structs = self.stage_programs.computation(comp)
+        jitted, structs, _ = self.stage_programs.computation(comp)
         return jitted.lower(*structs).compile()
 
     # -- Executable interface
 
     def dispatch(self, *dynamic_args: Any) -> Any:
-        leaves, tree = jax.tree.flatten(dynamic_args)
-        if tree != self.traced.in_tree:
-            raise TypeError(f"pytree {tree} differs from the compiled {self.traced.in_tree}")
-        for x, signature in zip(leaves, self._signatures, strict=True):
-            if leaf_signature(x) != signature:
-                raise TypeError(
-                    f"argument {leaf_signature(x)} differs from the compiled {signature}"
-                )
+        leaves = check_dispatch_args(self.traced, dynamic_args, self._signatures)
         try:
             outputs = self._run(leaves)
         except (TypeError, ValueError) as e:
@@ -350,6 +343,25 @@ class PipeshardDriverExecutable(Executable):
                 )
             )
         return sizes
+
+    def get_peak_memory_per_mesh(self) -> list[int]:
+        """Per stage mesh, the peak bytes a device of it allocated: the allocator's
+        figure where the platform keeps one (GPU), else XLA's estimate for the largest
+        program the mesh runs (arguments + outputs + temporaries)."""
+        sizes = self.get_stage_allocation_size()
+        peaks = []
+        for mesh, jax_mesh in enumerate(self.meshes):
+            measured = device_peak_bytes(list(jax_mesh.devices.flat))
+            estimate = max(
+                (
+                    n
+                    for n, c in zip(sizes, self.program.computations, strict=True)
+                    if c.stage == mesh
+                ),
+                default=0,
+            )
+            peaks.append(measured or estimate)
+        return peaks
 
     def get_peak_live_bytes(self) -> list[int]:
         """Per mesh, the peak bytes of buffers a step creates (the emitter's accounting)."""

@@ -28,9 +28,11 @@ import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
+from alpa.runtime.worker_program import Layout, Piece, TransferPlan
 from alpa.shard_parallel.sharding_spec import entry_names
 
 Box = tuple[tuple[int, int], ...]  # (start, stop) per array dimension
@@ -136,17 +138,27 @@ class ReshardingPlan:
 def plan_resharding(shape: Sequence[int], src: MeshSharding, dst: MeshSharding) -> ReshardingPlan:
     """Which slices of which source devices each destination host receives."""
     shape = tuple(int(n) for n in shape)
-    src_boxes = src.device_boxes(shape)
-    dst_boxes = dst.device_boxes(shape)
-    # Distinct source tiles and their replicas.
+    transfers = plan_box_transfers(
+        src.device_boxes(shape), dst.device_boxes(shape), dst.mesh_shape[1]
+    )
+    return ReshardingPlan(shape, src, dst, tuple(transfers))
+
+
+def plan_box_transfers(
+    src_boxes: Sequence[Box], dst_boxes: Sequence[Box], dst_devices_per_host: int
+) -> list[Transfer]:
+    """The transfers of :func:`plan_resharding` from the tiles themselves: ``src_boxes[d]``
+    is the tile of source device ``d``, ``dst_boxes[d]`` that of destination device ``d``,
+    whose host is ``d // dst_devices_per_host``."""
     src_replicas: dict[Box, list[int]] = {}
     for device, box in enumerate(src_boxes):
         src_replicas.setdefault(box, []).append(device)
     turn = dict.fromkeys(src_replicas, 0)
     transfers = []
-    for host in range(dst.mesh_shape[0]):
+    for host in range(len(dst_boxes) // dst_devices_per_host):
         host_tiles: dict[Box, list[int]] = {}
-        for device in range(host * dst.mesh_shape[1], (host + 1) * dst.mesh_shape[1]):
+        first = host * dst_devices_per_host
+        for device in range(first, first + dst_devices_per_host):
             host_tiles.setdefault(dst_boxes[device], []).append(device)
         for dst_box, devices in host_tiles.items():
             for src_box, replicas in src_replicas.items():
@@ -156,7 +168,7 @@ def plan_resharding(shape: Sequence[int], src: MeshSharding, dst: MeshSharding) 
                 sender = replicas[turn[src_box] % len(replicas)]
                 turn[src_box] += 1
                 transfers.append(Transfer(sender, host, piece, tuple(devices)))
-    return ReshardingPlan(shape, src, dst, tuple(transfers))
+    return transfers
 
 
 def apply_plan(plan: ReshardingPlan, src_shards: Sequence[np.ndarray]) -> list[np.ndarray]:
@@ -195,3 +207,38 @@ def _box_size(box: Box) -> int:
 
 def _local(box: Box, within: Box) -> tuple[slice, ...]:
     return tuple(slice(lo - w0, hi - w0) for (lo, hi), (w0, _) in zip(box, within, strict=True))
+
+
+def worker_transfer_plan(
+    shape: Sequence[int],
+    dtype: Any,
+    src_layout: Layout,
+    src_devices_per_host: int,
+    dst_layout: Layout,
+    dst_devices_per_host: int,
+) -> TransferPlan:
+    """The tile plan of one value between two Ray meshes, as the workers execute it.
+
+    A layout's logical mesh orders devices host-major, as the workers' meshes do, so flat
+    device ``d`` of a layout sits on host ``d // devices_per_host`` whatever the logical
+    shape; each piece is sent once per destination host (:func:`plan_box_transfers`).
+    """
+    shape = tuple(int(n) for n in shape)
+    ndim = len(shape)
+    src = MeshSharding.from_partition_spec(
+        src_layout.mesh_shape, src_layout.spec, ndim, src_layout.axis_names
+    )
+    dst = MeshSharding.from_partition_spec(
+        dst_layout.mesh_shape, dst_layout.spec, ndim, dst_layout.axis_names
+    )
+    src_boxes, dst_boxes = src.device_boxes(shape), dst.device_boxes(shape)
+    transfers = plan_box_transfers(src_boxes, dst_boxes, dst_devices_per_host)
+    return TransferPlan(
+        shape=shape,
+        dtype=np.dtype(dtype).name,
+        src_devices_per_host=src_devices_per_host,
+        dst_layout=dst_layout,
+        dst_boxes=tuple(dst_boxes),
+        src_boxes=tuple(src_boxes),
+        pieces=tuple(Piece(t.src_device, t.dst_host, t.box, t.dst_devices) for t in transfers),
+    )

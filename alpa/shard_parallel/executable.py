@@ -52,6 +52,15 @@ def donated_argnums(traced: TracedStep) -> tuple[int, ...]:
     return tuple(donated)
 
 
+def device_peak_bytes(devices) -> int | None:
+    """The largest ``peak_bytes_in_use`` of ``devices``, or ``None`` where the platform
+    keeps no allocator statistics (CPU)."""
+    stats = [d.memory_stats() for d in devices]
+    if all(s and "peak_bytes_in_use" in s for s in stats):
+        return max(int(s["peak_bytes_in_use"]) for s in stats)
+    return None
+
+
 def compile_shard_executable(
     traced: TracedStep, plan: ShardingPlan, num_micro_batches: int | None
 ) -> MeshExecutable:
@@ -154,6 +163,13 @@ class MeshExecutable(Executable):
             + stats.temp_size_in_bytes
             - stats.alias_size_in_bytes
         )
+
+    def get_peak_memory_per_mesh(self) -> list[int]:
+        """Per mesh (one here), the peak bytes a device of it allocated: the allocator's
+        figure where the platform keeps one (GPU), else XLA's estimate for this step
+        (:meth:`get_total_allocation_size`)."""
+        devices = self.plan.logical_mesh.devices
+        return [device_peak_bytes(devices) or self.get_total_allocation_size()]
 
     def dump_debug_info(self, folder: str) -> None:
         """Write the traced jaxpr, the plan and the compiled HLO into ``folder``."""

@@ -133,6 +133,8 @@ def abstractify(x) -> jax.ShapeDtypeStruct:
             if x.sharding is None
             else jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=x.weak_type)
         )
+    if getattr(x, "is_distributed_array", False):  # a value on Ray mesh workers
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=x.weak_type)
     aval = jax.typeof(x)
     return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=aval.weak_type)
 

@@ -1,0 +1,218 @@
+"""RayStepLauncher: the driver's side of a step on Ray mesh workers.
+
+An executable compiled for Ray (one mesh for ShardParallel, one per stage for pipeshard)
+hands the launcher one :class:`~alpa.runtime.worker_program.WorkerProgram` per mesh. The
+launcher ships each program to its mesh's workers once, where it is compiled; a step is
+then one ``run_step`` message per worker:
+
+* the step's arguments each mesh reads: the name of a buffer the mesh holds (a
+  ``DistributedArray`` from an earlier step, used in place), or a host array (put into
+  Ray's object store once when it is large, so each node pulls it once);
+* fresh names for the program's outputs, which come back as ``DistributedArray`` s;
+* the names of donated inputs, which the workers drop.
+
+A ``DistributedArray`` that lives on another mesh than the one reading it moves there
+worker to worker first (``send_buffer`` / ``recv_buffer`` with the tile plan), never
+through the driver. ``bytes_sent_last_step`` counts what the driver sent: the host
+arrays' bytes and the pickled messages.
+
+If any worker fails, the others are told to abort the step, and the failure surfaces as
+a ``RuntimeError`` naming the mesh and host (``ray_mesh.wait_workers``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import pickle
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+
+from alpa.runtime.ray_mesh import DistributedArray, DistributedPhysicalDeviceMesh, wait_workers
+from alpa.runtime.worker_program import Layout, TransferPlan, WorkerProgram
+
+_program_ids = itertools.count()
+_step_ids = itertools.count()
+
+#: Host arrays at least this large go through Ray's object store (one copy per node);
+#: smaller ones travel inside the message.
+_PUT_THRESHOLD = 1 << 20
+
+
+@dataclass(frozen=True)
+class MeshOutput:
+    """An output of a mesh's program, as the driver describes it."""
+
+    shape: tuple[int, ...]
+    dtype: Any
+    weak_type: bool
+    layout: Layout | None  # None: as the worker compiled output k of the program's fns[0]
+
+
+#: ``plan(shape, dtype, src_layout, src_devices_per_host, dst_layout, dst_devices_per_host)``
+TransferPlanner = Callable[..., TransferPlan]
+
+
+class RayStepLauncher:
+    """See the module docstring.
+
+    Args:
+      meshes: the meshes, one per program.
+      programs: per mesh, its program.
+      mesh_args: per mesh, ``(leaf, layout)`` for each step argument its program reads,
+        in the order of the program's ``arg`` indices.
+      mesh_outputs: per mesh, a :class:`MeshOutput` per program output.
+      donated_leaves: step arguments whose buffers the step consumes.
+      planner: the tile planner for values that must change mesh.
+    """
+
+    def __init__(
+        self,
+        meshes: Sequence[DistributedPhysicalDeviceMesh],
+        programs: Sequence[WorkerProgram],
+        mesh_args: Sequence[Sequence[tuple[int, Layout]]],
+        mesh_outputs: Sequence[Sequence[MeshOutput]],
+        donated_leaves: frozenset[int],
+        planner: TransferPlanner,
+    ):
+        self.meshes = list(meshes)
+        self.mesh_args = [list(a) for a in mesh_args]
+        self.donated_leaves = donated_leaves
+        self.planner = planner
+        self.program_id = next(_program_ids)
+        self.bytes_sent_last_step = 0
+        self.last_step_seconds: list[float] = []
+        peers = {(m.mesh_id, h): w for m in self.meshes for h, w in enumerate(m.workers)}
+        calls = []
+        for i, (mesh, program) in enumerate(zip(self.meshes, programs, strict=True)):
+            for worker in mesh.workers:
+                calls.append((worker.load_program.remote(self.program_id, program, peers), i))
+        results = wait_workers([(ref, self.meshes[i].label(0)) for ref, i in calls])
+        # Every worker of a mesh compiled the same programs; read each mesh's first report.
+        reported = {}
+        for (_, i), specs in zip(calls, results, strict=True):
+            reported.setdefault(i, specs)
+        self.mesh_outputs = [
+            [
+                out
+                if out.layout is not None
+                else replace(
+                    out,
+                    layout=replace(programs[i].fns[0].out_layouts[k], spec=reported[i][0][k]),
+                )
+                for k, out in enumerate(outputs)
+            ]
+            for i, outputs in enumerate(mesh_outputs)
+        ]
+
+    def launch(self, flat_args: Sequence[Any]) -> list[list[DistributedArray]]:
+        """Run one step; per mesh, its outputs."""
+        step_id = next(_step_ids)
+        self._moved: list[DistributedArray] = []
+        refs: dict[int, Any] = {}
+        sent = 0
+        calls = []
+        outputs: list[list[DistributedArray]] = []
+        consumed_arrays = []
+        for i, mesh in enumerate(self.meshes):
+            args = []
+            consumed = []
+            for leaf, layout in self.mesh_args[i]:
+                x = flat_args[leaf]
+                if isinstance(x, DistributedArray):
+                    x._check()
+                    if x.mesh is not mesh:
+                        args.append(self._move(x, mesh, layout))
+                        continue
+                    args.append(x.name)
+                    if leaf in self.donated_leaves:
+                        consumed.append(x.name)
+                        consumed_arrays.append(x)
+                    continue
+                if leaf not in refs:
+                    value = np.asarray(x)
+                    if value.nbytes >= _PUT_THRESHOLD:
+                        import ray
+
+                        refs[leaf] = ray.put(value)
+                        sent += value.nbytes
+                    else:
+                        refs[leaf] = value
+                args.append(refs[leaf])
+            names = [uuid.uuid4().hex for _ in self.mesh_outputs[i]]
+            outputs.append(
+                [
+                    DistributedArray(mesh, name, out.shape, out.dtype, out.layout, out.weak_type)
+                    for name, out in zip(names, self.mesh_outputs[i], strict=True)
+                ]
+            )
+            for host, worker in enumerate(mesh.workers):
+                small = [a if isinstance(a, str | np.ndarray) else None for a in args]
+                sent += len(pickle.dumps((self.program_id, step_id, names, consumed, small)))
+                calls.append(
+                    (
+                        worker.run_step.remote(self.program_id, step_id, names, consumed, *args),
+                        mesh.label(host),
+                    )
+                )
+        for x in consumed_arrays:
+            x._mark_donated()
+
+        def abort(label, error):
+            for mesh in self.meshes:
+                for worker in mesh.workers:
+                    worker.abort.remote(step_id, f"{label} failed: {error}")
+
+        try:
+            self.last_step_seconds = wait_workers(calls, on_failure=abort)
+        except RuntimeError:
+            for out in outputs:
+                for x in out:
+                    x._mark_donated()
+            raise
+        self.bytes_sent_last_step = sent
+        self._moved = []
+        for mesh in self.meshes:
+            mesh.flush_deletes()  # after the step: a threaded worker may reorder calls
+        return outputs
+
+    def _move(self, x: DistributedArray, mesh: DistributedPhysicalDeviceMesh, layout: Layout):
+        """Copy ``x`` onto ``mesh`` worker to worker; the name of the copy there (freed
+        once the step that reads it is done and the copy is collected)."""
+        copy = reshard_array(x, mesh, layout, self.planner)
+        self._moved.append(copy)
+        return copy.name
+
+    def unload(self) -> None:
+        for mesh in self.meshes:
+            if not mesh.is_shut_down:
+                for worker in mesh.workers:
+                    worker.unload_program.remote(self.program_id)
+
+
+def reshard_array(
+    x: DistributedArray,
+    mesh: DistributedPhysicalDeviceMesh,
+    layout: Layout,
+    planner: TransferPlanner,
+) -> DistributedArray:
+    """``x`` copied onto ``mesh`` as ``layout``, worker to worker by the tile plan (each
+    piece once per destination host; never through the driver)."""
+    x._check()
+    plan = planner(
+        x.shape, x.dtype, x.layout, x.mesh.num_devices_per_host, layout, mesh.num_devices_per_host
+    )
+    tag = ("move", uuid.uuid4().hex)
+    name = uuid.uuid4().hex
+    calls = [
+        (w.send_buffer.remote(x.name, plan, tag, mesh.mesh_id, mesh.workers), x.mesh.label(h))
+        for h, w in enumerate(x.mesh.workers)
+    ]
+    calls += [
+        (w.recv_buffer.remote(name, plan, tag), mesh.label(h)) for h, w in enumerate(mesh.workers)
+    ]
+    wait_workers(calls)
+    return DistributedArray(mesh, name, x.shape, x.dtype, layout, x.weak_type)

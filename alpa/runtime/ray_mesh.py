@@ -1,0 +1,498 @@
+"""The Ray cluster as alpa sees it: DeviceCluster, distributed meshes, DistributedArray.
+
+* :class:`DeviceCluster` is built from Ray's alive nodes: a GPU node contributes its GPUs;
+  a CPU-only node contributes ``num_devices_per_node`` virtual CPU devices (default
+  :data:`DEFAULT_CPU_DEVICES_PER_NODE`). It slices itself into meshes.
+* :class:`DistributedPhysicalDeviceMesh` is the driver's view of a mesh whose devices
+  belong to :class:`~alpa.runtime.ray_worker.MeshHostWorker` actors, one per host, pinned
+  to their nodes. A mesh over several hosts is one multi-controller JAX program over its
+  workers.
+* :class:`DistributedArray` is the driver-side handle of a value living on such a mesh:
+  its shape, dtype and layout are known here; its data stays on the workers until
+  ``np.asarray(x)`` (or :func:`prefetch`, many at once) fetches it.
+
+Every wait on workers goes through :func:`wait_workers`, which turns a dead actor or a
+worker's exception into a ``RuntimeError`` naming the mesh and host, and aborts the step on
+the workers still waiting for it, so a failure never hangs the driver.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import uuid
+import weakref
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+
+from alpa.device_mesh import (
+    CLUSTER_PRESETS,
+    ClusterSpec,
+    LogicalDeviceMesh,
+    VirtualPhysicalMesh,
+    _check_logical_shape,
+    _default_alpha_beta,
+)
+from alpa.runtime.worker_program import Layout
+
+logger = logging.getLogger("alpa")
+
+#: Virtual CPU devices per CPU-only node when ``alpa.init`` is not told
+#: ``num_devices_per_node``.
+DEFAULT_CPU_DEVICES_PER_NODE = 8
+
+#: How long the driver waits between checks of the workers of a step.
+_POLL_S = 1.0
+
+
+# ----------------------------------------------------------------------------- waiting
+
+
+def wait_workers(calls: Sequence[tuple[Any, str]], on_failure=None) -> list[Any]:
+    """The results of Ray calls ``[(object_ref, label), ...]`` in order.
+
+    A dead worker (``ray.kill``, a crash, a lost node) or an exception inside a worker
+    raises ``RuntimeError`` whose message starts with the call's label (its mesh and
+    host); ``on_failure(label, error)`` runs first, to abort what other workers wait for.
+    """
+    import ray
+
+    label_of = {ref: label for ref, label in calls}
+    pending = list(label_of)
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=len(pending), timeout=_POLL_S)
+        for ref in ready:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayActorError as e:
+                error = RuntimeError(
+                    f"{label_of[ref]}: the mesh worker died (killed, crashed or its node "
+                    f"was lost): {e}"
+                )
+            except ray.exceptions.RayTaskError as e:
+                cause = e.cause if getattr(e, "cause", None) is not None else e
+                error = RuntimeError(
+                    f"{label_of[ref]}: {type(cause).__name__}: {cause}\n\n"
+                    f"The worker's traceback:\n{e}"
+                )
+            else:
+                continue
+            if on_failure is not None:
+                on_failure(label_of[ref], error)
+            raise error from None
+    return ray.get([ref for ref, _ in calls])
+
+
+# ----------------------------------------------------------------------------- cluster
+
+
+class DeviceCluster:
+    """The devices of the Ray cluster alpa is connected to (see the module docstring).
+
+    Attributes:
+      host_info: per host, Ray's node record (``NodeID``, ``NodeManagerAddress``,
+        ``Resources``).
+      platform: ``"gpu"`` or ``"cpu"``.
+    """
+
+    def __init__(self, num_nodes: int | None = None, num_devices_per_node: int | None = None):
+        import ray
+
+        nodes = [n for n in ray.nodes() if n["Alive"]]
+        nodes.sort(key=lambda n: ("node:__internal_head__" not in n["Resources"], n["NodeID"]))
+        if num_nodes is not None:
+            if not isinstance(num_nodes, int) or num_nodes < 1:
+                raise ValueError(f"num_nodes must be a positive int, got {num_nodes!r}")
+            if num_nodes > len(nodes):
+                raise ValueError(
+                    f"num_nodes={num_nodes} but the Ray cluster has {len(nodes)} alive nodes"
+                )
+            nodes = nodes[:num_nodes]
+        gpus = [int(n["Resources"].get("GPU", 0)) for n in nodes]
+        self.platform = "gpu" if all(g > 0 for g in gpus) else "cpu"
+        if self.platform == "gpu":
+            per_node = num_devices_per_node or min(gpus)
+            if per_node > min(gpus):
+                raise ValueError(
+                    f"num_devices_per_node={per_node} but a node of the cluster has "
+                    f"{min(gpus)} GPUs"
+                )
+        else:
+            if any(gpus):
+                logger.warning("some Ray nodes have no GPU: alpa uses CPU devices on all")
+            per_node = num_devices_per_node or DEFAULT_CPU_DEVICES_PER_NODE
+        if not isinstance(per_node, int) or per_node < 1:
+            raise ValueError(f"num_devices_per_node must be a positive int, got {per_node!r}")
+        self.host_info = [
+            {k: n[k] for k in ("NodeID", "NodeManagerAddress", "Resources")} for n in nodes
+        ]
+        self.num_devices_per_host = per_node
+        self.spec = self._cluster_spec(nodes)
+        self._meshes: dict[tuple, DistributedPhysicalDeviceMesh] = {}
+        self._mesh_ids = itertools.count()
+
+    def _cluster_spec(self, nodes) -> ClusterSpec:
+        base = CLUSTER_PRESETS["cpu"]
+        if self.platform == "gpu":
+            kinds = [k for k in nodes[0]["Resources"] if k.startswith("accelerator_type:")]
+            kind = kinds[0].split(":", 1)[1].lower() if kinds else ""
+            base = next(
+                (spec for key, spec in CLUSTER_PRESETS.items() if key.split("-")[0] in kind),
+                CLUSTER_PRESETS["a100-80gb"],
+            )
+        return replace(base, num_nodes=len(nodes), num_devices_per_node=self.num_devices_per_host)
+
+    @property
+    def num_hosts(self) -> int:
+        return len(self.host_info)
+
+    @property
+    def num_devices(self) -> int:
+        return self.num_hosts * self.num_devices_per_host
+
+    def get_physical_mesh(
+        self,
+        host_ids: Sequence[int] | None = None,
+        num_devices_per_host: int | None = None,
+        first_device: int = 0,
+    ) -> DistributedPhysicalDeviceMesh:
+        """The mesh of hosts ``host_ids`` (default all), ``num_devices_per_host`` devices
+        each (default all) from device ``first_device`` of each host on; its workers start
+        on first use and are reused after. Pipeline stages that share a host take
+        different ``first_device`` s, hence different workers.
+
+        On GPUs Ray gives each worker its own GPUs; a mesh for which a host has too few
+        GPUs left raises (Ray would wait for them forever)."""
+        host_ids = tuple(range(self.num_hosts) if host_ids is None else host_ids)
+        per_host = num_devices_per_host or self.num_devices_per_host
+        if not host_ids or any(not 0 <= h < self.num_hosts for h in host_ids):
+            raise ValueError(f"host_ids must be in [0, {self.num_hosts}), got {list(host_ids)}")
+        if not 1 <= per_host <= self.num_devices_per_host:
+            raise ValueError(
+                f"num_devices_per_host must be in [1, {self.num_devices_per_host}], got {per_host}"
+            )
+        if not 0 <= first_device <= self.num_devices_per_host - per_host:
+            raise ValueError(
+                f"first_device={first_device} leaves fewer than {per_host} of the "
+                f"{self.num_devices_per_host} devices of a host"
+            )
+        key = (host_ids, per_host, first_device)
+        mesh = self._meshes.get(key)
+        if mesh is None or mesh.is_shut_down:
+            if self.platform == "gpu":
+                self._check_free_gpus(host_ids, per_host)
+            mesh = DistributedPhysicalDeviceMesh(self, next(self._mesh_ids), host_ids, per_host)
+            self._meshes[key] = mesh
+        return mesh
+
+    def _check_free_gpus(self, host_ids, per_host: int) -> None:
+        for host in host_ids:
+            used = sum(
+                m.num_devices_per_host
+                for m in self._meshes.values()
+                if not m.is_shut_down and host in m.host_ids
+            )
+            if used + per_host > self.num_devices_per_host:
+                raise RuntimeError(
+                    f"host {host} has {self.num_devices_per_host - used} GPUs not held by "
+                    f"another mesh, a new mesh needs {per_host}: shut down the meshes you no "
+                    "longer use (mesh.shutdown(), or alpa.shutdown() and alpa.init again)"
+                )
+
+    def get_virtual_physical_mesh(
+        self, host_ids: Sequence[int] | None = None, num_devices_per_host: int | None = None
+    ) -> VirtualPhysicalMesh:
+        num_hosts = self.num_hosts if host_ids is None else len(host_ids)
+        per_host = num_devices_per_host or self.num_devices_per_host
+        spec = replace(self.spec, num_nodes=num_hosts, num_devices_per_node=per_host)
+        return VirtualPhysicalMesh(num_hosts, per_host, spec)
+
+    def shutdown(self) -> None:
+        """Kill every worker of every mesh."""
+        for mesh in self._meshes.values():
+            mesh.shutdown()
+        self._meshes.clear()
+
+    def __repr__(self) -> str:
+        return (
+            f"DeviceCluster({self.num_hosts} hosts x {self.num_devices_per_host} "
+            f"{self.platform} devices)"
+        )
+
+
+# ----------------------------------------------------------------------------- mesh
+
+
+class DistributedPhysicalDeviceMesh:
+    """Devices of ``host_ids`` (``num_devices_per_host`` each), owned by one
+    ``MeshHostWorker`` per host."""
+
+    def __init__(
+        self, cluster: DeviceCluster, mesh_id: int, host_ids: tuple[int, ...], per_host: int
+    ):
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        from alpa.runtime.ray_worker import MeshHostWorker
+
+        self.cluster = cluster
+        self.mesh_id = mesh_id
+        self.host_ids = host_ids
+        self.num_devices_per_host = per_host
+        self.is_shut_down = False
+        self._pending_deletes: list[str] = []
+        actor_class = ray.remote(MeshHostWorker)
+        self.workers = []
+        for host, host_id in enumerate(host_ids):
+            info = cluster.host_info[host_id]
+            options = {
+                "num_cpus": 0,
+                "max_concurrency": 16,
+                "scheduling_strategy": NodeAffinitySchedulingStrategy(info["NodeID"], soft=False),
+                "name": f"alpa_mesh{mesh_id}_host{host}_{uuid.uuid4().hex[:6]}",
+            }
+            if cluster.platform == "gpu":
+                options["num_gpus"] = per_host
+            else:
+                flags = f"--xla_force_host_platform_device_count={per_host}"
+                options["runtime_env"] = {"env_vars": {"XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}}
+            self.workers.append(
+                actor_class.options(**options).remote(mesh_id, host, len(host_ids), per_host)
+            )
+        if len(self.workers) > 1:
+            ip, port = wait_workers([(self.workers[0].free_port.remote(), self.label(0))])[0]
+            wait_workers(
+                [
+                    (w.init_distributed.remote(f"{ip}:{port}", len(self.workers), i), self.label(i))
+                    for i, w in enumerate(self.workers)
+                ]
+            )
+        self.worker_info = wait_workers(
+            [(w.describe.remote(), self.label(i)) for i, w in enumerate(self.workers)]
+        )
+        for i, info in enumerate(self.worker_info):
+            if info["num_local_devices"] != per_host:
+                raise RuntimeError(
+                    f"{self.label(i)} sees {info['num_local_devices']} devices, expected {per_host}"
+                )
+
+    def label(self, host: int) -> str:
+        node = self.cluster.host_info[self.host_ids[host]]
+        return (
+            f"mesh {self.mesh_id} host {host} (node {node['NodeManagerAddress']} "
+            f"{node['NodeID'][:8]})"
+        )
+
+    @property
+    def num_hosts(self) -> int:
+        return len(self.host_ids)
+
+    @property
+    def num_devices(self) -> int:
+        return self.num_hosts * self.num_devices_per_host
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.num_hosts, self.num_devices_per_host)
+
+    @property
+    def spec(self) -> ClusterSpec:
+        return replace(
+            self.cluster.spec,
+            num_nodes=self.num_hosts,
+            num_devices_per_node=self.num_devices_per_host,
+        )
+
+    def get_logical_mesh(
+        self,
+        mesh_shape: Sequence[int] | None = None,
+        mesh_alpha: Sequence[float] | None = None,
+        mesh_beta: Sequence[float] | None = None,
+    ) -> LogicalDeviceMesh:
+        """An abstract logical mesh (no local devices: the workers hold them)."""
+        shape = _check_logical_shape(mesh_shape or self.shape, self.num_devices)
+        alpha, beta = _default_alpha_beta(self.spec, shape, self.num_devices_per_host)
+        return LogicalDeviceMesh(shape, tuple(mesh_alpha or alpha), tuple(mesh_beta or beta))
+
+    def call(self, method: str, *args, on_failure=None) -> list[Any]:
+        """Call ``method`` on every worker and wait for all of them."""
+        self._check_alive()
+        return wait_workers(
+            [(getattr(w, method).remote(*args), self.label(i)) for i, w in enumerate(self.workers)],
+            on_failure,
+        )
+
+    def put(self, value: Any, layout: Layout) -> DistributedArray:
+        """A host array placed on this mesh as ``layout`` (a ``Layout`` whose logical
+        shape has this mesh's number of devices)."""
+        value = np.asarray(value)
+        if math.prod(layout.mesh_shape) != self.num_devices:
+            raise ValueError(
+                f"layout mesh_shape {layout.mesh_shape} has {math.prod(layout.mesh_shape)} "
+                f"devices, mesh {self.mesh_id} has {self.num_devices}"
+            )
+        name = uuid.uuid4().hex
+        self.call("put", [name], [value], [layout])
+        return DistributedArray(self, name, value.shape, value.dtype, layout)
+
+    def schedule_delete(self, name: str) -> None:
+        """Forget buffer ``name`` on the workers (batched with the next ones)."""
+        if self.is_shut_down:
+            return
+        self._pending_deletes.append(name)
+        if len(self._pending_deletes) >= 64:
+            self.flush_deletes()
+
+    def flush_deletes(self, wait: bool = False) -> None:
+        """Send the pending deletes; with ``wait``, until the workers have applied them
+        (a threaded worker may run calls out of order)."""
+        if self._pending_deletes and not self.is_shut_down:
+            names, self._pending_deletes = self._pending_deletes, []
+            refs = [(w.delete.remote(names), self.label(h)) for h, w in enumerate(self.workers)]
+            if wait:
+                wait_workers(refs)
+
+    def _check_alive(self) -> None:
+        if self.is_shut_down:
+            raise RuntimeError(
+                f"mesh {self.mesh_id} was shut down (alpa.shutdown()); call alpa.init and "
+                "compile again"
+            )
+
+    def shutdown(self) -> None:
+        import ray
+
+        if self.is_shut_down:
+            return
+        self.is_shut_down = True
+        for w in self.workers:
+            ray.kill(w)
+        self.workers = []
+
+    def __repr__(self) -> str:
+        return (
+            f"DistributedPhysicalDeviceMesh(mesh {self.mesh_id}: {self.num_hosts} hosts x "
+            f"{self.num_devices_per_host} {self.cluster.platform} devices)"
+        )
+
+
+# ----------------------------------------------------------------------------- arrays
+
+
+class DistributedArray:
+    """A value on a distributed mesh, seen from the driver (see the module docstring).
+
+    ``np.asarray(x)`` or ``x._value`` fetches it (and keeps the copy: the value never
+    changes). A handle exists only once its value is computed (steps on Ray return when
+    their workers are done), so ``block_until_ready()`` returns at once.
+    """
+
+    def __init__(
+        self,
+        mesh: DistributedPhysicalDeviceMesh,
+        name: str,
+        shape: tuple[int, ...],
+        dtype: Any,
+        layout: Layout,
+        weak_type: bool = False,
+    ):
+        self.mesh = mesh
+        self.name = name
+        self.shape = tuple(shape)
+        self.dtype = np.dtype(dtype)
+        self.layout = layout
+        self.weak_type = weak_type
+        self._fetched: np.ndarray | None = None
+        self._deleted = False
+        self._finalizer = weakref.finalize(self, mesh.schedule_delete, name)
+
+    #: Read by ``alpa.tracing.abstractify`` and ``alpa.api`` (which do not import Ray).
+    is_distributed_array = True
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * self.dtype.itemsize
+
+    @property
+    def sharding_spec(self):
+        """The ``PartitionSpec`` over the mesh's logical shape ``layout.mesh_shape``."""
+        return self.layout.spec
+
+    @property
+    def _value(self) -> np.ndarray:
+        if self._fetched is None:
+            prefetch([self])
+        return self._fetched
+
+    def __array__(self, dtype=None, copy=None):
+        value = self._value
+        return value if dtype is None else value.astype(dtype)
+
+    def block_until_ready(self) -> DistributedArray:
+        """The array itself: a step returns only once its workers finished it (and
+        ``put`` once the data is placed), so a handle's value is always ready."""
+        self._check()
+        return self
+
+    def delete(self) -> None:
+        """Free the buffer on the workers now."""
+        if not self._deleted:
+            self._deleted = True
+            self._finalizer()
+
+    def is_deleted(self) -> bool:
+        return self._deleted
+
+    def _mark_donated(self) -> None:
+        """The buffer was donated to a step (the workers dropped it)."""
+        self._deleted = True
+        self._finalizer.detach()
+
+    def _check(self) -> None:
+        if self._deleted:
+            raise RuntimeError(
+                f"DistributedArray {self.name} {self.shape} was deleted or donated to a step"
+            )
+
+    def __repr__(self) -> str:
+        return (
+            f"DistributedArray(shape={self.shape}, dtype={self.dtype}, mesh={self.mesh.mesh_id},"
+            f" spec={self.layout.spec} on {self.layout.mesh_shape})"
+        )
+
+
+def prefetch(arrays: Sequence[Any]) -> None:
+    """Fetch many ``DistributedArray`` s to the driver in one round per worker (other
+    values are ignored); ``np.asarray`` of each is then free."""
+    by_mesh: dict[int, list[DistributedArray]] = {}
+    meshes = {}
+    for x in arrays:
+        if isinstance(x, DistributedArray) and x._fetched is None:
+            x._check()
+            by_mesh.setdefault(x.mesh.mesh_id, []).append(x)
+            meshes[x.mesh.mesh_id] = x.mesh
+    for mesh_id, xs in by_mesh.items():
+        mesh = meshes[mesh_id]
+        per_worker = mesh.call("fetch", [x.name for x in xs])
+        for i, x in enumerate(xs):
+            parts = [worker_result[i] for worker_result in per_worker]
+            if isinstance(parts[0], np.ndarray):
+                x._fetched = parts[0]
+                continue
+            value = np.empty(x.shape, x.dtype)
+            for shards in parts:
+                for index, data in shards:
+                    value[index] = data
+            x._fetched = value

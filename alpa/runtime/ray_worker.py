@@ -1,0 +1,483 @@
+"""MeshHostWorker: the Ray actor that owns one host's devices of one mesh.
+
+One worker per (mesh, host) (DESIGN §6). It is started with its devices already decided:
+on GPUs through Ray's ``num_gpus``; on CPU through ``XLA_FLAGS`` in its ``runtime_env``
+(``--xla_force_host_platform_device_count``), set before this process imports jax. A mesh
+that spans several hosts is one multi-controller JAX program over its workers
+(:meth:`MeshHostWorker.init_distributed`: ``jax.distributed.initialize``, gloo collectives
+on CPU): every worker of the mesh runs the same instructions and holds the shards of its
+own devices.
+
+What a worker holds:
+
+* **buffers**, by name: the values ``DistributedArray`` handles on the driver point to
+  (parameters, optimizer state, outputs). Nothing else outlives a step.
+* **programs** (:class:`~alpa.runtime.worker_program.WorkerProgram`), shipped once at
+  compile time; each :class:`ExportedFn` is deserialized and compiled here, on this
+  worker's devices.
+
+A step is one call of :meth:`run_step`: it walks the program with a handler per opcode.
+Values bound for another mesh leave through ``SEND``: the worker slices the pieces of the
+tile plan from its own shards and hands them straight to the destination workers
+(:meth:`deliver`, through Ray's object store), never through the driver; a ``RECV`` waits
+for its pieces (or an :meth:`abort` from the driver, when another worker failed) and
+assembles its devices' tiles. Each piece crosses once per destination host; a tile several
+devices of the host keep is copied to them locally. The worker counts the bytes it sends
+and receives.
+
+The class is plain Python; ``ray_mesh`` wraps it with ``ray.remote`` (threaded, so that
+``deliver`` and ``abort`` run while a step waits in a ``RECV``).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from alpa.runtime.worker_program import (
+    ExportedFn,
+    Layout,
+    TransferPlan,
+    WorkerInstruction,
+    WorkerOp,
+    WorkerProgram,
+    local_slices,
+)
+
+#: How long a ``RECV`` waits, in total, before it gives up (the driver aborts much
+#: sooner when a peer dies; this only bounds a hang nobody reports).
+RECV_TIMEOUT_S = 600.0
+
+
+class StepAborted(RuntimeError):
+    """A step stopped because the driver aborted it (another worker failed)."""
+
+
+class MeshHostWorker:
+    """See the module docstring."""
+
+    def __init__(self, mesh_id: int, host: int, num_hosts: int, num_devices_per_host: int):
+        self.mesh_id = mesh_id
+        self.host = host
+        self.num_hosts = num_hosts
+        self.num_devices_per_host = num_devices_per_host
+        self._buffers: dict[str, Any] = {}
+        self._programs: dict[int, _LoadedProgram] = {}
+        self._peers: dict[tuple[int, int], Any] = {}
+        self._mailbox: dict[tuple, dict[int, np.ndarray]] = {}
+        self._cond = threading.Condition()
+        self._aborted: dict[int, str] = {}
+        self._meshes: dict[tuple, Any] = {}
+        self.bytes_sent = 0
+        self.bytes_received = 0
+
+    # -- setup
+
+    def free_port(self) -> tuple[str, int]:
+        """An address on this node for the coordinator of ``jax.distributed``."""
+        import ray
+
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return ray.util.get_node_ip_address(), port
+
+    def init_distributed(self, coordinator: str, num_processes: int, process_id: int) -> None:
+        """Join the mesh's multi-controller JAX program (before jax touches a device)."""
+        import jax
+
+        if os.environ.get("JAX_PLATFORMS", "") == "cpu":
+            jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(coordinator, num_processes, process_id)
+
+    def describe(self) -> dict:
+        """Node, platform and devices this worker owns (what the driver checks)."""
+        import jax
+        import ray
+
+        local = jax.local_devices()
+        return {
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "platform": local[0].platform,
+            "device_kind": local[0].device_kind,
+            "num_local_devices": len(local),
+            "num_devices": len(jax.devices()),
+            "pid": os.getpid(),
+        }
+
+    # -- devices and layouts
+
+    def _devices(self) -> list:
+        import jax
+
+        return sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+
+    def _sharding(self, layout: Layout):
+        from jax.sharding import NamedSharding
+
+        key = (layout.mesh_shape, layout.axis_names)
+        if key not in self._meshes:
+            from alpa.device_mesh import make_jax_mesh
+
+            self._meshes[key] = make_jax_mesh(self._devices(), layout.mesh_shape, key[1])
+        return NamedSharding(self._meshes[key], layout.spec)
+
+    def _place(self, value: Any, layout: Layout):
+        """A host array or a buffer of this worker, laid out as ``layout``."""
+        import jax
+
+        sharding = self._sharding(layout)
+        if isinstance(value, jax.Array):
+            if value.sharding == sharding or value.sharding.is_equivalent_to(sharding, value.ndim):
+                return value
+            return jax.device_put(value, sharding)
+        data = np.asarray(value)
+        if sharding.is_fully_addressable:
+            return jax.device_put(data, sharding)
+        return jax.make_array_from_callback(data.shape, sharding, lambda index: data[index])
+
+    # -- buffers
+
+    def put(self, names: Sequence[str], values: Sequence[Any], layouts: Sequence[Layout]):
+        """Place host arrays as named buffers (returns once they are on the devices)."""
+        import jax
+
+        for name, value, layout in zip(names, values, layouts, strict=True):
+            self._buffers[name] = self._place(value, layout)
+        jax.block_until_ready([self._buffers[name] for name in names])
+
+    def fetch(self, names: Sequence[str]) -> list[Any]:
+        """Per name, the whole array (a mesh on one host) or this host's distinct shards
+        as ``[(index, data), ...]``."""
+        out = []
+        for name in names:
+            x = self._get(name)
+            if x.is_fully_addressable:
+                out.append(np.asarray(x))
+            else:
+                seen, shards = set(), []
+                for shard in x.addressable_shards:
+                    key = tuple((s.start, s.stop) for s in shard.index)
+                    if key not in seen:
+                        seen.add(key)
+                        shards.append((shard.index, np.asarray(shard.data)))
+                out.append(shards)
+        return out
+
+    def fetch_shards(self, name: str) -> list[tuple[tuple[slice, ...], np.ndarray]]:
+        """Every device's shard of buffer ``name`` on this host (replicas included)."""
+        return [(s.index, np.asarray(s.data)) for s in self._get(name).addressable_shards]
+
+    def delete(self, names: Sequence[str]) -> None:
+        for name in names:
+            self._buffers.pop(name, None)
+
+    def _get(self, name: str):
+        try:
+            return self._buffers[name]
+        except KeyError:
+            raise KeyError(
+                f"mesh {self.mesh_id} host {self.host} holds no buffer {name!r} (deleted, "
+                "donated to a step, or never placed here)"
+            ) from None
+
+    def live_buffers(self) -> dict:
+        """The buffer names this worker holds and the device memory held by arrays that
+        are none of them: ``unnamed_buffers`` / ``unnamed_bytes`` count distinct device
+        buffers (after a garbage collection) that no named buffer shares. Jax keeps views
+        of a named buffer's shards (after a fetch, for instance); those share its memory
+        and do not count."""
+        import gc
+
+        import jax
+
+        gc.collect()
+
+        def buffers(arrays):
+            found = {}
+            for x in arrays:
+                if x.is_deleted():
+                    continue
+                for shard in x.addressable_shards:
+                    data = shard.data
+                    found[(data.device.id, data.unsafe_buffer_pointer())] = data.nbytes
+            return found
+
+        named = buffers(self._buffers.values())
+        unnamed = {k: n for k, n in buffers(jax.live_arrays()).items() if k not in named}
+        return {
+            "names": sorted(self._buffers),
+            "unnamed_buffers": len(unnamed),
+            "unnamed_bytes": sum(unnamed.values()),
+        }
+
+    def counters(self) -> dict:
+        return {"bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received}
+
+    def reset_counters(self) -> None:
+        self.bytes_sent = self.bytes_received = 0
+
+    # -- programs
+
+    def load_program(
+        self, program_id: int, program: WorkerProgram, peers: dict[tuple[int, int], Any]
+    ) -> list[list[Any]]:
+        """Compile the program's functions on this worker's devices; per function, the
+        ``PartitionSpec`` of each output as compiled. ``peers``: the handles of the
+        workers it sends to, by ``(mesh id, host)``."""
+        import jax
+
+        self._peers.update(peers)
+        fns = [self._compile(fn) for fn in program.fns]
+        self._programs[program_id] = _LoadedProgram(program, fns)
+        return [[s.spec for s in jax.tree.leaves(f.output_shardings)] for f in fns]
+
+    def _compile(self, fn: ExportedFn) -> Callable:
+        import jax
+
+        exported = jax.export.deserialize(bytearray(fn.serialized))
+        in_shardings = tuple(self._sharding(layout) for layout in fn.in_layouts)
+        out_shardings = jax.tree.unflatten(
+            exported.out_tree, [self._sharding(layout) for layout in fn.out_layouts]
+        )
+        jitted = jax.jit(
+            exported.call,
+            in_shardings=in_shardings,
+            out_shardings=out_shardings,
+            donate_argnums=fn.donate_argnums,
+        )
+        structs = [
+            jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
+            for a, s in zip(exported.in_avals, in_shardings, strict=True)
+        ]
+        return jitted.lower(*structs).compile()
+
+    def hlo_text(self, program_id: int, fn: int) -> str:
+        return self._programs[program_id].fns[fn].as_text()
+
+    def peak_memory(self) -> int:
+        """Peak bytes a device of this worker allocated: the allocator's figure where the
+        platform keeps one (GPU), else XLA's estimate for the largest loaded program
+        (arguments + outputs + temporaries, per device)."""
+        import jax
+
+        stats = [d.memory_stats() for d in jax.local_devices()]
+        if all(s and "peak_bytes_in_use" in s for s in stats):
+            return max(int(s["peak_bytes_in_use"]) for s in stats)
+        peak = 0  # no allocator statistics (CPU): XLA's estimate
+        for loaded in self._programs.values():
+            for compiled in loaded.fns:
+                m = compiled.memory_analysis()
+                peak = max(
+                    peak,
+                    int(
+                        m.argument_size_in_bytes
+                        + m.output_size_in_bytes
+                        + m.temp_size_in_bytes
+                        - m.alias_size_in_bytes
+                    ),
+                )
+        return peak
+
+    def unload_program(self, program_id: int) -> None:
+        self._programs.pop(program_id, None)
+
+    def run_step(
+        self,
+        program_id: int,
+        step_id: int,
+        output_names: Sequence[str],
+        consumed: Sequence[str],
+        *args: Any,
+    ) -> float:
+        """Run one step of program ``program_id``. ``args[i]`` is a host array or the name
+        of a buffer held here; the program's outputs are kept under ``output_names``;
+        buffers ``consumed`` (donated inputs) are dropped. Returns the seconds it took."""
+        import jax
+
+        tic = time.perf_counter()
+        loaded = self._programs[program_id]
+        program = loaded.program
+        env: list[Any] = [None] * program.num_slots
+        resolved = [self._get(a) if isinstance(a, str) else a for a in args]
+        for name in consumed:
+            self._buffers.pop(name, None)
+        try:
+            for ins in program.instructions:
+                _HANDLERS[ins.op](self, loaded, ins, env, resolved, step_id)
+                for slot in ins.free:
+                    env[slot] = None
+        finally:
+            self._aborted.pop(step_id, None)
+            with self._cond:
+                for key in [k for k in self._mailbox if k[0] == step_id]:
+                    del self._mailbox[key]
+        outputs = [env[slot] for slot in program.outputs]
+        # Finish the step before answering: the driver's wait then covers the computation
+        # (and its errors), and every output is ready when the step returns.
+        jax.block_until_ready(outputs)
+        for name, value in zip(output_names, outputs, strict=True):
+            self._buffers[name] = value
+        return time.perf_counter() - tic
+
+    def abort(self, step_id: int, reason: str) -> None:
+        """Make the step's waiting ``RECV`` (if any) raise: another worker failed."""
+        with self._cond:
+            self._aborted[step_id] = reason
+            self._cond.notify_all()
+
+    # -- moves between meshes
+
+    def deliver(self, tag: tuple, pieces: dict[int, np.ndarray]) -> None:
+        """Pieces of a transfer from another mesh's worker (called by that worker)."""
+        with self._cond:
+            self._mailbox.setdefault(tag, {}).update(pieces)
+            self.bytes_received += sum(p.nbytes for p in pieces.values())
+            self._cond.notify_all()
+
+    def _send(self, value, plan: TransferPlan, tag: tuple, dst_mesh: int) -> None:
+        """Push this host's pieces of ``plan`` to the destination workers."""
+        shards = {}
+        devices = self._devices()
+        index_of = {d: i for i, d in enumerate(devices)}
+        for shard in value.addressable_shards:
+            shards[index_of[shard.device]] = shard
+        by_host: dict[int, dict[int, np.ndarray]] = {}
+        for i, piece in plan.pieces_from(self.host):
+            local = local_slices(piece.box, plan.src_boxes[piece.src_device])
+            data = np.array(np.asarray(shards[piece.src_device].data)[local], order="C")
+            by_host.setdefault(piece.dst_host, {})[i] = data
+        for host, pieces in by_host.items():
+            self._peers[(dst_mesh, host)].deliver.remote(tag, pieces)
+            self.bytes_sent += sum(p.nbytes for p in pieces.values())
+
+    def _receive(self, plan: TransferPlan, tag: tuple, step_id: int | None):
+        """Wait for this host's pieces of ``plan``; assemble the destination array."""
+        import jax
+
+        expected = {i for i, _ in plan.pieces_to(self.host)}
+        deadline = time.monotonic() + RECV_TIMEOUT_S
+        with self._cond:
+            while not expected <= self._mailbox.get(tag, {}).keys():
+                if step_id is not None and step_id in self._aborted:
+                    raise StepAborted(self._aborted[step_id])
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"mesh {self.mesh_id} host {self.host}: pieces of {tag} did not "
+                        f"arrive within {RECV_TIMEOUT_S} s"
+                    )
+                self._cond.wait(timeout=0.5)
+            received = self._mailbox.pop(tag)
+        sharding = self._sharding(plan.dst_layout)
+        devices = list(sharding.mesh.devices.flat)
+        tiles: dict[int, np.ndarray] = {}
+        for i, piece in plan.pieces_to(self.host):
+            for device in piece.dst_devices:
+                tile_box = plan.dst_boxes[device]
+                if device not in tiles:
+                    tiles[device] = np.empty([hi - lo for lo, hi in tile_box], plan.dtype)
+                local = local_slices(piece.box, tile_box)
+                tiles[device][local] = received[i]
+        arrays = [
+            jax.device_put(tiles[d], devices[d])
+            for d in range(len(devices))
+            if devices[d].process_index == jax.process_index()
+        ]
+        return jax.make_array_from_single_device_arrays(plan.shape, sharding, arrays)
+
+    def send_buffer(
+        self, name: str, plan: TransferPlan, tag: tuple, dst_mesh: int, dst_workers: list
+    ) -> None:
+        """Outside a step: send buffer ``name`` to the workers of another mesh (the
+        driver moves an argument that lives on the wrong mesh this way)."""
+        self._peers.update({(dst_mesh, h): w for h, w in enumerate(dst_workers)})
+        self._send(self._get(name), plan, tag, dst_mesh)
+
+    def recv_buffer(self, name: str, plan: TransferPlan, tag: tuple) -> None:
+        self._buffers[name] = self._receive(plan, tag, None)
+
+
+class _LoadedProgram:
+    def __init__(self, program: WorkerProgram, fns: list[Callable]):
+        self.program = program
+        self.fns = fns
+        self.unstack: dict[tuple, Callable] = {}
+
+
+# ----------------------------------------------------------------------------- handlers
+
+
+def _input(w: MeshHostWorker, lp: _LoadedProgram, ins: WorkerInstruction, env, args, step):
+    env[ins.out_slots[0]] = w._place(args[ins.arg], ins.layout)
+
+
+def _load(w: MeshHostWorker, lp: _LoadedProgram, ins: WorkerInstruction, env, args, step):
+    """The ``k`` micro-batches of a batch argument: one placement of the whole batch as
+    ``[k, size, ...]`` (each micro-batch laid out as the mesh wants it), then one compiled
+    split on the devices."""
+    import jax
+    from jax.sharding import PartitionSpec
+
+    k = len(ins.out_slots)
+    value = args[ins.arg]
+    if k == 1:
+        env[ins.out_slots[0]] = w._place(value, ins.layout)
+        return
+    sharding = w._sharding(ins.layout)
+    data = np.asarray(value)
+    data = data.reshape((k, ins.micro_batch_size) + data.shape[1:])
+    stacked_layout = Layout(
+        ins.layout.mesh_shape, ins.layout.axis_names, PartitionSpec(None, *ins.layout.spec)
+    )
+    stacked = w._place(data, stacked_layout)
+    key = (ins.arg, k, ins.layout)
+    if key not in lp.unstack:
+        lp.unstack[key] = jax.jit(lambda s: [s[m] for m in range(k)], out_shardings=[sharding] * k)
+    for slot, part in zip(ins.out_slots, lp.unstack[key](stacked), strict=True):
+        env[slot] = part
+
+
+def _run(w: MeshHostWorker, lp: _LoadedProgram, ins: WorkerInstruction, env, args, step):
+    outs = lp.fns[ins.fn](*[env[i] for i in ins.in_slots])
+    for slot, value in zip(ins.out_slots, outs, strict=True):
+        env[slot] = value
+
+
+def _zeros(w: MeshHostWorker, lp: _LoadedProgram, ins: WorkerInstruction, env, args, step):
+    for slot, value in zip(ins.out_slots, lp.fns[ins.fn](), strict=True):
+        env[slot] = value
+
+
+def _send(w: MeshHostWorker, lp: _LoadedProgram, ins: WorkerInstruction, env, args, step):
+    w._send(env[ins.in_slots[0]], ins.transfer, (step, ins.tag), ins.peer_mesh)
+
+
+def _recv(w: MeshHostWorker, lp: _LoadedProgram, ins: WorkerInstruction, env, args, step):
+    env[ins.out_slots[0]] = w._receive(ins.transfer, (step, ins.tag), step)
+
+
+def _concat(w: MeshHostWorker, lp: _LoadedProgram, ins: WorkerInstruction, env, args, step):
+    import jax
+
+    parts = [env[i] for i in ins.in_slots]
+    key = ("concat", len(parts))
+    if key not in lp.unstack:
+        lp.unstack[key] = jax.jit(lambda *xs: jax.numpy.concatenate(xs, axis=0))
+    env[ins.out_slots[0]] = lp.unstack[key](*parts)
+
+
+_HANDLERS: dict[WorkerOp, Callable] = {
+    WorkerOp.INPUT: _input,
+    WorkerOp.LOAD: _load,
+    WorkerOp.RUN: _run,
+    WorkerOp.ZEROS: _zeros,
+    WorkerOp.SEND: _send,
+    WorkerOp.RECV: _recv,
+    WorkerOp.CONCAT: _concat,
+}

@@ -1,0 +1,144 @@
+"""What the driver ships to a Ray mesh worker: exported programs and instruction lists.
+
+Everything here is plain, picklable data, made on the driver once per compiled step and
+sent to every worker of a mesh at compile time (DESIGN §6). A step then sends one small
+message per worker: which buffers or host arrays are the step's inputs and which names its
+outputs get.
+
+* :class:`ExportedFn` is one XLA program: the StableHLO that ``jax.export`` serialized on
+  the driver (lowered for an abstract mesh, so the driver needs no device of the worker's
+  kind), and the mesh shape, axis names and ``PartitionSpec`` of every input and output.
+  The worker deserializes it and compiles it on its own devices.
+* :class:`WorkerInstruction` is one step of a worker's program, with a typed opcode
+  (:class:`WorkerOp`). Buffers live in integer slots; after an instruction its ``free``
+  slots are dropped. The ops:
+
+  - ``INPUT``: step argument ``arg`` (a host array or a buffer the worker holds) into
+    ``out_slots[0]``, laid out as ``layouts[layout]``.
+  - ``LOAD``: the ``k`` micro-batches of step argument ``arg`` into ``out_slots``.
+  - ``RUN``: ``out_slots = fns[fn](in_slots)``.
+  - ``ZEROS``: ``out_slots = fns[fn]()`` (accumulators).
+  - ``SEND`` / ``RECV``: one value between meshes, tile by tile
+    (:class:`TransferPlan`); the sending worker pushes its pieces to each destination
+    worker, the receiving worker assembles its devices' tiles.
+  - ``CONCAT``: the per-micro-batch values ``in_slots`` joined along axis 0.
+
+* :class:`TransferPlan` is ``pipeline_parallel.resharding``'s tile plan flattened for the
+  workers: which piece each source host sends to each destination host.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+Box = tuple[tuple[int, int], ...]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where a value lives on a worker's mesh: logical shape, axis names and spec."""
+
+    mesh_shape: tuple[int, int]
+    axis_names: tuple[str, ...]
+    spec: Any  # jax.sharding.PartitionSpec
+
+
+@dataclass(frozen=True)
+class ExportedFn:
+    """One compiled-on-the-worker program (see the module docstring)."""
+
+    name: str
+    serialized: bytes
+    in_layouts: tuple[Layout, ...]
+    out_layouts: tuple[Layout, ...]
+    donate_argnums: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Piece ``box`` of the tile of source device ``src_device`` (flat id on the source
+    mesh) goes to destination host ``dst_host``, where destination devices
+    ``dst_devices`` (flat ids) each keep a copy."""
+
+    src_device: int
+    dst_host: int
+    box: Box
+    dst_devices: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class TransferPlan:
+    """One value from a source mesh to a destination mesh, each piece sent once per
+    destination host (``pipeline_parallel.resharding.plan_box_transfers``)."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    src_devices_per_host: int
+    dst_layout: Layout
+    dst_boxes: tuple[Box, ...]  # per destination device, its tile
+    src_boxes: tuple[Box, ...]  # per source device, its tile
+    pieces: tuple[Piece, ...]
+
+    def pieces_to(self, host: int) -> list[tuple[int, Piece]]:
+        return [(i, p) for i, p in enumerate(self.pieces) if p.dst_host == host]
+
+    def pieces_from(self, host: int) -> list[tuple[int, Piece]]:
+        per_host = self.src_devices_per_host
+        return [(i, p) for i, p in enumerate(self.pieces) if p.src_device // per_host == host]
+
+    def nbytes(self) -> int:
+        """Bytes the plan sends (each piece once)."""
+        itemsize = np.dtype(self.dtype).itemsize
+        return sum(math.prod(hi - lo for lo, hi in p.box) for p in self.pieces) * itemsize
+
+
+def local_slices(box: Box, within: Box) -> tuple[slice, ...]:
+    """``box`` (global coordinates) as slices of the tile ``within``."""
+    return tuple(slice(lo - w0, hi - w0) for (lo, hi), (w0, _) in zip(box, within, strict=True))
+
+
+class WorkerOp(str, enum.Enum):
+    INPUT = "INPUT"
+    LOAD = "LOAD"
+    RUN = "RUN"
+    ZEROS = "ZEROS"
+    SEND = "SEND"
+    RECV = "RECV"
+    CONCAT = "CONCAT"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True)
+class WorkerInstruction:
+    op: WorkerOp
+    in_slots: tuple[int, ...] = ()
+    out_slots: tuple[int, ...] = ()
+    fn: int | None = None  # RUN / ZEROS: index into WorkerProgram.fns
+    arg: int | None = None  # INPUT / LOAD: index of the step argument
+    layout: Layout | None = None  # INPUT / LOAD / RECV: where the value goes
+    micro_batch_size: int | None = None  # LOAD
+    transfer: TransferPlan | None = None  # SEND / RECV
+    tag: int | None = None  # SEND / RECV: pairs a send with its receive within a step
+    peer_mesh: int | None = None  # SEND: destination mesh id / RECV: source mesh id
+    free: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class WorkerProgram:
+    """A mesh's part of a compiled step: what each of its workers runs, in order.
+
+    ``outputs`` are the slots whose values the step keeps (stored under the buffer names
+    the driver gives with each step); every other slot is dropped by the end of it.
+    """
+
+    fns: tuple[ExportedFn, ...]
+    instructions: tuple[WorkerInstruction, ...]
+    num_slots: int
+    outputs: tuple[int, ...]

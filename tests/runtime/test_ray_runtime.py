@@ -1,0 +1,336 @@
+"""The Ray runtime on a local two-node Ray cluster (``ray.cluster_utils.Cluster``, each
+node 4 virtual CPU devices, bound to 127.0.0.1): numerics against the serial step for
+every method, cross-mesh resharding byte for byte, what the driver sends, what stays alive
+on the workers, and a worker killed mid-step."""
+
+import gc
+import os
+import threading
+import time
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import alpa
+from alpa.pipeline_parallel.resharding import worker_transfer_plan
+from alpa.runtime.ray_launch import reshard_array
+from alpa.runtime.worker_program import Layout
+from alpa.testing import assert_allclose, get_mlp_train_state_and_step
+
+pytestmark = [
+    pytest.mark.ray,
+    pytest.mark.xdist_group("ray"),  # one worker starts the cluster, once
+    # Ray starts its node processes with fork + exec from this (jax-initialized) process;
+    # the child execs at once, so jax's warning about threads after fork does not apply.
+    pytest.mark.filterwarnings("ignore:os.fork\\(\\) was called:RuntimeWarning"),
+]
+
+DEVICES_PER_NODE = 4
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    ray = pytest.importorskip("ray")
+    from ray.cluster_utils import Cluster
+
+    # tests/conftest.py marks Ray clusters local-only, so nodes on 127.0.0.1 reach each other.
+    assert os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER") == "0"
+    args = {"num_cpus": 1, "node_ip_address": "127.0.0.1", "include_dashboard": False}
+    cluster = Cluster(initialize_head=True, head_node_args=args)
+    cluster.add_node(num_cpus=1, node_ip_address="127.0.0.1")
+    ray.init(address=cluster.address, _node_ip_address="127.0.0.1", log_to_driver=False)
+    alpa.shutdown()
+    alpa.init("ray", num_devices_per_node=DEVICES_PER_NODE)
+    yield cluster
+    alpa.shutdown()
+    ray.shutdown()
+    cluster.shutdown()
+
+
+@pytest.fixture(autouse=True)
+def _fresh_alpa():
+    """Unlike the other tests (tests/conftest.py), these share one alpa Ray cluster, whose
+    mesh workers start once; the module's fixture shuts it down."""
+    yield
+
+
+def _serial(step, state, batch, num_steps):
+    jitted = jax.jit(step)
+    for _ in range(num_steps):
+        state = jitted(state, batch)
+    return state
+
+
+def _run(method, num_steps=2, markers=False, batch_size=32, hidden=16, num_layers=4):
+    state, batch, step = get_mlp_train_state_and_step(
+        batch_size, hidden, num_layers=num_layers, add_manual_pipeline_marker=markers
+    )
+    expected = _serial(step, state, batch, num_steps)
+    p_step = alpa.parallelize(step, method=method)
+    for _ in range(num_steps):
+        state = p_step(state, batch)
+    return state, expected, p_step.get_last_executable()
+
+
+# ----------------------------------------------------------------------------- cluster
+
+
+def test_cluster_comes_from_ray_nodes(ray_cluster):
+    cluster = alpa.get_global_cluster()
+    assert isinstance(cluster, alpa.DeviceCluster)
+    assert (cluster.num_hosts, cluster.num_devices_per_host) == (2, DEVICES_PER_NODE)
+    assert cluster.num_devices == 2 * DEVICES_PER_NODE
+    assert cluster.platform == "cpu"
+    assert len({h["NodeID"] for h in cluster.host_info}) == 2
+    assert cluster.get_virtual_physical_mesh().shape == (2, DEVICES_PER_NODE)
+    mesh = alpa.get_global_physical_mesh()
+    assert isinstance(mesh, alpa.DistributedPhysicalDeviceMesh)
+    assert mesh.shape == (2, DEVICES_PER_NODE)
+    # One worker per host, each on its own node, owning that node's devices.
+    assert [info["node_id"] for info in mesh.worker_info] == [
+        h["NodeID"] for h in cluster.host_info
+    ]
+    assert all(info["num_local_devices"] == DEVICES_PER_NODE for info in mesh.worker_info)
+    assert all(info["num_devices"] == 2 * DEVICES_PER_NODE for info in mesh.worker_info)
+
+
+def test_bad_cluster_arguments(ray_cluster):
+    from alpa.runtime.ray_mesh import DeviceCluster
+
+    with pytest.raises(ValueError, match="num_nodes=3 but the Ray cluster has 2 alive nodes"):
+        DeviceCluster(num_nodes=3)
+    cluster = alpa.get_global_cluster()
+    with pytest.raises(ValueError, match=r"host_ids must be in \[0, 2\), got \[2\]"):
+        cluster.get_physical_mesh((2,), 1)
+    with pytest.raises(ValueError, match=r"num_devices_per_host must be in \[1, 4\], got 5"):
+        cluster.get_physical_mesh((0,), 5)
+
+
+# ----------------------------------------------------------------------------- numerics
+
+
+@pytest.mark.parametrize("method_name", ["DataParallel", "Zero2Parallel"])
+def test_data_parallel_on_one_node(ray_cluster, method_name):
+    mesh = alpa.get_global_cluster().get_physical_mesh((0,), DEVICES_PER_NODE)
+    state, expected, executable = _run(getattr(alpa, method_name)(devices=mesh))
+    assert type(executable).__name__ == "DistributedMeshExecutable"
+    assert all(isinstance(x, alpa.DistributedArray) for x in jax.tree.leaves(state.params))
+    assert_allclose(state.params, expected.params)
+    assert_allclose(state.opt_state, expected.opt_state)
+
+
+def test_shard_parallel_auto_spans_both_nodes(ray_cluster):
+    state, expected, executable = _run(alpa.ShardParallel())
+    assert executable.mesh.shape == (2, DEVICES_PER_NODE)
+    assert executable.plan.logical_mesh.shape == (2, DEVICES_PER_NODE)
+    assert_allclose(state.params, expected.params)
+    # The plan shards something: the step is not merely replicated.
+    assert any(spec != P() for spec in executable.plan.in_specs if spec is not None)
+
+
+def test_gradient_accumulation(ray_cluster):
+    mesh = alpa.get_global_cluster().get_physical_mesh((1,), DEVICES_PER_NODE)
+    state, expected, _ = _run(alpa.DataParallel(devices=mesh, num_micro_batches=4))
+    assert_allclose(state.params, expected.params)
+
+
+def _two_stages_one_per_node(num_micro_batches, schedule):
+    return alpa.PipeshardParallel(
+        num_micro_batches=num_micro_batches,
+        pipeline_schedule=schedule,
+        layer_option="manual",
+        stage_option=alpa.ManualStageOption(
+            [[0, 1], [2, 3]], [(1, DEVICES_PER_NODE)] * 2, [(2, 2), (1, DEVICES_PER_NODE)]
+        ),
+    )
+
+
+@pytest.mark.parametrize("num_micro_batches", [1, 4])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_pipeshard_two_stages_one_per_node(ray_cluster, num_micro_batches, schedule):
+    method = _two_stages_one_per_node(num_micro_batches, schedule)
+    state, expected, executable = _run(method, markers=True)
+    assert type(executable).__name__ == "PipeshardRayExecutable"
+    nodes = [m.worker_info[0]["node_id"] for m in executable.meshes]
+    assert nodes == [h["NodeID"] for h in alpa.get_global_cluster().host_info]
+    assert_allclose(state.params, expected.params)
+    assert_allclose(state.opt_state, expected.opt_state)
+    # Workers counted exactly what the tile plans say (two steps).
+    counters = executable.worker_counters()
+    sent = sum(c["bytes_sent"] for mesh in counters for c in mesh)
+    received = sum(c["bytes_received"] for mesh in counters for c in mesh)
+    for mesh in executable.meshes:
+        mesh.call("reset_counters")
+    assert sent == received == 2 * executable.get_resharded_bytes() > 0
+
+
+@pytest.mark.parametrize("num_micro_batches", [1, 4])
+def test_pipeshard_automatic_stages(ray_cluster, num_micro_batches):
+    method = alpa.PipeshardParallel(
+        num_micro_batches=num_micro_batches,
+        layer_option=alpa.AutoLayerOption(layer_num=2),
+        stage_option="auto",
+    )
+    state, expected, executable = _run(method)
+    assert type(executable).__name__ == "PipeshardRayExecutable"
+    assert_allclose(state.params, expected.params)
+
+
+# ----------------------------------------------------------------------------- arrays
+
+
+def test_distributed_array_fetch_and_feed_back(ray_cluster):
+    mesh = alpa.get_global_cluster().get_physical_mesh((0,), 2)
+    value = np.arange(24, dtype=np.float32).reshape(4, 6)
+    x = mesh.put(value, Layout((1, 2), ("x", "y"), P(None, "y")))
+    assert (x.shape, x.dtype, x.ndim) == ((4, 6), np.float32, 2)
+    np.testing.assert_array_equal(np.asarray(x), value)
+    y = mesh.put(value + 1, Layout((2, 1), ("x", "y"), P("x")))
+    alpa.prefetch([x, y, 3.0])
+    np.testing.assert_array_equal(y._value, value + 1)
+    assert x.block_until_ready() is x
+    # A value that spans both nodes is fetched shard by shard from its two workers.
+    big = alpa.get_global_physical_mesh()
+    z = big.put(value, Layout((2, DEVICES_PER_NODE), ("x", "y"), P("x")))
+    np.testing.assert_array_equal(np.asarray(z), value)
+    with pytest.raises(ValueError, match=r"layout mesh_shape \(1, 4\) has 4 devices, mesh"):
+        mesh.put(value, Layout((1, 4), ("x", "y"), P()))
+
+
+_LAYOUTS = {
+    2: {
+        "replicated": Layout((1, 2), ("x", "y"), P()),
+        "row": Layout((1, 2), ("x", "y"), P("y")),
+        "column": Layout((1, 2), ("x", "y"), P(None, "y")),
+        "2-D": Layout((2, 1), ("x", "y"), P("x", "y")),
+    },
+    4: {
+        "replicated": Layout((1, 4), ("x", "y"), P()),
+        "row": Layout((1, 4), ("x", "y"), P("y")),
+        "column": Layout((1, 4), ("x", "y"), P(None, "y")),
+        "2-D": Layout((2, 2), ("x", "y"), P("x", "y")),
+    },
+}
+
+
+def _distinct_tile_elements(layout: Layout, shape) -> int:
+    """Elements a one-host destination must receive: each distinct tile once."""
+    from alpa.pipeline_parallel.resharding import MeshSharding
+
+    sharding = MeshSharding.from_partition_spec(layout.mesh_shape, layout.spec, len(shape))
+    boxes = set(sharding.device_boxes(shape))
+    return sum(int(np.prod([b - a for a, b in box])) for box in boxes)
+
+
+def test_resharding_between_actor_meshes_moves_exactly_the_planned_bytes(ray_cluster):
+    cluster = alpa.get_global_cluster()
+    meshes = {2: cluster.get_physical_mesh((0,), 2), 4: cluster.get_physical_mesh((1,), 4)}
+    value = np.arange(8 * 12, dtype=np.float32).reshape(8, 12)
+    for src_n, dst_n in [(2, 4), (4, 2)]:
+        src_mesh, dst_mesh = meshes[src_n], meshes[dst_n]
+        for src_name, src_layout in _LAYOUTS[src_n].items():
+            x = src_mesh.put(value, src_layout)
+            for dst_name, dst_layout in _LAYOUTS[dst_n].items():
+                for mesh in meshes.values():
+                    mesh.call("reset_counters")
+                y = reshard_array(x, dst_mesh, dst_layout, worker_transfer_plan)
+                sent = sum(c["bytes_sent"] for c in src_mesh.call("counters"))
+                received = sum(c["bytes_received"] for c in dst_mesh.call("counters"))
+                expected = _distinct_tile_elements(dst_layout, value.shape) * 4
+                where = f"{src_name} on {src_n} -> {dst_name} on {dst_n}"
+                assert sent == received == expected, where
+                np.testing.assert_array_equal(np.asarray(y), value, err_msg=where)
+                # Every device holds exactly its tile: compare the device shards.
+                shards = dst_mesh.call("fetch_shards", y.name)[0]
+                for index, data in shards:
+                    np.testing.assert_array_equal(data, value[index], err_msg=where)
+
+
+# ----------------------------------------------------------------------------- driver, liveness
+
+
+def test_driver_sends_inputs_and_a_small_message_per_worker(ray_cluster):
+    method = _two_stages_one_per_node(2, "1f1b")
+    state, batch, step = get_mlp_train_state_and_step(64, 256, add_manual_pipeline_marker=True)
+    p_step = alpa.parallelize(step, method=method)
+    state = p_step(state, batch)  # parameters now live on the workers
+    state = p_step(state, batch)
+    executable = p_step.get_last_executable()
+    num_workers = sum(len(m.workers) for m in executable.meshes)
+    input_bytes = sum(np.asarray(x).nbytes for x in jax.tree.leaves(batch))
+    param_bytes = sum(x.nbytes for x in jax.tree.leaves(state.params))
+    sent = executable.bytes_sent_last_step
+    assert input_bytes <= sent <= input_bytes + 4096 * num_workers
+    assert sent < param_bytes  # the state never came back through the driver
+
+
+def test_only_state_and_outputs_stay_alive_on_workers(ray_cluster):
+    method = _two_stages_one_per_node(4, "1f1b")
+    state, batch, step = get_mlp_train_state_and_step(32, 16, add_manual_pipeline_marker=True)
+    p_step = alpa.parallelize(step, method=method)
+    for _ in range(3):
+        state = p_step(state, batch)
+        gc.collect()
+        executable = p_step.get_last_executable()
+        for mesh in executable.meshes:
+            mesh.flush_deletes(wait=True)
+        # Every handle alive on the driver (earlier tests may still hold some).
+        handles = [
+            x
+            for x in gc.get_objects()
+            if isinstance(x, alpa.DistributedArray) and not x.is_deleted()
+        ]
+        for mesh, per_host in zip(executable.meshes, executable.live_buffers(), strict=True):
+            held = {x.name for x in handles if x.mesh is mesh}
+            mine = {
+                x.name
+                for x in jax.tree.leaves(state)
+                if isinstance(x, alpa.DistributedArray) and x.mesh is mesh
+            }
+            assert mine, "each stage keeps part of the state"
+            for worker in per_host:
+                # The state is there, and nothing the driver no longer holds is.
+                assert mine <= set(worker["names"]) == held
+                assert (worker["unnamed_buffers"], worker["unnamed_bytes"]) == (0, 0)
+
+
+def test_killed_worker_raises_within_30s_and_init_works_again(ray_cluster):
+    import ray
+
+    method = _two_stages_one_per_node(8, "1f1b")
+    state, batch, step = get_mlp_train_state_and_step(256, 512, add_manual_pipeline_marker=True)
+    p_step = alpa.parallelize(step, method=method)
+    state = p_step(state, batch)
+    executable = p_step.get_last_executable()
+    victim = executable.meshes[1]
+    errors: list[BaseException] = []
+    running = threading.Event()
+
+    def train():
+        s = state
+        try:
+            while True:
+                running.set()
+                s = p_step(s, batch)
+        except RuntimeError as e:
+            errors.append(e)
+
+    thread = threading.Thread(target=train, daemon=True)
+    thread.start()
+    running.wait(30)
+    time.sleep(0.5)
+    killed_at = time.monotonic()
+    ray.kill(victim.workers[0])
+    thread.join(timeout=30)
+    assert not thread.is_alive(), "the step hung after its worker died"
+    assert time.monotonic() - killed_at < 30
+    message = str(errors[0])
+    assert f"mesh {victim.mesh_id} host 0" in message and "worker died" in message, message
+
+    alpa.shutdown()
+    alpa.init("ray", num_devices_per_node=DEVICES_PER_NODE)
+    mesh = alpa.get_global_cluster().get_physical_mesh((0,), 2)
+    state2, expected, _ = _run(alpa.DataParallel(devices=mesh), num_steps=1)
+    assert_allclose(state2.params, expected.params)
