@@ -334,3 +334,50 @@ def test_killed_worker_raises_within_30s_and_init_works_again(ray_cluster):
     mesh = alpa.get_global_cluster().get_physical_mesh((0,), 2)
     state2, expected, _ = _run(alpa.DataParallel(devices=mesh), num_steps=1)
     assert_allclose(state2.params, expected.params)
+
+
+def test_zero3_and_manual_sharding_on_one_node(ray_cluster):
+    mesh = alpa.get_global_cluster().get_physical_mesh((1,), DEVICES_PER_NODE)
+    state, expected, _ = _run(alpa.Zero3Parallel(devices=mesh))
+    assert_allclose(state.params, expected.params)
+
+    def forward(params, x):
+        return jax.nn.relu(x @ params["w1"]) @ params["w2"]
+
+    rng = np.random.default_rng(0)
+    params = {
+        "w1": rng.standard_normal((16, 32), dtype=np.float32),
+        "w2": rng.standard_normal((32, 8), dtype=np.float32),
+    }
+    x = rng.standard_normal((8, 16), dtype=np.float32)
+    megatron = {"w1": P(None, "model"), "w2": P("model", None)}
+    option = alpa.ManualShardingOption(
+        ("data", "model"), in_axis_resources=(megatron, P()), out_axis_resources=P()
+    )
+    method = alpa.ShardParallel(devices=mesh, manual_sharding_option=option)
+    p_forward = alpa.parallelize(forward, method=method, batch_argnums=(1,))
+    out = p_forward(params, x)
+    assert isinstance(out, alpa.DistributedArray)
+    assert_allclose(np.asarray(out), forward(params, x), 1e-5, 1e-5)
+    layouts = p_forward.get_last_executable().in_layouts
+    assert [layout.spec for layout in layouts[:2]] == [P(None, "model"), P("model", None)]
+
+
+def test_pipeshard_inference_schedule(ray_cluster):
+    rng = np.random.default_rng(1)
+    params = {f"w{i}": rng.standard_normal((16, 16), dtype=np.float32) for i in range(2)}
+    x = rng.standard_normal((32, 16), dtype=np.float32)
+
+    def infer(params, x):
+        h = jax.numpy.tanh(x @ params["w0"])
+        alpa.mark_pipeline_boundary()
+        return jax.numpy.tanh(h @ params["w1"])
+
+    method = alpa.PipeshardParallel(
+        num_micro_batches=4,
+        pipeline_schedule="inference",
+        stage_option=alpa.ManualStageOption([[0], [1]], [(1, DEVICES_PER_NODE)] * 2),
+    )
+    out = alpa.parallelize(infer, method=method, batch_argnums=(1,))(params, x)
+    assert isinstance(out, alpa.DistributedArray) and out.shape == (32, 16)
+    assert_allclose(np.asarray(out), infer(params, x))
