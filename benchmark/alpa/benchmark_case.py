@@ -158,3 +158,27 @@ class BenchmarkCase:
 
 #: A suite: per number of devices, the cases to run on a cluster of that many devices.
 Suite = Mapping[int, Sequence[BenchmarkCase]]
+
+
+#: Alpa's stage-search space for GPT and MoE: small power-of-two submeshes, every logical
+#: shape.
+TRANSFORMER_AUTO_STAGE_OPTION = {
+    "submesh_physical_shape_space": "small_power_of_two",
+    "submesh_logical_shape_space": "all",
+}
+
+
+def search_cases(
+    model_config, batch_size: int, num_micro_batches: list[int], layer_nums: list[int]
+) -> list[BenchmarkCase]:
+    """Stage-search cases of one model: every (micro-batches, layer number) pair."""
+    return [
+        BenchmarkCase(
+            batch_size,
+            model_config,
+            micro_batches,
+            SearchArgs(layer_num, TRANSFORMER_AUTO_STAGE_OPTION),
+        )
+        for micro_batches in num_micro_batches
+        for layer_num in layer_nums
+    ]

@@ -16,6 +16,7 @@ the stage plans of ``perf_test_solution`` are those of Alpa's ``suite_manual_gpt
 
 from __future__ import annotations
 
+import benchmark_case
 from benchmark_case import (
     FORCE_DP,
     BenchmarkCase,
@@ -42,24 +43,11 @@ gpt_specs: dict[str, GPTModelConfig] = {
 
 max_global_batch_size = 1024
 
-#: Alpa's search space for GPT: small power-of-two submeshes, every logical shape.
-auto_stage_option = {
-    "submesh_physical_shape_space": "small_power_of_two",
-    "submesh_logical_shape_space": "all",
-}
-
 
 def search_cases(model: str, num_micro_batches: list[int], layer_nums: list[int]):
-    return [
-        BenchmarkCase(
-            max_global_batch_size,
-            gpt_specs[model],
-            micro_batches,
-            SearchArgs(layer_num, auto_stage_option),
-        )
-        for micro_batches in num_micro_batches
-        for layer_num in layer_nums
-    ]
+    return benchmark_case.search_cases(
+        gpt_specs[model], max_global_batch_size, num_micro_batches, layer_nums
+    )
 
 
 def solution_case(model: str, num_micro_batches: int, solution: SolutionArgs) -> BenchmarkCase:

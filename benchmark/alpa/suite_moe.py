@@ -17,6 +17,7 @@ group size is cut to the tokens of one micro-batch when that is smaller.
 
 from __future__ import annotations
 
+import benchmark_case
 from benchmark_case import (
     FORCE_DP,
     BenchmarkCase,
@@ -42,24 +43,11 @@ moe_specs: dict[str, MoEModelConfig] = {
 
 max_global_batch_size = 1024
 
-#: Alpa's search space for MoE (the GPT one).
-auto_stage_option = {
-    "submesh_physical_shape_space": "small_power_of_two",
-    "submesh_logical_shape_space": "all",
-}
-
 
 def search_cases(model: str, num_micro_batches: list[int], layer_nums: list[int]):
-    return [
-        BenchmarkCase(
-            max_global_batch_size,
-            moe_specs[model],
-            micro_batches,
-            SearchArgs(layer_num, auto_stage_option),
-        )
-        for micro_batches in num_micro_batches
-        for layer_num in layer_nums
-    ]
+    return benchmark_case.search_cases(
+        moe_specs[model], max_global_batch_size, num_micro_batches, layer_nums
+    )
 
 
 perf_test_fast_2d: Suite = {
