@@ -376,19 +376,25 @@ class MeshHostWorker:
             received = self._mailbox.pop(tag)
         sharding = self._sharding(plan.dst_layout)
         devices = list(sharding.mesh.devices.flat)
-        tiles: dict[int, np.ndarray] = {}
+        # One host buffer per distinct tile: the devices of a piece share its tile, so a
+        # replicated destination assembles the value once and copies it to each device.
+        tiles: dict = {}
         for i, piece in plan.pieces_to(self.host):
-            for device in piece.dst_devices:
-                tile_box = plan.dst_boxes[device]
-                if device not in tiles:
-                    tiles[device] = np.empty([hi - lo for lo, hi in tile_box], plan.dtype)
-                local = local_slices(piece.box, tile_box)
-                tiles[device][local] = received[i]
-        arrays = [
-            jax.device_put(tiles[d], devices[d])
-            for d in range(len(devices))
-            if devices[d].process_index == jax.process_index()
-        ]
+            tile_box = plan.dst_boxes[piece.dst_devices[0]]
+            if tile_box not in tiles:
+                tiles[tile_box] = np.empty([hi - lo for lo, hi in tile_box], plan.dtype)
+            tiles[tile_box][local_slices(piece.box, tile_box)] = received[i]
+        # Each tile goes to the first device that keeps it, then device to device to the
+        # others (separate buffers: on CPU, device_put may alias the host array).
+        placed: dict = {}
+        arrays = []
+        for d, device in enumerate(devices):
+            if device.process_index != jax.process_index():
+                continue
+            tile_box = plan.dst_boxes[d]
+            source = placed.get(tile_box, tiles[tile_box])
+            arrays.append(jax.device_put(source, device))
+            placed.setdefault(tile_box, arrays[-1])
         return jax.make_array_from_single_device_arrays(plan.shape, sharding, arrays)
 
     def send_buffer(

@@ -101,6 +101,7 @@ def main():
                     times.append(time.perf_counter() - tic)
                     np.testing.assert_array_equal(np.asarray(y), value)
                     del y
+                    dst.flush_deletes(wait=True)  # free the copy before the next move
                 seconds = statistics.median(times)
                 rows.append(
                     {
