@@ -47,12 +47,15 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
 
-from alpa.pipeline_parallel.resharding import Box, ReshardingPlan, _local
+from alpa.runtime.worker_program import Box, local_slices
+
+if TYPE_CHECKING:  # the runtime imports no compiler pass (DESIGN §2)
+    from alpa.pipeline_parallel.resharding import ReshardingPlan
 
 # numpy dtype name -> name of the cupy.cuda.nccl constant for it. Any other dtype travels as
 # raw bytes; so does bfloat16 where cupy's NCCL wrapper lacks NCCL_BFLOAT16.
@@ -395,7 +398,7 @@ def _execute(
         # The devices of a destination host take turns receiving, to spread NIC load.
         receiver = t.dst_devices[index % len(t.dst_devices)]
         if t.src_device in src_shards:
-            piece = src_shards[t.src_device][_local(t.box, src_boxes[t.src_device])]
+            piece = src_shards[t.src_device][local_slices(t.box, src_boxes[t.src_device])]
             sends.append((piece, layout.src_rank(t.src_device), layout.dst_rank(receiver)))
         if t.dst_host == role.dst_host:
             shape = tuple(hi - lo for lo, hi in t.box)

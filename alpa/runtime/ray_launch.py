@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from alpa.runtime.ray_mesh import DistributedArray, DistributedPhysicalDeviceMesh, wait_workers
-from alpa.runtime.worker_program import Layout, TransferPlan, WorkerProgram
+from alpa.runtime.worker_program import Layout, TransferPlan, WorkerOp, WorkerProgram
 
 _program_ids = itertools.count()
 _step_ids = itertools.count()
@@ -91,6 +91,10 @@ class RayStepLauncher:
             for worker in mesh.workers:
                 calls.append((worker.load_program.remote(self.program_id, program, peers), i))
         results = wait_workers([(ref, self.meshes[i].label(0)) for ref, i in calls])
+        by_id = {m.mesh_id: m for m in self.meshes}
+        for i, program in enumerate(programs):
+            for peer in {ins.peer_mesh for ins in program.instructions if ins.op is WorkerOp.SEND}:
+                ensure_nccl_group(self.meshes[i], by_id[peer])
         # Every worker of a mesh compiled the same programs; read each mesh's first report.
         reported = {}
         for (_, i), specs in zip(calls, results, strict=True):
@@ -205,6 +209,7 @@ def reshard_array(
     plan = planner(
         x.shape, x.dtype, x.layout, x.mesh.num_devices_per_host, layout, mesh.num_devices_per_host
     )
+    ensure_nccl_group(x.mesh, mesh)
     tag = ("move", uuid.uuid4().hex)
     name = uuid.uuid4().hex
     calls = [
@@ -212,7 +217,31 @@ def reshard_array(
         for h, w in enumerate(x.mesh.workers)
     ]
     calls += [
-        (w.recv_buffer.remote(name, plan, tag), mesh.label(h)) for h, w in enumerate(mesh.workers)
+        (w.recv_buffer.remote(name, plan, tag, x.mesh.mesh_id), mesh.label(h))
+        for h, w in enumerate(mesh.workers)
     ]
     wait_workers(calls)
     return DistributedArray(mesh, name, x.shape, x.dtype, layout, x.weak_type)
+
+
+def ensure_nccl_group(
+    src: DistributedPhysicalDeviceMesh, dst: DistributedPhysicalDeviceMesh
+) -> bool:
+    """Open the NCCL group of the mesh pair ``src -> dst`` once, when every worker of both
+    meshes has NCCL (cupy and GPUs); then values from ``src`` to ``dst`` travel by NCCL
+    send/recv between device buffers instead of through Ray. Whether the group is open."""
+    if dst.mesh_id in src.nccl_peers:
+        return True
+    if not all(info.get("nccl") for info in src.worker_info + dst.worker_info):
+        return False
+    unique_id = wait_workers([(src.workers[0].nccl_unique_id.remote(), src.label(0))])[0]
+    key = (src.mesh_id, dst.mesh_id, unique_id, src.shape, dst.shape)
+    calls = [
+        (w.init_nccl_group.remote(*key, h, None), src.label(h)) for h, w in enumerate(src.workers)
+    ]
+    calls += [
+        (w.init_nccl_group.remote(*key, None, h), dst.label(h)) for h, w in enumerate(dst.workers)
+    ]
+    wait_workers(calls)
+    src.nccl_peers.add(dst.mesh_id)
+    return True

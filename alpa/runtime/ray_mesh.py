@@ -244,6 +244,7 @@ class DistributedPhysicalDeviceMesh:
         self.host_ids = host_ids
         self.num_devices_per_host = per_host
         self.is_shut_down = False
+        self.nccl_peers: set[int] = set()  # destination meshes with an open NCCL group
         self._pending_deletes: list[str] = []
         actor_class = ray.remote(MeshHostWorker)
         self.workers = []

@@ -40,6 +40,13 @@ from typing import Any
 
 import numpy as np
 
+from alpa.runtime.nccl_transport import (
+    HostRole,
+    NcclGroup,
+    RankLayout,
+    nccl_available,
+    new_unique_id,
+)
 from alpa.runtime.worker_program import (
     ExportedFn,
     Layout,
@@ -62,7 +69,16 @@ class StepAborted(RuntimeError):
 class MeshHostWorker:
     """See the module docstring."""
 
-    def __init__(self, mesh_id: int, host: int, num_hosts: int, num_devices_per_host: int):
+    def __init__(
+        self,
+        mesh_id: int,
+        host: int,
+        num_hosts: int,
+        num_devices_per_host: int,
+        devices: Sequence[Any] | None = None,
+    ):
+        """``devices``: the devices this worker owns, for a worker built inside another
+        process (tests); an actor owns every device its process sees."""
         self.mesh_id = mesh_id
         self.host = host
         self.num_hosts = num_hosts
@@ -74,6 +90,8 @@ class MeshHostWorker:
         self._cond = threading.Condition()
         self._aborted: dict[int, str] = {}
         self._meshes: dict[tuple, Any] = {}
+        self._own_devices = None if devices is None else list(devices)
+        self._nccl_groups: dict[tuple[int, int], Any] = {}  # (src mesh, dst mesh) -> group
         self.bytes_sent = 0
         self.bytes_received = 0
 
@@ -109,13 +127,38 @@ class MeshHostWorker:
             "num_local_devices": len(local),
             "num_devices": len(jax.devices()),
             "pid": os.getpid(),
+            "nccl": nccl_available(),
         }
+
+    # -- NCCL (GPU meshes)
+
+    def nccl_unique_id(self):
+        return new_unique_id()
+
+    def init_nccl_group(
+        self,
+        src_mesh: int,
+        dst_mesh: int,
+        unique_id,
+        src_mesh_shape: tuple[int, int],
+        dst_mesh_shape: tuple[int, int],
+        src_host: int | None,
+        dst_host: int | None,
+    ) -> None:
+        """Open this worker's ranks of the NCCL group of a mesh pair (a collective: every
+        worker of both meshes calls it at once). Ranks: the source mesh's devices, then
+        the destination mesh's (``nccl_transport.RankLayout``)."""
+        layout = RankLayout(tuple(src_mesh_shape), tuple(dst_mesh_shape))
+        ranks = layout.local_ranks(HostRole(src_host, dst_host))
+        self._nccl_groups[(src_mesh, dst_mesh)] = NcclGroup(unique_id, layout.world_size, ranks)
 
     # -- devices and layouts
 
     def _devices(self) -> list:
         import jax
 
+        if self._own_devices is not None:
+            return self._own_devices
         return sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
 
     def _sharding(self, layout: Layout):
@@ -348,6 +391,18 @@ class MeshHostWorker:
         index_of = {d: i for i, d in enumerate(devices)}
         for shard in value.addressable_shards:
             shards[index_of[shard.device]] = shard
+        group = self._nccl_groups.get((self.mesh_id, dst_mesh))
+        if group is not None:  # GPUs: device buffers straight to the receiving devices
+            src_num_devices = len(plan.src_boxes)
+            sends = []
+            for i, piece in plan.pieces_from(self.host):
+                local = local_slices(piece.box, plan.src_boxes[piece.src_device])
+                receiver = piece.dst_devices[i % len(piece.dst_devices)]
+                data = shards[piece.src_device].data[local]
+                sends.append((data, piece.src_device, src_num_devices + receiver))
+            group.send_pieces(sends)
+            self.bytes_sent += sum(int(data.nbytes) for data, _, _ in sends)
+            return
         by_host: dict[int, dict[int, np.ndarray]] = {}
         for i, piece in plan.pieces_from(self.host):
             local = local_slices(piece.box, plan.src_boxes[piece.src_device])
@@ -357,10 +412,24 @@ class MeshHostWorker:
             self._peers[(dst_mesh, host)].deliver.remote(tag, pieces)
             self.bytes_sent += sum(p.nbytes for p in pieces.values())
 
-    def _receive(self, plan: TransferPlan, tag: tuple, step_id: int | None):
+    def _receive(self, plan: TransferPlan, tag: tuple, step_id: int | None, src_mesh: int):
         """Wait for this host's pieces of ``plan``; assemble the destination array."""
-        import jax
-
+        group = self._nccl_groups.get((src_mesh, self.mesh_id))
+        if group is not None:
+            src_num_devices = len(plan.src_boxes)
+            mine = plan.pieces_to(self.host)
+            recvs = [
+                (
+                    tuple(hi - lo for lo, hi in piece.box),
+                    plan.dtype,
+                    src_num_devices + piece.dst_devices[i % len(piece.dst_devices)],
+                    piece.src_device,
+                )
+                for i, piece in mine
+            ]
+            arrived = group.recv_pieces(recvs)
+            self.bytes_received += sum(int(x.nbytes) for x in arrived)
+            return self._assemble(plan, {i: x for (i, _), x in zip(mine, arrived, strict=True)})
         expected = {i for i, _ in plan.pieces_to(self.host)}
         deadline = time.monotonic() + RECV_TIMEOUT_S
         with self._cond:
@@ -374,16 +443,27 @@ class MeshHostWorker:
                     )
                 self._cond.wait(timeout=0.5)
             received = self._mailbox.pop(tag)
+        return self._assemble(plan, received)
+
+    def _assemble(self, plan: TransferPlan, received: dict[int, Any]):
+        """This host's part of the destination array from its pieces (host or device
+        arrays, by piece index)."""
+        import jax
+
         sharding = self._sharding(plan.dst_layout)
         devices = list(sharding.mesh.devices.flat)
-        # One host buffer per distinct tile: the devices of a piece share its tile, so a
+        # One buffer per distinct tile: the devices of a piece share its tile, so a
         # replicated destination assembles the value once and copies it to each device.
+        # A piece that is a whole tile is used as it arrived (on GPUs, on its device).
         tiles: dict = {}
         for i, piece in plan.pieces_to(self.host):
             tile_box = plan.dst_boxes[piece.dst_devices[0]]
+            if piece.box == tile_box:
+                tiles[tile_box] = received[i]
+                continue
             if tile_box not in tiles:
                 tiles[tile_box] = np.empty([hi - lo for lo, hi in tile_box], plan.dtype)
-            tiles[tile_box][local_slices(piece.box, tile_box)] = received[i]
+            tiles[tile_box][local_slices(piece.box, tile_box)] = np.asarray(received[i])
         # Each tile goes to the first device that keeps it, then device to device to the
         # others (separate buffers: on CPU, device_put may alias the host array).
         placed: dict = {}
@@ -393,6 +473,8 @@ class MeshHostWorker:
                 continue
             tile_box = plan.dst_boxes[d]
             source = placed.get(tile_box, tiles[tile_box])
+            if isinstance(source, np.ndarray) and tile_box not in placed:
+                source = np.array(source)  # the tile may be a piece Ray's object store owns
             arrays.append(jax.device_put(source, device))
             placed.setdefault(tile_box, arrays[-1])
         return jax.make_array_from_single_device_arrays(plan.shape, sharding, arrays)
@@ -405,8 +487,8 @@ class MeshHostWorker:
         self._peers.update({(dst_mesh, h): w for h, w in enumerate(dst_workers)})
         self._send(self._get(name), plan, tag, dst_mesh)
 
-    def recv_buffer(self, name: str, plan: TransferPlan, tag: tuple) -> None:
-        self._buffers[name] = self._receive(plan, tag, None)
+    def recv_buffer(self, name: str, plan: TransferPlan, tag: tuple, src_mesh: int) -> None:
+        self._buffers[name] = self._receive(plan, tag, None, src_mesh)
 
 
 class _LoadedProgram:
@@ -465,7 +547,7 @@ def _send(w: MeshHostWorker, lp: _LoadedProgram, ins: WorkerInstruction, env, ar
 
 
 def _recv(w: MeshHostWorker, lp: _LoadedProgram, ins: WorkerInstruction, env, args, step):
-    env[ins.out_slots[0]] = w._receive(ins.transfer, (step, ins.tag), step)
+    env[ins.out_slots[0]] = w._receive(ins.transfer, (step, ins.tag), step, ins.peer_mesh)
 
 
 def _concat(w: MeshHostWorker, lp: _LoadedProgram, ins: WorkerInstruction, env, args, step):

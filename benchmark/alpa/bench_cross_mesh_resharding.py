@@ -10,8 +10,9 @@ value moves from the first mesh to the second:
 * ``driver``: the baseline the runtime avoids: fetch the value to the driver, put it on
   the destination mesh.
 
-The rate is the tile plan's bytes over the median wall time of ``--repeat`` moves. NCCL
-(GPU) is not a transport of the workers yet (docs/ray.md).
+The rate is the tile plan's bytes over the median wall time of ``--repeat`` moves. Between
+GPU meshes whose workers have NCCL, ``workers`` is NCCL send/recv (docs/ray.md); the
+``transport`` column then says ``workers (nccl)``.
 
     python benchmark/alpa/bench_cross_mesh_resharding.py                   # alpa.init("ray")
     python benchmark/alpa/bench_cross_mesh_resharding.py --simulate-nodes 2  # 2 local nodes
@@ -64,7 +65,7 @@ def main():
 
     import alpa
     from alpa.pipeline_parallel.resharding import worker_transfer_plan
-    from alpa.runtime.ray_launch import reshard_array
+    from alpa.runtime.ray_launch import ensure_nccl_group, reshard_array
     from alpa.runtime.worker_program import Layout
 
     alpa.init("ray", num_devices_per_node=args.num_devices)
@@ -89,6 +90,7 @@ def main():
             plan = worker_transfer_plan(
                 value.shape, value.dtype, layouts[src_name], n, layouts[dst_name], n
             )
+            nccl = ensure_nccl_group(src, dst)
             for transport in ("workers", "driver"):
                 times = []
                 for _ in range(args.repeat):
@@ -108,7 +110,9 @@ def main():
                         "size_mb": value.nbytes / (1 << 20),
                         "src": src_name,
                         "dst": dst_name,
-                        "transport": transport,
+                        "transport": "workers (nccl)"
+                        if nccl and transport == "workers"
+                        else transport,
                         "plan_bytes": plan.nbytes(),
                         "median_s": seconds,
                         "bytes_per_s": plan.nbytes() / seconds,

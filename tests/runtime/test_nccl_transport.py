@@ -506,3 +506,54 @@ def test_nccl_available_needs_a_gpu_and_nccl(monkeypatch):
     assert nccl_available() is False
     with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
         NcclGroup((0,) * 128, 2, {0: 0})
+
+
+# --- the mesh workers' GPU path, through this transport ---------------------------------
+
+
+def _worker_layouts(n: int) -> dict:
+    from jax.sharding import PartitionSpec as P
+
+    from alpa.runtime.worker_program import Layout
+
+    return {
+        "replicated": Layout((1, n), ("x", "y"), P()),
+        "row": Layout((1, n), ("x", "y"), P("y")),
+        "column": Layout((1, n), ("x", "y"), P(None, "y")),
+        "2-D": Layout((2, n // 2), ("x", "y"), P("x", "y")),
+    }
+
+
+@pytest.mark.parametrize("src_n, dst_n", [(2, 4), (4, 2)])
+def test_mesh_workers_move_values_over_nccl(fake, src_n, dst_n):
+    """Two MeshHostWorkers (in this process, on CPU devices standing in for GPUs) with an
+    open NCCL group move every (replicated, row, column, 2-D) pair through NcclGroup: the
+    value arrives exactly on every device, and the bytes each side counts are the plan's."""
+    from alpa.pipeline_parallel.resharding import worker_transfer_plan
+    from alpa.runtime.ray_worker import MeshHostWorker
+
+    devices = jax.devices()
+    src = MeshHostWorker(0, 0, 1, src_n, devices=devices[:src_n])
+    dst = MeshHostWorker(1, 0, 1, dst_n, devices=devices[src_n : src_n + dst_n])
+    uid = new_unique_id()
+    src.init_nccl_group(0, 1, uid, (1, src_n), (1, dst_n), 0, None)
+    dst.init_nccl_group(0, 1, uid, (1, src_n), (1, dst_n), None, 0)
+    value = np.arange(8 * 12, dtype=np.float32).reshape(8, 12)
+    tag = 0
+    for src_name, src_layout in _worker_layouts(src_n).items():
+        src.put(["x"], [value], [src_layout])
+        for dst_name, dst_layout in _worker_layouts(dst_n).items():
+            plan = worker_transfer_plan(
+                value.shape, value.dtype, src_layout, src_n, dst_layout, dst_n
+            )
+            sent, received = src.bytes_sent, dst.bytes_received
+            tag += 1
+            src.send_buffer("x", plan, ("move", tag), 1, [])
+            dst.recv_buffer("y", plan, ("move", tag), 0)
+            where = f"{src_name} on {src_n} -> {dst_name} on {dst_n}"
+            assert src.bytes_sent - sent == dst.bytes_received - received == plan.nbytes(), where
+            y = dst._buffers["y"]
+            assert y.sharding.spec == dst_layout.spec, where
+            for shard in y.addressable_shards:
+                np.testing.assert_array_equal(np.asarray(shard.data), value[shard.index], where)
+    _check_wires_drained(fake)
