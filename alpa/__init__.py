@@ -24,6 +24,9 @@ _EXPORTS = {
     "get_global_physical_mesh": "alpa.cluster",
     "get_global_virtual_physical_mesh": "alpa.cluster",
     "get_global_cluster": "alpa.cluster",
+    "get_global_num_devices": "alpa.cluster",
+    "set_global_virtual_physical_mesh": "alpa.cluster",
+    "clear_executable_cache": "alpa.api",
     "DeviceCluster": "alpa.runtime.ray_mesh",
     "DistributedArray": "alpa.runtime.ray_mesh",
     "DistributedPhysicalDeviceMesh": "alpa.runtime.ray_mesh",
@@ -34,6 +37,7 @@ _EXPORTS = {
     "ClusterSpec": "alpa.device_mesh",
     "LocalPhysicalDeviceMesh": "alpa.device_mesh",
     "LogicalDeviceMesh": "alpa.device_mesh",
+    "PhysicalDeviceMesh": "alpa.device_mesh",
     "VirtualPhysicalMesh": "alpa.device_mesh",
     "global_config": "alpa.global_env",
     "DataParallel": "alpa.parallel_method",
@@ -98,18 +102,21 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and editors
         testing,
         util,
     )
-    from alpa.api import grad, parallelize, value_and_grad  # noqa: F401
+    from alpa.api import clear_executable_cache, grad, parallelize, value_and_grad  # noqa: F401
     from alpa.cluster import (  # noqa: F401
         get_global_cluster,
+        get_global_num_devices,
         get_global_physical_mesh,
         get_global_virtual_physical_mesh,
         init,
+        set_global_virtual_physical_mesh,
         shutdown,
     )
     from alpa.device_mesh import (  # noqa: F401
         ClusterSpec,
         LocalPhysicalDeviceMesh,
         LogicalDeviceMesh,
+        PhysicalDeviceMesh,
         VirtualPhysicalMesh,
     )
     from alpa.global_env import global_config  # noqa: F401

@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -105,12 +106,25 @@ def grad(
 # ----------------------------------------------------------------------------- parallelize
 
 
+#: Every live ParallelizedFunc, for :func:`clear_executable_cache`.
+_all_parallelized: weakref.WeakSet = weakref.WeakSet()
+
+
+def clear_executable_cache() -> None:
+    """Forget every compiled executable of every parallelized function (the next call
+    compiles again)."""
+    for f in list(_all_parallelized):
+        f._cache.clear()
+        f._hit = None
+        f._last_executable = None
+
+
 def parallelize(
     fun: Callable | None = None,
     *,
     static_argnums: Sequence[int] | str = "auto",
     donate_argnums: Sequence[int] | str = "auto",
-    batch_argnums: Sequence[int] = (1,),
+    batch_argnums: Sequence[int] | None = None,
     method: ParallelMethod | None = None,
 ):
     """Parallelize a step function; usable as ``@parallelize`` or ``@parallelize(...)``.
@@ -122,7 +136,8 @@ def parallelize(
       donate_argnums: positions whose buffers the step may reuse, or ``"auto"``: every
         flax ``TrainState`` argument.
       batch_argnums: positions of the batch arguments: split on dim 0 over devices and
-        into micro-batches.
+        into micro-batches. Default: ``(1,)`` (Alpa's ``train_step(state, batch)``) for a
+        call with two or more positional arguments, none for a call with fewer.
       method: a :class:`~alpa.parallel_method.ParallelMethod`; default ``ShardParallel()``.
     """
 
@@ -137,9 +152,14 @@ def parallelize(
             )
         _check_argnums(static_argnums, "static_argnums")
         _check_argnums(donate_argnums, "donate_argnums")
-        _check_argnums(batch_argnums, "batch_argnums", allow_auto=False)
+        if batch_argnums is not None:
+            _check_argnums(batch_argnums, "batch_argnums", allow_auto=False)
         return ParallelizedFunc(
-            f, static_argnums, donate_argnums, tuple(batch_argnums), method or ShardParallel()
+            f,
+            static_argnums,
+            donate_argnums,
+            None if batch_argnums is None else tuple(batch_argnums),
+            method or ShardParallel(),
         )
 
     if fun is None:
@@ -162,9 +182,26 @@ def _check_argnums(value, name: str, allow_auto: bool = True) -> None:
 
 
 def _is_array_leaf(x) -> bool:
-    return isinstance(
-        x, jax.Array | np.ndarray | np.generic | jax.ShapeDtypeStruct | bool | int | float | complex
-    ) or getattr(x, "is_distributed_array", False)
+    return (
+        isinstance(
+            x,
+            jax.Array
+            | np.ndarray
+            | np.generic
+            | jax.ShapeDtypeStruct
+            | bool
+            | int
+            | float
+            | complex,
+        )
+        or getattr(x, "is_distributed_array", False)
+        or _is_aval(x)
+    )
+
+
+def _is_aval(x) -> bool:
+    """A ``jax.core.ShapedArray``-like abstract value (what ``jax.typeof`` returns)."""
+    return isinstance(x, jax.core.ShapedArray)
 
 
 def _is_train_state(x) -> bool:
@@ -188,18 +225,22 @@ class ParallelizedFunc:
         self._last_executable: Executable | None = None
         self._hit: _CacheHit | None = None
         functools.update_wrapper(self, fun)
+        _all_parallelized.add(self)
 
     # -- argument handling
 
     def _resolve_argnums(self, args: Sequence[Any]):
         n = len(args)
-        for pos in self.batch_argnums:
+        batch_argnums = self.batch_argnums
+        if batch_argnums is None:  # the default: Alpa's (1,), when there is an argument 1
+            batch_argnums = (1,) if n >= 2 else ()
+        for pos in batch_argnums:
             if not -n <= pos < n:
                 raise ValueError(
-                    f"batch_argnums={self.batch_argnums} is out of range for a call of "
+                    f"batch_argnums={batch_argnums} is out of range for a call of "
                     f"{self.fun.__name__} with {n} positional arguments"
                 )
-        batch = tuple(sorted(p % n for p in self.batch_argnums))
+        batch = tuple(sorted(p % n for p in batch_argnums))
         if self.static_argnums == "auto":
             static = tuple(i for i, a in enumerate(args) if i not in batch and _is_auto_static(a))
         else:

@@ -20,6 +20,7 @@ logger = logging.getLogger("alpa")
 _global_physical_mesh: Any = None  # LocalPhysicalDeviceMesh or, for Ray, built on demand
 _global_cluster: Any = None  # alpa.runtime.ray_mesh.DeviceCluster under init("ray")
 _started_ray = False
+_global_virtual_mesh: VirtualPhysicalMesh | None = None  # set_global_virtual_physical_mesh
 
 
 def init(
@@ -43,9 +44,10 @@ def init(
       num_nodes: with ``"ray"``, use this many of its nodes (default all).
       num_devices_per_node: with ``"ray"``, devices per node (default: a GPU node's GPUs;
         :data:`alpa.runtime.ray_mesh.DEFAULT_CPU_DEVICES_PER_NODE` virtual devices on a
-        CPU-only node). With ``"local"``, a check of the local device count.
+        CPU-only node). With ``"local"``, the first ``k`` local devices.
       namespace: with ``"ray"``, the Ray namespace of a Ray alpa starts or connects to.
-      devices: with ``"local"``, a subset of ``jax.devices()`` to use.
+      devices: with ``"local"``, a subset of ``jax.devices()`` to use
+        (``num_devices_per_node=k`` takes the first ``k`` of them).
     """
     global _global_physical_mesh, _global_cluster
     if cluster == "ray":
@@ -61,13 +63,17 @@ def init(
         raise ValueError(f"cluster='local' has one node, got num_nodes={num_nodes!r}")
     if _global_physical_mesh is not None or _global_cluster is not None:
         return
-    mesh = LocalPhysicalDeviceMesh(devices)
-    if num_devices_per_node is not None and num_devices_per_node != mesh.num_devices:
-        raise ValueError(
-            f"num_devices_per_node={num_devices_per_node} but this process has "
-            f"{mesh.num_devices} devices"
-        )
-    _global_physical_mesh = mesh
+    if num_devices_per_node is not None:
+        available = list(jax.devices() if devices is None else devices)
+        if not isinstance(num_devices_per_node, int) or not (
+            1 <= num_devices_per_node <= len(available)
+        ):
+            raise ValueError(
+                f"num_devices_per_node={num_devices_per_node!r} but this process has "
+                f"{len(available)} devices; expected an int in [1, {len(available)}]"
+            )
+        devices = available[:num_devices_per_node]  # the first k, as in Alpa
+    _global_physical_mesh = LocalPhysicalDeviceMesh(devices)
 
 
 def _init_ray(cluster_address, num_nodes, num_devices_per_node, namespace):
@@ -98,7 +104,8 @@ def _init_ray(cluster_address, num_nodes, num_devices_per_node, namespace):
 
 def shutdown() -> None:
     """Forget the cluster and kill its mesh workers; a later ``init`` starts afresh."""
-    global _global_physical_mesh, _global_cluster, _started_ray
+    global _global_physical_mesh, _global_cluster, _started_ray, _global_virtual_mesh
+    _global_virtual_mesh = None
     if _global_cluster is not None:
         _global_cluster.shutdown()
         if _started_ray:
@@ -129,7 +136,32 @@ def get_global_physical_mesh(create_if_not_exist: bool = True):
 
 
 def get_global_virtual_physical_mesh() -> VirtualPhysicalMesh:
+    """The cluster as a mesh not yet sliced (``set_global_virtual_physical_mesh``'s, if
+    one was set)."""
+    if _global_virtual_mesh is not None:
+        return _global_virtual_mesh
     if _global_cluster is not None:
         return _global_cluster.get_virtual_physical_mesh()
     mesh = get_global_physical_mesh()
     return VirtualPhysicalMesh(mesh.num_hosts, mesh.num_devices_per_host, mesh.cluster)
+
+
+def set_global_virtual_physical_mesh(mesh: VirtualPhysicalMesh | None) -> None:
+    """Make ``get_global_virtual_physical_mesh()`` return ``mesh`` (``None``: derive it
+    from the cluster again), as Alpa's scripts do to run pipelines on part of a cluster."""
+    global _global_virtual_mesh
+    if mesh is not None and not isinstance(mesh, VirtualPhysicalMesh):
+        raise TypeError(f"mesh must be a VirtualPhysicalMesh or None, got {type(mesh).__name__}")
+    _global_virtual_mesh = mesh
+
+
+def get_global_num_devices() -> int:
+    """Devices of the cluster ``alpa.init`` connected to."""
+    if _global_cluster is not None:
+        return _global_cluster.num_devices
+    return get_global_physical_mesh().num_devices
+
+
+def global_virtual_mesh_if_set() -> VirtualPhysicalMesh | None:
+    """The mesh of ``set_global_virtual_physical_mesh``, or ``None``."""
+    return _global_virtual_mesh

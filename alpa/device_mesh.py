@@ -26,6 +26,7 @@ An axis of one device communicates nothing and costs 0.
 
 from __future__ import annotations
 
+import abc
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -288,7 +289,47 @@ class VirtualPhysicalMesh:
         return LogicalDeviceMesh(shape, tuple(mesh_alpha or alpha), tuple(mesh_beta or beta))
 
 
-class LocalPhysicalDeviceMesh:
+class PhysicalDeviceMesh(abc.ABC):
+    """Real devices: :class:`LocalPhysicalDeviceMesh` (this process's) or
+    ``alpa.runtime.ray_mesh.DistributedPhysicalDeviceMesh`` (Ray mesh workers'). Shape
+    ``(num_hosts, num_devices_per_host)``."""
+
+    num_hosts: int
+    num_devices_per_host: int
+
+    @property
+    def num_devices(self) -> int:
+        return self.num_hosts * self.num_devices_per_host
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.num_hosts, self.num_devices_per_host)
+
+    @property
+    @abc.abstractmethod
+    def host_info(self) -> list[dict]:
+        """Per host, where it is (``NodeManagerAddress``, and Ray's record under Ray)."""
+
+    @abc.abstractmethod
+    def get_logical_mesh(
+        self,
+        mesh_shape: Sequence[int] | None = None,
+        mesh_alpha: Sequence[float] | None = None,
+        mesh_beta: Sequence[float] | None = None,
+    ) -> LogicalDeviceMesh: ...
+
+    @abc.abstractmethod
+    def slice_2d(
+        self, host_indices: Sequence[int], device_indices: Sequence[Sequence[int]]
+    ) -> PhysicalDeviceMesh:
+        """The mesh of ``device_indices[i]`` of host ``host_indices[i]``, for each ``i``."""
+
+    @abc.abstractmethod
+    def shutdown(self) -> None:
+        """Free what the mesh holds."""
+
+
+class LocalPhysicalDeviceMesh(PhysicalDeviceMesh):
     """Devices of this process, seen as one host."""
 
     def __init__(self, devices: Sequence[Any] | None = None, cluster: ClusterSpec | None = None):
@@ -308,14 +349,6 @@ class LocalPhysicalDeviceMesh:
     def num_devices_per_host(self) -> int:
         return len(self.devices)
 
-    @property
-    def num_devices(self) -> int:
-        return len(self.devices)
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return (1, len(self.devices))
-
     def get_logical_mesh(
         self,
         mesh_shape: Sequence[int] | None = None,
@@ -332,6 +365,27 @@ class LocalPhysicalDeviceMesh:
         if not 0 <= start < stop <= self.num_devices:
             raise ValueError(f"cannot slice devices [{start}, {stop}) of {self.num_devices}")
         return LocalPhysicalDeviceMesh(self.devices[start:stop], self.cluster)
+
+    @property
+    def host_info(self) -> list[dict]:
+        import socket
+
+        return [{"NodeManagerAddress": socket.gethostname(), "NodeID": "local"}]
+
+    def slice_2d(
+        self, host_indices: Sequence[int], device_indices: Sequence[Sequence[int]]
+    ) -> LocalPhysicalDeviceMesh:
+        if list(host_indices) != [0] or len(device_indices) != 1:
+            raise ValueError(
+                f"a LocalPhysicalDeviceMesh has one host (0), got host_indices={host_indices}"
+            )
+        (indices,) = device_indices
+        if not indices or any(not 0 <= i < self.num_devices for i in indices):
+            raise ValueError(f"device_indices must be in [0, {self.num_devices}), got {indices}")
+        return LocalPhysicalDeviceMesh([self.devices[i] for i in indices], self.cluster)
+
+    def shutdown(self) -> None:
+        """Nothing to free: the devices belong to this process."""
 
     def __repr__(self) -> str:
         return f"LocalPhysicalDeviceMesh({len(self.devices)} x {self.devices[0].platform})"

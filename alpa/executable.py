@@ -54,6 +54,11 @@ class Executable(abc.ABC):
         Raises ``TypeError`` or ``ValueError`` before running anything when the arguments
         are not those it was compiled for (see the module docstring)."""
 
+    def __call__(self, *dynamic_args: Any) -> Any:
+        """Run one step on the dynamic arguments (those ``get_executable`` was given,
+        static ones left out), placing them first: Alpa's ``executable(*args)``."""
+        return self.placing_dispatch()(*dynamic_args)
+
     def placing_dispatch(self) -> Any:
         """A :meth:`dispatch` that first places leaves whose sharding is not equivalent to
         the planned one (for callers whose inputs keep arriving elsewhere)."""

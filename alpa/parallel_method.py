@@ -12,9 +12,14 @@ from __future__ import annotations
 import abc
 import contextlib
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
-from alpa.cluster import get_global_cluster, get_global_physical_mesh
+from alpa.cluster import (
+    get_global_cluster,
+    get_global_physical_mesh,
+    global_virtual_mesh_if_set,
+)
 from alpa.device_mesh import (
     ClusterSpec,
     LocalPhysicalDeviceMesh,
@@ -301,9 +306,26 @@ class PipeshardParallel(ParallelMethod):
             cluster = devices.cluster or ClusterSpec.preset("cpu", devices.num_hosts)
             return devices.num_hosts, devices.num_devices_per_host, cluster, None
         ray_cluster = self._ray_cluster()
+        chosen = global_virtual_mesh_if_set() if devices is None else None
         if ray_cluster is not None:
+            if chosen is not None:  # set_global_virtual_physical_mesh: the first hosts
+                spec = replace(
+                    ray_cluster.spec,
+                    num_nodes=chosen.num_hosts,
+                    num_devices_per_node=chosen.num_devices_per_host,
+                )
+                return chosen.num_hosts, chosen.num_devices_per_host, spec, None
             spec = ray_cluster.spec
             return ray_cluster.num_hosts, ray_cluster.num_devices_per_host, spec, None
+        if chosen is not None:
+            local = get_global_physical_mesh()
+            if chosen.num_hosts != 1 or chosen.num_devices > local.num_devices:
+                raise ValueError(
+                    f"the global virtual mesh {chosen.shape} does not fit the "
+                    f"{local.num_devices} local devices of alpa.init('local')"
+                )
+            physical = local.slice_1d(0, chosen.num_devices)
+            return 1, physical.num_devices, physical.cluster, list(physical.devices)
         if devices is None:
             physical = get_global_physical_mesh()
         elif isinstance(devices, LocalPhysicalDeviceMesh):
@@ -357,7 +379,7 @@ class PipeshardParallel(ParallelMethod):
         ray_cluster = self._ray_cluster()
         if ray_cluster is None:
             return PipeshardDriverExecutable(plan, devices)
-        per_host = ray_cluster.num_devices_per_host
+        per_host = self._cluster()[1]
         meshes = []
         for start, stop in plan.stage_plan.device_ranges:
             hosts = tuple(range(start // per_host, (stop - 1) // per_host + 1))

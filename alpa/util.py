@@ -186,3 +186,25 @@ def compute_gpt_tflops(
 def compute_param_number(pytree: Any) -> int:
     """Number of scalars in all array leaves of ``pytree``."""
     return int(sum(np.prod(np.shape(x)) for x in jax.tree.leaves(pytree)))
+
+
+def map_to_shape(pytree: Any) -> Any:
+    """The pytree with every leaf replaced by its shape (``None`` for a leaf without one)."""
+    return jax.tree.map(lambda x: getattr(x, "shape", None), pytree)
+
+
+def map_to_nparray(pytree: Any) -> Any:
+    """The pytree with every array (jax, numpy or ``DistributedArray``) as a numpy array,
+    fetched in one round per Ray mesh worker; other leaves unchanged."""
+    from alpa.runtime.ray_mesh import prefetch
+
+    leaves = jax.tree.leaves(pytree)
+    prefetch(leaves)
+    return jax.tree.map(lambda x: np.asarray(x) if hasattr(x, "__array__") else x, pytree)
+
+
+def get_shard_shape(aval: Any, sharding: Any) -> tuple[int, ...]:
+    """The shape of one device's shard of a value of ``aval``'s shape under ``sharding``
+    (a ``jax.sharding.Sharding``, e.g. from ``executable.get_input_placement_specs()``'s
+    mesh and spec through ``NamedSharding``)."""
+    return tuple(sharding.shard_shape(tuple(aval.shape)))

@@ -33,6 +33,7 @@ from alpa.device_mesh import (
     CLUSTER_PRESETS,
     ClusterSpec,
     LogicalDeviceMesh,
+    PhysicalDeviceMesh,
     VirtualPhysicalMesh,
     _check_logical_shape,
     _default_alpha_beta,
@@ -185,7 +186,9 @@ class DeviceCluster:
         if mesh is None or mesh.is_shut_down:
             if self.platform == "gpu":
                 self._check_free_gpus(host_ids, per_host)
-            mesh = DistributedPhysicalDeviceMesh(self, next(self._mesh_ids), host_ids, per_host)
+            mesh = DistributedPhysicalDeviceMesh(
+                self, next(self._mesh_ids), host_ids, per_host, first_device
+            )
             self._meshes[key] = mesh
         return mesh
 
@@ -227,12 +230,17 @@ class DeviceCluster:
 # ----------------------------------------------------------------------------- mesh
 
 
-class DistributedPhysicalDeviceMesh:
+class DistributedPhysicalDeviceMesh(PhysicalDeviceMesh):
     """Devices of ``host_ids`` (``num_devices_per_host`` each), owned by one
     ``MeshHostWorker`` per host."""
 
     def __init__(
-        self, cluster: DeviceCluster, mesh_id: int, host_ids: tuple[int, ...], per_host: int
+        self,
+        cluster: DeviceCluster,
+        mesh_id: int,
+        host_ids: tuple[int, ...],
+        per_host: int,
+        first_device: int = 0,
     ):
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -243,6 +251,7 @@ class DistributedPhysicalDeviceMesh:
         self.mesh_id = mesh_id
         self.host_ids = host_ids
         self.num_devices_per_host = per_host
+        self.first_device = first_device  # of each host's devices, where this mesh starts
         self.is_shut_down = False
         self.nccl_peers: set[int] = set()  # destination meshes with an open NCCL group
         self._pending_deletes: list[str] = []
@@ -293,12 +302,27 @@ class DistributedPhysicalDeviceMesh:
         return len(self.host_ids)
 
     @property
-    def num_devices(self) -> int:
-        return self.num_hosts * self.num_devices_per_host
+    def host_info(self) -> list[dict]:
+        return [self.cluster.host_info[h] for h in self.host_ids]
 
-    @property
-    def shape(self) -> tuple[int, int]:
-        return (self.num_hosts, self.num_devices_per_host)
+    def slice_2d(
+        self, host_indices: Sequence[int], device_indices: Sequence[Sequence[int]]
+    ) -> DistributedPhysicalDeviceMesh:
+        """The mesh of the same contiguous devices on hosts ``host_indices`` (of this
+        mesh), with its own workers."""
+        first = list(device_indices[0]) if device_indices else []
+        contiguous = first == list(range(first[0], first[0] + len(first))) if first else False
+        if (
+            len(device_indices) != len(host_indices)
+            or not contiguous
+            or any(list(d) != first for d in device_indices)
+        ):
+            raise ValueError(
+                "a distributed mesh slices into the same contiguous devices on each host, "
+                f"got device_indices={[list(d) for d in device_indices]}"
+            )
+        hosts = tuple(self.host_ids[h] for h in host_indices)
+        return self.cluster.get_physical_mesh(hosts, len(first), self.first_device + first[0])
 
     @property
     def spec(self) -> ClusterSpec:

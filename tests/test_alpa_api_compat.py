@@ -1,0 +1,107 @@
+"""Parts of Alpa's public API that its scripts use (issue 12, first items): argument
+defaults, executables as callables, avals, the cluster and mesh API, cache clearing and
+the small helpers of ``alpa.util``."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import alpa
+from alpa.testing import assert_allclose
+
+
+def _step(w, x):
+    return jnp.tanh(x @ w)
+
+
+def test_default_batch_argnums_follows_the_number_of_arguments():
+    w, x = jnp.ones((4, 4)), jnp.ones((16, 4))
+    # Two arguments: argument 1 is the batch (Alpa's default (1,)), split over devices.
+    two = alpa.parallelize(_step, method=alpa.DataParallel())
+    assert_allclose(two(w, x), _step(w, x))
+    placement = two.get_last_executable().get_input_placement_specs()
+    assert placement[1].sharding_specs[0] != P()
+    # One argument: there is no argument 1, so nothing is a batch (no error).
+    one = alpa.parallelize(lambda w: jnp.sum(w * 2.0), method=alpa.DataParallel())
+    assert_allclose(one(w), jnp.sum(w * 2.0))
+    # An explicit out-of-range position stays an error.
+    bad = alpa.parallelize(lambda w: w * 2.0, method=alpa.DataParallel(), batch_argnums=(1,))
+    with pytest.raises(ValueError, match=r"batch_argnums=\(1,\) is out of range"):
+        bad(w)
+
+
+def test_executable_is_callable_and_takes_avals():
+    w, x = jnp.ones((4, 4)), jnp.ones((16, 4))
+    f = alpa.parallelize(_step, method=alpa.DataParallel())
+    executable = f.get_executable(jax.typeof(w), jax.typeof(x))  # ShapedArray avals
+    assert executable is f.get_executable(w, x)  # the same signature: compiled once
+    assert_allclose(executable(w, x), _step(w, x))
+
+
+def test_init_local_with_fewer_devices_and_the_cluster_api():
+    alpa.init("local", num_nodes=1, num_devices_per_node=4)
+    mesh = alpa.get_global_physical_mesh()
+    assert mesh.devices == tuple(jax.devices()[:4])
+    assert alpa.get_global_num_devices() == 4
+    assert isinstance(mesh, alpa.PhysicalDeviceMesh)
+    assert (mesh.num_hosts, mesh.num_devices_per_host, mesh.shape) == (1, 4, (1, 4))
+    assert len(mesh.host_info) == 1 and "NodeManagerAddress" in mesh.host_info[0]
+    half = mesh.slice_2d([0], [[2, 3]])
+    assert half.devices == tuple(jax.devices()[2:4])
+    assert mesh.slice_1d(0, 2).devices == tuple(jax.devices()[:2])
+    mesh.shutdown()  # a local mesh holds nothing to free
+    with pytest.raises(ValueError, match=r"device_indices must be in \[0, 4\), got \[4\]"):
+        mesh.slice_2d([0], [[4]])
+    alpa.shutdown()
+    with pytest.raises(ValueError, match=r"num_devices_per_node=9 but this process has 8"):
+        alpa.init("local", num_devices_per_node=9)
+
+
+def test_global_virtual_mesh_decides_where_pipelines_run():
+    alpa.init("local")
+    alpa.set_global_virtual_physical_mesh(alpa.VirtualPhysicalMesh(1, 4))
+    assert alpa.get_global_virtual_physical_mesh().shape == (1, 4)
+    rng = np.random.default_rng(0)
+    params = {f"w{i}": rng.standard_normal((8, 8), dtype=np.float32) for i in range(2)}
+    x = rng.standard_normal((16, 8), dtype=np.float32)
+
+    def infer(params, x):
+        h = jnp.tanh(x @ params["w0"])
+        alpa.mark_pipeline_boundary()
+        return jnp.tanh(h @ params["w1"])
+
+    method = alpa.PipeshardParallel(num_micro_batches=2, pipeline_schedule="inference")
+    f = alpa.parallelize(infer, method=method)
+    assert_allclose(f(params, x), infer(params, x))
+    used = {d for m in f.get_last_executable().meshes for d in m.devices.flat}
+    assert used == set(jax.devices()[:4])
+    with pytest.raises(TypeError, match="mesh must be a VirtualPhysicalMesh or None"):
+        alpa.set_global_virtual_physical_mesh((1, 4))
+    alpa.shutdown()
+    assert alpa.get_global_virtual_physical_mesh().shape == (1, 8)  # shutdown forgets it
+
+
+def test_clear_executable_cache_recompiles():
+    f = alpa.parallelize(_step, method=alpa.DataParallel())
+    w, x = jnp.ones((4, 4)), jnp.ones((16, 4))
+    f(w, x)
+    first = f.get_last_executable()
+    alpa.clear_executable_cache()
+    f(w, x)
+    assert f.get_last_executable() is not first
+
+
+def test_util_maps_and_shard_shape():
+    tree = {"a": jnp.ones((2, 3)), "b": (np.zeros(4), 1.5)}
+    assert alpa.util.map_to_shape(tree) == {"a": (2, 3), "b": ((4,), None)}
+    arrays = alpa.util.map_to_nparray(tree)
+    assert isinstance(arrays["a"], np.ndarray) and arrays["b"][1] == 1.5
+    mesh = alpa.LocalPhysicalDeviceMesh().get_logical_mesh((2, 4)).get_jax_mesh()
+    sharding = NamedSharding(mesh, P("x", "y"))
+    assert alpa.util.get_shard_shape(jax.ShapeDtypeStruct((8, 12), jnp.float32), sharding) == (
+        4,
+        3,
+    )
