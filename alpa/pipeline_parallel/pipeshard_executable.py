@@ -301,7 +301,7 @@ class PipeshardDriverExecutable(Executable):
         for v, (kind, value) in zip(jaxpr.outvars, self.instructions.outputs, strict=True):
             if kind == "key":
                 specs.append(self._placement(v, (value[2],)))
-            elif kind == "concat":
+            elif kind in ("concat", "mean"):
                 specs.append(self._placement(v, (value[0][2],)))
             else:
                 specs.append(PlacementSpec(getattr(v, "aval", None), (), ()))

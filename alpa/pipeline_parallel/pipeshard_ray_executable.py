@@ -209,21 +209,22 @@ class PipeshardRayExecutable(Executable):
         outputs: list[list[MeshOutput]] = [[] for _ in self.meshes]
         const_names = set()
         for kind, value in plan.instructions.outputs:
-            if kind in ("key", "concat"):
+            if kind in ("key", "concat", "mean"):
                 keys = (value,) if kind == "key" else value
                 m = keys[0][2]
                 b = builders[m]
                 aval = var_of[keys[0][0]].aval
                 shape = tuple(aval.shape)
-                if kind == "concat":
-                    slot = b.slot(("concat", keys))
+                if kind in ("concat", "mean"):
+                    slot = b.slot((kind, keys))
                     b.emit(
-                        WorkerOp.CONCAT,
+                        WorkerOp.CONCAT if kind == "concat" else WorkerOp.MEAN,
                         in_slots=tuple(b.slot(k) for k in keys),
                         out_slots=(slot,),
                         layout=layout(keys[0]),
                     )
-                    shape = (shape[0] * len(keys),) + shape[1:]
+                    if kind == "concat":
+                        shape = (shape[0] * len(keys),) + shape[1:]
                 else:
                     slot = b.slot(value)
                 self._output_sources.append(("mesh", (m, len(b.outputs))))

@@ -273,9 +273,13 @@ def emit_instructions(
             outputs.append(("const", names[v]))
         elif v in program.per_micro_batch:
             keys = tuple((names[v], m, program.home[v]) for m in range(k))
-            if v in batch_dependent:
+            if v in batch_dependent and v.aval.ndim == 0 and k > 1 and _is_float(v):
+                # A scalar computed from the batch (a loss): the mean over micro-batches,
+                # which is the full batch's value for a mean over equal micro-batches.
+                outputs.append(("mean", keys))
+            elif v in batch_dependent and v.aval.ndim > 0:
                 outputs.append(("concat", keys))
-            else:
+            else:  # the same every micro-batch, or a non-float scalar: the last one
                 outputs.append(("key", keys[-1]))
         elif v in leaf_of:
             outputs.append(("key", ensure(v, None, program.input_stages[v][0])))
@@ -285,7 +289,7 @@ def emit_instructions(
     for kind, value in outputs:
         if kind == "key":
             final_keys.add(value)
-        elif kind == "concat":
+        elif kind in ("concat", "mean"):
             final_keys.update(value)
 
     return PipelineInstructions(

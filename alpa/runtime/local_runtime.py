@@ -268,6 +268,8 @@ class LocalPipelineRuntime:
                 outputs.append(consts[value])
             elif kind == "key":
                 outputs.append(env[value])
+            elif kind == "mean":
+                outputs.append(_mean([env[self._slot[k]] for k in value]))
             else:
                 outputs.append(_concat([env[self._slot[k]] for k in value]))
         return outputs
@@ -290,7 +292,7 @@ class LocalPipelineRuntime:
         for kind, value in self.program.outputs:
             if kind == "key":
                 keep.add(value)
-            elif kind == "concat":
+            elif kind in ("concat", "mean"):
                 keep.update(value)
         return sorted(
             (
@@ -323,6 +325,13 @@ def _mesh_sharding(sharding, ndim: int) -> MeshSharding:
 
 
 _concat_fn = jax.jit(lambda *xs: jax.numpy.concatenate(xs, axis=0))
+
+
+_mean_fn = jax.jit(lambda *xs: sum(xs[1:], xs[0]) / len(xs))
+
+
+def _mean(values):
+    return _mean_fn(*values)
 
 
 def _concat(values):

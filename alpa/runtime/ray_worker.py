@@ -560,6 +560,16 @@ def _concat(w: MeshHostWorker, lp: _LoadedProgram, ins: WorkerInstruction, env, 
     env[ins.out_slots[0]] = lp.unstack[key](*parts)
 
 
+def _mean(w: MeshHostWorker, lp: _LoadedProgram, ins: WorkerInstruction, env, args, step):
+    import jax
+
+    parts = [env[i] for i in ins.in_slots]
+    key = ("mean", len(parts))
+    if key not in lp.unstack:
+        lp.unstack[key] = jax.jit(lambda *xs: sum(xs[1:], xs[0]) / len(xs))
+    env[ins.out_slots[0]] = lp.unstack[key](*parts)
+
+
 _HANDLERS: dict[WorkerOp, Callable] = {
     WorkerOp.INPUT: _input,
     WorkerOp.LOAD: _load,
@@ -568,4 +578,5 @@ _HANDLERS: dict[WorkerOp, Callable] = {
     WorkerOp.SEND: _send,
     WorkerOp.RECV: _recv,
     WorkerOp.CONCAT: _concat,
+    WorkerOp.MEAN: _mean,
 }

@@ -22,6 +22,7 @@ outputs get.
     (:class:`TransferPlan`); the sending worker pushes its pieces to each destination
     worker, the receiving worker assembles its devices' tiles.
   - ``CONCAT``: the per-micro-batch values ``in_slots`` joined along axis 0.
+  - ``MEAN``: the mean of the per-micro-batch values ``in_slots`` (a scalar loss).
 
 * :class:`TransferPlan` is ``pipeline_parallel.resharding``'s tile plan flattened for the
   workers: which piece each source host sends to each destination host.
@@ -110,6 +111,7 @@ class WorkerOp(str, enum.Enum):
     SEND = "SEND"
     RECV = "RECV"
     CONCAT = "CONCAT"
+    MEAN = "MEAN"
 
     def __str__(self) -> str:
         return self.value

@@ -432,3 +432,27 @@ def test_resharded_bytes_follow_the_tile_plan(replicate_activation):
     P = jax.sharding.PartitionSpec
     forward = P() if replicate_activation else P(("x", "y"))
     assert specs == [forward, P(("x", "y"))] * 2, specs
+
+
+def test_inference_scalar_loss_is_the_mean_over_micro_batches():
+    """A scalar computed from the batch (a mean loss) comes back as the mean over the
+    micro-batches, the full batch's value; an integer scalar is the last micro-batch's
+    (Alpa's test_inference_only reports the loss this way)."""
+    devices_or_skip(8)
+    params, (x, y) = _mlp(2)
+
+    def evaluate(params, x, y):
+        h = jnp.tanh(x @ params["w0"] + params["b0"])
+        alpa.mark_pipeline_boundary()
+        out = jnp.tanh(h @ params["w1"] + params["b1"])
+        return jnp.mean((out - y) ** 2), out, jnp.argmax(out[0])
+
+    method = PipeshardParallel(num_micro_batches=4, pipeline_schedule="inference")
+    f = alpa.parallelize(evaluate, method=method, batch_argnums=(1, 2))
+    loss, out, last = f(params, x, y)
+    ref_loss, ref_out, _ = evaluate(params, x, y)
+    assert loss.shape == ()
+    np.testing.assert_allclose(np.asarray(loss), np.asarray(ref_loss), rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref_out), rtol=1e-4, atol=1e-4)
+    size = x.shape[0] // 4
+    assert int(last) == int(evaluate(params, x[-size:], y[-size:])[2])

@@ -371,13 +371,15 @@ def test_pipeshard_inference_schedule(ray_cluster):
     def infer(params, x):
         h = jax.numpy.tanh(x @ params["w0"])
         alpa.mark_pipeline_boundary()
-        return jax.numpy.tanh(h @ params["w1"])
+        out = jax.numpy.tanh(h @ params["w1"])
+        return out, jax.numpy.mean(out**2)  # a scalar: the mean over micro-batches
 
     method = alpa.PipeshardParallel(
         num_micro_batches=4,
         pipeline_schedule="inference",
         stage_option=alpa.ManualStageOption([[0], [1]], [(1, DEVICES_PER_NODE)] * 2),
     )
-    out = alpa.parallelize(infer, method=method, batch_argnums=(1,))(params, x)
+    out, loss = alpa.parallelize(infer, method=method, batch_argnums=(1,))(params, x)
     assert isinstance(out, alpa.DistributedArray) and out.shape == (32, 16)
-    assert_allclose(np.asarray(out), infer(params, x))
+    assert loss.shape == ()
+    assert_allclose((np.asarray(out), np.asarray(loss)), infer(params, x))
