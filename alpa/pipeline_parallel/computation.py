@@ -484,6 +484,10 @@ def rematerialize(program: PipelineProgram) -> PipelineProgram:
         new_comps[fwd] = dataclasses.replace(
             fwd, outvars=tuple(v for v in fwd.outvars if v in others or v in kept_outside)
         )
-        bwd_eqns = [e for e in recompute if e not in bwd.eqns] + list(bwd.eqns)
+        # The recomputed forward first; an equation the split also copied into the
+        # backward (a cheap one both read, such as an attention mask) moves to the front
+        # with it, since a recomputed equation may read its output.
+        again = {id(e) for e in recompute}
+        bwd_eqns = list(recompute) + [e for e in bwd.eqns if id(e) not in again]
         new_comps[bwd] = dataclasses.replace(bwd, eqns=tuple(bwd_eqns), invars=tuple(invars))
     return dataclasses.replace(program, computations=tuple(new_comps.get(c, c) for c in comps))

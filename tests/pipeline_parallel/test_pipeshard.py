@@ -456,3 +456,40 @@ def test_inference_scalar_loss_is_the_mean_over_micro_batches():
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref_out), rtol=1e-4, atol=1e-4)
     size = x.shape[0] // 4
     assert int(last) == int(evaluate(params, x[-size:], y[-size:])[2])
+
+
+def _transformer(name):
+    from alpa.model.bert import BertConfig, get_bert_train_state_and_step
+    from alpa.model.gpt import GPTConfig, get_gpt_train_state_and_step
+    from alpa.model.moe import MoEConfig, get_moe_train_state_and_step
+
+    small = dict(hidden_size=32, num_layers=2, num_heads=2, add_manual_pipeline_markers=True)
+    if name == "gpt":
+        config = GPTConfig(seq_len=16, vocab_size=64, **small)
+        return lambda grad: get_gpt_train_state_and_step(config, 8, grad_func=grad)
+    if name == "moe":
+        config = MoEConfig(num_experts=2, seq_len=16, vocab_size=64, **small)
+        return lambda grad: get_moe_train_state_and_step(config, 8, grad_func=grad)
+    config = BertConfig(vocab_size=64, max_position_embeddings=16, **small)
+    return lambda grad: get_bert_train_state_and_step(config, 8, seq_len=16, grad_func=grad)
+
+
+@pytest.mark.parametrize("model", ["gpt", "moe", "bert"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_remat_layer_on_attention_stacks(model, schedule):
+    """remat_layer=True on 2-stage GPT, MoE and BERT steps (Alpa's own cases): the
+    recomputed forward may read a value the split also copied into the backward (the
+    attention mask), which failed with a KeyError."""
+    devices_or_skip(8)
+    make = _transformer(model)
+    state, batch, step = make(alpa.value_and_grad)
+    ref_state, _, ref_step = make(jax.value_and_grad)
+    expected = jax.jit(ref_step)(ref_state, batch)
+    method = PipeshardParallel(
+        num_micro_batches=2,
+        pipeline_schedule=schedule,
+        layer_option=alpa.ManualLayerOption(remat_layer=True),
+        stage_option="uniform",
+    )
+    out = alpa.parallelize(step, method=method, donate_argnums=())(state, batch)
+    alpa.testing.assert_allclose(out[0].params, expected[0].params)
