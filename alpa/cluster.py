@@ -8,6 +8,7 @@ compile, so that nothing imports back up to ``alpa.api``.
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -20,6 +21,7 @@ logger = logging.getLogger("alpa")
 _global_physical_mesh: Any = None  # LocalPhysicalDeviceMesh or, for Ray, built on demand
 _global_cluster: Any = None  # alpa.runtime.ray_mesh.DeviceCluster under init("ray")
 _started_ray = False
+_init_args: tuple | None = None  # what the explicit alpa.init was called with
 _global_virtual_mesh: VirtualPhysicalMesh | None = None  # set_global_virtual_physical_mesh
 
 
@@ -49,20 +51,27 @@ def init(
       devices: with ``"local"``, a subset of ``jax.devices()`` to use
         (``num_devices_per_node=k`` takes the first ``k`` of them).
     """
-    global _global_physical_mesh, _global_cluster
+    global _global_physical_mesh, _global_cluster, _init_args
+    args = (cluster, cluster_address, num_nodes, num_devices_per_node, namespace, devices)
+    if _global_physical_mesh is not None or _global_cluster is not None:
+        if _init_args is not None and args != _init_args:
+            warnings.warn(
+                f"alpa.init({cluster!r}, ...) is ignored: alpa is already initialized with "
+                f"other arguments (cluster={_init_args[0]!r}); call alpa.shutdown() first",
+                UserWarning,
+                stacklevel=2,
+            )
+        return
+    _init_args = args
     if cluster == "ray":
         if devices is not None:
             raise ValueError("devices= is for cluster='local'; Ray meshes own their devices")
-        if _global_cluster is not None or _global_physical_mesh is not None:
-            return
         _global_cluster = _init_ray(cluster_address, num_nodes, num_devices_per_node, namespace)
         return
     if cluster != "local":
         raise ValueError(f"cluster must be 'local' or 'ray', got {cluster!r}")
     if num_nodes not in (None, 1):
         raise ValueError(f"cluster='local' has one node, got num_nodes={num_nodes!r}")
-    if _global_physical_mesh is not None or _global_cluster is not None:
-        return
     if num_devices_per_node is not None:
         available = list(jax.devices() if devices is None else devices)
         if not isinstance(num_devices_per_node, int) or not (
@@ -104,8 +113,9 @@ def _init_ray(cluster_address, num_nodes, num_devices_per_node, namespace):
 
 def shutdown() -> None:
     """Forget the cluster and kill its mesh workers; a later ``init`` starts afresh."""
-    global _global_physical_mesh, _global_cluster, _started_ray, _global_virtual_mesh
+    global _global_physical_mesh, _global_cluster, _started_ray, _global_virtual_mesh, _init_args
     _global_virtual_mesh = None
+    _init_args = None
     if _global_cluster is not None:
         _global_cluster.shutdown()
         if _started_ray:

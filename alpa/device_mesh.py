@@ -335,9 +335,20 @@ class LocalPhysicalDeviceMesh(PhysicalDeviceMesh):
     def __init__(self, devices: Sequence[Any] | None = None, cluster: ClusterSpec | None = None):
         import jax
 
+        if isinstance(devices, str):
+            raise TypeError(
+                f"devices={devices!r} is a string; pass jax devices (jax.devices({devices!r})) "
+                "or a mesh"
+            )
         devices = list(jax.devices() if devices is None else devices)
         if not devices:
             raise ValueError("LocalPhysicalDeviceMesh needs at least one device")
+        for device in devices:
+            if not isinstance(device, jax.Device):
+                raise TypeError(
+                    f"devices must be jax devices (from jax.devices()), got "
+                    f"{type(device).__name__} {device!r}"
+                )
         if len(set(devices)) != len(devices):
             raise ValueError(f"LocalPhysicalDeviceMesh got repeated devices: {devices}")
         self.devices = tuple(devices)

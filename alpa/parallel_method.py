@@ -331,7 +331,7 @@ class PipeshardParallel(ParallelMethod):
         elif isinstance(devices, LocalPhysicalDeviceMesh):
             physical = devices
         else:
-            physical = LocalPhysicalDeviceMesh(list(getattr(devices, "devices", devices)))
+            physical = LocalPhysicalDeviceMesh(getattr(devices, "devices", devices))
         return 1, physical.num_devices, physical.cluster, list(physical.devices)
 
     def _ray_cluster(self):

@@ -105,3 +105,22 @@ def test_util_maps_and_shard_shape():
         4,
         3,
     )
+
+
+def test_clear_errors_for_devices_budgets_and_a_second_init():
+    w, x = jnp.ones((4, 4)), jnp.ones((16, 4))
+    with pytest.raises(TypeError, match=r"devices='cpu' is a string; pass jax devices"):
+        alpa.parallelize(_step, method=alpa.PipeshardParallel(devices="cpu"))(w, x)
+    with pytest.raises(TypeError, match=r"devices must be jax devices .*got str 'cpu:0'"):
+        alpa.parallelize(_step, method=alpa.ShardParallel(devices=["cpu:0"]))(w, x)
+    with pytest.raises(ValueError, match=r"memory_budget_per_device must be None or a positive"):
+        alpa.AutoShardingOption(memory_budget_per_device="1GB")
+    from alpa.pipeline_parallel.stage_construction import AutoStageOption
+
+    with pytest.raises(ValueError, match=r"AutoStageOption.memory_budget_per_device must be"):
+        AutoStageOption(memory_budget_per_device="1GB")
+    alpa.init("local")
+    alpa.init("local")  # the same arguments: silently nothing to do
+    with pytest.warns(UserWarning, match=r"alpa.init\('local', ...\) is ignored: alpa is already"):
+        alpa.init("local", num_devices_per_node=2)
+    assert alpa.get_global_num_devices() == 8

@@ -181,8 +181,13 @@ class AutoStageOption:
                 f"{self.cost_model!r}"
             )
         budget = self.memory_budget_per_device
-        if budget is not None and not budget > 0:
-            raise ValueError(f"memory_budget_per_device must be positive, got {budget!r}")
+        if budget is not None and (
+            isinstance(budget, bool) or not isinstance(budget, int | float) or not budget > 0
+        ):
+            raise ValueError(
+                "AutoStageOption.memory_budget_per_device must be None or a positive number "
+                f"of bytes, got {budget!r}"
+            )
 
     def cost_model_instance(self, devices: Sequence[Any] | None):
         from alpa.pipeline_parallel.stage_cost import AnalyticStageCost, MeasuredStageCost

@@ -119,7 +119,9 @@ class AutoShardingOption:
                 f"non-negative int (bytes), got {threshold!r}"
             )
         budget = self.memory_budget_per_device
-        if budget is not None and (isinstance(budget, bool) or not budget > 0):
+        if budget is not None and (
+            isinstance(budget, bool) or not isinstance(budget, int | float) or not budget > 0
+        ):
             raise ValueError(
                 "AutoShardingOption.memory_budget_per_device must be None or a positive "
                 f"number of bytes, got {budget!r}"
