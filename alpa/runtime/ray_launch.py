@@ -86,18 +86,19 @@ class RayStepLauncher:
         self.bytes_sent_last_step = 0
         self.last_step_seconds: list[float] = []
         peers = {(m.mesh_id, h): w for m in self.meshes for h, w in enumerate(m.workers)}
-        calls = []
+        calls = []  # (ref, label, mesh index)
         for i, (mesh, program) in enumerate(zip(self.meshes, programs, strict=True)):
-            for worker in mesh.workers:
-                calls.append((worker.load_program.remote(self.program_id, program, peers), i))
-        results = wait_workers([(ref, self.meshes[i].label(0)) for ref, i in calls])
+            for host, worker in enumerate(mesh.workers):
+                ref = worker.load_program.remote(self.program_id, program, peers)
+                calls.append((ref, mesh.label(host), i))
+        results = wait_workers([(ref, label) for ref, label, _ in calls])
         by_id = {m.mesh_id: m for m in self.meshes}
         for i, program in enumerate(programs):
             for peer in {ins.peer_mesh for ins in program.instructions if ins.op is WorkerOp.SEND}:
                 ensure_nccl_group(self.meshes[i], by_id[peer])
         # Every worker of a mesh compiled the same programs; read each mesh's first report.
         reported = {}
-        for (_, i), specs in zip(calls, results, strict=True):
+        for (_, _, i), specs in zip(calls, results, strict=True):
             reported.setdefault(i, specs)
         self.mesh_outputs = [
             [
