@@ -41,6 +41,7 @@ _EXPORTS = {
     "VirtualPhysicalMesh": "alpa.device_mesh",
     "global_config": "alpa.global_env",
     "DataParallel": "alpa.parallel_method",
+    "get_3d_parallel_method": "alpa.parallel_method",
     "ParallelMethod": "alpa.parallel_method",
     "PipeshardParallel": "alpa.parallel_method",
     "ShardParallel": "alpa.parallel_method",
@@ -127,6 +128,7 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and editors
         ShardParallel,
         Zero2Parallel,
         Zero3Parallel,
+        get_3d_parallel_method,
     )
     from alpa.pipeline_parallel.layer_construction import (  # noqa: F401
         AutoLayerOption,

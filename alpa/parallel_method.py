@@ -18,6 +18,7 @@ from typing import Any
 from alpa.cluster import (
     get_global_cluster,
     get_global_physical_mesh,
+    get_global_virtual_physical_mesh,
     global_virtual_mesh_if_set,
 )
 from alpa.device_mesh import (
@@ -27,13 +28,17 @@ from alpa.device_mesh import (
     VirtualPhysicalMesh,
 )
 from alpa.executable import Executable
-from alpa.pipeline_parallel.layer_construction import layer_option_context, resolve_layer_option
+from alpa.pipeline_parallel.layer_construction import (
+    AutoLayerOption,
+    layer_option_context,
+    resolve_layer_option,
+)
 from alpa.pipeline_parallel.pipeshard_executable import PipeshardDriverExecutable
 from alpa.pipeline_parallel.pipeshard_plan import PipeshardPlan, plan_pipeshard
 from alpa.pipeline_parallel.pipeshard_ray_executable import PipeshardRayExecutable
 from alpa.pipeline_parallel.resharding import worker_transfer_plan
 from alpa.pipeline_parallel.schedules import schedules
-from alpa.pipeline_parallel.stage_construction import resolve_stage_option
+from alpa.pipeline_parallel.stage_construction import ManualStageOption, resolve_stage_option
 from alpa.pipeline_parallel.user_shardings import (
     check_axis_names,
     check_manual_sharding_option,
@@ -394,3 +399,71 @@ class PipeshardParallel(ParallelMethod):
             f"pipeline_schedule={self.pipeline_schedule!r}, "
             f"stage_option={self.stage_option!r})"
         )
+
+
+# ----------------------------------------------------------------------------- 3-D
+
+
+def get_3d_parallel_method(
+    num_micro_batches: int,
+    data_parallel: int,
+    operator_parallel: int,
+    pipeline_parallel: int,
+    allow_degenerate_into_shard_parallel: bool = True,
+    use_remat: bool = True,
+    num_devices_per_host: int | None = None,
+) -> ParallelMethod:
+    """Alpa's hand-set 3-D parallelism: ``pipeline_parallel`` equal stages (layers by
+    clustering, one per stage), each on ``data_parallel x operator_parallel`` devices as
+    the logical mesh ``(data_parallel, operator_parallel)``, the batch split over mesh
+    axis 0. With ``pipeline_parallel == 1`` (and ``allow_degenerate_into_shard_parallel``)
+    it is ``ShardParallel`` on that logical mesh of the global mesh.
+
+    ``num_devices_per_host``: devices per host of a stage's submesh (default: the global
+    cluster's); a stage of more devices spans whole hosts.
+    """
+    for name, value in (
+        ("data_parallel", data_parallel),
+        ("operator_parallel", operator_parallel),
+        ("pipeline_parallel", pipeline_parallel),
+    ):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    option = AutoShardingOption(prefer_reduce_scatter=True, force_batch_dim_to_mesh_dim=0)
+    stage_devices = data_parallel * operator_parallel
+    if pipeline_parallel == 1 and allow_degenerate_into_shard_parallel:
+        physical = get_global_physical_mesh()
+        if physical.num_devices != stage_devices:
+            raise ValueError(
+                f"data_parallel * operator_parallel = {stage_devices} but the global mesh has "
+                f"{physical.num_devices} devices"
+            )
+        return ShardParallel(
+            devices=physical.get_logical_mesh((data_parallel, operator_parallel)),
+            num_micro_batches=num_micro_batches,
+            auto_sharding_option=option,
+        )
+    per_host = num_devices_per_host or get_global_virtual_physical_mesh().num_devices_per_host
+    if stage_devices <= per_host:
+        physical_shape = (1, stage_devices)
+    elif stage_devices % per_host == 0:
+        physical_shape = (stage_devices // per_host, per_host)
+    else:
+        raise ValueError(
+            f"a stage of data_parallel * operator_parallel = {stage_devices} devices neither "
+            f"fits in a host of {per_host} devices nor spans whole hosts"
+        )
+    return PipeshardParallel(
+        num_micro_batches=num_micro_batches,
+        default_auto_sharding_option=option,
+        layer_option=AutoLayerOption(
+            layer_num=pipeline_parallel,
+            remat_mode="coarse_grained_remat" if use_remat else "none",
+        ),
+        stage_option=ManualStageOption(
+            forward_stage_layer_ids=[[i] for i in range(pipeline_parallel)],
+            submesh_physical_shapes=[physical_shape] * pipeline_parallel,
+            submesh_logical_shapes=[(data_parallel, operator_parallel)] * pipeline_parallel,
+            submesh_autosharding_option_dicts=[{}] * pipeline_parallel,
+        ),
+    )

@@ -124,3 +124,39 @@ def test_clear_errors_for_devices_budgets_and_a_second_init():
     with pytest.warns(UserWarning, match=r"alpa.init\('local', ...\) is ignored: alpa is already"):
         alpa.init("local", num_devices_per_node=2)
     assert alpa.get_global_num_devices() == 8
+
+
+def test_get_3d_parallel_method():
+    from alpa.testing import get_mlp_train_state_and_step
+
+    alpa.init("local")
+    method = alpa.get_3d_parallel_method(
+        num_micro_batches=2, data_parallel=2, operator_parallel=2, pipeline_parallel=2
+    )
+    assert isinstance(method, alpa.PipeshardParallel)
+    state, batch, step = get_mlp_train_state_and_step(32, 16, num_layers=4)
+    expected = jax.jit(step)(state, batch)
+    p_step = alpa.parallelize(step, method=method)
+    assert_allclose(p_step(state, batch).params, expected.params)
+    executable = p_step.get_last_executable()
+    assert [m.devices.shape for m in executable.meshes] == [(2, 2), (2, 2)]
+    # One stage: ShardParallel on the logical mesh (dp, op) of the global mesh.
+    shard = alpa.get_3d_parallel_method(1, 2, 4, 1)
+    assert isinstance(shard, alpa.ShardParallel) and shard.devices.shape == (2, 4)
+    with pytest.raises(ValueError, match=r"data_parallel \* operator_parallel = 4 but the"):
+        alpa.get_3d_parallel_method(1, 2, 2, 1)
+    with pytest.raises(ValueError, match="pipeline_parallel must be a positive int, got 0"):
+        alpa.get_3d_parallel_method(1, 2, 2, 0)
+
+
+def test_test_install_runs_and_passes():
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-m", "alpa.test_install"], capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "ok   ShardParallel" in result.stdout
+    assert "ok   PipeshardParallel" in result.stdout
+    assert result.stdout.strip().endswith("alpa is installed correctly")
