@@ -310,13 +310,30 @@ class PhysicalDeviceMesh(abc.ABC):
     def host_info(self) -> list[dict]:
         """Per host, where it is (``NodeManagerAddress``, and Ray's record under Ray)."""
 
+    @property
     @abc.abstractmethod
+    def spec(self) -> ClusterSpec:
+        """The hardware of this mesh (links and devices), for the cost model."""
+
+    #: The devices a logical mesh of this mesh lowers to; ``None``: they belong to other
+    #: processes (Ray mesh workers) and the logical mesh is abstract.
+    logical_devices: tuple[Any, ...] | None = None
+
     def get_logical_mesh(
         self,
         mesh_shape: Sequence[int] | None = None,
         mesh_alpha: Sequence[float] | None = None,
         mesh_beta: Sequence[float] | None = None,
-    ) -> LogicalDeviceMesh: ...
+    ) -> LogicalDeviceMesh:
+        """A 2-D view of the mesh (default its own shape) with alpha-beta costs per axis."""
+        shape = _check_logical_shape(mesh_shape or self.shape, self.num_devices)
+        alpha, beta = _default_alpha_beta(self.spec, shape, self.num_devices_per_host)
+        return LogicalDeviceMesh(
+            shape,
+            tuple(mesh_alpha or alpha),
+            tuple(mesh_beta or beta),
+            devices=self.logical_devices,
+        )
 
     @abc.abstractmethod
     def slice_2d(
@@ -360,17 +377,13 @@ class LocalPhysicalDeviceMesh(PhysicalDeviceMesh):
     def num_devices_per_host(self) -> int:
         return len(self.devices)
 
-    def get_logical_mesh(
-        self,
-        mesh_shape: Sequence[int] | None = None,
-        mesh_alpha: Sequence[float] | None = None,
-        mesh_beta: Sequence[float] | None = None,
-    ) -> LogicalDeviceMesh:
-        shape = _check_logical_shape(mesh_shape or self.shape, self.num_devices)
-        alpha, beta = _default_alpha_beta(self.cluster, shape, self.num_devices_per_host)
-        return LogicalDeviceMesh(
-            shape, tuple(mesh_alpha or alpha), tuple(mesh_beta or beta), devices=self.devices
-        )
+    @property
+    def spec(self) -> ClusterSpec:
+        return self.cluster
+
+    @property
+    def logical_devices(self) -> tuple[Any, ...]:
+        return self.devices
 
     def slice_1d(self, start: int, stop: int) -> LocalPhysicalDeviceMesh:
         if not 0 <= start < stop <= self.num_devices:

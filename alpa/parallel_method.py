@@ -38,7 +38,11 @@ from alpa.pipeline_parallel.pipeshard_plan import PipeshardPlan, plan_pipeshard
 from alpa.pipeline_parallel.pipeshard_ray_executable import PipeshardRayExecutable
 from alpa.pipeline_parallel.resharding import worker_transfer_plan
 from alpa.pipeline_parallel.schedules import schedules
-from alpa.pipeline_parallel.stage_construction import ManualStageOption, resolve_stage_option
+from alpa.pipeline_parallel.stage_construction import (
+    ManualStageOption,
+    resolve_stage_option,
+    submesh_shape,
+)
 from alpa.pipeline_parallel.user_shardings import (
     check_axis_names,
     check_manual_sharding_option,
@@ -444,15 +448,7 @@ def get_3d_parallel_method(
             auto_sharding_option=option,
         )
     per_host = num_devices_per_host or get_global_virtual_physical_mesh().num_devices_per_host
-    if stage_devices <= per_host:
-        physical_shape = (1, stage_devices)
-    elif stage_devices % per_host == 0:
-        physical_shape = (stage_devices // per_host, per_host)
-    else:
-        raise ValueError(
-            f"a stage of data_parallel * operator_parallel = {stage_devices} devices neither "
-            f"fits in a host of {per_host} devices nor spans whole hosts"
-        )
+    physical_shape = submesh_shape(stage_devices, per_host)
     return PipeshardParallel(
         num_micro_batches=num_micro_batches,
         default_auto_sharding_option=option,

@@ -39,7 +39,8 @@ from alpa.pipeline_parallel.stage_sharding import (
 )
 from alpa.pipeline_parallel.user_shardings import input_names
 from alpa.runtime.local_runtime import LocalPipelineRuntime, RuntimeContext, reshard_bytes
-from alpa.shard_parallel.executable import device_peak_bytes, full_batch_avals
+from alpa.runtime.memory import allocation_bytes, device_peak_bytes
+from alpa.shard_parallel.executable import full_batch_avals
 from alpa.tracing import leaf_signature
 from alpa.tracing.primitive_def import pipeline_p
 
@@ -79,6 +80,18 @@ class StagePrograms:
         self.var_of = {name: v for v, name in plan.names.items()}
         jaxpr = plan.traced.closed_jaxpr.jaxpr
         self.consts_env = dict(zip(jaxpr.constvars, plan.traced.closed_jaxpr.consts, strict=True))
+
+    def const_outputs(self, names) -> dict:
+        """The step outputs ``names`` that depend on no input, computed here once."""
+        if not names:
+            return {}
+        jaxpr = self.plan.traced.closed_jaxpr.jaxpr
+        env = dict(self.consts_env)
+        needed: set = set()
+        for n in names:
+            _collect_consts(self.var_of[n], self.program.const_eqns, needed)
+        _eval_eqns([e for e in jaxpr.eqns if any(o in needed for o in e.outvars)], env)
+        return {n: env[self.var_of[n]] for n in names}
 
     def sharding(self, var, mesh: int) -> NamedSharding:
         jax_mesh = self.meshes[mesh]
@@ -175,7 +188,6 @@ class PipeshardDriverExecutable(Executable):
         self.stage_specs, self.stage_objectives = plan.stage_specs, plan.objectives
         self.stage_programs = StagePrograms(plan, self.meshes)
         jaxpr = traced.closed_jaxpr.jaxpr
-        self._consts_env = self.stage_programs.consts_env
         self._kernels = [self._compile_kernel(kernel) for kernel in instructions.kernels]
         self._compiled: dict[int, Any] = {
             kernel.computation: compiled
@@ -198,14 +210,9 @@ class PipeshardDriverExecutable(Executable):
             in_flight_limit=2 if devices[0].platform == "cpu" else None,
         )
         self.runtime = LocalPipelineRuntime(instructions, context, leaf_index, self._reshard_bytes)
-        const_env = dict(self._consts_env)
-        const_outputs = {name for kind, name in instructions.outputs if kind == "const"}
-        if const_outputs:
-            needed: set = set()
-            for n in const_outputs:
-                _collect_consts(self._var_of[n], program.const_eqns, needed)
-            _eval_eqns([e for e in jaxpr.eqns if any(o in needed for o in e.outvars)], const_env)
-        self._const_outputs = {n: const_env[self._var_of[n]] for n in const_outputs}
+        self._const_outputs = self.stage_programs.const_outputs(
+            {name for kind, name in instructions.outputs if kind == "const"}
+        )
         self.collect_trace = False
         self._last_outputs: list = []
         full = full_batch_avals(traced, plan.num_micro_batches)
@@ -331,18 +338,10 @@ class PipeshardDriverExecutable(Executable):
 
     def get_stage_allocation_size(self) -> list[int]:
         """Per stage computation, the bytes XLA allocates per device (args + temps + outputs)."""
-        sizes = []
-        for i in range(len(self.program.computations)):
-            mem = self._compiled_computation(i).memory_analysis()
-            sizes.append(
-                int(
-                    mem.argument_size_in_bytes
-                    + mem.output_size_in_bytes
-                    + mem.temp_size_in_bytes
-                    - mem.alias_size_in_bytes
-                )
-            )
-        return sizes
+        return [
+            allocation_bytes(self._compiled_computation(i))
+            for i in range(len(self.program.computations))
+        ]
 
     def get_peak_memory_per_mesh(self) -> list[int]:
         """Per stage mesh, the peak bytes a device of it allocated: the allocator's

@@ -29,8 +29,7 @@ from typing import Any
 import jax
 
 from alpa.executable import Executable, PlacementSpec, check_dispatch_args
-from alpa.pipeline_parallel.computation import _collect_consts
-from alpa.pipeline_parallel.pipeshard_executable import StagePrograms, _eval_eqns
+from alpa.pipeline_parallel.pipeshard_executable import StagePrograms
 from alpa.pipeline_parallel.pipeshard_plan import PipeshardPlan
 from alpa.pipeline_parallel.resharding import worker_transfer_plan
 from alpa.pipeline_parallel.runtime_emitter import Op
@@ -236,7 +235,7 @@ class PipeshardRayExecutable(Executable):
                 self._output_sources.append((kind, value))
                 if kind == "const":
                     const_names.add(value)
-        self._const_outputs = self._evaluate_consts(const_names)
+        self._const_outputs = stages.const_outputs(const_names)
         self._programs = [b.build() for b in builders]
         self.launcher = RayStepLauncher(
             self.meshes,
@@ -249,19 +248,6 @@ class PipeshardRayExecutable(Executable):
         full = full_batch_avals(traced, plan.num_micro_batches)
         self._signatures = [leaf_signature(a) for a in full]
         self._last_outputs: list = []
-
-    def _evaluate_consts(self, names) -> dict:
-        """Step outputs that depend on no input, computed here once."""
-        if not names:
-            return {}
-        var_of = self._stages.var_of
-        jaxpr = self.traced.closed_jaxpr.jaxpr
-        env = dict(self._stages.consts_env)
-        needed: set = set()
-        for n in names:
-            _collect_consts(var_of[n], self.program.const_eqns, needed)
-        _eval_eqns([e for e in jaxpr.eqns if any(o in needed for o in e.outvars)], env)
-        return {n: env[var_of[n]] for n in names}
 
     # -- running
 

@@ -364,6 +364,19 @@ def _finish(context, layer_to_stage, shapes, logical, dicts, **extra) -> StagePl
     )
 
 
+def submesh_shape(num_devices: int, num_devices_per_host: int) -> tuple[int, int]:
+    """The host-aligned submesh ``(hosts, devices_per_host)`` of ``num_devices`` devices:
+    part of one host, or whole hosts."""
+    if num_devices <= num_devices_per_host:
+        return (1, num_devices)
+    if num_devices % num_devices_per_host == 0:
+        return (num_devices // num_devices_per_host, num_devices_per_host)
+    raise ValueError(
+        f"a stage of {num_devices} devices neither fits in a host of {num_devices_per_host} "
+        "devices nor spans whole hosts"
+    )
+
+
 def place_submeshes(
     shapes: Sequence[Sequence[int]], num_hosts: int, num_devices_per_host: int
 ) -> tuple[tuple[int, int], ...]:

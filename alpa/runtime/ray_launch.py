@@ -102,12 +102,7 @@ class RayStepLauncher:
             reported.setdefault(i, specs)
         self.mesh_outputs = [
             [
-                out
-                if out.layout is not None
-                else replace(
-                    out,
-                    layout=replace(programs[i].fns[0].out_layouts[k], spec=reported[i][0][k]),
-                )
+                out if out.layout is not None else replace(out, layout=reported[i][0][k])
                 for k, out in enumerate(outputs)
             ]
             for i, outputs in enumerate(mesh_outputs)

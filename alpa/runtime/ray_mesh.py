@@ -32,11 +32,8 @@ import numpy as np
 from alpa.device_mesh import (
     CLUSTER_PRESETS,
     ClusterSpec,
-    LogicalDeviceMesh,
     PhysicalDeviceMesh,
     VirtualPhysicalMesh,
-    _check_logical_shape,
-    _default_alpha_beta,
 )
 from alpa.runtime.worker_program import Layout
 
@@ -331,17 +328,6 @@ class DistributedPhysicalDeviceMesh(PhysicalDeviceMesh):
             num_nodes=self.num_hosts,
             num_devices_per_node=self.num_devices_per_host,
         )
-
-    def get_logical_mesh(
-        self,
-        mesh_shape: Sequence[int] | None = None,
-        mesh_alpha: Sequence[float] | None = None,
-        mesh_beta: Sequence[float] | None = None,
-    ) -> LogicalDeviceMesh:
-        """An abstract logical mesh (no local devices: the workers hold them)."""
-        shape = _check_logical_shape(mesh_shape or self.shape, self.num_devices)
-        alpha, beta = _default_alpha_beta(self.spec, shape, self.num_devices_per_host)
-        return LogicalDeviceMesh(shape, tuple(mesh_alpha or alpha), tuple(mesh_beta or beta))
 
     def call(self, method: str, *args, on_failure=None) -> list[Any]:
         """Call ``method`` on every worker and wait for all of them."""

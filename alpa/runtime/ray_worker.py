@@ -31,6 +31,7 @@ The class is plain Python; ``ray_mesh`` wraps it with ``ray.remote`` (threaded, 
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
 import threading
@@ -40,6 +41,7 @@ from typing import Any
 
 import numpy as np
 
+from alpa.runtime.memory import allocation_bytes, device_peak_bytes
 from alpa.runtime.nccl_transport import (
     HostRole,
     NcclGroup,
@@ -272,22 +274,30 @@ class MeshHostWorker:
         self, program_id: int, program: WorkerProgram, peers: dict[tuple[int, int], Any]
     ) -> list[list[Any]]:
         """Compile the program's functions on this worker's devices; per function, the
-        ``PartitionSpec`` of each output as compiled. ``peers``: the handles of the
+        ``Layout`` of each output as compiled. ``peers``: the handles of the
         workers it sends to, by ``(mesh id, host)``."""
         import jax
 
         self._peers.update(peers)
         fns = [self._compile(fn) for fn in program.fns]
         self._programs[program_id] = _LoadedProgram(program, fns)
-        return [[s.spec for s in jax.tree.leaves(f.output_shardings)] for f in fns]
+        return [
+            [
+                Layout(tuple(s.mesh.devices.shape), tuple(s.mesh.axis_names), s.spec)
+                for s in jax.tree.leaves(f.output_shardings)
+            ]
+            for f in fns
+        ]
 
     def _compile(self, fn: ExportedFn) -> Callable:
         import jax
 
         exported = jax.export.deserialize(bytearray(fn.serialized))
         in_shardings = tuple(self._sharding(layout) for layout in fn.in_layouts)
+        # An output without a layout is left to XLA (None), as the driver exported it.
         out_shardings = jax.tree.unflatten(
-            exported.out_tree, [self._sharding(layout) for layout in fn.out_layouts]
+            exported.out_tree,
+            [None if layout is None else self._sharding(layout) for layout in fn.out_layouts],
         )
         jitted = jax.jit(
             exported.call,
@@ -310,23 +320,14 @@ class MeshHostWorker:
         (arguments + outputs + temporaries, per device)."""
         import jax
 
-        stats = [d.memory_stats() for d in jax.local_devices()]
-        if all(s and "peak_bytes_in_use" in s for s in stats):
-            return max(int(s["peak_bytes_in_use"]) for s in stats)
-        peak = 0  # no allocator statistics (CPU): XLA's estimate
-        for loaded in self._programs.values():
-            for compiled in loaded.fns:
-                m = compiled.memory_analysis()
-                peak = max(
-                    peak,
-                    int(
-                        m.argument_size_in_bytes
-                        + m.output_size_in_bytes
-                        + m.temp_size_in_bytes
-                        - m.alias_size_in_bytes
-                    ),
-                )
-        return peak
+        measured = device_peak_bytes(jax.local_devices())
+        if measured is not None:
+            return measured
+        # No allocator statistics (CPU): XLA's estimate for the largest loaded program.
+        return max(
+            (allocation_bytes(c) for loaded in self._programs.values() for c in loaded.fns),
+            default=0,
+        )
 
     def unload_program(self, program_id: int) -> None:
         self._programs.pop(program_id, None)
@@ -495,7 +496,7 @@ class _LoadedProgram:
     def __init__(self, program: WorkerProgram, fns: list[Callable]):
         self.program = program
         self.fns = fns
-        self.unstack: dict[tuple, Callable] = {}
+        self.unstack: dict[tuple, Callable] = {}  # per LOAD: the compiled split
 
 
 # ----------------------------------------------------------------------------- handlers
@@ -551,23 +552,25 @@ def _recv(w: MeshHostWorker, lp: _LoadedProgram, ins: WorkerInstruction, env, ar
 
 
 def _concat(w: MeshHostWorker, lp: _LoadedProgram, ins: WorkerInstruction, env, args, step):
-    import jax
-
-    parts = [env[i] for i in ins.in_slots]
-    key = ("concat", len(parts))
-    if key not in lp.unstack:
-        lp.unstack[key] = jax.jit(lambda *xs: jax.numpy.concatenate(xs, axis=0))
-    env[ins.out_slots[0]] = lp.unstack[key](*parts)
+    env[ins.out_slots[0]] = _jitted_concat()(*[env[i] for i in ins.in_slots])
 
 
 def _mean(w: MeshHostWorker, lp: _LoadedProgram, ins: WorkerInstruction, env, args, step):
+    env[ins.out_slots[0]] = _jitted_mean()(*[env[i] for i in ins.in_slots])
+
+
+@functools.cache
+def _jitted_concat() -> Callable:
     import jax
 
-    parts = [env[i] for i in ins.in_slots]
-    key = ("mean", len(parts))
-    if key not in lp.unstack:
-        lp.unstack[key] = jax.jit(lambda *xs: sum(xs[1:], xs[0]) / len(xs))
-    env[ins.out_slots[0]] = lp.unstack[key](*parts)
+    return jax.jit(lambda *xs: jax.numpy.concatenate(xs, axis=0))
+
+
+@functools.cache
+def _jitted_mean() -> Callable:
+    import jax
+
+    return jax.jit(lambda *xs: sum(xs[1:], xs[0]) / len(xs))
 
 
 _HANDLERS: dict[WorkerOp, Callable] = {

@@ -56,7 +56,7 @@ class ExportedFn:
     name: str
     serialized: bytes
     in_layouts: tuple[Layout, ...]
-    out_layouts: tuple[Layout, ...]
+    out_layouts: tuple[Layout | None, ...]  # None: as the exported program leaves it
     donate_argnums: tuple[int, ...] = ()
 
 

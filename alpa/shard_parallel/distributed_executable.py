@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-from jax.sharding import AbstractMesh, AxisType, NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, AxisType, NamedSharding
 
 from alpa.executable import Executable, PlacementSpec, check_dispatch_args
 from alpa.runtime.ray_launch import MeshOutput, RayStepLauncher, TransferPlanner
@@ -51,7 +51,8 @@ def export_program(
     platform: str,
 ) -> ExportedFn:
     """``fn`` (flat arrays in, a list out) jitted with these layouts on an abstract mesh
-    and serialized by ``jax.export`` for the workers' platform."""
+    and serialized by ``jax.export`` for the workers' platform. An output layout ``None``
+    leaves that output's sharding to XLA, as the local executable does."""
 
     def sharding(layout: Layout | None):
         if layout is None:
@@ -65,18 +66,11 @@ def export_program(
         donate_argnums=tuple(donate_argnums),
     )
     structs = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type) for a in avals]
-    exported = jax.export.export(jitted, platforms=_EXPORT_PLATFORMS[platform])(*structs)
-    default = next((layout for layout in in_layouts), None)
     return ExportedFn(
         name=name,
-        serialized=bytes(exported.serialize()),
+        serialized=serialize_jitted(jitted, structs, platform),
         in_layouts=tuple(in_layouts),
-        out_layouts=tuple(
-            layout
-            if layout is not None
-            else Layout(default.mesh_shape, default.axis_names, PartitionSpec())
-            for layout in out_layouts
-        ),
+        out_layouts=tuple(out_layouts),
         donate_argnums=tuple(donate_argnums),
     )
 

@@ -22,6 +22,7 @@ from jax.sharding import NamedSharding
 
 from alpa.executable import Executable, PlacementSpec, is_placed
 from alpa.global_env import global_config
+from alpa.runtime.memory import allocation_bytes, device_peak_bytes
 from alpa.shard_parallel.lowering import build_step_function
 from alpa.shard_parallel.sharding_plan import ShardingPlan
 from alpa.tracing import TracedStep
@@ -50,15 +51,6 @@ def donated_argnums(traced: TracedStep) -> tuple[int, ...]:
             donated.append(position)
         start += subtree.num_leaves
     return tuple(donated)
-
-
-def device_peak_bytes(devices) -> int | None:
-    """The largest ``peak_bytes_in_use`` of ``devices``, or ``None`` where the platform
-    keeps no allocator statistics (CPU)."""
-    stats = [d.memory_stats() for d in devices]
-    if all(s and "peak_bytes_in_use" in s for s in stats):
-        return max(int(s["peak_bytes_in_use"]) for s in stats)
-    return None
 
 
 def compile_shard_executable(
@@ -156,13 +148,7 @@ class MeshExecutable(Executable):
     def get_total_allocation_size(self) -> int:
         """Bytes one device allocates for this step (arguments, outputs, temporaries),
         from XLA's memory analysis."""
-        stats = self.compiled.memory_analysis()
-        return int(
-            stats.argument_size_in_bytes
-            + stats.output_size_in_bytes
-            + stats.temp_size_in_bytes
-            - stats.alias_size_in_bytes
-        )
+        return allocation_bytes(self.compiled)
 
     def get_peak_memory_per_mesh(self) -> list[int]:
         """Per mesh (one here), the peak bytes a device of it allocated: the allocator's

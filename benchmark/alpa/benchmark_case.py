@@ -182,3 +182,25 @@ def search_cases(
         for micro_batches in num_micro_batches
         for layer_num in layer_nums
     ]
+
+
+def transformer_cpu_cases(model_config) -> list[BenchmarkCase]:
+    """The ``cpu_test`` cases of GPT and MoE on 8 devices, one per parallel mode."""
+    return [
+        BenchmarkCase(16, model_config, 2, ShardArgs((2, 4))),
+        BenchmarkCase(32, model_config, 4, UniformArgs(2, 2, 2, use_remat=False)),
+        BenchmarkCase(
+            32,
+            model_config,
+            4,
+            SolutionArgs(
+                4,
+                [[0, 1], [2, 3]],
+                [(1, 4)] * 2,
+                [(4, 1), (2, 2)],
+                [FORCE_DP, {}],
+                remat_mode="fine_grained_remat",
+            ),
+        ),
+        BenchmarkCase(32, model_config, 4, SearchArgs(4, remat_mode="none")),
+    ]

@@ -53,7 +53,7 @@ import alpa
 from alpa.model.gpt import GPTConfig, get_gpt_train_state_and_step
 from alpa.model.moe import MoEConfig, get_moe_train_state_and_step
 from alpa.model.wide_resnet import WResNetConfig, get_wresnet_train_state_and_step
-from alpa.pipeline_parallel.stage_construction import AutoStageOption
+from alpa.pipeline_parallel.stage_construction import AutoStageOption, submesh_shape
 from alpa.tracing.flops import jaxpr_flops
 from alpa.util import benchmark_func, compute_gpt_tflops, compute_param_number
 
@@ -229,16 +229,7 @@ def _uniform_method(args: UniformArgs, num_micro_batches: int, num_hosts: int, p
             f"UniformArgs(dp={args.dp}, op={args.op}, pp={args.pp}) needs "
             f"{args.dp * args.op * args.pp} devices, the cluster has {num_devices}"
         )
-    mesh_size = args.dp * args.op
-    if mesh_size <= per_host:
-        physical = (1, mesh_size)
-    elif mesh_size % per_host == 0:
-        physical = (mesh_size // per_host, per_host)
-    else:
-        raise ValueError(
-            f"a stage of dp * op = {mesh_size} devices is neither within one host nor whole "
-            f"hosts of {per_host} devices"
-        )
+    physical = submesh_shape(args.dp * args.op, per_host)
     return alpa.PipeshardParallel(
         num_micro_batches=num_micro_batches,
         default_auto_sharding_option=_sharding_option(

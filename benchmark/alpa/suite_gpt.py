@@ -21,8 +21,6 @@ from benchmark_case import (
     FORCE_DP,
     BenchmarkCase,
     GPTModelConfig,
-    SearchArgs,
-    ShardArgs,
     SolutionArgs,
     Suite,
     UniformArgs,
@@ -146,23 +144,4 @@ _tiny = GPTModelConfig(
     seq_len=64, hidden_size=128, num_layers=4, num_heads=4, vocab_size=1024, dtype="float32"
 )
 
-cpu_test: Suite = {
-    8: [
-        BenchmarkCase(16, _tiny, 2, ShardArgs((2, 4))),
-        BenchmarkCase(32, _tiny, 4, UniformArgs(2, 2, 2, use_remat=False)),
-        BenchmarkCase(
-            32,
-            _tiny,
-            4,
-            SolutionArgs(
-                4,
-                [[0, 1], [2, 3]],
-                [(1, 4)] * 2,
-                [(4, 1), (2, 2)],
-                [FORCE_DP, {}],
-                remat_mode="fine_grained_remat",
-            ),
-        ),
-        BenchmarkCase(32, _tiny, 4, SearchArgs(4, remat_mode="none")),
-    ],
-}
+cpu_test: Suite = {8: benchmark_case.transformer_cpu_cases(_tiny)}
