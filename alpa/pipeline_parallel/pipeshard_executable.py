@@ -315,9 +315,8 @@ class PipeshardDriverExecutable(Executable):
         return specs
 
     def _placement(self, var, meshes) -> PlacementSpec:
-        return PlacementSpec(
-            var.aval, tuple(meshes), tuple(self._sharding(var, m).spec for m in meshes)
-        )
+        shardings = tuple(self._sharding(var, m) for m in meshes)
+        return PlacementSpec(var.aval, tuple(meshes), tuple(s.spec for s in shardings), shardings)
 
     def get_stage_input_names(self) -> list[list[str]]:
         """Per stage, its inputs (what its forward and backward read from outside), in the

@@ -301,10 +301,15 @@ class PipeshardRayExecutable(Executable):
         )
 
     def _placement(self, var, meshes) -> PlacementSpec:
+        specs = tuple(self._stages.sharding(var, m).spec for m in meshes)
         return PlacementSpec(
             var.aval,
             tuple(self.meshes[m].mesh_id for m in meshes),
-            tuple(self._stages.sharding(var, m).spec for m in meshes),
+            specs,
+            tuple(
+                (self.meshes[m], Layout(self._logical_shapes[m], DATA_AXES, spec))
+                for m, spec in zip(meshes, specs, strict=True)
+            ),
         )
 
     def flat_input_placement_specs(self) -> list[PlacementSpec]:

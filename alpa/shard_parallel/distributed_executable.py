@@ -195,7 +195,7 @@ class DistributedMeshExecutable(Executable):
 
     def _placement(self, avals, layouts) -> list[PlacementSpec]:
         return [
-            PlacementSpec(aval, (self.mesh.mesh_id,), (layout.spec,))
+            PlacementSpec(aval, (self.mesh.mesh_id,), (layout.spec,), ((self.mesh, layout),))
             for aval, layout in zip(avals, layouts, strict=True)
         ]
 

@@ -129,7 +129,7 @@ class MeshExecutable(Executable):
 
     def _placement(self, avals, shardings) -> list[PlacementSpec]:
         return [
-            PlacementSpec(aval, (0,), (s.spec if isinstance(s, NamedSharding) else s,))
+            PlacementSpec(aval, (0,), (s.spec if isinstance(s, NamedSharding) else s,), (s,))
             for aval, s in zip(avals, shardings, strict=True)
         ]
 
