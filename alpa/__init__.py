@@ -40,6 +40,7 @@ _EXPORTS = {
     "PhysicalDeviceMesh": "alpa.device_mesh",
     "VirtualPhysicalMesh": "alpa.device_mesh",
     "global_config": "alpa.global_env",
+    "set_seed": "alpa.global_env",
     "DataParallel": "alpa.parallel_method",
     "get_3d_parallel_method": "alpa.parallel_method",
     "ParallelMethod": "alpa.parallel_method",
@@ -120,7 +121,7 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and editors
         PhysicalDeviceMesh,
         VirtualPhysicalMesh,
     )
-    from alpa.global_env import global_config  # noqa: F401
+    from alpa.global_env import global_config, set_seed  # noqa: F401
     from alpa.parallel_method import (  # noqa: F401
         DataParallel,
         ParallelMethod,

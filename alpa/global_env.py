@@ -3,12 +3,16 @@
 Every field can be set in code (``alpa.global_config.print_compilation_time = True``) or,
 at import time, through the environment variable named beside it. Nothing else in alpa
 keeps mutable process-wide state, apart from the cluster that ``alpa.init`` connects to.
+:func:`set_seed` sets ``global_config.seed`` and seeds numpy's and Python's generators.
 """
 
 from __future__ import annotations
 
 import os
+import random
 from dataclasses import dataclass, field
+
+import numpy as np
 
 
 def _env_bool(name: str, default: bool) -> bool:
@@ -21,6 +25,11 @@ def _env_bool(name: str, default: bool) -> bool:
 def _env_float(name: str, default: float) -> float:
     value = os.environ.get(name)
     return default if value is None else float(value)
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    return default if value is None else int(value)
 
 
 @dataclass
@@ -49,6 +58,49 @@ class GlobalConfig:
             "ALPA_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "alpa")
         )
     )
+    #: The seed that :func:`set_seed` last set: the default ``seed`` of the
+    #: ``alpa.testing`` helpers. It does not reach ``jax.random``, whose keys stay
+    #: explicit. Environment: ``ALPA_SEED`` (sets this field only; numpy and Python are
+    #: seeded by :func:`set_seed` alone).
+    seed: int = field(default_factory=lambda: _env_int("ALPA_SEED", 0))
 
 
 global_config = GlobalConfig()
+
+
+# numpy's legacy global generator takes seeds in [0, 2**32).
+_MAX_SEED = 2**32 - 1
+
+
+def check_seed(seed: object, caller: str) -> int:
+    """``seed`` as a Python int, or an error naming ``caller`` unless it is an int in
+    ``[0, 2**32)``."""
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+        raise TypeError(
+            f"{caller}: seed must be an int in [0, 2**32), got {seed!r} ({type(seed).__name__})"
+        )
+    if not 0 <= seed <= _MAX_SEED:
+        raise ValueError(f"{caller}: seed must be an int in [0, 2**32), got {seed}")
+    return int(seed)
+
+
+def set_seed(seed: int) -> None:
+    """Make the random parts of a test or example reproducible.
+
+    It sets ``global_config.seed`` (the default seed of the ``alpa.testing`` helpers, so two
+    ``get_mlp_train_state_and_step(...)`` calls after ``set_seed(s)`` build identical states
+    and batches) and seeds numpy's and Python's global generators (``np.random.seed``,
+    ``random.seed``).
+
+    Unlike Alpa's ``set_seed``, it does not seed random numbers drawn inside a parallelized
+    function: Alpa patched ``jax.random`` into a stateful generator; this alpa patches
+    nothing, and a parallelized function draws from the ``jax.random`` keys it is passed,
+    as under ``jax.jit``.
+
+    Args:
+      seed: an int in ``[0, 2**32)``.
+    """
+    seed = check_seed(seed, "set_seed")
+    global_config.seed = seed
+    np.random.seed(seed)
+    random.seed(seed)

@@ -3,17 +3,15 @@ rematerialization (alpa.manual_remat, alpa.automatic_remat, remat_mode): the cut
 the clustering DP run on the loss function's own equations, numerics against the serial
 step, checkpoint equations in the jaxpr, and bad input."""
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 from conftest import devices_or_skip
-from flax.training.train_state import TrainState
 from jax.extend.core import Literal
 
 import alpa
+from alpa.model.mlp import MLPModel, get_mlp_train_state_and_step
 from alpa.parallel_method import PipeshardParallel, ShardParallel
 from alpa.pipeline_parallel.layer_clustering import cluster_layers, layer_input_bytes
 from alpa.pipeline_parallel.layer_construction import (
@@ -35,48 +33,21 @@ REMAT = ("remat2", "checkpoint")
 # ----------------------------------------------------------------------------- models
 
 
-class MLP(nn.Module):
-    """examples/pipeshard_manual.py's MLP without its boundary."""
-
-    hidden: int = 16
-
-    @nn.compact
-    def __call__(self, x):
-        x = nn.relu(nn.Dense(self.hidden)(x))
-        x = nn.relu(nn.Dense(self.hidden)(x))
-        x = nn.relu(nn.Dense(self.hidden)(x))
-        return nn.Dense(self.hidden)(x)
-
-
-def _mlp_state_and_batch(hidden=16):
-    key_x, key_y, key_init = jax.random.split(jax.random.PRNGKey(0), 3)
-    batch = {
-        "x": jax.random.normal(key_x, (BATCH, hidden)),
-        "y": jax.random.normal(key_y, (BATCH, hidden)),
-    }
-    model = MLP(hidden)
-    state = TrainState.create(
-        apply_fn=model.apply, params=model.init(key_init, batch["x"]), tx=optax.adam(1e-2)
+def _mlp(value_and_grad, abstract=False):
+    """``(state, batch, train_step)`` of examples/pipeshard_manual.py's MLP without its
+    boundary: three 16-wide Dense+relu layers and a linear one, trained with Adam;
+    ``train_step(state, batch) -> (state, loss)`` differentiates with ``value_and_grad``."""
+    model = MLPModel(hidden_size=16, num_layers=3, output_dim=16)
+    return get_mlp_train_state_and_step(
+        model, BATCH, 16, learning_rate=1e-2, grad_func=value_and_grad, abstract=abstract
     )
-    return state, batch
-
-
-def _make_train_step(value_and_grad):
-    def train_step(state, batch):
-        def loss_fn(params):
-            out = state.apply_fn(params, batch["x"])
-            return jnp.mean((out - batch["y"]) ** 2)
-
-        loss, grads = value_and_grad(loss_fn)(state.params)
-        return state.apply_gradients(grads=grads), loss
-
-    return train_step
 
 
 def _check_mlp_against_serial(method, steps=2):
-    state, batch = _mlp_state_and_batch()
-    parallel = alpa.parallelize(_make_train_step(alpa.value_and_grad), method=method)
-    serial = jax.jit(_make_train_step(jax.value_and_grad))
+    state, batch, step = _mlp(alpa.value_and_grad)
+    parallel = alpa.parallelize(step, method=method)
+    # The step reads the model from the state: a shape-only build gives the serial one.
+    serial = jax.jit(_mlp(jax.value_and_grad, abstract=True)[2])
     parallel_state, serial_state = state, state
     for _ in range(steps):
         parallel_state, parallel_loss = parallel(parallel_state, batch)

@@ -6,17 +6,14 @@ import subprocess
 import sys
 import textwrap
 
-import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
-from flax.training.train_state import TrainState
 
 import alpa
 from alpa.device_mesh import ClusterSpec
 from alpa.model.gpt import GPTConfig, get_gpt_train_state_and_step
+from alpa.model.mlp import MLPModel, get_mlp_train_state_and_step
 from alpa.pipeline_parallel.stage_construction import (
     AutoStageOption,
     get_last_dp_result,
@@ -24,48 +21,28 @@ from alpa.pipeline_parallel.stage_construction import (
 )
 from alpa.pipeline_parallel.stage_cost import MeasuredStageCost, StageCosts
 from alpa.testing import assert_allclose
-from alpa.tracing import abstractify
 
 
-class MLP(nn.Module):
-    """The MLP of examples/pipeshard_manual.py without its boundary."""
-
-    widths: tuple = (64, 64, 64, 64)
-
-    @nn.compact
-    def __call__(self, x):
-        for i, width in enumerate(self.widths):
-            x = nn.Dense(width)(x)
-            if i < len(self.widths) - 1:
-                x = nn.relu(x)
-        return x
+def _mlp(widths, batch_size, abstract, value_and_grad):
+    """``(state, batch, train_step)`` of the MLP of examples/pipeshard_manual.py without its
+    boundary, one Dense per entry of ``widths`` (all equal), relu between them, trained with
+    Adam; ``train_step(state, batch) -> (state, loss)`` differentiates with
+    ``value_and_grad``."""
+    width = widths[0]
+    assert set(widths) == {width}, widths
+    model = MLPModel(hidden_size=width, num_layers=len(widths) - 1, output_dim=width)
+    return get_mlp_train_state_and_step(
+        model, batch_size, width, learning_rate=1e-2, grad_func=value_and_grad, abstract=abstract
+    )
 
 
 def make_train_step(value_and_grad):
-    def train_step(state, batch):
-        def loss_fn(params):
-            out = state.apply_fn(params, batch["x"])
-            return jnp.mean((out - batch["y"]) ** 2)
-
-        loss, grads = value_and_grad(loss_fn)(state.params)
-        return state.apply_gradients(grads=grads), loss
-
-    return train_step
+    """The MLP's train step; it reads the model from the state, so one serves every width."""
+    return _mlp((64, 64), 1, True, value_and_grad)[2]
 
 
 def mlp_state(widths=(64, 64, 64, 64), batch_size=32, abstract=False):
-    model = MLP(tuple(widths))
-    x = jnp.ones((batch_size, widths[0]))
-    state = TrainState.create(
-        apply_fn=model.apply, params=model.init(jax.random.PRNGKey(0), x), tx=optax.adam(1e-2)
-    )
-    keys = jax.random.split(jax.random.PRNGKey(1), 2)
-    batch = {
-        "x": jax.random.normal(keys[0], (batch_size, widths[0])),
-        "y": jax.random.normal(keys[1], (batch_size, widths[-1])),
-    }
-    if abstract:
-        state, batch = jax.tree.map(abstractify, (state, batch))
+    state, batch, _ = _mlp(tuple(widths), batch_size, abstract, jax.value_and_grad)
     return state, batch
 
 
