@@ -27,6 +27,8 @@ _EXPORTS = {
     "get_global_num_devices": "alpa.cluster",
     "set_global_virtual_physical_mesh": "alpa.cluster",
     "clear_executable_cache": "alpa.api",
+    "DataLoader": "alpa.data_loader",
+    "MeshDriverDataLoader": "alpa.data_loader",
     "DeviceCluster": "alpa.runtime.ray_mesh",
     "DistributedArray": "alpa.runtime.ray_mesh",
     "DistributedPhysicalDeviceMesh": "alpa.runtime.ray_mesh",
@@ -63,6 +65,7 @@ _EXPORTS = {
 _SUBMODULES = (
     "api",
     "cluster",
+    "data_loader",
     "device_mesh",
     "executable",
     "global_env",
@@ -114,6 +117,7 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and editors
         set_global_virtual_physical_mesh,
         shutdown,
     )
+    from alpa.data_loader import DataLoader, MeshDriverDataLoader  # noqa: F401
     from alpa.device_mesh import (  # noqa: F401
         ClusterSpec,
         LocalPhysicalDeviceMesh,

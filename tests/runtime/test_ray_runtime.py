@@ -383,3 +383,53 @@ def test_pipeshard_inference_schedule(ray_cluster):
     assert isinstance(out, alpa.DistributedArray) and out.shape == (32, 16)
     assert loss.shape == ()
     assert_allclose((np.asarray(out), np.asarray(loss)), infer(params, x))
+
+
+# ----------------------------------------------------------------------------- data loaders
+
+
+def test_data_loaders_place_batches_on_the_mesh_workers(ray_cluster):
+    state, batch, step = get_mlp_train_state_and_step(32, 16, num_layers=2)
+    p_step = alpa.parallelize(step, method=alpa.DataParallel())
+    specs = p_step.get_executable(state, batch).get_input_placement_specs()[1]
+    rng = np.random.default_rng(2)
+    data = {name: rng.standard_normal((3 * 32, 16), dtype=np.float32) for name in ("x", "y")}
+    calls = []
+
+    def input_iter_func(start, end, batch_size):
+        calls.append((start, end, batch_size))
+        for i in range(start, end, batch_size):
+            yield {name: rows[i : i + batch_size] for name, rows in data.items()}
+
+    loader = alpa.MeshDriverDataLoader(32, 3 * 32, input_iter_func, specs)
+    reads = loader.read_ranges
+    assert reads == [(0, 48, 16), (48, 96, 16)]  # the batch is split over the two hosts
+    from_hosts = list(loader)
+    assert calls == reads
+    # Row r of batch k comes from the read of the host holding r (alpa.data_loader).
+    expected_batches = [
+        {
+            name: np.concatenate([rows[s + k * w : s + (k + 1) * w] for s, _, w in reads])
+            for name, rows in data.items()
+        }
+        for k in range(3)
+    ]
+    from_driver = list(alpa.DataLoader(iter(expected_batches), specs, prefetch_size=2))
+    for loaded in (from_hosts, from_driver):
+        for batch, expected_batch in zip(loaded, expected_batches, strict=True):
+            for name in ("x", "y"):
+                mesh, layout = specs[name].placements[0]
+                x = batch[name]
+                assert isinstance(x, alpa.DistributedArray)
+                assert x.mesh is mesh and x.layout == layout
+                np.testing.assert_array_equal(np.asarray(x), expected_batch[name])
+
+    jitted = jax.jit(step)
+    serial = state
+    for expected_batch in expected_batches:
+        serial = jitted(serial, expected_batch)
+    for loaded in (from_hosts, from_driver):
+        trained = state
+        for batch in loaded:
+            trained = p_step(trained, batch)
+        assert_allclose(trained.params, serial.params)
