@@ -20,6 +20,9 @@ setup(
         "pulp>=2.7",
         "numpy>=1.26",
         "tqdm>=4.60",
+        # Checkpoints (alpa.serialization): the maintained JAX checkpoint library, which writes
+        # and reads each shard of a sharded array from the device where it lives.
+        "orbax-checkpoint>=0.11",
         # jax.export serializes the programs the driver ships to Ray mesh workers.
         "flatbuffers>=24",
     ],

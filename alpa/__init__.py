@@ -57,6 +57,8 @@ _EXPORTS = {
     "ManualStageOption": "alpa.pipeline_parallel.stage_construction",
     "UniformStageOption": "alpa.pipeline_parallel.stage_construction",
     "mark_pipeline_boundary": "alpa.tracing.primitive_def",
+    "restore_checkpoint": "alpa.serialization",
+    "save_checkpoint": "alpa.serialization",
     "AutoShardingOption": "alpa.shard_parallel.auto_sharding",
     "ManualShardingOption": "alpa.shard_parallel.manual_sharding",
 }
@@ -73,6 +75,7 @@ _SUBMODULES = (
     "parallel_method",
     "pipeline_parallel",
     "runtime",
+    "serialization",
     "shard_parallel",
     "testing",
     "tracing",
@@ -150,6 +153,7 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and editors
         DistributedPhysicalDeviceMesh,
         prefetch,
     )
+    from alpa.serialization import restore_checkpoint, save_checkpoint  # noqa: F401
     from alpa.shard_parallel.auto_sharding import AutoShardingOption  # noqa: F401
     from alpa.shard_parallel.manual_sharding import ManualShardingOption  # noqa: F401
     from alpa.tracing.primitive_def import mark_pipeline_boundary  # noqa: F401

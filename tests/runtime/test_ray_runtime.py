@@ -433,3 +433,31 @@ def test_data_loaders_place_batches_on_the_mesh_workers(ray_cluster):
         for batch in loaded:
             trained = p_step(trained, batch)
         assert_allclose(trained.params, serial.params)
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+
+def test_checkpoint_of_a_pipeline_on_ray_restores_onto_its_stage_meshes(ray_cluster, tmp_path):
+    state, batch, step = get_mlp_train_state_and_step(
+        32, 16, num_layers=4, add_manual_pipeline_marker=True
+    )
+    expected = _serial(step, state, batch, 4)
+    p_step = alpa.parallelize(step, method=_two_stages_one_per_node(2, "1f1b"))
+    for _ in range(2):
+        state = p_step(state, batch)
+    alpa.save_checkpoint(tmp_path, state, 2)
+
+    specs = p_step.get_executable(state, batch).get_input_placement_specs()[0]
+    restored = alpa.restore_checkpoint(tmp_path, 2, specs)
+    assert type(restored) is type(state)
+    for x, spec in zip(jax.tree.leaves(restored), jax.tree.leaves(specs), strict=True):
+        mesh, layout = spec.placements[0]
+        assert isinstance(x, alpa.DistributedArray)
+        assert x.mesh is mesh and x.layout == layout
+    assert len({x.mesh.mesh_id for x in jax.tree.leaves(restored.params)}) == 2
+    assert_allclose(alpa.restore_checkpoint(tmp_path, 2, None, target=state), state)
+    for _ in range(2):
+        restored = p_step(restored, batch)
+    assert_allclose(restored.params, expected.params)
+    assert_allclose(restored.opt_state, expected.opt_state)

@@ -1,0 +1,334 @@
+"""Checkpoints: save a sharded training state, restore it onto any meshes.
+
+A checkpoint of step ``s`` is the directory ``<ckpt_dir>/checkpoint_<s>`` (Alpa's naming),
+written by orbax-checkpoint, the maintained checkpoint library of JAX:
+
+* **What is saved** is ``flax.serialization.to_state_dict(target)``: nested dicts with
+  string keys whose leaves are arrays (``params/Dense_0/kernel``). The checkpoint therefore
+  does not depend on Python classes; the static fields of a flax ``TrainState``
+  (``apply_fn``, ``tx``) are not saved, exactly as flax and Alpa did.
+* **Saving writes each shard from where it lives.** A sharded ``jax.Array`` (the output of
+  a parallelized step, on one mesh or, for ``PipeshardParallel``, on its stage's submesh)
+  is written by tensorstore one shard at a time: each shard (one replica of it) is copied
+  from its own device and written as its own chunk, so the chunk shape recorded in the
+  checkpoint is the shard shape and no array is ever gathered whole. Leaves on a Ray
+  mesh (``DistributedArray``) are the exception: they are fetched to the driver first
+  (see "Ray" below).
+* **A save is atomic.** orbax writes into ``checkpoint_<s>.orbax-checkpoint-tmp-<time>``
+  and renames it to ``checkpoint_<s>`` only once every array and the metadata are
+  written. A save killed midway leaves that temporary directory behind and nothing else:
+  earlier steps are untouched, the unfinished step is not listed by
+  :func:`checkpoint_steps`, and restoring it names the unfinished save. Saving a step
+  that already exists replaces it (the old copy is removed first, as in Alpa).
+* **Restoring reads each shard where it goes.** Every leaf of ``placement_specs`` (a
+  :class:`~alpa.executable.PlacementSpec`, as ``executable.get_input_placement_specs()``
+  returns them) names the sharding the step reads the leaf in, on its first mesh; orbax
+  gets that sharding (``ArrayRestoreArgs(sharding=...)``) and each device reads only its
+  own slice of the stored array. The saved sharding does not matter: a state saved from
+  8 devices restores onto 4, or onto another logical mesh shape.
+* **The restored structure** is that of ``placement_specs`` (or of ``target=``): the
+  specs of a ``TrainState`` form a ``TrainState`` whose leaves are specs, so a
+  ``TrainState`` comes back, with the ``apply_fn`` and ``tx`` of the state the executable
+  was compiled for. With neither, the state dict itself comes back.
+
+Ray (partial): a ``DistributedArray`` is fetched to the driver (all of a mesh's leaves in
+one round, :func:`alpa.prefetch`) and saved from there; restoring onto a Ray placement
+reads the array on the driver and puts it on its mesh (:func:`alpa.executable.place`).
+Mesh workers writing and reading their own shards is not done yet.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from flax import serialization as flax_serialization
+
+from alpa.executable import PlacementSpec, place
+
+PyTree = Any
+
+_STEP_DIR = re.compile(r"checkpoint_(\d+)")
+
+
+# ---------------------------------------------------------------------------------------
+# Public API
+# ---------------------------------------------------------------------------------------
+
+
+def save_checkpoint(
+    ckpt_dir: str | os.PathLike,
+    target: PyTree,
+    step: int,
+    local_cache_dir: str | os.PathLike | None = None,
+    *,
+    keep: int | None = None,
+) -> None:
+    """Save the pytree ``target`` (e.g. a ``TrainState`` a parallelized step returned) as
+    step ``step`` under ``ckpt_dir``, in ``ckpt_dir/checkpoint_<step>``.
+
+    Args:
+      ckpt_dir: the checkpoint directory (created if missing). On a cluster, a file
+        system every host sees.
+      target: a pytree of ``jax.Array`` (sharded anywhere), ``DistributedArray``,
+        ``np.ndarray``, Python or numpy scalars and strings.
+      step: the training step, an int >= 0.
+      local_cache_dir: accepted for Alpa compatibility and unused: orbax writes every
+        shard straight to ``ckpt_dir`` and makes the step visible atomically, which is
+        what Alpa's local cache staged by hand.
+      keep: if given, keep only the ``keep`` highest steps (this one included) and
+        delete older ones once this save is complete. By default every step is kept.
+    """
+    directory = _check_dir_arg(ckpt_dir)
+    step = _check_step_arg(step)
+    if local_cache_dir is not None and not isinstance(local_cache_dir, (str, os.PathLike)):
+        raise TypeError(
+            f"local_cache_dir={local_cache_dir!r} ({type(local_cache_dir).__name__}) "
+            "must be a path or None"
+        )
+    if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
+        raise ValueError(f"keep={keep!r} must be None (keep every step) or an int >= 1")
+    _save(directory, flax_serialization.to_state_dict(target), step)
+    if keep is not None:
+        _delete_old_steps(directory, keep)
+
+
+def restore_checkpoint(
+    ckpt_dir: str | os.PathLike,
+    step: int | None = None,
+    placement_specs: PyTree | None = None,
+    *,
+    target: PyTree | None = None,
+) -> PyTree:
+    """The state saved as ``step`` under ``ckpt_dir``, each leaf placed where
+    ``placement_specs`` says.
+
+    Args:
+      ckpt_dir: the checkpoint directory given to :func:`save_checkpoint`.
+      step: the step to restore; ``None`` restores the highest step there.
+      placement_specs: a pytree with the saved state's structure whose leaves are
+        ``PlacementSpec`` s (``executable.get_input_placement_specs()[0]`` for a train
+        state) or ``jax.sharding.Sharding`` s. Each leaf is read shard by shard into the
+        sharding of its first mesh (a ``DistributedArray`` on Ray). ``None``: every leaf
+        is restored as a host ``np.ndarray``.
+      target: a pytree whose structure the result takes (e.g. a ``TrainState``), in place
+        of the structure of ``placement_specs``; its leaves are not read.
+
+    Returns:
+      the restored pytree: in the structure of ``target``, else of ``placement_specs``,
+      else the saved state dict (nested dicts with string keys).
+    """
+    directory = _check_dir_arg(ckpt_dir)
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(f"checkpoint directory {directory} does not exist")
+    step = _latest_step(directory) if step is None else _check_step_arg(step)
+    path = _step_path(directory, step)
+    return _restore(path, step, placement_specs, target)
+
+
+def checkpoint_steps(ckpt_dir: str | os.PathLike) -> list[int]:
+    """The steps saved completely under ``ckpt_dir``, in increasing order (an unfinished
+    save, e.g. one killed midway, is not listed)."""
+    directory = _check_dir_arg(ckpt_dir)
+    if not os.path.isdir(directory):
+        return []
+    steps = []
+    for name in os.listdir(directory):
+        match = _STEP_DIR.fullmatch(name)
+        path = os.path.join(directory, name)
+        if match and os.path.isdir(path) and ocp.step.is_path_finalized(path):
+            steps.append(int(match.group(1)))
+    return sorted(steps)
+
+
+# ---------------------------------------------------------------------------------------
+# Argument checks and step directories
+# ---------------------------------------------------------------------------------------
+
+
+def _check_dir_arg(ckpt_dir: Any) -> str:
+    if not isinstance(ckpt_dir, (str, os.PathLike)):
+        raise TypeError(f"ckpt_dir={ckpt_dir!r} ({type(ckpt_dir).__name__}) must be a path")
+    # orbax wants absolute paths; resolve now so error messages show the real place.
+    return os.path.abspath(os.fspath(ckpt_dir))
+
+
+def _check_step_arg(step: Any) -> int:
+    if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
+        raise ValueError(f"step={step!r} ({type(step).__name__}) must be an int >= 0")
+    return int(step)
+
+
+def _latest_step(directory: str) -> int:
+    steps = checkpoint_steps(directory)
+    if not steps:
+        raise FileNotFoundError(f"no checkpoint in {directory}{_unfinished_note(directory, None)}")
+    return steps[-1]
+
+
+def _step_path(directory: str, step: int) -> str:
+    """The directory of a complete save of ``step``, or a ``FileNotFoundError`` that names
+    the steps there are."""
+    steps = checkpoint_steps(directory)
+    if step not in steps:
+        raise FileNotFoundError(
+            f"no checkpoint of step {step} in {directory}: the steps there are {steps}"
+            f"{_unfinished_note(directory, step)}"
+        )
+    return os.path.join(directory, f"checkpoint_{step}")
+
+
+def _unfinished_note(directory: str, step: int | None) -> str:
+    """A note on unfinished saves (orbax's temporary directories) of ``step`` (any step
+    when ``None``), which is what a save killed midway leaves."""
+    prefix = "checkpoint_" if step is None else f"checkpoint_{step}."
+    unfinished = sorted(
+        name
+        for name in os.listdir(directory)
+        if name.startswith(prefix) and _STEP_DIR.fullmatch(name) is None
+    )
+    if not unfinished:
+        return ""
+    return f" ({', '.join(unfinished)}: a save that did not finish, e.g. killed midway)"
+
+
+def _delete_old_steps(directory: str, keep: int) -> None:
+    for old in checkpoint_steps(directory)[:-keep]:
+        shutil.rmtree(os.path.join(directory, f"checkpoint_{old}"))
+
+
+def _leaf_paths(tree: PyTree) -> list[tuple[str, Any]]:
+    """``(path, leaf)`` of a state dict, paths written ``params/Dense_0/kernel``."""
+    flat, _ = jax.tree_util.tree_flatten_with_path(tree)
+    return [("/".join(str(key.key) for key in path), leaf) for path, leaf in flat]
+
+
+# ---------------------------------------------------------------------------------------
+# Save
+# ---------------------------------------------------------------------------------------
+
+
+def _save(directory: str, state_dict: PyTree, step: int) -> None:
+    leaves, tree = jax.tree.flatten(state_dict)
+    distributed = [x for x in leaves if getattr(x, "is_distributed_array", False)]
+    if distributed:
+        from alpa.runtime.ray_mesh import prefetch
+
+        prefetch(distributed)  # one round per mesh worker, not one per leaf
+    paths = [path for path, _ in _leaf_paths(state_dict)]
+    items = jax.tree.unflatten(
+        tree, [_savable(x, path) for x, path in zip(leaves, paths, strict=True)]
+    )
+    os.makedirs(directory, exist_ok=True)
+    with ocp.PyTreeCheckpointer() as checkpointer:
+        checkpointer.save(os.path.join(directory, f"checkpoint_{step}"), items, force=True)
+
+
+def _savable(x: Any, path: str) -> Any:
+    """A leaf as orbax writes it: ``jax.Array`` s as they are (shard by shard), Ray arrays
+    and scalars as host arrays."""
+    if isinstance(x, (jax.Array, np.ndarray, str)):
+        return x
+    if getattr(x, "is_distributed_array", False):
+        return np.asarray(x)
+    if isinstance(x, (bool, int, float, complex, np.generic)):
+        return np.asarray(x)
+    raise TypeError(
+        f"leaf {path!r} of the checkpoint target is a {type(x).__name__}; expected an "
+        "array (jax.Array, DistributedArray, np.ndarray), a scalar or a string"
+    )
+
+
+# ---------------------------------------------------------------------------------------
+# Restore
+# ---------------------------------------------------------------------------------------
+
+
+def _restore(path: str, step: int, placement_specs: PyTree, target: PyTree) -> PyTree:
+    with ocp.PyTreeCheckpointer() as checkpointer:
+        saved = checkpointer.metadata(path).item_metadata.tree
+        saved_leaves, saved_tree = jax.tree.flatten(saved)
+        saved_paths = [p for p, _ in _leaf_paths(saved)]
+        if placement_specs is None:
+            specs = [None] * len(saved_paths)
+        else:
+            specs = _specs_by_saved_leaf(placement_specs, saved_paths, path)
+        args = [
+            _restore_args(spec, meta, leaf_path, step)
+            for spec, meta, leaf_path in zip(specs, saved_leaves, saved_paths, strict=True)
+        ]
+        restored = checkpointer.restore(
+            path, args=ocp.args.PyTreeRestore(restore_args=jax.tree.unflatten(saved_tree, args))
+        )
+    values = jax.tree.leaves(restored)
+    # Ray placements were read on the driver: put each on its mesh now.
+    values = [
+        place(x, spec) if _is_ray_spec(spec) else x for x, spec in zip(values, specs, strict=True)
+    ]
+    restored = jax.tree.unflatten(jax.tree.structure(restored), values)
+    structure = target if target is not None else placement_specs
+    if structure is None:
+        return restored
+    return flax_serialization.from_state_dict(structure, restored)
+
+
+def _specs_by_saved_leaf(placement_specs: PyTree, saved_paths: list[str], path: str) -> list:
+    """The leaves of ``placement_specs`` in the order of the saved leaves, after checking
+    that both hold the same leaves."""
+    given = dict(_leaf_paths(flax_serialization.to_state_dict(placement_specs)))
+    saved = set(saved_paths)
+    missing = [p for p in saved_paths if p not in given]
+    extra = [p for p in given if p not in saved]
+    if missing or extra:
+        problems = []
+        if extra:
+            problems.append(f"leaf {extra[0]!r} of placement_specs is not in the checkpoint")
+        if missing:
+            problems.append(f"leaf {missing[0]!r} of the checkpoint has no placement spec")
+        raise ValueError(
+            f"placement_specs do not match the structure of the checkpoint {path}: "
+            + "; ".join(problems)
+        )
+    return [given[p] for p in saved_paths]
+
+
+def _is_ray_spec(spec: Any) -> bool:
+    """Whether ``spec`` places on a Ray mesh (a ``(mesh, Layout)`` pair, not a sharding)."""
+    return (
+        isinstance(spec, PlacementSpec)
+        and bool(spec.placements)
+        and (isinstance(spec.placements[0], tuple))
+    )
+
+
+def _restore_args(spec: Any, meta: Any, leaf_path: str, step: int) -> Any:
+    """orbax's restore arguments for one saved leaf (``meta``, its metadata) read into
+    ``spec``."""
+    saved_shape = getattr(meta, "shape", None)
+    if spec is None:
+        # Arrays to host numpy; a string stays a string.
+        return ocp.RestoreArgs(restore_type=np.ndarray if saved_shape is not None else None)
+    if isinstance(spec, jax.sharding.Sharding):
+        return ocp.ArrayRestoreArgs(sharding=spec, global_shape=saved_shape)
+    if not isinstance(spec, PlacementSpec):
+        raise TypeError(
+            f"placement spec of leaf {leaf_path!r} is a {type(spec).__name__}; expected a "
+            "PlacementSpec (executable.get_input_placement_specs()) or a jax.sharding.Sharding"
+        )
+    if saved_shape is None or tuple(saved_shape) != tuple(spec.aval.shape):
+        raise ValueError(
+            f"leaf {leaf_path!r} has shape {saved_shape} in the checkpoint of step {step}, "
+            f"but its placement spec expects {tuple(spec.aval.shape)}"
+        )
+    if not spec.placements:
+        raise ValueError(f"leaf {leaf_path!r}: no mesh holds it in its placement spec")
+    if _is_ray_spec(spec):
+        return ocp.RestoreArgs(restore_type=np.ndarray, dtype=spec.aval.dtype)
+    return ocp.ArrayRestoreArgs(
+        sharding=spec.placements[0], global_shape=saved_shape, dtype=spec.aval.dtype
+    )
