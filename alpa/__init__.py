@@ -29,6 +29,7 @@ _EXPORTS = {
     "clear_executable_cache": "alpa.api",
     "DataLoader": "alpa.data_loader",
     "MeshDriverDataLoader": "alpa.data_loader",
+    "timers": "alpa.timer",
     "DeviceCluster": "alpa.runtime.ray_mesh",
     "DistributedArray": "alpa.runtime.ray_mesh",
     "DistributedPhysicalDeviceMesh": "alpa.runtime.ray_mesh",
@@ -46,10 +47,15 @@ _EXPORTS = {
     "DataParallel": "alpa.parallel_method",
     "get_3d_parallel_method": "alpa.parallel_method",
     "ParallelMethod": "alpa.parallel_method",
+    "CreateStateParallel": "alpa.follow_parallel",
+    "FollowParallel": "alpa.follow_parallel",
     "PipeshardParallel": "alpa.parallel_method",
     "ShardParallel": "alpa.parallel_method",
     "Zero2Parallel": "alpa.parallel_method",
     "Zero3Parallel": "alpa.parallel_method",
+    "ParallelPlan": "alpa.parallel_plan",
+    "PlannedParallel": "alpa.parallel_plan",
+    "plan_to_method": "alpa.parallel_plan",
     "AutoLayerOption": "alpa.pipeline_parallel.layer_construction",
     "ManualLayerOption": "alpa.pipeline_parallel.layer_construction",
     "automatic_remat": "alpa.pipeline_parallel.remat",
@@ -70,14 +76,17 @@ _SUBMODULES = (
     "data_loader",
     "device_mesh",
     "executable",
+    "follow_parallel",
     "global_env",
     "model",
     "parallel_method",
+    "parallel_plan",
     "pipeline_parallel",
     "runtime",
     "serialization",
     "shard_parallel",
     "testing",
+    "timer",
     "tracing",
     "util",
 )
@@ -128,6 +137,7 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and editors
         PhysicalDeviceMesh,
         VirtualPhysicalMesh,
     )
+    from alpa.follow_parallel import CreateStateParallel, FollowParallel  # noqa: F401
     from alpa.global_env import global_config, set_seed  # noqa: F401
     from alpa.parallel_method import (  # noqa: F401
         DataParallel,
@@ -138,6 +148,7 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and editors
         Zero3Parallel,
         get_3d_parallel_method,
     )
+    from alpa.parallel_plan import ParallelPlan, PlannedParallel, plan_to_method  # noqa: F401
     from alpa.pipeline_parallel.layer_construction import (  # noqa: F401
         AutoLayerOption,
         ManualLayerOption,
@@ -156,4 +167,5 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and editors
     from alpa.serialization import restore_checkpoint, save_checkpoint  # noqa: F401
     from alpa.shard_parallel.auto_sharding import AutoShardingOption  # noqa: F401
     from alpa.shard_parallel.manual_sharding import ManualShardingOption  # noqa: F401
+    from alpa.timer import timers  # noqa: F401
     from alpa.tracing.primitive_def import mark_pipeline_boundary  # noqa: F401

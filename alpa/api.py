@@ -33,6 +33,17 @@ from typing import Any
 import jax
 import numpy as np
 
+from alpa.call_checks import (
+    CompileWarnings,
+    DonationLog,
+    batch_argnums_phrase,
+    check_batch_is_not_differentiated,
+    check_batch_is_not_state,
+    check_not_deleted,
+    check_static_args,
+    is_train_state,
+    reused_donation_error,
+)
 from alpa.cluster import (  # noqa: F401 (alpa.api.init etc., as in Alpa)
     get_global_physical_mesh,
     get_global_virtual_physical_mesh,
@@ -42,7 +53,8 @@ from alpa.cluster import (  # noqa: F401 (alpa.api.init etc., as in Alpa)
 from alpa.executable import Executable
 from alpa.parallel_method import ParallelMethod, ShardParallel
 from alpa.pipeline_parallel.layer_construction import mark_layers
-from alpa.tracing import TracedStep, abstractify, leaf_signature, trace_step
+from alpa.timer import timed
+from alpa.tracing import TracedStep, abstractify, leaf_signature, note_grad_inputs, trace_step
 from alpa.tracing.primitive_def import mark_pipeline_jaxpreqn
 
 logger = logging.getLogger("alpa")
@@ -77,6 +89,9 @@ def value_and_grad(
 
     @functools.wraps(fun)
     def marked(*args, **kwargs):
+        # Which step inputs are differentiated, for parallelize's checks of batch_argnums.
+        positions = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+        note_grad_inputs([args[i] for i in positions if -len(args) <= i < len(args)])
         out = inner(*args, **kwargs)
         leaves, tree = jax.tree.flatten(out)
         return jax.tree.unflatten(tree, mark_pipeline_jaxpreqn(leaves, "grad", "grad"))
@@ -134,10 +149,13 @@ def parallelize(
       static_argnums: positions of arguments that are compile-time constants, or
         ``"auto"``: Python scalars and strings, and arguments with no array inside.
       donate_argnums: positions whose buffers the step may reuse, or ``"auto"``: every
-        flax ``TrainState`` argument.
+        flax ``TrainState`` argument. A donated argument is used up: passing it to a later
+        call is an error that names it (pass what the call returned).
       batch_argnums: positions of the batch arguments: split on dim 0 over devices and
         into micro-batches. Default: ``(1,)`` (Alpa's ``train_step(state, batch)``) for a
-        call with two or more positional arguments, none for a call with fewer.
+        call with two or more positional arguments whose argument 1 is not in
+        ``static_argnums``, none otherwise. A ``TrainState``, or an argument whose every
+        leaf ``alpa.grad`` differentiates, is refused as a batch: it is the parameters.
       method: a :class:`~alpa.parallel_method.ParallelMethod`; default ``ShardParallel()``.
     """
 
@@ -204,12 +222,6 @@ def _is_aval(x) -> bool:
     return isinstance(x, jax.core.ShapedArray)
 
 
-def _is_train_state(x) -> bool:
-    from flax.training.train_state import TrainState
-
-    return isinstance(x, TrainState)
-
-
 class ParallelizedFunc:
     """A parallelized step. Calling it compiles (once per input signature) and runs."""
 
@@ -224,6 +236,8 @@ class ParallelizedFunc:
         self._cache: dict[Any, Executable] = {}
         self._last_executable: Executable | None = None
         self._hit: _CacheHit | None = None
+        self._donations = DonationLog()
+        self._warnings = CompileWarnings(fun.__name__)
         functools.update_wrapper(self, fun)
         _all_parallelized.add(self)
 
@@ -231,9 +245,14 @@ class ParallelizedFunc:
 
     def _resolve_argnums(self, args: Sequence[Any]):
         n = len(args)
+        static = None
+        if self.static_argnums != "auto":
+            static = self._positions(self.static_argnums, n, "static_argnums")
+            check_static_args(self.fun.__name__, args, static, self.static_argnums)
         batch_argnums = self.batch_argnums
         if batch_argnums is None:  # the default: Alpa's (1,), when there is an argument 1
-            batch_argnums = (1,) if n >= 2 else ()
+            # that the user did not make static
+            batch_argnums = (1,) if n >= 2 and 1 not in (static or ()) else ()
         for pos in batch_argnums:
             if not -n <= pos < n:
                 raise ValueError(
@@ -241,12 +260,12 @@ class ParallelizedFunc:
                     f"{self.fun.__name__} with {n} positional arguments"
                 )
         batch = tuple(sorted(p % n for p in batch_argnums))
-        if self.static_argnums == "auto":
+        phrase = batch_argnums_phrase(self.batch_argnums)
+        check_batch_is_not_state(self.fun.__name__, args, batch, phrase)
+        if static is None:
             static = tuple(i for i, a in enumerate(args) if i not in batch and _is_auto_static(a))
-        else:
-            static = self._positions(self.static_argnums, n, "static_argnums")
         if self.donate_argnums == "auto":
-            donate = tuple(i for i, a in enumerate(args) if _is_train_state(a))
+            donate = tuple(i for i, a in enumerate(args) if is_train_state(a))
         else:
             donate = self._positions(self.donate_argnums, n, "donate_argnums")
         overlap = set(static) & (set(donate) | set(batch))
@@ -321,6 +340,9 @@ class ParallelizedFunc:
         )
         executable = self._cache.get(key)
         if executable is None:
+            self._warnings.on_compile(
+                self.method, args, static, self.batch_argnums, self.static_argnums
+            )
             k = self._check_micro_batches(args, batch)
             traced = self._trace(args, static, batch, donate, names, k)
             executable = self.method.compile_executable(traced, traced_args(args, batch, k))
@@ -333,11 +355,13 @@ class ParallelizedFunc:
             abstract = traced_args(args, batch, divisor)
             # The method's options that act while tracing (PipeshardParallel's layer
             # option, read by alpa.grad's layer rewrite) hold for every (re)trace.
-            with self.method.trace_context():
+            with self.method.trace_context(), timed("tracing"):
                 traced = trace_step(self.fun, abstract, static, batch, donate, names)
             return dataclasses.replace(traced, retrace=lambda d: trace_at(divisor * d))
 
-        return trace_at(k)
+        traced = trace_at(k)
+        check_batch_is_not_differentiated(traced, batch_argnums_phrase(self.batch_argnums))
+        return traced
 
     # -- public
 
@@ -347,17 +371,25 @@ class ParallelizedFunc:
                 f"{self.fun.__name__} was parallelized: pass its arguments "
                 f"positionally (got keyword arguments {sorted(kwargs)})"
             )
+        reused = self._donations.find_deleted(args)
+        if reused is not None:
+            raise reused_donation_error(
+                self.fun.__name__, reused, args[reused], self.donate_argnums
+            )
         hit = self._hit
         if hit is not None:
             out = hit(args)
             if out is not _MISS:
+                self._donations.record(args, hit.donated)
                 return out
         executable, leaves, static = self._compile(args)
+        check_not_deleted(self.fun.__name__, leaves, lambda: self._flatten(args, static)[1])
         placing = hit is not None and hit.executable is executable
         outs = executable.launch(leaves)
         # The next call that looks like this one skips the key; if this executable's
         # dispatch just refused these arguments, its inputs arrive elsewhere: place first.
         self._hit = _CacheHit(args, static, self.static_argnums == "auto", executable, placing)
+        self._donations.record(args, self._hit.donated)
         return jax.tree.unflatten(executable.traced.out_tree, outs)
 
     def get_executable(self, *args) -> Executable:
@@ -409,12 +441,28 @@ class _CacheHit:
     refuses (``TypeError`` / ``ValueError``) what it was not compiled for.
     """
 
-    __slots__ = ("num_args", "static", "dynamic", "auto_static", "executable", "dispatch")
+    __slots__ = (
+        "num_args",
+        "static",
+        "dynamic",
+        "donated",
+        "auto_static",
+        "executable",
+        "dispatch",
+    )
 
     def __init__(self, args, static, auto_static: bool, executable: Executable, placing: bool):
         self.num_args = len(args)
         self.static = tuple((i, args[i]) for i in static)
         self.dynamic = tuple(i for i in range(len(args)) if i not in static)
+        traced = executable.traced
+        self.donated = tuple(
+            pos
+            for pos, first in zip(
+                traced.dynamic_argnums, _first_leaves(traced.in_tree), strict=True
+            )
+            if first is not None and traced.donated_invars[first]
+        )
         self.auto_static = auto_static
         self.executable = executable
         self.dispatch = executable.placing_dispatch() if placing else executable.dispatch
@@ -437,10 +485,19 @@ class _CacheHit:
         return out
 
 
+def _first_leaves(in_tree) -> list[int | None]:
+    """Per dynamic argument, the index of its first leaf (``None``: it has none)."""
+    out, start = [], 0
+    for subtree in in_tree.children():
+        out.append(start if subtree.num_leaves else None)
+        start += subtree.num_leaves
+    return out
+
+
 def _is_auto_static(arg) -> bool:
     if isinstance(arg, bool | int | float | str):
         return True
-    if _is_train_state(arg):
+    if is_train_state(arg):
         return False
     leaves = jax.tree.leaves(arg)
     return not any(_is_array_leaf(x) for x in leaves)

@@ -130,6 +130,14 @@ class Executable(abc.ABC):
             if isinstance(array, jax.Array) and not array.is_deleted():
                 array.block_until_ready()
 
+    def get_parallel_plan(self):
+        """Every decision of this compile (mesh, shardings; for a pipeline its layers and
+        stages) as a serializable ``alpa.ParallelPlan``; ``alpa.plan_to_method(plan)``
+        compiles it again without the ILP or the stage DP."""
+        from alpa.parallel_plan import ParallelPlan  # the record sits above the passes
+
+        return ParallelPlan.of(self)
+
     def get_input_placement_specs(self):
         """A pytree like the dynamic arguments, one ``PlacementSpec`` per leaf."""
         specs = self.flat_input_placement_specs()

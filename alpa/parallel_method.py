@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import warnings
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import fields, replace
 from typing import Any
 
 from alpa.cluster import (
@@ -53,7 +54,12 @@ from alpa.shard_parallel.auto_sharding import AutoShardingOption, plan_auto_shar
 from alpa.shard_parallel.data_parallel import data_parallel_plan
 from alpa.shard_parallel.distributed_executable import DistributedMeshExecutable
 from alpa.shard_parallel.executable import compile_shard_executable
-from alpa.shard_parallel.manual_sharding import ManualShardingOption, manual_sharding_plan
+from alpa.shard_parallel.manual_sharding import (
+    ManualShardingOption,
+    ignored_auto_sharding_fields,
+    manual_sharding_plan,
+)
+from alpa.timer import timed
 from alpa.tracing import TracedStep
 
 
@@ -85,6 +91,75 @@ def _check_num_micro_batches(value) -> int | None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"num_micro_batches must be a positive int or None, got {value!r}")
     return None if value == 1 else value
+
+
+class OptionView:
+    """``method.as_option``: Alpa's mutable view of a method's ``AutoShardingOption``.
+
+    Alpa's users tune a method after building it (``method.as_option.prefer_reduce_scatter
+    = True``). The option itself stays a frozen, validated ``AutoShardingOption``: an
+    assignment here builds a new one with that field replaced (so a bad value is refused
+    at the assignment, with the field named) and installs it on the method. It takes
+    effect at the method's next compilation; a step the method already compiled keeps the
+    option it was compiled with (a warning says so; ``alpa.clear_executable_cache()``
+    recompiles).
+    """
+
+    __slots__ = ("_method",)
+
+    def __init__(self, method: ParallelMethod):
+        object.__setattr__(self, "_method", method)
+
+    def __getattr__(self, name: str):
+        return getattr(self._method.auto_sharding_option, name)
+
+    def __setattr__(self, name: str, value) -> None:
+        method = self._method
+        option = method.auto_sharding_option
+        if name not in _OPTION_FIELDS:
+            raise AttributeError(
+                f"{type(method).__name__}.as_option has no field {name!r}; the fields of "
+                f"AutoShardingOption are {', '.join(sorted(_OPTION_FIELDS))}"
+            )
+        method.auto_sharding_option = replace(option, **{name: value})
+        if getattr(method, "_compiled", False):
+            warnings.warn(
+                f"{type(method).__name__}.as_option.{name} was set after the method compiled "
+                "a step: executables already compiled keep the old option "
+                "(alpa.clear_executable_cache() recompiles them)",
+                UserWarning,
+                stacklevel=2,
+            )
+
+    def __repr__(self) -> str:
+        return repr(self._method.auto_sharding_option)
+
+
+_OPTION_FIELDS = frozenset(f.name for f in fields(AutoShardingOption))
+
+
+def _check_option(value) -> AutoShardingOption:
+    if not isinstance(value, AutoShardingOption):
+        raise TypeError(
+            f"auto_sharding_option must be an AutoShardingOption, got {type(value).__name__}"
+        )
+    return value
+
+
+class _AutoShardingOptionHolder:
+    """``as_option`` (Alpa's name, an :class:`OptionView`) and ``auto_sharding_option``
+    (the frozen option) of a one-mesh method."""
+
+    auto_sharding_option: AutoShardingOption
+    _compiled: bool = False
+
+    @property
+    def as_option(self) -> OptionView:
+        return OptionView(self)
+
+    @as_option.setter
+    def as_option(self, value: AutoShardingOption) -> None:
+        self.auto_sharding_option = _check_option(value)
 
 
 def resolve_logical_mesh(
@@ -138,7 +213,7 @@ def _compile_one_mesh(devices, traced: TracedStep, plan, num_micro_batches) -> E
     return compile_shard_executable(traced, plan, num_micro_batches)
 
 
-class ShardParallel(ParallelMethod):
+class ShardParallel(_AutoShardingOptionHolder, ParallelMethod):
     """Intra-operator parallelism: the whole step on one mesh.
 
     With ``manual_sharding_option`` the user's PartitionSpecs decide. Otherwise the
@@ -159,13 +234,8 @@ class ShardParallel(ParallelMethod):
         auto_sharding_option: AutoShardingOption | None = None,
         manual_sharding_option: ManualShardingOption | None = None,
     ):
-        if auto_sharding_option is not None and not isinstance(
-            auto_sharding_option, AutoShardingOption
-        ):
-            raise TypeError(
-                "auto_sharding_option must be an AutoShardingOption, got "
-                f"{type(auto_sharding_option).__name__}"
-            )
+        if auto_sharding_option is not None:
+            _check_option(auto_sharding_option)
         if manual_sharding_option is not None and not isinstance(
             manual_sharding_option, ManualShardingOption
         ):
@@ -177,6 +247,18 @@ class ShardParallel(ParallelMethod):
         self.num_micro_batches = _check_num_micro_batches(num_micro_batches)
         self.auto_sharding_option = auto_sharding_option or AutoShardingOption()
         self.manual_sharding_option = manual_sharding_option
+        ignored = []
+        if auto_sharding_option is not None and manual_sharding_option is not None:
+            ignored = ignored_auto_sharding_fields(auto_sharding_option)
+        if ignored:
+            warnings.warn(
+                "ShardParallel got both options: manual_sharding_option decides every "
+                f"sharding, so auto_sharding_option's {', '.join(ignored)} "
+                f"{'is' if len(ignored) == 1 else 'are'} ignored (of it only "
+                "logical_mesh_shape, mesh_alpha and mesh_beta act, to view the devices)",
+                UserWarning,
+                stacklevel=2,
+            )
 
     def plan(self, traced: TracedStep, args: Sequence[Any], require_devices: bool = False):
         """The ``ShardingPlan`` of ``traced``; touches no device."""
@@ -187,8 +269,11 @@ class ShardParallel(ParallelMethod):
         return plan_auto_sharding(traced, logical_mesh, self.auto_sharding_option)
 
     def compile_executable(self, traced: TracedStep, args: Sequence[Any]) -> Executable:
-        plan = self.plan(traced, args, require_devices=True)
-        return _compile_one_mesh(self.devices, traced, plan, self.num_micro_batches)
+        self._compiled = True
+        with timed("planning"):
+            plan = self.plan(traced, args, require_devices=True)
+        with timed("compile"):
+            return _compile_one_mesh(self.devices, traced, plan, self.num_micro_batches)
 
     def __repr__(self) -> str:
         return (
@@ -197,23 +282,57 @@ class ShardParallel(ParallelMethod):
         )
 
 
-class _FixedPlanParallel(ParallelMethod):
-    """Data parallelism with a ZeRO stage: a ShardParallel whose plan is fixed."""
+class _FixedPlanParallel(_AutoShardingOptionHolder, ParallelMethod):
+    """Data parallelism with a ZeRO stage: a ShardParallel whose option fixes the plan.
 
-    zero_stage = 0
+    As in Alpa, the method is its ``as_option``: ``DataParallel`` is
+    ``force_data_parallel``, ``Zero2Parallel`` adds ``prefer_reduce_scatter``,
+    ``Zero3Parallel`` is ``force_zero_stage_3``. Changing those fields changes the plan
+    (``DataParallel().as_option.prefer_reduce_scatter = True`` is ZeRO-2; clearing
+    ``force_data_parallel`` hands the step to the ILP, as ``ShardParallel``); the other
+    fields do not act on a fixed plan.
+    """
+
+    default_option = AutoShardingOption(force_data_parallel=True)
 
     def __init__(self, devices=None, num_micro_batches: int | None = None):
         self.devices = devices
         self.num_micro_batches = _check_num_micro_batches(num_micro_batches)
+        self.auto_sharding_option = self.default_option
+
+    @property
+    def zero_stage(self) -> int | None:
+        """The ZeRO stage the option asks for (0: plain data parallel), ``None`` when it
+        asks for no fixed plan."""
+        option = self.auto_sharding_option
+        if option.force_zero_stage_3:
+            return 3
+        if option.force_data_parallel:
+            return 2 if option.prefer_reduce_scatter else 0
+        return None
+
+    @property
+    def splits_only_the_batch(self) -> bool:
+        """Whether the plan splits the step by its batch arguments alone (``parallelize``
+        warns when there are none: every device would compute the whole step)."""
+        return self.zero_stage is not None
 
     def plan(self, traced: TracedStep, args: Sequence[Any], require_devices: bool = False):
         """The fixed ``ShardingPlan``; touches no device."""
+        stage = self.zero_stage
+        if stage is None:  # the user cleared the fixed plan: the ILP decides
+            mesh_shape = self.auto_sharding_option.logical_mesh_shape
+            logical_mesh = resolve_logical_mesh(self.devices, mesh_shape, require_devices)
+            return plan_auto_sharding(traced, logical_mesh, self.auto_sharding_option)
         logical_mesh = resolve_logical_mesh(self.devices, require_devices=require_devices)
-        return data_parallel_plan(traced, logical_mesh, self.zero_stage, type(self).__name__)
+        return data_parallel_plan(traced, logical_mesh, stage, type(self).__name__)
 
     def compile_executable(self, traced: TracedStep, args: Sequence[Any]) -> Executable:
-        plan = self.plan(traced, args, require_devices=True)
-        return _compile_one_mesh(self.devices, traced, plan, self.num_micro_batches)
+        self._compiled = True
+        with timed("planning"):
+            plan = self.plan(traced, args, require_devices=True)
+        with timed("compile"):
+            return _compile_one_mesh(self.devices, traced, plan, self.num_micro_batches)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(num_micro_batches={self.num_micro_batches})"
@@ -223,20 +342,20 @@ class DataParallel(_FixedPlanParallel):
     """Split the batch over all devices; replicate parameters and optimizer state;
     all-reduce gradients."""
 
-    zero_stage = 0
+    default_option = AutoShardingOption(force_data_parallel=True)
 
 
 class Zero2Parallel(_FixedPlanParallel):
     """Data parallel with the optimizer state sharded over devices (ZeRO stage 2)."""
 
-    zero_stage = 2
+    default_option = AutoShardingOption(force_data_parallel=True, prefer_reduce_scatter=True)
 
 
 class Zero3Parallel(_FixedPlanParallel):
     """Data parallel with parameters and optimizer state sharded (ZeRO stage 3);
     parameters are gathered before use."""
 
-    zero_stage = 3
+    default_option = AutoShardingOption(force_zero_stage_3=True)
 
 
 # ----------------------------------------------------------------------------- pipeshard
@@ -384,7 +503,12 @@ class PipeshardParallel(ParallelMethod):
         return layer_option_context(self.layer_option)
 
     def compile_executable(self, traced: TracedStep, args: Sequence[Any]) -> Executable:
-        plan, devices = self._plan(traced, args, require_devices=True)
+        with timed("planning"):
+            plan, devices = self._plan(traced, args, require_devices=True)
+        with timed("compile"):
+            return self._compile_plan(plan, devices)
+
+    def _compile_plan(self, plan: PipeshardPlan, devices) -> Executable:
         ray_cluster = self._ray_cluster()
         if ray_cluster is None:
             return PipeshardDriverExecutable(plan, devices)
@@ -463,3 +587,13 @@ def get_3d_parallel_method(
             submesh_autosharding_option_dicts=[{}] * pipeline_parallel,
         ),
     )
+
+
+def __getattr__(name: str):
+    # Alpa's module path for the methods that follow another step's plan; they live in
+    # alpa.follow_parallel, which builds on this module.
+    if name in ("CreateStateParallel", "FollowParallel"):
+        from alpa import follow_parallel
+
+        return getattr(follow_parallel, name)
+    raise AttributeError(f"module 'alpa.parallel_method' has no attribute {name!r}")

@@ -160,3 +160,89 @@ def test_test_install_runs_and_passes():
     assert "ok   ShardParallel" in result.stdout
     assert "ok   PipeshardParallel" in result.stdout
     assert result.stdout.strip().endswith("alpa is installed correctly")
+
+
+def _opt_state_specs(p_step, state, batch):
+    specs = p_step.get_executable(state, batch).get_input_placement_specs()[0]
+    return [s.sharding_specs for s in jax.tree.leaves(specs.opt_state, is_leaf=_is_spec)]
+
+
+def _is_spec(x):
+    return isinstance(x, alpa.executable.PlacementSpec)
+
+
+def test_as_option_assignment_takes_effect_and_is_validated():
+    from alpa.testing import get_mlp_train_state_and_step
+
+    state, batch, step = get_mlp_train_state_and_step(32, 16, num_layers=2)
+    # DataParallel + prefer_reduce_scatter is ZeRO-2: the optimizer state is sharded as
+    # Zero2Parallel shards it; plain DataParallel replicates it.
+    method = alpa.DataParallel()
+    assert method.as_option.force_data_parallel and method.zero_stage == 0
+    method.as_option.prefer_reduce_scatter = True
+    assert method.zero_stage == 2
+    tuned = alpa.parallelize(step, method=method)
+    zero2 = alpa.parallelize(step, method=alpa.Zero2Parallel())
+    plain = alpa.parallelize(step, method=alpa.DataParallel())
+    assert _opt_state_specs(tuned, state, batch) == _opt_state_specs(zero2, state, batch)
+    assert _opt_state_specs(tuned, state, batch) != _opt_state_specs(plain, state, batch)
+    expected = jax.jit(step)(state, batch)
+    assert_allclose(tuned(state, batch), expected)
+
+    # ShardParallel: force_data_parallel set on its as_option gives DataParallel's program.
+    shard = alpa.ShardParallel()
+    shard.as_option.force_data_parallel = True
+    assert shard.auto_sharding_option.force_data_parallel  # the alias sees the change
+    forced = alpa.parallelize(step, method=shard)
+    for f in (forced, plain):
+        f.get_executable(state, batch)
+    forced_exe, plain_exe = forced.get_last_executable(), plain.get_last_executable()
+    assert forced_exe.plan.in_specs == plain_exe.plan.in_specs
+    assert forced_exe.plan.grad_specs == plain_exe.plan.grad_specs
+    assert alpa.util.count_communication_primitives(
+        forced_exe.get_hlo_text()
+    ) == alpa.util.count_communication_primitives(plain_exe.get_hlo_text())
+
+    # A bad value is refused at the assignment, naming the field; the option is unchanged.
+    with pytest.raises(ValueError, match="force_batch_dim_to_mesh_dim must be None, 0 or 1"):
+        shard.as_option.force_batch_dim_to_mesh_dim = 2
+    with pytest.raises(TypeError, match=r"allow_mixed_mesh_shape must be a bool, got 'yes'"):
+        shard.as_option.allow_mixed_mesh_shape = "yes"
+    assert shard.as_option.allow_mixed_mesh_shape is False
+    with pytest.raises(AttributeError, match="ShardParallel.as_option has no field 'prefer_rs'"):
+        shard.as_option.prefer_rs = True
+    # After a compile the cached executables keep their option: say so.
+    with pytest.warns(UserWarning, match="executables already compiled keep the old option"):
+        shard.as_option.allow_all_to_all = False
+    # The whole option can be replaced, with a check of its type.
+    shard.as_option = alpa.AutoShardingOption(prefer_reduce_scatter=True)
+    assert shard.auto_sharding_option.prefer_reduce_scatter
+    with pytest.raises(TypeError, match="auto_sharding_option must be an AutoShardingOption"):
+        shard.as_option = {"prefer_reduce_scatter": True}
+
+
+def test_timers_record_the_compiler_phases():
+    from alpa.timer import Timer
+
+    phases = ("tracing", "planning", "compile")
+    before = {name: len(alpa.timers(name).costs) for name in phases}
+    f = alpa.parallelize(_step, method=alpa.ShardParallel())
+    w, x = jnp.ones((8, 8)), jnp.ones((16, 8))
+    f(w, x)
+    for name in phases:  # one compilation: one interval per phase
+        assert len(alpa.timers(name).costs) == before[name] + 1
+        assert alpa.timers(name).elapsed() > 0
+    f(w, x)  # a cache hit compiles nothing
+    assert all(len(alpa.timers(n).costs) == before[n] + 1 for n in phases)
+    assert alpa.timers.log().startswith("tracing: ")
+
+    timer = Timer("mine")
+    with pytest.raises(RuntimeError, match="'mine' was stopped without being started"):
+        timer.stop()
+    timer.costs.extend([1.0, 3.0])
+    assert (timer.elapsed(), timer.elapsed("sum"), timer.elapsed("average")) == (3.0, 4.0, 2.0)
+    timer.start()
+    with pytest.raises(RuntimeError, match="'mine' is already running"):
+        timer.start()
+    with pytest.raises(ValueError, match="mode must be 'last', 'sum' or 'average'"):
+        timer.elapsed("max")

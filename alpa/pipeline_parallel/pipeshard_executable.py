@@ -12,6 +12,7 @@ ILP on the stage's logical submesh, or data parallel with ``force_data_parallel=
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Sequence
@@ -181,6 +182,7 @@ class PipeshardDriverExecutable(Executable):
         self._names = names
         self._var_of = {name: v for v, name in names.items()}
         self.options = list(plan.options)
+        self.devices = list(devices)  # the devices the stage plan's device ranges index
         self.meshes = [
             make_jax_mesh(devices[a:b], logical.shape, DATA_AXES)
             for (a, b), logical in zip(stage_plan.device_ranges, plan.logical_meshes, strict=True)
@@ -299,8 +301,13 @@ class PipeshardDriverExecutable(Executable):
         return out
 
     def flat_input_placement_specs(self) -> list[PlacementSpec]:
+        """Per input leaf, at the size the caller passes (a batch leaf's whole batch)."""
         jaxpr = self.traced.closed_jaxpr.jaxpr
-        return [self._placement(v, self.program.input_stages[v]) for v in jaxpr.invars]
+        full = full_batch_avals(self.traced, self.num_micro_batches)
+        return [
+            dataclasses.replace(self._placement(v, self.program.input_stages[v]), aval=aval)
+            for v, aval in zip(jaxpr.invars, full, strict=True)
+        ]
 
     def flat_output_placement_specs(self) -> list[PlacementSpec]:
         specs = []

@@ -16,6 +16,9 @@ and it needs the devices.
 A plan prints as a table (stage, layers, submesh, logical shape, latency, memory) with
 its schedule grid; :meth:`PipeshardPlan.summary` is its JSON-able record and
 :meth:`PipeshardPlan.stage_option` replays its stages as a ``ManualStageOption``.
+:meth:`PipeshardPlan.decisions` (layers, stages, the sharding table), given back to
+``plan_pipeshard(decisions=...)``, makes the same plan without searching again: what
+``alpa.plan_to_method`` replays.
 """
 
 from __future__ import annotations
@@ -58,6 +61,29 @@ from alpa.tracing import TracedStep
 
 
 @dataclass(frozen=True, eq=False)
+class PipeshardDecisions:
+    """The decisions of a pipeshard plan that took a search to make, and that
+    :func:`plan_pipeshard` takes back to replay a plan without searching again (no layer
+    construction, no stage DP, no ILP; ``alpa.plan_to_method``).
+
+    Attributes:
+      layers: the layer of every equation of the traced step.
+      stage_plan: stages, their layers, submeshes and logical shapes.
+      options: per stage, its resolved ``AutoShardingOption``.
+      logical_meshes: per stage, the logical mesh (without devices) it was planned on.
+      stage_specs: ``(value, stage) -> PartitionSpec``, the sharding table.
+      objectives: per stage, the ILP objective(s) of its computations.
+    """
+
+    layers: LayerAssignment
+    stage_plan: StagePlan
+    options: tuple[AutoShardingOption, ...]
+    logical_meshes: tuple[LogicalDeviceMesh, ...]
+    stage_specs: dict
+    objectives: dict
+
+
+@dataclass(frozen=True, eq=False)
 class PipeshardPlan:
     """Every decision of a pipeshard compile (module docstring).
 
@@ -75,6 +101,8 @@ class PipeshardPlan:
       schedule: the clock ticks of the pipeline.
       instructions: the typed instruction list of one step.
       num_micro_batches: micro-batches per step.
+      layer_option: the layer option the step was traced and cut with (``alpa.grad``
+        reads it while tracing, so a replay traces under it again).
     """
 
     traced: TracedStep
@@ -92,6 +120,7 @@ class PipeshardPlan:
     schedule: PipelineSchedule
     instructions: PipelineInstructions
     num_micro_batches: int
+    layer_option: Any = None
 
     @property
     def num_stages(self) -> int:
@@ -105,6 +134,17 @@ class PipeshardPlan:
             submesh_physical_shapes=plan.submesh_shapes,
             submesh_logical_shapes=plan.logical_shapes,
             submesh_autosharding_option_dicts=[d or {} for d in plan.autosharding_option_dicts],
+        )
+
+    def decisions(self) -> PipeshardDecisions:
+        """What :func:`plan_pipeshard` needs to make this plan again without searching."""
+        return PipeshardDecisions(
+            layers=self.layers,
+            stage_plan=self.stage_plan,
+            options=self.options,
+            logical_meshes=self.logical_meshes,
+            stage_specs=dict(self.stage_specs),
+            objectives={s: list(v) for s, v in self.objectives.items()},
         )
 
     def summary(self) -> dict:
@@ -221,6 +261,7 @@ def plan_pipeshard(
     stage_input_shardings: Any = None,
     args: Sequence[Any] = (),
     devices: Sequence[Any] | None = None,
+    decisions: PipeshardDecisions | None = None,
 ) -> PipeshardPlan:
     """Plan ``traced`` (traced at micro-batch size) for a cluster of ``num_hosts`` x
     ``num_devices_per_host`` devices of kind ``cluster`` (module docstring).
@@ -228,10 +269,117 @@ def plan_pipeshard(
     ``devices`` are the real devices, when there are any (only a measured stage cost model
     uses them). ``args`` are the step's positional arguments (abstract or not), which
     ``manual_sharding_option.in_axis_resources`` is matched against.
+
+    ``decisions`` (:meth:`PipeshardPlan.decisions` of a plan of this same step) replay
+    that plan's layers, stages and sharding table instead of searching for them (no
+    layer clustering, stage DP or ILP); the stage and sharding options are then not read,
+    and what follows from the decisions (split, schedule, instructions) is derived again.
     """
     layer_option = resolve_layer_option(layer_option)
-    layers = construct_layers(traced.closed_jaxpr, layer_option)
     names = _name_vars(traced.closed_jaxpr)
+    if decisions is None:
+        layers = construct_layers(traced.closed_jaxpr, layer_option)
+        stage_plan = _search_stages(
+            traced,
+            layers,
+            names,
+            num_hosts,
+            num_devices_per_host,
+            cluster,
+            num_micro_batches,
+            stage_option,
+            default_auto_sharding_option,
+            devices,
+        )
+        options = stage_options(default_auto_sharding_option, stage_plan.autosharding_option_dicts)
+    else:
+        check_decisions(decisions, traced, names, num_hosts * num_devices_per_host)
+        layers, stage_plan, options = decisions.layers, decisions.stage_plan, decisions.options
+    program = split_computations(
+        traced.closed_jaxpr,
+        layers.layers,
+        stage_plan.layer_to_stage,
+        traced.batch_invars,
+        layers.kinds,
+    )
+    if layer_option.remat_layer and program.is_training:
+        program = rematerialize(program)
+    if pipeline_schedule == "inference" and program.is_training:
+        raise ValueError(
+            "pipeline_schedule='inference' cannot run a training step (it calls alpa.grad); "
+            "use 'gpipe' or '1f1b'"
+        )
+    schedule = make_schedule(pipeline_schedule, stage_plan.num_stages, num_micro_batches)
+    if not program.is_training and pipeline_schedule != "inference" and traced.has_backward_pass:
+        # Differentiated, but not by alpa.grad: no marker says where the gradients are
+        # complete, so the step cannot be cut into forward, backward and apply-grad.
+        raise ValueError(
+            f"{traced.name} differentiates with jax.grad (or jax.value_and_grad / jax.vjp), "
+            "so PipeshardParallel cannot find its gradients: use alpa.grad / "
+            "alpa.value_and_grad in place of jax.grad / jax.value_and_grad"
+        )
+    if not program.is_training and pipeline_schedule != "inference":
+        raise ValueError(
+            f"the step has no alpa.grad, so it is an inference step; pass "
+            f"pipeline_schedule='inference' instead of {pipeline_schedule!r}"
+        )
+    if decisions is None:
+        logical_meshes = []
+        for submesh, shape, option in zip(
+            stage_plan.submesh_shapes, stage_plan.logical_shapes, options, strict=True
+        ):
+            virtual = VirtualPhysicalMesh(int(submesh[0]), int(submesh[1]), cluster=cluster)
+            logical_meshes.append(
+                virtual.get_logical_mesh(
+                    option.logical_mesh_shape or shape, option.mesh_alpha, option.mesh_beta
+                )
+            )
+        mesh_shapes = [tuple(m.shape) for m in logical_meshes]
+        pinned = pinned_specs(
+            traced, program, args, mesh_shapes, manual_sharding_option, stage_input_shardings, names
+        )
+        stage_specs, objectives = plan_stage_shardings(
+            traced, program, logical_meshes, options, names, pinned
+        )
+        tie_donated_outputs(traced, program, stage_specs, [m.num_devices for m in logical_meshes])
+    else:
+        logical_meshes = list(decisions.logical_meshes)
+        stage_specs = dict(decisions.stage_specs)
+        objectives = {s: list(v) for s, v in decisions.objectives.items()}
+    instructions = emit_instructions(program, schedule, names)
+    return PipeshardPlan(
+        traced=traced,
+        names=names,
+        cluster=cluster,
+        num_hosts=num_hosts,
+        num_devices_per_host=num_devices_per_host,
+        layers=layers,
+        stage_plan=stage_plan,
+        options=tuple(options),
+        logical_meshes=tuple(logical_meshes),
+        program=program,
+        stage_specs=stage_specs,
+        objectives=objectives,
+        schedule=schedule,
+        instructions=instructions,
+        num_micro_batches=num_micro_batches,
+        layer_option=layer_option,
+    )
+
+
+def _search_stages(
+    traced: TracedStep,
+    layers: LayerAssignment,
+    names: dict,
+    num_hosts: int,
+    num_devices_per_host: int,
+    cluster: ClusterSpec,
+    num_micro_batches: int,
+    stage_option: Any,
+    default_auto_sharding_option: Any,
+    devices: Sequence[Any] | None,
+) -> StagePlan:
+    """The stages ``stage_option`` picks for ``layers`` (the stage DP for ``"auto"``)."""
     stage_option = resolve_stage_option(stage_option)
     if isinstance(stage_option, AutoStageOption) and layers.num_layers == 1:
         raise ValueError(
@@ -251,61 +399,27 @@ def plan_pipeshard(
         num_micro_batches=num_micro_batches,
         option=default_auto_sharding_option,
     )
-    stage_plan = plan_stages(stage_option, context)
-    options = stage_options(default_auto_sharding_option, stage_plan.autosharding_option_dicts)
-    program = split_computations(
-        traced.closed_jaxpr,
-        layers.layers,
-        stage_plan.layer_to_stage,
-        traced.batch_invars,
-        layers.kinds,
-    )
-    if layer_option.remat_layer and program.is_training:
-        program = rematerialize(program)
-    if pipeline_schedule == "inference" and program.is_training:
+    return plan_stages(stage_option, context)
+
+
+def check_decisions(
+    decisions: PipeshardDecisions, traced: TracedStep, names: dict, num_devices: int
+) -> None:
+    """Raise ``ValueError`` unless ``decisions`` fit ``traced`` on ``num_devices`` devices."""
+    num_eqns = len(traced.closed_jaxpr.jaxpr.eqns)
+    if len(decisions.layers.layers) != num_eqns:
         raise ValueError(
-            "pipeline_schedule='inference' cannot run a training step (it calls alpa.grad); "
-            "use 'gpipe' or '1f1b'"
+            f"the recorded pipeshard decisions place {len(decisions.layers.layers)} equations "
+            f"but {traced.name} has {num_eqns}: they were made for another step"
         )
-    schedule = make_schedule(pipeline_schedule, stage_plan.num_stages, num_micro_batches)
-    if not program.is_training and pipeline_schedule != "inference":
+    unknown = [v for v, _ in decisions.stage_specs if v not in names]
+    if unknown:
         raise ValueError(
-            f"the step has no alpa.grad, so it is an inference step; pass "
-            f"pipeline_schedule='inference' instead of {pipeline_schedule!r}"
+            f"the recorded sharding table names {len(unknown)} values that {traced.name} "
+            "does not have: it was made for another step"
         )
-    logical_meshes = []
-    for submesh, shape, option in zip(
-        stage_plan.submesh_shapes, stage_plan.logical_shapes, options, strict=True
-    ):
-        virtual = VirtualPhysicalMesh(int(submesh[0]), int(submesh[1]), cluster=cluster)
-        logical_meshes.append(
-            virtual.get_logical_mesh(
-                option.logical_mesh_shape or shape, option.mesh_alpha, option.mesh_beta
-            )
+    needed = max(stop for _, stop in decisions.stage_plan.device_ranges)
+    if needed > num_devices:
+        raise ValueError(
+            f"the recorded stages use {needed} devices but the cluster has {num_devices}"
         )
-    mesh_shapes = [tuple(m.shape) for m in logical_meshes]
-    pinned = pinned_specs(
-        traced, program, args, mesh_shapes, manual_sharding_option, stage_input_shardings, names
-    )
-    stage_specs, objectives = plan_stage_shardings(
-        traced, program, logical_meshes, options, names, pinned
-    )
-    tie_donated_outputs(traced, program, stage_specs, [m.num_devices for m in logical_meshes])
-    instructions = emit_instructions(program, schedule, names)
-    return PipeshardPlan(
-        traced=traced,
-        names=names,
-        cluster=cluster,
-        num_hosts=num_hosts,
-        num_devices_per_host=num_devices_per_host,
-        layers=layers,
-        stage_plan=stage_plan,
-        options=tuple(options),
-        logical_meshes=tuple(logical_meshes),
-        program=program,
-        stage_specs=stage_specs,
-        objectives=objectives,
-        schedule=schedule,
-        instructions=instructions,
-        num_micro_batches=num_micro_batches,
-    )

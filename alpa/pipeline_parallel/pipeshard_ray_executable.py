@@ -22,6 +22,7 @@ holds) and gets ``DistributedArray`` s back.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -313,8 +314,13 @@ class PipeshardRayExecutable(Executable):
         )
 
     def flat_input_placement_specs(self) -> list[PlacementSpec]:
+        """Per input leaf, at the size the caller passes (a batch leaf's whole batch)."""
         jaxpr = self.traced.closed_jaxpr.jaxpr
-        return [self._placement(v, self.program.input_stages[v]) for v in jaxpr.invars]
+        full = full_batch_avals(self.traced, self.num_micro_batches)
+        return [
+            dataclasses.replace(self._placement(v, self.program.input_stages[v]), aval=aval)
+            for v, aval in zip(jaxpr.invars, full, strict=True)
+        ]
 
     def flat_output_placement_specs(self) -> list[PlacementSpec]:
         specs = []

@@ -22,8 +22,9 @@ outputs are constraints the ILP does not see; XLA reshards to them).
   stages). Its axis names are those of ``manual_sharding_option`` when given, else the
   logical submesh's ``("x", "y")``. It takes precedence over ``manual_sharding_option``.
 
-Every spec is checked when the step compiles: the axis names, the number of entries
-against the value's rank, and that each split dimension divides.
+Every spec is checked when the step compiles: the axis names (also when the method is
+built), that no axis is used twice, the number of entries against the value's rank, and
+that each split dimension divides.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from alpa.pipeline_parallel.stage_sharding import DATA_AXES
 from alpa.shard_parallel.manual_sharding import (
     ManualShardingOption,
     broadcast_prefix_specs,
+    repeated_axis_names,
     unknown_axis_names,
 )
 from alpa.shard_parallel.sharding_spec import entry_names
@@ -126,6 +128,12 @@ def _check_spec_names(spec, names, where: str, whose: str) -> None:
         raise ValueError(
             f"{where}: {spec} names mesh axes {unknown} that are not in "
             f"{whose} submesh axis names {tuple(names)}"
+        )
+    repeated = repeated_axis_names(spec)
+    if repeated:
+        raise ValueError(
+            f"{where}: {spec} uses mesh axis {repeated[0]!r} more than once; each mesh axis "
+            "may split at most one dimension"
         )
 
 

@@ -4,12 +4,21 @@
 into a :class:`ShardingPlan` whose mesh axes carry the user's names. A spec tree may be a
 prefix of the argument tree (one spec for a whole ``TrainState``). ``None`` replicates an
 input and leaves an output to XLA's sharding propagation.
+
+Every spec is checked against its value when the step compiles, so that a mistake is
+named in the user's terms rather than by XLA: the axis names, the number of entries
+against the value's rank, no mesh axis used twice (a device holds one slice per axis),
+and each split dimension divisible by the product of its mesh axes' sizes.
+
+Of an ``AutoShardingOption`` given alongside, only the fields that view the devices as a
+mesh act (:data:`MESH_VIEW_FIELDS`); :func:`ignored_auto_sharding_fields` names the rest.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import jax
@@ -69,12 +78,33 @@ def broadcast_prefix_specs(prefix, tree, what: str) -> list[PartitionSpec | None
     ]
 
 
+#: The ``AutoShardingOption`` fields a manual plan reads: how the devices form a mesh.
+MESH_VIEW_FIELDS = ("logical_mesh_shape", "mesh_alpha", "mesh_beta")
+
+
+def ignored_auto_sharding_fields(option) -> list[str]:
+    """The fields of an ``AutoShardingOption`` set away from their defaults that a manual
+    plan does not read (it reads only :data:`MESH_VIEW_FIELDS`)."""
+    default = type(option)()
+    return [
+        f.name
+        for f in fields(option)
+        if f.name not in MESH_VIEW_FIELDS and getattr(option, f.name) != getattr(default, f.name)
+    ]
+
+
 def unknown_axis_names(spec: PartitionSpec, names: Sequence[str]) -> list[str]:
     """The mesh axis names ``spec`` uses that are not in ``names``, in order."""
     return [n for entry in spec for n in entry_names(entry) if n not in names]
 
 
-def _check_spec(spec, names: Sequence[str], ndim: int, where: str):
+def repeated_axis_names(spec: PartitionSpec) -> list[str]:
+    """The mesh axis names ``spec`` uses more than once, in order."""
+    used = [n for entry in spec for n in entry_names(entry)]
+    return list(dict.fromkeys(n for n in used if used.count(n) > 1))
+
+
+def _check_spec(spec, names: Sequence[str], shape, where: str, sizes: dict[str, int]):
     if spec is None:
         return
     unknown = unknown_axis_names(spec, names)
@@ -83,11 +113,27 @@ def _check_spec(spec, names: Sequence[str], ndim: int, where: str):
             f"{where}: PartitionSpec {spec} names mesh axes {unknown} that are "
             f"not in mesh_axis_names {tuple(names)}"
         )
-    if len(spec) > ndim:
+    repeated = repeated_axis_names(spec)
+    if repeated:
+        raise ValueError(
+            f"{where}: PartitionSpec {spec} uses mesh axis {repeated[0]!r} more than once; "
+            "each mesh axis may split at most one dimension"
+        )
+    if len(spec) > len(shape):
         raise ValueError(
             f"{where}: PartitionSpec {spec} has {len(spec)} entries but the "
-            f"value has {ndim} dimensions"
+            f"value has {len(shape)} dimensions"
         )
+    for dim, entry in enumerate(spec):
+        axes = entry_names(entry)
+        parts = math.prod(sizes[a] for a in axes)
+        if shape[dim] % parts:
+            over = " and ".join(f"{a!r} of size {sizes[a]}" for a in axes)
+            over = f"mesh axis {over}" if len(axes) == 1 else f"mesh axes {over} ({parts} parts)"
+            raise ValueError(
+                f"{where}: PartitionSpec {spec} splits dimension {dim} of size {shape[dim]} "
+                f"(shape {tuple(shape)}) over {over}, which does not divide it"
+            )
 
 
 def manual_sharding_plan(
@@ -125,8 +171,9 @@ def manual_sharding_plan(
     in_specs: list = []
     for pos in traced.dynamic_argnums:
         in_specs += broadcast_prefix_specs(in_res[pos], args[pos], f"in_axis_resources[{pos}]")
+    sizes = dict(zip(mesh.axis_names, mesh.shape, strict=True))
     for spec, aval, leaf in zip(in_specs, traced.in_avals, traced.leaf_names, strict=True):
-        _check_spec(spec, mesh.axis_names, aval.ndim, f"in_axis_resources for {leaf}")
+        _check_spec(spec, mesh.axis_names, aval.shape, f"in_axis_resources for {leaf}", sizes)
 
     out_avals = [v.aval for v in traced.jaxpr.outvars]
     if option.out_axis_resources is None:
@@ -135,7 +182,7 @@ def manual_sharding_plan(
         dummy = jax.tree.unflatten(traced.out_tree, [0] * len(out_avals))
         out_specs = broadcast_prefix_specs(option.out_axis_resources, dummy, "out_axis_resources")
     for i, (spec, aval) in enumerate(zip(out_specs, out_avals, strict=True)):
-        _check_spec(spec, mesh.axis_names, aval.ndim, f"out_axis_resources for output {i}")
+        _check_spec(spec, mesh.axis_names, aval.shape, f"out_axis_resources for output {i}", sizes)
 
     # The batch is split over the axes that shard dim 0 of every batch leaf.
     data_axes = None

@@ -6,6 +6,7 @@ from alpa.tracing.trace import (
     inline_calls,
     leaf_signature,
     new_jaxpr,
+    note_grad_inputs,
     trace_step,
 )
 
@@ -15,5 +16,6 @@ __all__ = [
     "inline_calls",
     "leaf_signature",
     "new_jaxpr",
+    "note_grad_inputs",
     "trace_step",
 ]

@@ -5,17 +5,31 @@ leaves, traces the function on abstract values, and inlines call-like primitives
 ``closed_call``, ``custom_jvp_call``, ``custom_vjp_call``) so that every later pass sees one
 flat list of equations. The result, a :class:`TracedStep`, also records which leaves are
 batch leaves and which are donated, and a readable name for every leaf, for error messages.
+
+Two facts about how the step differentiates are recorded for diagnostics, since a mistake
+there otherwise surfaces far from its cause:
+
+* ``grad_invars``: the leaves that ``alpa.grad`` differentiates with respect to as they
+  are (the step passes an input leaf itself, as in ``alpa.grad(loss)(state.params)``).
+  ``alpa.grad`` reports its differentiated values through :func:`note_grad_inputs`; a leaf
+  matches when it is the very tracer of that input.
+* ``has_backward_pass``: whether reverse-mode AD ran inside the step, with ``alpa.grad`` or
+  not. JAX records the transforms an equation was produced under in its name stack, and
+  the backward pass is ``transpose(jvp(...))``. The jaxpr is searched before inlining, so
+  that ``jax.grad(jax.jit(f))``, whose transposed equation is the ``jit`` call itself, is
+  seen too.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Sequence
+import contextvars
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import jax
 import numpy as np
-from jax.extend.core import ClosedJaxpr, DropVar, Jaxpr, JaxprEqn, Literal, Var
+from jax.extend.core import ClosedJaxpr, DropVar, Jaxpr, JaxprEqn, Literal, Var, jaxprs_in_params
 
 from alpa.tracing.primitive_def import pipeline_p
 
@@ -36,6 +50,10 @@ class TracedStep:
       name: the function's name.
       retrace: ``retrace(d)`` traces the same step again with every batch leaf's dim 0
         divided by ``d`` (set by ``parallelize``; used for per-device micro-batches).
+      grad_invars: per leaf, whether ``alpa.grad`` differentiates with respect to it as
+        it is (module docstring); empty when unknown.
+      has_backward_pass: whether reverse-mode AD (``alpa.grad`` or ``jax.grad``) ran
+        inside the step (module docstring).
     """
 
     closed_jaxpr: ClosedJaxpr
@@ -48,6 +66,8 @@ class TracedStep:
     dynamic_argnums: tuple[int, ...]
     name: str
     retrace: Callable[[int], TracedStep] | None = field(default=None, compare=False, repr=False)
+    grad_invars: tuple[bool, ...] = ()
+    has_backward_pass: bool = False
 
     @property
     def jaxpr(self) -> Jaxpr:
@@ -88,18 +108,27 @@ def trace_step(
     in_avals = tuple(abstractify(x) for x in leaves)
 
     out_tree_box = []
+    name = getattr(fun, "__name__", repr(fun))
+    watch = _GradWatch()
 
     def flat_fun(*flat_leaves):
         dyn = jax.tree.unflatten(in_tree, flat_leaves)
         full = list(args)
         for pos, value in zip(dynamic_argnums, dyn, strict=True):
             full[pos] = value
-        out = fun(*full)
+        watch.index = {id(x): i for i, x in enumerate(flat_leaves)}
+        token = _grad_watch.set(watch)
+        try:
+            out = fun(*full)
+        finally:
+            _grad_watch.reset(token)
+        _check_outputs(out, name)
         out_leaves, out_tree = jax.tree.flatten(out)
         out_tree_box.append(out_tree)
         return out_leaves
 
     closed = jax.make_jaxpr(flat_fun)(*in_avals)
+    has_backward_pass = any(_is_transposed(e) for e in _all_eqns(closed.jaxpr))
     closed = inline_calls(closed)
 
     batch_invars, donated_invars = [], []
@@ -116,8 +145,66 @@ def trace_step(
         donated_invars=tuple(donated_invars),
         leaf_names=tuple(leaf_names),
         dynamic_argnums=dynamic_argnums,
-        name=getattr(fun, "__name__", repr(fun)),
+        name=name,
+        grad_invars=tuple(i in watch.differentiated for i in range(len(leaves))),
+        has_backward_pass=has_backward_pass,
     )
+
+
+# ----------------------------------------------------------------------------- diagnostics
+
+
+class _GradWatch:
+    """The input leaves of a trace (by tracer identity) and those ``alpa.grad``
+    differentiated with respect to."""
+
+    def __init__(self):
+        self.index: dict[int, int] = {}
+        self.differentiated: set[int] = set()
+
+
+_grad_watch: contextvars.ContextVar[_GradWatch | None] = contextvars.ContextVar(
+    "alpa_grad_watch", default=None
+)
+
+
+def note_grad_inputs(values) -> None:
+    """Called by ``alpa.grad`` with the values it differentiates with respect to: those
+    that are input leaves of the step being traced are recorded (``grad_invars``)."""
+    watch = _grad_watch.get()
+    if watch is None:
+        return
+    for x in jax.tree.leaves(values):
+        i = watch.index.get(id(x))
+        if i is not None:
+            watch.differentiated.add(i)
+
+
+def _check_outputs(out, name: str) -> None:
+    """The step's outputs are pytrees of arrays (Python scalars pass, as under jax.jit);
+    name the first other leaf by its path, in the user's terms."""
+    for path, leaf in jax.tree_util.tree_flatten_with_path(out)[0]:
+        # A tracer is a jax.Array.
+        if isinstance(leaf, jax.Array | np.ndarray | np.generic | bool | int | float | complex):
+            continue
+        raise TypeError(
+            f"{name} returned a value of type {type(leaf).__name__} at "
+            f"output{jax.tree_util.keystr(path)}: outputs must be pytrees of arrays"
+        )
+
+
+def _all_eqns(jaxpr: Jaxpr) -> Iterator[JaxprEqn]:
+    """Every equation of ``jaxpr`` and of the jaxprs in its equations' parameters."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for sub in jaxprs_in_params(eqn.params):
+            yield from _all_eqns(sub)
+
+
+def _is_transposed(eqn: JaxprEqn) -> bool:
+    """Whether ``eqn`` belongs to a backward pass (its name stack has ``transpose``)."""
+    stack = getattr(eqn.source_info.name_stack, "stack", ())
+    return any(getattr(entry, "name", None) == "transpose" for entry in stack)
 
 
 def abstractify(x) -> jax.ShapeDtypeStruct:
@@ -143,7 +230,10 @@ def abstractify(x) -> jax.ShapeDtypeStruct:
 def leaf_signature(x) -> tuple:
     """The part of a leaf that an executable is compiled for (a cache-key entry)."""
     aval = abstractify(x)
-    return (tuple(aval.shape), np.dtype(aval.dtype), bool(aval.weak_type))
+    dtype = aval.dtype
+    if not jax.dtypes.issubdtype(dtype, jax.dtypes.extended):  # a typed PRNG key stays as is
+        dtype = np.dtype(dtype)
+    return (tuple(aval.shape), dtype, bool(aval.weak_type))
 
 
 # ----------------------------------------------------------------------------- inlining

@@ -385,6 +385,68 @@ def test_pipeshard_inference_schedule(ray_cluster):
     assert_allclose((np.asarray(out), np.asarray(loss)), infer(params, x))
 
 
+# ----------------------------------------------------------------------------- follow methods
+
+
+def test_create_state_and_follow_on_a_ray_mesh(ray_cluster):
+    import flax.linen as nn
+    import optax
+    from flax.training.train_state import TrainState
+
+    mesh = alpa.get_global_cluster().get_physical_mesh((0,), DEVICES_PER_NODE)
+    model = nn.Dense(16, use_bias=False)
+
+    def create_state(rng):
+        params = model.init(rng, np.ones((32, 16), np.float32))
+        return TrainState.create(apply_fn=model.apply, params=params, tx=optax.adam(1e-2))
+
+    def loss(params, batch):
+        return ((model.apply(params, batch["x"]) - batch["y"]) ** 2).mean()
+
+    def train_step(state, batch, grad=alpa.grad):
+        return state.apply_gradients(grads=grad(loss)(state.params, batch))
+
+    rng = np.random.default_rng(0)
+    batch = {k: rng.standard_normal((32, 16), dtype=np.float32) for k in ("x", "y")}
+    p_train = alpa.parallelize(train_step, method=alpa.Zero3Parallel(devices=mesh))
+    p_create = alpa.parallelize(create_state, method=alpa.CreateStateParallel(p_train, (batch,)))
+    p_eval = alpa.parallelize(  # an evaluation step keeps the state: nothing donated
+        lambda s, b: loss(s.params, b), method=alpa.FollowParallel(p_train), donate_argnums=()
+    )
+    key = jax.random.PRNGKey(0)  # a raw uint32 key: typed keys do not cross to workers yet
+    state = p_create(key)
+    # Created on the train step's workers, in the layouts the train step reads.
+    specs = p_train.get_last_executable().get_input_placement_specs()[0]
+    for leaf, spec in zip(
+        jax.tree.leaves(state), jax.tree.leaves(specs, is_leaf=_is_placement), strict=True
+    ):
+        assert isinstance(leaf, alpa.DistributedArray) and leaf.mesh is mesh
+        assert leaf.layout == spec.placements[0][1]
+    expected = jax.jit(create_state)(key)
+    assert_allclose(state, expected)
+    state = p_train(state, batch)
+    expected = jax.jit(lambda s, b: train_step(s, b, jax.grad))(expected, batch)
+    assert_allclose(state, expected)
+    np.testing.assert_allclose(
+        np.asarray(p_eval(state, batch)), loss(expected.params, batch), rtol=1e-5
+    )
+    # The train step's plan, through JSON, compiles the same program on the same workers.
+    executable = p_train.get_last_executable()
+    plan = alpa.ParallelPlan.from_json(executable.get_parallel_plan().to_json())
+    assert (plan.cluster_info.num_hosts, plan.cluster_info.num_devices_per_host) == (1, 4)
+    p_replay = alpa.parallelize(train_step, method=alpa.plan_to_method(plan, devices=mesh))
+    replayed = p_replay.get_executable(state, batch)
+    assert type(replayed).__name__ == "DistributedMeshExecutable"
+    assert replayed.plan.in_specs == executable.plan.in_specs
+    assert_allclose(
+        p_replay(state, batch), jax.jit(lambda s, b: train_step(s, b, jax.grad))(expected, batch)
+    )
+
+
+def _is_placement(x):
+    return isinstance(x, alpa.executable.PlacementSpec)
+
+
 # ----------------------------------------------------------------------------- data loaders
 
 

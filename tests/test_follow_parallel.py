@@ -1,0 +1,216 @@
+"""CreateStateParallel and FollowParallel: the state is created where the training step
+reads it, and an evaluation step reads it there too (alpa/follow_parallel.py)."""
+
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax.training.train_state import TrainState
+
+import alpa
+from alpa.executable import is_placed
+from alpa.testing import assert_allclose
+
+BATCH, HIDDEN = 32, 64
+
+
+class _MLP(nn.Module):
+    marked: bool = False
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.relu(nn.Dense(HIDDEN * 2, use_bias=False)(x))
+        if self.marked:
+            alpa.mark_pipeline_boundary()
+        x = nn.relu(nn.Dense(HIDDEN * 2, use_bias=False)(x))
+        return nn.Dense(HIDDEN, use_bias=False)(x)
+
+
+def _functions(marked: bool = False):
+    model = _MLP(marked)
+
+    def create_state(rng):
+        params = model.init(rng, jnp.ones((BATCH, HIDDEN)))
+        return TrainState.create(apply_fn=model.apply, params=params, tx=optax.adam(1e-2))
+
+    def loss(params, batch, apply_fn):
+        return jnp.mean((apply_fn(params, batch["x"]) - batch["y"]) ** 2)
+
+    def train_step(state, batch, grad=alpa.grad):
+        grads = grad(lambda p: loss(p, batch, state.apply_fn))(state.params)
+        return state.apply_gradients(grads=grads)
+
+    def eval_step(state, batch):
+        return loss(state.params, batch, state.apply_fn)
+
+    return create_state, train_step, eval_step
+
+
+def _batch(seed):
+    rng = np.random.default_rng(seed)
+    return {
+        "x": rng.standard_normal((BATCH, HIDDEN), dtype=np.float32),
+        "y": rng.standard_normal((BATCH, HIDDEN), dtype=np.float32),
+    }
+
+
+def _check_created_in_place(state, executable):
+    """Every leaf of the created state is in the train step's sharding of it (so the
+    first step copies nothing), and each device holds only its shard."""
+    specs = jax.tree.leaves(
+        executable.get_input_placement_specs()[0],
+        is_leaf=lambda x: isinstance(x, alpa.executable.PlacementSpec),
+    )
+    leaves = jax.tree.leaves(state)
+    assert len(specs) == len(leaves)
+    sharded = 0
+    for leaf, spec in zip(leaves, specs, strict=True):
+        sharding = spec.placements[0]
+        assert is_placed(leaf, sharding), (leaf.sharding, sharding)
+        shard_shape = sharding.shard_shape(leaf.shape)
+        for shard in leaf.addressable_shards:
+            assert shard.data.shape == shard_shape
+        sharded += math.prod(shard_shape) < math.prod(leaf.shape)
+    return sharded
+
+
+@pytest.mark.parametrize(
+    "method",
+    [
+        lambda: alpa.ShardParallel(
+            auto_sharding_option=alpa.AutoShardingOption(logical_mesh_shape=(2, 4))
+        ),
+        alpa.Zero3Parallel,
+    ],
+    ids=["shard_2x4", "zero3"],
+)
+def test_create_state_in_train_step_sharding(method):
+    create_state, train_step, _ = _functions()
+    batch = _batch(0)
+    p_train = alpa.parallelize(train_step, method=method())
+    p_create = alpa.parallelize(create_state, method=alpa.CreateStateParallel(p_train, (batch,)))
+    rng = jax.random.key(0)
+    state = p_create(rng)
+
+    expected = jax.jit(create_state)(rng)
+    assert_allclose(state, expected)
+    executable = p_train.get_executable(state, batch)
+    assert _check_created_in_place(state, executable) > 0  # some leaves really sharded
+    # No device builds the whole state: each holds its shards, and the creation's
+    # temporaries stay well under the full state's size.
+    memory = p_create.get_last_executable().compiled.memory_analysis()
+    shard_bytes = sum(
+        math.prod(leaf.addressable_shards[0].data.shape) * leaf.dtype.itemsize
+        for leaf in jax.tree.leaves(state)
+    )
+    full_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(state))
+    assert abs(memory.output_size_in_bytes - shard_bytes) < 1024
+    assert memory.temp_size_in_bytes < full_bytes / 2
+
+    # The first step takes the state as it is: its fast path accepts every leaf.
+    jitted = jax.jit(lambda s, b: train_step(s, b, jax.grad))
+    for i in range(2):
+        state = p_train(state, _batch(i))
+        expected = jitted(expected, _batch(i))
+    assert_allclose(state, expected)
+
+
+def test_create_state_pipeshard_leaves_on_their_stage_mesh():
+    create_state, train_step, _ = _functions(marked=True)
+    batch = _batch(0)
+    p_train = alpa.parallelize(
+        train_step,
+        method=alpa.PipeshardParallel(
+            num_micro_batches=2, layer_option="manual", stage_option="uniform"
+        ),
+    )
+    p_create = alpa.parallelize(create_state, method=alpa.CreateStateParallel(p_train, (batch,)))
+    rng = jax.random.key(1)
+    state = p_create(rng)
+    expected = jax.jit(create_state)(rng)
+    assert_allclose(state, expected)
+    executable = p_train.get_last_executable()
+    _check_created_in_place(state, executable)
+    meshes = {frozenset(leaf.sharding.device_set) for leaf in jax.tree.leaves(state.params)}
+    assert len(meshes) == 2  # the layers' kernels on the two stages' submeshes
+
+    jitted = jax.jit(lambda s, b: train_step(s, b, jax.grad))
+    state = p_train(state, batch)
+    expected = jitted(expected, batch)
+    assert_allclose(state, expected)
+
+
+@pytest.mark.parametrize("method", [alpa.ShardParallel, alpa.Zero3Parallel], ids=str)
+def test_follow_parallel_reads_the_state_where_training_left_it(method):
+    create_state, train_step, eval_step = _functions()
+    state = jax.jit(create_state)(jax.random.key(2))
+    p_train = alpa.parallelize(train_step, method=method())
+    # An evaluation step keeps the state (Alpa's examples too pass donate_argnums=()).
+    p_eval = alpa.parallelize(eval_step, method=alpa.FollowParallel(p_train), donate_argnums=())
+    state = p_train(state, _batch(0))
+    loss = p_eval(state, _batch(1))
+
+    serial_state = jax.jit(lambda s, b: train_step(s, b, jax.grad))(
+        jax.jit(create_state)(jax.random.key(2)), _batch(0)
+    )
+    np.testing.assert_allclose(loss, jax.jit(eval_step)(serial_state, _batch(1)), rtol=1e-5)
+    train_specs = p_train.get_last_executable().get_input_placement_specs()[0]
+    eval_specs = p_eval.get_last_executable().get_input_placement_specs()[0]
+    assert jax.tree.leaves(train_specs) == jax.tree.leaves(eval_specs)
+    # The state as training left it is what evaluation reads: nothing moves.
+    eval_shardings = p_eval.get_last_executable().flat_input_shardings()
+    for leaf, sharding in zip(jax.tree.leaves(state), eval_shardings, strict=False):
+        assert is_placed(leaf, sharding)
+
+
+def test_follow_parallel_pipeshard_uses_the_training_stages():
+    create_state, train_step, eval_step = _functions(marked=True)
+    state = jax.jit(create_state)(jax.random.key(3))
+    serial = jax.jit(lambda s, b: train_step(s, b, jax.grad))(state, _batch(0))
+    p_train = alpa.parallelize(
+        train_step,
+        method=alpa.PipeshardParallel(
+            num_micro_batches=2, layer_option="manual", stage_option="uniform"
+        ),
+    )
+    p_eval = alpa.parallelize(
+        eval_step, method=alpa.FollowParallel(p_train, num_micro_batches=2), donate_argnums=()
+    )
+    state = p_train(state, _batch(0))
+    loss = p_eval(state, _batch(1))
+    np.testing.assert_allclose(loss, jax.jit(eval_step)(serial, _batch(1)), rtol=1e-5)
+
+    train = p_train.get_last_executable()
+    evaluate = p_eval.get_last_executable()
+    assert evaluate.plan.schedule.name == "inference"
+    # Placement specs describe what the caller passes: the whole batch, not a micro-batch.
+    assert train.get_input_placement_specs()[1]["x"].aval.shape == (BATCH, HIDDEN)
+    assert evaluate.stage_plan.device_ranges == train.stage_plan.device_ranges
+    train_specs = jax.tree.leaves(
+        train.get_input_placement_specs()[0].params,
+        is_leaf=lambda x: isinstance(x, alpa.executable.PlacementSpec),
+    )
+    eval_specs = jax.tree.leaves(
+        evaluate.get_input_placement_specs()[0].params,
+        is_leaf=lambda x: isinstance(x, alpa.executable.PlacementSpec),
+    )
+    for t, e in zip(train_specs, eval_specs, strict=True):
+        assert (t.mesh_ids, t.sharding_specs) == (e.mesh_ids, e.sharding_specs)
+
+
+def test_follow_parallel_errors():
+    _, train_step, eval_step = _functions()
+    p_train = alpa.parallelize(train_step)
+    with pytest.raises(TypeError, match="src_func must be a function returned by alpa.parallelize"):
+        alpa.FollowParallel(train_step)
+    with pytest.raises(TypeError, match="train_step must be a function returned by"):
+        alpa.CreateStateParallel(train_step, ())
+    p_eval = alpa.parallelize(eval_step, method=alpa.FollowParallel(p_train))
+    create_state = _functions()[0]
+    state = jax.jit(create_state)(jax.random.key(0))
+    with pytest.raises(RuntimeError, match="has not been called or compiled yet"):
+        p_eval(state, _batch(0))

@@ -1,0 +1,299 @@
+"""ParallelPlan: a compile's decisions recorded, saved, and replayed without searching.
+
+Every case is compiled once here (the ``recorded`` fixture). Its plan goes through JSON to
+a fresh Python process, which compiles the same step with ``alpa.plan_to_method(plan)``;
+the oracle is the compiled HLO, equal to the original's (per stage for a pipeline) once
+debug locations are removed. In this process the replay runs with the ILP, the stage DP
+and layer construction patched to fail, and its results equal the serial step's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import jax
+import pytest
+
+import alpa
+from alpa.parallel_plan import ParallelPlan
+from alpa.pipeline_parallel.stage_construction import AutoStageOption
+from alpa.testing import assert_allclose, get_mlp_train_state_and_step, unit_cost_mesh
+
+NUM_DEVICES = 8
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# ----------------------------------------------------------------------------- cases
+
+
+def _chain(params, x):
+    """A step whose ILP plan reshards operands (a value read transposed by its users)."""
+    h = x @ params["w"]
+    g = h.T @ h
+    return g @ h.T
+
+
+def _chain_args():
+    params = {"w": jax.random.normal(jax.random.PRNGKey(0), (16, 64)) / 4}
+    x = jax.random.normal(jax.random.PRNGKey(1), (32, 16))
+    return params, x
+
+
+def _pipeshard(stage_option):
+    return alpa.PipeshardParallel(
+        num_micro_batches=2,
+        layer_option=alpa.AutoLayerOption(layer_num=2),
+        stage_option=stage_option,
+    )
+
+
+def make_case(name: str):
+    """``(step, args, method)`` of case ``name``: the method is the original's, which
+    searches (the subprocess replaying a plan builds the step and arguments from here)."""
+    if name == "ilp_2d":
+        return _chain, _chain_args(), alpa.ShardParallel(devices=unit_cost_mesh((2, 4)))
+    state, batch, step = get_mlp_train_state_and_step(32, 16, num_layers=2)
+    methods = {
+        "data_parallel": alpa.DataParallel,
+        "zero3": alpa.Zero3Parallel,
+        "micro_batches": lambda: alpa.ShardParallel(num_micro_batches=2),
+        "pipeshard_uniform": lambda: _pipeshard("uniform"),
+        # Only (1, 4) submeshes: the DP must pick two stages.
+        "pipeshard_auto": lambda: _pipeshard(
+            AutoStageOption(
+                submesh_physical_shape_space="manual", manually_specified_submeshes=[(1, 4)]
+            )
+        ),
+    }
+    return step, (state, batch), methods[name]()
+
+
+CASES = (
+    "ilp_2d",
+    "data_parallel",
+    "zero3",
+    "micro_batches",
+    "pipeshard_uniform",
+    "pipeshard_auto",
+)
+
+_DEBUG_SECTIONS = ("FileNames", "FunctionNames", "FileLocations", "StackFrames")
+
+
+def program_text(hlo):
+    """The HLO without its debug information (the source lines the step was traced from,
+    which differ between two processes that compile the same program)."""
+    if isinstance(hlo, list):
+        return [program_text(h) for h in hlo]
+    blocks = [b for b in hlo.split("\n\n") if not b.startswith(_DEBUG_SECTIONS)]
+    return re.sub(r", metadata=\{[^}]*\}", "", "\n\n".join(blocks))
+
+
+def replay_hlo(name: str, plan_path: str):
+    """Compile case ``name`` from the plan saved at ``plan_path``; its program text."""
+    step, args, _ = make_case(name)
+    method = alpa.plan_to_method(ParallelPlan.load(plan_path))
+    return program_text(alpa.parallelize(step, method=method).get_executable(*args).get_hlo_text())
+
+
+_REPLAY_SCRIPT = """
+import importlib.util, json, sys
+spec = importlib.util.spec_from_file_location("plan_cases", sys.argv[1])
+cases = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(cases)
+jobs = json.loads(sys.argv[2])
+with open(sys.argv[3], "w") as f:
+    json.dump({name: cases.replay_hlo(name, path) for name, path in jobs.items()}, f)
+"""
+
+
+# ----------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory):
+    """Per case: the original executable's program text, its plan saved as JSON, and the
+    program text a fresh process compiled from that JSON."""
+    if len(jax.devices()) < NUM_DEVICES:
+        pytest.skip(f"needs {NUM_DEVICES} devices, have {len(jax.devices())}")
+    folder = tmp_path_factory.mktemp("plans")
+    originals, paths = {}, {}
+    for name in CASES:
+        step, args, method = make_case(name)
+        executable = alpa.parallelize(step, method=method).get_executable(*args)
+        originals[name] = program_text(executable.get_hlo_text())
+        paths[name] = str(folder / f"{name}.json")
+        executable.get_parallel_plan().save(paths[name])
+    out = folder / "replayed.json"
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={NUM_DEVICES}"
+    env["JAX_PLATFORMS"] = "cpu"
+    env["PYTHONPATH"] = os.pathsep.join([REPO, env.get("PYTHONPATH", "")])
+    subprocess.run(
+        [sys.executable, "-c", _REPLAY_SCRIPT, __file__, json.dumps(paths), str(out)],
+        env=env,
+        cwd=REPO,
+        check=True,
+        timeout=600,
+    )
+    replayed = json.loads(out.read_text())
+    return {name: (originals[name], paths[name], replayed[name]) for name in CASES}
+
+
+@pytest.fixture
+def no_search(monkeypatch):
+    """Make every search fail: the ILP, the stage DP, layer construction and the
+    per-stage sharding pass."""
+
+    def searched(*args, **kwargs):
+        raise AssertionError("searched during a replay")
+
+    from alpa.pipeline_parallel import pipeshard_plan, stage_construction
+    from alpa.shard_parallel import ilp_solver
+
+    monkeypatch.setattr(ilp_solver, "solve", searched)
+    monkeypatch.setattr(stage_construction, "training_dp", searched)
+    monkeypatch.setattr(pipeshard_plan, "construct_layers", searched)
+    monkeypatch.setattr(pipeshard_plan, "plan_stage_shardings", searched)
+
+
+# ----------------------------------------------------------------------------- tests
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_plan_from_json_in_a_fresh_process_compiles_the_same_hlo(recorded, name):
+    original, _, replayed = recorded[name]
+    if isinstance(original, list):
+        assert len(original) > 1
+    assert replayed == original
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_replay_does_not_search_and_matches_serial(recorded, no_search, name):
+    original, path, _ = recorded[name]
+    step, args, method = make_case(name)
+    if name in ("ilp_2d", "micro_batches") or name.startswith("pipeshard"):
+        with pytest.raises(AssertionError, match="searched during a replay"):
+            alpa.parallelize(step, method=method).plan(*args)  # the patches do bite
+    expected = jax.jit(step)(*args)
+    p_step = alpa.parallelize(step, method=alpa.plan_to_method(ParallelPlan.load(path)))
+    executable = p_step.get_executable(*args)
+    assert program_text(executable.get_hlo_text()) == original
+    # The replay made the recorded decisions, so it records the same plan.
+    with open(path) as f:
+        assert executable.get_parallel_plan().to_json() == f.read()
+    assert_allclose(p_step(*args), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_ilp_plan_records_pinned_values_and_resharded_operands(recorded):
+    plan = ParallelPlan.load(recorded["ilp_2d"][1])
+    sharding = plan.sharding_plan
+    assert plan.method == "auto-sharding ILP"
+    assert sharding.logical_mesh.shape == (2, 4)
+    assert sharding.logical_mesh.axis_names == ("x", "y")
+    assert sharding.logical_mesh.devices is None
+    assert sharding.var_specs and all(r.startswith("eqn") for r in sharding.var_specs)
+    assert sharding.operand_specs
+    assert plan.input_names == ("argument 0['w']", "argument 1")
+    assert plan.input_avals == ("float32[16, 64]", "float32[32, 16]")
+    assert [p.sharding_specs for p in plan.input_placement_specs] == [
+        (s,) for s in sharding.in_specs
+    ]
+
+
+def test_plan_json_round_trips(recorded):
+    for name in CASES:
+        with open(recorded[name][1]) as f:
+            text = f.read()
+        assert ParallelPlan.from_json(text).to_json() == text
+
+
+def test_pipeshard_plan_records_stages(recorded):
+    plan = ParallelPlan.load(recorded["pipeshard_auto"][1])
+    pipeline = plan.pipeline_plan
+    assert plan.num_micro_batches == 2
+    assert pipeline.pipeline_schedule == "1f1b"
+    assert pipeline.layer_option == alpa.AutoLayerOption(layer_num=2)
+    stages = pipeline.decisions.stage_plan
+    assert stages.stage_layers() == [[0], [1]]
+    assert stages.device_ranges == ((0, 4), (4, 8))
+    assert {s for _, s in pipeline.decisions.stage_specs} == {0, 1}
+    assert str(plan).splitlines()[2:] == [
+        "stage  layers  devices  logical mesh",
+        "0      [0]     0..3     (4, 1)",
+        "1      [1]     4..7     (4, 1)",
+    ]
+
+
+def test_plan_for_other_shapes_is_refused(recorded):
+    state, batch, step = get_mlp_train_state_and_step(64, 16, num_layers=2)
+    for name in ("data_parallel", "pipeshard_uniform"):
+        method = alpa.plan_to_method(ParallelPlan.load(recorded[name][1]))
+        with pytest.raises(
+            ValueError,
+            match=re.escape(
+                "this ParallelPlan was made for another step (train_step): argument 1['x'] "
+                "was float32[32, 16] there and is float32[64, 16] here. A plan replays only "
+                "the step and input shapes it was recorded for; plan this step with a "
+                "parallel method instead"
+            ),
+        ):
+            alpa.parallelize(step, method=method).get_executable(state, batch)
+
+
+def test_plan_for_another_function_is_refused(recorded):
+    state, batch, step = get_mlp_train_state_and_step(32, 16, num_layers=2)
+
+    def other_step(state, batch):  # same inputs, one more operation
+        new_state = step(state, batch)
+        return new_state.replace(params=jax.tree.map(lambda p: p * 2, new_state.params))
+
+    method = alpa.plan_to_method(ParallelPlan.load(recorded["zero3"][1]))
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            "this ParallelPlan was made for another step (train_step): other_step has the "
+            "same inputs but computes something else (its traced jaxpr differs)"
+        ),
+    ):
+        alpa.parallelize(other_step, method=method).get_executable(state, batch)
+    params, x = _chain_args()
+    method = alpa.plan_to_method(ParallelPlan.load(recorded["ilp_2d"][1]))
+    with pytest.raises(
+        ValueError, match=re.escape("it has 2 input leaves, train_step is called with 16")
+    ):
+        alpa.parallelize(step, method=method).get_executable(state, batch)
+
+
+def test_plan_on_other_devices_is_refused(recorded):
+    step, args, _ = make_case("ilp_2d")
+    method = alpa.plan_to_method(
+        ParallelPlan.load(recorded["ilp_2d"][1]), devices=jax.devices()[:4]
+    )
+    with pytest.raises(
+        ValueError,
+        match=re.escape("the ParallelPlan of _chain was made for 8 devices but devices has 4"),
+    ):
+        alpa.parallelize(step, method=method).get_executable(*args)
+    step, args, _ = make_case("pipeshard_uniform")
+    method = alpa.plan_to_method(
+        ParallelPlan.load(recorded["pipeshard_uniform"][1]), devices=jax.devices()[:4]
+    )
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            "the ParallelPlan of train_step was made for a cluster of 1 x 8 devices but "
+            "devices is 1 x 4"
+        ),
+    ):
+        alpa.parallelize(step, method=method).get_executable(*args)
+
+
+def test_bad_plans_are_refused():
+    with pytest.raises(TypeError, match=r"plan_to_method expects a ParallelPlan .*got str"):
+        alpa.plan_to_method("plan.json")
+    with pytest.raises(ValueError, match=r"not a ParallelPlan of format 1 .*format is 7"):
+        ParallelPlan.from_json('{"format": 7}')
