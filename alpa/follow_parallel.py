@@ -17,36 +17,41 @@ own; the other two should put the state exactly where the training step wants it
   planned by the auto-sharding ILP around those pinned inputs.
 
 Both compile the other step first if it has not been compiled (``get_executable`` with
-abstract values). They work on one-mesh methods (``ShardParallel``, ``DataParallel``,
-``Zero2Parallel``, ``Zero3Parallel``) on the local and the Ray runtime, and on a
-``PipeshardParallel`` training step on the local runtime (``CreateStateParallel``: each
-leaf created on its stage's submesh; ``FollowParallel``: the evaluation step as a
-pipeline on the training step's stages, with the inference schedule).
+abstract values). They work for one-mesh methods (``ShardParallel``, ``DataParallel``,
+``Zero2Parallel``, ``Zero3Parallel``) and for ``PipeshardParallel``, on the local and the
+Ray runtime: ``CreateStateParallel`` creates each leaf of a pipeline's state on its stage's
+submesh (one program per submesh); ``FollowParallel`` runs an evaluation step as a pipeline
+on the training step's stages, with the inference schedule.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import os
 from collections.abc import Sequence
 from typing import Any
 
 import jax
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.extend.core import ClosedJaxpr
+from jax.sharding import PartitionSpec
 
-from alpa.executable import Executable, PlacementSpec, check_dispatch_args, leaf_placer
+from alpa.device_mesh import LogicalDeviceMesh
+from alpa.executable import Executable, PlacementSpec, check_dispatch_args
 from alpa.parallel_method import ParallelMethod, PipeshardParallel, _check_num_micro_batches
 from alpa.pipeline_parallel.layer_construction import ManualLayerOption
 from alpa.pipeline_parallel.pipeshard_executable import PipeshardDriverExecutable
+from alpa.pipeline_parallel.pipeshard_ray_executable import PipeshardRayExecutable
 from alpa.pipeline_parallel.resharding import worker_transfer_plan
 from alpa.pipeline_parallel.user_shardings import stage_inputs
 from alpa.shard_parallel.auto_sharding import AutoShardingOption, plan_auto_sharding
 from alpa.shard_parallel.distributed_executable import DistributedMeshExecutable
 from alpa.shard_parallel.executable import MeshExecutable, compile_shard_executable
-from alpa.shard_parallel.lowering import eval_jaxpr_with_constraints
 from alpa.shard_parallel.sharding_plan import ShardingPlan
 from alpa.timer import timed
-from alpa.tracing import TracedStep, leaf_signature
+from alpa.tracing import TracedStep, leaf_signature, new_jaxpr
 
 REPLICATED = PartitionSpec()
+_PIPELINES = (PipeshardDriverExecutable, PipeshardRayExecutable)
 
 
 def _check_parallelized(value, name: str) -> None:
@@ -123,20 +128,12 @@ class CreateStateParallel(ParallelMethod):
         with timed("planning"):
             target, specs = self._target(traced)
         with timed("compile"):
-            if isinstance(target, MeshExecutable):
-                plan = _create_state_plan(traced, target, specs)
-                return compile_shard_executable(traced, plan, None)
-            if isinstance(target, DistributedMeshExecutable):
-                plan = _create_state_plan(traced, target, specs)
-                return DistributedMeshExecutable(
-                    traced, plan, target.mesh, None, worker_transfer_plan
-                )
-            if isinstance(target, PipeshardDriverExecutable):
-                return PerMeshOutputsExecutable(traced, [s.placements[0] for s in specs])
+            if isinstance(target, MeshExecutable | DistributedMeshExecutable):
+                return _compile_on(target, traced, _create_state_plan(traced, target, specs))
+            if isinstance(target, PipeshardDriverExecutable | PipeshardRayExecutable):
+                return PerMeshOutputsExecutable(traced, specs)
         raise NotImplementedError(
-            f"CreateStateParallel does not support a train_step compiled to "
-            f"{type(target).__name__} yet (a PipeshardParallel step on Ray): create the "
-            "state with another method; the first step then places it"
+            f"CreateStateParallel does not support a train_step compiled to {type(target).__name__}"
         )
 
     def __repr__(self) -> str:
@@ -152,52 +149,81 @@ def _create_state_plan(traced: TracedStep, target, specs: list[PlacementSpec]) -
     )
 
 
+def _compile_on(target, traced: TracedStep, plan: ShardingPlan) -> Executable:
+    """``plan`` compiled on the mesh of the one-mesh executable ``target`` (local or Ray)."""
+    if isinstance(target, DistributedMeshExecutable):
+        return DistributedMeshExecutable(traced, plan, target.mesh, None, worker_transfer_plan)
+    return compile_shard_executable(traced, plan, None)
+
+
+def _mesh_of(placement) -> tuple[Any, LogicalDeviceMesh, Any]:
+    """``(key, logical mesh, Ray mesh or None)`` of a placement: a local ``NamedSharding``
+    or a Ray ``(mesh, Layout)`` pair."""
+    if isinstance(placement, tuple):
+        mesh, layout = placement
+        logical = LogicalDeviceMesh(tuple(layout.mesh_shape), axis_names=tuple(layout.axis_names))
+        return (id(mesh), logical.shape, logical.axis_names), logical, mesh
+    jax_mesh = placement.mesh
+    logical = LogicalDeviceMesh(
+        tuple(jax_mesh.devices.shape),
+        devices=tuple(jax_mesh.devices.flat),
+        axis_names=tuple(jax_mesh.axis_names),
+    )
+    return jax_mesh, logical, None
+
+
 class PerMeshOutputsExecutable(Executable):
     """A function whose outputs each live on one of several meshes, in a given sharding
     (``CreateStateParallel`` of a pipeline's state: each leaf on its stage's submesh).
 
-    One program per mesh computes that mesh's outputs from the inputs (replicated on the
-    mesh), compiled with the outputs' shardings, so each device computes and holds only
-    its shards; work that several meshes' outputs share (splitting a random key) is done
-    on each of them.
+    Per mesh, a one-mesh executable of the function cut down to that mesh's outputs (XLA
+    drops the work they do not need) computes them from the inputs, replicated on the
+    mesh, with the outputs' shardings imposed, so each device computes and holds only its
+    shards; work that several meshes' outputs share (splitting a random key) is done on
+    each of them. The meshes are local submeshes or Ray meshes alike.
     """
 
-    def __init__(self, traced: TracedStep, out_shardings: Sequence[NamedSharding]):
+    def __init__(self, traced: TracedStep, specs: Sequence[PlacementSpec]):
         self.traced = traced
         self.num_micro_batches = None
-        self.out_shardings = list(out_shardings)
-        closed = traced.closed_jaxpr
-        groups: dict[Any, list[int]] = {}
-        for i, sharding in enumerate(self.out_shardings):
-            groups.setdefault(sharding.mesh, []).append(i)
-        in_avals = [
-            jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type) for a in traced.in_avals
-        ]
-        self._signatures = [leaf_signature(a) for a in in_avals]
-        self._programs = []  # (output indices, input shardings, compiled)
-        for mesh, indices in groups.items():
-
-            def outputs(*leaves, indices=tuple(indices)):
-                outs = eval_jaxpr_with_constraints(closed.jaxpr, closed.consts, leaves, {}, {})
-                return [outs[i] for i in indices]
-
-            in_shardings = [NamedSharding(mesh, REPLICATED)] * len(in_avals)
-            compiled = (
-                jax.jit(
-                    outputs,
-                    in_shardings=in_shardings,
-                    out_shardings=[self.out_shardings[i] for i in indices],
-                )
-                .lower(*in_avals)
-                .compile()
+        self._specs = list(specs)
+        groups: dict[Any, tuple[LogicalDeviceMesh, Any, list[int]]] = {}
+        for i, spec in enumerate(specs):
+            key, logical, ray_mesh = _mesh_of(spec.placements[0])
+            groups.setdefault(key, (logical, ray_mesh, []))[2].append(i)
+        jaxpr = traced.jaxpr
+        self._parts: list[tuple[list[int], Executable]] = []
+        for logical, ray_mesh, indices in groups.values():
+            outvars = [jaxpr.outvars[i] for i in indices]
+            part = dataclasses.replace(
+                traced,
+                closed_jaxpr=ClosedJaxpr(
+                    new_jaxpr(jaxpr, jaxpr.constvars, jaxpr.invars, outvars, jaxpr.eqns),
+                    traced.closed_jaxpr.consts,
+                ),
+                out_tree=jax.tree.structure([0] * len(indices)),
+                donated_invars=(False,) * len(jaxpr.invars),  # every part reads the inputs
             )
-            self._programs.append((indices, leaf_placer(in_shardings), compiled))
+            plan = ShardingPlan(
+                logical_mesh=logical,
+                in_specs=(REPLICATED,) * len(jaxpr.invars),
+                out_specs=tuple(specs[i].sharding_specs[0] for i in indices),
+                method="CreateStateParallel",
+            )
+            if ray_mesh is not None:
+                executable = DistributedMeshExecutable(
+                    part, plan, ray_mesh, None, worker_transfer_plan
+                )
+            else:
+                executable = compile_shard_executable(part, plan, None)
+            self._parts.append((indices, executable))
+        self._signatures = [leaf_signature(a) for a in traced.in_avals]
         self._last_outputs: Any = ()
 
-    def launch(self, flat_args: Sequence[Any]) -> list[jax.Array]:
-        outs: list[Any] = [None] * len(self.out_shardings)
-        for indices, place, compiled in self._programs:
-            for i, value in zip(indices, compiled(*place(list(flat_args))), strict=True):
+    def launch(self, flat_args: Sequence[Any]) -> list[Any]:
+        outs: list[Any] = [None] * len(self._specs)
+        for indices, executable in self._parts:
+            for i, value in zip(indices, executable.launch(list(flat_args)), strict=True):
                 outs[i] = value
         self._last_outputs = outs
         return outs
@@ -213,22 +239,15 @@ class PerMeshOutputsExecutable(Executable):
         return [PlacementSpec(v.aval, (), ()) for v in self.traced.jaxpr.invars]
 
     def flat_output_placement_specs(self) -> list[PlacementSpec]:
-        return [
-            PlacementSpec(v.aval, (), (s.spec,), (s,))
-            for v, s in zip(self.traced.jaxpr.outvars, self.out_shardings, strict=True)
-        ]
+        return list(self._specs)
 
     def get_hlo_text(self) -> list[str]:
         """Per mesh, the optimized HLO of its program."""
-        return [compiled.as_text() for _, _, compiled in self._programs]
+        return [executable.get_hlo_text() for _, executable in self._parts]
 
     def dump_debug_info(self, folder: str) -> None:
-        import os
-
-        os.makedirs(folder, exist_ok=True)
-        for i, text in enumerate(self.get_hlo_text()):
-            with open(os.path.join(folder, f"{self.traced.name}.mesh{i}.hlo.txt"), "w") as f:
-                f.write(text)
+        for i, (_, executable) in enumerate(self._parts):
+            executable.dump_debug_info(os.path.join(folder, f"mesh{i}"))
 
 
 # ----------------------------------------------------------------------------- follow
@@ -303,7 +322,7 @@ class FollowParallel(ParallelMethod):
         """The ``ShardingPlan`` on the source's mesh with the first argument pinned (the
         ``PipeshardPlan`` on its stages, for a pipelined source)."""
         source = self._source()
-        if isinstance(source, PipeshardDriverExecutable):
+        if isinstance(source, _PIPELINES):
             return self._pipeline(traced, args, source).plan(traced, args)
         self._check_one_mesh(source)
         pinned = self._pinned_specs(traced, source)
@@ -317,12 +336,11 @@ class FollowParallel(ParallelMethod):
     def _check_one_mesh(source: Executable) -> None:
         if not isinstance(source, MeshExecutable | DistributedMeshExecutable):
             raise NotImplementedError(
-                f"FollowParallel does not support a source compiled to {type(source).__name__} "
-                "yet (a PipeshardParallel step on Ray)"
+                f"FollowParallel does not support a source compiled to {type(source).__name__}"
             )
 
     def _pipeline(
-        self, traced: TracedStep, args: Sequence[Any], source: PipeshardDriverExecutable
+        self, traced: TracedStep, args: Sequence[Any], source: Executable
     ) -> PipeshardParallel:
         """A pipeline on the source's stages (its stage option replayed on its devices,
         layers as the step marks them), each stage reading the followed argument's leaves
@@ -330,7 +348,9 @@ class FollowParallel(ParallelMethod):
 
         def method(stage_input_shardings=None) -> PipeshardParallel:
             return PipeshardParallel(
-                devices=source.devices,
+                # A Ray pipeline runs on the global cluster, whose meshes are cached per
+                # device range: the same stages get the same mesh workers.
+                devices=getattr(source, "devices", None),
                 num_micro_batches=self.num_micro_batches or 1,
                 pipeline_schedule=self.pipeline_schedule,
                 layer_option=self.layer_option or ManualLayerOption(),
@@ -341,13 +361,16 @@ class FollowParallel(ParallelMethod):
         program = method().plan(traced, args).program
         pinned = self._pinned_specs(traced, source)
         leaf_of = {v: i for i, v in enumerate(traced.jaxpr.invars[: len(pinned)])}
+        # A placement names a local pipeline's meshes by stage, a Ray pipeline's by mesh id.
+        meshes = getattr(source, "meshes", [])
+        mesh_ids = [getattr(m, "mesh_id", s) for s, m in enumerate(meshes)]
         shardings = []
         for stage in range(program.num_stages):
             row = []
             for v in stage_inputs(program, stage):
                 spec = pinned[leaf_of[v]] if v in leaf_of else None
-                if spec is not None and stage in spec.mesh_ids:
-                    row.append(spec.sharding_specs[spec.mesh_ids.index(stage)])
+                if spec is not None and mesh_ids[stage] in spec.mesh_ids:
+                    row.append(spec.sharding_specs[spec.mesh_ids.index(mesh_ids[stage])])
                 else:  # not followed, or the source reads it on another stage
                     row.append(None)
             shardings.append(row)
@@ -355,7 +378,7 @@ class FollowParallel(ParallelMethod):
 
     def compile_executable(self, traced: TracedStep, args: Sequence[Any]) -> Executable:
         source = self._source()
-        if isinstance(source, PipeshardDriverExecutable):
+        if isinstance(source, _PIPELINES):
             with timed("planning"):
                 pipeline = self._pipeline(traced, args, source)
             return pipeline.compile_executable(traced, args)

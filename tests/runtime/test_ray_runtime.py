@@ -443,6 +443,55 @@ def test_create_state_and_follow_on_a_ray_mesh(ray_cluster):
     )
 
 
+def test_create_state_and_follow_a_pipeline_on_ray(ray_cluster):
+    from alpa.model.mlp import MLPModel
+    from alpa.testing import create_train_state, mlp_inference_step
+
+    _, batch, train_step = get_mlp_train_state_and_step(
+        32, 16, num_layers=4, add_manual_pipeline_marker=True
+    )
+    model = MLPModel(hidden_size=16, num_layers=4, add_manual_pipeline_markers=True)
+
+    def create_state(rng):
+        return create_train_state(rng, model, [batch["x"]])
+
+    p_train = alpa.parallelize(train_step, method=_two_stages_one_per_node(2, "1f1b"))
+    p_create = alpa.parallelize(create_state, method=alpa.CreateStateParallel(p_train, (batch,)))
+    p_eval = alpa.parallelize(
+        lambda s, b: mlp_inference_step(s, b)[1],
+        method=alpa.FollowParallel(p_train, num_micro_batches=2),
+        donate_argnums=(),
+    )
+    key = jax.random.PRNGKey(1)
+    state = p_create(key)
+    expected = jax.jit(create_state)(key)
+    assert_allclose(state, expected)
+    # Each leaf created on the mesh and in the layout its stage reads it in: both meshes.
+    train = p_train.get_last_executable()
+    specs = jax.tree.leaves(train.get_input_placement_specs()[0], is_leaf=_is_placement)
+    for leaf, spec in zip(jax.tree.leaves(state), specs, strict=True):
+        mesh, layout = spec.placements[0]
+        assert leaf.mesh is mesh and leaf.layout == layout
+    assert {leaf.mesh.mesh_id for leaf in jax.tree.leaves(state.params)} == {
+        m.mesh_id for m in train.meshes
+    }
+    state = p_train(state, batch)
+    expected = jax.jit(train_step)(expected, batch)
+    assert_allclose(state.params, expected.params)
+    loss = p_eval(state, batch)
+    np.testing.assert_allclose(np.asarray(loss), mlp_inference_step(expected, batch)[1], rtol=1e-5)
+    evaluate = p_eval.get_last_executable()
+    assert type(evaluate).__name__ == "PipeshardRayExecutable"
+    assert [m.mesh_id for m in evaluate.meshes] == [m.mesh_id for m in train.meshes]
+    read = jax.tree.leaves(evaluate.get_input_placement_specs()[0].params, is_leaf=_is_placement)
+    for t, e in zip(
+        jax.tree.leaves(train.get_input_placement_specs()[0].params, is_leaf=_is_placement),
+        read,
+        strict=True,
+    ):
+        assert (t.mesh_ids, t.sharding_specs) == (e.mesh_ids, e.sharding_specs)
+
+
 def _is_placement(x):
     return isinstance(x, alpa.executable.PlacementSpec)
 
