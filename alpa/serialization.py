@@ -31,17 +31,25 @@ written by orbax-checkpoint, the maintained checkpoint library of JAX:
   ``TrainState`` comes back, with the ``apply_fn`` and ``tx`` of the state the executable
   was compiled for. With neither, the state dict itself comes back.
 
-Ray (partial): a ``DistributedArray`` is fetched to the driver (all of a mesh's leaves in
-one round, :func:`alpa.prefetch`) and saved from there; restoring onto a Ray placement
-reads the array on the driver and puts it on its mesh (:func:`alpa.executable.place`).
-Mesh workers writing and reading their own shards is not done yet.
+Ray: no process sees every array of a state on Ray meshes, so such a checkpoint is made
+of **parts** (``alpa.runtime.checkpoint_parts``): each mesh's workers write the leaves
+that live on it as one orbax checkpoint ``mesh_<id>`` (each worker writing the shards its
+devices hold, the workers of a mesh over several hosts coordinated by orbax), the driver
+writes what it holds itself (``driver``), and ``alpa_parts.json`` records which part holds
+each leaf and the state's structure. The parts are written into ``checkpoint_<s>.alpa-tmp``
+and the step is committed by renaming it, so a save killed midway leaves earlier steps as
+they were. Restoring reads each leaf from its part where it goes: a Ray placement's mesh
+workers read their slices, a local sharding is read by this process; a checkpoint of
+either kind restores onto either runtime.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
+import uuid
 from typing import Any
 
 import jax
@@ -50,10 +58,13 @@ import orbax.checkpoint as ocp
 from flax import serialization as flax_serialization
 
 from alpa.executable import PlacementSpec, place
+from alpa.runtime.checkpoint_parts import read_part, write_part
 
 PyTree = Any
 
 _STEP_DIR = re.compile(r"checkpoint_(\d+)")
+#: The record of a checkpoint made of parts (Ray; module docstring).
+_PARTS_FILE = "alpa_parts.json"
 
 
 # ---------------------------------------------------------------------------------------
@@ -128,6 +139,8 @@ def restore_checkpoint(
         raise FileNotFoundError(f"checkpoint directory {directory} does not exist")
     step = _latest_step(directory) if step is None else _check_step_arg(step)
     path = _step_path(directory, step)
+    if os.path.exists(os.path.join(path, _PARTS_FILE)):
+        return _restore_parts(path, step, placement_specs, target)
     return _restore(path, step, placement_specs, target)
 
 
@@ -215,12 +228,10 @@ def _leaf_paths(tree: PyTree) -> list[tuple[str, Any]]:
 
 def _save(directory: str, state_dict: PyTree, step: int) -> None:
     leaves, tree = jax.tree.flatten(state_dict)
-    distributed = [x for x in leaves if getattr(x, "is_distributed_array", False)]
-    if distributed:
-        from alpa.runtime.ray_mesh import prefetch
-
-        prefetch(distributed)  # one round per mesh worker, not one per leaf
     paths = [path for path, _ in _leaf_paths(state_dict)]
+    if any(getattr(x, "is_distributed_array", False) for x in leaves):
+        _save_parts(directory, step, jax.tree.unflatten(tree, paths), paths, leaves)
+        return
     items = jax.tree.unflatten(
         tree, [_savable(x, path) for x, path in zip(leaves, paths, strict=True)]
     )
@@ -234,8 +245,6 @@ def _savable(x: Any, path: str) -> Any:
     and scalars as host arrays."""
     if isinstance(x, (jax.Array, np.ndarray, str)):
         return x
-    if getattr(x, "is_distributed_array", False):
-        return np.asarray(x)
     if isinstance(x, (bool, int, float, complex, np.generic)):
         return np.asarray(x)
     raise TypeError(
@@ -332,3 +341,112 @@ def _restore_args(spec: Any, meta: Any, leaf_path: str, step: int) -> Any:
     return ocp.ArrayRestoreArgs(
         sharding=spec.placements[0], global_shape=saved_shape, dtype=spec.aval.dtype
     )
+
+
+# ---------------------------------------------------------------------------------------
+# Checkpoints made of parts (Ray)
+# ---------------------------------------------------------------------------------------
+
+
+def _save_parts(directory: str, step: int, skeleton: PyTree, paths: list, leaves: list) -> None:
+    """Each Ray mesh writes its leaves, the driver the rest; then the step is committed
+    by one rename (module docstring)."""
+    from alpa.runtime.ray_mesh import wait_workers
+
+    final = os.path.join(directory, f"checkpoint_{step}")
+    staging = final + ".alpa-tmp"
+    shutil.rmtree(staging, ignore_errors=True)
+    os.makedirs(staging)
+    meshes: dict[int, tuple[Any, list, list]] = {}
+    on_driver, parts, avals = {}, {}, {}
+    for path, x in zip(paths, leaves, strict=True):
+        if getattr(x, "is_distributed_array", False):
+            _, names, mesh_paths = meshes.setdefault(x.mesh.mesh_id, (x.mesh, [], []))
+            names.append(x.name)
+            mesh_paths.append(path)
+            parts[path] = f"mesh_{x.mesh.mesh_id}"
+            avals[path] = [list(x.shape), np.dtype(x.dtype).name]
+        else:
+            on_driver[path] = _savable(x, path)
+            parts[path] = "driver"
+    calls = []  # every mesh writes at once
+    for mesh_id, (mesh, names, mesh_paths) in meshes.items():
+        part = os.path.join(staging, f"mesh_{mesh_id}")
+        calls += [
+            (worker.save_checkpoint_part.remote(part, names, mesh_paths), mesh.label(host))
+            for host, worker in enumerate(mesh.workers)
+        ]
+    wait_workers(calls)
+    if on_driver:
+        write_part(os.path.join(staging, "driver"), on_driver)
+    record = {"format": 1, "skeleton": skeleton, "parts": parts, "avals": avals}
+    with open(os.path.join(staging, _PARTS_FILE), "w") as f:
+        json.dump(record, f)
+    if os.path.exists(final):  # replacing a step, as orbax's force=True does
+        shutil.rmtree(final)
+    os.rename(staging, final)
+
+
+def _restore_parts(path: str, step: int, placement_specs: PyTree, target: PyTree) -> PyTree:
+    """Each leaf read from its part where its spec places it (module docstring)."""
+    from alpa.runtime.ray_mesh import DistributedArray, wait_workers
+
+    with open(os.path.join(path, _PARTS_FILE)) as f:
+        record = json.load(f)
+    skeleton, parts = record["skeleton"], record["parts"]
+    saved_paths = jax.tree.leaves(skeleton)
+    if placement_specs is None:
+        specs = [None] * len(saved_paths)
+    else:
+        specs = _specs_by_saved_leaf(placement_specs, saved_paths, path)
+    values: dict[str, Any] = {}
+    local: dict[str, dict] = {}  # part -> leaves this process reads
+    remote: dict[tuple[int, str], tuple[Any, list]] = {}  # (mesh, part) -> leaves
+    for leaf_path, spec in zip(saved_paths, specs, strict=True):
+        part = parts[leaf_path]
+        if spec is None or isinstance(spec, jax.sharding.Sharding):
+            local.setdefault(part, {})[leaf_path] = (spec, None)
+            continue
+        if not isinstance(spec, PlacementSpec):
+            raise TypeError(
+                f"placement spec of leaf {leaf_path!r} is a {type(spec).__name__}; expected a "
+                "PlacementSpec (executable.get_input_placement_specs()) or a "
+                "jax.sharding.Sharding"
+            )
+        saved_shape = tuple(record["avals"].get(leaf_path, [spec.aval.shape])[0])
+        if saved_shape != tuple(spec.aval.shape):
+            raise ValueError(
+                f"leaf {leaf_path!r} has shape {saved_shape} in the checkpoint of step {step}, "
+                f"but its placement spec expects {tuple(spec.aval.shape)}"
+            )
+        if not spec.placements:
+            raise ValueError(f"leaf {leaf_path!r}: no mesh holds it in its placement spec")
+        if _is_ray_spec(spec):
+            mesh, layout = spec.placements[0]
+            remote.setdefault((mesh.mesh_id, part), (mesh, []))[1].append((leaf_path, spec))
+        else:
+            local.setdefault(part, {})[leaf_path] = (spec.placements[0], spec.aval.dtype)
+    calls, made = [], []
+    for (_, part), (mesh, leaves) in remote.items():
+        names = [uuid.uuid4().hex for _ in leaves]
+        layouts = [spec.placements[0][1] for _, spec in leaves]
+        dtypes = [np.dtype(spec.aval.dtype) for _, spec in leaves]
+        args = (os.path.join(path, part), names, [p for p, _ in leaves], layouts, dtypes)
+        calls += [
+            (worker.restore_checkpoint_part.remote(*args), mesh.label(host))
+            for host, worker in enumerate(mesh.workers)
+        ]
+        made += [(mesh, name, leaf) for name, leaf in zip(names, leaves, strict=True)]
+    wait_workers(calls)  # every mesh reads at once
+    for mesh, name, (leaf_path, spec) in made:
+        aval = spec.aval
+        values[leaf_path] = DistributedArray(
+            mesh, name, aval.shape, aval.dtype, spec.placements[0][1], bool(aval.weak_type)
+        )
+    for part, wanted in local.items():
+        values.update(read_part(os.path.join(path, part), wanted))
+    restored = jax.tree.map(lambda leaf_path: values[leaf_path], skeleton)
+    structure = target if target is not None else placement_specs
+    if structure is None:
+        return restored
+    return flax_serialization.from_state_dict(structure, restored)

@@ -219,6 +219,38 @@ class MeshHostWorker:
         """Every device's shard of buffer ``name`` on this host (replicas included)."""
         return [(s.index, np.asarray(s.data)) for s in self._get(name).addressable_shards]
 
+    # -- checkpoints (alpa.runtime.checkpoint_parts)
+
+    def save_checkpoint_part(
+        self, directory: str, names: Sequence[str], paths: Sequence[str]
+    ) -> None:
+        """Write buffers ``names`` under ``paths`` as the checkpoint part at ``directory``.
+        Every worker of the mesh calls it; each writes the shards its devices hold."""
+        from alpa.runtime.checkpoint_parts import write_part
+
+        write_part(directory, {p: self._get(n) for n, p in zip(names, paths, strict=True)})
+
+    def restore_checkpoint_part(
+        self,
+        directory: str,
+        names: Sequence[str],
+        paths: Sequence[str],
+        layouts: Sequence[Layout],
+        dtypes: Sequence[Any],
+    ) -> None:
+        """Read leaves ``paths`` of the part at ``directory`` into buffers ``names``, laid
+        out as ``layouts``: each device reads only its slice."""
+        from alpa.runtime.checkpoint_parts import block, read_part
+
+        wanted = {
+            p: (self._sharding(layout), dtype)
+            for p, layout, dtype in zip(paths, layouts, dtypes, strict=True)
+        }
+        values = read_part(directory, wanted)
+        block(values)
+        for name, path in zip(names, paths, strict=True):
+            self._buffers[name] = values[path]
+
     def delete(self, names: Sequence[str]) -> None:
         for name in names:
             self._buffers.pop(name, None)

@@ -4,6 +4,7 @@ every method, cross-mesh resharding byte for byte, what the driver sends, what s
 on the workers, and a worker killed mid-step."""
 
 import gc
+import json
 import os
 import threading
 import time
@@ -558,6 +559,33 @@ def test_checkpoint_of_a_pipeline_on_ray_restores_onto_its_stage_meshes(ray_clus
     for _ in range(2):
         state = p_step(state, batch)
     alpa.save_checkpoint(tmp_path, state, 2)
+    # Each stage mesh's workers wrote their own leaves (a part per mesh), shard by shard:
+    # every stored chunk of a leaf is one shard of its layout.
+    import orbax.checkpoint as ocp
+
+    with open(tmp_path / "checkpoint_2" / "alpa_parts.json") as f:
+        parts = json.load(f)["parts"]
+    kernel_meshes, sharded = set(), 0
+    for name, layer in state.params.items():
+        x = layer["kernel"]
+        part = parts[f"params/{name}/kernel"]
+        assert part == f"mesh_{x.mesh.mesh_id}"
+        kernel_meshes.add(part)
+        with ocp.PyTreeCheckpointer() as checkpointer:
+            saved = checkpointer.metadata(tmp_path / "checkpoint_2" / part).item_metadata.tree
+        sizes = dict(zip(x.layout.axis_names, x.layout.mesh_shape, strict=True))
+        shard = [
+            dim // int(np.prod([sizes[a] for a in ((e,) if isinstance(e, str) else e or ())]))
+            for dim, e in zip(x.shape, tuple(x.layout.spec) + (None,) * x.ndim, strict=False)
+        ]
+        chunk = list(saved["params"][name]["kernel"].storage.chunk_shape)
+        # orbax may split a replicated shard among its replicas; a split leaf has one
+        # chunk per shard.
+        assert all(s % c == 0 for s, c in zip(shard, chunk, strict=True))
+        if shard != list(x.shape):
+            assert chunk == shard
+            sharded += 1
+    assert len(kernel_meshes) == 2 and sharded > 0
 
     specs = p_step.get_executable(state, batch).get_input_placement_specs()[0]
     restored = alpa.restore_checkpoint(tmp_path, 2, specs)
@@ -572,3 +600,34 @@ def test_checkpoint_of_a_pipeline_on_ray_restores_onto_its_stage_meshes(ray_clus
         restored = p_step(restored, batch)
     assert_allclose(restored.params, expected.params)
     assert_allclose(restored.opt_state, expected.opt_state)
+
+
+def test_checkpoint_of_a_mesh_over_two_hosts(ray_cluster, tmp_path):
+    # One mesh over both nodes: its two workers are one JAX program, and orbax has them
+    # write one part together, each host its own shards.
+    state, batch, step = get_mlp_train_state_and_step(32, 16, num_layers=2)
+    expected = _serial(step, state, batch, 2)
+    p_step = alpa.parallelize(step, method=alpa.ShardParallel())
+    state = p_step(state, batch)
+    executable = p_step.get_last_executable()
+    assert executable.mesh.num_hosts == 2
+    alpa.save_checkpoint(tmp_path, state, 1)
+    saved_params = jax.tree.map(np.asarray, state.params)
+    with open(tmp_path / "checkpoint_1" / "alpa_parts.json") as f:
+        parts = set(json.load(f)["parts"].values())
+    assert parts == {f"mesh_{executable.mesh.mesh_id}"}
+    specs = executable.get_input_placement_specs()[0]
+    restored = alpa.restore_checkpoint(tmp_path, 1, specs)
+    assert all(x.mesh is executable.mesh for x in jax.tree.leaves(restored))
+    assert_allclose(p_step(restored, batch).params, expected.params)
+    # A save that fails midway (a worker cannot write: its buffer is gone) leaves step 1
+    # as it was and step 2 unlisted.
+    broken = alpa.restore_checkpoint(tmp_path, 1, specs)
+    leaf = broken.params["Dense_0"]["kernel"]
+    leaf.mesh.call("delete", [leaf.name])
+    with pytest.raises(RuntimeError, match=f"mesh {executable.mesh.mesh_id} host"):
+        alpa.save_checkpoint(tmp_path, broken, 2)
+    assert alpa.serialization.checkpoint_steps(tmp_path) == [1]
+    with pytest.raises(FileNotFoundError, match=r"checkpoint_2.alpa-tmp: a save that did not"):
+        alpa.restore_checkpoint(tmp_path, 2, specs)
+    assert_allclose(alpa.restore_checkpoint(tmp_path, 1, None)["params"], saved_params)
