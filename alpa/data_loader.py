@@ -36,11 +36,13 @@ without being equal (rows sharded over a within-host mesh axis first) read their
 On the local runtime every device then receives only its rows
 (``jax.make_array_from_single_device_arrays`` from per-device pieces).
 
-**Ray.** Placing means ``DistributedPhysicalDeviceMesh.put``, which returns once the
-workers hold the data, so prefetching there reads ahead but does not overlap transfers
-with the step. :class:`MeshDriverDataLoader` makes the hosts' reads on the driver (the
-same calls, ranges and sample order a worker-side read would make) and places the
-assembled batch: the mesh workers have no entry point yet to read rows themselves.
+**Ray.** :class:`MeshDriverDataLoader` reads on the mesh workers, as Alpa's does: each
+worker calls ``input_iter_func`` for the rows its devices hold (of the leaves on its
+mesh) and makes its devices' shards of the batch from them, so the data never passes
+through the driver, which only receives a handle per leaf. :class:`DataLoader` places
+whole batches from the driver (``DistributedPhysicalDeviceMesh.put``). On Ray a batch is
+made when the workers hold it, so prefetching reads ahead but does not overlap the
+transfers with the step.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ from __future__ import annotations
 import collections
 import itertools
 import math
+import uuid
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -342,6 +345,58 @@ def _plan_reads(
     return reads, pieces
 
 
+def _plan_mesh_reads(names: list[str], specs: list[PlacementSpec], batch_size: int) -> list:
+    """On Ray, per mesh that holds batch leaves: ``(mesh, leaf indices, [(lo, hi) per
+    host])``, the rows each host reads: those its devices hold of those leaves, or the
+    union with another host's where they overlap."""
+    groups: dict[int, tuple[Any, list[int], dict[int, tuple[int, int]]]] = {}
+    for j, (name, spec) in enumerate(zip(names, specs, strict=True)):
+        mesh = spec.placements[0][0]
+        _, leaves, hosts = groups.setdefault(id(mesh), (mesh, [], {}))
+        leaves.append(j)
+        shape = (batch_size, *spec.aval.shape[1:])
+        for host, _, index in _layout_row_slices(name, spec, shape):
+            lo, hi = _rows(index, batch_size)
+            old = hosts.get(host, (lo, hi))
+            hosts[host] = (min(old[0], lo), max(old[1], hi))
+    out = []
+    for mesh, leaves, hosts in groups.values():
+        # Hosts whose rows overlap read their union, as in _plan_reads, so that a row
+        # always comes from the same sample whichever host reads it.
+        merged: list[list[int]] = []
+        for lo, hi in sorted(set(hosts.values())):
+            if merged and lo < merged[-1][1]:
+                merged[-1][1] = max(hi, merged[-1][1])
+            else:
+                merged.append([lo, hi])
+        ranges = []
+        for h in range(mesh.num_hosts):
+            lo, hi = hosts[h]
+            ranges.append(next((a, b) for a, b in merged if a <= lo and hi <= b))
+        out.append((mesh, leaves, ranges))
+    return out
+
+
+@dataclass(frozen=True)
+class _HostRead:
+    """What a mesh worker calls to read its host's rows (pickled to it): the user's
+    ``input_iter_func``, each batch checked and flattened in the order of the specs."""
+
+    input_iter_func: Callable[[int, int, int], Iterable[Any]]
+    tree: Any
+    names: tuple[str, ...]
+    specs: tuple[PlacementSpec, ...]  # avals only: a mesh does not travel
+
+    def __call__(self, start: int, end: int, rows: int) -> Iterator[list[np.ndarray]]:
+        call = f"input_iter_func({start}, {end}, {rows})"
+        for k, batch in enumerate(self.input_iter_func(start, end, rows)):
+            what = f"batch {k} of {call}"
+            leaves, _ = _batch_leaves(batch, self.tree, list(self.names), what)
+            for name, x, spec in zip(self.names, leaves, self.specs, strict=True):
+                _check_leaf(name, x, spec, rows, what)
+            yield [np.asarray(x) for x in leaves]
+
+
 # ----------------------------------------------------------------------------- MeshDriverDataLoader
 
 
@@ -362,8 +417,9 @@ class MeshDriverDataLoader:
 
     Each ``iter(loader)`` starts an epoch (calling ``input_iter_func`` again). On the
     local runtime every device receives only its rows, and the global array is made
-    from the per-device pieces. On Ray the driver makes the hosts' reads and places the
-    assembled batch (``alpa.executable.place``); the mesh workers do not read yet.
+    from the per-device pieces. On Ray each mesh worker calls ``input_iter_func`` for its
+    host's rows and builds its devices' shards itself (``input_iter_func`` is pickled to
+    the workers); a failed read there is a ``RuntimeError`` naming the mesh and host.
     """
 
     def __init__(
@@ -394,6 +450,9 @@ class MeshDriverDataLoader:
         self._input_iter_func = input_iter_func
         self._names, self._specs, self._tree = _spec_leaves(placement_specs)
         self._reads, self._pieces = _plan_reads(self._names, self._specs, self.batch_size)
+        self._on_ray = isinstance(self._specs[0].placements[0], tuple)
+        if self._on_ray:
+            self._mesh_reads = _plan_mesh_reads(self._names, self._specs, self.batch_size)
 
     @property
     def read_ranges(self) -> list[tuple[int, int, int]]:
@@ -407,6 +466,9 @@ class MeshDriverDataLoader:
         return _Prefetcher((batch for _ in epochs for batch in self._epoch()), self.prefetch_size)
 
     def _epoch(self) -> Iterator[Any]:
+        if self._on_ray:
+            yield from self._worker_epoch()
+            return
         ranges = self.read_ranges
         iterators = [iter(self._input_iter_func(*r)) for r in ranges]
         for k in range(self.num_batches):
@@ -428,15 +490,67 @@ class MeshDriverDataLoader:
             placed = [self._assemble(j, spec, host_batches) for j, spec in enumerate(self._specs)]
             yield jax.tree.unflatten(tree, placed)
 
+    def _worker_epoch(self) -> Iterator[Any]:
+        """An epoch on Ray: every worker of every mesh that holds batch leaves reads its
+        host's rows and makes its devices' shards (module docstring)."""
+        from alpa.runtime.ray_mesh import DistributedArray, wait_workers
+
+        n = self.num_batches
+        reader = uuid.uuid4().hex
+        read = _HostRead(
+            self._input_iter_func,
+            self._tree,
+            tuple(self._names),
+            tuple(PlacementSpec(spec.aval, (), ()) for spec in self._specs),
+        )
+        workers = [
+            (mesh.workers[host], mesh.label(host), lo, hi)
+            for mesh, _, hosts in self._mesh_reads
+            for host, (lo, hi) in enumerate(hosts)
+        ]
+        try:
+            wait_workers(
+                [
+                    (w.open_rows.remote(reader, read, lo * n, hi * n, hi - lo), label)
+                    for w, label, lo, hi in workers
+                ]
+            )
+            for _ in range(n):
+                calls, made = [], []
+                for mesh, leaves, hosts in self._mesh_reads:
+                    names = [uuid.uuid4().hex for _ in leaves]
+                    layouts = [self._specs[j].placements[0][1] for j in leaves]
+                    shapes = [(self.batch_size, *self._specs[j].aval.shape[1:]) for j in leaves]
+                    calls += [
+                        (
+                            mesh.workers[host].next_rows.remote(
+                                reader, names, leaves, layouts, shapes, lo
+                            ),
+                            mesh.label(host),
+                        )
+                        for host, (lo, _) in enumerate(hosts)
+                    ]
+                    made += [
+                        (j, mesh, name, layout, shape)
+                        for j, name, layout, shape in zip(
+                            leaves, names, layouts, shapes, strict=True
+                        )
+                    ]
+                wait_workers(calls)
+                placed: list[Any] = [None] * len(self._specs)
+                for j, mesh, name, layout, shape in made:
+                    placed[j] = DistributedArray(
+                        mesh, name, shape, self._specs[j].aval.dtype, layout
+                    )
+                yield jax.tree.unflatten(self._tree, placed)
+        finally:
+            for w, _, _, _ in workers:
+                w.close_rows.remote(reader)
+
     def _assemble(self, j: int, spec: PlacementSpec, host_batches: list[list[np.ndarray]]):
-        """Leaf ``j`` of the global batch, from the hosts' rows."""
+        """Leaf ``j`` of the global batch, from the hosts' rows (local runtime)."""
         shape = (self.batch_size, *spec.aval.shape[1:])
         target = spec.placements[0]
-        if isinstance(target, tuple):  # Ray: the driver assembles and places
-            value = np.empty(shape, spec.aval.dtype)
-            for read, leaves in zip(self._reads, host_batches, strict=True):
-                value[read.start : read.stop] = leaves[j]
-            return place(value, spec)
         arrays = [
             jax.device_put(host_batches[p.read][j][p.index], p.device) for p in self._pieces[j]
         ]

@@ -94,6 +94,7 @@ class MeshHostWorker:
         self._meshes: dict[tuple, Any] = {}
         self._own_devices = None if devices is None else list(devices)
         self._nccl_groups: dict[tuple[int, int], Any] = {}  # (src mesh, dst mesh) -> group
+        self._readers: dict[str, list] = {}  # data loaders: [iterator, batches read, call]
         self.bytes_sent = 0
         self.bytes_received = 0
 
@@ -218,6 +219,52 @@ class MeshHostWorker:
     def fetch_shards(self, name: str) -> list[tuple[tuple[slice, ...], np.ndarray]]:
         """Every device's shard of buffer ``name`` on this host (replicas included)."""
         return [(s.index, np.asarray(s.data)) for s in self._get(name).addressable_shards]
+
+    # -- data loading (alpa.MeshDriverDataLoader)
+
+    def open_rows(self, reader: str, read: Callable, start: int, end: int, rows: int) -> None:
+        """Start reading this host's rows: ``read(start, end, rows)`` iterates over host
+        batches (lists of arrays, ``rows`` rows each) of samples ``[start, end)``."""
+        self._readers[reader] = [iter(read(start, end, rows)), 0, (start, end, rows)]
+
+    def next_rows(
+        self,
+        reader: str,
+        names: Sequence[str],
+        leaves: Sequence[int],
+        layouts: Sequence[Layout],
+        shapes: Sequence[tuple[int, ...]],
+        row_start: int,
+    ) -> None:
+        """Read the next host batch and make buffers ``names`` of it: leaf ``leaves[i]``
+        of the host batch holds rows ``row_start ..`` of a global array of ``shapes[i]``,
+        laid out as ``layouts[i]``; each device of this host gets its slice."""
+        import jax
+
+        state = self._readers[reader]
+        try:
+            host_batch = next(state[0])
+        except StopIteration:
+            start, end, rows = state[2]
+            raise ValueError(
+                f"input_iter_func({start}, {end}, {rows}) stopped after {state[1]} batches"
+            ) from None
+        state[1] += 1
+        for name, leaf, layout, shape in zip(names, leaves, layouts, shapes, strict=True):
+            host_rows = np.asarray(host_batch[leaf])
+
+            def piece(index, host_rows=host_rows, num_rows=shape[0]):
+                first = index[0].indices(num_rows) if index else (0, num_rows, 1)
+                local = slice(first[0] - row_start, first[1] - row_start)
+                return host_rows[(local, *index[1:])]
+
+            self._buffers[name] = jax.make_array_from_callback(
+                tuple(shape), self._sharding(layout), piece
+            )
+        jax.block_until_ready([self._buffers[name] for name in names])
+
+    def close_rows(self, reader: str) -> None:
+        self._readers.pop(reader, None)
 
     # -- checkpoints (alpa.runtime.checkpoint_parts)
 

@@ -500,16 +500,18 @@ def _is_placement(x):
 # ----------------------------------------------------------------------------- data loaders
 
 
-def test_data_loaders_place_batches_on_the_mesh_workers(ray_cluster):
+def test_data_loaders_place_batches_on_the_mesh_workers(ray_cluster, tmp_path):
     state, batch, step = get_mlp_train_state_and_step(32, 16, num_layers=2)
     p_step = alpa.parallelize(step, method=alpa.DataParallel())
     specs = p_step.get_executable(state, batch).get_input_placement_specs()[1]
     rng = np.random.default_rng(2)
     data = {name: rng.standard_normal((3 * 32, 16), dtype=np.float32) for name in ("x", "y")}
-    calls = []
+    log = str(tmp_path / "reads")
 
     def input_iter_func(start, end, batch_size):
-        calls.append((start, end, batch_size))
+        # Runs on the mesh workers (each reads its host's rows): they log to a file.
+        with open(log, "a") as f:
+            f.write(f"{start} {end} {batch_size} {os.getpid()}\n")
         for i in range(start, end, batch_size):
             yield {name: rows[i : i + batch_size] for name, rows in data.items()}
 
@@ -517,7 +519,16 @@ def test_data_loaders_place_batches_on_the_mesh_workers(ray_cluster):
     reads = loader.read_ranges
     assert reads == [(0, 48, 16), (48, 96, 16)]  # the batch is split over the two hosts
     from_hosts = list(loader)
-    assert calls == reads
+    with open(log) as f:
+        calls = [tuple(int(v) for v in line.split()) for line in f]
+    assert sorted(c[:3] for c in calls) == reads  # each host's rows, read once
+    worker_pids = {w["pid"] for w in alpa.get_global_physical_mesh().worker_info}
+    assert {c[3] for c in calls} == worker_pids  # read by the two mesh workers
+    assert os.getpid() not in worker_pids
+    # A bad host batch is an error of the worker that read it, at its batch.
+    short = alpa.MeshDriverDataLoader(32, 4 * 32, input_iter_func, specs)  # 3 batches of data
+    with pytest.raises(RuntimeError, match=r"host 1 .*\n?.*batch 2 of input_iter_func\(64, 128"):
+        list(short)
     # Row r of batch k comes from the read of the host holding r (alpa.data_loader).
     expected_batches = [
         {
