@@ -315,15 +315,8 @@ def _is_ray_spec(spec: Any) -> bool:
     )
 
 
-def _restore_args(spec: Any, meta: Any, leaf_path: str, step: int) -> Any:
-    """orbax's restore arguments for one saved leaf (``meta``, its metadata) read into
-    ``spec``."""
-    saved_shape = getattr(meta, "shape", None)
-    if spec is None:
-        # Arrays to host numpy; a string stays a string.
-        return ocp.RestoreArgs(restore_type=np.ndarray if saved_shape is not None else None)
-    if isinstance(spec, jax.sharding.Sharding):
-        return ocp.ArrayRestoreArgs(sharding=spec, global_shape=saved_shape)
+def _check_spec(spec: Any, leaf_path: str, saved_shape: Any, step: int) -> None:
+    """``spec`` must be a ``PlacementSpec`` of the saved leaf's shape that a mesh holds."""
     if not isinstance(spec, PlacementSpec):
         raise TypeError(
             f"placement spec of leaf {leaf_path!r} is a {type(spec).__name__}; expected a "
@@ -336,6 +329,18 @@ def _restore_args(spec: Any, meta: Any, leaf_path: str, step: int) -> Any:
         )
     if not spec.placements:
         raise ValueError(f"leaf {leaf_path!r}: no mesh holds it in its placement spec")
+
+
+def _restore_args(spec: Any, meta: Any, leaf_path: str, step: int) -> Any:
+    """orbax's restore arguments for one saved leaf (``meta``, its metadata) read into
+    ``spec``."""
+    saved_shape = getattr(meta, "shape", None)
+    if spec is None:
+        # Arrays to host numpy; a string stays a string.
+        return ocp.RestoreArgs(restore_type=np.ndarray if saved_shape is not None else None)
+    if isinstance(spec, jax.sharding.Sharding):
+        return ocp.ArrayRestoreArgs(sharding=spec, global_shape=saved_shape)
+    _check_spec(spec, leaf_path, saved_shape, step)
     if _is_ray_spec(spec):
         return ocp.RestoreArgs(restore_type=np.ndarray, dtype=spec.aval.dtype)
     return ocp.ArrayRestoreArgs(
@@ -407,20 +412,10 @@ def _restore_parts(path: str, step: int, placement_specs: PyTree, target: PyTree
         if spec is None or isinstance(spec, jax.sharding.Sharding):
             local.setdefault(part, {})[leaf_path] = (spec, None)
             continue
-        if not isinstance(spec, PlacementSpec):
-            raise TypeError(
-                f"placement spec of leaf {leaf_path!r} is a {type(spec).__name__}; expected a "
-                "PlacementSpec (executable.get_input_placement_specs()) or a "
-                "jax.sharding.Sharding"
-            )
-        saved_shape = tuple(record["avals"].get(leaf_path, [spec.aval.shape])[0])
-        if saved_shape != tuple(spec.aval.shape):
-            raise ValueError(
-                f"leaf {leaf_path!r} has shape {saved_shape} in the checkpoint of step {step}, "
-                f"but its placement spec expects {tuple(spec.aval.shape)}"
-            )
-        if not spec.placements:
-            raise ValueError(f"leaf {leaf_path!r}: no mesh holds it in its placement spec")
+        recorded = record["avals"].get(leaf_path)  # a leaf the driver wrote has none
+        aval = getattr(spec, "aval", None)
+        saved_shape = recorded[0] if recorded else getattr(aval, "shape", None)
+        _check_spec(spec, leaf_path, saved_shape, step)
         if _is_ray_spec(spec):
             mesh, layout = spec.placements[0]
             remote.setdefault((mesh.mesh_id, part), (mesh, []))[1].append((leaf_path, spec))
