@@ -224,8 +224,14 @@ def test_micro_batches_without_alpa_grad():
         return w - g
 
     f = alpa.parallelize(step, method=alpa.DataParallel(num_micro_batches=2))
-    with pytest.raises(ValueError, match="does not call alpa.grad"):
+    with pytest.raises(ValueError, match="differentiates with jax.grad .* Replace jax.grad"):
         f(jnp.ones((4,)), {"x": jnp.ones((16, 4))})
+    # A step with no gradient at all is an inference step: micro-batches make no sense.
+    infer = alpa.parallelize(
+        lambda w, batch: batch["x"] @ w, method=alpa.DataParallel(num_micro_batches=2)
+    )
+    with pytest.raises(ValueError, match="computes no gradient .* leave num_micro_batches unset"):
+        infer(jnp.ones((4,)), {"x": jnp.ones((16, 4))})
 
 
 def test_keyword_arguments_rejected():

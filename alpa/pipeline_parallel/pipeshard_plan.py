@@ -275,6 +275,16 @@ def plan_pipeshard(
     layer clustering, stage DP or ILP); the stage and sharding options are then not read,
     and what follows from the decisions (split, schedule, instructions) is derived again.
     """
+    if traced.grad_marker() is None and traced.has_backward_pass:
+        if pipeline_schedule != "inference":
+            # Differentiated, but not by alpa.grad: no marker says where the gradients are
+            # complete, so the step cannot be cut into forward, backward and apply-grad.
+            # Said before any layer or stage is planned.
+            raise ValueError(
+                f"{traced.name} differentiates with jax.grad (or jax.value_and_grad / "
+                "jax.vjp), so PipeshardParallel cannot find its gradients: use alpa.grad / "
+                "alpa.value_and_grad in place of jax.grad / jax.value_and_grad"
+            )
     layer_option = resolve_layer_option(layer_option)
     names = _name_vars(traced.closed_jaxpr)
     if decisions is None:
@@ -310,14 +320,6 @@ def plan_pipeshard(
             "use 'gpipe' or '1f1b'"
         )
     schedule = make_schedule(pipeline_schedule, stage_plan.num_stages, num_micro_batches)
-    if not program.is_training and pipeline_schedule != "inference" and traced.has_backward_pass:
-        # Differentiated, but not by alpa.grad: no marker says where the gradients are
-        # complete, so the step cannot be cut into forward, backward and apply-grad.
-        raise ValueError(
-            f"{traced.name} differentiates with jax.grad (or jax.value_and_grad / jax.vjp), "
-            "so PipeshardParallel cannot find its gradients: use alpa.grad / "
-            "alpa.value_and_grad in place of jax.grad / jax.value_and_grad"
-        )
     if not program.is_training and pipeline_schedule != "inference":
         raise ValueError(
             f"the step has no alpa.grad, so it is an inference step; pass "

@@ -104,11 +104,17 @@ def split_at_grad_marker(traced: TracedStep) -> GradSplit:
     jaxpr = traced.jaxpr
     marker = traced.grad_marker()
     if marker is None:
+        if traced.has_backward_pass:
+            raise ValueError(
+                f"num_micro_batches is set but {traced.name} differentiates with jax.grad "
+                "(or jax.value_and_grad / jax.vjp): gradient accumulation needs to know "
+                "which values are gradients. Replace jax.grad / jax.value_and_grad by "
+                "alpa.grad / alpa.value_and_grad."
+            )
         raise ValueError(
-            f"num_micro_batches is set but {traced.name} does not call alpa.grad or "
-            "alpa.value_and_grad: gradient accumulation needs to know which values are "
-            "gradients. Replace jax.grad / jax.value_and_grad by alpa.grad / "
-            "alpa.value_and_grad."
+            f"num_micro_batches is set but {traced.name} computes no gradient (no alpa.grad "
+            "or alpa.value_and_grad): micro-batches accumulate gradients, so an inference "
+            "step runs its batch whole; leave num_micro_batches unset"
         )
     producer = {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
     batch_vars = {v for v, b in zip(jaxpr.invars, traced.batch_invars, strict=True) if b}
