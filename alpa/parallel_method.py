@@ -54,6 +54,7 @@ from alpa.shard_parallel.auto_sharding import AutoShardingOption, plan_auto_shar
 from alpa.shard_parallel.data_parallel import data_parallel_plan
 from alpa.shard_parallel.distributed_executable import DistributedMeshExecutable
 from alpa.shard_parallel.executable import compile_shard_executable
+from alpa.shard_parallel.ilp_solver import InfeasibleMemoryBudgetError
 from alpa.shard_parallel.manual_sharding import (
     ManualShardingOption,
     ignored_auto_sharding_fields,
@@ -201,6 +202,57 @@ def resolve_logical_mesh(
     return physical.get_logical_mesh(mesh_shape)
 
 
+#: Plans tried against XLA's allocation before a memory budget is declared unmeetable.
+BUDGET_ATTEMPTS = 4
+
+
+def _compile_within_budget(method, traced: TracedStep, plan, resolve: bool) -> Executable:
+    """Compile ``plan``; with a ``memory_budget_per_device``, keep the budget's promise:
+    the compiled program's allocation (``get_total_allocation_size``: arguments, outputs,
+    temporaries) is within it, or the call fails with ``InfeasibleMemoryBudgetError``.
+
+    The ILP's memory model is an estimate (``memory_model``: no collective buffers or
+    alignment). When XLA allocates more than the budget, the ILP solves again with its
+    budget scaled down by the factor it missed by, up to :data:`BUDGET_ATTEMPTS` plans;
+    ``resolve=False`` (a fixed plan, which no budget changes) only checks.
+    """
+    option = method.auto_sharding_option
+    budget = option.memory_budget_per_device
+    with timed("compile"):
+        executable = _compile_one_mesh(method.devices, traced, plan, method.num_micro_batches)
+    if budget is None or not hasattr(executable, "get_total_allocation_size"):
+        return executable  # a Ray mesh's allocation is known to its workers only
+    model_budget = budget
+    closest = executable.get_total_allocation_size()
+    for _ in range(BUDGET_ATTEMPTS - 1 if resolve else 0):
+        allocated = executable.get_total_allocation_size()
+        closest = min(closest, allocated)
+        if allocated <= budget:
+            return executable
+        model_budget *= budget / allocated
+        try:
+            with timed("planning"):
+                plan = plan_auto_sharding(
+                    traced,
+                    plan.logical_mesh,
+                    replace(option, memory_budget_per_device=model_budget),
+                )
+        except InfeasibleMemoryBudgetError:
+            break
+        with timed("compile"):
+            executable = _compile_one_mesh(method.devices, traced, plan, method.num_micro_batches)
+    allocated = executable.get_total_allocation_size()
+    if allocated <= budget:
+        return executable
+    raise InfeasibleMemoryBudgetError(
+        f"memory_budget_per_device={budget:.0f} bytes cannot be met: the closest plan found "
+        f"compiles to {min(closest, allocated)} bytes per device (XLA's allocation: "
+        "arguments, outputs and "
+        f"temporaries) on logical mesh {plan.logical_mesh.shape}; raise the budget or use "
+        "more devices"
+    )
+
+
 def _compile_one_mesh(devices, traced: TracedStep, plan, num_micro_batches) -> Executable:
     """A one-mesh executable: in this process, or on the Ray workers of a distributed
     mesh (``devices`` one, or ``None`` under ``alpa.init("ray")``)."""
@@ -272,8 +324,10 @@ class ShardParallel(_AutoShardingOptionHolder, ParallelMethod):
         self._compiled = True
         with timed("planning"):
             plan = self.plan(traced, args, require_devices=True)
-        with timed("compile"):
-            return _compile_one_mesh(self.devices, traced, plan, self.num_micro_batches)
+        if self.manual_sharding_option is not None:
+            with timed("compile"):
+                return _compile_one_mesh(self.devices, traced, plan, self.num_micro_batches)
+        return _compile_within_budget(self, traced, plan, resolve=True)
 
     def __repr__(self) -> str:
         return (
@@ -331,8 +385,8 @@ class _FixedPlanParallel(_AutoShardingOptionHolder, ParallelMethod):
         self._compiled = True
         with timed("planning"):
             plan = self.plan(traced, args, require_devices=True)
-        with timed("compile"):
-            return _compile_one_mesh(self.devices, traced, plan, self.num_micro_batches)
+        # A fixed plan cannot trade communication for memory: its budget is only checked.
+        return _compile_within_budget(self, traced, plan, resolve=self.zero_stage is None)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(num_micro_batches={self.num_micro_batches})"
