@@ -327,6 +327,20 @@ def plan_auto_sharding(
     return solution.to_sharding_plan()
 
 
+def plan_objective(traced, plan: ShardingPlan) -> float:
+    """The objective of ``plan`` under the ILP's cost model, so that plans of any method
+    compare: its own for a plan the ILP made; for any other (data parallel, ZeRO, manual
+    specs) the objective of the cheapest plan that takes the step's inputs in ``plan``'s
+    shardings, which is what the fixed plan pins (the rest it leaves to XLA, priced here
+    at its best)."""
+    if plan.objective is not None:
+        return plan.objective
+    solution = solve_auto_sharding(
+        traced, plan.logical_mesh, AutoShardingOption(), fixed_in_specs=plan.in_specs
+    )
+    return float(solution.objective)
+
+
 def solve_auto_sharding(
     traced,
     logical_mesh: LogicalDeviceMesh,

@@ -28,6 +28,7 @@ from alpa.runtime.worker_program import (
     WorkerOp,
     WorkerProgram,
 )
+from alpa.shard_parallel.auto_sharding import plan_objective
 from alpa.shard_parallel.executable import full_batch_avals
 from alpa.shard_parallel.lowering import build_step_function
 from alpa.shard_parallel.sharding_plan import ShardingPlan
@@ -101,6 +102,7 @@ class DistributedMeshExecutable(Executable):
         .worker_transfer_plan``) for an argument that lives on another mesh."""
         self.traced = traced
         self.plan = plan
+        self._objective: float | None = plan.objective
         self.mesh = mesh
         self.num_micro_batches = num_micro_batches
         logical = plan.logical_mesh
@@ -190,8 +192,14 @@ class DistributedMeshExecutable(Executable):
     # -- what was compiled
 
     @property
-    def auto_sharding_objective(self) -> float | None:
-        return self.plan.objective
+    def auto_sharding_objective(self) -> float:
+        """The plan's objective under the auto-sharding cost model: the ILP's own, or for a
+        plan the ILP did not make (``DataParallel``, ZeRO, manual) the cost of the cheapest
+        plan with its input shardings (``auto_sharding.plan_objective``, solved on first
+        access), so that methods compare."""
+        if self._objective is None:
+            self._objective = plan_objective(self.traced, self.plan)
+        return self._objective
 
     def _placement(self, avals, layouts) -> list[PlacementSpec]:
         return [

@@ -23,6 +23,7 @@ from jax.sharding import NamedSharding
 from alpa.executable import Executable, PlacementSpec, is_placed
 from alpa.global_env import global_config
 from alpa.runtime.memory import allocation_bytes, device_peak_bytes
+from alpa.shard_parallel.auto_sharding import plan_objective
 from alpa.shard_parallel.lowering import build_step_function
 from alpa.shard_parallel.sharding_plan import ShardingPlan
 from alpa.tracing import TracedStep
@@ -96,6 +97,7 @@ class MeshExecutable(Executable):
     ):
         self.traced = traced
         self.plan = plan
+        self._objective: float | None = plan.objective
         self.compiled = compiled
         self.in_shardings = in_shardings
         self.out_shardings = tuple(jax.tree.leaves(compiled.output_shardings))
@@ -105,9 +107,14 @@ class MeshExecutable(Executable):
         self.dispatch = compiled
 
     @property
-    def auto_sharding_objective(self) -> float | None:
-        """The ILP objective of the plan, or ``None`` when no ILP chose it."""
-        return self.plan.objective
+    def auto_sharding_objective(self) -> float:
+        """The plan's objective under the auto-sharding cost model: the ILP's own, or for a
+        plan the ILP did not make (``DataParallel``, ZeRO, manual) the cost of the cheapest
+        plan with its input shardings (``auto_sharding.plan_objective``, solved on first
+        access), so that methods compare."""
+        if self._objective is None:
+            self._objective = plan_objective(self.traced, self.plan)
+        return self._objective
 
     def preshard_flat_args(self, flat_args: Sequence[Any]) -> list[jax.Array]:
         return [

@@ -254,6 +254,37 @@ def test_memory_budget_is_kept_or_refused():
     assert kept and refused  # refused: by the promise, after XLA's allocation said no
 
 
+def _objective(step, state, batch, method):
+    p_step = alpa.parallelize(step, method=method, donate_argnums=())
+    return p_step.get_executable(state, batch).auto_sharding_objective
+
+
+def test_every_method_reports_its_objective(mlp_wide_batch, mlp_wide_hidden):
+    """Fixed plans report their cost under the ILP's model (the cheapest plan with their
+    input shardings), so methods compare on one (8, 1) unit-cost mesh: where data
+    parallelism is the ILP's own choice (wide batch) DataParallel costs what ShardParallel
+    costs, and where Megatron is (wide hidden) DataParallel costs more; ZeRO-3, which also
+    gathers the parameters, never costs less than DataParallel; force_data_parallel is
+    DataParallel."""
+    from alpa.testing import unit_cost_mesh
+
+    mesh = unit_cost_mesh((8, 1))
+    for fixture, dp_is_best in ((mlp_wide_batch, True), (mlp_wide_hidden, False)):
+        state, batch, step, _ = fixture
+        auto = _objective(step, state, batch, alpa.ShardParallel(devices=mesh))
+        dp = _objective(step, state, batch, alpa.DataParallel(devices=mesh))
+        zero3 = _objective(step, state, batch, alpa.Zero3Parallel(devices=mesh))
+        forced = alpa.ShardParallel(devices=mesh)
+        forced.as_option.force_data_parallel = True
+        assert all(isinstance(x, float) for x in (auto, dp, zero3))
+        assert _objective(step, state, batch, forced) == pytest.approx(dp)
+        assert zero3 >= dp - 1e-6
+        if dp_is_best:
+            assert dp == pytest.approx(auto)
+        else:
+            assert dp > auto
+
+
 def test_plan_is_deterministic(mlp_wide_hidden):
     state, batch, step, _ = mlp_wide_hidden
     _, first = _compile(step, state, batch, (2, 4))
