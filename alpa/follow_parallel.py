@@ -122,14 +122,15 @@ class CreateStateParallel(ParallelMethod):
                 f"train_step; {self.train_step.__name__} compiled to "
                 f"{type(target).__name__} (compile it to see its per-mesh placement)"
             )
-        return _create_state_plan(traced, target, specs)
+        return _creation_plan(traced, target.plan.logical_mesh, specs)
 
     def compile_executable(self, traced: TracedStep, args: Sequence[Any]) -> Executable:
         with timed("planning"):
             target, specs = self._target(traced)
         with timed("compile"):
             if isinstance(target, MeshExecutable | DistributedMeshExecutable):
-                return _compile_on(target, traced, _create_state_plan(traced, target, specs))
+                plan = _creation_plan(traced, target.plan.logical_mesh, specs)
+                return _compile(traced, plan, _ray_mesh(target))
             if isinstance(target, PipeshardDriverExecutable | PipeshardRayExecutable):
                 return PerMeshOutputsExecutable(traced, specs)
         raise NotImplementedError(
@@ -140,20 +141,33 @@ class CreateStateParallel(ParallelMethod):
         return f"CreateStateParallel(train_step={self.train_step.__name__})"
 
 
-def _create_state_plan(traced: TracedStep, target, specs: list[PlacementSpec]) -> ShardingPlan:
+def _creation_plan(
+    traced: TracedStep, logical_mesh: LogicalDeviceMesh, specs: Sequence[PlacementSpec]
+) -> ShardingPlan:
+    """Every input replicated on ``logical_mesh``, output ``i`` in ``specs[i]``'s sharding
+    (on its first mesh)."""
     return ShardingPlan(
-        logical_mesh=target.plan.logical_mesh,
+        logical_mesh=logical_mesh,
         in_specs=(REPLICATED,) * len(traced.jaxpr.invars),
         out_specs=tuple(spec.sharding_specs[0] for spec in specs),
         method="CreateStateParallel",
     )
 
 
-def _compile_on(target, traced: TracedStep, plan: ShardingPlan) -> Executable:
-    """``plan`` compiled on the mesh of the one-mesh executable ``target`` (local or Ray)."""
-    if isinstance(target, DistributedMeshExecutable):
-        return DistributedMeshExecutable(traced, plan, target.mesh, None, worker_transfer_plan)
-    return compile_shard_executable(traced, plan, None)
+def _compile(
+    traced: TracedStep, plan: ShardingPlan, ray_mesh, num_micro_batches: int | None = None
+) -> Executable:
+    """``plan`` compiled in this process, or on the workers of ``ray_mesh``."""
+    if ray_mesh is not None:
+        return DistributedMeshExecutable(
+            traced, plan, ray_mesh, num_micro_batches, worker_transfer_plan
+        )
+    return compile_shard_executable(traced, plan, num_micro_batches)
+
+
+def _ray_mesh(executable: Executable):
+    """The Ray mesh of a one-mesh executable, ``None`` for a local one."""
+    return executable.mesh if isinstance(executable, DistributedMeshExecutable) else None
 
 
 def _mesh_of(placement) -> tuple[Any, LogicalDeviceMesh, Any]:
@@ -204,19 +218,8 @@ class PerMeshOutputsExecutable(Executable):
                 out_tree=jax.tree.structure([0] * len(indices)),
                 donated_invars=(False,) * len(jaxpr.invars),  # every part reads the inputs
             )
-            plan = ShardingPlan(
-                logical_mesh=logical,
-                in_specs=(REPLICATED,) * len(jaxpr.invars),
-                out_specs=tuple(specs[i].sharding_specs[0] for i in indices),
-                method="CreateStateParallel",
-            )
-            if ray_mesh is not None:
-                executable = DistributedMeshExecutable(
-                    part, plan, ray_mesh, None, worker_transfer_plan
-                )
-            else:
-                executable = compile_shard_executable(part, plan, None)
-            self._parts.append((indices, executable))
+            plan = _creation_plan(part, logical, [specs[i] for i in indices])
+            self._parts.append((indices, _compile(part, plan, ray_mesh)))
         self._signatures = [leaf_signature(a) for a in traced.in_avals]
         self._last_outputs: Any = ()
 
@@ -386,11 +389,7 @@ class FollowParallel(ParallelMethod):
         with timed("planning"):
             plan = self.plan(traced, args)
         with timed("compile"):
-            if isinstance(source, DistributedMeshExecutable):
-                return DistributedMeshExecutable(
-                    traced, plan, source.mesh, self.num_micro_batches, worker_transfer_plan
-                )
-            return compile_shard_executable(traced, plan, self.num_micro_batches)
+            return _compile(traced, plan, _ray_mesh(source), self.num_micro_batches)
 
     def __repr__(self) -> str:
         return f"FollowParallel(src_func={self.src_func.__name__})"

@@ -222,14 +222,12 @@ def _compile_within_budget(method, traced: TracedStep, plan, resolve: bool) -> E
         executable = _compile_one_mesh(method.devices, traced, plan, method.num_micro_batches)
     if budget is None or not hasattr(executable, "get_total_allocation_size"):
         return executable  # a Ray mesh's allocation is known to its workers only
-    model_budget = budget
-    closest = executable.get_total_allocation_size()
-    for _ in range(BUDGET_ATTEMPTS - 1 if resolve else 0):
-        allocated = executable.get_total_allocation_size()
-        closest = min(closest, allocated)
-        if allocated <= budget:
-            return executable
-        model_budget *= budget / allocated
+    allocated = executable.get_total_allocation_size()
+    closest, model_budget = allocated, budget
+    attempts = BUDGET_ATTEMPTS - 1 if resolve else 0
+    while allocated > budget and attempts:
+        attempts -= 1
+        model_budget *= budget / allocated  # the factor the model missed by
         try:
             with timed("planning"):
                 plan = plan_auto_sharding(
@@ -241,13 +239,13 @@ def _compile_within_budget(method, traced: TracedStep, plan, resolve: bool) -> E
             break
         with timed("compile"):
             executable = _compile_one_mesh(method.devices, traced, plan, method.num_micro_batches)
-    allocated = executable.get_total_allocation_size()
+        allocated = executable.get_total_allocation_size()
+        closest = min(closest, allocated)
     if allocated <= budget:
         return executable
     raise InfeasibleMemoryBudgetError(
         f"memory_budget_per_device={budget:.0f} bytes cannot be met: the closest plan found "
-        f"compiles to {min(closest, allocated)} bytes per device (XLA's allocation: "
-        "arguments, outputs and "
+        f"compiles to {closest} bytes per device (XLA's allocation: arguments, outputs and "
         f"temporaries) on logical mesh {plan.logical_mesh.shape}; raise the budget or use "
         "more devices"
     )

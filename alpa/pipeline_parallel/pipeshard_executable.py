@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -166,6 +166,22 @@ class StagePrograms:
         return jitted, structs, out_shardings
 
 
+def input_placement_specs(
+    traced: Any,
+    input_stages: dict,
+    num_micro_batches: int,
+    placement: Callable[[Any, Sequence[int]], PlacementSpec],
+) -> list[PlacementSpec]:
+    """Per input leaf of a pipelined step, ``placement(var, meshes)`` on the meshes of the
+    stages that read it, with the aval the caller passes (a batch leaf's whole batch; the
+    step was traced at micro-batch size). Shared by the local and the Ray executable."""
+    full = full_batch_avals(traced, num_micro_batches)
+    return [
+        dataclasses.replace(placement(v, input_stages[v]), aval=aval)
+        for v, aval in zip(traced.closed_jaxpr.jaxpr.invars, full, strict=True)
+    ]
+
+
 class PipeshardDriverExecutable(Executable):
     """Runs a pipelined step on local submeshes (the driver runs every mesh's program)."""
 
@@ -301,13 +317,9 @@ class PipeshardDriverExecutable(Executable):
         return out
 
     def flat_input_placement_specs(self) -> list[PlacementSpec]:
-        """Per input leaf, at the size the caller passes (a batch leaf's whole batch)."""
-        jaxpr = self.traced.closed_jaxpr.jaxpr
-        full = full_batch_avals(self.traced, self.num_micro_batches)
-        return [
-            dataclasses.replace(self._placement(v, self.program.input_stages[v]), aval=aval)
-            for v, aval in zip(jaxpr.invars, full, strict=True)
-        ]
+        return input_placement_specs(
+            self.traced, self.program.input_stages, self.num_micro_batches, self._placement
+        )
 
     def flat_output_placement_specs(self) -> list[PlacementSpec]:
         specs = []

@@ -22,7 +22,6 @@ holds) and gets ``DistributedArray`` s back.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -30,7 +29,7 @@ from typing import Any
 import jax
 
 from alpa.executable import Executable, PlacementSpec, check_dispatch_args
-from alpa.pipeline_parallel.pipeshard_executable import StagePrograms
+from alpa.pipeline_parallel.pipeshard_executable import StagePrograms, input_placement_specs
 from alpa.pipeline_parallel.pipeshard_plan import PipeshardPlan
 from alpa.pipeline_parallel.resharding import worker_transfer_plan
 from alpa.pipeline_parallel.runtime_emitter import Op
@@ -314,13 +313,9 @@ class PipeshardRayExecutable(Executable):
         )
 
     def flat_input_placement_specs(self) -> list[PlacementSpec]:
-        """Per input leaf, at the size the caller passes (a batch leaf's whole batch)."""
-        jaxpr = self.traced.closed_jaxpr.jaxpr
-        full = full_batch_avals(self.traced, self.num_micro_batches)
-        return [
-            dataclasses.replace(self._placement(v, self.program.input_stages[v]), aval=aval)
-            for v, aval in zip(jaxpr.invars, full, strict=True)
-        ]
+        return input_placement_specs(
+            self.traced, self.program.input_stages, self.num_micro_batches, self._placement
+        )
 
     def flat_output_placement_specs(self) -> list[PlacementSpec]:
         specs = []

@@ -28,8 +28,7 @@ from alpa.runtime.worker_program import (
     WorkerOp,
     WorkerProgram,
 )
-from alpa.shard_parallel.auto_sharding import plan_objective
-from alpa.shard_parallel.executable import full_batch_avals
+from alpa.shard_parallel.executable import PricedPlan, full_batch_avals
 from alpa.shard_parallel.lowering import build_step_function
 from alpa.shard_parallel.sharding_plan import ShardingPlan
 from alpa.tracing import TracedStep, leaf_signature
@@ -87,7 +86,7 @@ def serialize_jitted(jitted, structs: Sequence[Any], platform: str) -> bytes:
     )
 
 
-class DistributedMeshExecutable(Executable):
+class DistributedMeshExecutable(PricedPlan, Executable):
     """A step compiled for one mesh of Ray workers (see the module docstring)."""
 
     def __init__(
@@ -102,7 +101,6 @@ class DistributedMeshExecutable(Executable):
         .worker_transfer_plan``) for an argument that lives on another mesh."""
         self.traced = traced
         self.plan = plan
-        self._objective: float | None = plan.objective
         self.mesh = mesh
         self.num_micro_batches = num_micro_batches
         logical = plan.logical_mesh
@@ -190,16 +188,6 @@ class DistributedMeshExecutable(Executable):
         return list(flat_args)  # placed by the workers at the step
 
     # -- what was compiled
-
-    @property
-    def auto_sharding_objective(self) -> float:
-        """The plan's objective under the auto-sharding cost model: the ILP's own, or for a
-        plan the ILP did not make (``DataParallel``, ZeRO, manual) the cost of the cheapest
-        plan with its input shardings (``auto_sharding.plan_objective``, solved on first
-        access), so that methods compare."""
-        if self._objective is None:
-            self._objective = plan_objective(self.traced, self.plan)
-        return self._objective
 
     def _placement(self, avals, layouts) -> list[PlacementSpec]:
         return [

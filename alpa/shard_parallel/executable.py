@@ -11,6 +11,7 @@ its per-device memory, and where every input and output lives.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -84,7 +85,23 @@ def compile_shard_executable(
     return MeshExecutable(traced, plan, compiled, in_shardings, num_micro_batches)
 
 
-class MeshExecutable(Executable):
+class PricedPlan:
+    """``auto_sharding_objective`` of an executable compiled from one ``ShardingPlan``
+    (``plan``) of a traced step (``traced``): the local and the Ray one-mesh executables."""
+
+    traced: TracedStep
+    plan: ShardingPlan
+
+    @functools.cached_property
+    def auto_sharding_objective(self) -> float:
+        """The plan's objective under the auto-sharding cost model: the ILP's own, or for a
+        plan the ILP did not make (``DataParallel``, ZeRO, manual) the cost of the cheapest
+        plan with its input shardings (``auto_sharding.plan_objective``, solved on first
+        access), so that methods compare."""
+        return plan_objective(self.traced, self.plan)
+
+
+class MeshExecutable(PricedPlan, Executable):
     """A step compiled for one mesh."""
 
     def __init__(
@@ -97,7 +114,6 @@ class MeshExecutable(Executable):
     ):
         self.traced = traced
         self.plan = plan
-        self._objective: float | None = plan.objective
         self.compiled = compiled
         self.in_shardings = in_shardings
         self.out_shardings = tuple(jax.tree.leaves(compiled.output_shardings))
@@ -105,16 +121,6 @@ class MeshExecutable(Executable):
         self._last_outputs: Any = ()
         # A cache hit calls XLA's compiled program directly (see the module docstring).
         self.dispatch = compiled
-
-    @property
-    def auto_sharding_objective(self) -> float:
-        """The plan's objective under the auto-sharding cost model: the ILP's own, or for a
-        plan the ILP did not make (``DataParallel``, ZeRO, manual) the cost of the cheapest
-        plan with its input shardings (``auto_sharding.plan_objective``, solved on first
-        access), so that methods compare."""
-        if self._objective is None:
-            self._objective = plan_objective(self.traced, self.plan)
-        return self._objective
 
     def preshard_flat_args(self, flat_args: Sequence[Any]) -> list[jax.Array]:
         return [
