@@ -283,10 +283,21 @@ class VirtualPhysicalMesh:
         mesh_alpha: Sequence[float] | None = None,
         mesh_beta: Sequence[float] | None = None,
     ) -> LogicalDeviceMesh:
-        shape = _check_logical_shape(mesh_shape or self.shape, self.num_devices)
         cluster = self.cluster or CLUSTER_PRESETS["cpu"]
-        alpha, beta = _default_alpha_beta(cluster, shape, self.num_devices_per_host)
-        return LogicalDeviceMesh(shape, tuple(mesh_alpha or alpha), tuple(mesh_beta or beta))
+        return _logical_view(self, cluster, mesh_shape, mesh_alpha, mesh_beta, None)
+
+
+def _logical_view(
+    mesh, cluster: ClusterSpec, mesh_shape, mesh_alpha, mesh_beta, devices
+) -> LogicalDeviceMesh:
+    """The 2-D view ``mesh_shape`` (default the mesh's own shape) of a mesh of
+    ``mesh.num_hosts`` x ``mesh.num_devices_per_host`` devices, with ``cluster``'s
+    alpha-beta per axis unless given."""
+    shape = _check_logical_shape(mesh_shape or mesh.shape, mesh.num_devices)
+    alpha, beta = _default_alpha_beta(cluster, shape, mesh.num_devices_per_host)
+    return LogicalDeviceMesh(
+        shape, tuple(mesh_alpha or alpha), tuple(mesh_beta or beta), devices=devices
+    )
 
 
 class PhysicalDeviceMesh(abc.ABC):
@@ -326,13 +337,8 @@ class PhysicalDeviceMesh(abc.ABC):
         mesh_beta: Sequence[float] | None = None,
     ) -> LogicalDeviceMesh:
         """A 2-D view of the mesh (default its own shape) with alpha-beta costs per axis."""
-        shape = _check_logical_shape(mesh_shape or self.shape, self.num_devices)
-        alpha, beta = _default_alpha_beta(self.spec, shape, self.num_devices_per_host)
-        return LogicalDeviceMesh(
-            shape,
-            tuple(mesh_alpha or alpha),
-            tuple(mesh_beta or beta),
-            devices=self.logical_devices,
+        return _logical_view(
+            self, self.spec, mesh_shape, mesh_alpha, mesh_beta, self.logical_devices
         )
 
     @abc.abstractmethod
