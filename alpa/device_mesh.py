@@ -45,7 +45,8 @@ class ClusterSpec:
     """A description of a cluster, real or not.
 
     Bandwidths are in bytes/s per device, latencies in seconds, FLOP/s are the dense peak
-    of one device for the training dtype.
+    of one device for the training dtype; ``memory_bandwidth`` is one device's own memory
+    (HBM, or DRAM for CPU devices), which prices the bytes an operation writes.
     """
 
     num_nodes: int
@@ -57,6 +58,7 @@ class ClusterSpec:
     intra_node_latency: float = 1e-5
     inter_node_latency: float = 2e-5
     name: str = "custom"
+    memory_bandwidth: float = 2e12
 
     def __post_init__(self):
         for attr in ("num_nodes", "num_devices_per_node"):
@@ -68,6 +70,7 @@ class ClusterSpec:
             "device_memory",
             "intra_node_bandwidth",
             "inter_node_bandwidth",
+            "memory_bandwidth",
         ):
             value = getattr(self, attr)
             if not value > 0:
@@ -111,14 +114,26 @@ class ClusterSpec:
 _GB = 1 << 30
 CLUSTER_PRESETS: dict[str, ClusterSpec] = {
     # Peak dense FLOP/s in fp16/bf16 tensor cores; NVLink per-direction bandwidth per GPU;
-    # inter-node: one NIC per GPU (100, 200, 400 Gb/s).
-    "v100-16gb": ClusterSpec(1, 8, 125e12, 16 * _GB, 150e9, 12.5e9, name="v100-16gb"),
-    "a100-40gb": ClusterSpec(1, 8, 312e12, 40 * _GB, 300e9, 25e9, name="a100-40gb"),
-    "a100-80gb": ClusterSpec(1, 8, 312e12, 80 * _GB, 300e9, 25e9, name="a100-80gb"),
-    "h100-80gb": ClusterSpec(1, 8, 989e12, 80 * _GB, 450e9, 50e9, name="h100-80gb"),
-    "h200-141gb": ClusterSpec(1, 8, 989e12, 141 * _GB, 450e9, 50e9, name="h200-141gb"),
+    # inter-node: one NIC per GPU (100, 200, 400 Gb/s); HBM bandwidth.
+    "v100-16gb": ClusterSpec(
+        1, 8, 125e12, 16 * _GB, 150e9, 12.5e9, name="v100-16gb", memory_bandwidth=900e9
+    ),
+    "a100-40gb": ClusterSpec(
+        1, 8, 312e12, 40 * _GB, 300e9, 25e9, name="a100-40gb", memory_bandwidth=1.555e12
+    ),
+    "a100-80gb": ClusterSpec(
+        1, 8, 312e12, 80 * _GB, 300e9, 25e9, name="a100-80gb", memory_bandwidth=2.039e12
+    ),
+    "h100-80gb": ClusterSpec(
+        1, 8, 989e12, 80 * _GB, 450e9, 50e9, name="h100-80gb", memory_bandwidth=3.35e12
+    ),
+    "h200-141gb": ClusterSpec(
+        1, 8, 989e12, 141 * _GB, 450e9, 50e9, name="h200-141gb", memory_bandwidth=4.8e12
+    ),
     # Virtual CPU devices in one process: copies run at about 10 GB/s (DESIGN §5).
-    "cpu": ClusterSpec(1, 8, 5e10, 2 * _GB, 10e9, 10e9, 1e-5, 1e-5, name="cpu"),
+    "cpu": ClusterSpec(
+        1, 8, 5e10, 2 * _GB, 10e9, 10e9, 1e-5, 1e-5, name="cpu", memory_bandwidth=20e9
+    ),
 }
 
 
@@ -127,10 +142,16 @@ CLUSTER_PRESETS: dict[str, ClusterSpec] = {
 
 @dataclass(frozen=True)
 class LogicalDeviceMesh:
-    """A 2-D view of devices with an alpha-beta communication model per axis.
+    """A 2-D view of devices with an alpha-beta communication model per axis, and the
+    rates that price work on one device: ``device_flops`` (FLOP/s of contractions) and
+    ``memory_bandwidth`` (bytes/s an operation writes its result at).
 
     ``devices`` may be ``None``: such a mesh is abstract, good for planning and cost
-    queries but not for lowering.
+    queries but not for lowering. The defaults are Alpa's unit-free alpha = beta = 1 and,
+    in the same units (beta = 1 per byte), rates in a GPU's proportions (an A100 does about
+    1000 FLOPs and writes about 7 bytes of HBM in the time NVLink moves one byte); a mesh
+    of a physical or virtual cluster takes all four from its ``ClusterSpec``. ``math.inf``
+    turns a term off.
     """
 
     shape: tuple[int, int]
@@ -138,6 +159,8 @@ class LogicalDeviceMesh:
     mesh_beta: tuple[float, float] = (1.0, 1.0)
     devices: tuple[Any, ...] | None = field(default=None, compare=False, repr=False)
     axis_names: tuple[str, str] = MESH_AXIS_NAMES
+    device_flops: float = 1000.0
+    memory_bandwidth: float = 10.0
 
     def __post_init__(self):
         shape = tuple(self.shape)
@@ -148,6 +171,11 @@ class LogicalDeviceMesh:
         object.__setattr__(self, "mesh_beta", tuple(float(b) for b in self.mesh_beta))
         if len(self.mesh_alpha) != 2 or len(self.mesh_beta) != 2:
             raise ValueError("mesh_alpha and mesh_beta need one value per mesh axis (2)")
+        for attr in ("device_flops", "memory_bandwidth"):
+            value = getattr(self, attr)
+            if not (isinstance(value, int | float) and value > 0):
+                raise ValueError(f"LogicalDeviceMesh.{attr} must be positive, got {value!r}")
+            object.__setattr__(self, attr, float(value))
         if self.devices is not None:
             devices = tuple(self.devices)
             if len(devices) != math.prod(shape):
@@ -185,6 +213,33 @@ class LogicalDeviceMesh:
     def all_to_all_cost(self, num_bytes: float, mesh_dim: int) -> float:
         n, alpha, beta = self._alpha_beta(mesh_dim)
         return 0.0 if n == 1 else alpha + beta * (n - 1) / n / n * num_bytes * (n / 2)
+
+    def with_alpha_beta(
+        self, mesh_alpha: Sequence[float] | None, mesh_beta: Sequence[float] | None
+    ) -> LogicalDeviceMesh:
+        """This mesh with other alpha-beta parameters (``None`` keeps them), in the caller's
+        units: the device rates are converted to those units, so that compute stays
+        priced against the links as this mesh's hardware prices it (measured on the axis
+        with the largest new beta)."""
+        alpha = self.mesh_alpha if mesh_alpha is None else tuple(mesh_alpha)
+        beta = self.mesh_beta if mesh_beta is None else tuple(mesh_beta)
+        scale = 1.0
+        if len(beta) == 2 and max(beta) > 0:
+            axis = int(np.argmax(beta))
+            if self.mesh_beta[axis] > 0:
+                scale = self.mesh_beta[axis] / beta[axis]
+        return replace(
+            self,
+            mesh_alpha=alpha,
+            mesh_beta=beta,
+            device_flops=self.device_flops * scale,
+            memory_bandwidth=self.memory_bandwidth * scale,
+        )
+
+    def compute_cost(self, flops: float, num_bytes: float) -> float:
+        """Seconds one device spends on ``flops`` of contractions and on writing
+        ``num_bytes`` of results."""
+        return flops / self.device_flops + num_bytes / self.memory_bandwidth
 
     def get_jax_mesh(self):
         """The ``jax.sharding.Mesh`` with Auto axes that this logical mesh lowers to."""
@@ -292,12 +347,18 @@ def _logical_view(
 ) -> LogicalDeviceMesh:
     """The 2-D view ``mesh_shape`` (default the mesh's own shape) of a mesh of
     ``mesh.num_hosts`` x ``mesh.num_devices_per_host`` devices, with ``cluster``'s
-    alpha-beta per axis unless given."""
+    alpha-beta per axis unless given (in the caller's units: ``with_alpha_beta``)."""
     shape = _check_logical_shape(mesh_shape or mesh.shape, mesh.num_devices)
     alpha, beta = _default_alpha_beta(cluster, shape, mesh.num_devices_per_host)
-    return LogicalDeviceMesh(
-        shape, tuple(mesh_alpha or alpha), tuple(mesh_beta or beta), devices=devices
+    hardware = LogicalDeviceMesh(
+        shape,
+        alpha,
+        beta,
+        devices=devices,
+        device_flops=cluster.device_flops,
+        memory_bandwidth=cluster.memory_bandwidth,
     )
+    return hardware.with_alpha_beta(mesh_alpha or None, mesh_beta or None)
 
 
 class PhysicalDeviceMesh(abc.ABC):

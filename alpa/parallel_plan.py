@@ -45,7 +45,7 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.extend.core import DropVar, Jaxpr, Var
+from jax.extend.core import DropVar, Jaxpr, JaxprEqn, Var
 from jax.sharding import PartitionSpec
 
 from alpa.device_mesh import LogicalDeviceMesh
@@ -71,6 +71,7 @@ from alpa.shard_parallel.auto_sharding import AutoShardingOption
 from alpa.shard_parallel.executable import full_batch_avals
 from alpa.shard_parallel.sharding_plan import ShardingPlan
 from alpa.tracing import TracedStep
+from alpa.tracing.trace import REMAT_PRIMITIVES
 
 #: Version of the JSON layout ``ParallelPlan.to_json`` writes.
 PLAN_FORMAT = 1
@@ -80,16 +81,39 @@ PLAN_FORMAT = 1
 
 def value_refs(jaxpr: Jaxpr) -> dict[Var, str]:
     """A name for every value of ``jaxpr`` by its position: ``const{i}``, ``in{i}``,
-    ``eqn{t}.{k}`` (output ``k`` of equation ``t``)."""
+    ``eqn{t}.{k}`` (output ``k`` of equation ``t``). The auto-sharding plan also pins the
+    values inside checkpoint (``remat2``) bodies: in the body of equation ``t``, ``eqn{t}/``
+    followed by the body's own names (``eqn3/in0``, ``eqn3/eqn5.0``), recursively."""
     refs: dict[Var, str] = {}
     for i, v in enumerate(jaxpr.constvars):
         refs[v] = f"const{i}"
-    for i, v in enumerate(jaxpr.invars):
-        refs.setdefault(v, f"in{i}")
-    for t, eqn in enumerate(jaxpr.eqns):
-        for k, v in enumerate(eqn.outvars):
-            if isinstance(v, Var) and not isinstance(v, DropVar):
-                refs.setdefault(v, f"eqn{t}.{k}")
+
+    def name(jaxpr: Jaxpr, prefix: str) -> None:
+        for i, v in enumerate(jaxpr.invars):
+            refs.setdefault(v, f"{prefix}in{i}")
+        for t, eqn in enumerate(jaxpr.eqns):
+            for k, v in enumerate(eqn.outvars):
+                if isinstance(v, Var) and not isinstance(v, DropVar):
+                    refs.setdefault(v, f"{prefix}eqn{t}.{k}")
+            if eqn.primitive.name in REMAT_PRIMITIVES:
+                name(eqn.params["jaxpr"], f"{prefix}eqn{t}/")
+
+    name(jaxpr, "")
+    return refs
+
+
+def eqn_refs(jaxpr: Jaxpr) -> dict[str, JaxprEqn]:
+    """Every equation of ``jaxpr`` by a name of its position: ``eqn{t}``, and in the body of
+    a checkpoint equation ``t``, ``eqn{t}/eqn{u}`` (as :func:`value_refs`)."""
+    refs: dict[str, JaxprEqn] = {}
+
+    def name(jaxpr: Jaxpr, prefix: str) -> None:
+        for t, eqn in enumerate(jaxpr.eqns):
+            refs[f"{prefix}eqn{t}"] = eqn
+            if eqn.primitive.name in REMAT_PRIMITIVES:
+                name(eqn.params["jaxpr"], f"{prefix}eqn{t}/")
+
+    name(jaxpr, "")
     return refs
 
 
@@ -551,12 +575,12 @@ def _portable_sharding_plan(plan: ShardingPlan, jaxpr: Jaxpr) -> ShardingPlan:
     """``plan`` with its values and equations named by position, its mesh without
     devices."""
     refs = value_refs(jaxpr)
-    eqn_index = {id(e): t for t, e in enumerate(jaxpr.eqns)}
+    eqns = {id(e): ref for ref, e in eqn_refs(jaxpr).items()}
     return replace(
         plan,
         logical_mesh=replace(plan.logical_mesh, devices=None),
         var_specs={refs[v]: spec for v, spec in plan.var_specs.items()},
-        operand_specs={f"eqn{eqn_index[id(e)]}": s for e, s in plan.operand_specs.items()},
+        operand_specs={eqns[id(e)]: s for e, s in plan.operand_specs.items()},
     )
 
 
@@ -566,7 +590,7 @@ def _bound_sharding_plan(
     """The portable ``plan`` on the values and equations of ``jaxpr``, on
     ``logical_mesh``."""
     vars_by_ref = {ref: v for v, ref in value_refs(jaxpr).items()}
-    eqns_by_ref = {f"eqn{t}": e for t, e in enumerate(jaxpr.eqns)}
+    eqns_by_ref = eqn_refs(jaxpr)
 
     def find(table: dict, ref: str):
         if ref not in table:
@@ -623,6 +647,8 @@ def _mesh_to_json(mesh: LogicalDeviceMesh) -> dict:
         "axis_names": list(mesh.axis_names),
         "mesh_alpha": list(mesh.mesh_alpha),
         "mesh_beta": list(mesh.mesh_beta),
+        "device_flops": mesh.device_flops,
+        "memory_bandwidth": mesh.memory_bandwidth,
     }
 
 
@@ -632,6 +658,8 @@ def _mesh_from_json(data: Mapping) -> LogicalDeviceMesh:
         tuple(data["mesh_alpha"]),
         tuple(data["mesh_beta"]),
         axis_names=tuple(data["axis_names"]),
+        device_flops=data["device_flops"],
+        memory_bandwidth=data["memory_bandwidth"],
     )
 
 

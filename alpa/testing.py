@@ -28,6 +28,8 @@ Every factory draws its parameters and batch from ``seed``, which defaults to
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import unittest
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -392,11 +394,15 @@ def _check_against_serial(
 
 def unit_cost_mesh(shape: tuple[int, int]):
     """The logical mesh ``shape`` over the first ``shape[0] * shape[1]`` local devices, with
-    alpha = beta = 1 on both axes: the cost parameters the closed-form oracles assume."""
+    alpha = beta = 1 on both axes and the memory term off (``memory_bandwidth=inf``): the
+    cost parameters the closed-form oracles assume, which count collectives and FLOPs but
+    not the bytes each intermediate value writes. Contractions are priced at the local
+    devices' FLOP rate in these units (``LogicalDeviceMesh.with_alpha_beta``)."""
     import alpa
 
     devices = jax.devices()[: shape[0] * shape[1]]
-    return alpa.LocalPhysicalDeviceMesh(devices).get_logical_mesh(shape, (1.0, 1.0), (1.0, 1.0))
+    mesh = alpa.LocalPhysicalDeviceMesh(devices).get_logical_mesh(shape, (1.0, 1.0), (1.0, 1.0))
+    return dataclasses.replace(mesh, memory_bandwidth=math.inf)
 
 
 def run_auto_sharded(step: Callable, state: Any, batch: Any, shape: tuple[int, int], **option):

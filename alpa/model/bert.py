@@ -12,7 +12,9 @@ of token, position and token-type embeddings. The masked-LM head is
 ``Dense(H) -> GELU -> LN`` followed by the token embedding transposed (tied) plus a bias.
 
 With ``add_manual_pipeline_markers=True`` a pipeline boundary is marked after every layer but
-the last.
+the last. With ``gradient_checkpointing=True`` every layer is wrapped in ``nn.remat``
+(``jax.checkpoint``): the backward pass recomputes a layer's activations instead of keeping
+them.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ class BertConfig:
     tie_word_embeddings: bool = True
     dtype: DType = jnp.float32
     add_manual_pipeline_markers: bool = False
+    gradient_checkpointing: bool = False
 
     def __post_init__(self) -> None:
         check_positive(
@@ -123,10 +126,14 @@ class FlaxBertLayerCollection(nn.Module):
         deterministic: bool = True,
     ) -> jax.Array:
         cfg = self.config
+        # static_argnums counts the module: 3 is ``deterministic``.
+        layer = (
+            nn.remat(FlaxBertLayer, static_argnums=(3,))
+            if cfg.gradient_checkpointing
+            else FlaxBertLayer
+        )
         for i in range(cfg.num_layers):
-            hidden_states = FlaxBertLayer(cfg, name=str(i))(
-                hidden_states, attention_mask, deterministic
-            )
+            hidden_states = layer(cfg, name=str(i))(hidden_states, attention_mask, deterministic)
             if cfg.add_manual_pipeline_markers and i < cfg.num_layers - 1:
                 mark_pipeline_boundary()
         return hidden_states

@@ -46,6 +46,8 @@ import numpy as np
 from jax.extend.core import ClosedJaxpr, DropVar, JaxprEqn, Var
 from jax.extend.core import Literal as JaxLiteral
 
+from alpa.tracing import new_jaxpr
+from alpa.tracing.batch_draws import new_row_ids, reads_draws, row_id_rewriter
 from alpa.tracing.primitive_def import pipeline_p
 
 ComputationKind = Literal["forward", "backward", "apply"]
@@ -89,6 +91,9 @@ class PipelineProgram:
       accumulated: marker output -> the per-micro-batch value it accumulates.
       aliases: marker output -> step input or literal it equals (nothing to accumulate).
       is_training: whether the step has an ``alpa.grad`` marker.
+      row_ids: the last step input when random draws take their rows of the full batch's
+        draw (:func:`draw_rows_of_full_batch`): ``int32[micro-batch]``, the full-batch row
+        of each micro-batch row; the runtime feeds ``arange(batch)`` (:func:`step_arguments`).
     """
 
     closed_jaxpr: ClosedJaxpr
@@ -102,6 +107,7 @@ class PipelineProgram:
     aliases: dict[Var, Any]
     is_training: bool
     const_eqns: dict[Var, JaxprEqn] = field(default_factory=dict)
+    row_ids: Var | None = None
 
     def computation(self, stage: int, kind: str, level: int = 0) -> StageComputation | None:
         for comp in self.computations:
@@ -119,7 +125,7 @@ def _is_var(v) -> bool:
 
 def _nbytes(v) -> int:
     aval = v.aval
-    return int(np.prod(aval.shape, dtype=np.int64)) * np.dtype(aval.dtype).itemsize
+    return int(np.prod(aval.shape, dtype=np.int64)) * aval.dtype.itemsize  # keys too
 
 
 def split_computations(
@@ -491,3 +497,53 @@ def rematerialize(program: PipelineProgram) -> PipelineProgram:
         bwd_eqns = list(recompute) + [e for e in bwd.eqns if id(e) not in again]
         new_comps[bwd] = dataclasses.replace(bwd, eqns=tuple(bwd_eqns), invars=tuple(invars))
     return dataclasses.replace(program, computations=tuple(new_comps.get(c, c) for c in comps))
+
+
+def draw_rows_of_full_batch(
+    program: PipelineProgram, draws: dict, batch_size: int
+) -> PipelineProgram:
+    """``program`` in which every random draw in ``draws`` (``tracing.batch_draws``: draws
+    whose shape follows the batch) makes micro-batch ``j``'s rows of the draw the full batch
+    of ``batch_size`` rows makes, as the serial step does, instead of the same micro-batch
+    draw for every ``j``.
+
+    The rows come from a new last step input, :attr:`PipelineProgram.row_ids`, a batch
+    input like the others: ``LOAD`` splits ``arange(batch_size)`` into micro-batches on each
+    mesh that reads it. The computations that draw read it; nothing else changes.
+    """
+    if not draws:
+        return program
+
+    jaxpr = program.closed_jaxpr.jaxpr
+    row_ids = new_row_ids(jaxpr.eqns, draws)
+    rewrite = row_id_rewriter(draws, batch_size, row_ids)
+    computations, readers = [], set()
+    for comp in program.computations:
+        if reads_draws(comp.eqns, draws):
+            comp = dataclasses.replace(
+                comp, eqns=tuple(rewrite(comp.eqns)), invars=(*comp.invars, row_ids)
+            )
+            readers.add(comp.stage)
+        computations.append(comp)
+    closed = ClosedJaxpr(
+        new_jaxpr(
+            jaxpr, jaxpr.constvars, [*jaxpr.invars, row_ids], jaxpr.outvars, rewrite(jaxpr.eqns)
+        ),
+        program.closed_jaxpr.consts,
+    )
+    return dataclasses.replace(
+        program,
+        closed_jaxpr=closed,
+        computations=tuple(computations),
+        input_stages={**program.input_stages, row_ids: tuple(sorted(readers))},
+        batch_dependent=program.batch_dependent | {row_ids},
+        row_ids=row_ids,
+    )
+
+
+def step_arguments(program: PipelineProgram, flat_args: Sequence[Any], num_micro_batches: int):
+    """The leaves a step of ``program`` reads: the caller's, then the row ids (if any)."""
+    if program.row_ids is None:
+        return list(flat_args)
+    rows = program.row_ids.aval.shape[0] * num_micro_batches
+    return [*flat_args, np.arange(rows, dtype=np.int32)]

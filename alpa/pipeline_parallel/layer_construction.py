@@ -310,7 +310,8 @@ def _eval_layered(closed: ClosedJaxpr, segments: Segments, args: Sequence) -> li
     traced |= {v for eqns in segments for eqn in eqns for v in eqn.outvars}
 
     def markable(v: Var) -> bool:
-        return v in traced and np.issubdtype(np.dtype(v.aval.dtype), np.inexact)
+        # jax's issubdtype: a PRNG key's dtype is not a numpy dtype.
+        return v in traced and jax.dtypes.issubdtype(v.aval.dtype, np.inexact)
 
     interface = segment_interface(closed, segments)
     for layer, (eqns, (entering, leaving)) in enumerate(zip(segments, interface, strict=True)):

@@ -28,6 +28,7 @@ from alpa.pipeline_parallel.computation import (
     StageComputation,
     _collect_consts,
     _is_var,
+    step_arguments,
 )
 from alpa.pipeline_parallel.pipeshard_plan import PipeshardPlan
 from alpa.pipeline_parallel.runtime_emitter import (
@@ -205,18 +206,21 @@ class PipeshardDriverExecutable(Executable):
         ]
         self.stage_specs, self.stage_objectives = plan.stage_specs, plan.objectives
         self.stage_programs = StagePrograms(plan, self.meshes)
-        jaxpr = traced.closed_jaxpr.jaxpr
         self._kernels = [self._compile_kernel(kernel) for kernel in instructions.kernels]
         self._compiled: dict[int, Any] = {
             kernel.computation: compiled
             for kernel, compiled in zip(instructions.kernels, self._kernels, strict=True)
         }
         self._zeros: dict[tuple, Any] = {}
-        leaf_index = {names[v]: i for i, v in enumerate(jaxpr.invars)}
+        # The program's inputs: the step's leaves, then the row ids of its random draws.
+        inputs = program.closed_jaxpr.jaxpr.invars
+        leaf_index = {names[v]: i for i, v in enumerate(inputs)}
         micro = [
             a.shape[0] if b and a.shape else None
             for a, b in zip(traced.in_avals, traced.batch_invars, strict=True)
         ]
+        if program.row_ids is not None:
+            micro.append(program.row_ids.aval.shape[0])
         kernel_names = [program.computations[k.computation].name for k in instructions.kernels]
         context = RuntimeContext(
             kernels=self._kernels,
@@ -289,7 +293,8 @@ class PipeshardDriverExecutable(Executable):
         return self._run(flat_args)
 
     def _run(self, flat_args: Sequence[Any]) -> list:
-        outputs = self.runtime.run(flat_args, self._const_outputs, blocking=self.collect_trace)
+        args = step_arguments(self.program, flat_args, self.num_micro_batches)
+        outputs = self.runtime.run(args, self._const_outputs, blocking=self.collect_trace)
         self._last_outputs = outputs
         return outputs
 

@@ -32,6 +32,7 @@ from alpa.device_mesh import ClusterSpec, LogicalDeviceMesh, VirtualPhysicalMesh
 from alpa.pipeline_parallel.computation import (
     PipelineProgram,
     _is_var,
+    draw_rows_of_full_batch,
     rematerialize,
     split_computations,
 )
@@ -58,6 +59,7 @@ from alpa.pipeline_parallel.stage_sharding import (
 from alpa.pipeline_parallel.user_shardings import pinned_specs
 from alpa.shard_parallel.auto_sharding import AutoShardingOption
 from alpa.tracing import TracedStep
+from alpa.tracing.batch_draws import batch_size, micro_batch_draws
 
 
 @dataclass(frozen=True, eq=False)
@@ -348,6 +350,13 @@ def plan_pipeshard(
         logical_meshes = list(decisions.logical_meshes)
         stage_specs = dict(decisions.stage_specs)
         objectives = {s: list(v) for s, v in decisions.objectives.items()}
+    if num_micro_batches > 1:
+        # Micro-batch j draws its rows of the full batch's random numbers (batch_draws).
+        draws = micro_batch_draws(traced)
+        if draws:
+            rows = num_micro_batches * batch_size(traced)
+            program = draw_rows_of_full_batch(program, draws, rows)
+            names[program.row_ids] = f"v{len(names)}"
     instructions = emit_instructions(program, schedule, names)
     return PipeshardPlan(
         traced=traced,

@@ -29,6 +29,7 @@ from typing import Any
 import jax
 
 from alpa.executable import Executable, PlacementSpec, check_dispatch_args
+from alpa.pipeline_parallel.computation import step_arguments
 from alpa.pipeline_parallel.pipeshard_executable import StagePrograms, input_placement_specs
 from alpa.pipeline_parallel.pipeshard_plan import PipeshardPlan
 from alpa.pipeline_parallel.resharding import worker_transfer_plan
@@ -99,8 +100,9 @@ class PipeshardRayExecutable(Executable):
         self._stages = stages
         var_of = stages.var_of
         traced = plan.traced
-        jaxpr = traced.closed_jaxpr.jaxpr
-        leaf_index = {plan.names[v]: i for i, v in enumerate(jaxpr.invars)}
+        # The program's inputs: the step's leaves, then the row ids of its random draws.
+        inputs = plan.program.closed_jaxpr.jaxpr.invars
+        leaf_index = {plan.names[v]: i for i, v in enumerate(inputs)}
         builders = [_MeshProgramBuilder() for _ in self.meshes]
 
         def layout(key) -> Layout:
@@ -143,7 +145,7 @@ class PipeshardRayExecutable(Executable):
                     out_slots=tuple(b.slot(k) for k in ins.outputs),
                     arg=b.arg(ins.leaf, layout(ins.outputs[0])),
                     layout=layout(ins.outputs[0]),
-                    micro_batch_size=traced.in_avals[ins.leaf].shape[0],
+                    micro_batch_size=inputs[ins.leaf].aval.shape[0],
                 )
             elif ins.op is Op.RUN:
                 kernel = plan.instructions.kernels[ins.computation]
@@ -262,7 +264,8 @@ class PipeshardRayExecutable(Executable):
         return self._run(flat_args)
 
     def _run(self, flat_args: Sequence[Any]) -> list:
-        per_mesh = self.launcher.launch(flat_args)
+        args = step_arguments(self.program, flat_args, self.num_micro_batches)
+        per_mesh = self.launcher.launch(args)
         outputs = []
         for kind, value in self._output_sources:
             if kind == "mesh":

@@ -30,6 +30,7 @@ import dataclasses
 import enum
 from dataclasses import dataclass
 
+import jax
 import numpy as np
 
 from alpa.pipeline_parallel.computation import PipelineProgram, _is_var, _nbytes
@@ -308,7 +309,8 @@ def _is_batch_input(v, program: PipelineProgram) -> bool:
 
 
 def _is_float(v) -> bool:
-    return np.issubdtype(np.dtype(v.aval.dtype), np.inexact)
+    # jax's issubdtype: a PRNG key's dtype is not a numpy dtype.
+    return jax.dtypes.issubdtype(v.aval.dtype, np.inexact)
 
 
 def _attach_frees(instructions, keep) -> list[Instruction]:

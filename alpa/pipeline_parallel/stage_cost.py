@@ -230,7 +230,7 @@ def _layer_facts(problem: StageProblem, layer: int) -> _LayerFacts:
 
 
 def _per_device_bytes(aval, spec: PartitionSpec | None, mesh_shape, axis_names) -> float:
-    total = float(np.prod(aval.shape, dtype=np.float64) * np.dtype(aval.dtype).itemsize)
+    total = float(np.prod(aval.shape, dtype=np.float64) * aval.dtype.itemsize)  # keys too
     if spec is None:
         return total
     split = 1

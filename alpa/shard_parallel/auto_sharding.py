@@ -10,7 +10,7 @@ modules; this one holds the options and wires the passes together.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Literal as TypingLiteral
 
@@ -48,8 +48,10 @@ class AutoShardingOption:
         replicates inputs that no other option shards.
       prefer_reduce_scatter: when a gradient is reduced, prefer reduce-scatter + all-gather
         (ZeRO-2 style: gradients and optimizer state sharded) over one all-reduce.
-      force_batch_dim_to_mesh_dim: split the batch dimension (dim 0 of the batch arguments)
-        over this mesh axis (0 or 1); ``None`` lets the solver decide.
+      force_batch_dim_to_mesh_dim: split the batch dimension over this mesh axis (0 or 1):
+        dim 0 of the batch arguments, and the batch dimension of every value computed from
+        them (found by tracing the step at a smaller batch); ``None`` lets the solver
+        decide.
       force_data_parallel: shard the batch over every device and replicate the rest; the
         program equals ``DataParallel``'s.
       force_zero_stage_3: shard parameters and optimizer state as ZeRO stage 3 does
@@ -219,8 +221,10 @@ class AutoShardingSolution:
                     None if n is None else to_partition_spec(n, mesh) for n in needs
                 )
         data_axes: tuple[str, ...] = ()
+        # The axes that split the batch: those of the first batch leaf the plan splits
+        # (a leaf read whole, such as a mask whose sum normalizes the loss, says nothing).
         for v, is_batch in zip(jaxpr.invars, self.batch_invars, strict=True):
-            if is_batch and v.aval.shape:
+            if is_batch and v.aval.shape and self.spec_of(v)[0]:
                 data_axes = tuple(mesh.axis_names[a] for a in self.spec_of(v)[0])
                 break
         grad_specs = None
@@ -358,7 +362,26 @@ def solve_auto_sharding(
         state_pairs=donated_state_pairs(traced),
         memory_model="xla",
         fixed_in_specs=fixed_in_specs,
+        batch_dims=_forced_batch_dims(traced, logical_mesh, option),
     )
+
+
+def _forced_batch_dims(traced, logical_mesh, option) -> Mapping | None:
+    """The batch dimensions of the step's values where ``force_batch_dim_to_mesh_dim``
+    needs them: those that shrink when the step is traced at ``1/n`` of the batch, ``n``
+    the size of the forced axis (``micro_batches.batch_dims``)."""
+    axis = None if option is None else option.force_batch_dim_to_mesh_dim
+    if axis is None:
+        return None
+    from alpa.shard_parallel.micro_batches import batch_dims
+
+    size = _effective_mesh(logical_mesh, option).shape[axis]
+    if any(
+        b and v.aval.shape and v.aval.shape[0] % size
+        for v, b in zip(traced.closed_jaxpr.jaxpr.invars, traced.batch_invars, strict=True)
+    ):
+        return None
+    return batch_dims(traced, size)
 
 
 def donated_state_pairs(traced) -> tuple[tuple[int, int], ...]:
@@ -391,6 +414,7 @@ def solve_jaxpr(
     state_pairs=(),
     memory_model: TypingLiteral["jaxpr", "xla"] = "jaxpr",
     fixed_in_specs: Sequence[PartitionSpec | None] | None = None,
+    batch_dims: Mapping | None = None,
 ) -> AutoShardingSolution:
     """The auto-sharding decision for a flat ``ClosedJaxpr``.
 
@@ -401,6 +425,9 @@ def solve_jaxpr(
     point (the solver's own liveness); ``"xla"``, the allocation XLA reports for the
     compiled step (:func:`memory_model.xla_memory_graph`; what :func:`solve_auto_sharding` uses).
     ``fixed_in_specs[i]`` (a ``PartitionSpec`` or ``None``) fixes input ``i``'s sharding.
+    ``batch_dims[var]``, the batch dimensions of each value, lets
+    ``force_batch_dim_to_mesh_dim`` force every value's batch dimension, not only the
+    batch arguments'.
     """
     if memory_model not in ("jaxpr", "xla"):
         raise ValueError(f"memory_model must be 'jaxpr' or 'xla', got {memory_model!r}")
@@ -439,7 +466,13 @@ def solve_jaxpr(
         for v, p in zip(invars, fixed_in_specs or (None,) * len(invars), strict=True)
     ]
     input_filter = _input_filter(option, mesh, batch_invars, invars, fixed)
-    graph = build_strategy_graph(closed_jaxpr, mesh, graph_options, input_filter, state_pairs)
+    forced = option.force_batch_dim_to_mesh_dim
+    batch_axis = None
+    if forced is not None and batch_dims is not None and mesh.shape[forced] > 1:
+        batch_axis = (batch_dims, forced)
+    graph = build_strategy_graph(
+        closed_jaxpr, mesh, graph_options, input_filter, state_pairs, batch_axis
+    )
     time_limit = option.solver_time_limit or global_config.ilp_time_limit
     budget = option.memory_budget_per_device
     if budget is None or memory_model == "jaxpr":
@@ -462,11 +495,7 @@ def _effective_mesh(mesh: LogicalDeviceMesh, option: AutoShardingOption) -> Logi
                 f"devices but the mesh has {mesh.num_devices}"
             )
         mesh = replace(mesh, shape=shape)
-    if option.mesh_alpha is not None:
-        mesh = replace(mesh, mesh_alpha=option.mesh_alpha)
-    if option.mesh_beta is not None:
-        mesh = replace(mesh, mesh_beta=option.mesh_beta)
-    return mesh
+    return mesh.with_alpha_beta(option.mesh_alpha, option.mesh_beta)
 
 
 def _input_filter(option, mesh, batch_invars, invars, fixed: Sequence[Spec | None]):

@@ -19,9 +19,11 @@ divides; leaves with none (scalars such as Adam's step count) stay replicated.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from jax.sharding import PartitionSpec
 
-from alpa.device_mesh import LogicalDeviceMesh
+from alpa.device_mesh import MESH_AXIS_NAMES, LogicalDeviceMesh
 from alpa.shard_parallel.sharding_plan import REPLICATED, ShardingPlan
 from alpa.tracing import TracedStep
 
@@ -48,12 +50,7 @@ def data_parallel_plan(
 ) -> ShardingPlan:
     if zero_stage not in (0, 2, 3):
         raise ValueError(f"zero_stage must be 0, 2 or 3, got {zero_stage!r}")
-    mesh = LogicalDeviceMesh(
-        (logical_mesh.num_devices, 1),
-        logical_mesh.mesh_alpha,
-        logical_mesh.mesh_beta,
-        logical_mesh.devices,
-    )
+    mesh = replace(logical_mesh, shape=(logical_mesh.num_devices, 1), axis_names=MESH_AXIS_NAMES)
     n = mesh.num_devices
 
     def state_spec(name: str, shape) -> PartitionSpec:

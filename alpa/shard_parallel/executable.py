@@ -26,6 +26,7 @@ from alpa.global_env import global_config
 from alpa.runtime.memory import allocation_bytes, device_peak_bytes
 from alpa.shard_parallel.auto_sharding import plan_objective
 from alpa.shard_parallel.lowering import build_step_function
+from alpa.shard_parallel.micro_batches import layout_change_cost
 from alpa.shard_parallel.sharding_plan import ShardingPlan
 from alpa.tracing import TracedStep
 
@@ -91,14 +92,17 @@ class PricedPlan:
 
     traced: TracedStep
     plan: ShardingPlan
+    num_micro_batches: int | None
 
     @functools.cached_property
     def auto_sharding_objective(self) -> float:
         """The plan's objective under the auto-sharding cost model: the ILP's own, or for a
         plan the ILP did not make (``DataParallel``, ZeRO, manual) the cost of the cheapest
         plan with its input shardings (``auto_sharding.plan_objective``, solved on first
-        access), so that methods compare."""
-        return plan_objective(self.traced, self.plan)
+        access), so that methods compare. With micro-batches, plus the step's one change of
+        the batch's layout into micro-batches (``micro_batches.layout_change_cost``)."""
+        layout = layout_change_cost(self.traced, self.plan, self.num_micro_batches)
+        return plan_objective(self.traced, self.plan) + layout
 
 
 class MeshExecutable(PricedPlan, Executable):

@@ -1,6 +1,6 @@
 """The integer linear program that picks one strategy per node (paper §4.2, DESIGN §4.4).
 
-With ``s_v`` the one-hot choice of node ``v``, ``c_v`` its communication (+ compute) cost
+With ``s_v`` the one-hot choice of node ``v``, ``c_v`` its communication + compute cost
 per strategy, ``R_uv`` the resharding cost matrix of edge ``u -> v`` and ``e_uv`` the one-hot
 choice of the strategy pair::
 
@@ -30,6 +30,11 @@ Before these, a graph of more than ``TIE_LAYERS_ABOVE_GROUPS`` groups has its re
 structure tied (step 4, :meth:`_Groups.tie_repeated_structure`): a restriction, not an exact
 step, that keeps the ILP of an ``L``-layer model the size of one layer's.
 
+The latency of the reductions XLA combines (``Node.combined``) is not in ``c_v``: it is
+paid once per mesh axis that any of them uses (``combined_latency``), which the reported
+objective adds. The solve itself leaves that shared term out, so a plan is optimal up to
+``sum_a alpha_a``.
+
 What remains goes to CBC through PuLP. ``prob.sol_status`` is checked, not only
 ``LpStatus``: a solve stopped at its time limit with a feasible plan reports "Optimal" too.
 """
@@ -43,7 +48,7 @@ from dataclasses import dataclass
 import numpy as np
 import pulp
 
-from alpa.shard_parallel.strategy_graph import StrategyGraph, live_points
+from alpa.shard_parallel.strategy_graph import StrategyGraph, combined_latency, live_points
 
 
 class InfeasibleMemoryBudgetError(ValueError):
@@ -68,13 +73,23 @@ class Solution:
 
 def evaluate(graph: StrategyGraph, choice) -> float:
     """The cost of one choice of strategies under the graph's cost model."""
-    total = 0.0
+    return communication_cost(graph, choice) + compute_cost(graph, choice)
+
+
+def communication_cost(graph: StrategyGraph, choice) -> float:
+    """Seconds of collectives: each strategy's own, each edge's resharding, and one
+    latency per mesh axis for the combined reductions (``combined_latency``)."""
+    total = combined_latency(graph, choice)
     for node in graph.nodes:
-        s = node.strategies[choice[node.id]]
-        total += s.comm_cost + s.compute_cost
+        total += node.strategies[choice[node.id]].comm_cost
     for edge in graph.edges:
         total += float(edge.cost[choice[edge.src], choice[edge.dst]])
     return total
+
+
+def compute_cost(graph: StrategyGraph, choice) -> float:
+    """Seconds of work on one device: contraction FLOPs and bytes written."""
+    return sum(node.strategies[choice[node.id]].compute_cost for node in graph.nodes)
 
 
 def peak_memory(graph: StrategyGraph, choice) -> float:

@@ -5,17 +5,16 @@ gets ``jax.lax.with_sharding_constraint`` and XLA's SPMD partitioner does the re
 (DESIGN §4.5). Inputs and outputs get the plan's ``in_shardings`` / ``out_shardings``.
 
 Gradient accumulation (DESIGN §4.7). With ``num_micro_batches = k`` the step is cut at the
-``alpa.grad`` marker into a compute-grad part and an apply-grad part. The compute part runs
-``k`` times in a ``lax.scan`` and its marked outputs are averaged,
+``alpa.grad`` marker into a compute-grad part and an apply-grad part. Micro-batch ``j`` is
+rows ``j·B/k .. (j+1)·B/k`` of every batch leaf, for every method; the compute part runs
+on each in a ``lax.scan``, as the serial step would (batch statistics are over the whole
+micro-batch, across devices), and its marked outputs are averaged,
 
-    g = (1/k) * sum_i compute(params, batch_i)
+    g = (1/k) * sum_j compute(params, batch[j·B/k : (j+1)·B/k])
 
-then the apply part runs once on ``g``. When the plan splits the batch over ``data_axes``
-the loop runs inside ``shard_map``, manual over those axes (auto over the others): each
-device accumulates the gradients of its own rows, and the gradients are reduced across
-devices **once per step**, after the loop. That loop sees per-device micro-batches, so the
-compute part is traced again at that shape (``TracedStep.retrace``). Averaging assumes, as
-the reference Alpa does, that the loss is a mean over the batch.
+then the apply part runs once on ``g``. The batch is laid out as micro-batches once per
+step, before the loop, and gradients that are sums over the batch's rows are reduced
+across devices **once per step**, after it (``micro_batches.py``).
 """
 
 from __future__ import annotations
@@ -29,14 +28,28 @@ import numpy as np
 from jax.extend.core import Jaxpr, Literal, Var
 from jax.sharding import NamedSharding, PartitionSpec
 
+from alpa.shard_parallel.micro_batches import (
+    batch_dims,
+    deferrable,
+    deferred_rules,
+    stack_micro_batches,
+    sum_partials,
+)
 from alpa.shard_parallel.sharding_plan import ShardingPlan
 from alpa.tracing import TracedStep, new_jaxpr
+from alpa.tracing.batch_draws import batch_size, micro_batch_draws, with_row_ids
+from alpa.tracing.trace import REMAT_PRIMITIVES, remat_params
 
 # ----------------------------------------------------------------------------- evaluation
 
 
 def eval_jaxpr_with_constraints(
-    jaxpr: Jaxpr, consts, args, constraints: dict, operand_constraints: dict | None = None
+    jaxpr: Jaxpr,
+    consts,
+    args,
+    constraints: dict,
+    operand_constraints: dict | None = None,
+    overrides: dict | None = None,
 ) -> list:
     """Evaluate ``jaxpr``, pinning every var in ``constraints`` to its sharding.
 
@@ -44,6 +57,14 @@ def eval_jaxpr_with_constraints(
     ``eqn`` just before ``eqn`` reads it: the plan's resharding edges. Without it XLA's
     partitioner would decide how to feed the consumer from the producer's sharding, and it
     may all-gather where the plan priced an all-to-all.
+
+    A ``remat2`` (checkpoint) equation is bound again around its body evaluated with the
+    same constraints (:func:`_checkpoint_with_constraints`): the plan pins the body's values,
+    and the recomputation stays in the program.
+
+    ``overrides[eqn]``, where given, computes ``eqn``'s outputs from its operands as read,
+    and they are stored as returned, unconstrained: gradient accumulation's deferred row
+    sums (``micro_batches.deferred_rules``), whose values have a shape of their own.
     """
     env: dict[Var, Any] = {}
     resharded: dict[tuple[Var, Any], Any] = {}
@@ -70,11 +91,19 @@ def eval_jaxpr_with_constraints(
         env[v] = c
     for v, a in zip(jaxpr.invars, args, strict=True):
         write(v, a)
+    overrides = overrides or {}
     for eqn in jaxpr.eqns:
+        if eqn in overrides:
+            outs = overrides[eqn]([read(v) for v in eqn.invars])
+            env.update(zip(eqn.outvars, outs, strict=True))
+            continue
         # In JAX 0.10 get_bind_params returns only the params (no sub-functions).
         params = eqn.primitive.get_bind_params(eqn.params)
         needs = operand_constraints.get(eqn) or (None,) * len(eqn.invars)
         operands = [read_as(v, n) for v, n in zip(eqn.invars, needs, strict=True)]
+        if eqn.primitive.name in REMAT_PRIMITIVES and (constraints or operand_constraints):
+            params, extra = _checkpoint_with_constraints(params, constraints, operand_constraints)
+            operands += extra
         with eqn.ctx.manager:
             outs = eqn.primitive.bind(*operands, **params)
         if not eqn.primitive.multiple_results:
@@ -82,6 +111,33 @@ def eval_jaxpr_with_constraints(
         for v, value in zip(eqn.outvars, outs, strict=True):
             write(v, value)
     return [read(v) for v in jaxpr.outvars]
+
+
+def _checkpoint_with_constraints(
+    params: dict, constraints: dict, operand_constraints: dict
+) -> tuple[dict, list]:
+    """The parameters that bind a ``remat2`` equation (of parameters ``params``) with its
+    body's values pinned as ``constraints`` and ``operand_constraints`` say, and the
+    operands to append to its own (the constants of the constrained body, which a
+    checkpoint body may not close over).
+
+    ``jax.checkpoint`` would not do: its equation is not ``differentiated``, and only a
+    differentiated checkpoint is lowered behind an optimization barrier that stops XLA from
+    merging the recomputed forward with the original one. So the body is traced with its
+    constraints and bound with the equation's own parameters (``prevent_cse``,
+    ``differentiated``, ``policy``).
+    """
+    body: Jaxpr = params["jaxpr"]
+
+    def constrained(*args):
+        return eval_jaxpr_with_constraints(body, (), args, constraints, operand_constraints)
+
+    avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, weak_type=v.aval.weak_type)
+             for v in body.invars]  # fmt: skip
+    closed = jax.make_jaxpr(constrained)(*avals)
+    traced = closed.jaxpr
+    new_body = new_jaxpr(body, (), [*traced.invars, *traced.constvars], traced.outvars, traced.eqns)
+    return remat_params(params, new_body, len(closed.consts)), list(closed.consts)
 
 
 # ----------------------------------------------------------------------------- grad split
@@ -163,26 +219,32 @@ def split_at_grad_marker(traced: TracedStep) -> GradSplit:
     return GradSplit(compute, apply, tuple(marker.outvars))
 
 
-def _split_leading(x, k: int):
-    return x.reshape((k, x.shape[0] // k) + x.shape[1:])
-
-
 def _accumulate(
-    compute: Jaxpr, consts, params, batch, is_batch, k: int, constraints, operand_constraints=None
+    compute: Jaxpr,
+    consts,
+    params,
+    stacked_batch,
+    is_batch,
+    constraints,
+    operand_constraints,
+    overrides,
+    init,
 ) -> list:
-    """``sum_i compute(params, batch_i)`` over ``k`` micro-batches, in one ``lax.scan``.
+    """``init + sum_j compute(params, batch_j)`` over the micro-batches stacked on the
+    leading axis of ``stacked_batch``, in one ``lax.scan``.
 
-    ``params`` and ``batch`` are the non-batch and batch leaves, in input order.
+    ``params`` and ``stacked_batch`` are the non-batch and batch leaves, in input order.
     """
 
     def body(acc, mb_leaves):
         mb_it, p_it = iter(mb_leaves), iter(params)
         args = [next(mb_it) if b else next(p_it) for b in is_batch]
-        outs = eval_jaxpr_with_constraints(compute, consts, args, constraints, operand_constraints)
+        outs = eval_jaxpr_with_constraints(
+            compute, consts, args, constraints, operand_constraints, overrides
+        )
         return [a + o for a, o in zip(acc, outs, strict=True)], None
 
-    init = [jnp.zeros(v.aval.shape, v.aval.dtype) for v in compute.outvars]
-    acc, _ = jax.lax.scan(body, init, [_split_leading(x, k) for x in batch])
+    acc, _ = jax.lax.scan(body, init, stacked_batch)
     return acc
 
 
@@ -227,12 +289,13 @@ def build_step_function(
 
     k = num_micro_batches
     split = split_at_grad_marker(traced)
+    jaxpr = closed.jaxpr
     is_batch = traced.batch_invars
-    data_axes = tuple(plan.data_axes)
+    data_axes = tuple(plan.data_axes) if mesh.size > 1 else ()
 
     # The apply part starts from the step's inputs as they arrive: constraints on them
     # (ZeRO-3 gathers parameters before use) belong to the compute part only.
-    step_inputs = set(closed.jaxpr.invars)
+    step_inputs = set(jaxpr.invars)
     apply_shardings = {v: s for v, s in var_shardings.items() if v not in step_inputs}
 
     def apply_part(leaves, grads):
@@ -244,60 +307,80 @@ def build_step_function(
             operand_shardings,
         )
 
-    def params_and_batch(leaves):
-        params = [x for x, b in zip(leaves, is_batch, strict=True) if not b]
-        batch = [x for x, b in zip(leaves, is_batch, strict=True) if b]
-        return params, batch
+    # Row sums that reach the marker through linear operations are kept per device and
+    # reduced once per step (micro_batches.py); the rest of the loop body is the serial
+    # program under the plan's constraints.
+    deferred, overrides, num_data = set(), {}, 1
+    if data_axes:
+        num_data = int(np.prod([mesh.shape[a] for a in data_axes]))
+        dims = batch_dims(traced, num_data)
+        if dims is not None:
+            _check_batch_free(traced, split, dims)
+            deferred = deferrable(split.compute, dims)
+            overrides = deferred_rules(split.compute, dims, deferred, mesh, data_axes)
+    is_partial = [isinstance(v, Var) and v in deferred for v in split.compute.outvars]
+    # A random draw of the batch's shape takes micro-batch j's rows of the full batch's
+    # draw (tracing/batch_draws.py); the row ids are one more batch leaf, stacked like the
+    # batch.
+    compute, loop_is_batch, draws = split.compute, is_batch, micro_batch_draws(traced)
+    if draws:
+        compute = with_row_ids(compute, draws, k * batch_size(traced))
+        loop_is_batch = (*is_batch, True)
+        first = is_batch.index(True)
+    partial = NamedSharding(mesh, PartitionSpec(data_axes)) if data_axes else None
 
-    if not data_axes:
+    def init_value(v, p):
+        if not p:
+            return jnp.zeros(v.aval.shape, v.aval.dtype)
+        zeros = jnp.zeros((num_data,) + v.aval.shape, v.aval.dtype)
+        return jax.lax.with_sharding_constraint(zeros, partial)
 
-        def step(*leaves):
-            params, batch = params_and_batch(leaves)
-            acc = _accumulate(
-                split.compute,
-                closed.consts,
-                params,
-                batch,
-                is_batch,
-                k,
-                var_shardings,
-                operand_shardings,
-            )
-            return apply_part(leaves, [_average(a, k) for a in acc])
+    def constrained(x, v):
+        sharding = var_shardings.get(v)
+        return x if sharding is None else jax.lax.with_sharding_constraint(x, sharding)
 
-        return step
+    def spec_of(i, v):
+        return plan.var_specs.get(v, plan.in_specs[i])
 
-    num_data = int(np.prod([mesh.shape[a] for a in data_axes]))
-    local = traced.retrace(num_data)
-    local_split = split_at_grad_marker(local)
-    local_consts = local.closed_jaxpr.consts
-    for v_local, v_global in zip(local_split.compute.outvars, split.marker_outvars, strict=True):
-        if v_local.aval.shape != v_global.aval.shape:
+    def step(*leaves):
+        # Once per step, before the loop: the parameters as the compute part reads them
+        # (ZeRO-3's gather), and the batch as k contiguous micro-batches.
+        params, stacked = [], []
+        for i, (x, v, b) in enumerate(zip(leaves, jaxpr.invars, is_batch, strict=True)):
+            if b:
+                stacked.append(stack_micro_batches(x, k, mesh, spec_of(i, v)))
+            else:
+                params.append(constrained(x, v))
+        if draws:
+            rows = jnp.arange(k * batch_size(traced), dtype=jnp.int32)
+            rows_spec = PartitionSpec(*tuple(spec_of(first, jaxpr.invars[first]))[:1])
+            stacked.append(stack_micro_batches(rows, k, mesh, rows_spec))
+        init = [init_value(v, p) for v, p in zip(split.compute.outvars, is_partial, strict=True)]
+        acc = _accumulate(
+            compute,
+            closed.consts,
+            params,
+            stacked,
+            loop_is_batch,
+            var_shardings,
+            operand_shardings,
+            overrides,
+            init,
+        )
+        grads = [
+            sum_partials(a, mesh, data_axes) if p else a
+            for a, p in zip(acc, is_partial, strict=True)
+        ]
+        return apply_part(leaves, [_average(g, k) for g in grads])
+
+    return step
+
+
+def _check_batch_free(traced: TracedStep, split: GradSplit, dims: dict) -> None:
+    for v_in, v_out in zip(split.compute.outvars, split.marker_outvars, strict=True):
+        if isinstance(v_in, Var) and dims.get(v_in, ()) != ():
             raise ValueError(
-                f"{traced.name}: alpa.grad returns a value of shape {v_global.aval.shape} "
+                f"{traced.name}: alpa.grad returns a value of shape {v_out.aval.shape} "
                 "that changes with the batch size; only gradients, losses and other "
                 "batch-size-independent values can be accumulated over micro-batches"
             )
-    batch_spec = PartitionSpec(data_axes if len(data_axes) > 1 else data_axes[0])
-
-    def accumulate(params, batch):
-        acc = _accumulate(local_split.compute, local_consts, params, batch, is_batch, k, {})
-        # The one cross-device reduction of the step, after the loop.
-        return [_average(jax.lax.psum(a, data_axes), k * num_data) for a in acc]
-
-    accumulate_sm = jax.shard_map(
-        accumulate,
-        mesh=mesh,
-        in_specs=(
-            [PartitionSpec() for b in is_batch if not b],
-            [batch_spec for b in is_batch if b],
-        ),
-        out_specs=[PartitionSpec() for _ in local_split.compute.outvars],
-        axis_names=set(data_axes),
-        check_vma=False,
-    )
-
-    def step(*leaves):
-        return apply_part(leaves, accumulate_sm(*params_and_batch(leaves)))
-
-    return step

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import jax
@@ -144,21 +144,13 @@ def manual_sharding_plan(
 ) -> ShardingPlan:
     names = option.mesh_axis_names
     if len(names) == 1:
-        mesh = LogicalDeviceMesh(
-            (1, logical_mesh.num_devices),
-            logical_mesh.mesh_alpha,
-            logical_mesh.mesh_beta,
-            logical_mesh.devices,
+        mesh = replace(
+            logical_mesh,
+            shape=(1, logical_mesh.num_devices),
             axis_names=(f"_{names[0]}_outer", names[0]),
         )
     else:
-        mesh = LogicalDeviceMesh(
-            logical_mesh.shape,
-            logical_mesh.mesh_alpha,
-            logical_mesh.mesh_beta,
-            logical_mesh.devices,
-            axis_names=names,
-        )
+        mesh = replace(logical_mesh, axis_names=names)
 
     in_res = option.in_axis_resources
     if in_res is None:

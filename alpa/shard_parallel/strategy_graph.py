@@ -7,6 +7,17 @@ turn the producer's output under its strategy ``i`` into what the consumer needs
 strategy ``j`` (DESIGN §4.1-4.3, paper §4.2). Identity-like equations (the pipeline marker,
 optimization barriers, sharding constraints) are not nodes: their outputs *are* their operands.
 
+A checkpoint (``remat2``, from ``jax.checkpoint`` / ``flax.linen.remat``) is planned like any
+other code: its body's equations are nodes, its body's inputs are its operands and its results
+are its body's results (no node of its own). In a differentiated step the forward pass is
+plain equations and the backward pass holds a ``remat2`` that recomputes the forward before
+using it; both copies of the forward get strategies, so a checkpointed layer is split as it
+would be without the checkpoint, and the lowering keeps the ``remat2`` (and so the
+recomputation) around the planned body. ``StrategyGraph.jaxpr`` lists the equations planned,
+in program order: the step's, each ``remat2`` preceded by its body's (recursively), so that
+liveness sees the body's values come and go. Its ``eqns`` are those the plan names (the
+``remat2`` itself and aliases have no node); it is a view, not a jaxpr to evaluate.
+
 A node that *follows* an operand (``Node.follow``) has strategies in one-to-one
 correspondence with the producer's; the solver gives both one decision variable.
 The graph also records liveness: for each program point, the values alive there, so that a
@@ -21,17 +32,20 @@ with the same producer specs, consumer specs and byte size.
 
 from __future__ import annotations
 
+import math
 import warnings
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
 
 import numpy as np
 from jax import lax
-from jax.extend.core import ClosedJaxpr, DropVar, JaxprEqn, Literal, Var
+from jax.extend.core import ClosedJaxpr, DropVar, JaxprEqn, Literal, Var, jaxprs_in_params
 
 import alpa.shard_parallel.strategy_rules_contraction  # noqa: F401  (registers rules)
+import alpa.shard_parallel.strategy_rules_random  # noqa: F401  (registers rules)
 from alpa.device_mesh import LogicalDeviceMesh
 from alpa.shard_parallel.sharding_spec import (
+    FORBIDDEN_COST,
     Spec,
     enumerate_specs,
     nbytes,
@@ -46,7 +60,9 @@ from alpa.shard_parallel.strategy_rules import (
     lookup_rule,
     replicated_strategy,
 )
+from alpa.tracing.flops import eqn_flops
 from alpa.tracing.primitive_def import pipeline_p
+from alpa.tracing.trace import REMAT_PRIMITIVES
 
 # Equations whose outputs are their operands, unchanged.
 ALIAS_PRIMITIVES = {pipeline_p, lax.optimization_barrier_p, lax.sharding_constraint_p}
@@ -66,6 +82,10 @@ class Node:
     follow: int | None
     # out_bytes[k][i]: bytes per device of output k under strategy i.
     out_bytes: tuple[tuple[float, ...], ...]
+    # The node's reductions are independent of every other combined node's: XLA merges
+    # them into one collective per mesh axis, so their latency is priced once per step
+    # (``combined_latency``), not in the strategies' ``comm_cost``.
+    combined: bool = False
 
     @property
     def num_strategies(self) -> int:
@@ -110,8 +130,15 @@ def build_strategy_graph(
     options: GraphOptions,
     input_filter: Callable[[int, tuple[int, ...], list[Spec]], list[Spec]] | None = None,
     state_pairs: Sequence[tuple[int, int]] = (),
+    batch_axis: tuple[Mapping, int] | None = None,
 ) -> StrategyGraph:
     """The strategy graph of ``closed_jaxpr`` on ``mesh``.
+
+    ``batch_axis = (batch_dims, axis)`` forces the batch dimension of every value that has
+    one onto mesh ``axis`` (``force_batch_dim_to_mesh_dim``): ``batch_dims[var]`` holds the
+    dimensions of ``var`` that are rows of the batch, and a strategy whose result leaves
+    ``axis`` off its one batch dimension costs ``FORBIDDEN_COST`` (priced out rather than
+    removed, so that following nodes keep their one-to-one strategies).
 
     ``input_filter(index, shape, specs)`` may narrow the specs allowed for jaxpr input
     ``index`` (forced batch dimension, no replicated parameters, ...). ``state_pairs`` holds
@@ -120,7 +147,8 @@ def build_strategy_graph(
     next step, so an edge prices the resharding from the one to the other.
     """
     jaxpr = closed_jaxpr.jaxpr
-    builder = _Builder(mesh, options)
+    builder = _Builder(mesh, options, combinable_reductions(jaxpr))
+    builder.batch_axis = batch_axis
     for var in jaxpr.constvars:
         builder.add_node(f"constant {var}", (var,), (_whole(var),), None)
     input_nodes = []
@@ -159,9 +187,9 @@ def build_strategy_graph(
         sources=builder.sources,
         input_nodes=tuple(input_nodes),
         output_sources=output_sources,
-        jaxpr=jaxpr,
+        jaxpr=jaxpr.replace(eqns=builder.eqns) if builder.expanded else jaxpr,
         eqn_sources=tuple(tuple(x) for x in builder.eqn_sources),
-        num_eqns=len(jaxpr.eqns),
+        num_eqns=len(builder.eqns),
         unknown_primitives=tuple(sorted(builder.unknown)),
     )
 
@@ -171,13 +199,21 @@ def _whole(var) -> Strategy:
 
 
 class _Builder:
-    def __init__(self, mesh: LogicalDeviceMesh, options: GraphOptions):
+    def __init__(self, mesh: LogicalDeviceMesh, options: GraphOptions, combinable: set[int]):
         self.mesh = mesh
         self.options = options
+        self.combinable = combinable
+        self.batch_axis: tuple[Mapping, int] | None = None
+        self._priced_cache: dict = {}
         self.nodes: list[Node] = []
         self.edges: list[Edge] = []
         self.sources: dict = {}
+        # The equations planned, in program order (remat2 bodies expanded), and the values
+        # each one produces.
+        self.eqns: list[JaxprEqn] = []
         self.eqn_sources: list[list[Source]] = []
+        # ids of the remat2 bodies expanded: a body shared by two equations is planned once.
+        self.expanded: set[int] = set()
         self.unknown: set[str] = set()
         # Per node, per output: the output spec under each strategy (the operand specs of
         # the node's consumers).
@@ -188,7 +224,7 @@ class _Builder:
         self._shards_cache: dict = {}
         self._bytes_cache: dict = {}
 
-    def add_node(self, label, outvars, strategies, follow) -> int:
+    def add_node(self, label, outvars, strategies, follow, combined=False) -> int:
         node_id = len(self.nodes)
         out_bytes = []
         out_specs = []
@@ -203,7 +239,15 @@ class _Builder:
                 self._bytes_cache[(specs, size)] = sizes
             out_bytes.append(sizes)
         self.nodes.append(
-            Node(node_id, label, tuple(outvars), tuple(strategies), follow, tuple(out_bytes))
+            Node(
+                node_id,
+                label,
+                tuple(outvars),
+                tuple(strategies),
+                follow,
+                tuple(out_bytes),
+                combined,
+            )
         )
         self._out_specs.append(tuple(out_specs))
         for k, var in enumerate(outvars):
@@ -217,17 +261,25 @@ class _Builder:
             shards = self._shards_cache[spec] = num_shards(spec, self.mesh)
         return shards
 
-    def add_eqn(self, t: int, eqn: JaxprEqn) -> None:
+    def add_eqn(self, t: int | str, eqn: JaxprEqn) -> None:
+        """Add ``eqn``: equation ``t`` of the jaxpr, or at path ``t = "3/1"`` (equation 1 of
+        the body of the remat2 equation 3; never a combinable reduction)."""
         if eqn.primitive in ALIAS_PRIMITIVES:
-            for inv, outv in zip(eqn.invars, eqn.outvars, strict=True):
-                if isinstance(outv, DropVar):
-                    continue
-                if isinstance(inv, Literal):
-                    self.add_node(f"literal of eqn {t}", (outv,), (_whole(outv),), None)
-                else:
-                    self.sources[outv] = self.sources[inv]
+            self._alias(t, eqn.invars, eqn.outvars)
+            self.eqns.append(eqn)
             self.eqn_sources.append([])
             return
+        if eqn.primitive.name in REMAT_PRIMITIVES:
+            body = eqn.params["jaxpr"]
+            if not body.constvars and id(body) not in self.expanded:
+                self.expanded.add(id(body))
+                self._alias(t, eqn.invars, body.invars)
+                for u, inner in enumerate(body.eqns):
+                    self.add_eqn(f"{t}/{u}", inner)
+                self._alias(t, body.outvars, eqn.outvars)
+                self.eqns.append(eqn)
+                self.eqn_sources.append([])
+                return
         operand_specs = tuple(
             None if isinstance(v, Literal) else self._specs_of(self.sources[v]) for v in eqn.invars
         )
@@ -239,11 +291,11 @@ class _Builder:
             operand_specs,
         )
         rule = lookup_rule(eqn.primitive)
+        key = _rule_key(eqn, operand_specs)
         if rule is None:
             self.unknown.add(eqn.primitive.name)
             result = replicated_strategy(eqn)
         else:
-            key = _rule_key(eqn, operand_specs)
             result = None if key is None else self._rule_cache.get(key)
             if result is None:
                 result = rule(eqn, ctx)
@@ -251,14 +303,38 @@ class _Builder:
                     result = replicated_strategy(eqn)
                 if key is not None:
                     self._rule_cache[key] = result
+        combined = t in self.combinable
+        strategies = self._priced(eqn, result.strategies, combined, key)
+        if self.batch_axis is not None:
+            strategies = _force_batch_axis(eqn, strategies, *self.batch_axis)
         follow = None
         if result.follow is not None:
             follow = self.sources[eqn.invars[result.follow]][0]
         node_id = self.add_node(
-            f"eqn {t} {eqn.primitive.name}", tuple(eqn.outvars), result.strategies, follow
+            f"eqn {t} {eqn.primitive.name}", tuple(eqn.outvars), strategies, follow, combined
         )
+        self.eqns.append(eqn)
         self.eqn_sources.append([(node_id, k) for k in range(len(eqn.outvars))])
         self._add_edges(eqn, node_id, result)
+
+    def _alias(self, t: int | str, values, aliases) -> None:
+        """``aliases[i]`` is ``values[i]``: the same source (a literal gets a node)."""
+        for value, alias in zip(values, aliases, strict=True):
+            if isinstance(alias, DropVar | Literal):
+                continue
+            if isinstance(value, Literal):
+                self.add_node(f"literal of eqn {t}", (alias,), (_whole(alias),), None)
+            else:
+                self.sources[alias] = self.sources[value]
+
+    def _priced(self, eqn, strategies, combined: bool, key) -> tuple[Strategy, ...]:
+        cache_key = None if key is None else (key, combined)
+        priced = None if cache_key is None else self._priced_cache.get(cache_key)
+        if priced is None:
+            priced = priced_strategies(self.mesh, eqn, strategies, combined)
+            if cache_key is not None:
+                self._priced_cache[cache_key] = priced
+        return priced
 
     def _specs_of(self, source: Source) -> tuple[Spec, ...]:
         node_id, k = source
@@ -310,6 +386,112 @@ class _Builder:
             )  # fmt: skip
             self._cost_cache[key] = cost
         return cost
+
+
+# ----------------------------------------------------------------------------- costs
+
+#: Primitives whose FLOPs are priced at the device's FLOP rate (the others are
+#: memory-bound: they are priced by the bytes they write).
+CONTRACTIONS = frozenset({"dot_general", "conv_general_dilated"})
+
+
+def contraction_flops(eqn: JaxprEqn) -> float:
+    """FLOPs priced at the device rate: a contraction's, or the body of an opaque equation
+    (a loop, a branch, a rematerialized call) that runs as one node."""
+    if eqn.primitive.name in CONTRACTIONS or any(True for _ in jaxprs_in_params(eqn.params)):
+        return eqn_flops(eqn)
+    return 0.0
+
+
+def work_cost(
+    mesh: LogicalDeviceMesh, strategy: Strategy, flops: float, out_sizes: Sequence[float]
+) -> float:
+    """Seconds one device spends running ``strategy`` of an equation of ``flops`` whose
+    results are ``out_sizes`` bytes in full (``LogicalDeviceMesh.compute_cost``).
+
+    The work splits over every mesh axis that splits some operand or result: a mesh axis
+    the strategy leaves unused repeats the work on each of its devices, so replicated work
+    is priced at full size on every device. Each device writes its shard of each result.
+    """
+    used = set()
+    for spec in (*strategy.out_specs, *strategy.in_specs):
+        if spec is not None:
+            for axes in spec:
+                used.update(axes)
+    shards = math.prod(mesh.shape[a] for a in used)
+    written = sum(
+        size / num_shards(spec, mesh)
+        for size, spec in zip(out_sizes, strategy.out_specs, strict=True)
+    )
+    return mesh.compute_cost(flops / shards, written)
+
+
+def priced_strategies(
+    mesh: LogicalDeviceMesh, eqn: JaxprEqn, strategies: Sequence[Strategy], combined: bool
+) -> tuple[Strategy, ...]:
+    """A rule's ``strategies`` of ``eqn`` as graph nodes hold them: with their compute cost
+    (:func:`work_cost`) and, for a ``combined`` node, the latency of their reductions taken
+    out of ``comm_cost`` (:func:`combined_latency` adds it once per mesh axis)."""
+    flops = contraction_flops(eqn)
+    sizes = [nbytes(getattr(v.aval, "shape", ()), _itemsize(v.aval)) for v in eqn.outvars]
+    priced = []
+    for s in strategies:
+        comm = s.comm_cost
+        if combined:
+            comm -= sum(mesh.mesh_alpha[a] for a in s.reduce_axes)
+        priced.append(replace(s, comm_cost=comm, compute_cost=work_cost(mesh, s, flops, sizes)))
+    return tuple(priced)
+
+
+def _force_batch_axis(
+    eqn: JaxprEqn, strategies: tuple[Strategy, ...], batch_dims: Mapping, axis: int
+) -> tuple[Strategy, ...]:
+    """``strategies`` with those that leave mesh ``axis`` off a result's batch dimension
+    priced at ``FORBIDDEN_COST``."""
+    dims = [batch_dims.get(v) if isinstance(v, Var) else None for v in eqn.outvars]
+    if not any(d is not None and len(d) == 1 for d in dims):
+        return strategies
+
+    def keeps(strategy: Strategy) -> bool:
+        return all(
+            d is None or len(d) != 1 or axis in spec[d[0]]
+            for d, spec in zip(dims, strategy.out_specs, strict=True)
+        )
+
+    return tuple(
+        s if keeps(s) else replace(s, comm_cost=s.comm_cost + FORBIDDEN_COST) for s in strategies
+    )
+
+
+def combinable_reductions(jaxpr) -> set[int]:
+    """Equations (by index) whose reductions XLA combines into one collective per step.
+
+    XLA's all-reduce combiner merges collectives that do not depend on each other: the
+    gradient reductions of a step, which feed only the optimizer update. An equation
+    qualifies when nothing computed from its results is a contraction (or an opaque
+    equation that may hold one); the reductions of two such equations never feed each
+    other through a contraction. Megatron's forward and backward all-reduces feed the next
+    layer's matmul and do not qualify.
+    """
+    feeds_contraction: set = set()
+    combinable = set()
+    for t in range(len(jaxpr.eqns) - 1, -1, -1):
+        eqn = jaxpr.eqns[t]
+        downstream = any(v in feeds_contraction for v in eqn.outvars if not isinstance(v, DropVar))
+        if not downstream:
+            combinable.add(t)
+        if downstream or contraction_flops(eqn) > 0:
+            feeds_contraction.update(v for v in eqn.invars if not isinstance(v, Literal))
+    return combinable
+
+
+def combined_latency(graph: StrategyGraph, choice) -> float:
+    """One latency per mesh axis that some combined node's chosen strategy reduces over."""
+    axes = set()
+    for node in graph.nodes:
+        if node.combined:
+            axes.update(node.strategies[choice[node.id]].reduce_axes)
+    return sum(graph.mesh.mesh_alpha[a] for a in axes)
 
 
 def _rule_key(eqn: JaxprEqn, operand_specs) -> tuple | None:

@@ -36,13 +36,20 @@ from alpa.shard_parallel.sharding_spec import (
 
 @dataclass(frozen=True)
 class Strategy:
-    """One way to run one equation; ``in_specs[i]`` is ``None`` for a literal operand."""
+    """One way to run one equation; ``in_specs[i]`` is ``None`` for a literal operand.
+
+    ``reduce_axes`` are the mesh axes over which the equation reduces partial results (an
+    all-reduce or reduce-scatter, priced in ``comm_cost`` with one latency each), so that
+    the strategy graph can price XLA's combining of independent reductions.
+    ``compute_cost`` is filled in by the strategy graph (the work on one device).
+    """
 
     name: str
     out_specs: tuple[Spec, ...]
     in_specs: tuple[Spec | None, ...]
     comm_cost: float = 0.0
     compute_cost: float = 0.0
+    reduce_axes: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -151,14 +158,16 @@ def follow(
     eqn: JaxprEqn,
     ctx: RuleContext,
     index: int,
-    derive: Callable[[Spec], tuple[tuple[Spec | None, ...], tuple[Spec, ...], float]],
+    derive: Callable[[Spec], tuple],
 ) -> NodeStrategies:
-    """One strategy per spec of operand ``index``: ``derive(spec) -> (ins, outs, comm)``."""
+    """One strategy per spec of operand ``index``: ``derive(spec) -> (ins, outs, comm)``,
+    or ``(ins, outs, comm, reduce_axes)`` for a strategy that reduces partial results."""
     strategies = []
     for spec in ctx.operand_specs[index]:
-        ins, outs, comm = derive(spec)
+        ins, outs, comm, *reduce_axes = derive(spec)
         name = format_spec(outs[0], ctx.mesh) if outs else "-"
-        strategies.append(Strategy(name, tuple(outs), tuple(ins), comm))
+        axes = tuple(reduce_axes[0]) if reduce_axes else ()
+        strategies.append(Strategy(name, tuple(outs), tuple(ins), comm, reduce_axes=axes))
     return NodeStrategies(tuple(strategies), follow=index)
 
 
@@ -237,11 +246,14 @@ def iota_rule(eqn: JaxprEqn, ctx: RuleContext) -> NodeStrategies:
 
 @register(
     lax.scan_p, lax.while_p, lax.cond_p, "remat2", "checkpoint", "custom_vjp_call",
-    "custom_jvp_call", "random_bits", "random_seed", "random_wrap", "random_unwrap",
-    "random_split", "random_fold_in", lax.rng_bit_generator_p, lax.linear_solve_p,
+    "custom_jvp_call", lax.rng_bit_generator_p, lax.linear_solve_p,
 )  # fmt: skip
 def opaque_rule(eqn: JaxprEqn, ctx: RuleContext) -> NodeStrategies:
-    """Control flow and random number generation run replicated; their bodies are XLA's."""
+    """Control flow and ``rng_bit_generator`` (whose numbers depend on the shape it is run
+    at) run replicated; their bodies are XLA's. The threefry random primitives have rules in
+    ``strategy_rules_random``. A ``remat2`` body is planned by the strategy graph; this
+    rule serves only a body the graph cannot expand (one body object shared by two
+    equations outside ``trace_step``)."""
     return replicated_strategy(eqn, name="opaque")
 
 
@@ -439,7 +451,7 @@ def reduce_rule(eqn: JaxprEqn, ctx: RuleContext) -> NodeStrategies:
             spec = drop_dims(spec, axes_reduced)
         out = tuple(a for d, a in enumerate(spec) if d not in axes_reduced)
         mesh_axes = [a for d in axes_reduced for a in spec[d]]
-        return (spec,), (out,), ctx.all_reduce(eqn, out, mesh_axes)
+        return (spec,), (out,), ctx.all_reduce(eqn, out, mesh_axes), mesh_axes
 
     return follow(eqn, ctx, 0, derive)
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from dataclasses import replace
 
 from jax import lax
 from jax.extend.core import JaxprEqn, Literal
@@ -91,7 +92,7 @@ def _contraction_strategies(eqn, ctx, roles, ranks, shapes, partial_roles, in_co
             name += " AR" + "".join(map(str, reduce_axes))
         full = _uses_all_axes(assignment)
         ins = tuple(specs[:in_count])
-        strategies.append((full, Strategy(name, (out,), ins, comm)))
+        strategies.append((full, Strategy(name, (out,), ins, comm, reduce_axes=tuple(reduce_axes))))
         if ctx.prefer_reduce_scatter and len(reduce_axes) == 1:
             axis = reduce_axes[0]
             for d in range(len(out)):
@@ -101,7 +102,8 @@ def _contraction_strategies(eqn, ctx, roles, ranks, shapes, partial_roles, in_co
                 per_device = ctx.out_bytes(eqn, 0, out)
                 cost = ctx.mesh.reduce_scatter_cost(per_device, axis)
                 rs_name = name.replace(" AR", " RS") + f"->{format_spec(scattered, ctx.mesh)}"
-                strategies.append((full, Strategy(rs_name, (scattered,), ins, cost)))
+                rs = Strategy(rs_name, (scattered,), ins, cost, reduce_axes=(axis,))
+                strategies.append((full, rs))
                 break
     if not heavy:
         return [s for _, s in strategies]
@@ -138,7 +140,7 @@ def _literal_free(eqn: JaxprEqn, strategy: Strategy) -> Strategy:
         None if isinstance(v, Literal) else s
         for v, s in zip(eqn.invars, strategy.in_specs, strict=True)
     )
-    return Strategy(strategy.name, strategy.out_specs, ins, strategy.comm_cost)
+    return replace(strategy, in_specs=ins)
 
 
 @register(lax.conv_general_dilated_p)

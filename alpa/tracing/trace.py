@@ -49,7 +49,8 @@ class TracedStep:
       dynamic_argnums: positions of the dynamic arguments in the original call.
       name: the function's name.
       retrace: ``retrace(d)`` traces the same step again with every batch leaf's dim 0
-        divided by ``d`` (set by ``parallelize``; used for per-device micro-batches).
+        divided by ``d`` (set by ``parallelize``; used for per-device micro-batches);
+        ``d`` may be a ``fractions.Fraction`` (``Fraction(1, 2)`` doubles the batch).
       grad_invars: per leaf, whether ``alpa.grad`` differentiates with respect to it as
         it is (module docstring); empty when unknown.
       has_backward_pass: whether reverse-mode AD (``alpa.grad`` or ``jax.grad``) ran
@@ -250,6 +251,10 @@ _INLINE_PARAMS = {
 }
 
 
+#: Names of the checkpoint primitive (``jax.checkpoint`` / ``flax.linen.remat``).
+REMAT_PRIMITIVES = frozenset({"remat2", "checkpoint"})
+
+
 def inline_calls(closed: ClosedJaxpr, primitives: Collection[str] | None = None) -> ClosedJaxpr:
     """Inline every call-like equation, recursively, keeping the program's meaning.
 
@@ -259,12 +264,23 @@ def inline_calls(closed: ClosedJaxpr, primitives: Collection[str] | None = None)
     ``primitives`` restricts the inlined calls to those names (default: every call-like
     primitive). A function still to be differentiated must keep its ``custom_jvp_call`` /
     ``custom_vjp_call`` equations, whose derivative rules are not those of their bodies.
+
+    A ``remat2`` equation keeps its place, but its body is rewritten the same way (calls
+    inlined) with fresh variables of its own: JAX may hand two checkpoint equations one
+    body object, and the auto-sharding pass plans each body's values (its variables must
+    name one value each). A constant of a call inlined into a body enters the body as an
+    extra last operand.
     """
     constvars: list[Var] = list(closed.jaxpr.constvars)
     consts: list[Any] = list(closed.consts)
-    eqns: list[JaxprEqn] = []
 
-    def emit(jaxpr: Jaxpr, env: dict, top: bool) -> None:
+    def top_const(aval, value) -> Var:
+        var = Var(aval)
+        constvars.append(var)
+        consts.append(value)
+        return var
+
+    def emit(jaxpr: Jaxpr, env: dict, top: bool, eqns: list, add_const) -> None:
         def read(v):
             return v if isinstance(v, Literal) else env.get(v, v)
 
@@ -279,12 +295,10 @@ def inline_calls(closed: ClosedJaxpr, primitives: Collection[str] | None = None)
                 inner_consts = body.consts if isinstance(body, ClosedJaxpr) else ()
                 inner_env: dict = {}
                 for cv, c in zip(inner.constvars, inner_consts, strict=True):
-                    inner_env[cv] = Var(cv.aval)
-                    constvars.append(inner_env[cv])
-                    consts.append(c)
+                    inner_env[cv] = add_const(cv.aval, c)
                 for iv, arg in zip(inner.invars, eqn.invars, strict=True):
                     inner_env[iv] = read(arg)
-                emit(inner, inner_env, top=False)
+                emit(inner, inner_env, False, eqns, add_const)
                 for ov, inner_out in zip(eqn.outvars, inner.outvars, strict=True):
                     env[ov] = (
                         inner_out
@@ -292,18 +306,52 @@ def inline_calls(closed: ClosedJaxpr, primitives: Collection[str] | None = None)
                         else inner_env.get(inner_out, inner_out)
                     )
                 continue
+            if name in REMAT_PRIMITIVES and not eqn.params["jaxpr"].constvars:
+                eqn = copy_remat(eqn, add_const)
             outvars = list(eqn.outvars)
             if not top:
                 outvars = [v if isinstance(v, DropVar) else Var(v.aval) for v in outvars]
                 env.update(zip(eqn.outvars, outvars, strict=True))
             eqns.append(eqn.replace(invars=[read(v) for v in eqn.invars], outvars=outvars))
 
+    def copy_remat(eqn: JaxprEqn, add_const) -> JaxprEqn:
+        """``eqn`` with its body's calls inlined and every body variable fresh."""
+        body: Jaxpr = eqn.params["jaxpr"]
+        extra_inner: list[Var] = []
+        extra_outer: list[Var] = []
+
+        def body_const(aval, value) -> Var:
+            extra_outer.append(add_const(aval, value))
+            extra_inner.append(Var(aval))
+            return extra_inner[-1]
+
+        invars = [Var(v.aval) for v in body.invars]
+        body_env: dict = dict(zip(body.invars, invars, strict=True))
+        body_eqns: list[JaxprEqn] = []
+        emit(body, body_env, False, body_eqns, body_const)
+        outvars = [v if isinstance(v, Literal) else body_env.get(v, v) for v in body.outvars]
+        new_body = new_jaxpr(body, [], [*invars, *extra_inner], outvars, body_eqns)
+        return eqn.replace(
+            invars=[*eqn.invars, *extra_outer],
+            params=remat_params(eqn.params, new_body, len(extra_outer)),
+        )
+
+    eqns: list[JaxprEqn] = []
     env: dict = {}
-    emit(closed.jaxpr, env, top=True)
+    emit(closed.jaxpr, env, True, eqns, top_const)
     outvars = [v if isinstance(v, Literal) else env.get(v, v) for v in closed.jaxpr.outvars]
     return ClosedJaxpr(
         new_jaxpr(closed.jaxpr, constvars, closed.jaxpr.invars, outvars, eqns), consts
     )
+
+
+def remat_params(params: dict, body: Jaxpr, num_extra: int) -> dict:
+    """The parameters of a ``remat2`` equation with body ``body``, which takes ``num_extra``
+    operands after the original ones (constants: no optimization barrier needed)."""
+    prevent_cse = params["prevent_cse"]
+    if isinstance(prevent_cse, tuple):  # one flag per operand
+        prevent_cse = prevent_cse + (False,) * num_extra
+    return {**params, "jaxpr": body, "prevent_cse": prevent_cse}
 
 
 def new_jaxpr(template: Jaxpr, constvars, invars, outvars, eqns) -> Jaxpr:

@@ -4,9 +4,10 @@ For each GPT preset (125M, 350M, 1.3B; adamw; abstract inputs, so no weights are
 and each logical mesh (8,1), (2,4), (1,8) of an 8-device cluster, this traces the train
 step, builds the strategy graph, solves the ILP, and reports: jaxpr equations, graph nodes,
 decision groups after shrinking, ILP nodes/edges/variables, mean strategies per group, the
-time of each phase, and the objective next to the hand plans (data parallel, Megatron-style
-model parallel, and the 2-D combination) evaluated with the same cost model: each hand plan
-is the ILP with the parameters' specs fixed to the hand choice.
+time of each phase, and the objective (communication + compute, docs/auto_sharding.md) next
+to the hand plans (data parallel, Megatron-style model parallel, and the 2-D combination)
+evaluated with the same cost model: each hand plan is the ILP with the parameters' specs
+fixed to the hand choice; ``hand_*_ratio`` is the ILP's objective over the hand plan's.
 
 Timings (seconds): ``model_init_time_s`` builds the abstract train state (``jax.eval_shape``
 of the flax init; user code, before planning); ``trace_time_s`` is ``trace_step``;
@@ -130,6 +131,8 @@ def run(model: str, mesh_shape, batch_size: int, num_layers: int | None, compile
         "planning_time_s": round(done - made_at, 2),
         "status": sol.status,
         "objective": solution.objective,
+        "communication": ilp_solver.communication_cost(solution.graph, sol.choice),
+        "compute": ilp_solver.compute_cost(solution.graph, sol.choice),
     }
     jaxpr = traced.closed_jaxpr
     for kind in ("dp", "megatron", "2d"):
@@ -140,6 +143,9 @@ def run(model: str, mesh_shape, batch_size: int, num_layers: int | None, compile
             hand_filter(kind, mesh, traced.leaf_names, traced.batch_invars), pairs,
         )  # fmt: skip
         result[f"hand_{kind}_objective"] = ilp_solver.solve(graph).objective
+    hands = {k: v for k, v in result.items() if k.startswith("hand_")}
+    for key, value in hands.items():
+        result[key.replace("_objective", "_ratio")] = round(solution.objective / value, 4)
     if compile_:
         if devices is None:
             raise RuntimeError("--compile needs 8 devices; XLA_FLAGS was set before this run")
@@ -173,6 +179,14 @@ def main() -> None:
             results.append(row)
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)
+    print("model  mesh   planning s  objective  ILP / data parallel  / Megatron  / 2-D")
+    for row in results:
+        ratios = [row.get(f"hand_{k}_ratio") for k in ("dp", "megatron", "2d")]
+        cells = ["-" if r is None else f"{r:.4f}" for r in ratios]
+        print(
+            f"{row['model']:5}  {str(tuple(row['mesh'])):6}  {row['planning_time_s']:9.2f}  "
+            f"{row['objective']:.4g}  {cells[0]:>19}  {cells[1]:>10}  {cells[2]:>5}"
+        )
 
 
 if __name__ == "__main__":

@@ -8,6 +8,8 @@ needs, the parameters' output shardings show the strategy, and the numbers equal
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import re
 from collections import Counter
 
@@ -22,7 +24,7 @@ from alpa.model.moe import MoEConfig, get_moe_train_state_and_step
 from alpa.shard_parallel.auto_sharding import AutoShardingOption, solve_auto_sharding
 from alpa.shard_parallel.ilp_solver import InfeasibleMemoryBudgetError
 from alpa.shard_parallel.sharding_spec import Spec, axis_dim, used_axes
-from alpa.testing import assert_allclose, get_mlp_train_state_and_step
+from alpa.testing import assert_allclose, get_mlp_train_state_and_step, unit_cost_mesh
 from alpa.testing import run_auto_sharded as _compile
 from alpa.util import count_communication_primitives
 
@@ -507,3 +509,168 @@ def test_moe_splits_experts_with_all_to_all(num_layers):
     expected = {"all_reduce": 3 + 28 * pairs, "all_gather": 1 + 2 * pairs}
     expected.update(all_to_all=3 + 6 * pairs, reduce_scatter=0)
     _assert_hlo_is_plan(executable, expected, 1)
+
+
+# ----------------------------------------------------------------------------- work terms
+
+
+def test_recomputing_heavy_ops_is_priced():
+    """With ``allow_recompute_heavy_op`` the ILP may run a matmul whole on every device.
+    Without the compute term that plan cost nothing and won: a BERT MLM step on (2, 4)
+    came out fully replicated, objective 0, no collective. Priced, the plan splits."""
+    from alpa.model.bert import BertConfig, get_bert_train_state_and_step
+
+    config = BertConfig(
+        hidden_size=8, num_layers=1, num_heads=2, vocab_size=16, max_position_embeddings=8
+    )
+    state, batch, step = get_bert_train_state_and_step(config, 128)
+    expected = jax.jit(step)(state, batch)
+    option = AutoShardingOption(allow_recompute_heavy_op=True)
+    results = {}
+    for name, mesh in (
+        ("priced", unit_cost_mesh((2, 4))),
+        ("free", dataclasses.replace(unit_cost_mesh((2, 4)), device_flops=math.inf)),
+    ):
+        method = alpa.ShardParallel(devices=mesh, auto_sharding_option=option)
+        p_step = alpa.parallelize(step, method=method, donate_argnums=())
+        out = p_step(state, batch)
+        assert_allclose(out, expected, rtol=1e-4, atol=1e-4)
+        executable = p_step.get_last_executable()
+        results[name] = (executable.plan, executable.auto_sharding_objective, _counts(executable))
+    plan, objective, counts = results["free"]
+    # No collective at all: every device computes the whole step.
+    assert objective == 0.0 and counts.total == 0
+    plan, objective, counts = results["priced"]
+    assert objective > 0 and counts.total > 0
+    assert plan.data_axes  # the batch is split
+    assert set(plan.in_specs) != {P()}
+
+
+def test_init_function_returns_sharded_kernels():
+    """A weight-init function under ``ShardParallel`` (the local CPU cluster's costs): every
+    kernel is written by elementwise ops after the random bits, and writing a shard costs
+    a device 1/8 of writing all of it, so the kernels come out sharded. With the memory term
+    off the plan would replicate them (nothing else tells the plans apart)."""
+    import flax.linen as nn
+
+    class TwoDense(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(256)(nn.Dense(256)(x))
+
+    model, x = TwoDense(), jax.numpy.ones((8, 256))
+
+    def init(rng):
+        return model.init(rng, x)
+
+    rng = jax.random.PRNGKey(0)
+    expected = jax.jit(init)(rng)
+    mesh = alpa.LocalPhysicalDeviceMesh().get_logical_mesh((1, 8))
+    kernels = {}
+    for name, devices in (
+        ("priced", mesh),
+        ("off", dataclasses.replace(mesh, memory_bandwidth=math.inf)),
+    ):
+        params = alpa.parallelize(
+            init, method=alpa.ShardParallel(devices=devices), batch_argnums=()
+        )(rng)
+        assert_allclose(params, expected)
+        kernels[name] = [
+            params["params"][layer]["kernel"].sharding.spec for layer in ("Dense_0", "Dense_1")
+        ]
+    assert all(spec != P() for spec in kernels["priced"]), kernels
+    assert all(spec == P() for spec in kernels["off"]), kernels
+
+
+_PRICED_ALL_REDUCE_RE = re.compile(r"= (?P<shapes>\(.*?\)|\S+) all-reduce(?:-start)?\(")
+_SHAPE_RE = re.compile(r"(?P<dtype>[a-z]+\d*)\[(?P<dims>[\d,]*)\]")
+_MESH_GROUPS_RE = re.compile(r"replica_groups=mesh\[(?P<sizes>[^\]]*)\] \{(?P<axes>[^}]*)\}")
+_ITEMSIZE = {"f32": 4, "s32": 4, "u32": 4, "f16": 2, "bf16": 2, "f64": 8, "pred": 1}
+
+
+def _priced_all_reduces(hlo_text: str, mesh) -> tuple[float, int]:
+    """``(cost, count)`` of the HLO's all-reduces at the cost model's price: one latency per
+    operation (a merged tuple all-reduce is one) and the bytes of all its operands, over
+    the logical mesh axes named in its replica groups (``axis_i`` is logical axis ``i``)."""
+    total, count = 0.0, 0
+    for line in hlo_text.splitlines():
+        match = _PRICED_ALL_REDUCE_RE.search(line)
+        if match is None:
+            continue
+        num_bytes = 0
+        for shape in _SHAPE_RE.finditer(match.group("shapes")):
+            dims = [int(d) for d in shape.group("dims").split(",") if d]
+            num_bytes += _ITEMSIZE[shape.group("dtype")] * math.prod(dims)
+        groups = _MESH_GROUPS_RE.search(line)
+        axes = [int(a.strip(" '")[len("axis_") :]) for a in groups.group("axes").split(",")]
+        total += sum(mesh.all_reduce_cost(num_bytes, a) for a in axes)
+        count += 1
+    return total, count
+
+
+def test_data_parallel_objective_equals_priced_hlo_collectives():
+    """The objective of a data-parallel plan prices what XLA compiles: the gradients and the
+    loss leave in one merged all-reduce (one latency, the bytes of all), and its
+    communication part equals that all-reduce priced by the same alpha-beta model, on the
+    local CPU cluster's costs where the latency is most of the price."""
+    from alpa.model.mlp import MLPModel
+    from alpa.model.mlp import get_mlp_train_state_and_step as make
+    from alpa.shard_parallel import ilp_solver
+
+    model = MLPModel(hidden_size=16, num_layers=3, use_bias=True)
+    state, batch, step = make(
+        model, 1024, 16, optimizer="adam", seed=0, grad_func=alpa.value_and_grad
+    )
+    p_step = alpa.parallelize(step, method=alpa.DataParallel(), donate_argnums=())
+    executable = p_step.get_executable(state, batch)
+    plan = executable.plan
+    solution = solve_auto_sharding(
+        executable.traced, plan.logical_mesh, AutoShardingOption(), fixed_in_specs=plan.in_specs
+    )
+    graph, choice = solution.graph, solution.solution.choice
+    communication = ilp_solver.communication_cost(graph, choice)
+    priced, count = _priced_all_reduces(executable.get_hlo_text(), plan.logical_mesh)
+    assert count == 1
+    assert _counts(executable).total == 1
+    assert communication == pytest.approx(priced, rel=1e-9)
+    assert executable.auto_sharding_objective == pytest.approx(
+        communication + ilp_solver.compute_cost(graph, choice)
+    )
+    # Priced per tensor, the 3 kernels, 3 biases and the loss would pay 7 latencies.
+    alpha = plan.logical_mesh.mesh_alpha[0]
+    assert communication < 2 * alpha
+
+
+# ----------------------------------------------------------------------------- forced batch
+
+
+def _batch_dims_off_axis(executable, axis: int, **option) -> list[str]:
+    """Labels of the plan's values whose one batch dimension is not split by ``axis``."""
+    from alpa.shard_parallel.micro_batches import batch_dims
+
+    mesh = executable.plan.logical_mesh
+    solution = solve_auto_sharding(executable.traced, mesh, AutoShardingOption(**option))
+    dims = batch_dims(executable.traced, mesh.shape[axis])
+    off = []
+    for node in solution.graph.nodes:
+        strategy = node.strategies[solution.solution.choice[node.id]]
+        for var, spec in zip(node.outvars, strategy.out_specs, strict=True):
+            d = dims.get(var)
+            if d is not None and len(d) == 1 and axis not in spec[d[0]]:
+                off.append(node.label)
+    return off
+
+
+@pytest.mark.parametrize("axis", [0, 1])
+def test_force_batch_dim_to_mesh_dim_forces_every_value(mlp_wide_hidden, axis):
+    """``force_batch_dim_to_mesh_dim=k`` means what it means in Alpa: the batch dimension of
+    every value that has one (activations, their gradients, the loss terms) is split over
+    mesh axis ``k``, not only the batch arguments'. Free, the same step (small batch,
+    wide hidden) is Megatron on both axes and leaves the batch whole."""
+    state, batch, step, expected = mlp_wide_hidden
+    free_out, free = _compile(step, state, batch, (2, 4))
+    assert _batch_dims_off_axis(free, axis)
+    out, executable = _compile(step, state, batch, (2, 4), force_batch_dim_to_mesh_dim=axis)
+    assert_allclose(out, expected, rtol=1e-4, atol=1e-4)
+    assert executable.plan.data_axes == (executable.plan.logical_mesh.axis_names[axis],)
+    assert _batch_dims_off_axis(executable, axis, force_batch_dim_to_mesh_dim=axis) == []

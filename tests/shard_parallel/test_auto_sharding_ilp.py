@@ -1,18 +1,25 @@
 """The auto-sharding ILP judged by closed-form objectives (DESIGN §4 oracles).
 
-An MLP train step (two dense layers with bias, mean squared error, SGD update) is planned on
-1-D and 2-D logical meshes. Each expected objective is derived here from the same
-``LogicalDeviceMesh`` cost functions the planner uses:
+An MLP train step (``L`` dense layers with bias, mean squared error, SGD update) is planned
+on 1-D and 2-D logical meshes. Each expected objective is derived here from the same
+``LogicalDeviceMesh`` cost functions the planner uses, as communication plus compute:
 
-* data parallel: every gradient is all-reduced once, and the scalar loss once;
+* data parallel: the gradients (and the scalar loss) are independent reductions, which XLA
+  combines into one all-reduce per mesh axis: one latency and the bytes of all of them;
 * Megatron (first kernel split by columns, second by rows): one forward all-reduce of the
   ``batch x hidden`` activations; the backward pass needs none (the input's gradient is
   not computed);
 * 2-D: data parallel over mesh axis 0 (gradients of split kernels are 1/n1 of the size)
-  and Megatron over axis 1 (activations are 1/n0 of the batch).
+  and Megatron over axis 1 (activations are 1/n0 of the batch);
+* compute: the step's matmuls, ``L`` forward, ``L`` kernel gradients and ``L - 1`` input
+  gradients of ``2 * batch * hidden**2`` FLOPs each, split over every device by all three
+  plans, at the mesh's ``device_flops``. These meshes turn the memory term off
+  (``memory_bandwidth=inf``); :func:`test_memory_term_in_closed_form` prices it.
 """
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -61,13 +68,24 @@ def solve_mlp(closed, mesh, option=None, batch_invars=()):
     return solve_jaxpr(closed, mesh, option, batch_invars=batch_invars, state_pairs=pairs)
 
 
+def cost_mesh(shape, alpha=(1, 1), beta=(1, 1)) -> LogicalDeviceMesh:
+    """A mesh whose memory term is off: objectives are communication plus matmul FLOPs."""
+    return LogicalDeviceMesh(shape, alpha, beta, memory_bandwidth=math.inf)
+
+
 def data_parallel_cost(mesh, hidden, num_layers, axes):
-    param_bytes = [hidden * hidden * F32, hidden * F32] * num_layers
-    return sum(mesh.all_reduce_cost(b, a) for b in param_bytes + [F32] for a in axes)
+    """One combined all-reduce per axis of every gradient and the loss."""
+    total = (hidden * hidden * F32 + hidden * F32) * num_layers + F32
+    return sum(mesh.all_reduce_cost(total, a) for a in axes)
 
 
 def megatron_cost(mesh, batch, hidden, num_layers, axis):
     return (num_layers - 1) * mesh.all_reduce_cost(batch * hidden * F32, axis)
+
+
+def matmul_cost(mesh, batch, hidden, num_layers, shards):
+    """The step's ``3L - 1`` matmuls of ``2 * batch * hidden**2`` FLOPs, ``shards`` ways."""
+    return (3 * num_layers - 1) * 2 * batch * hidden**2 / shards / mesh.device_flops
 
 
 MESHES_1D = [(1, 4), (1, 8), (4, 1), (8, 1)]
@@ -77,11 +95,12 @@ ALPHA_BETA = [((1, 1), (1, 1)), ((1, 1), (1, 0.1))]
 @pytest.mark.parametrize("shape", MESHES_1D)
 @pytest.mark.parametrize("alpha,beta", ALPHA_BETA)
 def test_large_batch_small_hidden_is_data_parallel(shape, alpha, beta):
-    mesh = LogicalDeviceMesh(shape, alpha, beta)
+    mesh = cost_mesh(shape, alpha, beta)
     axis = 0 if shape[0] > 1 else 1
     closed, batch = mlp_step_jaxpr(batch=1024, hidden=16)
     solution = solve_mlp(closed, mesh, batch_invars=batch)
-    assert solution.objective == pytest.approx(data_parallel_cost(mesh, 16, 2, [axis]))
+    compute = matmul_cost(mesh, 1024, 16, 2, mesh.num_devices)
+    assert solution.objective == pytest.approx(data_parallel_cost(mesh, 16, 2, [axis]) + compute)
     plan = solution.to_sharding_plan()
     name = mesh.axis_names[axis]
     assert plan.in_specs[:4] == (P(),) * 4  # parameters replicated
@@ -91,11 +110,12 @@ def test_large_batch_small_hidden_is_data_parallel(shape, alpha, beta):
 @pytest.mark.parametrize("shape", MESHES_1D)
 @pytest.mark.parametrize("alpha,beta", ALPHA_BETA)
 def test_small_batch_large_hidden_is_megatron(shape, alpha, beta):
-    mesh = LogicalDeviceMesh(shape, alpha, beta)
+    mesh = cost_mesh(shape, alpha, beta)
     axis = 0 if shape[0] > 1 else 1
     closed, batch = mlp_step_jaxpr(batch=16, hidden=512)
     solution = solve_mlp(closed, mesh, batch_invars=batch)
-    assert solution.objective == pytest.approx(megatron_cost(mesh, 16, 512, 2, axis))
+    compute = matmul_cost(mesh, 16, 512, 2, mesh.num_devices)
+    assert solution.objective == pytest.approx(megatron_cost(mesh, 16, 512, 2, axis) + compute)
     plan = solution.to_sharding_plan()
     name = mesh.axis_names[axis]
     # in order b0, b1, w0, w1 (pytree order): column then row.
@@ -109,10 +129,10 @@ def test_fixed_input_specs_are_planned_around():
     an all-to-all and is data parallel from there: the ILP prices the fixed spec instead of
     choosing another. ``x`` has two readers (the first layer's matmul and its kernel
     gradient), and the cost model prices a resharding per reading edge: two all-to-alls."""
-    mesh = LogicalDeviceMesh((1, 4), (1, 1), (1, 1))
+    mesh = cost_mesh((1, 4))
     closed, batch = mlp_step_jaxpr(batch=1024, hidden=16)
     free = solve_mlp(closed, mesh, batch_invars=batch)
-    dp = data_parallel_cost(mesh, 16, 2, (1,))
+    dp = data_parallel_cost(mesh, 16, 2, (1,)) + matmul_cost(mesh, 1024, 16, 2, 4)
     assert free.objective == pytest.approx(dp)
     # in order b0, b1, w0, w1, x, y.
     fixed = (None,) * 4 + (P(None, "y"), None)
@@ -137,35 +157,41 @@ def test_bad_fixed_input_specs():
 
 
 def test_four_layer_megatron_has_three_all_reduces():
-    mesh = LogicalDeviceMesh((1, 4), (1, 1), (1, 1))
+    mesh = cost_mesh((1, 4))
     closed, batch = mlp_step_jaxpr(batch=16, hidden=512, num_layers=4)
     solution = solve_mlp(closed, mesh, batch_invars=batch)
-    assert solution.objective == pytest.approx(megatron_cost(mesh, 16, 512, 4, 1))
+    compute = matmul_cost(mesh, 16, 512, 4, 4)
+    assert solution.objective == pytest.approx(megatron_cost(mesh, 16, 512, 4, 1) + compute)
 
 
 @pytest.mark.parametrize("shape", [(2, 4), (2, 2)])
 def test_2d_mesh_large_batch_is_data_parallel_on_both_axes(shape):
     # Splitting the batch over both axes is the mixed mesh shape (one dimension, two axes).
-    mesh = LogicalDeviceMesh(shape, (1, 1), (1, 0.1))
+    mesh = cost_mesh(shape, (1, 1), (1, 0.1))
     closed, batch = mlp_step_jaxpr(batch=1024, hidden=16)
     option = AutoShardingOption(allow_mixed_mesh_shape=True)
     solution = solve_mlp(closed, mesh, option, batch_invars=batch)
-    assert solution.objective == pytest.approx(data_parallel_cost(mesh, 16, 2, [0, 1]))
+    compute = matmul_cost(mesh, 1024, 16, 2, mesh.num_devices)
+    assert solution.objective == pytest.approx(data_parallel_cost(mesh, 16, 2, [0, 1]) + compute)
 
 
 @pytest.mark.parametrize("shape", [(2, 4), (2, 2)])
 def test_2d_mesh_is_data_parallel_plus_megatron(shape):
     batch_size, hidden = 512, 128
-    mesh = LogicalDeviceMesh(shape, (1, 1), (1, 0.1))
+    mesh = cost_mesh(shape, (1, 1), (1, 0.1))
     n0, n1 = shape
     closed, batch = mlp_step_jaxpr(batch_size, hidden)
     solution = solve_mlp(closed, mesh, batch_invars=batch)
+    gradients = (
+        2 * hidden * hidden * F32 / n1  # split kernels' gradients
+        + hidden * F32 / n1  # first bias, split by columns
+        + hidden * F32  # second bias, whole
+        + F32  # the loss
+    )
     expected = (
-        2 * mesh.all_reduce_cost(hidden * hidden * F32 / n1, 0)  # split kernels' gradients
-        + mesh.all_reduce_cost(hidden * F32 / n1, 0)  # first bias, split by columns
-        + mesh.all_reduce_cost(hidden * F32, 0)  # second bias, whole
-        + mesh.all_reduce_cost(F32, 0)  # the loss
+        mesh.all_reduce_cost(gradients, 0)  # combined: one latency
         + megatron_cost(mesh, batch_size // n0, hidden, 2, 1)
+        + matmul_cost(mesh, batch_size, hidden, 2, n0 * n1)
     )
     assert solution.objective == pytest.approx(expected)
     plan = solution.to_sharding_plan()
@@ -192,7 +218,7 @@ def test_force_batch_dim_to_mesh_dim():
 
 
 def test_force_data_parallel_flattens_the_mesh():
-    mesh = LogicalDeviceMesh((2, 4), (1, 1), (1, 1))
+    mesh = cost_mesh((2, 4))
     closed, batch = mlp_step_jaxpr(batch=1024, hidden=16)
     option = AutoShardingOption(force_data_parallel=True)
     solution = solve_mlp(closed, mesh, option, batch_invars=batch)
@@ -201,7 +227,8 @@ def test_force_data_parallel_flattens_the_mesh():
     assert plan.in_specs[:4] == (P(),) * 4
     assert plan.data_axes == ("y",)
     flat = mesh.flatten()
-    assert solution.objective == pytest.approx(data_parallel_cost(flat, 16, 2, [1]))
+    compute = matmul_cost(flat, 1024, 16, 2, 8)
+    assert solution.objective == pytest.approx(data_parallel_cost(flat, 16, 2, [1]) + compute)
 
 
 def test_no_replicated_parameters():
@@ -293,3 +320,73 @@ def test_resharding_costs_follow_the_mesh_cost_functions():
         resharding_cost(((0,), (1,)), ((), ()), size, mesh),
         mesh.all_gather_cost(size / 4, 0) + mesh.all_gather_cost(size, 1),
     )
+
+
+# ----------------------------------------------------------------------------- work terms
+
+
+def test_memory_term_in_closed_form():
+    """``y = 2 * x + 1`` writes two ``[batch, hidden]`` results. Split over the 4 devices,
+    each device writes a quarter of each at the mesh's ``memory_bandwidth``; with ``x``
+    arriving replicated, the elementwise ops follow it and every device writes all of both.
+    """
+    mesh = LogicalDeviceMesh((1, 4))
+    x = jax.ShapeDtypeStruct((64, 32), jnp.float32)
+    closed = jax.make_jaxpr(lambda x: 2.0 * x + 1.0)(x)
+    written = 64 * 32 * F32
+    free = solve_jaxpr(closed, mesh)
+    assert free.objective == pytest.approx(2 * written / 4 / mesh.memory_bandwidth)
+    assert free.to_sharding_plan().out_specs[0] != P()
+    pinned = solve_jaxpr(closed, mesh, fixed_in_specs=(P(),))
+    assert pinned.objective == pytest.approx(2 * written / mesh.memory_bandwidth)
+
+
+def test_replicated_matmul_is_priced():
+    """With ``allow_recompute_heavy_op`` a matmul may run whole on every device. It used to
+    cost nothing (no collective) and tie with the split plans; its FLOPs now cost the
+    devices' time, so the plan splits it: ``2 * m * k * n`` FLOPs over 4 devices, no
+    collective (the kernel's columns split, the input read whole)."""
+    mesh = cost_mesh((1, 4))
+    m, k, n = 16, 512, 512
+    closed = jax.make_jaxpr(lambda x, w: x @ w)(
+        jax.ShapeDtypeStruct((m, k), jnp.float32), jax.ShapeDtypeStruct((k, n), jnp.float32)
+    )
+    option = AutoShardingOption(allow_recompute_heavy_op=True)
+    solution = solve_jaxpr(closed, mesh, option)
+    assert solution.objective == pytest.approx(2 * m * k * n / 4 / mesh.device_flops)
+    assert solution.to_sharding_plan().out_specs[0] != P()
+    off = LogicalDeviceMesh((1, 4), device_flops=math.inf, memory_bandwidth=math.inf)
+    assert solve_jaxpr(closed, off, option).objective == 0.0
+
+
+def test_explicit_alpha_beta_keep_the_hardware_ratio():
+    """A mesh's rates follow explicit alpha-beta into the caller's units: at beta = 1 per
+    byte over a link of 10 GB/s, 50 GFLOP/s is 5 FLOPs per unit and 20 GB/s of memory is 2
+    bytes per unit."""
+    from alpa.device_mesh import ClusterSpec
+
+    hardware = LogicalDeviceMesh(
+        (1, 4), (1e-5, 1e-5), (1e-10, 1e-10), device_flops=5e10, memory_bandwidth=20e9
+    )
+    units = hardware.with_alpha_beta((1.0, 1.0), (1.0, 1.0))
+    assert units.device_flops == pytest.approx(5.0)
+    assert units.memory_bandwidth == pytest.approx(2.0)
+    cpu = ClusterSpec.preset("cpu").get_virtual_physical_mesh().get_logical_mesh((2, 4))
+    assert (cpu.device_flops, cpu.memory_bandwidth) == (5e10, 20e9)
+    with pytest.raises(ValueError, match="device_flops must be positive, got 0"):
+        LogicalDeviceMesh((1, 4), device_flops=0)
+
+
+def test_combined_reductions_pay_one_latency():
+    """Data parallelism's gradient reductions do not feed each other: XLA merges them into
+    one all-reduce, so the objective holds one latency per mesh axis. Megatron's forward
+    all-reduce feeds the next matmul and keeps its own."""
+    mesh = cost_mesh((1, 4), alpha=(100.0, 100.0))
+    closed, batch = mlp_step_jaxpr(batch=1024, hidden=16, num_layers=3)
+    solution = solve_mlp(closed, mesh, batch_invars=batch)
+    total = (16 * 16 * F32 + 16 * F32) * 3 + F32
+    expected = mesh.all_reduce_cost(total, 1) + matmul_cost(mesh, 1024, 16, 3, 4)
+    assert solution.objective == pytest.approx(expected)
+    combined = [n for n in solution.graph.nodes if n.combined]
+    reducing = [n for n in combined if n.strategies[solution.solution.choice[n.id]].reduce_axes]
+    assert len(reducing) == 7  # 3 kernels, 3 biases, the loss

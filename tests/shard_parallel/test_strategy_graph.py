@@ -16,7 +16,11 @@ from jax.extend.core import Literal
 
 from alpa.device_mesh import LogicalDeviceMesh
 from alpa.shard_parallel.sharding_spec import resharding_cost
-from alpa.shard_parallel.strategy_graph import GraphOptions, build_strategy_graph
+from alpa.shard_parallel.strategy_graph import (
+    GraphOptions,
+    build_strategy_graph,
+    priced_strategies,
+)
 from alpa.shard_parallel.strategy_rules import RuleContext, lookup_rule, replicated_strategy
 
 
@@ -75,7 +79,9 @@ def test_shared_rules_and_matrices_equal_fresh_ones(options):
         fresh = rule(eqn, ctx) if rule is not None else replicated_strategy(eqn)
         if not fresh.strategies:
             fresh = replicated_strategy(eqn)
-        assert graph.nodes[node_of_eqn[t]].strategies == fresh.strategies, str(eqn)
+        node = graph.nodes[node_of_eqn[t]]
+        expected = priced_strategies(mesh, eqn, fresh.strategies, node.combined)
+        assert node.strategies == expected, str(eqn)
         checked += 1
     assert checked > 30
 

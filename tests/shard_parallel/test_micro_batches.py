@@ -1,0 +1,281 @@
+"""Micro-batches mean the same for every method: micro-batch j is rows j·B/k .. (j+1)·B/k of
+the global batch, the step's batch statistics are over the micro-batch (across devices),
+and the outputs of alpa.grad are averaged over the k micro-batches.
+
+Oracles: a serial accumulation over the k contiguous chunks (jax.jit, no alpa), which a
+strided or per-device split demonstrably misses; PipeshardParallel with one stage; and the
+compiled HLO: one layout change per batch leaf before the loop, one gradient all-reduce
+after it.
+"""
+
+import re
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import alpa
+from alpa.pipeline_parallel.stage_construction import UniformStageOption
+from alpa.shard_parallel.micro_batches import layout_change_cost
+from alpa.testing import assert_allclose, get_mlp_train_state_and_step
+from alpa.util import count_communication_primitives, count_loop_communication_primitives
+
+BATCH = 64
+LR = 0.1
+ONE_MESH_METHODS = [alpa.ShardParallel, alpa.DataParallel, alpa.Zero2Parallel, alpa.Zero3Parallel]
+
+
+def _chunks(batch, k: int, strided: bool = False) -> list:
+    """The k micro-batches of ``batch``: contiguous (the semantics) or strided."""
+    size = BATCH // k
+    if strided:
+        return [jax.tree.map(lambda a, j=j: a[j::k], batch) for j in range(k)]
+    return [jax.tree.map(lambda a, j=j: a[j * size : (j + 1) * size], batch) for j in range(k)]
+
+
+def _serial_accumulation(value_and_grad, params, chunks):
+    """The mean over ``chunks`` of ``value_and_grad(params, chunk)``, each under jax.jit."""
+    outs = [jax.jit(value_and_grad)(params, c) for c in chunks]
+    return jax.tree.map(lambda *xs: sum(xs) / len(xs), *outs)
+
+
+def _pipeshard(k: int):
+    return alpa.PipeshardParallel(
+        num_micro_batches=k, layer_option="manual", stage_option=UniformStageOption(1)
+    )
+
+
+def _run(step, method, *args):
+    p_step = alpa.parallelize(step, method=method, donate_argnums=())
+    return p_step(*args), p_step.get_last_executable()
+
+
+# ----------------------------------------------------------------------------- masked mean
+
+
+def _masked_loss(w, batch):
+    """A mean over the rows the mask keeps, normalised per micro-batch (BERT's MLM loss)."""
+    err = jnp.sum((batch["x"] @ w - batch["y"]) ** 2, axis=-1)
+    return jnp.sum(err * batch["mask"]) / jnp.sum(batch["mask"])
+
+
+def _masked_step(w, batch):
+    loss, g = alpa.value_and_grad(_masked_loss)(w, batch)
+    return w - LR * g, loss
+
+
+@pytest.fixture(scope="module")
+def masked():
+    rng = np.random.default_rng(0)
+    w = jnp.asarray(rng.standard_normal((8, 4)), jnp.float32)
+    rows = np.arange(BATCH)
+    # Uneven: every other row, plus all of the first 21. Every 2-row chunk (8 devices'
+    # shares of 4 micro-batches) keeps a row, so every split has a finite loss.
+    mask = ((rows % 2 == 0) | (rows < 21)).astype(np.float32)
+    batch = {
+        "x": jnp.asarray(rng.standard_normal((BATCH, 8)), jnp.float32),
+        "y": jnp.asarray(rng.standard_normal((BATCH, 4)), jnp.float32),
+        "mask": jnp.asarray(mask),
+    }
+    return w, batch
+
+
+def _masked_reference(w, batch, k: int, **split):
+    loss, g = _serial_accumulation(jax.value_and_grad(_masked_loss), w, _chunks(batch, k, **split))
+    return w - LR * g, loss
+
+
+@pytest.mark.parametrize("k", [2, 4])
+def test_masked_mean_oracle_depends_on_the_split(masked, k):
+    """The oracle can fail: strided micro-batches, or k·8 per-device chunks (the behaviour
+    this replaces), give other gradients."""
+    w, batch = masked
+    expected = _masked_reference(w, batch, k)
+    for other in (_masked_reference(w, batch, k, strided=True), _masked_reference(w, batch, 8 * k)):
+        assert np.max(np.abs(np.asarray(other[0] - expected[0]))) > 1e-3
+
+
+@pytest.mark.parametrize("method_cls", ONE_MESH_METHODS)
+@pytest.mark.parametrize("k", [2, 4])
+def test_masked_mean_is_per_contiguous_micro_batch(masked, method_cls, k):
+    w, batch = masked
+    got, _ = _run(_masked_step, method_cls(num_micro_batches=k), w, batch)
+    assert_allclose(got, _masked_reference(w, batch, k), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("k", [2, 4])
+def test_masked_mean_matches_pipeshard(masked, k):
+    w, batch = masked
+    pipelined, _ = _run(_masked_step, _pipeshard(k), w, batch)
+    one_mesh, _ = _run(_masked_step, alpa.DataParallel(num_micro_batches=k), w, batch)
+    assert_allclose(pipelined, _masked_reference(w, batch, k), rtol=1e-5, atol=1e-5)
+    assert_allclose(one_mesh, pipelined, rtol=1e-5, atol=1e-5)
+
+
+def _decayed_loss(w, batch):
+    """A term that does not depend on the batch joins the row sums before alpa.grad."""
+    return _masked_loss(w, batch) + 0.01 * jnp.sum(w**2)
+
+
+def _decayed_step(w, batch):
+    loss, g = alpa.value_and_grad(_decayed_loss)(w, batch)
+    return w - LR * g, loss
+
+
+def test_batch_free_gradient_term_is_counted_once(masked):
+    """Weight decay adds the same value on every device; the sum over devices after the
+    loop must count it once."""
+    w, batch = masked
+    k = 2
+    got, executable = _run(_decayed_step, alpa.DataParallel(num_micro_batches=k), w, batch)
+    loss, g = _serial_accumulation(jax.value_and_grad(_decayed_loss), w, _chunks(batch, k))
+    assert_allclose(got, (w - LR * g, loss), rtol=1e-5, atol=1e-5)
+    hlo = executable.get_hlo_text()
+    after_loop = (
+        count_communication_primitives(hlo).all_reduce
+        - count_loop_communication_primitives(hlo).all_reduce
+    )
+    assert after_loop == 1
+
+
+# ----------------------------------------------------------------------------- BatchNorm
+
+
+class _ConvBatchNorm(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Conv(4, (3, 3))(x)
+        x = nn.BatchNorm(use_running_average=False, momentum=0.9)(x)
+        x = nn.relu(x)
+        return nn.Dense(2)(jnp.mean(x, axis=(1, 2)))
+
+
+_MODEL = _ConvBatchNorm()
+
+
+def _bn_loss(params, stats, batch):
+    out, updates = _MODEL.apply(
+        {"params": params, "batch_stats": stats}, batch["x"], mutable=["batch_stats"]
+    )
+    return jnp.mean((out - batch["y"]) ** 2), updates["batch_stats"]
+
+
+def _bn_step(state, batch):
+    (loss, stats), g = alpa.value_and_grad(_bn_loss, has_aux=True)(
+        state["params"], state["batch_stats"], batch
+    )
+    params = jax.tree.map(lambda p, d: p - LR * d, state["params"], g)
+    return {"params": params, "batch_stats": stats}, loss
+
+
+@pytest.fixture(scope="module")
+def conv_bn():
+    rng = np.random.default_rng(1)
+    batch = {
+        "x": jnp.asarray(rng.standard_normal((BATCH, 6, 6, 3)), jnp.float32),
+        "y": jnp.asarray(rng.standard_normal((BATCH, 2)), jnp.float32),
+    }
+    # Rows of the second half differ in scale: BatchNorm statistics depend on the split.
+    batch["x"] = batch["x"].at[BATCH // 2 :].multiply(3.0)
+    variables = _MODEL.init(jax.random.PRNGKey(0), batch["x"][:2])
+    return {"params": variables["params"], "batch_stats": variables["batch_stats"]}, batch
+
+
+def _bn_reference(state, batch, k: int, **split):
+    def value_and_grad(params, chunk):
+        return jax.value_and_grad(_bn_loss, has_aux=True)(params, state["batch_stats"], chunk)
+
+    (loss, stats), g = _serial_accumulation(
+        value_and_grad, state["params"], _chunks(batch, k, **split)
+    )
+    params = jax.tree.map(lambda p, d: p - LR * d, state["params"], g)
+    return {"params": params, "batch_stats": stats}, loss
+
+
+@pytest.mark.parametrize("k", [2, 4])
+def test_batch_norm_oracle_depends_on_the_split(conv_bn, k):
+    state, batch = conv_bn
+    expected = _bn_reference(state, batch, k)
+    for other in (_bn_reference(state, batch, k, strided=True), _bn_reference(state, batch, 8 * k)):
+        diffs = jax.tree.map(lambda a, b: float(np.max(np.abs(a - b))), other, expected)
+        assert max(jax.tree.leaves(diffs)) > 1e-3
+
+
+@pytest.mark.parametrize("method_cls", ONE_MESH_METHODS)
+@pytest.mark.parametrize("k", [2, 4])
+def test_batch_norm_is_per_contiguous_micro_batch(conv_bn, method_cls, k):
+    state, batch = conv_bn
+    got, _ = _run(_bn_step, method_cls(num_micro_batches=k), state, batch)
+    assert_allclose(got, _bn_reference(state, batch, k), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("k", [2, 4])
+def test_batch_norm_matches_pipeshard(conv_bn, k):
+    state, batch = conv_bn
+    pipelined, _ = _run(_bn_step, _pipeshard(k), state, batch)
+    one_mesh, executable = _run(_bn_step, alpa.DataParallel(num_micro_batches=k), state, batch)
+    assert_allclose(pipelined, _bn_reference(state, batch, k), rtol=1e-4, atol=1e-4)
+    assert_allclose(one_mesh, pipelined, rtol=1e-4, atol=1e-4)
+    # BatchNorm's statistics and their gradients are all-reduced in each micro-batch; the
+    # parameters' gradients (convolution kernel, biases, dense kernel) once, after it.
+    hlo = executable.get_hlo_text()
+    in_loop = count_loop_communication_primitives(hlo)
+    assert in_loop.total == in_loop.all_reduce > 0
+    assert count_communication_primitives(hlo).all_reduce - in_loop.all_reduce == 1
+    assert count_communication_primitives(hlo).all_to_all == len(batch)
+
+
+# ----------------------------------------------------------------------------- compiled HLO
+
+
+def _count(pattern: str, hlo: str) -> int:
+    return len(re.findall(pattern, hlo))
+
+
+@pytest.mark.parametrize("k", [2, 4])
+def test_layout_change_once_per_step_and_one_gradient_all_reduce(k):
+    """An MLP with a plain mean loss under DataParallel: per batch leaf one all-to-all
+    (XLA adds a collective-permute of the device order), none per micro-batch; nothing
+    communicates inside the loop; the gradients are reduced in one (tuple) all-reduce."""
+    state, batch, train_step = get_mlp_train_state_and_step(64, 32, 2)
+    _, executable = _run(train_step, alpa.DataParallel(num_micro_batches=k), state, batch)
+    hlo = executable.get_hlo_text()
+    num_batch_leaves = len(jax.tree.leaves(batch))
+    counts = count_communication_primitives(hlo)
+    assert counts.all_to_all == num_batch_leaves
+    assert _count(r"collective-permute\(", hlo) == num_batch_leaves
+    assert counts.all_reduce == 1
+    assert " while(" in hlo
+    assert count_loop_communication_primitives(hlo).total == 0
+
+
+def test_batch_statistic_is_reduced_per_micro_batch_and_gradient_once(masked):
+    """The masked mean's normaliser (a scalar) is all-reduced in each micro-batch, as the
+    serial program needs it; the gradient and the loss are all-reduced once, after it."""
+    w, batch = masked
+    _, executable = _run(_masked_step, alpa.DataParallel(num_micro_batches=2), w, batch)
+    hlo = executable.get_hlo_text()
+    in_loop = count_loop_communication_primitives(hlo)
+    assert in_loop.total == in_loop.all_reduce == 1
+    assert count_communication_primitives(hlo).all_reduce == 2
+    assert count_communication_primitives(hlo, ignore_scalar_all_reduce=True).all_reduce == 1
+    assert count_communication_primitives(hlo).all_to_all == len(batch)
+
+
+def test_objective_prices_the_layout_change(masked):
+    """auto_sharding_objective adds, per batch leaf split over the data axis, one
+    all-to-all of each device's share of the whole leaf (alpha-beta closed form)."""
+    w, batch = masked
+    k, n = 4, 8
+    _, executable = _run(_masked_step, alpa.DataParallel(num_micro_batches=k), w, batch)
+    mesh = executable.plan.logical_mesh
+    alpha, beta = mesh.mesh_alpha[0], mesh.mesh_beta[0]
+    expected = sum(
+        alpha + beta * (n - 1) / n / n * (x.nbytes / n) * (n / 2) for x in batch.values()
+    )
+    cost = layout_change_cost(executable.traced, executable.plan, k)
+    assert cost == pytest.approx(expected)
+    assert layout_change_cost(executable.traced, executable.plan, 1) == 0.0
+    assert executable.auto_sharding_objective > cost > 0
