@@ -69,7 +69,7 @@ from alpa.pipeline_parallel.pipeshard_plan import (
 from alpa.pipeline_parallel.stage_construction import StagePlan
 from alpa.shard_parallel.auto_sharding import AutoShardingOption
 from alpa.shard_parallel.executable import full_batch_avals
-from alpa.shard_parallel.sharding_plan import ShardingPlan
+from alpa.shard_parallel.sharding_plan import PartialSum, ShardingPlan
 from alpa.tracing import TracedStep
 from alpa.tracing.trace import REMAT_PRIMITIVES
 
@@ -581,6 +581,7 @@ def _portable_sharding_plan(plan: ShardingPlan, jaxpr: Jaxpr) -> ShardingPlan:
         logical_mesh=replace(plan.logical_mesh, devices=None),
         var_specs={refs[v]: spec for v, spec in plan.var_specs.items()},
         operand_specs={eqns[id(e)]: s for e, s in plan.operand_specs.items()},
+        partial_sums={eqns[id(e)]: p for e, p in plan.partial_sums.items()},
     )
 
 
@@ -611,6 +612,7 @@ def _bound_sharding_plan(
         logical_mesh=logical_mesh,
         var_specs={find(vars_by_ref, r): spec for r, spec in plan.var_specs.items()},
         operand_specs={find(eqns_by_ref, r): s for r, s in plan.operand_specs.items()},
+        partial_sums={find(eqns_by_ref, r): p for r, p in plan.partial_sums.items()},
     )
 
 
@@ -673,6 +675,13 @@ def _sharding_plan_to_json(plan: ShardingPlan) -> dict:
         "operand_specs": {
             ref: [_spec_to_json(s) for s in specs] for ref, specs in plan.operand_specs.items()
         },
+        "partial_sums": {
+            ref: {
+                "operand_specs": [[_spec_to_json(s) for s in specs] for specs in p.operand_specs],
+                "reduce_axes": list(p.reduce_axes),
+            }
+            for ref, p in plan.partial_sums.items()
+        },
         "data_axes": list(plan.data_axes),
         "grad_specs": None
         if plan.grad_specs is None
@@ -691,6 +700,13 @@ def _sharding_plan_from_json(data: Mapping) -> ShardingPlan:
         operand_specs={
             ref: tuple(_spec_from_json(s) for s in specs)
             for ref, specs in data["operand_specs"].items()
+        },
+        partial_sums={
+            ref: PartialSum(
+                tuple(tuple(_spec_from_json(s) for s in specs) for specs in p["operand_specs"]),
+                tuple(p["reduce_axes"]),
+            )
+            for ref, p in data.get("partial_sums", {}).items()
         },
         data_axes=tuple(data["data_axes"]),
         grad_specs=None if grad_specs is None else tuple(_spec_from_json(s) for s in grad_specs),

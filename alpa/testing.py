@@ -7,7 +7,8 @@ leaf by leaf with :func:`assert_allclose`. This module supplies the pieces:
 * model factories that return ``(state, batch, train_step)``:
   :func:`get_mlp_train_state_and_step` (an MLP regression) and
   :func:`get_bert_layer_train_state_and_step` (a stack of BERT encoder layers regressed
-  onto random targets). ``train_step(state, batch) -> state`` differentiates with
+  onto random targets), and :func:`get_tied_embedding_step` (a language model whose input
+  embedding is its output projection). ``train_step(state, batch) -> state`` differentiates with
   ``alpa.grad``, which is ``jax.grad`` plus the markers pipelining needs, so the same step
   runs under ``jax.jit`` (the reference), ``ShardParallel`` and ``PipeshardParallel``;
   with ``add_manual_pipeline_marker=True`` the models mark a pipeline boundary between
@@ -170,6 +171,37 @@ def get_mlp_train_state_and_step(
         return new_state
 
     return state, batch, train_step
+
+
+def get_tied_embedding_step(*, seed: int | None = None) -> StateBatchStep:
+    """``(params, batch, train_step)`` of a small language model whose token embedding is
+    also its output projection, trained by SGD: the table's gradient is the scatter-add of
+    the looked-up rows' gradients plus the output matmul's gradient, two sums added
+    together. ``params`` holds ``"embedding"`` ``[512, 64]`` and ``"w"`` ``[64, 64]``; the
+    batch holds ``"ids"`` and ``"labels"``, ``[16, 8]`` token ids."""
+    import alpa
+
+    vocab, hidden = 512, 64
+    keys = jax.random.split(jax.random.PRNGKey(_seed(seed, "get_tied_embedding_step")), 4)
+    params = {
+        "embedding": jax.random.normal(keys[0], (vocab, hidden)) * 0.1,
+        "w": jax.random.normal(keys[1], (hidden, hidden)) * 0.1,
+    }
+    batch = {
+        "ids": jax.random.randint(keys[2], (16, 8), 0, vocab),
+        "labels": jax.random.randint(keys[3], (16, 8), 0, vocab),
+    }
+
+    def train_step(params, batch):
+        def loss_fn(p):
+            h = jnp.tanh(p["embedding"][batch["ids"]] @ p["w"])
+            logits = h @ p["embedding"].T
+            return optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"]).mean()
+
+        grads = alpa.grad(loss_fn)(params)
+        return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+
+    return params, batch, train_step
 
 
 def mlp_inference_step(state: Any, batch: Mapping[str, jax.Array]) -> tuple[jax.Array, jax.Array]:

@@ -61,6 +61,19 @@ def count_communication_primitives(
     )
 
 
+def collective_shapes(hlo_text: str, op: str) -> list[str]:
+    """The result shapes (``"f32[512,64]"``) of every ``op`` collective in HLO text, where
+    ``op`` is ``"all-reduce"``, ``"all-gather"``, ``"reduce-scatter"`` or ``"all-to-all"``;
+    a tuple collective (XLA's merged gradient all-reduce) gives each element's shape."""
+    shapes = []
+    for line in hlo_text.splitlines():
+        match = _COLLECTIVE_RE.search(line)
+        if match is not None and match.group("op") == op:
+            shapes += _ARRAY_SHAPE_RE.findall(match.group("shape"))
+    return shapes
+
+
+_ARRAY_SHAPE_RE = re.compile(r"[a-z]+\d*\[[\d,]*\]")
 _COMPUTATION_RE = re.compile(r"^(?:ENTRY\s+)?%?(?P<name>[\w.\-]+)\s.*\{\s*$")
 _CALLEE_RE = re.compile(
     r"(?:body|condition|to_apply|calls|branch_computations)=\{?(?P<names>%?[\w.\-]+"

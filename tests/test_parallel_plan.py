@@ -21,7 +21,12 @@ import pytest
 import alpa
 from alpa.parallel_plan import ParallelPlan
 from alpa.pipeline_parallel.stage_construction import AutoStageOption
-from alpa.testing import assert_allclose, get_mlp_train_state_and_step, unit_cost_mesh
+from alpa.testing import (
+    assert_allclose,
+    get_mlp_train_state_and_step,
+    get_tied_embedding_step,
+    unit_cost_mesh,
+)
 
 NUM_DEVICES = 8
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -55,6 +60,11 @@ def make_case(name: str):
     searches (the subprocess replaying a plan builds the step and arguments from here)."""
     if name == "ilp_2d":
         return _chain, _chain_args(), alpa.ShardParallel(devices=unit_cost_mesh((2, 4)))
+    if name == "partial_sums":  # the tied table's gradient is reduced once
+        params, batch, step = get_tied_embedding_step()
+        option = alpa.AutoShardingOption(force_batch_dim_to_mesh_dim=0, prefer_reduce_scatter=True)
+        mesh = alpa.get_global_physical_mesh().get_logical_mesh((4, 2))
+        return step, (params, batch), alpa.ShardParallel(devices=mesh, auto_sharding_option=option)
     state, batch, step = get_mlp_train_state_and_step(32, 16, num_layers=2)
     methods = {
         "data_parallel": alpa.DataParallel,
@@ -73,6 +83,7 @@ def make_case(name: str):
 
 CASES = (
     "ilp_2d",
+    "partial_sums",
     "data_parallel",
     "zero3",
     "micro_batches",
@@ -175,7 +186,7 @@ def test_plan_from_json_in_a_fresh_process_compiles_the_same_hlo(recorded, name)
 def test_replay_does_not_search_and_matches_serial(recorded, no_search, name):
     original, path, _ = recorded[name]
     step, args, method = make_case(name)
-    if name in ("ilp_2d", "micro_batches") or name.startswith("pipeshard"):
+    if name in ("ilp_2d", "partial_sums", "micro_batches") or name.startswith("pipeshard"):
         with pytest.raises(AssertionError, match="searched during a replay"):
             alpa.parallelize(step, method=method).plan(*args)  # the patches do bite
     expected = jax.jit(step)(*args)
@@ -202,6 +213,13 @@ def test_ilp_plan_records_pinned_values_and_resharded_operands(recorded):
     assert [p.sharding_specs for p in plan.input_placement_specs] == [
         (s,) for s in sharding.in_specs
     ]
+
+
+def test_ilp_plan_records_partial_sums(recorded):
+    sharding = ParallelPlan.load(recorded["partial_sums"][1]).sharding_plan
+    ((ref, partial_sum),) = sharding.partial_sums.items()
+    assert ref.startswith("eqn") and partial_sum.reduce_axes == ("x",)
+    assert [len(specs) for specs in partial_sum.operand_specs] in ([2, 3], [3, 2])
 
 
 def test_plan_json_round_trips(recorded):

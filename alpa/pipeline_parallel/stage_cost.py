@@ -259,7 +259,7 @@ def _ilp_layer(problem: StageProblem, layer: int, m: int, config: LogicalConfig,
     key = (_structure_key(step), problem.submesh_choices[m], config)
     if key not in cache:
         mesh = problem.logical_mesh(m, config)
-        plan = plan_auto_sharding(step, mesh, option)
+        plan = plan_auto_sharding(step, mesh, option, partial_sums=False)  # as the stages run
         invars = step.jaxpr.invars
         program_inputs = set(problem.program.closed_jaxpr.jaxpr.invars)
         whole, local = 0.0, 0.0
@@ -437,7 +437,7 @@ class MeasuredStageCost:
 
         from alpa.shard_parallel.executable import compile_shard_executable
 
-        plan = plan_auto_sharding(step, mesh, option)
+        plan = plan_auto_sharding(step, mesh, option, partial_sums=False)  # as the stages run
         executable = compile_shard_executable(step, plan, None)
         args = [jnp.zeros(a.shape, a.dtype) for a in step.in_avals]
         args = executable.preshard_flat_args(args)

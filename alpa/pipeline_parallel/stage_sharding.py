@@ -139,7 +139,9 @@ def _plan_into(
     # gradients an earlier computation of the stage planned) arrive in it: the ILP plans
     # around them instead of assuming a spec XLA would then have to reshard into.
     fixed = [table.get((v, s)) for v in invars]
-    plan = plan_auto_sharding(sub, mesh, option, fixed_in_specs=fixed)
+    # The stages' lowering reduces each partial result where it is computed (the
+    # ``ShardingPlan.partial_sums`` rewrite is not applied there yet): price it so.
+    plan = plan_auto_sharding(sub, mesh, option, fixed_in_specs=fixed, partial_sums=False)
     if tuple(plan.logical_mesh.shape) != tuple(mesh.shape):
         return plan.objective  # a fixed plan on another view of the mesh: data parallel
     for v, spec in zip(invars, plan.in_specs, strict=True):

@@ -21,7 +21,7 @@ from alpa.device_mesh import LogicalDeviceMesh
 from alpa.global_env import global_config
 from alpa.shard_parallel import ilp_solver
 from alpa.shard_parallel.memory_model import solve_within_budget
-from alpa.shard_parallel.sharding_plan import ShardingPlan
+from alpa.shard_parallel.sharding_plan import PartialSum, ShardingPlan
 from alpa.shard_parallel.sharding_spec import (
     Spec,
     format_spec,
@@ -36,6 +36,7 @@ from alpa.shard_parallel.strategy_graph import (
     GraphOptions,
     StrategyGraph,
     build_strategy_graph,
+    sums_partials,
 )
 
 
@@ -46,14 +47,17 @@ class AutoShardingOption:
     Attributes:
       enable_auto_sharding: run the ILP; ``False`` leaves every intermediate value to XLA and
         replicates inputs that no other option shards.
-      prefer_reduce_scatter: when a gradient is reduced, prefer reduce-scatter + all-gather
-        (ZeRO-2 style: gradients and optimizer state sharded) over one all-reduce.
+      prefer_reduce_scatter: offer the ILP reduce-scatter + all-gather where a contraction
+        reduces (ZeRO-2 style: gradients and optimizer state sharded, the update on 1/n of
+        each parameter) besides one all-reduce; with ``force_data_parallel``, the
+        ``Zero2Parallel`` plan. The compiled program has real reduce-scatters.
       force_batch_dim_to_mesh_dim: split the batch dimension over this mesh axis (0 or 1):
         dim 0 of the batch arguments, and the batch dimension of every value computed from
         them (found by tracing the step at a smaller batch); ``None`` lets the solver
         decide.
       force_data_parallel: shard the batch over every device and replicate the rest; the
-        program equals ``DataParallel``'s.
+        program equals ``DataParallel``'s (``Zero2Parallel``'s with
+        ``prefer_reduce_scatter``).
       force_zero_stage_3: shard parameters and optimizer state as ZeRO stage 3 does
         (all-gather parameters before use).
       force_zero_stage_3_all_gather_threshold: in ZeRO-3, parameters smaller than this many
@@ -239,11 +243,34 @@ class AutoShardingSolution:
             out_specs=out_specs,
             var_specs=var_specs,
             operand_specs=operand_specs,
+            partial_sums=self._partial_sums(),
             data_axes=data_axes,
             grad_specs=grad_specs,
             objective=self.objective,
             method="auto-sharding ILP",
         )
+
+    def _partial_sums(self) -> dict:
+        """The adds of two partial results whose chosen strategies reduce alike (the ILP
+        priced one reduction for them: ``strategy_graph.partial_sum_discount``)."""
+        nodes, choice, mesh = self.graph.nodes, self.solution.choice, self.mesh
+
+        def chosen(n):
+            return nodes[n].strategies[choice[n]]
+
+        result = {}
+        for site in self.graph.partial_sums:
+            if not sums_partials(nodes, site, choice[site.other], choice[site.add_node]):
+                continue
+            other, followed = chosen(site.other), chosen(site.followed)
+            specs = [None, None]
+            for index, strategy in ((site.other_index, other), (1 - site.other_index, followed)):
+                specs[index] = tuple(
+                    None if s is None else to_partition_spec(s, mesh) for s in strategy.in_specs
+                )
+            axes = tuple(mesh.axis_names[a] for a in other.reduce_axes)
+            result[site.eqn] = PartialSum(tuple(specs), axes)
+        return result
 
     def _operand_needs(self) -> list[tuple[Spec | None, ...]]:
         """Per equation, per operand: the spec the chosen strategy reads it in, where that
@@ -303,19 +330,23 @@ def plan_auto_sharding(
     logical_mesh: LogicalDeviceMesh,
     option: AutoShardingOption,
     fixed_in_specs: Sequence[PartitionSpec | None] | None = None,
+    partial_sums: bool = True,
 ) -> ShardingPlan:
     """The ShardingPlan of a traced step on ``logical_mesh`` chosen by the ILP.
 
     ``force_data_parallel`` and ``force_zero_stage_3`` are the fixed plans of
-    ``DataParallel`` and ``Zero3Parallel`` (the same program); with
+    ``DataParallel`` and ``Zero3Parallel`` (the same program), and ``force_data_parallel``
+    with ``prefer_reduce_scatter`` is ``Zero2Parallel``'s; with
     ``enable_auto_sharding=False`` every input is replicated and XLA decides the rest.
     ``fixed_in_specs[i]``, when not ``None``, is the sharding input ``i`` arrives in (over
     ``logical_mesh.axis_names``): the ILP plans around it instead of choosing it.
+    ``partial_sums=False`` prices every reduction on its own, for a lowering that does not
+    add partial results before reducing them (``strategy_graph.PartialSumSite``).
     """
     if option.force_data_parallel or option.force_zero_stage_3:
         from alpa.shard_parallel.data_parallel import data_parallel_plan
 
-        stage = 3 if option.force_zero_stage_3 else 0
+        stage = 3 if option.force_zero_stage_3 else 2 if option.prefer_reduce_scatter else 0
         return data_parallel_plan(traced, logical_mesh, zero_stage=stage)
     if not option.enable_auto_sharding:
         jaxpr = traced.closed_jaxpr.jaxpr
@@ -325,7 +356,7 @@ def plan_auto_sharding(
             out_specs=(None,) * len(jaxpr.outvars),
             method="replicated (auto-sharding disabled)",
         )
-    solution = solve_auto_sharding(traced, logical_mesh, option, fixed_in_specs)
+    solution = solve_auto_sharding(traced, logical_mesh, option, fixed_in_specs, partial_sums)
     if global_config.print_auto_sharding_strategy:
         print(solution.format_table())
     return solution.to_sharding_plan()
@@ -350,6 +381,7 @@ def solve_auto_sharding(
     logical_mesh: LogicalDeviceMesh,
     option: AutoShardingOption | None = None,
     fixed_in_specs: Sequence[PartitionSpec | None] | None = None,
+    partial_sums: bool = True,
 ) -> AutoShardingSolution:
     """Build the strategy graph of a traced step, solve the ILP, return the decision."""
     marker = traced.grad_marker()
@@ -363,6 +395,7 @@ def solve_auto_sharding(
         memory_model="xla",
         fixed_in_specs=fixed_in_specs,
         batch_dims=_forced_batch_dims(traced, logical_mesh, option),
+        partial_sums=partial_sums,
     )
 
 
@@ -415,6 +448,7 @@ def solve_jaxpr(
     memory_model: TypingLiteral["jaxpr", "xla"] = "jaxpr",
     fixed_in_specs: Sequence[PartitionSpec | None] | None = None,
     batch_dims: Mapping | None = None,
+    partial_sums: bool = True,
 ) -> AutoShardingSolution:
     """The auto-sharding decision for a flat ``ClosedJaxpr``.
 
@@ -428,6 +462,8 @@ def solve_jaxpr(
     ``batch_dims[var]``, the batch dimensions of each value, lets
     ``force_batch_dim_to_mesh_dim`` force every value's batch dimension, not only the
     batch arguments'.
+    ``partial_sums`` prices an add of two partial results reduced alike as one reduction
+    (the lowering must then add before reducing; ``partial_sums.py``).
     """
     if memory_model not in ("jaxpr", "xla"):
         raise ValueError(f"memory_model must be 'jaxpr' or 'xla', got {memory_model!r}")
@@ -455,6 +491,7 @@ def solve_jaxpr(
         prefer_reduce_scatter=option.prefer_reduce_scatter,
         allow_all_gather=option.allow_all_gather,
         allow_all_to_all=option.allow_all_to_all,
+        carry_partial_sums=partial_sums,
     )
     if fixed_in_specs is not None and len(fixed_in_specs) != len(invars):
         raise ValueError(

@@ -35,6 +35,7 @@ from alpa.shard_parallel.micro_batches import (
     stack_micro_batches,
     sum_partials,
 )
+from alpa.shard_parallel.partial_sums import partial_sum_overrides
 from alpa.shard_parallel.sharding_plan import ShardingPlan
 from alpa.tracing import TracedStep, new_jaxpr
 from alpa.tracing.batch_draws import batch_size, micro_batch_draws, with_row_ids
@@ -279,10 +280,15 @@ def build_step_function(
         var_shardings, operand_shardings = {}, {}
 
     if not num_micro_batches:
+        overrides = _reduce_at_marker(traced, plan, mesh, var_shardings)
+        if mesh.size > 1:
+            overrides |= partial_sum_overrides(
+                closed.jaxpr, plan.partial_sums, plan.var_specs, mesh, skip=set(overrides)
+            )
 
         def step(*leaves):
             return eval_jaxpr_with_constraints(
-                closed.jaxpr, closed.consts, leaves, var_shardings, operand_shardings
+                closed.jaxpr, closed.consts, leaves, var_shardings, operand_shardings, overrides
             )
 
         return step
@@ -317,7 +323,13 @@ def build_step_function(
         if dims is not None:
             _check_batch_free(traced, split, dims)
             deferred = deferrable(split.compute, dims)
-            overrides = deferred_rules(split.compute, dims, deferred, mesh, data_axes)
+            overrides = deferred_rules(
+                split.compute, dims, deferred, mesh, data_axes, plan.var_specs
+            )
+    if mesh.size > 1:
+        overrides |= partial_sum_overrides(
+            split.compute, plan.partial_sums, plan.var_specs, mesh, skip=set(overrides)
+        )
     is_partial = [isinstance(v, Var) and v in deferred for v in split.compute.outvars]
     # A random draw of the batch's shape takes micro-batch j's rows of the full batch's
     # draw (tracing/batch_draws.py); the row ids are one more batch leaf, stacked like the
@@ -341,6 +353,10 @@ def build_step_function(
 
     def spec_of(i, v):
         return plan.var_specs.get(v, plan.in_specs[i])
+
+    def grad_spec(v):
+        sharding = var_shardings.get(v)
+        return None if sharding is None else sharding.spec
 
     def step(*leaves):
         # Once per step, before the loop: the parameters as the compute part reads them
@@ -368,12 +384,77 @@ def build_step_function(
             init,
         )
         grads = [
-            sum_partials(a, mesh, data_axes) if p else a
-            for a, p in zip(acc, is_partial, strict=True)
+            sum_partials(a, mesh, data_axes, grad_spec(v)) if p else a
+            for a, p, v in zip(acc, is_partial, split.marker_outvars, strict=True)
         ]
         return apply_part(leaves, [_average(g, k) for g in grads])
 
     return step
+
+
+def _reduce_at_marker(traced: TracedStep, plan: ShardingPlan, mesh, var_shardings) -> dict:
+    """Without micro-batches: the ``overrides`` that reduce the step's gradients once, at
+    the ``alpa.grad`` marker, as the micro-batched step does after its loop.
+
+    Each gradient that is a sum over the batch's rows reaching the marker through linear
+    operations is kept per device until the marker (``micro_batches.deferrable``), where
+    it is all-reduced, or reduce-scattered into the plan's gradient spec when that splits
+    it over the data axes (ZeRO-2, ``prefer_reduce_scatter``). Two such sums added (the
+    tied input and output embedding's gradient) are therefore reduced once, not twice.
+    Only row sums that the plan itself reduces over the data axes are deferred (it reads
+    their batch dimensions split over exactly those axes), and only where the batch is
+    split over every device (no other mesh axis has more than one device): elsewhere the
+    per-device sums would override the plan's own strategy for them. Empty (the plan's
+    constraints alone) where nothing is deferred."""
+    marker = traced.grad_marker()
+    data_axes = tuple(plan.data_axes) if mesh.size > 1 else ()
+    if marker is None or not data_axes:
+        return {}
+    if any(mesh.shape[a] > 1 for a in mesh.axis_names if a not in data_axes):
+        return {}
+    num_data = int(np.prod([mesh.shape[a] for a in data_axes]))
+    dims = batch_dims(traced, num_data)
+    if dims is None:
+        return {}
+    jaxpr = traced.jaxpr
+    # Every equation but the marker reads values, so a gradient also read past the marker
+    # (not through it) is not deferred.
+    before = new_jaxpr(
+        jaxpr, jaxpr.constvars, jaxpr.invars, marker.invars,
+        [e for e in jaxpr.eqns if e is not marker],
+    )  # fmt: skip
+    inputs = dict(zip(jaxpr.invars, plan.in_specs, strict=True))
+
+    def planned_over_data(eqn) -> bool:
+        needs = plan.operand_specs.get(eqn) or (None,) * len(eqn.invars)
+        for v, need in zip(eqn.invars, needs, strict=True):
+            d = dims.get(v) if isinstance(v, Var) else None
+            spec = need or plan.var_specs.get(v) or inputs.get(v)
+            if not d or spec is None:  # not a batch operand, or left to XLA
+                continue
+            axes = spec[d[0]] if d[0] < len(spec) else None
+            if (axes if isinstance(axes, tuple) else (axes,)) != data_axes:
+                return False
+        return True
+
+    deferred = deferrable(before, dims, keep=planned_over_data)
+    if not deferred:
+        return {}
+    overrides = deferred_rules(before, dims, deferred, mesh, data_axes, plan.var_specs)
+
+    def reduce(operands):
+        outs = []
+        for v, x, out in zip(marker.invars, operands, marker.outvars, strict=True):
+            sharding = var_shardings.get(out)
+            if isinstance(v, Var) and v in deferred:
+                x = sum_partials(x, mesh, data_axes, None if sharding is None else sharding.spec)
+            if sharding is not None:
+                x = jax.lax.with_sharding_constraint(x, sharding)
+            outs.append(x)
+        return outs
+
+    overrides[marker] = reduce
+    return overrides
 
 
 def _check_batch_free(traced: TracedStep, split: GradSplit, dims: dict) -> None:

@@ -41,7 +41,7 @@ deferred; the step is still exact, with its all-reduces inside the loop.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -228,9 +228,12 @@ def _is_float(v) -> bool:
     return jnp.issubdtype(v.aval.dtype, jnp.inexact)
 
 
-def deferrable(compute: Jaxpr, dims: dict) -> set[Var]:
+def deferrable(
+    compute: Jaxpr, dims: dict, keep: Callable[[JaxprEqn], bool] | None = None
+) -> set[Var]:
     """The values of ``compute`` that can be carried as per-device partial sums: each is
-    made by a row sum or by a linear operation of such values, and is read only by the
+    made by a row sum (one that ``keep`` accepts, when given) or by a linear operation of
+    such values, and is read only by the
     marker (``compute.outvars``) or by linear operations, in an operand where they are
     linear, whose results are deferred too; a multiplication or contraction reads at most
     one of them.
@@ -245,10 +248,14 @@ def deferrable(compute: Jaxpr, dims: dict) -> set[Var]:
                 uses.setdefault(v, []).append((eqn, i))
     producer = {v: eqn for eqn in compute.eqns for v in eqn.outvars}
     marked = {v for v in compute.outvars if isinstance(v, Var)}
+
+    def row_sum(eqn: JaxprEqn) -> bool:
+        return _is_row_sum(eqn, dims) and (keep is None or keep(eqn))
+
     deferred = {
         v
         for eqn in compute.eqns
-        if len(eqn.outvars) == 1 and (_is_row_sum(eqn, dims) or _linear_positions(eqn) is not None)
+        if len(eqn.outvars) == 1 and (row_sum(eqn) or _linear_positions(eqn) is not None)
         for v in eqn.outvars
         if _is_float(v) and dims.get(v) == ()
     }
@@ -258,7 +265,7 @@ def deferrable(compute: Jaxpr, dims: dict) -> set[Var]:
 
     def holds(v: Var) -> bool:
         eqn = producer[v]
-        if not deferred_operands(eqn) and not _is_row_sum(eqn, dims):
+        if not deferred_operands(eqn) and not row_sum(eqn):
             return False
         for user, i in uses.get(v, ()):
             linear = _linear_positions(user)
@@ -289,18 +296,28 @@ def _is_row_sum(eqn: JaxprEqn, dims) -> bool:
 
 
 def deferred_rules(
-    compute: Jaxpr, dims: dict, deferred: set[Var], mesh, data_axes: tuple[str, ...]
+    compute: Jaxpr,
+    dims: dict,
+    deferred: set[Var],
+    mesh,
+    data_axes: tuple[str, ...],
+    var_specs: Mapping[Var, PartitionSpec] | None = None,
 ) -> dict[JaxprEqn, Callable[[list], list]]:
     """For each equation that makes a deferred value, the function that computes its
     partial sums (``[n, ...]``, split over ``data_axes``) from its operands, as
-    ``eval_jaxpr_with_constraints``'s ``overrides``."""
+    ``eval_jaxpr_with_constraints``'s ``overrides``. A value the plan pins in
+    ``var_specs`` keeps its split over the other mesh axes (a vocabulary-parallel
+    embedding's gradient stays split over the model axis)."""
     n = int(np.prod([mesh.shape[a] for a in data_axes]))
     data = data_axes if len(data_axes) > 1 else data_axes[0]
-    partial_sharding = NamedSharding(mesh, PartitionSpec(data))
+    var_specs = var_specs or {}
     rules = {}
     for eqn in compute.eqns:
         if not eqn.outvars or eqn.outvars[0] not in deferred:
             continue
+        partial_sharding = NamedSharding(
+            mesh, _partial_spec(var_specs.get(eqn.outvars[0]), data, data_axes)
+        )
         partial_in = tuple(isinstance(v, Var) and v in deferred for v in eqn.invars)
         if any(partial_in):
             rules[eqn] = _linear_rule(eqn, partial_in, n, partial_sharding)
@@ -309,7 +326,18 @@ def deferred_rules(
     return rules
 
 
-def _bind(eqn: JaxprEqn, *operands):
+def _partial_spec(spec: PartitionSpec | None, data, data_axes) -> PartitionSpec:
+    """The spec of a value's per-device partial sums ``[n, ...]``: ``n`` over the data
+    axes, the value's own dimensions as ``spec`` splits them over the other axes."""
+    rest = []
+    for axes in spec or ():
+        axes = axes if isinstance(axes, tuple) else (axes,) if axes else ()
+        kept = tuple(a for a in axes if a not in data_axes)
+        rest.append(kept if len(kept) > 1 else kept[0] if kept else None)
+    return PartitionSpec(data, *rest)
+
+
+def bind_eqn(eqn: JaxprEqn, *operands):
     params = eqn.primitive.get_bind_params(eqn.params)
     with eqn.ctx.manager:
         out = eqn.primitive.bind(*operands, **params)
@@ -335,7 +363,7 @@ def _row_sum_rule(eqn: JaxprEqn, dims, mesh, data_axes, data, partial_sharding):
                 jnp.where(first, x, jnp.zeros_like(x)) if c else x
                 for x, c in zip(operands, carried_by_first, strict=True)
             ]
-        return _bind(eqn, *operands)[None]
+        return bind_eqn(eqn, *operands)[None]
 
     partial = jax.shard_map(
         local,
@@ -365,20 +393,44 @@ def _linear_rule(eqn: JaxprEqn, partial_in, n: int, partial_sharding):
                 operands[i] = jnp.zeros((n,) + x.shape, x.dtype).at[0].set(x)
                 p = True
             axes.append(0 if p else None)
-        out = jax.vmap(lambda *xs: _bind(eqn, *xs), in_axes=axes)(*operands)
+        out = jax.vmap(lambda *xs: bind_eqn(eqn, *xs), in_axes=axes)(*operands)
         return [jax.lax.with_sharding_constraint(out, partial_sharding)]
 
     return rule
 
 
-def sum_partials(x, mesh, data_axes: tuple[str, ...]):
-    """``Σ_d x[d]`` of a deferred value: the one all-reduce of the step."""
+def sum_partials(x, mesh, data_axes: tuple[str, ...], spec: PartitionSpec | None = None):
+    """``Σ_d x[d]`` of a deferred value: the one reduction of the step.
+
+    An all-reduce; a reduce-scatter (``psum_scatter``) instead when ``spec``, the sharding
+    the sum is wanted in, splits one dimension over exactly ``data_axes``: each device
+    then receives only its block (ZeRO-2's sharded gradients). XLA on CPU never turns an
+    all-reduce followed by a slice into a reduce-scatter (DESIGN §7), so the scatter is
+    written out here; other axes of ``spec`` are left to the caller's constraint."""
     data = data_axes if len(data_axes) > 1 else data_axes[0]
+    dim = scatter_dimension(spec, data_axes)
+    if dim is None:
+        body, out_spec = (lambda p: jax.lax.psum(p[0], data_axes)), PartitionSpec()
+    else:
+
+        def body(p):
+            return jax.lax.psum_scatter(p[0], data_axes, scatter_dimension=dim, tiled=True)
+
+        out_spec = PartitionSpec(*([None] * dim), data)
     return jax.shard_map(
-        lambda p: jax.lax.psum(p[0], data_axes),
+        body,
         mesh=mesh,
         in_specs=PartitionSpec(data),
-        out_specs=PartitionSpec(),
+        out_specs=out_spec,
         axis_names=set(data_axes),
         check_vma=False,
     )(x)
+
+
+def scatter_dimension(spec: PartitionSpec | None, data_axes: tuple[str, ...]) -> int | None:
+    """The dimension that ``spec`` splits over exactly ``data_axes``, if one does."""
+    for d, axes in enumerate(spec or ()):
+        axes = axes if isinstance(axes, tuple) else (axes,)
+        if axes == tuple(data_axes):
+            return d
+    return None

@@ -21,6 +21,18 @@ REPLICATED = PartitionSpec()
 
 
 @dataclass(frozen=True)
+class PartialSum:
+    """How an ``add`` of two partial results runs: ``operand_specs[i]`` are the specs
+    in which the producer of the add's operand ``i`` reads its own operands (``None`` for
+    a literal), and ``reduce_axes`` the mesh axes (by name) both reduce over. The sum is
+    reduced once: all-reduced, or reduce-scattered over the axes that split the add's
+    result."""
+
+    operand_specs: tuple[tuple[PartitionSpec | None, ...], tuple[PartitionSpec | None, ...]]
+    reduce_axes: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class ShardingPlan:
     """A sharding decision for one jaxpr on one logical mesh.
 
@@ -37,6 +49,9 @@ class ShardingPlan:
         producer's are listed: these are the plan's resharding edges, made explicit so that
         XLA performs the planned collective (all-to-all, slice) rather than one of its own
         choosing around the consumer.
+      partial_sums: per ``add`` equation (as ``operand_specs``) whose two operands are
+        partial results reduced alike (:class:`PartialSum`): the lowering computes both on
+        each device's blocks, adds them, and reduces the sum once.
       data_axes: mesh axes over which the batch (dim 0 of the batch arguments) is split;
         gradient accumulation reduces gradients over these axes once per step.
       grad_specs: specs for the gradients that ``alpa.grad`` marks, in the marker's operand
@@ -50,6 +65,7 @@ class ShardingPlan:
     out_specs: tuple[PartitionSpec | None, ...]
     var_specs: Mapping[Any, PartitionSpec] = field(default_factory=dict)
     operand_specs: Mapping[Any, tuple[PartitionSpec | None, ...]] = field(default_factory=dict)
+    partial_sums: Mapping[Any, PartialSum] = field(default_factory=dict)
     data_axes: tuple[str, ...] = ()
     grad_specs: tuple[PartitionSpec | None, ...] | None = None
     objective: float | None = None

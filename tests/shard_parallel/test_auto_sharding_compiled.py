@@ -14,6 +14,7 @@ import re
 from collections import Counter
 
 import jax
+import numpy as np
 import pytest
 from jax.extend.core import Literal
 from jax.sharding import PartitionSpec as P
@@ -24,6 +25,7 @@ from alpa.model.moe import MoEConfig, get_moe_train_state_and_step
 from alpa.shard_parallel.auto_sharding import AutoShardingOption, solve_auto_sharding
 from alpa.shard_parallel.ilp_solver import InfeasibleMemoryBudgetError
 from alpa.shard_parallel.sharding_spec import Spec, axis_dim, used_axes
+from alpa.shard_parallel.strategy_graph import sums_partials
 from alpa.testing import assert_allclose, get_mlp_train_state_and_step, unit_cost_mesh
 from alpa.testing import run_auto_sharded as _compile
 from alpa.util import count_communication_primitives
@@ -112,6 +114,105 @@ def test_force_data_parallel_is_data_parallel_program(mlp_wide_hidden):
     assert _counts(executable) == _counts(dp_exec)
     assert _param_specs(out.params) == _param_specs(dp_out.params)
     assert executable.plan.in_specs == dp_exec.plan.in_specs
+
+
+def test_force_data_parallel_with_reduce_scatter_is_zero2_program(mlp_wide_batch):
+    """``force_data_parallel`` with ``prefer_reduce_scatter`` is Alpa's ZeRO-2: the program
+    and shardings of ``Zero2Parallel``, with real reduce-scatters (one per gradient tensor,
+    none merged by XLA on CPU), no all-reduce, and one all-gather per updated parameter."""
+    state, batch, step, expected = mlp_wide_batch
+    option = dict(force_data_parallel=True, prefer_reduce_scatter=True)
+    out, executable = _compile(step, state, batch, (2, 4), **option)
+    assert_allclose(out, expected, rtol=1e-4, atol=1e-4)
+    z2_step = alpa.parallelize(step, method=alpa.Zero2Parallel(), donate_argnums=())
+    z2_out = z2_step(state, batch)
+    assert _counts(executable) == _counts(z2_step.get_last_executable())
+    num_params = len(jax.tree.leaves(state.params))
+    assert tuple(_counts(executable)) == (2 * num_params, 0, num_params, num_params, 0)
+    assert _param_specs(out.opt_state) == _param_specs(z2_out.opt_state)
+    assert all(s != P() for s in _param_specs(out.opt_state[0].mu).values())
+
+
+def test_prefer_reduce_scatter_shards_the_update_of_data_parallel_gradients():
+    """A data-parallel MLP (batch on mesh axis 0 everywhere, CPU cluster costs) with
+    ``prefer_reduce_scatter``: each kernel's gradient is reduce-scattered (a real
+    reduce-scatter in the HLO, one per kernel), Adam's moments of every kernel are sharded,
+    so the update runs on 1/8 of each kernel, and each kernel is all-gathered once (after
+    its update, or before its use where the ILP keeps the parameter itself sharded). The
+    biases, whose update costs less than an extra collective's latency, stay in the one
+    merged all-reduce. Without the option: one all-reduce and nothing sharded."""
+    state, batch, step = get_mlp_train_state_and_step(1024, 128, num_layers=3)
+    expected = jax.jit(step)(state, batch)
+    mesh = alpa.get_global_physical_mesh().get_logical_mesh((8, 1))
+    results = {}
+    for prefer in (False, True):
+        option = AutoShardingOption(prefer_reduce_scatter=prefer, force_batch_dim_to_mesh_dim=0)
+        method = alpa.ShardParallel(devices=mesh, auto_sharding_option=option)
+        p_step = alpa.parallelize(step, method=method)
+        out = p_step(jax.tree.map(lambda x: x.copy(), state), batch)
+        assert_allclose(out, expected, rtol=1e-4, atol=1e-4)
+        results[prefer] = out, p_step.get_last_executable()
+    out, plain = results[False]
+    assert tuple(_counts(plain)) == (1, 1, 0, 0, 0)
+    assert all(s == P() for s in _param_specs(out.opt_state).values())
+    out, scattered = results[True]
+    num_kernels = 3
+    assert tuple(_counts(scattered)) == (2 * num_kernels + 1, 1, num_kernels, num_kernels, 0)
+    moments = _param_specs((out.opt_state[0].mu, out.opt_state[0].nu))
+    kernels = {k: s for k, s in moments.items() if "kernel" in k}
+    assert len(kernels) == 2 * num_kernels and all(s == P(None, "x") for s in kernels.values())
+    assert scattered.auto_sharding_objective < plain.auto_sharding_objective
+
+
+def test_tied_embedding_partial_sums_are_reduced_once(monkeypatch):
+    """The tied table's gradient on (4, 2), batch on axis 0, ``prefer_reduce_scatter``: the
+    scatter-add takes its batch-split rows as they are (each device scatters its own, the
+    partial-sum strategy; no all-gather of the rows) and the output matmul contracts the
+    batch; both reduce over axis 0 into the table's spec, so their sum is reduced once.
+    Oracles: the plan names that add; the compiled program reduces the table by exactly one
+    collective, a reduce-scatter of its (512/4 x 64/2) block, where XLA alone compiles one
+    per operand; the objective prices one reduction (building the graph without the
+    partial-sum rule, the same plan costs exactly the second reduction more, the
+    reduce-scatter of the 512 x 64/2 block over axis 0 in closed form); numerics equal
+    serial."""
+    from alpa.shard_parallel import ilp_solver, strategy_graph
+    from alpa.testing import get_tied_embedding_step
+    from alpa.util import collective_shapes
+
+    params, batch, step = get_tied_embedding_step()
+    expected = jax.jit(step)(params, batch)
+    option = dict(force_batch_dim_to_mesh_dim=0, prefer_reduce_scatter=True)
+    mesh = alpa.get_global_physical_mesh().get_logical_mesh((4, 2))  # the CPU cluster's costs
+    method = alpa.ShardParallel(devices=mesh, auto_sharding_option=AutoShardingOption(**option))
+    p_step = alpa.parallelize(step, method=method, donate_argnums=())
+    out, executable = p_step(params, batch), p_step.get_last_executable()
+    assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
+    assert out["embedding"].sharding.spec == P("x", "y")
+    (add, partial_sum), *rest = executable.plan.partial_sums.items()
+    assert add.outvars[0].aval.shape == (512, 64) and not rest
+    assert partial_sum.reduce_axes == ("x",)
+    hlo = executable.get_hlo_text()
+    reductions = collective_shapes(hlo, "all-reduce") + collective_shapes(hlo, "reduce-scatter")
+    assert [s for s in reductions if s != "f32[64,64]"] == ["f32[128,32]"], reductions
+    rows = re.compile(r"f32\[\d+,8,(64|32)\]")  # the looked-up rows' gradients, [16, 8, 64]
+    assert not any(rows.fullmatch(s) for s in collective_shapes(hlo, "all-gather"))
+
+    traced, mesh = executable.traced, executable.plan.logical_mesh
+    solution = solve_auto_sharding(traced, mesh, AutoShardingOption(**option))
+    choice = solution.solution.choice
+    (scatter,) = [
+        n
+        for n in solution.graph.nodes
+        if n.label.endswith("scatter-add") and n.outvars[0].aval.shape == (512, 64)
+    ]
+    assert scatter.strategies[choice[scatter.id]].reduce_axes == (0,)
+    priced = ilp_solver.communication_cost(solution.graph, choice)
+    monkeypatch.setattr(
+        strategy_graph, "partial_sum_discount", lambda nodes, site: np.zeros((1, 1))
+    )
+    undiscounted = solve_auto_sharding(traced, mesh, AutoShardingOption(**option)).graph
+    twice = ilp_solver.communication_cost(undiscounted, choice)
+    assert twice - priced == pytest.approx(mesh.reduce_scatter_cost(512 * 64 * 4 / 2, 0))
 
 
 @pytest.fixture(scope="module")
@@ -324,6 +425,8 @@ def _plan_collectives(executable, **option) -> Counter:
     * each node whose chosen strategy communicates by itself (a dot or reduction with a
       split contracting/reduced dimension; ``... = RRR AR1``, or ``... RS1->S1RR`` with
       ``prefer_reduce_scatter``): one all-reduce (reduce-scatter) of its result;
+    * but where an add sums two partial results reduced alike
+      (``strategy_graph.sums_partials``), one reduction of their sum, not two;
     * each resharding edge (an operand read in another spec than its producer's): the
       collectives of that resharding. The lowering reshards a value once per target spec,
       shared by all its readers (``lowering.eval_jaxpr_with_constraints``), so a
@@ -356,6 +459,10 @@ def _plan_collectives(executable, **option) -> Counter:
                 reshardings.add((v, need))
     for v, need in reshardings:
         counts.update(_resharding_collectives(solution.spec_of(v), need))
+    for site in graph.partial_sums:  # two partial results added: one reduction of the sum
+        if sums_partials(graph.nodes, site, choice[site.other], choice[site.add_node]):
+            other = graph.nodes[site.other].strategies[choice[site.other]]
+            counts["reduce_scatter" if _REDUCE_SCATTER_RE.search(other.name) else "all_reduce"] -= 1
     for i, o in solution.state_pairs:  # updated state leaves in its input's spec
         out, inp = graph.jaxpr.outvars[o], graph.jaxpr.invars[i]
         if not isinstance(out, Literal):
@@ -405,38 +512,32 @@ def _assert_hlo_is_plan(executable, expected: dict[str, int], all_reduce_ops: in
 @pytest.mark.parametrize("num_layers", [1, 2])
 def test_gpt_layers_split_attention_heads(num_layers):
     """``L`` GPT blocks (hidden 64, 8 heads, seq 16, vocab 128, batch 2) on (1, 8): Megatron's
-    parameter split (query/key/value and the MLP input kernel by output columns = by heads,
-    the attention output and MLP output kernels by rows), a vocabulary-split LM head, and one
-    deviation in the backward pass that the cost model prices below Megatron's.
+    plan (query/key/value and the MLP input kernel split by output columns = by heads, the
+    attention output and MLP output kernels by rows) and a vocabulary-split LM head.
 
     The plan (``ALPA_DEBUG_PRINT_AS_STRATEGY=1``) prices, per block:
 
     * 3 all-reduces of ``[2, 16, 64]`` (8 KiB): the forward partial sums of the two
       row-parallel layers (attention output, MLP output), and the input gradient of the
       column-parallel MLP input layer;
-    * for each of query, key and value, the input gradient ``dq @ Wq.T`` is not all-reduced
-      as in Megatron; instead the head-split output gradient ``dq`` is all-gathered and the
-      kernel moves from a column to a row split by an all-to-all, so that each device
-      computes its slice of hidden columns of the input gradient: 3 all-gathers and 3
-      all-to-alls (``RRS1 -> RRR`` and ``RS1 -> S1R`` before the three ``RRR x S1R = RRS1``);
-    * the sum of the three hidden-split gradients enters the first LayerNorm's backward,
-      whose elementwise ops follow the replicated forward values: 2 all-gathers (``RRS1 ->
-      RRR`` before a ``mul`` and an ``add_any``) and 1 all-reduce of a ``[2, 16]`` row sum.
-
-    Under the cost model (alpha = beta = 1, 8 devices) Megatron's three input-gradient
-    all-reduces cost 3 x (1 + 2 * 7/8 * 8192) = 43011 (the model has no partial-sum spec,
-    so the three partial sums cannot be added before one all-reduce); the plan's
-    3 x (7169 + 897) + 2 x 7169 + 225 = 38761 is cheaper by 4250 per block.
+    * the input gradient of query, key and value, ``dq @ Wq.T + dk @ Wk.T + dv @ Wv.T``: three
+      partial sums over the split heads. The first add sums two partial results reduced
+      alike, so they are reduced once (``strategy_graph.PartialSumSite``; the lowering adds
+      them on each device first, ``partial_sums.py``); the second add reads that sum, no
+      longer a partial result: 2 all-reduces, where Megatron has 3. (Before the partial-sum
+      rule the plan avoided the three all-reduces by all-gathering the head-split
+      gradients: 5 all-gathers and 3 all-to-alls per block.)
 
     Once per step: the LM head's input gradient (contraction over the split vocabulary:
     1 all-reduce of ``[2, 16, 64]``) and the cross-entropy over vocabulary-split logits (max,
     sum of exponentials, label log-probability, and the backward's sum over the vocabulary:
-    4 all-reduces of ``[2, 16]``). No reduce-scatter; the parameter gradients are computed
-    on the shards that own the parameters, so none is all-reduced.
+    4 all-reduces of ``[2, 16]``). No all-gather, all-to-all or reduce-scatter; the
+    parameter gradients are computed on the shards that own the parameters, so none is
+    all-reduced.
 
-    Total: 4L + 5 all-reduced values, 5L all-gathers, 3L all-to-alls. XLA's all-reduce
-    combiner tuples two pairs of independent all-reduces (e.g. the cross-entropy's
-    label-only backward term goes with a forward partial sum): 4L + 3 all-reduce operations.
+    Total: 5L + 5 all-reduced values. XLA's all-reduce combiner tuples independent ones
+    (e.g. the cross-entropy's label-only backward term goes with a forward partial sum):
+    4L + 3 all-reduce operations.
     """
     config = GPTConfig(
         hidden_size=64, num_layers=num_layers, num_heads=8, seq_len=16, vocab_size=128
@@ -453,7 +554,8 @@ def test_gpt_layers_split_attention_heads(num_layers):
         assert specs[f"['{block}']['mlp']['wi']['kernel']"] == P(None, "y")
         assert specs[f"['{block}']['mlp']['wo']['kernel']"] == P("y")
     n = num_layers
-    expected = {"all_reduce": 4 * n + 5, "all_gather": 5 * n, "all_to_all": 3 * n}
+    assert len(executable.plan.partial_sums) == n
+    expected = {"all_reduce": 5 * n + 5, "all_gather": 0, "all_to_all": 0}
     _assert_hlo_is_plan(executable, {**expected, "reduce_scatter": 0}, 4 * n + 3)
 
 
@@ -585,7 +687,22 @@ def test_init_function_returns_sharded_kernels():
 _PRICED_ALL_REDUCE_RE = re.compile(r"= (?P<shapes>\(.*?\)|\S+) all-reduce(?:-start)?\(")
 _SHAPE_RE = re.compile(r"(?P<dtype>[a-z]+\d*)\[(?P<dims>[\d,]*)\]")
 _MESH_GROUPS_RE = re.compile(r"replica_groups=mesh\[(?P<sizes>[^\]]*)\] \{(?P<axes>[^}]*)\}")
+_EXPLICIT_GROUP_RE = re.compile(r"replica_groups=\{\{(?P<devices>[\d,]*)\}")
 _ITEMSIZE = {"f32": 4, "s32": 4, "u32": 4, "f16": 2, "bf16": 2, "f64": 8, "pred": 1}
+
+
+def _reduced_axes(line: str, mesh) -> list[int]:
+    """The logical mesh axes an HLO collective's replica groups span: named in a mesh group
+    (``axis_i`` is logical axis ``i``), or, for explicit groups (``shard_map``'s), the axes
+    of more than one device whose sizes multiply to the group size."""
+    groups = _MESH_GROUPS_RE.search(line)
+    if groups is not None:
+        return [int(a.strip(" '")[len("axis_") :]) for a in groups.group("axes").split(",")]
+    first = _EXPLICIT_GROUP_RE.search(line).group("devices")
+    size = len(first.split(","))
+    axes = [a for a, n in enumerate(mesh.shape) if n > 1]
+    assert math.prod(mesh.shape[a] for a in axes) == size, (line, mesh.shape)
+    return axes
 
 
 def _priced_all_reduces(hlo_text: str, mesh) -> tuple[float, int]:
@@ -601,8 +718,7 @@ def _priced_all_reduces(hlo_text: str, mesh) -> tuple[float, int]:
         for shape in _SHAPE_RE.finditer(match.group("shapes")):
             dims = [int(d) for d in shape.group("dims").split(",") if d]
             num_bytes += _ITEMSIZE[shape.group("dtype")] * math.prod(dims)
-        groups = _MESH_GROUPS_RE.search(line)
-        axes = [int(a.strip(" '")[len("axis_") :]) for a in groups.group("axes").split(",")]
+        axes = _reduced_axes(line, mesh)
         total += sum(mesh.all_reduce_cost(num_bytes, a) for a in axes)
         count += 1
     return total, count
