@@ -440,9 +440,18 @@ def _dedup(eqns: list) -> list:
 
 
 def _batch_dependent(eqns, batch_set) -> set:
+    """The values computed from ``batch_set``. A pipeline marker is the identity of each
+    operand on its own: the parameters a layer's start marker passes along with the
+    activation do not become batch values."""
     dependent = set(batch_set)
     for eqn in eqns:
-        if any(_is_var(v) and v in dependent for v in eqn.invars):
+        if eqn.primitive is pipeline_p and len(eqn.invars) == len(eqn.outvars):
+            dependent.update(
+                o
+                for i, o in zip(eqn.invars, eqn.outvars, strict=True)
+                if _is_var(i) and i in dependent and _is_var(o)
+            )
+        elif any(_is_var(v) and v in dependent for v in eqn.invars):
             dependent.update(v for v in eqn.outvars if _is_var(v))
     return dependent
 

@@ -13,8 +13,9 @@ mesh, so every computation that writes or reads it there (and every ``LOAD``,
   already have a sharding on the mesh (parameters, accumulated gradients) keep it, and
   the ILP plans around it (``fixed_in_specs``), as it does around the user's pins.
 * Values the ILP does not name (or all values, with ``force_data_parallel=True`` or
-  ``enable_auto_sharding=False``) are data parallel: split along dimension 0 over all
-  devices of the submesh when they depend on the batch and it divides, else replicated.
+  ``enable_auto_sharding=False``) are data parallel (:func:`data_parallel_spec`): split
+  along dimension 0 over all devices of the submesh when the forward or backward computes
+  them from the batch and it divides, else replicated.
 * A step output that replaces a donated input (the updated parameters and optimizer state
   of a train step, paired as ``ShardParallel`` pairs them) takes that input's sharding on
   its mesh (:func:`tie_donated_outputs`), so the next step's inputs are already in place;
@@ -76,8 +77,12 @@ def uses_ilp(option: AutoShardingOption, num_devices: int) -> bool:
 
 
 def data_parallel_spec(var, program: PipelineProgram, num_devices: int) -> PartitionSpec:
+    """Split along dimension 0 over all devices: a batch argument, or a value the forward
+    or backward computes from the batch, when ``num_devices`` divides dimension 0; else
+    replicated (parameters; the gradients ``alpa.grad`` returns and all of apply-grad)."""
     shape = var.aval.shape
-    if var in program.batch_dependent and shape and shape[0] % num_devices == 0:
+    per_batch = var in program.per_micro_batch or var in program.input_stages
+    if per_batch and var in program.batch_dependent and shape and shape[0] % num_devices == 0:
         return PartitionSpec(DATA_AXES)
     return PartitionSpec()
 

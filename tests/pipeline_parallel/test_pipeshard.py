@@ -371,6 +371,27 @@ def test_remat_layer_matches_serial_and_keeps_fewer_activations():
         assert not own & set(bwd.invars)
 
 
+def test_data_parallel_stage_reads_parameters_replicated():
+    """A layer's start marker passes its parameters along with the activation; they stay
+    parameters (replicated in a data-parallel stage), so no stage computation gathers a
+    weight, and the accumulated gradients are replicated."""
+    from alpa.util import count_communication_primitives
+
+    devices_or_skip(8)
+    params, batch = _mlp(2, hidden=16)
+    option = alpa.AutoShardingOption(force_data_parallel=True)
+    method = PipeshardParallel(num_micro_batches=2, default_auto_sharding_option=option)
+    executable = _check_against_serial(
+        _mlp_loss(2), params, batch, method, tx=optax.sgd(0.1), steps=1
+    )
+    names = [c.name for c in executable.program.computations]
+    for name, hlo in zip(names, executable.get_hlo_text(), strict=True):
+        assert count_communication_primitives(hlo, True).all_gather == 0, name
+    program = executable.program
+    for out in program.accumulated:
+        assert executable.stage_programs.sharding(out, program.home[out]).is_fully_replicated
+
+
 @pytest.mark.xfail(
     strict=True,
     raises=AssertionError,
