@@ -40,7 +40,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 from jax.extend.core import ClosedJaxpr, DropVar, JaxprEqn, Var
@@ -49,6 +49,9 @@ from jax.extend.core import Literal as JaxLiteral
 from alpa.tracing import new_jaxpr
 from alpa.tracing.batch_draws import new_row_ids, reads_draws, row_id_rewriter
 from alpa.tracing.primitive_def import pipeline_p
+
+if TYPE_CHECKING:
+    from alpa.pipeline_parallel.deferred_sums import DeferredSums
 
 ComputationKind = Literal["forward", "backward", "apply"]
 
@@ -94,6 +97,8 @@ class PipelineProgram:
       row_ids: the last step input when random draws take their rows of the full batch's
         draw (:func:`draw_rows_of_full_batch`): ``int32[micro-batch]``, the full-batch row
         of each micro-batch row; the runtime feeds ``arange(batch)`` (:func:`step_arguments`).
+      deferred: the gradients of data-parallel stages carried as per-device partial sums
+        and reduced once per step (``deferred_sums.DeferredSums``), or ``None``.
     """
 
     closed_jaxpr: ClosedJaxpr
@@ -108,6 +113,7 @@ class PipelineProgram:
     is_training: bool
     const_eqns: dict[Var, JaxprEqn] = field(default_factory=dict)
     row_ids: Var | None = None
+    deferred: DeferredSums | None = None
 
     def computation(self, stage: int, kind: str, level: int = 0) -> StageComputation | None:
         for comp in self.computations:

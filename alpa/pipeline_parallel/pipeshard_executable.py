@@ -20,7 +20,7 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding
+from jax.sharding import NamedSharding, PartitionSpec
 
 from alpa.device_mesh import make_jax_mesh
 from alpa.executable import Executable, PlacementSpec, check_dispatch_args, is_placed
@@ -43,18 +43,28 @@ from alpa.pipeline_parallel.user_shardings import input_names
 from alpa.runtime.local_runtime import LocalPipelineRuntime, RuntimeContext, reshard_bytes
 from alpa.runtime.memory import allocation_bytes, device_peak_bytes
 from alpa.shard_parallel.executable import full_batch_avals
+from alpa.shard_parallel.micro_batches import deferred_rules, sum_partials
 from alpa.tracing import leaf_signature
 from alpa.tracing.primitive_def import pipeline_p
 
 
-def _eval_eqns(eqns, env: dict, constraints: dict | None = None) -> None:
+def _eval_eqns(
+    eqns, env: dict, constraints: dict | None = None, overrides: dict | None = None
+) -> None:
+    """Evaluate ``eqns`` into ``env``, pinning the values in ``constraints``;
+    ``overrides[eqn]`` computes an equation's outputs in its place (deferred row sums,
+    stored as returned)."""
     constraints = constraints or {}
+    overrides = overrides or {}
 
     def read(v):
         return v.val if not _is_var(v) else env[v]
 
     for eqn in eqns:
         if eqn.primitive is pipeline_p and not eqn.outvars:
+            continue
+        if eqn in overrides:
+            env.update(zip(eqn.outvars, overrides[eqn]([read(v) for v in eqn.invars]), strict=True))
             continue
         outs = eqn.primitive.bind(
             *[read(v) for v in eqn.invars], **eqn.primitive.get_bind_params(eqn.params)
@@ -82,6 +92,8 @@ class StagePrograms:
         self.var_of = {name: v for v, name in plan.names.items()}
         jaxpr = plan.traced.closed_jaxpr.jaxpr
         self.consts_env = dict(zip(jaxpr.constvars, plan.traced.closed_jaxpr.consts, strict=True))
+        deferred = self.program.deferred
+        self.partial_vars = set(deferred.partials.values()) if deferred is not None else set()
 
     def const_outputs(self, names) -> dict:
         """The step outputs ``names`` that depend on no input, computed here once."""
@@ -98,9 +110,24 @@ class StagePrograms:
     def sharding(self, var, mesh: int) -> NamedSharding:
         jax_mesh = self.meshes[mesh]
         spec = self.stage_specs.get((var, mesh))
+        if spec is None and var in self.partial_vars:
+            spec = PartitionSpec(DATA_AXES)  # [n, ...]: one slice per device
         if spec is None:
             spec = data_parallel_spec(var, self.program, jax_mesh.size)
         return NamedSharding(jax_mesh, spec)
+
+    def _deferred_rules(self, comp: StageComputation) -> dict:
+        """The equations of ``comp`` that compute deferred row sums (``deferred_sums``),
+        as ``_eval_eqns`` overrides."""
+        deferred = self.program.deferred
+        if deferred is None or comp.kind == "apply":
+            return {}
+        values = {v for e in comp.eqns for v in e.outvars if v in deferred.values}
+        if not values:
+            return {}
+        return deferred_rules(
+            comp.eqns, deferred.row_dims, values, self.meshes[comp.stage], DATA_AXES
+        )
 
     def key_sharding(self, key) -> NamedSharding:
         return self.sharding(self.var_of[key[0]], key[2])
@@ -134,13 +161,22 @@ class StagePrograms:
         }
         kept = list(range(len(comp.outvars))) if kernel is None else list(kernel.kept)
         accumulate = () if kernel is None else kernel.accumulate
+        reduces = () if kernel is None else kernel.reduces
+        publishes = () if kernel is None else kernel.publishes
         num_in = len(comp.invars)
+        mesh = self.meshes[comp.stage]
+        overrides = self._deferred_rules(comp)
+        reduced_specs = {i: self.sharding(comp.invars[i], comp.stage) for i in reduces}
 
         def fn(*args):
             env = dict(consts)
-            env.update(zip(comp.invars, args[:num_in], strict=True))
-            _eval_eqns(comp.eqns, env, constraints)
-            outs = [env[comp.outvars[i]] for i in kept]
+            inputs = list(args[:num_in])
+            for i, sharding in reduced_specs.items():  # the step's one gradient reduction
+                total = sum_partials(inputs[i], mesh, DATA_AXES, sharding.spec)
+                inputs[i] = jax.lax.with_sharding_constraint(total, sharding)
+            env.update(zip(comp.invars, inputs, strict=True))
+            _eval_eqns(comp.eqns, env, constraints, overrides)
+            outs = [env[comp.outvars[i]] for i in kept] + [inputs[i] for i in publishes]
             running = iter(args[num_in:])
             for a in accumulate:
                 value = env[comp.outvars[a.outvar_index]]
@@ -150,8 +186,11 @@ class StagePrograms:
             return outs
 
         fn.__name__ = comp.name
-        in_vars = list(comp.invars) + [a.marker_out for a in sums]
-        out_vars = [comp.outvars[i] for i in kept] + [a.marker_out for a in accumulate]
+        partials = self.program.deferred.partials if reduces else {}
+        in_vars = [partials[v] if i in reduces else v for i, v in enumerate(comp.invars)]
+        in_vars += [a.marker_out for a in sums]
+        out_vars = [comp.outvars[i] for i in kept] + [comp.invars[i] for i in publishes]
+        out_vars += [a.marker_out for a in accumulate]
         in_shardings = [self.sharding(v, comp.stage) for v in in_vars]
         out_shardings = [self.sharding(v, comp.stage) for v in out_vars]
         structs = [

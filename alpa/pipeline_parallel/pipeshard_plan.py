@@ -23,6 +23,7 @@ its schedule grid; :meth:`PipeshardPlan.summary` is its JSON-able record and
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -36,6 +37,7 @@ from alpa.pipeline_parallel.computation import (
     rematerialize,
     split_computations,
 )
+from alpa.pipeline_parallel.deferred_sums import defer_gradient_sums, zero2_specs
 from alpa.pipeline_parallel.layer_construction import (
     LayerAssignment,
     construct_layers,
@@ -52,9 +54,11 @@ from alpa.pipeline_parallel.stage_construction import (
     resolve_stage_option,
 )
 from alpa.pipeline_parallel.stage_sharding import (
+    DATA_AXES,
     plan_stage_shardings,
     stage_options,
     tie_donated_outputs,
+    uses_ilp,
 )
 from alpa.pipeline_parallel.user_shardings import pinned_specs
 from alpa.shard_parallel.auto_sharding import AutoShardingOption
@@ -166,6 +170,10 @@ class PipeshardPlan:
                 }
             )
         specs = sorted((self.names[v], s, str(spec)) for (v, s), spec in self.stage_specs.items())
+        deferred = self.program.deferred
+        # Gradients of data-parallel stages accumulated per device and reduced once per
+        # step, in apply-grad (deferred_sums).
+        once = sorted(self.names[v] for v in deferred.partials) if deferred is not None else []
         return {
             "name": self.traced.name,
             "cluster": {
@@ -181,6 +189,7 @@ class PipeshardPlan:
             "ticks": [[str(task) for task in tick] for tick in self.schedule.ticks],
             "instructions": [str(ins) for ins in self.instructions.instructions],
             "shardings": [list(x) for x in specs],
+            "gradients_reduced_once_per_step": once,
         }
 
     def to_json(self) -> str:
@@ -345,7 +354,13 @@ def plan_pipeshard(
         stage_specs, objectives = plan_stage_shardings(
             traced, program, logical_meshes, options, names, pinned
         )
-        tie_donated_outputs(traced, program, stage_specs, [m.num_devices for m in logical_meshes])
+        mesh_sizes = [m.num_devices for m in logical_meshes]
+        zero2 = [
+            o.prefer_reduce_scatter and not uses_ilp(o, n)
+            for o, n in zip(options, mesh_sizes, strict=True)
+        ]
+        zero2_specs(traced, program, stage_specs, mesh_sizes, zero2, DATA_AXES)
+        tie_donated_outputs(traced, program, stage_specs, mesh_sizes)
     else:
         logical_meshes = list(decisions.logical_meshes)
         stage_specs = dict(decisions.stage_specs)
@@ -357,6 +372,14 @@ def plan_pipeshard(
             rows = num_micro_batches * batch_size(traced)
             program = draw_rows_of_full_batch(program, draws, rows)
             names[program.row_ids] = f"v{len(names)}"
+    # A data-parallel stage's gradients: reduced once per step, in apply-grad.
+    mesh_sizes = [m.num_devices for m in logical_meshes]
+    data_parallel = [not uses_ilp(o, n) for o, n in zip(options, mesh_sizes, strict=True)]
+    deferred = defer_gradient_sums(program, traced, mesh_sizes, data_parallel)
+    if deferred is not None:
+        program = dataclasses.replace(program, deferred=deferred)
+        for v in deferred.partials.values():
+            names[v] = f"v{len(names)}"
     instructions = emit_instructions(program, schedule, names)
     return PipeshardPlan(
         traced=traced,

@@ -331,6 +331,11 @@ class PipeshardRayExecutable(Executable):
                 specs.append(PlacementSpec(getattr(v, "aval", None), (), ()))
         return specs
 
+    def get_hlo_names(self) -> list[str]:
+        """The name of each function ``get_hlo_text`` returns, in its order (a stage
+        computation's name, ``stage1_backward``, or ``zeros``)."""
+        return [fn.name for program in self._programs for fn in program.fns]
+
     def get_hlo_text(self) -> list[str]:
         """Per mesh, per loaded function, the HLO its first worker compiled."""
         texts = []

@@ -54,10 +54,11 @@ class Op(str, enum.Enum):
 @dataclass(frozen=True)
 class Accumulation:
     """A value a kernel accumulates: ``program.accumulated[marker_out] == operand``, where
-    the operand is the computation's output ``outvar_index``. ``scale`` multiplies each
-    micro-batch's value (``1/k`` for floats, ``None``: none); with ``reads_sum`` the
-    running sum is an input (donated) and the output is ``sum + scale * value``, without
-    it the output is ``scale * value`` (one micro-batch)."""
+    the operand is the computation's output ``outvar_index`` (for a deferred gradient,
+    ``marker_out`` is its accumulator of partial sums, ``program.deferred.partials``).
+    ``scale`` multiplies each micro-batch's value (``1/k`` for floats, ``None``: none);
+    with ``reads_sum`` the running sum is an input (donated) and the output is
+    ``sum + scale * value``, without it the output is ``scale * value`` (one micro-batch)."""
 
     outvar_index: int
     marker_out: object
@@ -68,12 +69,20 @@ class Accumulation:
 @dataclass(frozen=True)
 class Kernel:
     """What a ``RUN`` calls: computation ``computation`` of the program, returning its
-    outputs ``kept`` (indices into its ``outvars``) followed by the ``accumulate``d values;
-    its inputs are its ``invars`` followed by the running sums that are read."""
+    outputs ``kept`` (indices into its ``outvars``), then its inputs ``publishes``, then
+    the ``accumulate``d values; its inputs are its ``invars`` followed by the running sums
+    that are read.
+
+    ``reduces`` (indices into ``invars``): gradients that arrive as per-device partial
+    sums (``deferred_sums``), their ``[n, ...]`` accumulators in place of the gradient,
+    and are summed on entry; those in ``publishes`` are also written, reduced, for the
+    apply computations that read them later."""
 
     computation: int
     kept: tuple[int, ...]
     accumulate: tuple[Accumulation, ...]
+    reduces: tuple[int, ...] = ()
+    publishes: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -189,6 +198,15 @@ def emit_instructions(
     accumulated_by_operand = {op: out for out, op in program.accumulated.items()}
     read_elsewhere = {v for c in program.computations for v in c.invars}
     read_elsewhere |= {v for v in jaxpr.outvars if _is_var(v)}
+    # Deferred gradients: accumulated as partial sums, reduced by their first reader
+    # (apply computations of one stage, lowest level first), which writes the sum for
+    # the others.
+    partials = program.deferred.partials if program.deferred is not None else {}
+    readers: dict = {}
+    for comp in sorted(program.computations, key=lambda c: c.level):
+        for v in comp.invars:
+            if v in partials:
+                readers.setdefault(v, []).append(comp)
     kernels: list[Kernel] = []
     kernel_of: dict[int, int] = {}
 
@@ -204,9 +222,14 @@ def emit_instructions(
                     kept.append(i)
                 if out is not None:
                     scale = 1.0 / k if k > 1 and _is_float(out) else None
-                    accumulate.append(Accumulation(i, out, scale, reads_sum=k > 1))
+                    sum_var = partials.get(out, out)
+                    accumulate.append(Accumulation(i, sum_var, scale, reads_sum=k > 1))
+            reduces = tuple(
+                i for i, v in enumerate(comp.invars) if v in partials and readers[v][0] is comp
+            )
+            publishes = tuple(i for i in reduces if len(readers[comp.invars[i]]) > 1)
             kernel_of[index] = len(kernels)
-            kernels.append(Kernel(index, tuple(kept), tuple(accumulate)))
+            kernels.append(Kernel(index, tuple(kept), tuple(accumulate), reduces, publishes))
         return kernel_of[index]
 
     def run(comp, mb):
@@ -214,10 +237,16 @@ def emit_instructions(
             present.update((names[v], mb_of(v, mb), comp.stage) for v in comp.outvars)
             return
         kernel = kernels[kernel_for(comp)]
-        ins = [ensure(v, mb, comp.stage) for v in comp.invars]
+        ins = [
+            (names[partials[v]], None, comp.stage)
+            if i in kernel.reduces
+            else ensure(v, mb, comp.stage)
+            for i, v in enumerate(comp.invars)
+        ]
         outs = [
             (names[comp.outvars[i]], mb_of(comp.outvars[i], mb), comp.stage) for i in kernel.kept
         ]
+        outs += [(names[comp.invars[i]], None, comp.stage) for i in kernel.publishes]
         sums = [(names[a.marker_out], None, comp.stage) for a in kernel.accumulate]
         for key, a in zip(sums, kernel.accumulate, strict=True):
             nbytes[key] = _nbytes(a.marker_out)
@@ -232,8 +261,11 @@ def emit_instructions(
             )
             present.update(missing)
         ins += [key for key, a in zip(sums, kernel.accumulate, strict=True) if a.reads_sum]
-        for key, i in zip(outs, kernel.kept, strict=True):
-            nbytes[key] = _nbytes(comp.outvars[i])
+        written = [comp.outvars[i] for i in kernel.kept] + [
+            comp.invars[i] for i in kernel.publishes
+        ]
+        for key, v in zip(outs, written, strict=True):
+            nbytes[key] = _nbytes(v)
         instructions.append(
             Instruction(
                 Op.RUN,

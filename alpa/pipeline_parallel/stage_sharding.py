@@ -15,7 +15,8 @@ mesh, so every computation that writes or reads it there (and every ``LOAD``,
 * Values the ILP does not name (or all values, with ``force_data_parallel=True`` or
   ``enable_auto_sharding=False``) are data parallel (:func:`data_parallel_spec`): split
   along dimension 0 over all devices of the submesh when the forward or backward computes
-  them from the batch and it divides, else replicated.
+  them from the batch and it divides, else replicated. With ``prefer_reduce_scatter``, a
+  data-parallel stage is ZeRO-2 (``deferred_sums.zero2_specs``).
 * A step output that replaces a donated input (the updated parameters and optimizer state
   of a train step, paired as ``ShardParallel`` pairs them) takes that input's sharding on
   its mesh (:func:`tie_donated_outputs`), so the next step's inputs are already in place;

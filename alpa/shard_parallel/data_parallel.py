@@ -30,15 +30,16 @@ from alpa.tracing import TracedStep
 DATA_AXIS = "x"
 
 
-def zero_spec(shape: tuple[int, ...], num_devices: int) -> PartitionSpec:
-    """Shard the first dimension that ``num_devices`` divides; else replicate."""
+def zero_spec(shape: tuple[int, ...], num_devices: int, axes=DATA_AXIS) -> PartitionSpec:
+    """Shard the first dimension that ``num_devices`` divides over mesh axis (or axes)
+    ``axes``; else replicate."""
     for dim, size in enumerate(shape):
         if size % num_devices == 0 and size >= num_devices:
-            return PartitionSpec(*([None] * dim + [DATA_AXIS]))
+            return PartitionSpec(*([None] * dim + [axes]))
     return REPLICATED
 
 
-def _is_opt_state(name: str) -> bool:
+def is_opt_state(name: str) -> bool:
     return "opt_state" in name
 
 
@@ -54,7 +55,7 @@ def data_parallel_plan(
     n = mesh.num_devices
 
     def state_spec(name: str, shape) -> PartitionSpec:
-        sharded = (zero_stage == 3) or (zero_stage == 2 and _is_opt_state(name))
+        sharded = (zero_stage == 3) or (zero_stage == 2 and is_opt_state(name))
         return zero_spec(shape, n) if sharded else REPLICATED
 
     in_specs = []

@@ -324,7 +324,7 @@ def build_step_function(
             _check_batch_free(traced, split, dims)
             deferred = deferrable(split.compute, dims)
             overrides = deferred_rules(
-                split.compute, dims, deferred, mesh, data_axes, plan.var_specs
+                split.compute.eqns, dims, deferred, mesh, data_axes, plan.var_specs
             )
     if mesh.size > 1:
         overrides |= partial_sum_overrides(
@@ -440,7 +440,7 @@ def _reduce_at_marker(traced: TracedStep, plan: ShardingPlan, mesh, var_sharding
     deferred = deferrable(before, dims, keep=planned_over_data)
     if not deferred:
         return {}
-    overrides = deferred_rules(before, dims, deferred, mesh, data_axes, plan.var_specs)
+    overrides = deferred_rules(before.eqns, dims, deferred, mesh, data_axes, plan.var_specs)
 
     def reduce(operands):
         outs = []

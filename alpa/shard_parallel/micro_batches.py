@@ -41,7 +41,7 @@ deferred; the step is still exact, with its all-reduces inside the loop.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -224,19 +224,28 @@ def _linear_positions(eqn: JaxprEqn) -> Callable[[int], bool] | None:
     return _ADDITIVE.get(name) or _LINEAR_IN_ONE.get(name)
 
 
+def _passes_through(eqn: JaxprEqn) -> bool:
+    """An identity of many operands (``alpa``'s pipeline marker): output ``i`` is operand
+    ``i``, so it carries partial sums where the operand does, each position on its own."""
+    return eqn.primitive.name == "pipeline_marker" and len(eqn.invars) == len(eqn.outvars)
+
+
 def _is_float(v) -> bool:
     return jnp.issubdtype(v.aval.dtype, jnp.inexact)
 
 
 def deferrable(
-    compute: Jaxpr, dims: dict, keep: Callable[[JaxprEqn], bool] | None = None
+    compute: Jaxpr,
+    dims: dict,
+    keep: Callable[[JaxprEqn], bool] | None = None,
+    reduced: Collection[Var] = (),
 ) -> set[Var]:
     """The values of ``compute`` that can be carried as per-device partial sums: each is
     made by a row sum (one that ``keep`` accepts, when given) or by a linear operation of
-    such values, and is read only by the
-    marker (``compute.outvars``) or by linear operations, in an operand where they are
-    linear, whose results are deferred too; a multiplication or contraction reads at most
-    one of them.
+    such values, is not in ``reduced`` (values something outside ``compute`` reads
+    whole), and is read only by the marker (``compute.outvars``) or by linear operations,
+    in an operand where they are linear, whose results are deferred too; a multiplication
+    or contraction reads at most one of them.
 
     Found by removing values from all candidates: first those that break the conditions
     that only get harder as values leave the set, until none does; then, where a
@@ -255,9 +264,10 @@ def deferrable(
     deferred = {
         v
         for eqn in compute.eqns
-        if len(eqn.outvars) == 1 and (row_sum(eqn) or _linear_positions(eqn) is not None)
+        if _passes_through(eqn)
+        or (len(eqn.outvars) == 1 and (row_sum(eqn) or _linear_positions(eqn) is not None))
         for v in eqn.outvars
-        if _is_float(v) and dims.get(v) == ()
+        if _is_float(v) and dims.get(v) == () and v not in reduced
     }
 
     def deferred_operands(eqn: JaxprEqn) -> list[Var]:
@@ -265,9 +275,17 @@ def deferrable(
 
     def holds(v: Var) -> bool:
         eqn = producer[v]
-        if not deferred_operands(eqn) and not row_sum(eqn):
+        if _passes_through(eqn):
+            source = eqn.invars[eqn.outvars.index(v)]
+            if not (isinstance(source, Var) and source in deferred):
+                return False
+        elif not deferred_operands(eqn) and not row_sum(eqn):
             return False
         for user, i in uses.get(v, ()):
+            if _passes_through(user):
+                if user.outvars[i] not in deferred:
+                    return False
+                continue
             linear = _linear_positions(user)
             if linear is None or not linear(i) or not all(o in deferred for o in user.outvars):
                 return False
@@ -279,7 +297,9 @@ def deferrable(
             broken = {
                 u
                 for eqn in compute.eqns
-                if eqn.primitive.name not in _ADDITIVE and len(deferred_operands(eqn)) > 1
+                if eqn.primitive.name not in _ADDITIVE
+                and not _passes_through(eqn)
+                and len(deferred_operands(eqn)) > 1
                 for u in deferred_operands(eqn)
             }
         if not broken:
@@ -296,14 +316,14 @@ def _is_row_sum(eqn: JaxprEqn, dims) -> bool:
 
 
 def deferred_rules(
-    compute: Jaxpr,
+    eqns: Iterable[JaxprEqn],
     dims: dict,
     deferred: set[Var],
     mesh,
     data_axes: tuple[str, ...],
     var_specs: Mapping[Var, PartitionSpec] | None = None,
 ) -> dict[JaxprEqn, Callable[[list], list]]:
-    """For each equation that makes a deferred value, the function that computes its
+    """For each of ``eqns`` that makes a deferred value, the function that computes its
     partial sums (``[n, ...]``, split over ``data_axes``) from its operands, as
     ``eval_jaxpr_with_constraints``'s ``overrides``. A value the plan pins in
     ``var_specs`` keeps its split over the other mesh axes (a vocabulary-parallel
@@ -312,7 +332,11 @@ def deferred_rules(
     data = data_axes if len(data_axes) > 1 else data_axes[0]
     var_specs = var_specs or {}
     rules = {}
-    for eqn in compute.eqns:
+    for eqn in eqns:
+        if _passes_through(eqn):
+            if any(v in deferred for v in eqn.outvars):
+                rules[eqn] = list  # the identity, on partial sums and whole values alike
+            continue
         if not eqn.outvars or eqn.outvars[0] not in deferred:
             continue
         partial_sharding = NamedSharding(

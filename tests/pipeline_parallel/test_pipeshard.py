@@ -392,14 +392,10 @@ def test_data_parallel_stage_reads_parameters_replicated():
         assert executable.stage_programs.sharding(out, program.home[out]).is_fully_replicated
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="a data-parallel stage's backward all-reduces its gradients once per micro-batch; "
-    "reducing once per step in apply-grad needs the backward at per-device batch (see "
-    "docs/pipeline.md, 'Not yet')",
-)
 def test_data_parallel_stage_reduces_gradients_once_per_step():
+    """force_data_parallel, 2 micro-batches: each stage's backward (run per micro-batch)
+    neither all-reduces nor reduce-scatters a gradient; its apply-grad (once per step)
+    all-reduces them (deferred_sums)."""
     from alpa.util import count_communication_primitives
 
     devices_or_skip(8)
@@ -416,6 +412,60 @@ def test_data_parallel_stage_reduces_gradients_once_per_step():
         apply = count_communication_primitives(hlo[f"stage{stage}_apply_0"])
         assert backward.all_reduce == 0 and backward.reduce_scatter == 0, backward
         assert apply.all_reduce >= 1, apply
+
+
+@pytest.mark.parametrize("clip", [False, True])
+def test_zero2_stage_gathers_parameters_once_per_step(clip):
+    """force_data_parallel + prefer_reduce_scatter: two stages on (1, 4), 2 micro-batches of
+    8 rows, adam (after a global-norm clip, which reads each gradient at two apply levels),
+    parameters and optimizer state donated. Per stage (w [16, 16], b [16]): the backward,
+    run once per micro-batch, has no collective at all; apply-grad, once per step,
+    reduce-scatters the 2 gradients and all-gathers the 2 updated parameters (the clip's
+    norm adds only all-reduces of scalars); adam's moments stay split 4 ways, the
+    parameters replicated; numerics equal serial."""
+    from alpa.util import collective_shapes, count_communication_primitives
+
+    devices_or_skip(8)
+    params, batch = _mlp(2, hidden=16)
+    adam = optax.adam(1e-2)
+    tx = optax.chain(optax.clip_by_global_norm(0.3), adam) if clip else adam
+    option = alpa.AutoShardingOption(force_data_parallel=True, prefer_reduce_scatter=True)
+    method = PipeshardParallel(num_micro_batches=2, default_auto_sharding_option=option)
+    step = alpa.parallelize(
+        _train_step(_mlp_loss(2), tx, alpa.value_and_grad),
+        method=method,
+        batch_argnums=(2,),
+        donate_argnums=(0, 1),
+    )
+    serial = jax.jit(_train_step(_mlp_loss(2), tx, jax.value_and_grad))
+    ref_state = (params, tx.init(params))
+    state = jax.tree.map(jnp.copy, ref_state)
+    for _ in range(2):
+        ref = serial(*ref_state, batch)
+        out = step(*state, batch)
+        for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(ref), strict=True):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)
+        ref_state, state = ref[:2], out[:2]
+    new_params, opt_state, _ = out
+    assert all(p.sharding.is_fully_replicated for p in jax.tree.leaves(new_params))
+    moments = [x for x in jax.tree.leaves(opt_state) if x.ndim]
+    assert len(moments) == 8
+    assert all(x.sharding.shard_shape(x.shape)[0] == x.shape[0] // 4 for x in moments)
+
+    executable = step.get_last_executable()
+    assert len(executable.plan.summary()["gradients_reduced_once_per_step"]) == 4
+    names = [c.name for c in executable.program.computations]
+    hlo = dict(zip(names, executable.get_hlo_text(), strict=True))
+    for stage in range(2):
+        backward = count_communication_primitives(hlo[f"stage{stage}_backward"], True)
+        assert backward.total == 0, backward
+        applies = [h for n, h in hlo.items() if n.startswith(f"stage{stage}_apply")]
+        scattered = sorted(s for h in applies for s in collective_shapes(h, "reduce-scatter"))
+        gathered = sorted(s for h in applies for s in collective_shapes(h, "all-gather"))
+        reduced = [s for h in applies for s in collective_shapes(h, "all-reduce")]
+        assert scattered == ["f32[4,16]", "f32[4]"], scattered
+        assert gathered == ["f32[16,16]", "f32[16]"], gathered
+        assert all(s == "f32[]" for s in reduced) and (not reduced or clip), reduced
 
 
 @pytest.mark.parametrize("replicate_activation", [False, True])

@@ -167,6 +167,30 @@ def test_pipeshard_two_stages_one_per_node(ray_cluster, num_micro_batches, sched
     assert sent == received == 2 * executable.get_resharded_bytes() > 0
 
 
+def test_pipeshard_zero2_stages_reduce_once_per_step(ray_cluster):
+    """Data-parallel stages with prefer_reduce_scatter on the workers: the backward (per
+    micro-batch) has no collective, apply-grad reduce-scatters the gradients (shard_map
+    exported on the stage's abstract mesh); numerics equal serial."""
+    from alpa.util import count_communication_primitives
+
+    option = alpa.AutoShardingOption(force_data_parallel=True, prefer_reduce_scatter=True)
+    method = alpa.PipeshardParallel(
+        num_micro_batches=4,
+        layer_option="manual",
+        stage_option=alpa.ManualStageOption([[0, 1], [2, 3]], [(1, DEVICES_PER_NODE)] * 2),
+        default_auto_sharding_option=option,
+    )
+    state, expected, executable = _run(method, markers=True)
+    assert type(executable).__name__ == "PipeshardRayExecutable"
+    assert_allclose(state.params, expected.params)
+    assert_allclose(state.opt_state, expected.opt_state)
+    hlo = dict(zip(executable.get_hlo_names(), executable.get_hlo_text(), strict=True))
+    for stage in range(2):
+        assert count_communication_primitives(hlo[f"stage{stage}_backward"], True).total == 0
+        applies = [h for n, h in hlo.items() if n.startswith(f"stage{stage}_apply")]
+        assert sum(count_communication_primitives(h).reduce_scatter for h in applies) > 0
+
+
 @pytest.mark.parametrize("num_micro_batches", [1, 4])
 def test_pipeshard_automatic_stages(ray_cluster, num_micro_batches):
     method = alpa.PipeshardParallel(

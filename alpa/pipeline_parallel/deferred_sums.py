@@ -1,0 +1,176 @@
+"""Gradients of a data-parallel stage reduced once per step, in apply-grad.
+
+A data-parallel stage (``force_data_parallel=True``, or auto-sharding off) runs its forward
+and backward computations once per micro-batch with the micro-batch split over all
+devices of its submesh. Left to XLA's partitioner, every gradient (a sum over the
+micro-batch's rows) would be all-reduced inside the backward, once per micro-batch. As on
+one mesh (``shard_parallel/micro_batches.py``), such a row sum is *deferred* instead:
+
+* **backward**: each device computes the sum over its own rows and keeps it as one slice
+  of a value with a new leading axis of size ``n`` (the devices of the submesh), split over
+  them: no communication. Linear operations between the row sum and the ``alpa.grad``
+  marker apply slice by slice.
+* **accumulation**: the running sum of a deferred gradient is such an ``[n, ...]`` buffer
+  (a value of its own, :attr:`DeferredSums.partials`), donated and updated in the backward
+  like every accumulator.
+* **apply-grad**: the first apply computation that reads the gradient sums the slices
+  (``micro_batches.sum_partials``): one all-reduce per gradient per step, or, with
+  ``prefer_reduce_scatter=True``, one reduce-scatter into the gradient's ZeRO-2 sharding
+  (:func:`zero2_specs`), after which the optimizer updates ``1/n`` of each parameter and
+  the updated parameters are all-gathered once. When a later apply computation reads the
+  gradient too (a global-norm clip reads it at two levels), the first one also writes the
+  reduced value for it.
+
+Only gradients whose every reader is an apply computation on their own stage are
+deferred (a gradient the step returns, or that another stage reads, is reduced where it
+is computed). Which dimensions hold the batch's rows is read off a trace at the per-device
+micro-batch size (``micro_batches.batch_dims``); where it differs in structure, or the
+micro-batch does not split over the submesh, nothing is deferred and the stage keeps its
+per-micro-batch all-reduces. Stages planned by the ILP keep the ILP's plan.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from jax.core import ShapedArray
+from jax.extend.core import Var
+
+from alpa.pipeline_parallel.computation import PipelineProgram, StageComputation, _is_var
+from alpa.shard_parallel.data_parallel import is_opt_state, zero_spec
+from alpa.shard_parallel.micro_batches import batch_dims, deferrable
+from alpa.tracing import TracedStep, new_jaxpr
+
+
+@dataclass(frozen=True, eq=False)
+class DeferredSums:
+    """Which values of a program are carried as per-device partial sums.
+
+    Attributes:
+      values: the values of forward and backward computations computed as ``[n, ...]``
+        partial sums (``n``: devices of their stage's submesh).
+      row_dims: the batch dimensions of values (``micro_batches.batch_dims``), read by the
+        row sums that start them.
+      partials: ``alpa.grad`` marker output -> its accumulator of partial sums, a value of
+        shape ``[n, *shape]`` that the backward updates and apply-grad reduces.
+    """
+
+    values: frozenset[Var]
+    row_dims: dict
+    partials: dict[Var, Var]
+
+
+def defer_gradient_sums(
+    program: PipelineProgram,
+    traced: TracedStep,
+    mesh_sizes: Sequence[int],
+    data_parallel: Sequence[bool],
+) -> DeferredSums | None:
+    """The deferred sums of ``program`` (module docstring): in stage ``s`` when
+    ``data_parallel[s]`` and ``mesh_sizes[s] > 1``. ``None`` when nothing is deferred."""
+    if not program.is_training:
+        return None
+    jaxpr = program.closed_jaxpr.jaxpr
+    step_outputs = {v for v in jaxpr.outvars if _is_var(v)}
+    readers: dict[Var, list[StageComputation]] = {}
+    for comp in program.computations:
+        for v in comp.invars:
+            readers.setdefault(v, []).append(comp)
+    batch_sizes = [
+        a.shape[0] if a.shape else 0
+        for a, b in zip(traced.in_avals, traced.batch_invars, strict=True)
+        if b
+    ]
+    dims_of: dict[int, dict | None] = {}
+    values: set[Var] = set()
+    row_dims: dict = {}
+    partials: dict[Var, Var] = {}
+    for comp in program.computations:
+        s, n = comp.stage, mesh_sizes[comp.stage]
+        if comp.kind == "apply" or not comp.eqns or not data_parallel[s] or n == 1:
+            continue
+        if not batch_sizes or any(b % n for b in batch_sizes):
+            continue
+        # Marker outputs whose gradient this computation makes and that only apply-grad
+        # computations of this stage read.
+        marked = {
+            operand: out
+            for out, operand in program.accumulated.items()
+            if operand in comp.outvars
+            and out not in step_outputs
+            and readers.get(out)
+            and all(r.kind == "apply" and r.stage == s for r in readers[out])
+            and not readers.get(operand)
+            and operand not in step_outputs
+        }
+        if not marked:
+            continue
+        if n not in dims_of:
+            dims_of[n] = batch_dims(traced, n)
+        dims = dims_of[n]
+        if dims is None:
+            continue
+        body = new_jaxpr(jaxpr, jaxpr.constvars, comp.invars, list(marked), comp.eqns)
+        reduced = [v for v in comp.outvars if v not in marked]
+        deferred = deferrable(body, dims, reduced=reduced)
+        if not deferred & set(marked):
+            continue
+        values |= deferred
+        row_dims.update(
+            (v, dims[v])
+            for e in comp.eqns
+            if e.outvars and e.outvars[0] in deferred
+            for v in e.invars
+            if isinstance(v, Var) and v in dims
+        )
+        for operand, out in marked.items():
+            if operand in deferred:
+                aval = out.aval
+                partials[out] = Var(ShapedArray((n, *aval.shape), aval.dtype))
+    if not partials:
+        return None
+    return DeferredSums(frozenset(values), row_dims, partials)
+
+
+def zero2_specs(
+    traced: TracedStep,
+    program: PipelineProgram,
+    table: dict,
+    mesh_sizes: Sequence[int],
+    zero2: Sequence[bool],
+    data_axes: tuple[str, ...],
+) -> None:
+    """ZeRO-2 in a data-parallel stage with ``prefer_reduce_scatter`` (``zero2[s]``): its
+    optimizer state and the gradients its apply-grad reads are split along their first
+    dimension that the submesh's device count divides (``table`` is updated in place;
+    entries already there, the user's pins, are kept). Parameters stay replicated: the
+    apply-grad computation updates ``1/n`` of each and all-gathers the result.
+
+    Optimizer state is every step input that only apply-grad computations read (whatever
+    its name), and every input whose path holds ``opt_state`` (as for ``Zero2Parallel``)."""
+    jaxpr = traced.closed_jaxpr.jaxpr
+    kinds: dict[Var, set[str]] = {}
+    for comp in program.computations:
+        for v in comp.invars:
+            kinds.setdefault(v, set()).add(comp.kind)
+    for v, name in zip(jaxpr.invars, traced.leaf_names, strict=True):
+        if not (is_opt_state(name) or kinds.get(v) == {"apply"}):
+            continue
+        for s in program.input_stages[v]:
+            if zero2[s] and mesh_sizes[s] > 1:
+                table.setdefault((v, s), zero_spec(v.aval.shape, mesh_sizes[s], data_axes))
+    # The gradients, and what apply-grad computes from them and the state for another
+    # apply computation (a clip's scaled gradients, a moment read at the next level):
+    # split too, so that no computation gathers them. The step's outputs are not: a
+    # donated one takes its input's spec afterwards (``tie_donated_outputs``: the state
+    # split, the parameters replicated), the others stay replicated, as in ``Zero2Parallel``.
+    outputs = set(jaxpr.outvars)
+    values = list(program.accumulated)
+    values += [v for c in program.computations if c.kind == "apply" for v in c.outvars]
+    for v in values:
+        if v in outputs:
+            continue
+        s = program.home[v]
+        if zero2[s] and mesh_sizes[s] > 1:
+            table.setdefault((v, s), zero_spec(v.aval.shape, mesh_sizes[s], data_axes))
