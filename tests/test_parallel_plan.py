@@ -242,7 +242,7 @@ def test_pipeshard_plan_records_stages(recorded):
     assert str(plan).splitlines()[2:] == [
         "stage  layers  devices  logical mesh",
         "0      [0]     0..3     (4, 1)",
-        "1      [1]     4..7     (4, 1)",
+        "1      [1]     4..7     (1, 4)",
     ]
 
 

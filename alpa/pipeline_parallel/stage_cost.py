@@ -17,8 +17,9 @@ Two models:
              + [i > 0] \\, \\frac{2 X_i}{W}
 
   with :math:`F_l` the layer's FLOPs (``tracing.flops``), :math:`R` the device's peak
-  FLOP/s, :math:`K_l` the ILP's objective (its communication in seconds under the
-  alpha-beta model of the cluster), :math:`X_i` the bytes entering layer ``i`` from
+  FLOP/s, :math:`K_l` the communication of the ILP's plan (seconds under the alpha-beta
+  model of the cluster; the ILP's objective also holds a compute estimate, which is not
+  added again), :math:`X_i` the bytes entering layer ``i`` from
   earlier layers (sent forward, their cotangents sent back) and :math:`W` the cross-mesh
   bandwidth (``inf``: free). Layers with identical jaxprs are planned once.
 
@@ -53,7 +54,12 @@ from jax.sharding import PartitionSpec
 from alpa.device_mesh import ClusterSpec, VirtualPhysicalMesh
 from alpa.pipeline_parallel.computation import PipelineProgram, _is_var, _nbytes
 from alpa.pipeline_parallel.stage_sharding import merged_step, uses_ilp
-from alpa.shard_parallel.auto_sharding import AutoShardingOption, plan_auto_sharding
+from alpa.shard_parallel import ilp_solver
+from alpa.shard_parallel.auto_sharding import (
+    AutoShardingOption,
+    plan_auto_sharding,
+    solve_auto_sharding,
+)
 from alpa.tracing import TracedStep
 from alpa.tracing.flops import jaxpr_flops
 
@@ -259,7 +265,12 @@ def _ilp_layer(problem: StageProblem, layer: int, m: int, config: LogicalConfig,
     key = (_structure_key(step), problem.submesh_choices[m], config)
     if key not in cache:
         mesh = problem.logical_mesh(m, config)
-        plan = plan_auto_sharding(step, mesh, option, partial_sums=False)  # as the stages run
+        # Priced as the stages run (no partial sums carried through adds). The latency
+        # takes the plan's communication only: its compute is F_l / (n_m R) (module
+        # docstring), and the ILP's objective holds its own compute estimate too.
+        solution = solve_auto_sharding(step, mesh, option, partial_sums=False)
+        plan = solution.to_sharding_plan()
+        communication = ilp_solver.communication_cost(solution.graph, solution.solution.choice)
         invars = step.jaxpr.invars
         program_inputs = set(problem.program.closed_jaxpr.jaxpr.invars)
         whole, local = 0.0, 0.0
@@ -270,7 +281,7 @@ def _ilp_layer(problem: StageProblem, layer: int, m: int, config: LogicalConfig,
                     v.aval, spec, plan.logical_mesh.shape, plan.logical_mesh.axis_names
                 )
         fraction = local / whole if whole else 1.0
-        cache[key] = (float(plan.objective or 0.0), fraction)
+        cache[key] = (float(communication), fraction)
     return cache[key]
 
 

@@ -19,8 +19,9 @@ from alpa.pipeline_parallel.stage_construction import (
     get_last_dp_result,
     place_submeshes,
 )
-from alpa.pipeline_parallel.stage_cost import MeasuredStageCost, StageCosts
+from alpa.pipeline_parallel.stage_cost import AnalyticStageCost, MeasuredStageCost, StageCosts
 from alpa.testing import assert_allclose
+from alpa.tracing.flops import jaxpr_flops
 
 
 def _mlp(widths, batch_size, abstract, value_and_grad):
@@ -172,6 +173,34 @@ class ClosedFormCost:
                     layers = range(i, j + 1)
                     cost[i, j, m, 0] = sum(self.work[x] / n + self.comm * (n - 1) for x in layers)
         return StageCosts(cost, np.full((L, L, M, C), L), np.zeros((L, L, M, C)))
+
+
+def test_analytic_latency_is_flops_over_the_submesh_plus_communication():
+    """On a free network (no latency, 1e30 B/s links) the analytic model's latency of a
+    one-layer stage is F / (n R) in closed form (F: the layer's FLOPs, n: the submesh's
+    devices, R = 1e13 FLOP/s): the ILP's communication is ~0 and its own compute estimate
+    is not added on top."""
+    free = ClusterSpec(
+        1, 8, 1e13, 1 << 34, 1e30, 1e30, intra_node_latency=0.0, inter_node_latency=0.0
+    )
+    seen = {}
+
+    def recording(problem):
+        seen["problem"], seen["costs"] = problem, AnalyticStageCost()(problem)
+        return seen["costs"]
+
+    _plan((64,) * 4, free, AutoStageOption(cost_model=recording))
+    problem, costs = seen["problem"], seen["costs"]
+    checked = 0
+    for layer in range(problem.num_layers):
+        flops = jaxpr_flops(e for c in problem.layer_comps([layer]) for e in c.eqns)
+        assert flops > 0
+        for m, (hosts, per_host) in enumerate(problem.submesh_choices):
+            for c in range(len(problem.configs[m])):
+                expected = flops / (hosts * per_host * 1e13)
+                assert costs.compute_cost[layer, layer, m, c] == pytest.approx(expected, rel=1e-6)
+                checked += 1
+    assert checked >= 4 * 4, checked
 
 
 def test_identical_layers_free_transfers_give_equal_stages_on_equal_submeshes():
