@@ -43,6 +43,11 @@ from alpa.pipeline_parallel.stage_cost import AnalyticStageCost
 # (model, GPUs): Alpa's weak-scaling pairs, and GPT-39B on 64 GPUs as in its paper.
 DEFAULT_CASES = ("1.3B:8", "2.6B:16", "6.7B:32", "15B:64", "39B:64")
 
+# Layers the step is clustered into, per model: the counts of Alpa's own GPT searches
+# (its benchmark suite's perf_test_auto, benchmark/alpa/suite_gpt.py), each a divisor of
+# the model's transformer blocks (24, 32, 32, 48, 48).
+LAYER_NUM = {"1.3B": 6, "2.6B": 8, "6.7B": 8, "15B": 16, "39B": 16}
+
 
 class Timers:
     """Accumulated seconds of the functions ``wrap`` patched."""
@@ -64,11 +69,18 @@ class Timers:
         setattr(owner, name, timed)
 
 
-def run_case(model: str, num_gpus: int, batch: int, micro_batches: int, timers: Timers) -> dict:
+def run_case(
+    model: str,
+    num_gpus: int,
+    batch: int,
+    micro_batches: int,
+    timers: Timers,
+    layer_num: int | None = None,
+) -> dict:
     config = dataclasses.replace(GPT_PRESETS[model], dtype=jnp.float16)  # as Alpa's runs
     per_node = min(num_gpus, 8)
     cluster = ClusterSpec.preset("a100-40gb", num_gpus // per_node, per_node)
-    layer_num = min(config.num_layers, 16)
+    layer_num = layer_num or LAYER_NUM.get(model, min(config.num_layers, 16))
     state, data, step = get_gpt_train_state_and_step(
         config, batch, grad_func=alpa.value_and_grad, abstract=True
     )
@@ -115,6 +127,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1024)
     parser.add_argument("--micro-batches", type=int, default=128)
     parser.add_argument("--out", default="benchmark/pipeline/results.json")
+    parser.add_argument(
+        "--layer-num", type=int, default=None, help="layers for every case (default: LAYER_NUM)"
+    )
     args = parser.parse_args()
     alpa.util.disable_tqdm_globally()
     # Only trace-time work is timed; nothing here compiles or touches a device.
@@ -129,7 +144,7 @@ def main() -> None:
     results = []
     for case in args.cases:
         model, gpus = case.split(":")
-        result = run_case(model, int(gpus), args.batch, args.micro_batches, timers)
+        result = run_case(model, int(gpus), args.batch, args.micro_batches, timers, args.layer_num)
         results.append(result)
         print("\n".join(result["plan"]), flush=True)
         with open(args.out, "w") as f:
