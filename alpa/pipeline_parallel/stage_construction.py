@@ -436,7 +436,11 @@ def get_last_dp_result() -> tuple:
 def stage_problem(option: AutoStageOption, context: StageContext):
     """The :class:`~alpa.pipeline_parallel.stage_cost.StageProblem` of ``context``."""
     from alpa.pipeline_parallel.computation import split_computations
-    from alpa.pipeline_parallel.stage_cost import StageProblem, get_logical_configs
+    from alpa.pipeline_parallel.stage_cost import (
+        StageProblem,
+        get_logical_configs,
+        split_parameters_under_memory_pressure,
+    )
     from alpa.shard_parallel.auto_sharding import AutoShardingOption
 
     layers, traced = context.layers, context.traced
@@ -468,9 +472,10 @@ def stage_problem(option: AutoStageOption, context: StageContext):
         or default.memory_budget_per_device
         or context.cluster.device_memory
     )
-    return StageProblem(
+    problem = StageProblem(
         traced, program, context.names or {}, choices, configs, context.cluster, default, budget
     )
+    return split_parameters_under_memory_pressure(problem, context.num_devices)
 
 
 def plan_auto_stages(option: AutoStageOption, context: StageContext) -> StagePlan:

@@ -28,7 +28,10 @@ Two models:
   plus per micro-batch in flight the activations its forward keeps for its backward,
   split over the submesh. Under 1F1B a stage followed by ``k`` stages holds ``k + 1``
   micro-batches, so ``max_n_succ_stages = floor((budget - state) / activations) - 1``
-  (``-1``, and an ``inf`` latency, when not even one fits).
+  (``-1``, and an ``inf`` latency, when not even one fits). The layer ILPs run without
+  the budget; on a submesh where even the replicated state of an average stage cannot
+  fit, its configurations ask the ILP to split parameters
+  (:func:`split_parameters_under_memory_pressure`).
 
 * :class:`MeasuredStageCost`: compiles every candidate stage on the real submesh
   (``ShardParallel``'s intra-op pass and lowering) and times it; results are cached on
@@ -189,6 +192,34 @@ class StageCostModel(Protocol):
     """Fills the DP's tables for a :class:`StageProblem`."""
 
     def __call__(self, problem: StageProblem) -> StageCosts: ...
+
+
+def split_parameters_under_memory_pressure(problem: StageProblem, num_devices: int) -> StageProblem:
+    """``problem`` with ``allow_replicated_parameters=False`` in the configurations of
+    every multi-device submesh on which replicated state cannot fit: a stage on ``n`` of
+    the cluster's ``num_devices`` devices holds ``L * n / num_devices`` of the ``L``
+    layers on average, and when their parameters, optimizer state and gradient sums whole
+    (the largest layer's, times that count) exceed ``memory_budget``, the ILP must split
+    the parameters there (Alpa's option of that name). The layer ILPs are otherwise solved
+    without the budget, which they would keep data parallel where communication says so.
+    The stages compile with the configuration's option, so the plan priced is the plan
+    run."""
+    if problem.option.force_data_parallel or not problem.option.allow_replicated_parameters:
+        return problem
+    state = max(_layer_facts(problem, layer).state_bytes for layer in range(problem.num_layers))
+    configs = []
+    for (hosts, per_host), choices in zip(problem.submesh_choices, problem.configs, strict=True):
+        n = hosts * per_host
+        if n > 1 and state * problem.num_layers * n / num_devices > problem.memory_budget:
+            choices = tuple(
+                LogicalConfig(
+                    c.shape,
+                    tuple(sorted({**c.option_dict, "allow_replicated_parameters": False}.items())),
+                )
+                for c in choices
+            )
+        configs.append(choices)
+    return dataclasses.replace(problem, configs=tuple(configs))
 
 
 # ----------------------------------------------------------------------------- per layer

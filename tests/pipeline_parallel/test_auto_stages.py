@@ -203,6 +203,34 @@ def test_analytic_latency_is_flops_over_the_submesh_plus_communication():
     assert checked >= 4 * 4, checked
 
 
+def test_parameters_split_where_replicated_state_cannot_fit():
+    """4 Dense(64) layers with Adam: each layer's state (kernel and bias, two moments, the
+    gradient sum) is 4 x 16,640 = 66,560 bytes whole. On 8 devices a stage on n of them
+    holds 4 n / 8 layers on average, so with a budget of 1.5 layers' state the replicated
+    state fits on (1, 1) and (1, 2) (at most 1 layer) but not on (1, 4) or (1, 8) (2 and 4
+    layers): only those get allow_replicated_parameters=False. A budget of 100 layers'
+    state changes no configuration."""
+    layer_state = 4 * (64 * 64 + 64) * 4
+    seen = []
+
+    def recording(problem):
+        seen.append(problem)
+        return AnalyticStageCost()(problem)
+
+    option = AutoStageOption(cost_model=recording)
+    for budget in (1.5 * layer_state, 100 * layer_state):
+        cluster = ClusterSpec(1, 8, 1e13, int(budget), 1e11, 1e10, name="small-memory")
+        _plan((64,) * 4, cluster, option)
+    tight, loose = seen
+    for problem, split_from in ((tight, 4), (loose, None)):
+        for (hosts, per_host), configs in zip(
+            problem.submesh_choices, problem.configs, strict=True
+        ):
+            split = split_from is not None and hosts * per_host >= split_from
+            for config in configs:
+                assert config.option_dict.get("allow_replicated_parameters", True) is not split
+
+
 def test_identical_layers_free_transfers_give_equal_stages_on_equal_submeshes():
     # 4 stages on (1, 2): each 0.5 + 0.05 -> 19 * 0.55 = 10.45 per step; 2 on (1, 4):
     # 18 * 0.8; 1 on (1, 8): 16 * 1.9; any unequal split has a slower stage.
