@@ -371,12 +371,14 @@ def test_remat_layer_matches_serial_and_keeps_fewer_activations():
         assert not own & set(bwd.invars)
 
 
-def test_data_parallel_stage_reads_parameters_replicated():
-    """A layer's start marker passes its parameters along with the activation; they stay
-    parameters (replicated in a data-parallel stage), so no stage computation gathers a
-    weight, and the accumulated gradients are replicated."""
-    from alpa.util import count_communication_primitives
+def _hlo_by_computation(executable) -> dict[str, str]:
+    names = [c.name for c in executable.program.computations]
+    return dict(zip(names, executable.get_hlo_text(), strict=True))
 
+
+def _data_parallel_two_stages():
+    """A 2-stage MLP (hidden 16), force_data_parallel, 2 micro-batches, sgd, checked
+    against serial; its executable and the HLO of each stage computation."""
     devices_or_skip(8)
     params, batch = _mlp(2, hidden=16)
     option = alpa.AutoShardingOption(force_data_parallel=True)
@@ -384,9 +386,18 @@ def test_data_parallel_stage_reads_parameters_replicated():
     executable = _check_against_serial(
         _mlp_loss(2), params, batch, method, tx=optax.sgd(0.1), steps=1
     )
-    names = [c.name for c in executable.program.computations]
-    for name, hlo in zip(names, executable.get_hlo_text(), strict=True):
-        assert count_communication_primitives(hlo, True).all_gather == 0, name
+    return executable, _hlo_by_computation(executable)
+
+
+def test_data_parallel_stage_reads_parameters_replicated():
+    """A layer's start marker passes its parameters along with the activation; they stay
+    parameters (replicated in a data-parallel stage), so no stage computation gathers a
+    weight, and the accumulated gradients are replicated."""
+    from alpa.util import count_communication_primitives
+
+    executable, hlo = _data_parallel_two_stages()
+    for name, text in hlo.items():
+        assert count_communication_primitives(text, True).all_gather == 0, name
     program = executable.program
     for out in program.accumulated:
         assert executable.stage_programs.sharding(out, program.home[out]).is_fully_replicated
@@ -398,15 +409,7 @@ def test_data_parallel_stage_reduces_gradients_once_per_step():
     all-reduces them (deferred_sums)."""
     from alpa.util import count_communication_primitives
 
-    devices_or_skip(8)
-    params, batch = _mlp(2, hidden=16)
-    option = alpa.AutoShardingOption(force_data_parallel=True)
-    method = PipeshardParallel(num_micro_batches=2, default_auto_sharding_option=option)
-    executable = _check_against_serial(
-        _mlp_loss(2), params, batch, method, tx=optax.sgd(0.1), steps=1
-    )
-    names = [c.name for c in executable.program.computations]
-    hlo = dict(zip(names, executable.get_hlo_text(), strict=True))
+    _, hlo = _data_parallel_two_stages()
     for stage in range(2):
         backward = count_communication_primitives(hlo[f"stage{stage}_backward"], True)
         apply = count_communication_primitives(hlo[f"stage{stage}_apply_0"])
@@ -454,8 +457,7 @@ def test_zero2_stage_gathers_parameters_once_per_step(clip):
 
     executable = step.get_last_executable()
     assert len(executable.plan.summary()["gradients_reduced_once_per_step"]) == 4
-    names = [c.name for c in executable.program.computations]
-    hlo = dict(zip(names, executable.get_hlo_text(), strict=True))
+    hlo = _hlo_by_computation(executable)
     for stage in range(2):
         backward = count_communication_primitives(hlo[f"stage{stage}_backward"], True)
         assert backward.total == 0, backward
