@@ -4,23 +4,31 @@ This is the pure core of ``AutoLayerOption`` (paper §5.2, "operator clustering"
 forward pass, a sequence of ``N`` equations with FLOPs :math:`w_e`, is cut into ``K``
 contiguous layers so that
 
-* every layer's FLOPs are at most :math:`(1 + \epsilon)\,\bar w`, with
-  :math:`\bar w = \sum_e w_e / K` the average (the balance the stage DP needs: a layer is
-  its unit of work), and
+* every layer's FLOPs :math:`w(l, r)` are within :math:`\epsilon` of the average
+  :math:`\bar w = \sum_e w_e / K`, on both sides:
+  :math:`(1 - \epsilon)\,\bar w \le w(l, r) \le (1 + \epsilon)\,\bar w` (the balance the
+  stage DP needs: a layer is its unit of work; without the lower bound, layers of a few
+  cheap equations that read little would be "free" cuts, and the remaining layers would
+  carry up to :math:`(1 + \epsilon)\,\bar w` each);
 * the bytes that cross layer boundaries are least. A layer ``[l, r)`` reads
   :math:`\mathrm{in}(l, r)` bytes from earlier layers: the values its equations read that
   equations before ``l`` produced, each value counted once per layer that reads it (the
   bytes a pipeline would send to that layer's stage). Step inputs (parameters, the batch)
-  are not counted: every layer reads them from where they live.
+  are not counted: every layer reads them from where they live;
+* among cuts with the least crossing bytes, :math:`\sum w(l, r)^2` is least: the most
+  even one (a stack of identical blocks, where every block boundary costs the same bytes,
+  is cut into equal layers).
 
-With :math:`G(q, r)` the least crossing bytes of equations ``[0, r)`` cut into ``q``
-layers,
+With :math:`G(q, r)` the pair (crossing bytes, :math:`\sum w^2`) of the best cut of
+equations ``[0, r)`` into ``q`` layers, compared lexicographically (both parts add, so the
+order is kept under the DP's sums),
 
-.. math::  G(q, r) = \min_{l < r:\ w(l, r) \le (1 + \epsilon) \bar w}
-           G(q - 1, l) + \mathrm{in}(l, r), \qquad G(0, 0) = 0,
+.. math::  G(q, r) = \min_{l < r:\ w(l, r) \in [(1 - \epsilon) \bar w, (1 + \epsilon) \bar w]}
+           G(q - 1, l) + \big(\mathrm{in}(l, r),\ w(l, r)^2\big), \qquad G(0, 0) = (0, 0),
 
 and the answer is :math:`G(K, N)`. ``in(l, r)`` for all pairs is filled in :math:`O(N^2)`
-(:func:`layer_input_bytes`); the DP takes :math:`O(K N^2)`, vectorised over ``l``.
+(:func:`layer_input_bytes`); the DP takes :math:`O(K N^2)`, vectorised over ``l``. Byte
+counts are integers, so ties between them are exact.
 """
 
 from __future__ import annotations
@@ -61,7 +69,8 @@ def cluster_layers(
     """Cut ``len(flops)`` equations into ``layer_num`` layers (module docstring).
 
     Returns ``(starts, crossing_bytes)``: the first equation of every layer after the first
-    (``layer_num - 1`` increasing positions) and the least crossing bytes. Raises
+    (``layer_num - 1`` increasing positions) and the least crossing bytes; among cuts with
+    those bytes, the one whose layers' FLOPs have the least sum of squares. Raises
     ``ValueError`` for a ``layer_num`` outside ``1..len(flops)`` or when no cut keeps every
     layer within the tolerance.
     """
@@ -79,23 +88,33 @@ def cluster_layers(
     if input_bytes.shape != (n + 1, n + 1):
         raise ValueError(f"input_bytes has shape {input_bytes.shape}; expected {(n + 1, n + 1)}")
     prefix = np.concatenate([[0.0], np.cumsum(np.asarray(flops, dtype=np.float64))])
-    cap = prefix[-1] / layer_num * (1 + tolerance) * (1 + 1e-12) + 1e-12
+    average = prefix[-1] / layer_num
+    cap = average * (1 + tolerance) * (1 + 1e-12) + 1e-12
+    floor = average * (1 - tolerance) * (1 - 1e-12) - 1e-12
     inf = np.inf
-    g = np.full((layer_num + 1, n + 1), inf)
+    g = np.full((layer_num + 1, n + 1), inf)  # crossing bytes
+    squares = np.full((layer_num + 1, n + 1), inf)  # sum of squared layer FLOPs
     back = np.full((layer_num + 1, n + 1), -1, dtype=np.int64)
-    g[0, 0] = 0.0
+    g[0, 0] = squares[0, 0] = 0.0
     for q in range(1, layer_num + 1):
         for right in range(q, n + 1):
             lefts = np.arange(q - 1, right)
-            fits = prefix[right] - prefix[lefts] <= cap
+            work = prefix[right] - prefix[lefts]
+            fits = (work <= cap) & (work >= floor)
             candidates = np.where(fits, g[q - 1, lefts] + input_bytes[lefts, right], inf)
-            best = int(np.argmin(candidates))
-            g[q, right], back[q, right] = candidates[best], lefts[best]
+            least = candidates.min()
+            if not np.isfinite(least):
+                continue
+            ties = np.flatnonzero(candidates == least)
+            balance = squares[q - 1, lefts[ties]] + work[ties] ** 2
+            best = int(ties[np.argmin(balance)])
+            g[q, right], back[q, right] = least, lefts[best]
+            squares[q, right] = balance.min()
     if not np.isfinite(g[layer_num, n]):
         raise ValueError(
             f"no cut of the {n} forward equations into layer_num={layer_num} layers keeps "
             f"every layer within tolerance={tolerance} of the average FLOPs "
-            f"({prefix[-1] / layer_num:.4g}); raise the tolerance or lower layer_num"
+            f"({average:.4g}); raise the tolerance or lower layer_num"
         )
     starts, right = [], n
     for q in range(layer_num, 0, -1):

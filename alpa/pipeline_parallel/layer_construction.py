@@ -6,7 +6,7 @@ Two options decide the cut of the forward pass (the loss function):
   split the forward pass into ``number of boundaries + 1`` layers, in program order.
 * ``AutoLayerOption(layer_num)`` ignores boundaries and clusters the loss function's
   equations into ``layer_num`` contiguous layers (paper §5.2, ``layer_clustering``): every
-  layer's FLOPs within ``(1 + layer_eps)`` times the average, and the least bytes crossing
+  layer's FLOPs within ``(1 ± layer_eps)`` times the average, and the least bytes crossing
   layer boundaries. ``remat_mode="coarse_grained_remat"`` then recomputes each stage's
   forward in its backward (``computation.rematerialize``);
   ``remat_mode="fine_grained_remat"`` first wraps ``fine_grained_remat_layer_num``
@@ -137,7 +137,8 @@ class AutoLayerOption:
         the loss function under ``jax.checkpoint``, see ``alpa.automatic_remat``).
       fine_grained_remat_layer_num: the number of checkpointed segments (default
         ``layer_num``), at least ``layer_num``; read only with ``"fine_grained_remat"``.
-      layer_eps: every layer's FLOPs are at most ``(1 + layer_eps)`` times the average.
+      layer_eps: every layer's FLOPs are within ``(1 - layer_eps)`` to ``(1 + layer_eps)``
+        times the average (``layer_eps >= 1``: no lower bound).
         ``eps=`` (Alpa's name) is accepted too.
       static_argnums: positions of loss-function arguments that are constants of the
         trace (arguments that are not arrays always are).

@@ -83,7 +83,7 @@ def automatic_remat(
       layer_num: the number of segments, at most the number of ``fun``'s equations.
       static_argnums: positions of arguments that are constants of the trace (arguments
         that are not arrays always are).
-      eps: each segment's FLOPs are at most ``(1 + eps)`` times the average.
+      eps: each segment's FLOPs are within ``(1 - eps)`` to ``(1 + eps)`` times the average.
     """
     check_layer_num(layer_num, "automatic_remat")
     check_eps(eps, "automatic_remat", "eps")

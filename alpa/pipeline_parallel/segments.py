@@ -124,8 +124,9 @@ def clustered_segments(
     subject: str = "the function",
 ) -> Segments:
     """``eqns`` (boundaries dropped) cut into ``num_segments`` contiguous segments by layer
-    clustering: each segment's FLOPs (``tracing.flops.eqn_flops``) at most
-    ``(1 + tolerance)`` times the average, and the least bytes read across segments.
+    clustering: each segment's FLOPs (``tracing.flops.eqn_flops``) within ``(1 - tolerance)``
+    to ``(1 + tolerance)`` times the average, the least bytes read across segments, and of
+    those cuts the most even (``layer_clustering``).
 
     ``what`` names the user's option in errors (``"AutoLayerOption(layer_num=4,
     layer_eps=0.6)"``), ``subject`` what was cut (``"the loss function"``).
@@ -161,8 +162,9 @@ def clustered_segments(
     except ValueError as error:  # the only one left: no cut within the tolerance
         raise ValueError(
             f"{what}: no cut of the {n} equations of {subject} into {num_segments} layers "
-            f"keeps every layer within {1 + tolerance:g}x the average FLOPs "
-            f"({sum(flops) / num_segments:.4g}); a few equations weigh too much to balance "
+            f"keeps every layer within {max(0.0, 1 - tolerance):g}x to {1 + tolerance:g}x the "
+            f"average FLOPs ({sum(flops) / num_segments:.4g}); a few equations weigh too much "
+            "or too little to balance "
             "at this granularity. Use a larger eps (layer_eps) or fewer layers."
         ) from error
     bounds = [0, *starts, n]

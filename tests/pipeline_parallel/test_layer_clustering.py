@@ -35,26 +35,45 @@ def crossing_bytes(starts, n, eqn_inputs, producer, nbytes):
     return total
 
 
+def within_band(flops, starts, layer_num, tolerance):
+    average = sum(flops) / layer_num
+    bounds = [0, *starts, len(flops)]
+    return all(
+        average * (1 - tolerance) - 1e-9 <= sum(flops[a:b]) <= average * (1 + tolerance) + 1e-9
+        for a, b in zip(bounds, bounds[1:], strict=False)
+    )
+
+
+def sum_of_squares(flops, starts):
+    bounds = [0, *starts, len(flops)]
+    return sum(sum(flops[a:b]) ** 2 for a, b in zip(bounds, bounds[1:], strict=False))
+
+
 def exhaustive(flops, eqn_inputs, producer, nbytes, layer_num, tolerance):
+    """(least crossing bytes, least sum of squared layer FLOPs among those cuts)."""
     n = len(flops)
-    cap = sum(flops) / layer_num * (1 + tolerance)
-    best = np.inf
+    best = (np.inf, np.inf)
     for starts in itertools.combinations(range(1, n), layer_num - 1):
-        bounds = [0, *starts, n]
-        if all(sum(flops[a:b]) <= cap + 1e-9 for a, b in zip(bounds, bounds[1:], strict=False)):
-            best = min(best, crossing_bytes(starts, n, eqn_inputs, producer, nbytes))
+        if within_band(flops, starts, layer_num, tolerance):
+            key = (
+                crossing_bytes(starts, n, eqn_inputs, producer, nbytes),
+                sum_of_squares(flops, starts),
+            )
+            best = min(best, key)
     return best
 
 
 def test_cluster_layers_equals_exhaustive_search():
     rng = np.random.default_rng(0)
-    solved = infeasible = 0
-    for _ in range(200):
+    solved = infeasible = broken_ties = 0
+    for _ in range(300):
         flops, eqn_inputs, producer, nbytes = random_graph(rng)
         n = len(flops)
         layer_num = int(rng.integers(1, n + 1))
         tolerance = float(rng.choice([0.0, 0.25, 0.5, 1.0]))
-        expected = exhaustive(flops, eqn_inputs, producer, nbytes, layer_num, tolerance)
+        expected, expected_squares = exhaustive(
+            flops, eqn_inputs, producer, nbytes, layer_num, tolerance
+        )
         table = layer_input_bytes(eqn_inputs, producer, nbytes)
         if np.isinf(expected):
             with pytest.raises(ValueError, match=r"keeps every layer within tolerance="):
@@ -65,11 +84,52 @@ def test_cluster_layers_equals_exhaustive_search():
         assert cost == expected
         assert len(starts) == layer_num - 1 and list(starts) == sorted(set(starts))
         assert crossing_bytes(starts, n, eqn_inputs, producer, nbytes) == cost
-        cap = sum(flops) / layer_num * (1 + tolerance)
-        bounds = [0, *starts, n]
-        assert all(sum(flops[a:b]) <= cap + 1e-9 for a, b in zip(bounds, bounds[1:], strict=False))
+        assert within_band(flops, starts, layer_num, tolerance)
+        assert sum_of_squares(flops, starts) == expected_squares
+        least_bytes_cuts = [
+            s
+            for s in itertools.combinations(range(1, n), layer_num - 1)
+            if within_band(flops, s, layer_num, tolerance)
+            and crossing_bytes(s, n, eqn_inputs, producer, nbytes) == cost
+        ]
+        broken_ties += len({sum_of_squares(flops, s) for s in least_bytes_cuts}) > 1
         solved += 1
-    assert solved >= 50 and infeasible >= 5, (solved, infeasible)
+    # Enough instances of each kind, and ties that only the balance breaks.
+    assert solved >= 50 and infeasible >= 5 and broken_ties >= 10, (
+        solved,
+        infeasible,
+        broken_ties,
+    )
+
+
+def test_cluster_layers_cuts_equal_blocks_into_equal_layers():
+    # Six identical blocks of two equations (a heavy one, then a light one that writes the
+    # 8-byte value the next block reads). Every block boundary costs the same 8 bytes; the
+    # cut into 3 layers is the even one (2 blocks each), not any other within the band.
+    flops = [10, 1] * 6
+    producer = list(range(12))
+    nbytes = [100, 8] * 6  # the heavy equation's output is read only inside its block
+    eqn_inputs = [[e - 1] if e else [] for e in range(12)]
+    table = layer_input_bytes(eqn_inputs, producer, nbytes)
+    assert cluster_layers(flops, table, 3, tolerance=0.6) == ((4, 8), 16.0)
+
+
+def test_cluster_layers_keeps_cheap_layers_out():
+    # A chain of six one-FLOP equations (10-byte outputs), then two free equations that
+    # read only step inputs. Without a lower bound, the free pair would be a layer of its
+    # own that reads nothing; within 50% of the average (1.5 FLOPs) every layer holds 1 or
+    # 2 FLOPs, so the chain is cut 3 times (30 bytes).
+    flops = [1] * 6 + [0, 0]
+    producer = list(range(8))
+    nbytes = [10] * 8
+    eqn_inputs = [[e - 1] if e else [] for e in range(6)] + [[], []]
+    table = layer_input_bytes(eqn_inputs, producer, nbytes)
+    starts, cost = cluster_layers(flops, table, 4, tolerance=0.5)
+    bounds = [0, *starts, 8]
+    assert all(1 <= sum(flops[a:b]) <= 2 for a, b in zip(bounds, bounds[1:], strict=False))
+    assert cost == 30.0
+    # With tolerance 1 (no lower bound, up to 3 FLOPs): [0, 3) [3, 6) [6, 7) [7, 8).
+    assert cluster_layers(flops, table, 4, tolerance=1.0) == ((3, 6, 7), 10.0)
 
 
 def test_cluster_layers_cuts_where_little_crosses():
