@@ -65,6 +65,7 @@ from alpa.shard_parallel.auto_sharding import (
 )
 from alpa.tracing import TracedStep
 from alpa.tracing.flops import jaxpr_flops
+from alpa.tracing.primitive_def import pipeline_p
 
 LOGICAL_SHAPE_SPACES = (
     "single_node_model_parallel",
@@ -279,23 +280,28 @@ def _per_device_bytes(aval, spec: PartitionSpec | None, mesh_shape, axis_names) 
 
 
 def _structure_key(step: TracedStep) -> str:
-    return hashlib.sha256(
-        (str(step.closed_jaxpr.jaxpr) + repr(step.batch_invars)).encode()
-    ).hexdigest()
+    """A digest of ``step``'s equations and batch inputs, blind to the names of the
+    pipeline markers in it: layers 3 and 4 of a stack of identical blocks differ only in
+    their markers' ``name=layer_3`` / ``name=layer_4``, and are costed once."""
+    jaxpr = step.closed_jaxpr.jaxpr
+    eqns = [
+        e.replace(params={**e.params, "name": ""}) if e.primitive is pipeline_p else e
+        for e in jaxpr.eqns
+    ]
+    text = str(jaxpr.replace(eqns=eqns)) + repr(step.batch_invars)
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
-def _ilp_layer(problem: StageProblem, layer: int, m: int, config: LogicalConfig, cache: dict):
+def _ilp_layer(
+    problem: StageProblem, step: TracedStep, structure: str, m: int, config: LogicalConfig, cache
+):
     """(communication seconds, fraction of the parameters' bytes on one device) of one
-    layer on one configuration; identical layers share one ILP through ``cache``."""
-    hosts, per_host = problem.submesh_choices[m]
-    n = hosts * per_host
-    option = problem.config_option(config)
-    if not uses_ilp(option, n):
-        return 0.0, 1.0
-    step, _ = problem.stage_step(layer, layer, n)
-    key = (_structure_key(step), problem.submesh_choices[m], config)
+    layer's ``step`` on one configuration; layers of the same ``structure`` key share one
+    ILP through ``cache``."""
+    key = (structure, problem.submesh_choices[m], config)
     if key not in cache:
         mesh = problem.logical_mesh(m, config)
+        option = problem.config_option(config)
         # Priced as the stages run (no partial sums carried through adds). The latency
         # takes the plan's communication only: its compute is F_l / (n_m R) (module
         # docstring), and the ILP's objective holds its own compute estimate too.
@@ -324,11 +330,22 @@ class _LayerPlans:
         self.problem = problem
         self._by_structure: dict = {}
         self._by_layer: dict = {}
+        self._steps: dict = {}  # (layer, devices) -> (its step, its structure key)
 
     def get(self, layer: int, m: int, config: LogicalConfig) -> tuple[float, float]:
         key = (layer, m, config)
         if key not in self._by_layer:
-            self._by_layer[key] = _ilp_layer(self.problem, layer, m, config, self._by_structure)
+            n = int(np.prod(self.problem.submesh_choices[m]))
+            if not uses_ilp(self.problem.config_option(config), n):
+                self._by_layer[key] = (0.0, 1.0)
+            else:
+                if (layer, n) not in self._steps:
+                    step, _ = self.problem.stage_step(layer, layer, n)
+                    self._steps[layer, n] = (step, _structure_key(step))
+                step, structure = self._steps[layer, n]
+                self._by_layer[key] = _ilp_layer(
+                    self.problem, step, structure, m, config, self._by_structure
+                )
         return self._by_layer[key]
 
 

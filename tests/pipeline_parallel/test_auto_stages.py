@@ -203,6 +203,29 @@ def test_analytic_latency_is_flops_over_the_submesh_plus_communication():
     assert checked >= 4 * 4, checked
 
 
+def test_identical_layers_are_planned_by_one_ilp(monkeypatch):
+    """Six Dense(64) layers cut into 6 layers: layers 1..4 (dense, relu, read the previous
+    layer's activation and send one back) are the same computation and differ only in
+    their markers' names, so the analytic model solves one ILP per configuration for them
+    together, on layer 1's step; layers 0 (reads the batch, sends no cotangent back) and 5
+    (the loss) get their own."""
+    from alpa.pipeline_parallel import stage_cost
+
+    solved = []
+    original = stage_cost.solve_auto_sharding
+
+    def counting(step, mesh, option, **kwargs):
+        solved.append((step.name, mesh.shape))
+        return original(step, mesh, option, **kwargs)
+
+    monkeypatch.setattr(stage_cost, "solve_auto_sharding", counting)
+    _plan((64,) * 6, ClusterSpec.preset("cpu"), AutoStageOption(), layer_num=6)
+    by_layer = {name: sum(1 for n, _ in solved if n == name) for name, _ in solved}
+    assert set(by_layer) == {"layers0_0", "layers1_1", "layers5_5"}, by_layer
+    assert len(set(by_layer.values())) == 1  # one ILP per configuration, for each
+    assert len(solved) == len(set(solved)) and by_layer["layers1_1"] >= 3
+
+
 def test_parameters_split_where_replicated_state_cannot_fit():
     """4 Dense(64) layers with Adam: each layer's state (kernel and bias, two moments, the
     gradient sum) is 4 x 16,640 = 66,560 bytes whole. On 8 devices a stage on n of them
