@@ -48,6 +48,7 @@ import math
 import os
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -292,61 +293,75 @@ def _structure_key(step: TracedStep) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def _ilp_layer(
-    problem: StageProblem, step: TracedStep, structure: str, m: int, config: LogicalConfig, cache
-):
+def _ilp_layer(problem: StageProblem, step: TracedStep, m: int, config: LogicalConfig):
     """(communication seconds, fraction of the parameters' bytes on one device) of one
-    layer's ``step`` on one configuration; layers of the same ``structure`` key share one
-    ILP through ``cache``."""
-    key = (structure, problem.submesh_choices[m], config)
-    if key not in cache:
-        mesh = problem.logical_mesh(m, config)
-        option = problem.config_option(config)
-        # Priced as the stages run (no partial sums carried through adds). The latency
-        # takes the plan's communication only: its compute is F_l / (n_m R) (module
-        # docstring), and the ILP's objective holds its own compute estimate too.
-        solution = solve_auto_sharding(step, mesh, option, partial_sums=False)
-        plan = solution.to_sharding_plan()
-        communication = ilp_solver.communication_cost(solution.graph, solution.solution.choice)
-        invars = step.jaxpr.invars
-        program_inputs = set(problem.program.closed_jaxpr.jaxpr.invars)
-        whole, local = 0.0, 0.0
-        for v, spec in zip(invars, plan.in_specs, strict=True):
-            if v in program_inputs and v not in problem.program.batch_dependent:
-                whole += _nbytes(v)
-                local += _per_device_bytes(
-                    v.aval, spec, plan.logical_mesh.shape, plan.logical_mesh.axis_names
-                )
-        fraction = local / whole if whole else 1.0
-        cache[key] = (float(communication), fraction)
-    return cache[key]
+    layer's ``step`` on submesh choice ``m`` with ``config``."""
+    mesh = problem.logical_mesh(m, config)
+    option = problem.config_option(config)
+    # Priced as the stages run (no partial sums carried through adds). The latency
+    # takes the plan's communication only: its compute is F_l / (n_m R) (module
+    # docstring), and the ILP's objective holds its own compute estimate too.
+    solution = solve_auto_sharding(step, mesh, option, partial_sums=False)
+    plan = solution.to_sharding_plan()
+    communication = ilp_solver.communication_cost(solution.graph, solution.solution.choice)
+    invars = step.jaxpr.invars
+    program_inputs = set(problem.program.closed_jaxpr.jaxpr.invars)
+    whole, local = 0.0, 0.0
+    for v, spec in zip(invars, plan.in_specs, strict=True):
+        if v in program_inputs and v not in problem.program.batch_dependent:
+            whole += _nbytes(v)
+            local += _per_device_bytes(
+                v.aval, spec, plan.logical_mesh.shape, plan.logical_mesh.axis_names
+            )
+    fraction = local / whole if whole else 1.0
+    return float(communication), fraction
 
 
 class _LayerPlans:
-    """``get(layer, m, config)``: :func:`_ilp_layer` of that layer, once per layer and
-    configuration (and once per distinct layer jaxpr for the ILP itself)."""
+    """Every layer's :func:`_ilp_layer` on every configuration, solved up front, one ILP per
+    distinct (layer jaxpr, submesh, configuration); ``get(layer, m, config)`` reads it.
 
-    def __init__(self, problem: StageProblem):
-        self.problem = problem
-        self._by_structure: dict = {}
+    The ILPs run ``workers`` at a time on threads (default: one per CPU): each builds its
+    strategy graph in Python, under the GIL, while CBC solves another in its own process,
+    so even two cores overlap the two halves. Results do not depend on the order.
+    """
+
+    def __init__(self, problem: StageProblem, workers: int | None = None):
         self._by_layer: dict = {}
-        self._steps: dict = {}  # (layer, devices) -> (its step, its structure key)
+        steps: dict = {}  # (layer, devices) -> (its step, its structure key)
+        jobs: dict = {}  # ILP key -> (step, m, config)
+        for m, configs in enumerate(problem.configs):
+            n = int(np.prod(problem.submesh_choices[m]))
+            for config in configs:
+                if not uses_ilp(problem.config_option(config), n):
+                    for layer in range(problem.num_layers):
+                        self._by_layer[layer, m, config] = (0.0, 1.0)
+                    continue
+                for layer in range(problem.num_layers):
+                    if (layer, n) not in steps:
+                        step, _ = problem.stage_step(layer, layer, n)
+                        steps[layer, n] = (step, _structure_key(step))
+                    step, structure = steps[layer, n]
+                    key = (structure, problem.submesh_choices[m], config)
+                    jobs.setdefault(key, (step, m, config))
+                    self._by_layer[layer, m, config] = key
+
+        def solve(job):
+            step, m, config = job
+            return _ilp_layer(problem, step, m, config)
+
+        workers = min(len(jobs), workers or os.cpu_count() or 1)
+        if workers > 1:
+            with ThreadPoolExecutor(workers, thread_name_prefix="alpa-stage-ilp") as pool:
+                solved = dict(zip(jobs, pool.map(solve, jobs.values()), strict=True))
+        else:
+            solved = {key: solve(job) for key, job in jobs.items()}
+        for key, value in self._by_layer.items():
+            if value in solved:
+                self._by_layer[key] = solved[value]
 
     def get(self, layer: int, m: int, config: LogicalConfig) -> tuple[float, float]:
-        key = (layer, m, config)
-        if key not in self._by_layer:
-            n = int(np.prod(self.problem.submesh_choices[m]))
-            if not uses_ilp(self.problem.config_option(config), n):
-                self._by_layer[key] = (0.0, 1.0)
-            else:
-                if (layer, n) not in self._steps:
-                    step, _ = self.problem.stage_step(layer, layer, n)
-                    self._steps[layer, n] = (step, _structure_key(step))
-                step, structure = self._steps[layer, n]
-                self._by_layer[key] = _ilp_layer(
-                    self.problem, step, structure, m, config, self._by_structure
-                )
-        return self._by_layer[key]
+        return self._by_layer[layer, m, config]
 
 
 def _stage_memory(problem: StageProblem, facts: Sequence[_LayerFacts], plans: _LayerPlans):
@@ -396,16 +411,21 @@ class AnalyticStageCost:
     Args:
       cross_mesh_bandwidth: bytes/s between stages; default the cluster's inter-node
         bandwidth; ``float("inf")`` makes transfers free.
+      workers: layer ILPs solved at once, on threads (default: one per CPU; the tables do
+        not depend on it).
     """
 
-    def __init__(self, cross_mesh_bandwidth: float | None = None):
+    def __init__(self, cross_mesh_bandwidth: float | None = None, workers: int | None = None):
+        if workers is not None and (isinstance(workers, bool) or workers < 1):
+            raise ValueError(f"AnalyticStageCost: workers must be >= 1, got {workers!r}")
         self.cross_mesh_bandwidth = cross_mesh_bandwidth
+        self.workers = workers
 
     def __call__(self, problem: StageProblem) -> StageCosts:
         cluster = problem.cluster
         bandwidth = self.cross_mesh_bandwidth or cluster.inter_node_bandwidth
         facts = [_layer_facts(problem, layer) for layer in range(problem.num_layers)]
-        plans = _LayerPlans(problem)
+        plans = _LayerPlans(problem, self.workers)
 
         def latency(i, j, m, c, config):
             n = int(np.prod(problem.submesh_choices[m]))

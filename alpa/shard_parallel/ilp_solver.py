@@ -41,6 +41,7 @@ What remains goes to CBC through PuLP. ``prob.sol_status`` is checked, not only
 
 from __future__ import annotations
 
+import threading
 import time
 import warnings
 from dataclasses import dataclass
@@ -340,12 +341,15 @@ class _Groups:
 CBC_OPTIONS = ("dualSimplex",)
 
 
+_CBC_LOCK = threading.Lock()  # warnings.catch_warnings is process-wide; ILPs run on threads
+
+
 def _cbc(time_limit: float):
     """CBC: a system ``cbc`` when there is one, else the binary bundled with PuLP."""
     coin = pulp.COIN_CMD(msg=False, timeLimit=time_limit, options=list(CBC_OPTIONS))
     if coin.available():
         return coin
-    with warnings.catch_warnings():
+    with _CBC_LOCK, warnings.catch_warnings():
         # PuLP 3.3 deprecates its bundled CBC in favour of a separately installed one.
         warnings.filterwarnings("ignore", "PULP_CBC_CMD is deprecated", DeprecationWarning)
         return pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit, options=list(CBC_OPTIONS))

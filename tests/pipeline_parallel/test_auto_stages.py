@@ -226,6 +226,37 @@ def test_identical_layers_are_planned_by_one_ilp(monkeypatch):
     assert len(solved) == len(set(solved)) and by_layer["layers1_1"] >= 3
 
 
+def test_analytic_tables_do_not_depend_on_the_ilp_threads():
+    """The layer ILPs run on threads; one thread and four give the same tables, bit for
+    bit (a 4-block GPT in 4 layers, on every submesh of a 2x4 cluster)."""
+    config = GPTConfig(hidden_size=64, num_layers=4, num_heads=4, seq_len=16, vocab_size=64)
+    state, batch, step = get_gpt_train_state_and_step(
+        config, 8, grad_func=alpa.value_and_grad, abstract=True
+    )
+    tables = []
+    for workers in (1, 4):
+        seen = []
+
+        def recording(problem, workers=workers, seen=seen):
+            seen.append(AnalyticStageCost(workers=workers)(problem))
+            return seen[-1]
+
+        method = alpa.PipeshardParallel(
+            devices=ClusterSpec.preset("a100-40gb", num_nodes=2, num_devices_per_node=4),
+            num_micro_batches=2,
+            layer_option=alpa.AutoLayerOption(layer_num=4),
+            stage_option=AutoStageOption(cost_model=recording),
+        )
+        alpa.parallelize(step, method=method).plan(state, batch)
+        tables.append(seen[0])
+    one, four = tables
+    assert np.isfinite(one.compute_cost).sum() > 50
+    for name in ("compute_cost", "max_n_succ_stages", "memory"):
+        np.testing.assert_array_equal(getattr(one, name), getattr(four, name))
+    with pytest.raises(ValueError, match="workers must be >= 1, got 0"):
+        AnalyticStageCost(workers=0)
+
+
 def test_parameters_split_where_replicated_state_cannot_fit():
     """4 Dense(64) layers with Adam: each layer's state (kernel and bias, two moments, the
     gradient sum) is 4 x 16,640 = 66,560 bytes whole. On 8 devices a stage on n of them
