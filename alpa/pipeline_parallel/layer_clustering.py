@@ -27,8 +27,10 @@ order is kept under the DP's sums),
            G(q - 1, l) + \big(\mathrm{in}(l, r),\ w(l, r)^2\big), \qquad G(0, 0) = (0, 0),
 
 and the answer is :math:`G(K, N)`. ``in(l, r)`` for all pairs is filled in :math:`O(N^2)`
-(:func:`layer_input_bytes`); the DP takes :math:`O(K N^2)`, vectorised over ``l``. Byte
-counts are integers, so ties between them are exact.
+numpy work (:func:`layer_input_bytes`: one mark per read, then two running sums); the DP
+takes :math:`O(K N W)` for the :math:`W` lefts in the band of each ``r`` (a contiguous
+run, since FLOPs are non-negative), vectorised over ``l`` and ``q``. Byte counts are
+integers, so ties between them are exact.
 """
 
 from __future__ import annotations
@@ -49,18 +51,28 @@ def layer_input_bytes(
       nbytes: per value id, its size in bytes.
     """
     n = len(eqn_inputs)
-    cost = np.zeros((n + 1, n + 1))
-    for left in range(n):
-        seen: set[int] = set()
-        total = 0.0
-        for right in range(left, n):
-            for value in eqn_inputs[right]:
-                p = producer[value]
-                if 0 <= p < left and value not in seen:
-                    seen.add(value)
-                    total += nbytes[value]
-            cost[left, right + 1] = total
-    return cost
+    readers: dict[int, list[int]] = {}
+    for e, values in enumerate(eqn_inputs):
+        for value in values:
+            if producer[value] >= 0:
+                readers.setdefault(value, []).append(e)
+    # Value v (made by p, read by r_1 < ... < r_k) is counted in in[l, r] when its first
+    # reader at or after l is some r_i < r, that is for l in (r_{i-1}, r_i] (r_0 = p) and
+    # r > r_i. Mark +bytes at (r_{i-1} + 1, r_i + 1) and -bytes at (r_i + 1, r_i + 1),
+    # then sum down the rows and along the columns.
+    rows, cols, amounts = [], [], []
+    for value, reads in readers.items():
+        previous = producer[value]
+        for r in sorted(set(reads)):
+            rows += [previous + 1, r + 1]
+            cols += [r + 1, r + 1]
+            amounts += [nbytes[value], -nbytes[value]]
+            previous = r
+    cost = np.zeros((n + 2, n + 1))
+    np.add.at(cost, (np.asarray(rows, dtype=np.int64), np.asarray(cols, dtype=np.int64)), amounts)
+    np.cumsum(cost, axis=0, out=cost)
+    np.cumsum(cost, axis=1, out=cost)
+    return cost[: n + 1]
 
 
 def cluster_layers(
@@ -84,6 +96,8 @@ def cluster_layers(
         )
     if tolerance < 0:
         raise ValueError(f"tolerance must be >= 0, got {tolerance}")
+    if min(flops) < 0:
+        raise ValueError(f"flops must be >= 0, got {min(flops)} (equation {int(np.argmin(flops))})")
     input_bytes = np.asarray(input_bytes, dtype=np.float64)
     if input_bytes.shape != (n + 1, n + 1):
         raise ValueError(f"input_bytes has shape {input_bytes.shape}; expected {(n + 1, n + 1)}")
@@ -96,20 +110,26 @@ def cluster_layers(
     squares = np.full((layer_num + 1, n + 1), inf)  # sum of squared layer FLOPs
     back = np.full((layer_num + 1, n + 1), -1, dtype=np.int64)
     g[0, 0] = squares[0, 0] = 0.0
-    for q in range(1, layer_num + 1):
-        for right in range(q, n + 1):
-            lefts = np.arange(q - 1, right)
-            work = prefix[right] - prefix[lefts]
-            fits = (work <= cap) & (work >= floor)
-            candidates = np.where(fits, g[q - 1, lefts] + input_bytes[lefts, right], inf)
-            least = candidates.min()
-            if not np.isfinite(least):
-                continue
-            ties = np.flatnonzero(candidates == least)
-            balance = squares[q - 1, lefts[ties]] + work[ties] ** 2
-            best = int(ties[np.argmin(balance)])
-            g[q, right], back[q, right] = least, lefts[best]
-            squares[q, right] = balance.min()
+    # FLOPs are >= 0, so the lefts whose layer [left, right) is within the band form one
+    # run; every q is updated at once from the finished columns left < right.
+    first_left = np.searchsorted(prefix, prefix - cap, side="left")
+    last_left = np.searchsorted(prefix, prefix - floor, side="right") - 1
+    for right in range(1, n + 1):
+        lo, hi = int(first_left[right]), min(int(last_left[right]), right - 1)
+        if lo > hi:
+            continue
+        lefts = np.arange(lo, hi + 1)
+        work = prefix[right] - prefix[lefts]
+        candidates = g[:-1, lefts] + input_bytes[lefts, right]  # row q - 1: layers 1..q
+        least = candidates.min(axis=1)
+        balance = np.where(
+            candidates == least[:, None], squares[:-1, lefts] + work**2, inf
+        )  # ties on bytes only; rows with no finite candidate stay inf
+        best = np.argmin(balance, axis=1)
+        found = np.isfinite(least)
+        g[1:, right] = least
+        squares[1:, right] = np.where(found, balance.min(axis=1), inf)
+        back[1:, right] = np.where(found, lefts[best], -1)
     if not np.isfinite(g[layer_num, n]):
         raise ValueError(
             f"no cut of the {n} forward equations into layer_num={layer_num} layers keeps "

@@ -63,6 +63,23 @@ def exhaustive(flops, eqn_inputs, producer, nbytes, layer_num, tolerance):
     return best
 
 
+def test_layer_input_bytes_follows_its_definition():
+    """Every entry of the table against the bytes read across ``l`` by ``l..r-1``, value
+    by value, on random graphs (reads repeated within an equation included)."""
+    rng = np.random.default_rng(1)
+    for _ in range(300):
+        flops, eqn_inputs, producer, nbytes = random_graph(rng)
+        eqn_inputs = [list(r) + list(r[:1]) for r in eqn_inputs]  # a repeated read
+        n = len(flops)
+        table = layer_input_bytes(eqn_inputs, producer, nbytes)
+        assert table.shape == (n + 1, n + 1)
+        for left in range(n + 1):
+            for right in range(n + 1):
+                read = {v for e in range(left, right) for v in eqn_inputs[e]}
+                expected = sum(nbytes[v] for v in read if 0 <= producer[v] < left)
+                assert table[left, right] == expected, (left, right)
+
+
 def test_cluster_layers_equals_exhaustive_search():
     rng = np.random.default_rng(0)
     solved = infeasible = broken_ties = 0
@@ -153,5 +170,7 @@ def test_cluster_layers_bad_input():
         cluster_layers([1, 1, 1], table, 4)
     with pytest.raises(ValueError, match="tolerance must be >= 0, got -0.5"):
         cluster_layers([1, 1, 1], table, 2, tolerance=-0.5)
+    with pytest.raises(ValueError, match=r"flops must be >= 0, got -1 \(equation 1\)"):
+        cluster_layers([1, -1, 1], table, 2)
     with pytest.raises(ValueError, match=r"no cut of the 3 forward equations into layer_num=2"):
         cluster_layers([6, 0, 4], np.zeros((4, 4)), 2, tolerance=0.0)  # a 6 > 5 either way
