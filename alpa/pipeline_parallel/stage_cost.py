@@ -25,13 +25,15 @@ Two models:
 
   Memory per device: the stage's state (parameters, optimizer state, gradient sums) at
   the fraction of the parameters' bytes the ILP's input shardings leave on one device,
-  plus per micro-batch in flight the activations its forward keeps for its backward,
-  split over the submesh. Under 1F1B a stage followed by ``k`` stages holds ``k + 1``
-  micro-batches, so ``max_n_succ_stages = floor((budget - state) / activations) - 1``
-  (``-1``, and an ``inf`` latency, when not even one fits). The layer ILPs run without
-  the budget; on a submesh where even the replicated state of an average stage cannot
-  fit, its configurations ask the ILP to split parameters
-  (:func:`split_parameters_under_memory_pressure`).
+  plus per micro-batch in flight the activations its forward keeps for its backward
+  (the values that depend on the batch: weights the forward hands on, and values computed
+  from weights alone, are not counted per micro-batch), split over the submesh. Under
+  1F1B a stage followed by ``k`` stages holds ``k + 1`` micro-batches, so
+  ``max_n_succ_stages = floor((budget - state) / activations) - 1`` (``-1``, and an
+  ``inf`` latency, when not even one fits). The layer ILPs run without
+  the budget; on a submesh where the replicated state of an average stage cannot fit
+  next to its micro-batches in flight, its configurations ask the ILP to split
+  parameters (:func:`split_parameters_under_memory_pressure`).
 
 * :class:`MeasuredStageCost`: compiles every candidate stage on the real submesh
   (``ShardParallel``'s intra-op pass and lowering) and times it; results are cached on
@@ -198,21 +200,29 @@ class StageCostModel(Protocol):
 
 def split_parameters_under_memory_pressure(problem: StageProblem, num_devices: int) -> StageProblem:
     """``problem`` with ``allow_replicated_parameters=False`` in the configurations of
-    every multi-device submesh on which replicated state cannot fit: a stage on ``n`` of
-    the cluster's ``num_devices`` devices holds ``L * n / num_devices`` of the ``L``
-    layers on average, and when their parameters, optimizer state and gradient sums whole
-    (the largest layer's, times that count) exceed ``memory_budget``, the ILP must split
-    the parameters there (Alpa's option of that name). The layer ILPs are otherwise solved
-    without the budget, which they would keep data parallel where communication says so.
-    The stages compile with the configuration's option, so the plan priced is the plan
-    run."""
+    every multi-device submesh on which replicated state cannot fit next to the
+    activations a stage there keeps. A stage on ``n`` of the cluster's ``D`` devices holds
+    ``k = L * n / D`` of the ``L`` layers on average and is one of ``D / n`` stages, so
+    under 1F1B the first of them keeps ``D / n`` micro-batches in flight. When the
+    replicated state of ``k`` layers (parameters, optimizer state and gradient sums whole;
+    the largest layer's, times ``k``) plus ``D / n`` micro-batches of their activations
+    (split over the ``n`` devices, as the memory model splits them) exceed
+    ``memory_budget``, the ILP must split the parameters there (Alpa's option of that
+    name). The layer ILPs are otherwise solved without the budget, which they would keep
+    data parallel where communication says so. The stages compile with the
+    configuration's option, so the plan priced is the plan run."""
     if problem.option.force_data_parallel or not problem.option.allow_replicated_parameters:
         return problem
-    state = max(_layer_facts(problem, layer).state_bytes for layer in range(problem.num_layers))
+    facts = [_layer_facts(problem, layer) for layer in range(problem.num_layers)]
+    state = max(f.state_bytes for f in facts)
+    activation = max(f.activation_bytes for f in facts)
     configs = []
     for (hosts, per_host), choices in zip(problem.submesh_choices, problem.configs, strict=True):
         n = hosts * per_host
-        if n > 1 and state * problem.num_layers * n / num_devices > problem.memory_budget:
+        layers = problem.num_layers * n / num_devices
+        in_flight = num_devices / n
+        average_stage = layers * (state + in_flight * activation / n)
+        if n > 1 and average_stage > problem.memory_budget:
             choices = tuple(
                 LogicalConfig(
                     c.shape,
@@ -232,7 +242,7 @@ class _LayerFacts:
     flops: float
     state_bytes: float  # parameters, optimizer state and gradient sums of the layer
     param_bytes: float  # the parameters its forward/backward read
-    activation_bytes: float  # per micro-batch: what its forward keeps for its backward
+    activation_bytes: float  # per micro-batch: batch values its forward keeps for its backward
     entering_bytes: float  # per micro-batch: what it reads from earlier layers
 
 
@@ -254,7 +264,9 @@ def _layer_facts(problem: StageProblem, layer: int) -> _LayerFacts:
     state_bytes = float(sum(_nbytes(v) for v in state)) + param_bytes  # + gradient sums
     kept = set()
     if forward is not None and backward is not None:
-        kept = set(forward.outvars) & set(backward.invars)
+        # Per micro-batch: what depends on the batch. Weights the forward hands on to the
+        # backward (a marker passes them along) are the parameters' own buffers, in state.
+        kept = set(forward.outvars) & set(backward.invars) & program.batch_dependent
     activation = float(sum(_nbytes(v) for v in kept))
     entering = 0.0
     if forward is not None:

@@ -257,14 +257,37 @@ def test_analytic_tables_do_not_depend_on_the_ilp_threads():
         AnalyticStageCost(workers=0)
 
 
+def test_activations_are_the_batch_values_a_forward_keeps():
+    """4 Dense(64) layers, micro-batches of 4 rows: the forward of layers 0..2 keeps its
+    input (f32[4, 64]) and relu's mask (bool[4, 64]) for the backward, 4 * 64 * 5 = 1,280
+    bytes; the loss layer keeps two f32[4, 64], 2,048 bytes. Layers 1..3 also hand their
+    kernel (f32[64, 64]) on to their backward, which is the parameter's buffer, not a
+    per-micro-batch one."""
+    from alpa.pipeline_parallel import stage_cost
+
+    seen = []
+
+    def recording(problem):
+        seen.append(problem)
+        return AnalyticStageCost()(problem)
+
+    _plan((64,) * 4, ClusterSpec.preset("cpu"), AutoStageOption(cost_model=recording))
+    (problem,) = seen
+    facts = [stage_cost._layer_facts(problem, layer) for layer in range(4)]
+    assert [f.activation_bytes for f in facts] == [1280, 1280, 1280, 2048]
+
+
 def test_parameters_split_where_replicated_state_cannot_fit():
-    """4 Dense(64) layers with Adam: each layer's state (kernel and bias, two moments, the
-    gradient sum) is 4 x 16,640 = 66,560 bytes whole. On 8 devices a stage on n of them
-    holds 4 n / 8 layers on average, so with a budget of 1.5 layers' state the replicated
-    state fits on (1, 1) and (1, 2) (at most 1 layer) but not on (1, 4) or (1, 8) (2 and 4
-    layers): only those get allow_replicated_parameters=False. A budget of 100 layers'
-    state changes no configuration."""
-    layer_state = 4 * (64 * 64 + 64) * 4
+    """4 Dense(64) layers with Adam: the largest layer's state (kernel and bias, two
+    moments, the gradient sum, and Adam's step count) is S = 66,568 bytes whole, the
+    largest activation A = 2,048 bytes per micro-batch (the loss layer's). On 8 devices a
+    stage on n of them holds 4 n / 8 layers and 8 / n micro-batches in flight (the first
+    of 8 / n stages under 1F1B), so its replicated footprint is
+    4 n / 8 * (S + 8 / n * A / n): 70,664 bytes on (1, 2), 135,184 on (1, 4), 267,296 on
+    (1, 8). A budget of 1.5 S splits parameters from (1, 4) on; 68,000 bytes (the state
+    of one layer fits, not with its micro-batches in flight) from (1, 2) on; 100 S
+    nowhere."""
+    layer_state = 4 * (64 * 64 + 64) * 4 + 8
     seen = []
 
     def recording(problem):
@@ -272,11 +295,12 @@ def test_parameters_split_where_replicated_state_cannot_fit():
         return AnalyticStageCost()(problem)
 
     option = AutoStageOption(cost_model=recording)
-    for budget in (1.5 * layer_state, 100 * layer_state):
+    budgets = {1.5 * layer_state: 4, 68_000: 2, 100 * layer_state: None}
+    for budget in budgets:
         cluster = ClusterSpec(1, 8, 1e13, int(budget), 1e11, 1e10, name="small-memory")
         _plan((64,) * 4, cluster, option)
-    tight, loose = seen
-    for problem, split_from in ((tight, 4), (loose, None)):
+    assert len(seen) == len(budgets)
+    for problem, split_from in zip(seen, budgets.values(), strict=True):
         for (hosts, per_host), configs in zip(
             problem.submesh_choices, problem.configs, strict=True
         ):
