@@ -27,7 +27,9 @@ mesh, so every computation that writes or reads it there (and every ``LOAD``,
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import jax
 from jax.extend.core import ClosedJaxpr
@@ -95,35 +97,54 @@ def plan_stage_shardings(
     options: Sequence[AutoShardingOption],
     names: dict,
     pinned: dict | None = None,
+    workers: int | None = None,
 ) -> tuple[dict, dict]:
     """The table ``(var, mesh) -> PartitionSpec`` and, per stage, the ILP plan objective(s)
     (``{stage: [objective, ...]}``) of the computations the ILP planned.
 
-    ``pinned`` entries (the user's, ``user_shardings``) are kept as they are."""
-    table: dict = dict(pinned or {})
-    objectives: dict[int, list[float]] = {}
+    ``pinned`` entries (the user's, ``user_shardings``) are kept as they are. A stage's
+    computations are planned in order (forward and backward as one, then each apply
+    level, each reading the specs the earlier ones chose); stages are independent (a
+    stage writes only its own ``(var, stage)`` entries), so they are planned on threads,
+    ``workers`` at a time (default: one per CPU); the result does not depend on it."""
+    pinned = dict(pinned or {})
     closed = traced.closed_jaxpr
-    for s in range(program.num_stages):
+
+    def plan_stage(s: int) -> tuple[dict, list[float]]:
+        table = {key: spec for key, spec in pinned.items() if key[1] == s}
+        objectives: list[float] = []
         mesh, option = logical_meshes[s], options[s]
         if not uses_ilp(option, mesh.num_devices):
-            continue
+            return table, objectives
         comps = [program.computation(s, "forward"), program.computation(s, "backward")]
         comps = [c for c in comps if c is not None and c.eqns]
         if comps:
-            objectives.setdefault(s, []).append(
+            objectives.append(
                 _plan_into(table, s, comps, closed, program, mesh, option, names, traced)
             )
         for out, operand in program.accumulated.items():
             if program.home[out] == s and (operand, s) in table:
                 table[(out, s)] = table[(operand, s)]
-    for comp in program.computations:
-        s = comp.stage
-        mesh, option = logical_meshes[s], options[s]
-        if comp.kind != "apply" or not comp.eqns or not uses_ilp(option, mesh.num_devices):
-            continue
-        objectives.setdefault(s, []).append(
-            _plan_into(table, s, [comp], closed, program, mesh, option, names, traced)
-        )
+        for comp in program.computations:
+            if comp.stage == s and comp.kind == "apply" and comp.eqns:
+                objectives.append(
+                    _plan_into(table, s, [comp], closed, program, mesh, option, names, traced)
+                )
+        return table, objectives
+
+    stages = range(program.num_stages)
+    workers = min(len(stages), workers or os.cpu_count() or 1)
+    if workers > 1:
+        with ThreadPoolExecutor(workers, thread_name_prefix="alpa-stage-sharding") as pool:
+            planned = list(pool.map(plan_stage, stages))
+    else:
+        planned = [plan_stage(s) for s in stages]
+    table: dict = dict(pinned)
+    objectives: dict[int, list[float]] = {}
+    for s, (stage_table, stage_objectives) in zip(stages, planned, strict=True):
+        table.update(stage_table)
+        if stage_objectives:
+            objectives[s] = stage_objectives
     return table, objectives
 
 

@@ -257,6 +257,37 @@ def test_analytic_tables_do_not_depend_on_the_ilp_threads():
         AnalyticStageCost(workers=0)
 
 
+def test_stage_shardings_do_not_depend_on_the_threads(monkeypatch):
+    """The chosen stages' ILPs run on threads, a stage per thread; one thread and four give
+    the same plan, JSON for JSON (4 stages of a 4-block GPT on (1, 2) submeshes, each
+    planned by the ILP, with Adam's apply levels)."""
+    from alpa.pipeline_parallel import pipeshard_plan
+
+    config = GPTConfig(hidden_size=64, num_layers=4, num_heads=4, seq_len=16, vocab_size=64)
+    state, batch, step = get_gpt_train_state_and_step(
+        config, 8, grad_func=alpa.value_and_grad, abstract=True
+    )
+    original = pipeshard_plan.plan_stage_shardings
+    texts, objectives = [], []
+    for workers in (1, 4):
+        monkeypatch.setattr(
+            pipeshard_plan,
+            "plan_stage_shardings",
+            lambda *args, workers=workers, **kwargs: original(*args, workers=workers, **kwargs),
+        )
+        method = alpa.PipeshardParallel(
+            devices=ClusterSpec.preset("cpu"),
+            num_micro_batches=2,
+            layer_option=alpa.AutoLayerOption(layer_num=4),
+            stage_option="uniform",
+        )
+        plan = alpa.parallelize(step, method=method).plan(state, batch)
+        assert plan.stage_plan.num_stages == 4 and len(plan.objectives) == 4, plan
+        texts.append(plan.to_json())
+        objectives.append(plan.objectives)
+    assert texts[0] == texts[1] and objectives[0] == objectives[1]
+
+
 def test_activations_are_the_batch_values_a_forward_keeps():
     """4 Dense(64) layers, micro-batches of 4 rows: the forward of layers 0..2 keeps its
     input (f32[4, 64]) and relu's mask (bool[4, 64]) for the backward, 4 * 64 * 5 = 1,280
