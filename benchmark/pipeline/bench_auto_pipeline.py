@@ -87,7 +87,7 @@ def run_case(
     method = alpa.PipeshardParallel(
         devices=cluster,
         num_micro_batches=micro_batches,
-        layer_option=alpa.AutoLayerOption(layer_num=layer_num, layer_eps=1.0),
+        layer_option=alpa.AutoLayerOption(layer_num=layer_num),  # layer_eps=0.6
         stage_option="auto",
     )
     timers.seconds.clear()
