@@ -48,7 +48,7 @@ from jax.extend.core import Literal as JaxLiteral
 
 from alpa.tracing import new_jaxpr
 from alpa.tracing.batch_draws import new_row_ids, reads_draws, row_id_rewriter
-from alpa.tracing.primitive_def import pipeline_p
+from alpa.tracing.primitive_def import passes_through, pipeline_p
 
 if TYPE_CHECKING:
     from alpa.pipeline_parallel.deferred_sums import DeferredSums
@@ -451,7 +451,7 @@ def _batch_dependent(eqns, batch_set) -> set:
     activation do not become batch values."""
     dependent = set(batch_set)
     for eqn in eqns:
-        if eqn.primitive is pipeline_p and len(eqn.invars) == len(eqn.outvars):
+        if passes_through(eqn):
             dependent.update(
                 o
                 for i, o in zip(eqn.invars, eqn.outvars, strict=True)

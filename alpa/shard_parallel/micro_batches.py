@@ -50,6 +50,7 @@ from jax.extend.core import Jaxpr, JaxprEqn, Var
 from jax.sharding import NamedSharding, PartitionSpec
 
 from alpa.tracing import TracedStep
+from alpa.tracing.primitive_def import passes_through
 
 logger = logging.getLogger(__name__)
 
@@ -224,12 +225,6 @@ def _linear_positions(eqn: JaxprEqn) -> Callable[[int], bool] | None:
     return _ADDITIVE.get(name) or _LINEAR_IN_ONE.get(name)
 
 
-def _passes_through(eqn: JaxprEqn) -> bool:
-    """An identity of many operands (``alpa``'s pipeline marker): output ``i`` is operand
-    ``i``, so it carries partial sums where the operand does, each position on its own."""
-    return eqn.primitive.name == "pipeline_marker" and len(eqn.invars) == len(eqn.outvars)
-
-
 def _is_float(v) -> bool:
     return jnp.issubdtype(v.aval.dtype, jnp.inexact)
 
@@ -264,7 +259,7 @@ def deferrable(
     deferred = {
         v
         for eqn in compute.eqns
-        if _passes_through(eqn)
+        if passes_through(eqn)
         or (len(eqn.outvars) == 1 and (row_sum(eqn) or _linear_positions(eqn) is not None))
         for v in eqn.outvars
         if _is_float(v) and dims.get(v) == () and v not in reduced
@@ -275,14 +270,14 @@ def deferrable(
 
     def holds(v: Var) -> bool:
         eqn = producer[v]
-        if _passes_through(eqn):
+        if passes_through(eqn):
             source = eqn.invars[eqn.outvars.index(v)]
             if not (isinstance(source, Var) and source in deferred):
                 return False
         elif not deferred_operands(eqn) and not row_sum(eqn):
             return False
         for user, i in uses.get(v, ()):
-            if _passes_through(user):
+            if passes_through(user):
                 if user.outvars[i] not in deferred:
                     return False
                 continue
@@ -298,7 +293,7 @@ def deferrable(
                 u
                 for eqn in compute.eqns
                 if eqn.primitive.name not in _ADDITIVE
-                and not _passes_through(eqn)
+                and not passes_through(eqn)
                 and len(deferred_operands(eqn)) > 1
                 for u in deferred_operands(eqn)
             }
@@ -333,7 +328,7 @@ def deferred_rules(
     var_specs = var_specs or {}
     rules = {}
     for eqn in eqns:
-        if _passes_through(eqn):
+        if passes_through(eqn):
             if any(v in deferred for v in eqn.outvars):
                 rules[eqn] = list  # the identity, on partial sums and whole values alike
             continue

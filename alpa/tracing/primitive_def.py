@@ -40,6 +40,12 @@ def mark_pipeline_jaxpreqn(values, name: str, mark_type: str):
     return pipeline_p.bind(*values, name=name, mark_type=mark_type)
 
 
+def passes_through(eqn) -> bool:
+    """Whether ``eqn`` is a marker: output ``i`` is operand ``i``, so what holds of an
+    operand (it depends on the batch, it is a partial sum) holds of its output alone."""
+    return eqn.primitive is pipeline_p and len(eqn.invars) == len(eqn.outvars)
+
+
 def _impl(*args, name, mark_type):
     del name, mark_type
     return list(args)
