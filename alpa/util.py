@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import re
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
 import jax
@@ -133,6 +135,22 @@ def progress(iterable: Iterable, **kwargs) -> Iterable:
     from tqdm.auto import tqdm
 
     return tqdm(iterable, **kwargs)
+
+
+# ----------------------------------------------------------------------------- threads
+
+
+def map_on_threads(
+    fn: Callable[[Any], Any], items: Sequence[Any], workers: int | None = None, name: str = "alpa"
+) -> list[Any]:
+    """``[fn(x) for x in items]``, ``workers`` at a time on threads (default: one per CPU;
+    in this thread when that is one). For work that leaves the GIL part of the time, such
+    as the auto-sharding ILPs: CBC solves in its own process."""
+    workers = min(len(items), workers or os.cpu_count() or 1)
+    if workers <= 1:
+        return [fn(x) for x in items]
+    with ThreadPoolExecutor(workers, thread_name_prefix=name) as pool:
+        return list(pool.map(fn, items))
 
 
 # ----------------------------------------------------------------------------- benchmarks

@@ -1,5 +1,7 @@
 """Public helpers of alpa.util and alpa.testing."""
 
+import threading
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -10,6 +12,7 @@ from alpa.util import (
     compute_gpt_tflops,
     compute_param_number,
     count_communication_primitives,
+    map_on_threads,
 )
 
 HLO = """
@@ -58,3 +61,12 @@ def test_assert_allclose_checks_structure_and_values():
         assert_allclose({"a": np.ones(3)}, {"b": np.ones(3)})
     with pytest.raises(AssertionError, match=r"leaf \['a'\]"):
         assert_allclose({"a": np.ones(3)}, {"a": np.zeros(3)})
+
+
+def test_map_on_threads_keeps_order_and_runs_inline_with_one_worker():
+    assert map_on_threads(lambda x: x * x, range(20), workers=4) == [x * x for x in range(20)]
+    names = map_on_threads(lambda _: threading.current_thread().name, range(8), 1, "t")
+    assert set(names) == {threading.current_thread().name}
+    names = map_on_threads(lambda _: threading.current_thread().name, range(8), 2, "pool")
+    assert all(n.startswith("pool") for n in names)
+    assert map_on_threads(lambda x: x, [], workers=3) == []

@@ -50,7 +50,6 @@ import math
 import os
 import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -69,6 +68,7 @@ from alpa.shard_parallel.auto_sharding import (
 from alpa.tracing import TracedStep
 from alpa.tracing.flops import jaxpr_flops
 from alpa.tracing.primitive_def import pipeline_p
+from alpa.util import map_on_threads
 
 LOGICAL_SHAPE_SPACES = (
     "single_node_model_parallel",
@@ -339,41 +339,35 @@ class _LayerPlans:
     """
 
     def __init__(self, problem: StageProblem, workers: int | None = None):
-        self._by_layer: dict = {}
         steps: dict = {}  # (layer, devices) -> (its step, its structure key)
         jobs: dict = {}  # ILP key -> (step, m, config)
-        for m, configs in enumerate(problem.configs):
+
+        def ilp_key(layer: int, m: int, config: LogicalConfig):
             n = int(np.prod(problem.submesh_choices[m]))
-            for config in configs:
-                if not uses_ilp(problem.config_option(config), n):
-                    for layer in range(problem.num_layers):
-                        self._by_layer[layer, m, config] = (0.0, 1.0)
-                    continue
-                for layer in range(problem.num_layers):
-                    if (layer, n) not in steps:
-                        step, _ = problem.stage_step(layer, layer, n)
-                        steps[layer, n] = (step, _structure_key(step))
-                    step, structure = steps[layer, n]
-                    key = (structure, problem.submesh_choices[m], config)
-                    jobs.setdefault(key, (step, m, config))
-                    self._by_layer[layer, m, config] = key
+            if not uses_ilp(problem.config_option(config), n):
+                return None
+            if (layer, n) not in steps:
+                step, _ = problem.stage_step(layer, layer, n)
+                steps[layer, n] = (step, _structure_key(step))
+            step, structure = steps[layer, n]
+            key = (structure, problem.submesh_choices[m], config)
+            jobs.setdefault(key, (step, m, config))
+            return key
 
-        def solve(job):
-            step, m, config = job
-            return _ilp_layer(problem, step, m, config)
-
-        workers = min(len(jobs), workers or os.cpu_count() or 1)
-        if workers > 1:
-            with ThreadPoolExecutor(workers, thread_name_prefix="alpa-stage-ilp") as pool:
-                solved = dict(zip(jobs, pool.map(solve, jobs.values()), strict=True))
-        else:
-            solved = {key: solve(job) for key, job in jobs.items()}
-        for key, value in self._by_layer.items():
-            if value in solved:
-                self._by_layer[key] = solved[value]
+        self._keys = {  # (layer, m, config) -> its ILP's key; None: planned without one
+            (layer, m, config): ilp_key(layer, m, config)
+            for m, configs in enumerate(problem.configs)
+            for config in configs
+            for layer in range(problem.num_layers)
+        }
+        solved = map_on_threads(
+            lambda job: _ilp_layer(problem, *job), list(jobs.values()), workers, "alpa-stage-ilp"
+        )
+        self._solved = dict(zip(jobs, solved, strict=True))
 
     def get(self, layer: int, m: int, config: LogicalConfig) -> tuple[float, float]:
-        return self._by_layer[layer, m, config]
+        key = self._keys[layer, m, config]
+        return (0.0, 1.0) if key is None else self._solved[key]
 
 
 def _stage_memory(problem: StageProblem, facts: Sequence[_LayerFacts], plans: _LayerPlans):

@@ -27,9 +27,7 @@ mesh, so every computation that writes or reads it there (and every ``LOAD``,
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 
 import jax
 from jax.extend.core import ClosedJaxpr
@@ -43,6 +41,7 @@ from alpa.shard_parallel.auto_sharding import (
     plan_auto_sharding,
 )
 from alpa.tracing import TracedStep, new_jaxpr
+from alpa.util import map_on_threads
 
 DATA_AXES = ("x", "y")
 
@@ -133,12 +132,7 @@ def plan_stage_shardings(
         return table, objectives
 
     stages = range(program.num_stages)
-    workers = min(len(stages), workers or os.cpu_count() or 1)
-    if workers > 1:
-        with ThreadPoolExecutor(workers, thread_name_prefix="alpa-stage-sharding") as pool:
-            planned = list(pool.map(plan_stage, stages))
-    else:
-        planned = [plan_stage(s) for s in stages]
+    planned = map_on_threads(plan_stage, stages, workers, "alpa-stage-sharding")
     table: dict = dict(pinned)
     objectives: dict[int, list[float]] = {}
     for s, (stage_table, stage_objectives) in zip(stages, planned, strict=True):
