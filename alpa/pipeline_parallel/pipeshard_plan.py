@@ -347,6 +347,11 @@ def plan_pipeshard(
                     option.logical_mesh_shape or shape, option.mesh_alpha, option.mesh_beta
                 )
             )
+    else:
+        logical_meshes = list(decisions.logical_meshes)
+    mesh_sizes = [m.num_devices for m in logical_meshes]
+    data_parallel = [not uses_ilp(o, n) for o, n in zip(options, mesh_sizes, strict=True)]
+    if decisions is None:
         mesh_shapes = [tuple(m.shape) for m in logical_meshes]
         pinned = pinned_specs(
             traced, program, args, mesh_shapes, manual_sharding_option, stage_input_shardings, names
@@ -354,15 +359,12 @@ def plan_pipeshard(
         stage_specs, objectives = plan_stage_shardings(
             traced, program, logical_meshes, options, names, pinned
         )
-        mesh_sizes = [m.num_devices for m in logical_meshes]
         zero2 = [
-            o.prefer_reduce_scatter and not uses_ilp(o, n)
-            for o, n in zip(options, mesh_sizes, strict=True)
+            o.prefer_reduce_scatter and dp for o, dp in zip(options, data_parallel, strict=True)
         ]
         zero2_specs(traced, program, stage_specs, mesh_sizes, zero2, DATA_AXES)
         tie_donated_outputs(traced, program, stage_specs, mesh_sizes)
     else:
-        logical_meshes = list(decisions.logical_meshes)
         stage_specs = dict(decisions.stage_specs)
         objectives = {s: list(v) for s, v in decisions.objectives.items()}
     if num_micro_batches > 1:
@@ -373,8 +375,6 @@ def plan_pipeshard(
             program = draw_rows_of_full_batch(program, draws, rows)
             names[program.row_ids] = f"v{len(names)}"
     # A data-parallel stage's gradients: reduced once per step, in apply-grad.
-    mesh_sizes = [m.num_devices for m in logical_meshes]
-    data_parallel = [not uses_ilp(o, n) for o, n in zip(options, mesh_sizes, strict=True)]
     deferred = defer_gradient_sums(program, traced, mesh_sizes, data_parallel)
     if deferred is not None:
         program = dataclasses.replace(program, deferred=deferred)
