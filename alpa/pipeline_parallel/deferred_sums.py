@@ -31,6 +31,7 @@ per-micro-batch all-reduces. Stages planned by the ILP keep the ILP's plan.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -59,6 +60,11 @@ class DeferredSums:
     values: frozenset[Var]
     row_dims: dict
     partials: dict[Var, Var]
+
+    @functools.cached_property
+    def accumulators(self) -> frozenset[Var]:
+        """The accumulators of partial sums (the values of ``partials``)."""
+        return frozenset(self.partials.values())
 
 
 def defer_gradient_sums(

@@ -20,7 +20,7 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding
 
 from alpa.device_mesh import make_jax_mesh
 from alpa.executable import Executable, PlacementSpec, check_dispatch_args, is_placed
@@ -35,12 +35,9 @@ from alpa.pipeline_parallel.runtime_emitter import (
     Kernel,
     simulate_memory,
 )
-from alpa.pipeline_parallel.stage_sharding import (
-    DATA_AXES,
-    data_parallel_spec,
-)
+from alpa.pipeline_parallel.stage_sharding import DATA_AXES, value_spec
 from alpa.pipeline_parallel.user_shardings import input_names
-from alpa.runtime.local_runtime import LocalPipelineRuntime, RuntimeContext, reshard_bytes
+from alpa.runtime.local_runtime import LocalPipelineRuntime, RuntimeContext
 from alpa.runtime.memory import allocation_bytes, device_peak_bytes
 from alpa.shard_parallel.executable import full_batch_avals
 from alpa.shard_parallel.micro_batches import deferred_rules, sum_partials
@@ -92,8 +89,6 @@ class StagePrograms:
         self.var_of = {name: v for v, name in plan.names.items()}
         jaxpr = plan.traced.closed_jaxpr.jaxpr
         self.consts_env = dict(zip(jaxpr.constvars, plan.traced.closed_jaxpr.consts, strict=True))
-        deferred = self.program.deferred
-        self.partial_vars = set(deferred.partials.values()) if deferred is not None else set()
 
     def const_outputs(self, names) -> dict:
         """The step outputs ``names`` that depend on no input, computed here once."""
@@ -109,12 +104,9 @@ class StagePrograms:
 
     def sharding(self, var, mesh: int) -> NamedSharding:
         jax_mesh = self.meshes[mesh]
-        spec = self.stage_specs.get((var, mesh))
-        if spec is None and var in self.partial_vars:
-            spec = PartitionSpec(DATA_AXES)  # [n, ...]: one slice per device
-        if spec is None:
-            spec = data_parallel_spec(var, self.program, jax_mesh.size)
-        return NamedSharding(jax_mesh, spec)
+        return NamedSharding(
+            jax_mesh, value_spec(var, mesh, self.program, self.stage_specs, jax_mesh.size)
+        )
 
     def _deferred_rules(self, comp: StageComputation) -> dict:
         """The equations of ``comp`` that compute deferred row sums (``deferred_sums``),
@@ -130,7 +122,8 @@ class StagePrograms:
         )
 
     def key_sharding(self, key) -> NamedSharding:
-        return self.sharding(self.var_of[key[0]], key[2])
+        """The sharding the plan recorded for buffer ``key``."""
+        return NamedSharding(self.meshes[key[2]], self.plan.buffer_specs[(key[0], key[2])])
 
     def zeros(self, keys):
         """``jax.jit`` of a function returning zeros for the buffers ``keys``."""
@@ -270,7 +263,8 @@ class PipeshardDriverExecutable(Executable):
             shape_of=lambda key: tuple(self._var_of[key[0]].aval.shape),
             in_flight_limit=2 if devices[0].platform == "cpu" else None,
         )
-        self.runtime = LocalPipelineRuntime(instructions, context, leaf_index, self._reshard_bytes)
+        reshard_bytes = {i: p.nbytes() for i, p in plan.reshards.items()}
+        self.runtime = LocalPipelineRuntime(instructions, context, leaf_index, reshard_bytes)
         self._const_outputs = self.stage_programs.const_outputs(
             {name for kind, name in instructions.outputs if kind == "const"}
         )
@@ -286,13 +280,6 @@ class PipeshardDriverExecutable(Executable):
 
     def _key_sharding(self, key) -> NamedSharding:
         return self.stage_programs.key_sharding(key)
-
-    def _reshard_bytes(self, ins) -> int:
-        (src,), (dst,) = ins.inputs, ins.outputs
-        aval = self._var_of[src[0]].aval
-        return reshard_bytes(
-            aval.shape, aval.dtype, self._key_sharding(src), self._key_sharding(dst)
-        )
 
     def _alloc(self, keys) -> Any:
         """A compiled function returning zeros for the buffers ``keys`` (accumulators)."""

@@ -4,7 +4,8 @@
 
     traced step --layers--> LayerAssignment --stages--> StagePlan --split--> PipelineProgram
        --intra-op per stage--> sharding table --schedule--> PipelineSchedule
-       --emit--> PipelineInstructions  ==> PipeshardPlan
+       --emit--> PipelineInstructions --resolve--> buffer shardings, RESHARD tile plans
+       ==> PipeshardPlan
 
 Each stage is sharded by the same ``plan_auto_sharding`` that ``ShardParallel`` uses, on a
 logical view of its submesh built from the ``ClusterSpec`` (alpha-beta per axis), so the
@@ -12,6 +13,11 @@ same plan is made whether the cluster is here (the executable then compiles it o
 devices of each submesh) or not (``parallelize(...).plan(*args)`` on a
 ``VirtualPhysicalMesh``). Only ``AutoStageOption(cost_model="measured")`` runs anything,
 and it needs the devices.
+
+The plan names the sharding of every buffer its instructions touch and the tile plan of
+every ``RESHARD`` (which piece of which source device goes to which destination host), so
+a runtime only executes it: the local runtime counts those bytes, the Ray runtime ships
+the same tile plans to its workers.
 
 A plan prints as a table (stage, layers, submesh, logical shape, latency, memory) with
 its schedule grid; :meth:`PipeshardPlan.summary` is its JSON-able record and
@@ -43,7 +49,8 @@ from alpa.pipeline_parallel.layer_construction import (
     construct_layers,
     resolve_layer_option,
 )
-from alpa.pipeline_parallel.runtime_emitter import PipelineInstructions, emit_instructions
+from alpa.pipeline_parallel.resharding import worker_transfer_plan
+from alpa.pipeline_parallel.runtime_emitter import Op, PipelineInstructions, emit_instructions
 from alpa.pipeline_parallel.schedules import PipelineSchedule, make_schedule
 from alpa.pipeline_parallel.stage_construction import (
     AutoStageOption,
@@ -59,8 +66,10 @@ from alpa.pipeline_parallel.stage_sharding import (
     stage_options,
     tie_donated_outputs,
     uses_ilp,
+    value_spec,
 )
 from alpa.pipeline_parallel.user_shardings import pinned_specs
+from alpa.runtime.worker_program import Layout, TransferPlan
 from alpa.shard_parallel.auto_sharding import AutoShardingOption
 from alpa.tracing import TracedStep
 from alpa.tracing.batch_draws import batch_size, micro_batch_draws
@@ -106,6 +115,12 @@ class PipeshardPlan:
       objectives: per stage, the ILP objective(s) of its computations.
       schedule: the clock ticks of the pipeline.
       instructions: the typed instruction list of one step.
+      buffer_specs: ``(value name, mesh) -> PartitionSpec`` of every buffer the
+        instructions read or write (and of the step's inputs and outputs), on that mesh's
+        logical shape (:meth:`buffer_layout`).
+      reshards: instruction index -> the tile plan of that ``RESHARD``
+        (``worker_program.TransferPlan``: source and destination layouts, and which
+        piece of which source device goes to which destination host).
       num_micro_batches: micro-batches per step.
       layer_option: the layer option the step was traced and cut with (``alpa.grad``
         reads it while tracing, so a replay traces under it again).
@@ -125,12 +140,26 @@ class PipeshardPlan:
     objectives: dict
     schedule: PipelineSchedule
     instructions: PipelineInstructions
+    buffer_specs: dict
+    reshards: dict
     num_micro_batches: int
     layer_option: Any = None
 
     @property
     def num_stages(self) -> int:
         return self.stage_plan.num_stages
+
+    def buffer_layout(self, key) -> Layout:
+        """Where buffer ``key`` (``(value name, micro-batch, mesh)``) lives: its mesh's
+        logical shape and axis names, and its spec."""
+        mesh = key[2]
+        shape = tuple(self.logical_meshes[mesh].shape)
+        return Layout(shape, DATA_AXES, self.buffer_specs[(key[0], mesh)])
+
+    def resharded_bytes(self) -> int:
+        """Bytes one step's ``RESHARD`` s move between meshes, by their tile plans (each
+        piece once per destination host)."""
+        return sum(plan.nbytes() for plan in self.reshards.values())
 
     def stage_option(self) -> ManualStageOption:
         """These stages as a ``ManualStageOption`` (to compile them again without the DP)."""
@@ -188,6 +217,13 @@ class PipeshardPlan:
             "stages": stages,
             "ticks": [[str(task) for task in tick] for tick in self.schedule.ticks],
             "instructions": [str(ins) for ins in self.instructions.instructions],
+            "buffers": sorted(
+                [name, mesh, str(spec)] for (name, mesh), spec in self.buffer_specs.items()
+            ),
+            "reshards": [
+                _reshard_summary(i, self.instructions.instructions[i], plan)
+                for i, plan in sorted(self.reshards.items())
+            ],
             "shardings": [list(x) for x in specs],
             "gradients_reduced_once_per_step": once,
         }
@@ -233,6 +269,12 @@ class PipeshardPlan:
             title += f", predicted {summary['predicted_cost'] * 1e3:.3f} ms/step"
         lines = [title]
         lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
+        if self.reshards:
+            lines.append(
+                f"{len(self.reshards)} RESHARDs per step move "
+                f"{self.resharded_bytes() / 2**20:.3f} MiB between meshes (tile plans in "
+                "plan.reshards)"
+            )
         return "\n".join(lines) + "\n" + self.schedule.grid()
 
     def __str__(self) -> str:
@@ -240,6 +282,75 @@ class PipeshardPlan:
 
     def __repr__(self) -> str:
         return f"<PipeshardPlan of {self.traced.name}: {self.num_stages} stages>\n{self}"
+
+
+def _reshard_summary(index: int, ins, plan: TransferPlan) -> dict:
+    (src,), (dst,) = ins.inputs, ins.outputs
+    return {
+        "instruction": index,
+        "value": src[0],
+        "micro_batch": src[1],
+        "meshes": [src[2], dst[2]],
+        "shape": list(plan.shape),
+        "dtype": plan.dtype,
+        "bytes": plan.nbytes(),
+        # source device (flat id), destination host, box, destination devices
+        "pieces": [
+            [p.src_device, p.dst_host, [list(b) for b in p.box], list(p.dst_devices)]
+            for p in plan.pieces
+        ],
+    }
+
+
+def resolve_buffers(
+    program: PipelineProgram,
+    instructions: PipelineInstructions,
+    stage_specs: dict,
+    logical_meshes: Sequence[LogicalDeviceMesh],
+    submesh_shapes: Sequence[Sequence[int]],
+    names: dict,
+) -> tuple[dict, dict]:
+    """The sharding of every buffer of ``instructions`` (``(value name, mesh) -> spec``,
+    :func:`stage_sharding.value_spec`) and the tile plan of every ``RESHARD``
+    (instruction index -> ``TransferPlan``; a mesh's devices are host-major, ``submesh_shapes[m]
+    [1]`` per host). Equal moves (same shape, dtype and layouts) share one plan."""
+    var_of = {name: v for v, name in names.items()}
+    keys = {key for ins in instructions.instructions for key in ins.inputs + ins.outputs}
+    keys |= set(instructions.persistent)
+    for kind, value in instructions.outputs:
+        if kind == "key":
+            keys.add(value)
+        elif kind in ("concat", "mean"):
+            keys.update(value)
+    specs = {}
+    for name, _, mesh in keys:
+        if (name, mesh) not in specs:
+            size = logical_meshes[mesh].num_devices
+            specs[(name, mesh)] = value_spec(var_of[name], mesh, program, stage_specs, size)
+
+    def layout(key) -> Layout:
+        shape = tuple(logical_meshes[key[2]].shape)
+        return Layout(shape, DATA_AXES, specs[(key[0], key[2])])
+
+    reshards: dict[int, TransferPlan] = {}
+    made: dict[tuple, TransferPlan] = {}
+    for i, ins in enumerate(instructions.instructions):
+        if ins.op is not Op.RESHARD:
+            continue
+        (src,), (dst,) = ins.inputs, ins.outputs
+        aval = var_of[src[0]].aval
+        move = (tuple(aval.shape), aval.dtype, layout(src), src[2], layout(dst), dst[2])
+        if move not in made:
+            made[move] = worker_transfer_plan(
+                aval.shape,
+                aval.dtype,
+                move[2],
+                int(submesh_shapes[src[2]][1]),
+                move[4],
+                int(submesh_shapes[dst[2]][1]),
+            )
+        reshards[i] = made[move]
+    return specs, reshards
 
 
 def _name_vars(closed_jaxpr) -> dict:
@@ -381,6 +492,9 @@ def plan_pipeshard(
         for v in deferred.partials.values():
             names[v] = f"v{len(names)}"
     instructions = emit_instructions(program, schedule, names)
+    buffer_specs, reshards = resolve_buffers(
+        program, instructions, stage_specs, logical_meshes, stage_plan.submesh_shapes, names
+    )
     return PipeshardPlan(
         traced=traced,
         names=names,
@@ -396,6 +510,8 @@ def plan_pipeshard(
         objectives=objectives,
         schedule=schedule,
         instructions=instructions,
+        buffer_specs=buffer_specs,
+        reshards=reshards,
         num_micro_batches=num_micro_batches,
         layer_option=layer_option,
     )

@@ -8,8 +8,8 @@ runs, cut into one :class:`~alpa.runtime.worker_program.WorkerProgram` per stage
   logical shape and exported (``jax.export``); the mesh's workers compile it;
 * the global instruction order is projected onto each mesh: a mesh keeps its ``LOAD`` s,
   ``RUN`` s and ``ALLOC`` s; a ``RESHARD`` becomes a ``SEND`` on the source mesh and a
-  ``RECV`` on the destination mesh, with its tile plan
-  (``resharding.worker_transfer_plan``) resolved here, at compile time. Projecting one
+  ``RECV`` on the destination mesh, with the tile plan the ``PipeshardPlan`` recorded
+  for it (``PipeshardPlan.reshards``). Projecting one
   valid sequential order onto the meshes cannot deadlock: a ``RECV`` waits only for a
   ``SEND`` that comes earlier in that order, and sends never wait;
 * each buffer's last use drops it on its own mesh, so after a step the workers hold only
@@ -105,8 +105,14 @@ class PipeshardRayExecutable(Executable):
         leaf_index = {plan.names[v]: i for i, v in enumerate(inputs)}
         builders = [_MeshProgramBuilder() for _ in self.meshes]
 
-        def layout(key) -> Layout:
-            return Layout(self._logical_shapes[key[2]], DATA_AXES, stages.key_sharding(key).spec)
+        layout = plan.buffer_layout
+        for m, mesh in enumerate(self.meshes):
+            planned = int(plan.stage_plan.submesh_shapes[m][1])
+            if mesh.num_devices_per_host != planned:
+                raise ValueError(
+                    f"mesh {m} has {mesh.num_devices_per_host} devices per host but the plan's "
+                    f"stage {m} submesh has {planned}: its tile plans would name other hosts"
+                )
 
         def exported(builder, mesh, key, name, jitted, structs, out_shardings, donate=()) -> int:
             if key not in builder.fn_index:
@@ -175,15 +181,7 @@ class PipeshardRayExecutable(Executable):
                 b.emit(WorkerOp.ZEROS, out_slots=tuple(b.slot(k) for k in ins.outputs), fn=fn)
             elif ins.op is Op.RESHARD:
                 (src,), (dst,) = ins.inputs, ins.outputs
-                aval = var_of[src[0]].aval
-                transfer = worker_transfer_plan(
-                    aval.shape,
-                    aval.dtype,
-                    layout(src),
-                    self.meshes[src[2]].num_devices_per_host,
-                    layout(dst),
-                    self.meshes[m].num_devices_per_host,
-                )
+                transfer = plan.reshards[tag]
                 s = builders[src[2]]
                 s.emit(
                     WorkerOp.SEND,

@@ -89,6 +89,19 @@ def data_parallel_spec(var, program: PipelineProgram, num_devices: int) -> Parti
     return PartitionSpec()
 
 
+def value_spec(var, mesh: int, program: PipelineProgram, stage_specs: dict, num_devices: int):
+    """The ``PartitionSpec`` of ``var`` on mesh ``mesh`` (of ``num_devices`` devices): its
+    entry in the sharding table, else ``[n, ...]`` (one slice per device) for the
+    accumulator of a deferred gradient's partial sums, else :func:`data_parallel_spec`."""
+    spec = stage_specs.get((var, mesh))
+    if spec is not None:
+        return spec
+    deferred = program.deferred
+    if deferred is not None and var in deferred.accumulators:
+        return PartitionSpec(DATA_AXES)
+    return data_parallel_spec(var, program, num_devices)
+
+
 def plan_stage_shardings(
     traced: TracedStep,
     program: PipelineProgram,

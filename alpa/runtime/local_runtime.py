@@ -2,10 +2,9 @@
 
 Every mesh is a set of this process's devices; the driver itself walks the instruction
 list (DESIGN §6). Values move between submeshes with ``jax.device_put`` (DESIGN §7: a jit
-never reads an array of another mesh); each ``RESHARD`` is also planned tile by tile
-(``pipeline_parallel.resharding``) when the runtime is built, and the plan's bytes, what a
-cross-host backend would send, are what a step sends (``resharded_bytes``, the same every
-step).
+never reads an array of another mesh). Each ``RESHARD``'s tile plan is in the
+``PipeshardPlan`` (``reshards``); its bytes, what a cross-host backend sends, are what a
+step sends (``resharded_bytes``, the same every step).
 
 **Prebuilt closures.** Nothing is interpreted per step. When the runtime is built, every
 buffer key gets an integer slot and every instruction becomes one closure
@@ -31,7 +30,6 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from alpa.executable import leaf_placer
-from alpa.pipeline_parallel.resharding import MeshSharding, plan_resharding
 from alpa.pipeline_parallel.runtime_emitter import (
     BufferKey,
     Instruction,
@@ -206,7 +204,7 @@ class LocalPipelineRuntime:
         program: PipelineInstructions,
         context: RuntimeContext,
         leaf_index: dict[str, int],
-        reshard_plan_bytes: Callable[[Instruction], int],
+        reshard_bytes: dict[int, int],
     ):
         self._context = context
         self.program = program
@@ -228,10 +226,10 @@ class LocalPipelineRuntime:
         self._steps: list[_Built] = []
         self._frees: list[tuple[int, ...]] = []
         self.resharded_bytes = 0
-        for ins in program.instructions:
+        for i, ins in enumerate(program.instructions):
             fn, name, args, out_slots = HANDLERS[ins.op](ins, self._slot, context)
             if ins.op is Op.RESHARD:
-                args = {"bytes": reshard_plan_bytes(ins)}
+                args = {"bytes": reshard_bytes[i]}
                 self.resharded_bytes += args["bytes"]
             self._steps.append((fn, name, args, out_slots))
             self._frees.append(tuple(self._slot[key] for key in ins.free))
@@ -302,26 +300,6 @@ class LocalPipelineRuntime:
             ),
             key=str,
         )
-
-
-def reshard_bytes(shape: tuple[int, ...], dtype: Any, src, dst) -> int:
-    """Bytes the tile plan sends to move a value of ``shape`` from sharding ``src`` to
-    ``dst`` (each piece once per destination host)."""
-    ndim = len(shape)
-    plan = plan_resharding(shape, _mesh_sharding(src, ndim), _mesh_sharding(dst, ndim))
-    return plan.num_elements_sent() * np.dtype(dtype).itemsize
-
-
-def _mesh_sharding(sharding, ndim: int) -> MeshSharding:
-    """The tile-planner view of a ``NamedSharding`` on a 2-D submesh (or of one device)."""
-    if isinstance(sharding, NamedSharding) and len(sharding.mesh.devices.shape) == 2:
-        shape = tuple(int(n) for n in sharding.mesh.devices.shape)
-        return MeshSharding.from_partition_spec(
-            shape, sharding.spec, ndim, tuple(sharding.mesh.axis_names)
-        )
-    if len(sharding.device_set) == 1:
-        return MeshSharding((1, 1), ((),) * ndim)
-    raise NotImplementedError(f"resharding plan for sharding {sharding}")
 
 
 _concat_fn = jax.jit(lambda *xs: jax.numpy.concatenate(xs, axis=0))

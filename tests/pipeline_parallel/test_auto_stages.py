@@ -394,6 +394,11 @@ def test_plan_for_64_gpus_touches_no_device():
         import jax._src.xla_bridge as xb
         assert not xb._backends, xb._backends
         assert sum(a * b for a, b in plan.stage_plan.submesh_shapes) == 64
+        # Every RESHARD's tile plan is made with the plan, for hosts that are not here.
+        moves = [i for i, ins in enumerate(plan.instructions.instructions)
+                 if ins.op == "RESHARD"]
+        assert plan.stage_plan.num_stages > 1 and moves and sorted(plan.reshards) == moves
+        assert plan.resharded_bytes() > 0
         print(plan)
         """
     )

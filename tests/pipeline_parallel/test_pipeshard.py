@@ -507,6 +507,84 @@ def test_resharded_bytes_follow_the_tile_plan(replicate_activation):
     assert specs == [forward, P(("x", "y"))] * 2, specs
 
 
+def _tiles(sharding, shape) -> list:
+    """Per device of the sharding's mesh (flat, host-major), the box JAX gives it."""
+    indices = sharding.devices_indices_map(shape)
+    return [
+        tuple(s.indices(n)[:2] for s, n in zip(indices[d], shape, strict=True))
+        for d in sharding.mesh.devices.flat
+    ]
+
+
+@pytest.mark.parametrize("submeshes", [[(1, 4), (1, 4)], [(1, 2), (1, 6)]])
+def test_every_reshard_has_its_tile_plan_in_the_plan(submeshes):
+    """The plan records every RESHARD's tile plan (``PipeshardPlan.reshards``). Checked
+    against JAX itself: the source and destination tiles of each plan are the ones JAX
+    lays out for the shardings the compiled stages use; executed on numpy, the pieces
+    rebuild every destination tile exactly, each element written once, and each element
+    crosses once per destination host. The executable counts the plan's bytes before its
+    first call, and the same step planned again gives the same tile plans."""
+    devices_or_skip(8)
+    params, batch = _mlp(2, hidden=12)
+    stage_option = ManualStageOption([[0], [1]], submeshes)
+    method = PipeshardParallel(num_micro_batches=2, stage_option=stage_option)
+    tx = optax.sgd(0.1)
+    step = alpa.parallelize(
+        _train_step(_mlp_loss(2), tx, alpa.value_and_grad), method=method, batch_argnums=(2,)
+    )
+    args = (params, tx.init(params), batch)
+    executable = step.get_executable(*args)
+    plan = executable.plan
+    instructions = plan.instructions.instructions
+    reshards = [i for i, ins in enumerate(instructions) if ins.op == "RESHARD"]
+    assert len(reshards) == 4 and sorted(plan.reshards) == reshards
+    assert executable.get_resharded_bytes() == plan.resharded_bytes() > 0
+    var_of = {name: v for v, name in plan.names.items()}
+    rng = np.random.default_rng(0)
+    for i in reshards:
+        (src,), (dst,) = instructions[i].inputs, instructions[i].outputs
+        transfer, aval = plan.reshards[i], var_of[src[0]].aval
+        assert transfer.shape == aval.shape and transfer.dtype == np.dtype(aval.dtype).name
+        src_sharding = executable.runtime.sharding_of(src)
+        dst_sharding = executable.runtime.sharding_of(dst)
+        assert transfer.dst_layout == plan.buffer_layout(dst)
+        assert dst_sharding.spec == transfer.dst_layout.spec
+        assert src_sharding.spec == plan.buffer_layout(src).spec
+        assert list(transfer.src_boxes) == _tiles(src_sharding, aval.shape)
+        assert list(transfer.dst_boxes) == _tiles(dst_sharding, aval.shape)
+        x = rng.standard_normal(aval.shape)
+        out = [np.full([b - a for a, b in box], np.nan) for box in transfer.dst_boxes]
+        written = [np.zeros(o.shape, int) for o in out]
+        per_host = submeshes[dst[2]][1]
+        for piece in transfer.pieces:
+            inside = zip(piece.box, transfer.src_boxes[piece.src_device], strict=True)
+            assert all(s0 <= lo < hi <= s1 for (lo, hi), (s0, s1) in inside)
+            for d in piece.dst_devices:
+                assert d // per_host == piece.dst_host
+                local = tuple(
+                    slice(lo - t0, hi - t0)
+                    for (lo, hi), (t0, _) in zip(piece.box, transfer.dst_boxes[d], strict=True)
+                )
+                out[d][local] = x[tuple(slice(lo, hi) for lo, hi in piece.box)]
+                written[d][local] += 1
+        for d, box in enumerate(transfer.dst_boxes):
+            np.testing.assert_array_equal(out[d], x[tuple(slice(a, b) for a, b in box)])
+            assert (written[d] == 1).all()
+        hosts = {d // per_host for d in range(len(transfer.dst_boxes))}
+        once_per_host = sum(
+            np.prod([b - a for a, b in box])
+            for h in hosts
+            for box in {transfer.dst_boxes[d] for d in range(len(out)) if d // per_host == h}
+        )
+        assert transfer.nbytes() == once_per_host * aval.dtype.itemsize
+    again = step.plan(*args)
+    assert again.summary()["reshards"] == plan.summary()["reshards"]
+    assert json.loads(plan.to_json())["reshards"] == plan.summary()["reshards"]
+    step(*args)
+    sent = [e.args["bytes"] for e in executable.runtime.events if e.name.startswith("reshard")]
+    assert sum(sent) == plan.resharded_bytes()
+
+
 def test_inference_scalar_loss_is_the_mean_over_micro_batches():
     """A scalar computed from the batch (a mean loss) comes back as the mean over the
     micro-batches, the full batch's value; an integer scalar is the last micro-batch's
