@@ -7,7 +7,9 @@ Every stage option resolves through one method, ``option.plan(context) -> StageP
 * ``AutoStageOption`` (``stage_option="auto"``) runs the dynamic program of the paper
   (§5.2, ``stage_dp.training_dp``) on the stage costs of a ``StageCostModel``
   (``stage_cost``): it picks, at once, the layers of each stage, its submesh and its
-  logical shape and auto-sharding option.
+  logical shape and auto-sharding option. Its ``stage_imbalance_tolerance`` first drops
+  the candidate stages whose share of the devices is far from their share of the FLOPs
+  (``stage_imbalance.imbalance_mask``).
 
 A submesh is a host-aligned 2-D slice ``(hosts, devices_per_host)`` of the cluster
 (:func:`place_submeshes`); ``StagePlan.device_ranges`` are its devices as a range of the
@@ -18,6 +20,7 @@ re-exported here at Alpa's path; ``get_last_dp_result()`` says what the last DP 
 from __future__ import annotations
 
 import math
+import numbers
 import os
 import tempfile
 import time
@@ -32,6 +35,7 @@ from alpa.pipeline_parallel.stage_dp import (  # noqa: F401 (Alpa's path)
     get_submesh_choices,
     training_dp,
 )
+from alpa.pipeline_parallel.stage_imbalance import imbalance_mask, tolerance_error
 
 
 @dataclass(frozen=True)
@@ -129,8 +133,12 @@ class AutoStageOption:
       manually_specified_submeshes: ``(hosts, devices_per_host)`` shapes for ``"manual"``.
       submesh_logical_shape_space: logical views of each submesh
         (``stage_cost.get_logical_configs``), default ``"single_node_model_parallel"``.
-      stage_imbalance_tolerance: only ``inf`` (no bound on how unequal stages may be) is
-        supported; a finite value is refused.
+      stage_imbalance_tolerance: a number ``t >= 0``: a stage of layers ``i..j`` on ``n``
+        of the cluster's ``N`` devices is a candidate only if ``n / N`` is within a
+        factor ``1 + t`` of the stage's share of the step's FLOPs (forward and backward,
+        ``stage_imbalance``); ``0`` asks for exact balance, ``inf`` (default) for no
+        bound. The stage cost tables saved for ``get_last_dp_result`` and
+        ``cached_profile_result`` are the unbounded ones, so they serve any tolerance.
       use_hlo_cost_model: ``True`` selects the analytic model (an estimate from the
         program, no profiling) whatever ``cost_model`` says.
       profiling_database_filename: the disk cache of the measured model.
@@ -170,11 +178,18 @@ class AutoStageOption:
                 f"submesh_logical_shape_space must be one of {LOGICAL_SHAPE_SPACES}, got "
                 f"{self.submesh_logical_shape_space!r}"
             )
-        if self.stage_imbalance_tolerance != math.inf:
-            raise NotImplementedError(
-                f"stage_imbalance_tolerance={self.stage_imbalance_tolerance!r}: only inf "
-                "(no bound) is supported"
+        tolerance = self.stage_imbalance_tolerance
+        if (
+            isinstance(tolerance, bool)
+            or not isinstance(tolerance, numbers.Real)
+            or math.isnan(tolerance)
+            or tolerance < 0
+        ):
+            raise ValueError(
+                "AutoStageOption.stage_imbalance_tolerance must be a number >= 0 (math.inf: "
+                f"no bound), got {tolerance!r} ({type(tolerance).__name__})"
             )
+        object.__setattr__(self, "stage_imbalance_tolerance", float(tolerance))
         if not (self.cost_model in ("analytic", "measured") or callable(self.cost_model)):
             raise ValueError(
                 f"cost_model must be 'analytic', 'measured' or a StageCostModel, got "
@@ -427,7 +442,8 @@ def get_last_dp_result() -> tuple:
     """What the last stage DP chose, as in Alpa: ``(compute_cost_file_name,
     forward_stage_layer_ids, submesh_shapes, logical_mesh_shapes,
     autosharding_option_dicts)``; the file (``.npz``) holds the stage cost tables
-    (``compute_cost``, ``max_n_succ_stages``, ``memory``). All ``None`` before any DP ran."""
+    (``compute_cost``, ``max_n_succ_stages``, ``memory``), before any
+    ``stage_imbalance_tolerance`` is applied. All ``None`` before any DP ran."""
     if _LAST_DP_RESULT is None:
         return (None, None, None, None, None)
     return _LAST_DP_RESULT
@@ -481,7 +497,7 @@ def stage_problem(option: AutoStageOption, context: StageContext):
 def plan_auto_stages(option: AutoStageOption, context: StageContext) -> StagePlan:
     """Cost every candidate stage, run the DP, and resolve its solution."""
     global _LAST_DP_RESULT
-    from alpa.pipeline_parallel.stage_cost import StageCosts
+    from alpa.pipeline_parallel.stage_cost import StageCosts, layer_flops
 
     problem = stage_problem(option, context)
     L, M, C = problem.num_layers, len(problem.submesh_choices), problem.num_configs
@@ -496,17 +512,38 @@ def plan_auto_stages(option: AutoStageOption, context: StageContext) -> StagePla
             )
     if costs is None:
         costs = option.cost_model_instance(context.devices)(problem)
-    try:
-        total, solution = training_dp(
+
+    def dp(compute_cost):
+        return training_dp(
             L,
             context.num_devices,
             context.num_micro_batches,
             problem.submesh_choices,
             C,
-            costs.compute_cost,
+            compute_cost,
             costs.max_n_succ_stages,
         )
+
+    tolerance = option.stage_imbalance_tolerance
+    compute_cost = costs.compute_cost
+    sizes = [a * b for a, b in problem.submesh_choices]
+    if tolerance != math.inf:
+        flops = layer_flops(problem)
+        allowed = imbalance_mask(flops, sizes, context.num_devices, tolerance)
+        # A masked copy: the cost model's table stays as it was, and is what is saved.
+        compute_cost = np.where(allowed[..., None], compute_cost, np.inf)
+    try:
+        total, solution = dp(compute_cost)
     except ValueError as e:
+        if tolerance != math.inf:
+            try:
+                _, unbounded = dp(costs.compute_cost)
+            except ValueError:
+                unbounded = None
+            if unbounded is not None:
+                raise tolerance_error(
+                    tolerance, unbounded, flops, sizes, context.num_devices
+                ) from e
         finite = np.isfinite(costs.compute_cost)
         if not finite.any():
             raise ValueError(
@@ -518,6 +555,8 @@ def plan_auto_stages(option: AutoStageOption, context: StageContext) -> StagePla
         raise ValueError(f"{e} (memory_budget_per_device={problem.memory_budget:.4g} bytes)") from e
     layer_to_stage = [0] * L
     shapes, logical, dicts, latencies, memory = [], [], [], [], []
+    # The tables saved are the unbounded ones, reusable under any tolerance; the chosen
+    # stages' entries are the same in both.
     for s, ((start, end), m, c) in enumerate(solution):
         for layer in range(start, end):
             layer_to_stage[layer] = s

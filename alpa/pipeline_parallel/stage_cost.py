@@ -280,6 +280,13 @@ def _layer_facts(problem: StageProblem, layer: int) -> _LayerFacts:
     return _LayerFacts(flops, state_bytes, param_bytes, activation, entering)
 
 
+def layer_flops(problem: StageProblem) -> np.ndarray:
+    """Per layer ``l``, :math:`F_l`: the FLOPs (``tracing.flops``) of its forward and
+    backward, as the analytic model counts them (Alpa's stage imbalance bound weighs
+    layers by the same sum)."""
+    return np.array([_layer_facts(problem, layer).flops for layer in range(problem.num_layers)])
+
+
 def _per_device_bytes(aval, spec: PartitionSpec | None, mesh_shape, axis_names) -> float:
     total = float(np.prod(aval.shape, dtype=np.float64) * aval.dtype.itemsize)  # keys too
     if spec is None:

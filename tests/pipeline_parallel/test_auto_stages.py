@@ -2,6 +2,8 @@
 for clusters that are not here, and errors."""
 
 import json
+import math
+import re
 import subprocess
 import sys
 import textwrap
@@ -20,6 +22,7 @@ from alpa.pipeline_parallel.stage_construction import (
     place_submeshes,
 )
 from alpa.pipeline_parallel.stage_cost import AnalyticStageCost, MeasuredStageCost, StageCosts
+from alpa.pipeline_parallel.stage_imbalance import imbalance_mask
 from alpa.testing import assert_allclose
 from alpa.tracing.flops import jaxpr_flops
 
@@ -373,6 +376,149 @@ def test_memory_budget_pushes_to_more_stages_and_errors_when_nothing_fits():
         _plan((256,) * 4, SLOW_NETWORK, AutoStageOption(memory_budget_per_device=1000), k=4)
 
 
+# ----------------------------------------------------------------------------- imbalance
+
+
+def _kept_by_definition(flops, sizes, num_devices, tolerance, i, j, m) -> bool:
+    """Alpa's bound for one candidate, restated: skip a stage of layers i..j on n of N
+    devices when n / N > f (1 + t) or n / N < f / (1 + t), f its share of the FLOPs (all
+    layers equal when no layer has FLOPs); t = inf skips nothing."""
+    if j < i:
+        return False
+    if tolerance == math.inf:
+        return True
+    weights = list(flops) if sum(flops) > 0 else [1.0] * len(flops)
+    f = sum(weights[i : j + 1]) / sum(weights)
+    d = sizes[m] / num_devices
+    return not (d > f * (1 + tolerance) or d < f / (1 + tolerance))
+
+
+def test_imbalance_mask_matches_its_definition_on_random_instances():
+    rng = np.random.default_rng(0)
+    checked = kept = dropped = 0
+    for trial in range(60):
+        num_layers = int(rng.integers(1, 7))
+        # Integer FLOP counts (as jaxpr_flops gives), some zero; every 10th all zero.
+        flops = rng.integers(0, 6, num_layers) * rng.integers(1, 1000, num_layers)
+        if trial % 10 == 0:
+            flops[:] = 0
+        num_devices = int(rng.choice([4, 8, 16]))
+        sizes = sorted(rng.choice([1, 2, 4, 8, 16], size=int(rng.integers(1, 5)), replace=False))
+        for tolerance in (0.0, 0.25, 0.5, 1.0, math.inf):
+            mask = imbalance_mask(flops.astype(float), sizes, num_devices, tolerance)
+            assert mask.shape == (num_layers, num_layers, len(sizes)) and mask.dtype == bool
+            for i, j, m in np.ndindex(mask.shape):
+                expected = _kept_by_definition(flops, sizes, num_devices, tolerance, i, j, m)
+                assert mask[i, j, m] == expected, (flops, sizes, num_devices, tolerance, i, j, m)
+                checked += 1
+                kept += expected
+                dropped += (j >= i) and not expected
+    assert checked > 5000 and kept > 500 and dropped > 500, (checked, kept, dropped)
+
+
+def test_imbalance_mask_closed_form():
+    sizes = [1, 2, 4, 8]
+    # 4 identical layers on 8 devices, exact balance: a stage of k layers needs 2k devices.
+    exact = imbalance_mask([5.0] * 4, sizes, 8, 0.0)
+    kept = {(i, j, sizes[m]) for i, j, m in zip(*np.nonzero(exact), strict=True)}
+    assert kept == ({(i, i, 2) for i in range(4)} | {(i, i + 1, 4) for i in range(3)} | {(0, 3, 8)})
+    # No FLOPs anywhere: the layers count as equal shares, no division by zero.
+    np.testing.assert_array_equal(imbalance_mask([0.0] * 4, sizes, 8, 0.0), exact)
+    # Tolerance 1: a share of f allows device shares in [f / 2, 2 f]; one layer (f = 1/4)
+    # takes 1, 2 or 4 of the 8 devices, all four layers (f = 1) 4 or 8.
+    loose = imbalance_mask([5.0] * 4, sizes, 8, 1.0)
+    assert [sizes[m] for m in np.nonzero(loose[2, 2])[0]] == [1, 2, 4]
+    assert [sizes[m] for m in np.nonzero(loose[0, 3])[0]] == [4, 8]
+    # inf: every stage i <= j on every submesh, also with zero FLOPs (no 0 * inf).
+    unbounded = imbalance_mask([0.0, 3.0, 0.0], sizes, 8, math.inf)
+    assert (unbounded == np.triu(np.ones((3, 3), dtype=bool))[:, :, None]).all()
+    # A layer without FLOPs is no stage of its own under a finite tolerance; joined to
+    # another layer it takes that layer's share.
+    zero_first = imbalance_mask([0.0, 1.0, 1.0], [1, 2, 4], 4, 0.0)
+    assert not zero_first[0, 0].any()
+    np.testing.assert_array_equal(zero_first[0, 1], zero_first[1, 1])
+    assert [[1, 2, 4][m] for m in np.nonzero(zero_first[0, 1])[0]] == [2]
+
+
+def _planned_with_flops(option_fields, work, comm, **plan_kwargs):
+    """``(plan, per-layer FLOPs)`` of the 4-layer Dense(64) MLP planned on 8 CPU devices
+    with the closed-form costs ``ClosedFormCost(work, comm)``; the FLOPs are each layer's
+    forward and backward equations counted by ``jaxpr_flops``."""
+    seen = []
+
+    def recording(problem):
+        seen.append(problem)
+        return ClosedFormCost(work, comm)(problem)
+
+    option = AutoStageOption(cost_model=recording, **option_fields)
+    plan = _plan((64,) * 4, ClusterSpec.preset("cpu"), option, **plan_kwargs)
+    problem = seen[-1]
+    flops = [
+        jaxpr_flops(e for c in problem.layer_comps([layer]) for e in c.eqns)
+        for layer in range(problem.num_layers)
+    ]
+    return plan, flops
+
+
+def _unbalanced_stages(stage_plan, flops, tolerance, num_devices=8):
+    """The stages of ``stage_plan`` outside the band of ``tolerance``, with their shares."""
+    out = []
+    for layers, (hosts, per_host) in zip(
+        stage_plan.stage_layers(), stage_plan.submesh_shapes, strict=True
+    ):
+        f = sum(flops[x] for x in layers) / sum(flops)
+        d = hosts * per_host / num_devices
+        if d > f * (1 + tolerance) or d < f / (1 + tolerance):
+            out.append((layers, hosts * per_host, round(f, 3)))
+    return out
+
+
+def test_stage_imbalance_tolerance_keeps_every_stage_in_its_band():
+    """Layer 2 costs 4x the others in the cost table, but the layers' FLOPs are about equal
+    (layer 0 ~19% of them: no input cotangent; layers 1..3 ~27%). Unbounded, the DP gives
+    layer 2 alone 4 of the 8 devices (half the devices for ~27% of the FLOPs). With
+    tolerance 0.5 a single layer may take only 2 devices, two layers 4, so among the
+    balanced plans [[0, 1], [2, 3]] on 4 + 4 devices is cheapest (per micro-batch 0.5 + 0.3
+    and 1.25 + 0.3: 2.35 + 15 * 1.55 = 25.6, against 25.9 for [0], [1], [2, 3] on
+    2 + 2 + 4 and 36.4 for one stage on 8)."""
+    work, comm = [1.0, 1.0, 4.0, 1.0], 0.05
+    unbounded, flops = _planned_with_flops({}, work, comm)
+    assert 0.15 < flops[0] / sum(flops) < 0.25 and len(set(flops[1:])) <= 2, flops
+    assert _unbalanced_stages(unbounded.stage_plan, flops, 0.5), unbounded  # it matters
+    plans = {}
+    for tolerance in (0.5, 1.0, 2.0):
+        plan, _ = _planned_with_flops({"stage_imbalance_tolerance": tolerance}, work, comm)
+        assert not _unbalanced_stages(plan.stage_plan, flops, tolerance), (tolerance, plan)
+        # The bound only removes plans: never cheaper than the unbounded optimum.
+        assert plan.stage_plan.predicted_cost >= unbounded.stage_plan.predicted_cost
+        plans[tolerance] = plan
+    bounded = plans[0.5]
+    assert bounded.stage_plan.stage_layers() == [[0, 1], [2, 3]], bounded
+    assert bounded.stage_plan.submesh_shapes == ((1, 4), (1, 4)), bounded
+    assert bounded.stage_plan.predicted_cost == pytest.approx(25.6)
+    assert unbounded.stage_plan.predicted_cost < 25.6
+
+
+def test_stage_imbalance_tolerance_applies_to_cached_tables_which_stay_unbounded():
+    work, comm = [1.0, 1.0, 4.0, 1.0], 0.05
+    bounded, _ = _planned_with_flops({"stage_imbalance_tolerance": 0.5}, work, comm)
+    path = get_last_dp_result()[0]
+    with np.load(path) as saved:
+        table = saved["compute_cost"]
+    # The saved table is the cost model's, unmasked: layer 2 alone on (1, 4) (index 2 of
+    # the submesh choices (1, 1), (1, 2), (1, 4), (1, 8)) is out of the band yet finite.
+    assert table[2, 2, 2, 0] == pytest.approx(4.0 / 4 + 0.05 * 3)
+    # Reused unbounded, the tables give the unbounded plan; reused with the tolerance,
+    # the bounded one.
+    unbounded, _ = _planned_with_flops({}, work, comm)
+    assert unbounded.stage_plan.stage_layers() != bounded.stage_plan.stage_layers()
+    for tolerance, expected in ((math.inf, unbounded), (0.5, bounded)):
+        option = AutoStageOption(cached_profile_result=path, stage_imbalance_tolerance=tolerance)
+        plan = _plan((64,) * 4, ClusterSpec.preset("cpu"), option)
+        assert plan.stage_plan.stage_layers() == expected.stage_plan.stage_layers()
+        assert plan.stage_plan.submesh_shapes == expected.stage_plan.submesh_shapes
+
+
 # ----------------------------------------------------------------------------- plans
 
 
@@ -456,6 +602,54 @@ def test_bad_options_are_clear_errors():
     )
     with pytest.raises(ValueError, match=r"\(1, 3\) does not tile"):
         _plan((64,) * 2, ClusterSpec.preset("cpu"), option)
+
+
+@pytest.mark.parametrize("bad", [-1, -0.5, float("nan"), True, "big", None])
+def test_bad_stage_imbalance_tolerance_is_a_clear_error(bad):
+    with pytest.raises(
+        ValueError,
+        match=rf"stage_imbalance_tolerance must be a number >= 0.*got {re.escape(repr(bad))}",
+    ):
+        AutoStageOption(stage_imbalance_tolerance=bad)
+
+
+def test_good_stage_imbalance_tolerances_are_kept_as_floats():
+    for good in (0, 0.5, 3, np.float32(0.25), math.inf):
+        option = AutoStageOption(stage_imbalance_tolerance=good)
+        assert type(option.stage_imbalance_tolerance) is float
+        assert option.stage_imbalance_tolerance == float(good)
+
+
+def test_stage_imbalance_tolerance_that_excludes_every_plan_is_a_clear_error():
+    """Only (1, 2) submeshes: the plan is one layer per stage on 2 of 8 devices (25%), but
+    layer 0 has ~19% of the FLOPs, so a tolerance below ~0.31 leaves no plan. The error
+    names the tolerance the unbounded plan needs, and that tolerance plans."""
+    fields = {"submesh_physical_shape_space": "manual", "manually_specified_submeshes": [(1, 2)]}
+    work, comm = [1.0] * 4, 0.05
+    plan, flops = _planned_with_flops(fields, work, comm)
+    assert plan.stage_plan.stage_layers() == [[0], [1], [2], [3]]
+    needed = max(max(0.25 / (f / sum(flops)), (f / sum(flops)) / 0.25) - 1 for f in flops)
+    assert 0.2 < needed < 0.4, needed
+    for tolerance in (0, 0.1, 0.99 * needed):
+        with pytest.raises(ValueError, match="stage_imbalance_tolerance=.* excludes every") as e:
+            _planned_with_flops({**fields, "stage_imbalance_tolerance": tolerance}, work, comm)
+    suggested = float(
+        re.search(r"needs stage_imbalance_tolerance >= ([0-9.e+-]+)", str(e.value))[1]
+    )
+    assert needed <= suggested <= needed * 1.01, (needed, suggested, str(e.value))
+    plan, _ = _planned_with_flops({**fields, "stage_imbalance_tolerance": suggested}, work, comm)
+    assert plan.stage_plan.stage_layers() == [[0], [1], [2], [3]]
+
+
+def test_stage_imbalance_tolerance_keeps_the_memory_error_when_nothing_fits():
+    def nothing_fits(problem):
+        L, M, C = problem.num_layers, len(problem.submesh_choices), problem.num_configs
+        shape = (L, L, M, C)
+        return StageCosts(np.full(shape, np.inf), np.full(shape, -1), np.full(shape, 1e12))
+
+    option = AutoStageOption(cost_model=nothing_fits, stage_imbalance_tolerance=0.5)
+    with pytest.raises(ValueError, match="no stage of the step fits in memory_budget"):
+        _plan((64,) * 4, ClusterSpec.preset("cpu"), option)
 
 
 def test_auto_stages_without_layers_is_a_clear_error():
