@@ -38,6 +38,7 @@ as the serial step over the full batch does for a mean loss.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
@@ -131,7 +132,7 @@ def _is_var(v) -> bool:
 
 def _nbytes(v) -> int:
     aval = v.aval
-    return int(np.prod(aval.shape, dtype=np.int64)) * aval.dtype.itemsize  # keys too
+    return math.prod(aval.shape) * aval.dtype.itemsize  # keys too; exact Python ints
 
 
 def split_computations(

@@ -152,6 +152,7 @@ def emit_instructions(
     invars = list(jaxpr.invars)
     leaf_of = {v: i for i, v in enumerate(invars)}
     batch_dependent = program.batch_dependent
+    batch_inputs = {v for v in invars if v in batch_dependent}  # split into micro-batches
     k = schedule.num_micro_batches
     comps = {c: i for i, c in enumerate(program.computations)}
     instructions: list[Instruction] = []
@@ -160,7 +161,7 @@ def emit_instructions(
 
     persistent = set()
     for v in invars:
-        if v in leaf_of and not _is_batch_input(v, program):
+        if v in leaf_of and v not in batch_inputs:
             for s in program.input_stages[v]:
                 key = (names[v], None, s)
                 persistent.add(key)
@@ -168,13 +169,13 @@ def emit_instructions(
                 nbytes[key] = _nbytes(v)
 
     def mb_of(v, mb):
-        return mb if v in program.per_micro_batch or _is_batch_input(v, program) else None
+        return mb if v in program.per_micro_batch or v in batch_inputs else None
 
     def ensure(v, mb, mesh) -> BufferKey:
         key = (names[v], mb_of(v, mb), mesh)
         if key in present:
             return key
-        if _is_batch_input(v, program):
+        if v in batch_inputs:
             keys = tuple((names[v], m, mesh) for m in range(k))
             instructions.append(Instruction(Op.LOAD, mesh, (), keys, leaf=leaf_of[v]))
             for each in keys:
@@ -333,11 +334,6 @@ def emit_instructions(
         outputs=tuple(outputs),
         nbytes=nbytes,
     )
-
-
-def _is_batch_input(v, program: PipelineProgram) -> bool:
-    invars = program.closed_jaxpr.jaxpr.invars
-    return v in program.batch_dependent and v in set(invars)
 
 
 def _is_float(v) -> bool:
