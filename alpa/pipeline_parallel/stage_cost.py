@@ -58,7 +58,7 @@ from jax.sharding import PartitionSpec
 
 from alpa.device_mesh import ClusterSpec, VirtualPhysicalMesh
 from alpa.pipeline_parallel.computation import PipelineProgram, _is_var, _nbytes
-from alpa.pipeline_parallel.stage_sharding import merged_step, uses_ilp
+from alpa.pipeline_parallel.stage_sharding import merged_step, structure_key, uses_ilp
 from alpa.shard_parallel import ilp_solver
 from alpa.shard_parallel.auto_sharding import (
     AutoShardingOption,
@@ -67,7 +67,6 @@ from alpa.shard_parallel.auto_sharding import (
 )
 from alpa.tracing import TracedStep
 from alpa.tracing.flops import jaxpr_flops
-from alpa.tracing.primitive_def import pipeline_p
 from alpa.util import map_on_threads
 
 LOGICAL_SHAPE_SPACES = (
@@ -299,19 +298,6 @@ def _per_device_bytes(aval, spec: PartitionSpec | None, mesh_shape, axis_names) 
     return total / split
 
 
-def _structure_key(step: TracedStep) -> str:
-    """A digest of ``step``'s equations and batch inputs, blind to the names of the
-    pipeline markers in it: layers 3 and 4 of a stack of identical blocks differ only in
-    their markers' ``name=layer_3`` / ``name=layer_4``, and are costed once."""
-    jaxpr = step.closed_jaxpr.jaxpr
-    eqns = [
-        e.replace(params={**e.params, "name": ""}) if e.primitive is pipeline_p else e
-        for e in jaxpr.eqns
-    ]
-    text = str(jaxpr.replace(eqns=eqns)) + repr(step.batch_invars)
-    return hashlib.sha256(text.encode()).hexdigest()
-
-
 def _ilp_layer(problem: StageProblem, step: TracedStep, m: int, config: LogicalConfig):
     """(communication seconds, fraction of the parameters' bytes on one device) of one
     layer's ``step`` on submesh choice ``m`` with ``config``."""
@@ -355,7 +341,7 @@ class _LayerPlans:
                 return None
             if (layer, n) not in steps:
                 step, _ = problem.stage_step(layer, layer, n)
-                steps[layer, n] = (step, _structure_key(step))
+                steps[layer, n] = (step, structure_key(step))
             step, structure = steps[layer, n]
             key = (structure, problem.submesh_choices[m], config)
             jobs.setdefault(key, (step, m, config))
@@ -502,7 +488,7 @@ class MeasuredStageCost:
             key = hashlib.sha256(
                 json.dumps(
                     [
-                        _structure_key(step),
+                        structure_key(step),
                         list(problem.submesh_choices[m]),
                         list(config.shape),
                         repr(option),

@@ -17,6 +17,10 @@ mesh, so every computation that writes or reads it there (and every ``LOAD``,
   along dimension 0 over all devices of the submesh when the forward or backward computes
   them from the batch and it divides, else replicated. With ``prefer_reduce_scatter``, a
   data-parallel stage is ZeRO-2 (``deferred_sums.zero2_specs``).
+* Stages whose computations are the same equations on the same logical mesh with the
+  same option and fixed inputs (the middle stages of a stack of identical blocks) are
+  planned by one ILP (:func:`structure_key`); the others take its specs position by
+  position.
 * A step output that replaces a donated input (the updated parameters and optimizer state
   of a train step, paired as ``ShardParallel`` pairs them) takes that input's sharding on
   its mesh (:func:`tie_donated_outputs`), so the next step's inputs are already in place;
@@ -27,7 +31,11 @@ mesh, so every computation that writes or reads it there (and every ``LOAD``,
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+import hashlib
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from typing import Any
 
 import jax
 from jax.extend.core import ClosedJaxpr
@@ -41,6 +49,7 @@ from alpa.shard_parallel.auto_sharding import (
     plan_auto_sharding,
 )
 from alpa.tracing import TracedStep, new_jaxpr
+from alpa.tracing.primitive_def import pipeline_p
 from alpa.util import map_on_threads
 
 DATA_AXES = ("x", "y")
@@ -120,7 +129,7 @@ def plan_stage_shardings(
     stage writes only its own ``(var, stage)`` entries), so they are planned on threads,
     ``workers`` at a time (default: one per CPU); the result does not depend on it."""
     pinned = dict(pinned or {})
-    closed = traced.closed_jaxpr
+    shared = _SharedPlans()
 
     def plan_stage(s: int) -> tuple[dict, list[float]]:
         table = {key: spec for key, spec in pinned.items() if key[1] == s}
@@ -132,7 +141,7 @@ def plan_stage_shardings(
         comps = [c for c in comps if c is not None and c.eqns]
         if comps:
             objectives.append(
-                _plan_into(table, s, comps, closed, program, mesh, option, names, traced)
+                _plan_into(table, s, comps, program, mesh, option, names, traced, shared)
             )
         for out, operand in program.accumulated.items():
             if program.home[out] == s and (operand, s) in table:
@@ -140,7 +149,7 @@ def plan_stage_shardings(
         for comp in program.computations:
             if comp.stage == s and comp.kind == "apply" and comp.eqns:
                 objectives.append(
-                    _plan_into(table, s, [comp], closed, program, mesh, option, names, traced)
+                    _plan_into(table, s, [comp], program, mesh, option, names, traced, shared)
                 )
         return table, objectives
 
@@ -155,38 +164,90 @@ def plan_stage_shardings(
     return table, objectives
 
 
+class _SharedPlans:
+    """The ILP plans of one ``plan_stage_shardings``, by structure: the first thread that
+    needs a plan solves it, the others wait for it."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._plans: dict[tuple, Future] = {}
+
+    def get(self, key: tuple, solve: Callable[[], Any]) -> Any:
+        with self._lock:
+            future = self._plans.get(key)
+            owner = future is None
+            if owner:
+                future = self._plans[key] = Future()
+        if owner:
+            try:
+                future.set_result(solve())
+            except BaseException as e:
+                future.set_exception(e)
+        return future.result()
+
+
 def _plan_into(
     table,
     s,
     comps: Sequence[StageComputation],
-    closed: ClosedJaxpr,
     program,
     mesh,
     option,
     names,
     traced,
+    shared: _SharedPlans,
 ) -> float | None:
-    """Plan ``comps`` (of stage ``s``) as one jaxpr; record the specs not yet in ``table``."""
+    """Plan ``comps`` (of stage ``s``) as one jaxpr; record the specs not yet in ``table``.
+    A computation of the same structure already planned (``shared``) lends its plan."""
     sub, produced = merged_step(traced, program, comps, mesh.num_devices, names, f"stage{s}")
     invars, outvars = sub.jaxpr.invars, sub.jaxpr.outvars
     # Inputs that already have a sharding on this mesh (the user's pins, or parameters and
     # gradients an earlier computation of the stage planned) arrive in it: the ILP plans
     # around them instead of assuming a spec XLA would then have to reshard into.
     fixed = [table.get((v, s)) for v in invars]
-    # The stages' lowering reduces each partial result where it is computed (the
-    # ``ShardingPlan.partial_sums`` rewrite is not applied there yet): price it so.
-    plan = plan_auto_sharding(sub, mesh, option, fixed_in_specs=fixed, partial_sums=False)
+
+    def solve():
+        # The stages' lowering reduces each partial result where it is computed (the
+        # ``ShardingPlan.partial_sums`` rewrite is not applied there yet): price it so.
+        plan = plan_auto_sharding(sub, mesh, option, fixed_in_specs=fixed, partial_sums=False)
+        return sub, plan
+
+    key = (structure_key(sub), repr(mesh), repr(option), tuple(map(repr, fixed)))
+    planned, plan = shared.get(key, solve)
     if tuple(plan.logical_mesh.shape) != tuple(mesh.shape):
         return plan.objective  # a fixed plan on another view of the mesh: data parallel
+    var_specs = plan.var_specs
+    if planned is not sub:  # the same equations: their values correspond by position
+        mine = dict(zip(_positional_vars(planned), _positional_vars(sub), strict=True))
+        var_specs = {mine[v]: spec for v, spec in var_specs.items() if v in mine}
     for v, spec in zip(invars, plan.in_specs, strict=True):
         table.setdefault((v, s), spec)
-    for v, spec in plan.var_specs.items():
+    for v, spec in var_specs.items():
         if _is_var(v) and v in produced:
             table.setdefault((v, s), spec)
     for v, spec in zip(outvars, plan.out_specs, strict=True):
         if spec is not None:
             table.setdefault((v, s), spec)
     return plan.objective
+
+
+def _positional_vars(step: TracedStep) -> list:
+    jaxpr = step.closed_jaxpr.jaxpr
+    return list(jaxpr.invars) + [v for e in jaxpr.eqns for v in e.outvars]
+
+
+def structure_key(step: TracedStep) -> str:
+    """A digest of ``step``'s equations and batch inputs, blind to the names of the
+    pipeline markers in it: layers 3 and 4 of a stack of identical blocks differ only in
+    their markers' ``name=layer_3`` / ``name=layer_4``. Equal keys: the same equations on
+    values that correspond by position (the text names values by position)."""
+    jaxpr = step.closed_jaxpr.jaxpr
+    eqns = [
+        e.replace(params={**e.params, "name": ""}) if e.primitive is pipeline_p else e
+        for e in jaxpr.eqns
+    ]
+    text = str(jaxpr.replace(eqns=eqns)) + repr(step.batch_invars)
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def merged_step(

@@ -291,6 +291,45 @@ def test_stage_shardings_do_not_depend_on_the_threads(monkeypatch):
     assert texts[0] == texts[1] and objectives[0] == objectives[1]
 
 
+def test_identical_stages_share_their_ilps(monkeypatch):
+    """4 stages of a 4-block GPT on (1, 2) submeshes: stages 1 and 2 are the same
+    equations (a block, its backward and Adam's apply levels), so stage 2 takes stage 1's
+    ILP plans position by position instead of solving its own; the plan is the one each
+    stage solving its own ILPs gives, JSON for JSON."""
+    from alpa.pipeline_parallel import stage_sharding
+
+    config = GPTConfig(hidden_size=64, num_layers=4, num_heads=4, seq_len=16, vocab_size=64)
+    state, batch, step = get_gpt_train_state_and_step(
+        config, 8, grad_func=alpa.value_and_grad, abstract=True
+    )
+    solved = []
+    original = stage_sharding.plan_auto_sharding
+
+    def counting(sub, *args, **kwargs):
+        solved.append(sub.name)
+        return original(sub, *args, **kwargs)
+
+    monkeypatch.setattr(stage_sharding, "plan_auto_sharding", counting)
+    texts, counts = [], []
+    for share in (True, False):
+        if not share:
+            monkeypatch.setattr(stage_sharding._SharedPlans, "get", lambda self, key, f: f())
+        solved.clear()
+        method = alpa.PipeshardParallel(
+            devices=ClusterSpec.preset("cpu"),
+            num_micro_batches=2,
+            layer_option=alpa.AutoLayerOption(layer_num=4),
+            stage_option="uniform",
+        )
+        plan = alpa.parallelize(step, method=method).plan(state, batch)
+        assert len(plan.objectives) == 4 and plan.objectives[1] == plan.objectives[2]
+        texts.append(plan.to_json())
+        counts.append({name: solved.count(name) for name in set(solved)})
+    shared, alone = counts
+    assert "stage2" not in shared and shared["stage1"] == alone["stage2"] >= 2, counts
+    assert texts[0] == texts[1]
+
+
 def test_activations_are_the_batch_values_a_forward_keeps():
     """4 Dense(64) layers, micro-batches of 4 rows: the forward of layers 0..2 keeps its
     input (f32[4, 64]) and relu's mask (bool[4, 64]) for the backward, 4 * 64 * 5 = 1,280
