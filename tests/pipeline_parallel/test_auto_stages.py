@@ -229,13 +229,27 @@ def test_identical_layers_are_planned_by_one_ilp(monkeypatch):
     assert len(solved) == len(set(solved)) and by_layer["layers1_1"] >= 3
 
 
+def _gpt_4_blocks():
+    """A 4-block GPT train step, abstract: ``(state, batch, step)``."""
+    config = GPTConfig(hidden_size=64, num_layers=4, num_heads=4, seq_len=16, vocab_size=64)
+    return get_gpt_train_state_and_step(config, 8, grad_func=alpa.value_and_grad, abstract=True)
+
+
+def _plan_4_uniform_stages(step, state, batch):
+    """``step`` in 4 layers, one per stage on a (1, 2) submesh of the 8 CPU devices."""
+    method = alpa.PipeshardParallel(
+        devices=ClusterSpec.preset("cpu"),
+        num_micro_batches=2,
+        layer_option=alpa.AutoLayerOption(layer_num=4),
+        stage_option="uniform",
+    )
+    return alpa.parallelize(step, method=method).plan(state, batch)
+
+
 def test_analytic_tables_do_not_depend_on_the_ilp_threads():
     """The layer ILPs run on threads; one thread and four give the same tables, bit for
     bit (a 4-block GPT in 4 layers, on every submesh of a 2x4 cluster)."""
-    config = GPTConfig(hidden_size=64, num_layers=4, num_heads=4, seq_len=16, vocab_size=64)
-    state, batch, step = get_gpt_train_state_and_step(
-        config, 8, grad_func=alpa.value_and_grad, abstract=True
-    )
+    state, batch, step = _gpt_4_blocks()
     tables = []
     for workers in (1, 4):
         seen = []
@@ -266,10 +280,7 @@ def test_stage_shardings_do_not_depend_on_the_threads(monkeypatch):
     planned by the ILP, with Adam's apply levels)."""
     from alpa.pipeline_parallel import pipeshard_plan
 
-    config = GPTConfig(hidden_size=64, num_layers=4, num_heads=4, seq_len=16, vocab_size=64)
-    state, batch, step = get_gpt_train_state_and_step(
-        config, 8, grad_func=alpa.value_and_grad, abstract=True
-    )
+    state, batch, step = _gpt_4_blocks()
     original = pipeshard_plan.plan_stage_shardings
     texts, objectives = [], []
     for workers in (1, 4):
@@ -278,13 +289,7 @@ def test_stage_shardings_do_not_depend_on_the_threads(monkeypatch):
             "plan_stage_shardings",
             lambda *args, workers=workers, **kwargs: original(*args, workers=workers, **kwargs),
         )
-        method = alpa.PipeshardParallel(
-            devices=ClusterSpec.preset("cpu"),
-            num_micro_batches=2,
-            layer_option=alpa.AutoLayerOption(layer_num=4),
-            stage_option="uniform",
-        )
-        plan = alpa.parallelize(step, method=method).plan(state, batch)
+        plan = _plan_4_uniform_stages(step, state, batch)
         assert plan.stage_plan.num_stages == 4 and len(plan.objectives) == 4, plan
         texts.append(plan.to_json())
         objectives.append(plan.objectives)
@@ -298,10 +303,7 @@ def test_identical_stages_share_their_ilps(monkeypatch):
     stage solving its own ILPs gives, JSON for JSON."""
     from alpa.pipeline_parallel import stage_sharding
 
-    config = GPTConfig(hidden_size=64, num_layers=4, num_heads=4, seq_len=16, vocab_size=64)
-    state, batch, step = get_gpt_train_state_and_step(
-        config, 8, grad_func=alpa.value_and_grad, abstract=True
-    )
+    state, batch, step = _gpt_4_blocks()
     solved = []
     original = stage_sharding.plan_auto_sharding
 
@@ -315,13 +317,7 @@ def test_identical_stages_share_their_ilps(monkeypatch):
         if not share:
             monkeypatch.setattr(stage_sharding._SharedPlans, "get", lambda self, key, f: f())
         solved.clear()
-        method = alpa.PipeshardParallel(
-            devices=ClusterSpec.preset("cpu"),
-            num_micro_batches=2,
-            layer_option=alpa.AutoLayerOption(layer_num=4),
-            stage_option="uniform",
-        )
-        plan = alpa.parallelize(step, method=method).plan(state, batch)
+        plan = _plan_4_uniform_stages(step, state, batch)
         assert len(plan.objectives) == 4 and plan.objectives[1] == plan.objectives[2]
         texts.append(plan.to_json())
         counts.append({name: solved.count(name) for name in set(solved)})
