@@ -312,8 +312,9 @@ def resolve_buffers(
 ) -> tuple[dict, dict]:
     """The sharding of every buffer of ``instructions`` (``(value name, mesh) -> spec``,
     :func:`stage_sharding.value_spec`) and the tile plan of every ``RESHARD``
-    (instruction index -> ``TransferPlan``; a mesh's devices are host-major, ``submesh_shapes[m]
-    [1]`` per host). Equal moves (same shape, dtype and layouts) share one plan."""
+    (instruction index -> ``TransferPlan``). Mesh ``m``'s devices are host-major,
+    ``submesh_shapes[m][1]`` per host. Equal moves (same shape, dtype and layouts) share
+    one plan."""
     var_of = {name: v for v, name in names.items()}
     keys = {key for ins in instructions.instructions for key in ins.inputs + ins.outputs}
     keys |= set(instructions.persistent)
