@@ -152,9 +152,7 @@ class PipeshardPlan:
     def buffer_layout(self, key) -> Layout:
         """Where buffer ``key`` (``(value name, micro-batch, mesh)``) lives: its mesh's
         logical shape and axis names, and its spec."""
-        mesh = key[2]
-        shape = tuple(self.logical_meshes[mesh].shape)
-        return Layout(shape, DATA_AXES, self.buffer_specs[(key[0], mesh)])
+        return _layout(self.logical_meshes, self.buffer_specs, key)
 
     def resharded_bytes(self) -> int:
         """Bytes one step's ``RESHARD`` s move between meshes, by their tile plans (each
@@ -313,26 +311,14 @@ def resolve_buffers(
     """The sharding of every buffer of ``instructions`` (``(value name, mesh) -> spec``,
     :func:`stage_sharding.value_spec`) and the tile plan of every ``RESHARD``
     (instruction index -> ``TransferPlan``). Mesh ``m``'s devices are host-major,
-    ``submesh_shapes[m][1]`` per host. Equal moves (same shape, dtype and layouts) share
-    one plan."""
+    ``submesh_shapes[m][1]`` per host. Equal moves (same shape, dtype, layouts and devices
+    per host) share one plan."""
     var_of = {name: v for v, name in names.items()}
-    keys = {key for ins in instructions.instructions for key in ins.inputs + ins.outputs}
-    keys |= set(instructions.persistent)
-    for kind, value in instructions.outputs:
-        if kind == "key":
-            keys.add(value)
-        elif kind in ("concat", "mean"):
-            keys.update(value)
     specs = {}
-    for name, _, mesh in keys:
+    for name, _, mesh in instructions.buffer_keys():
         if (name, mesh) not in specs:
             size = logical_meshes[mesh].num_devices
             specs[(name, mesh)] = value_spec(var_of[name], mesh, program, stage_specs, size)
-
-    def layout(key) -> Layout:
-        shape = tuple(logical_meshes[key[2]].shape)
-        return Layout(shape, DATA_AXES, specs[(key[0], key[2])])
-
     reshards: dict[int, TransferPlan] = {}
     made: dict[tuple, TransferPlan] = {}
     for i, ins in enumerate(instructions.instructions):
@@ -340,18 +326,24 @@ def resolve_buffers(
             continue
         (src,), (dst,) = ins.inputs, ins.outputs
         aval = var_of[src[0]].aval
-        move = (tuple(aval.shape), aval.dtype, layout(src), src[2], layout(dst), dst[2])
+        move = (
+            tuple(aval.shape),
+            aval.dtype,
+            _layout(logical_meshes, specs, src),
+            int(submesh_shapes[src[2]][1]),
+            _layout(logical_meshes, specs, dst),
+            int(submesh_shapes[dst[2]][1]),
+        )
         if move not in made:
-            made[move] = worker_transfer_plan(
-                aval.shape,
-                aval.dtype,
-                move[2],
-                int(submesh_shapes[src[2]][1]),
-                move[4],
-                int(submesh_shapes[dst[2]][1]),
-            )
+            made[move] = worker_transfer_plan(*move)
         reshards[i] = made[move]
     return specs, reshards
+
+
+def _layout(logical_meshes: Sequence[LogicalDeviceMesh], specs: dict, key) -> Layout:
+    """Buffer ``key`` on its mesh's logical shape, with its spec in ``specs``."""
+    mesh = key[2]
+    return Layout(tuple(logical_meshes[mesh].shape), DATA_AXES, specs[(key[0], mesh)])
 
 
 def _name_vars(closed_jaxpr) -> dict:

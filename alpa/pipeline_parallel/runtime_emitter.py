@@ -130,6 +130,22 @@ class PipelineInstructions:
     outputs: tuple  # per step output: a key, a tuple of per-micro-batch keys, or a literal
     nbytes: dict  # BufferKey -> bytes
 
+    def output_keys(self) -> set[BufferKey]:
+        """The buffers the step's outputs are read from."""
+        keys: set[BufferKey] = set()
+        for kind, value in self.outputs:
+            if kind == "key":
+                keys.add(value)
+            elif kind in ("concat", "mean"):
+                keys.update(value)
+        return keys
+
+    def buffer_keys(self) -> set[BufferKey]:
+        """Every buffer of a step: what the instructions read and write, the inputs the
+        caller gives and the buffers the outputs are read from."""
+        keys = {key for ins in self.instructions for key in ins.inputs + ins.outputs}
+        return keys | set(self.persistent) | self.output_keys()
+
     def for_mesh(self, mesh: int) -> list[Instruction]:
         return [ins for ins in self.instructions if ins.mesh == mesh]
 

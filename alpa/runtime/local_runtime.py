@@ -209,14 +209,7 @@ class LocalPipelineRuntime:
         self._context = context
         self.program = program
         self.sharding_of = context.sharding_of
-        keys: list[BufferKey] = sorted(
-            {key for ins in program.instructions for key in ins.inputs + ins.outputs}
-            | set(program.persistent),
-            key=str,
-        )
-        for kind, value in program.outputs:
-            if kind == "key" and value not in keys:
-                keys.append(value)
+        keys: list[BufferKey] = sorted(program.buffer_keys(), key=str)
         self._slot = {key: i for i, key in enumerate(keys)}
         self._num_slots = len(keys)
         persistent = sorted(program.persistent, key=str)
@@ -286,12 +279,7 @@ class LocalPipelineRuntime:
     @property
     def leftover(self) -> list[BufferKey]:
         """Buffers of the last step still alive besides inputs and outputs (none)."""
-        keep = set(self.program.persistent)
-        for kind, value in self.program.outputs:
-            if kind == "key":
-                keep.add(value)
-            elif kind in ("concat", "mean"):
-                keep.update(value)
+        keep = set(self.program.persistent) | self.program.output_keys()
         return sorted(
             (
                 key
