@@ -115,18 +115,36 @@ def _build_alloc(ins: Instruction, slot: dict, ctx: RuntimeContext) -> _Built:
 
 
 def _build_load(ins: Instruction, slot: dict, ctx: RuntimeContext) -> _Built:
-    """All micro-batches of a batch argument onto one mesh in three calls, whatever ``k``:
-    view it as ``[k, size, ...]``, place that with each micro-batch laid out as the mesh
-    wants it (``P(None, *spec)``), and cut it into the ``k`` micro-batches with one
-    compiled call on the mesh (every device slices its own rows: no communication)."""
+    """All micro-batches of a batch argument onto one mesh in one compiled call, whatever
+    ``k``: the call places the whole batch (its ``in_shardings`` place a host or
+    uncommitted array, as ``jax.jit`` does) and cuts it into the ``k`` micro-batches, every
+    device slicing its own rows (no communication). For that, each device must receive the
+    rows of every micro-batch it holds: the batch is placed viewed as ``[k, size, ...]``
+    with ``P(None, *spec)``. When the micro-batch spec does not split dim 0, that is the
+    flat batch placed with ``spec``, and the view is taken inside the call; when it does,
+    the view is taken before (free for a host array). A committed array elsewhere is moved
+    first (``jit`` refuses it)."""
     leaf, keys = ins.leaf, ins.outputs
     size = ctx.micro_batch_size[leaf]
     k = len(keys)
     sharding = ctx.sharding_of(keys[0])
     if any(ctx.sharding_of(key) != sharding for key in keys):
         raise AssertionError(f"micro-batches of {keys[0][0]} differ in sharding")
-    stacked = NamedSharding(sharding.mesh, PartitionSpec(None, *sharding.spec))
-    unstack = jax.jit(lambda s: [s[m] for m in range(k)], out_shardings=[sharding] * k)
+    spec, mesh = tuple(sharding.spec), sharding.mesh
+    view_inside = not spec or spec[0] is None
+    if view_inside:
+        placed = NamedSharding(mesh, PartitionSpec(*spec))
+
+        def cut(x):
+            stacked = x.reshape((k, size) + x.shape[1:])
+            return [stacked[m] for m in range(k)]
+    else:
+        placed = NamedSharding(mesh, PartitionSpec(None, *spec))
+
+        def cut(x):
+            return [x[m] for m in range(k)]
+
+    unstack = jax.jit(cut, in_shardings=placed, out_shardings=[sharding] * k)
     out_slots = tuple(slot[key] for key in keys)
 
     def load(env, args):
@@ -135,11 +153,19 @@ def _build_load(ins: Instruction, slot: dict, ctx: RuntimeContext) -> _Built:
             x = np.asarray(x)
         if k == 1:
             env[out_slots[0]] = jax.device_put(x, sharding)
-        else:
-            x = jax.device_put(x.reshape((k, size) + x.shape[1:]), stacked)
-            for i, value in zip(out_slots, unstack(x), strict=True):
-                env[i] = value
+            return
+        if not view_inside:
+            x = x.reshape((k, size) + x.shape[1:])
+        if (
+            isinstance(x, jax.Array)
+            and x.committed
+            and not x.sharding.is_equivalent_to(placed, x.ndim)
+        ):
+            x = jax.device_put(x, placed)
+        for i, value in zip(out_slots, unstack(x), strict=True):
+            env[i] = value
 
+    load.cut = unstack  # the compiled cut, for tests to read its HLO
     return load, f"load {keys[0][0]}", {}, out_slots
 
 
