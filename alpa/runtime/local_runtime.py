@@ -40,11 +40,16 @@ from alpa.pipeline_parallel.runtime_emitter import (
 
 @dataclass
 class TraceEvent:
+    """One instruction of a step: when it started and ended (dispatched, or with
+    ``blocking`` finished) and, with ``blocking``, when its call returned (``returned``:
+    the time JAX took to accept the work, with its inputs ready and the devices idle)."""
+
     name: str
     mesh: int
     start: float
     end: float
     args: dict = field(default_factory=dict)
+    returned: float | None = None
 
 
 @dataclass(frozen=True)
@@ -257,6 +262,7 @@ class LocalPipelineRuntime:
             (kind, self._slot[value] if kind == "key" else value) for kind, value in program.outputs
         ]
         self._times: list[float] = []
+        self._returned: list[float | None] = []
         self._last_env: list = []
 
     def run(self, flat_args: Sequence[Any], consts: dict, blocking: bool = False) -> list:
@@ -266,9 +272,11 @@ class LocalPipelineRuntime:
             env[i] = value
         clock = time.perf_counter
         times = [clock()]
+        returned = []
         for (fn, _, _, out_slots), free in zip(self._steps, self._frees, strict=True):
             fn(env, flat_args)
             if blocking:
+                returned.append(clock())
                 jax.block_until_ready([env[i] for i in out_slots])
             for i in free:
                 env[i] = None
@@ -276,6 +284,7 @@ class LocalPipelineRuntime:
         for queued in self._context.in_flight.values():
             queued.clear()
         self._times = times
+        self._returned = returned or [None] * len(self._steps)
         self._last_env = env
         outputs = []
         for kind, value in self._outputs:
@@ -296,7 +305,7 @@ class LocalPipelineRuntime:
         """The last step, one event per instruction."""
         times = self._times
         return [
-            TraceEvent(name, mesh, times[i], times[i + 1], dict(args))
+            TraceEvent(name, mesh, times[i], times[i + 1], dict(args), self._returned[i])
             for i, ((_, name, args, _), mesh) in enumerate(
                 zip(self._steps, self._meshes, strict=True)
             )

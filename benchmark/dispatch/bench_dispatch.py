@@ -12,13 +12,15 @@ Cases:
 * ``tiny`` / ``1ms`` / ``25ms`` MLP steps on **1 device** (``ShardParallel`` on one device vs
   plain ``jax.jit``) and on **8 devices** (``DataParallel`` vs a hand-sharded ``jax.jit``:
   parameters and optimizer state replicated, batch split on dim 0, state donated).
-* a **2-stage pipeline** (``PipeshardParallel``, 1F1B, 4+4 devices, a small MLP whose step
-  time is the driver's) with 4 and 16 micro-batches: instructions per step, driver time
-  per instruction (the time a call takes to return, every instruction dispatched, divided
-  by the instructions), how much of it is spent inside the instructions' JAX calls, and
-  the step time against ``DataParallel`` of the same step on all 8 devices;
-* **JAX's floor**: a compiled call on a 4-device mesh and a ``device_put`` between two
-  4-device meshes, without alpa.
+* a **2-stage pipeline** (``PipeshardParallel``, 1F1B, a small MLP whose step time is the
+  driver's) on 4+4 devices and on 1+1 devices, with 4 and 16 micro-batches: instructions
+  per step, driver time per instruction (the time a call takes to return, every
+  instruction dispatched, divided by the instructions), how much of it is spent inside
+  the instructions' JAX calls, what the same calls take each alone (inputs ready, devices
+  idle: JAX's own cost for them), and the step time against ``DataParallel`` of the same
+  step on the same devices;
+* **JAX's floor**: a compiled call on meshes of 1 to 8 devices with 1 and 12 arguments,
+  and a ``device_put`` between two 4-device meshes, without alpa.
 
 Results go to ``benchmark/dispatch/results.json`` (``--out``) and a table is printed; the
 table in ``docs/dispatch.md`` is this output.
@@ -155,9 +157,9 @@ def instruction_count(executable) -> int:
 PIPELINE = (64, 4, 64)
 
 
-def bench_pipeline(num_micro_batches: int, rounds: int, steps: int) -> dict:
+def bench_pipeline(num_micro_batches: int, stage_devices: int, rounds: int, steps: int) -> dict:
     hidden, layers, batch_size = PIPELINE
-    devices = jax.devices()[:8]
+    devices = jax.devices()[: 2 * stage_devices]
     state, batch = make_state(hidden, layers, batch_size, boundary=True)
     pipeshard = alpa.PipeshardParallel(
         devices=devices,
@@ -165,7 +167,7 @@ def bench_pipeline(num_micro_batches: int, rounds: int, steps: int) -> dict:
         layer_option="manual",
         stage_option=alpa.ManualStageOption(
             forward_stage_layer_ids=[[0], [1]],
-            submesh_physical_shapes=[(1, 4), (1, 4)],
+            submesh_physical_shapes=[(1, stage_devices)] * 2,
         ),
         pipeline_schedule="1f1b",
         default_auto_sharding_option=alpa.AutoShardingOption(force_data_parallel=True),
@@ -196,17 +198,31 @@ def bench_pipeline(num_micro_batches: int, rounds: int, steps: int) -> dict:
         dispatch.append(time.perf_counter() - tic)
         inside.append(sum(e.end - e.start for e in executable.runtime.events))
         jax.block_until_ready(pipe_state)
+    # JAX's own time for the same instructions: each called alone, its inputs ready and the
+    # devices idle (``collect_trace`` waits for every instruction before the next), timed
+    # until its call returns.
+    alone = []
+    executable.collect_trace = True
+    for _ in range(rounds * steps):
+        pipe_state = fns["pipeshard"](pipe_state, batch)
+        alone.append(sum(e.returned - e.start for e in executable.runtime.events))
+    executable.collect_trace = False
+    jax.block_until_ready(pipe_state)
     dispatch_s, inside_s = statistics.median(dispatch), statistics.median(inside)
+    alone_s = statistics.median(alone)
     return {
-        "case": f"2-stage pipeline, {num_micro_batches} micro-batches",
-        "method": "PipeshardParallel (1f1b, 2 x 4 devices)",
-        "reference": "DataParallel (8 devices)",
+        "case": f"2-stage pipeline ({stage_devices}+{stage_devices} dev), "
+        f"{num_micro_batches} micro-batches",
+        "method": f"PipeshardParallel (1f1b, 2 x {stage_devices} devices)",
+        "reference": f"DataParallel ({2 * stage_devices} devices)",
         "hidden": hidden,
         "layers": layers,
         "batch": batch_size,
+        "stage_devices": stage_devices,
         "instructions_per_step": num_instructions,
         "driver_us_per_instruction": dispatch_s / num_instructions * 1e6,
         "in_instructions_us_per_instruction": inside_s / num_instructions * 1e6,
+        "alone_us_per_instruction": alone_s / num_instructions * 1e6,
         "outside_instructions_us_per_step": (dispatch_s - inside_s) * 1e6,
         "dispatch_ms": dispatch_s * 1e3,
         "pipeshard_ms": medians["pipeshard"] * 1e3,
@@ -215,50 +231,64 @@ def bench_pipeline(num_micro_batches: int, rounds: int, steps: int) -> dict:
     }
 
 
-def bench_jax_floor(repeats: int = 200) -> dict:
-    """JAX's own cost, no alpa: one call of a compiled identity-sized program on a 4-device
-    mesh, and one ``jax.device_put`` of its result to another 4-device mesh (same layout),
-    each waited for before the next, on [8, 64] float32."""
-    meshes = [
-        jax.make_mesh(
-            (1, 4),
-            ("x", "y"),
-            axis_types=(jax.sharding.AxisType.Auto,) * 2,
-            devices=jax.devices()[4 * i : 4 * i + 4],
-        )
-        for i in range(2)
-    ]
-    src, dst = (NamedSharding(m, PartitionSpec(("x", "y"))) for m in meshes)
-    program = jax.jit(lambda a: a + 1, in_shardings=src, out_shardings=src)
-    x = jax.device_put(jnp.ones((8, 64)), src)
-    times: dict[str, list[float]] = {"run": [], "device_put": []}
+def _call_us(fn, repeats: int) -> float:
+    """Median microseconds until ``fn()`` returns, each call waited for before the next."""
+    times = []
     for _ in range(repeats):
         tic = time.perf_counter()
-        y = program(x)
-        times["run"].append(time.perf_counter() - tic)
-        y.block_until_ready()
-        tic = time.perf_counter()
-        z = jax.device_put(y, dst)
-        times["device_put"].append(time.perf_counter() - tic)
-        z.block_until_ready()
-    return {
-        "case": "jax floor (no alpa)",
-        "run_4_devices_us": statistics.median(times["run"]) * 1e6,
-        "device_put_4_to_4_devices_us": statistics.median(times["device_put"]) * 1e6,
-    }
+        out = fn()
+        times.append(time.perf_counter() - tic)
+        jax.block_until_ready(out)
+    return statistics.median(times) * 1e6
+
+
+def bench_jax_floor(repeats: int = 200) -> dict:
+    """JAX's own cost, no alpa: a compiled ``a + 1`` on [8, 64] float32 per argument, on a
+    mesh of 1, 2, 4 and 8 devices with 1 and 12 arguments; and a ``jax.device_put`` of its
+    result from one 4-device mesh to another (same layout). Each call is waited for before
+    the next and timed until it returns."""
+
+    def mesh(devices):
+        return jax.make_mesh(
+            (1, len(devices)),
+            ("x", "y"),
+            axis_types=(jax.sharding.AxisType.Auto,) * 2,
+            devices=devices,
+        )
+
+    row: dict = {"case": "jax floor (no alpa)"}
+    for n in (1, 2, 4, 8):
+        sharding = NamedSharding(mesh(jax.devices()[:n]), PartitionSpec(None, "y"))
+        for num_args in (1, 12):
+            xs = [jax.device_put(jnp.ones((8, 64)), sharding) for _ in range(num_args)]
+            program = (
+                jax.jit(lambda *a: [v + 1 for v in a], out_shardings=[sharding] * num_args)
+                .lower(*xs)
+                .compile()
+            )
+            row[f"run_{n}_devices_{num_args}_args_us"] = _call_us(
+                lambda p=program, a=xs: p(*a), repeats
+            )
+    src, dst = (
+        NamedSharding(mesh(jax.devices()[4 * i : 4 * i + 4]), PartitionSpec(None, "y"))
+        for i in range(2)
+    )
+    x = jax.device_put(jnp.ones((8, 64)), src)
+    row["device_put_4_to_4_devices_us"] = _call_us(lambda: jax.device_put(x, dst), repeats)
+    return row
 
 
 def print_table(rows: list[dict]) -> None:
-    print(f"{'case':<36} {'reference':<24} {'ref ms':>8} {'alpa ms':>8} {'ratio':>6}")
+    print(f"{'case':<52} {'reference':<24} {'ref ms':>8} {'alpa ms':>8} {'ratio':>6}")
     for r in rows:
         if "jit_ms" in r:
             print(
-                f"{r['case']:<36} {r['reference']:<24} {r['jit_ms']:8.3f} {r['alpa_ms']:8.3f} "
+                f"{r['case']:<52} {r['reference']:<24} {r['jit_ms']:8.3f} {r['alpa_ms']:8.3f} "
                 f"{r['ratio']:6.2f}"
             )
         elif "dp_ms" in r:
             print(
-                f"{r['case']:<36} {r['reference']:<24} {r['dp_ms']:8.3f} "
+                f"{r['case']:<52} {r['reference']:<24} {r['dp_ms']:8.3f} "
                 f"{r['pipeshard_ms']:8.3f} {r['ratio_vs_dp']:6.2f}"
             )
     for r in rows:
@@ -266,12 +296,19 @@ def print_table(rows: list[dict]) -> None:
             print(
                 f"{r['case']}: {r['instructions_per_step']} instructions per step; driver "
                 f"{r['driver_us_per_instruction']:.0f} us per instruction "
-                f"({r['in_instructions_us_per_instruction']:.0f} us inside its JAX calls); "
+                f"({r['in_instructions_us_per_instruction']:.0f} us inside its JAX calls; "
+                f"the same calls alone, devices idle: "
+                f"{r['alone_us_per_instruction']:.0f} us); "
                 f"{r['outside_instructions_us_per_step']:.0f} us per step outside them"
             )
-        elif "run_4_devices_us" in r:
+        elif "device_put_4_to_4_devices_us" in r:
+            calls = ", ".join(
+                f"{n} dev {r[f'run_{n}_devices_1_args_us']:.0f} / "
+                f"{r[f'run_{n}_devices_12_args_us']:.0f}"
+                for n in (1, 2, 4, 8)
+            )
             print(
-                f"{r['case']}: a compiled call on 4 devices {r['run_4_devices_us']:.0f} us, "
+                f"{r['case']}: a compiled call with 1 / 12 arguments (us): {calls}; "
                 f"device_put between 4-device meshes {r['device_put_4_to_4_devices_us']:.0f} us"
             )
 
@@ -296,9 +333,10 @@ def main() -> None:
             rows.append(bench_mlp(size, num_devices, args.rounds, steps))
             print(rows[-1], flush=True)
     if "pipeline" in args.cases:
-        for k in (4, 16):
-            rows.append(bench_pipeline(k, args.rounds, args.steps))
-            print(rows[-1], flush=True)
+        for stage_devices in (4, 1):
+            for k in (4, 16):
+                rows.append(bench_pipeline(k, stage_devices, args.rounds, args.steps))
+                print(rows[-1], flush=True)
         rows.append(bench_jax_floor())
         print(rows[-1], flush=True)
     print_table(rows)

@@ -175,6 +175,11 @@ def test_executable_helpers(tmp_path):
     )
     step(params, tx.init(params), batch)
     executable = step.get_last_executable()
+    assert all(e.returned is None for e in executable.runtime.events)
+    executable.collect_trace = True  # each instruction waited for: also when its call returned
+    step(params, tx.init(params), batch)
+    assert step.get_last_executable() is executable
+    assert all(e.start <= e.returned <= e.end for e in executable.runtime.events)
     names = [c.name for c in executable.program.computations]
     assert names[:4] == ["stage0_forward", "stage1_forward", "stage0_backward", "stage1_backward"]
     assert all(n.startswith(("stage0_apply", "stage1_apply")) for n in names[4:])
