@@ -54,7 +54,7 @@ _EXPORTS = {
     "Zero2Parallel": "alpa.parallel_method",
     "Zero3Parallel": "alpa.parallel_method",
     "ParallelPlan": "alpa.parallel_plan",
-    "PlannedParallel": "alpa.parallel_plan",
+    "PlannedParallel": "alpa.planned_parallel",
     "plan_to_method": "alpa.parallel_plan",
     "AutoLayerOption": "alpa.pipeline_parallel.layer_construction",
     "ManualLayerOption": "alpa.pipeline_parallel.layer_construction",
@@ -148,7 +148,7 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and editors
         Zero3Parallel,
         get_3d_parallel_method,
     )
-    from alpa.parallel_plan import ParallelPlan, PlannedParallel, plan_to_method  # noqa: F401
+    from alpa.parallel_plan import ParallelPlan, plan_to_method  # noqa: F401
     from alpa.pipeline_parallel.layer_construction import (  # noqa: F401
         AutoLayerOption,
         ManualLayerOption,
@@ -158,6 +158,7 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and editors
         ManualStageOption,
         UniformStageOption,
     )
+    from alpa.planned_parallel import PlannedParallel  # noqa: F401
     from alpa.runtime.ray_mesh import (  # noqa: F401
         DeviceCluster,
         DistributedArray,

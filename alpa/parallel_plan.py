@@ -30,32 +30,25 @@ fresh trace of the same function reproduces. A plan keeps a fingerprint of the s
 made for (:func:`step_fingerprint`); applied to any other step it raises ``ValueError``.
 Devices are not recorded: a replay runs on the method's ``devices`` (default: the global
 mesh), which must have the recorded number of devices.
+
+The JSON form of each part is in :mod:`alpa.plan_json`; the method that replays a plan,
+``PlannedParallel``, in :mod:`alpa.planned_parallel`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import json
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import jax
 import numpy as np
 from jax.extend.core import DropVar, Jaxpr, JaxprEqn, Var
-from jax.sharding import PartitionSpec
 
-from alpa.device_mesh import LogicalDeviceMesh
 from alpa.executable import Executable, PlacementSpec
-from alpa.parallel_method import (
-    ParallelMethod,
-    PipeshardParallel,
-    _compile_one_mesh,
-    resolve_logical_mesh,
-)
 from alpa.pipeline_parallel.layer_construction import (
     AutoLayerOption,
     LayerAssignment,
@@ -64,14 +57,30 @@ from alpa.pipeline_parallel.layer_construction import (
 from alpa.pipeline_parallel.pipeshard_plan import (
     PipeshardDecisions,
     PipeshardPlan,
-    plan_pipeshard,
 )
-from alpa.pipeline_parallel.stage_construction import StagePlan
+from alpa.plan_json import (
+    layer_option_from_json,
+    layer_option_to_json,
+    mesh_from_json,
+    mesh_to_json,
+    option_to_json,
+    placement_from_json,
+    placement_to_json,
+    sharding_plan_from_json,
+    sharding_plan_to_json,
+    spec_from_json,
+    spec_to_json,
+    stage_plan_from_json,
+    stage_plan_to_json,
+)
 from alpa.shard_parallel.auto_sharding import AutoShardingOption
 from alpa.shard_parallel.executable import full_batch_avals
-from alpa.shard_parallel.sharding_plan import PartialSum, ShardingPlan
+from alpa.shard_parallel.sharding_plan import ShardingPlan
 from alpa.tracing import TracedStep
 from alpa.tracing.trace import REMAT_PRIMITIVES
+
+if TYPE_CHECKING:
+    from alpa.planned_parallel import PlannedParallel
 
 #: Version of the JSON layout ``ParallelPlan.to_json`` writes.
 PLAN_FORMAT = 1
@@ -334,10 +343,10 @@ class ParallelPlan:
             "num_micro_batches": self.num_micro_batches,
             "sharding_plan": None,
             "pipeline_plan": None,
-            "input_placement_specs": [_placement_to_json(p) for p in self.input_placement_specs],
+            "input_placement_specs": [placement_to_json(p) for p in self.input_placement_specs],
         }
         if self.sharding_plan is not None:
-            data["sharding_plan"] = _sharding_plan_to_json(self.sharding_plan)
+            data["sharding_plan"] = sharding_plan_to_json(self.sharding_plan)
         if self.pipeline_plan is not None:
             data["pipeline_plan"] = _pipeline_plan_to_json(self.pipeline_plan)
         return data
@@ -361,10 +370,10 @@ class ParallelPlan:
             input_avals=tuple(data["input_avals"]),
             cluster_info=ClusterInfo(**data["cluster_info"]),
             num_micro_batches=data["num_micro_batches"],
-            sharding_plan=None if sharding is None else _sharding_plan_from_json(sharding),
+            sharding_plan=None if sharding is None else sharding_plan_from_json(sharding),
             pipeline_plan=None if pipeline is None else _pipeline_plan_from_json(pipeline),
             input_placement_specs=tuple(
-                _placement_from_json(p) for p in data["input_placement_specs"]
+                placement_from_json(p) for p in data["input_placement_specs"]
             ),
         )
 
@@ -450,122 +459,9 @@ def plan_to_method(plan: ParallelPlan, devices=None) -> PlannedParallel:
             "plan_to_method expects a ParallelPlan (executable.get_parallel_plan() or "
             f"ParallelPlan.load(path)), got {type(plan).__name__}"
         )
+    from alpa.planned_parallel import PlannedParallel  # the method sits above the record
+
     return PlannedParallel(plan, devices)
-
-
-class PlannedParallel(ParallelMethod):
-    """The method of a recorded :class:`ParallelPlan` (:func:`plan_to_method`).
-
-    ``plan()`` rebuilds the recorded ``ShardingPlan`` / ``PipeshardPlan`` for a fresh
-    trace of the step, after checking that the trace is the recorded step; compiling it
-    gives the recorded executable. A pipeline is traced under the recorded layer option,
-    as ``PipeshardParallel`` traces it (an ``AutoLayerOption`` cuts the loss function
-    while tracing); its stages and shardings are replayed.
-    """
-
-    def __init__(self, plan: ParallelPlan, devices=None):
-        self.parallel_plan = plan
-        self.devices = devices
-        self.num_micro_batches = plan.num_micro_batches
-        pipeline = plan.pipeline_plan
-        self._pipeshard = None
-        if pipeline is not None:
-            # The recorded schedule and layer option; its stage and sharding options are
-            # never read, the recorded decisions take their place.
-            self._pipeshard = PipeshardParallel(
-                devices=devices,
-                num_micro_batches=plan.num_micro_batches or 1,
-                pipeline_schedule=pipeline.pipeline_schedule,
-                layer_option=pipeline.layer_option,
-            )
-
-    def trace_context(self) -> contextlib.AbstractContextManager:
-        if self._pipeshard is None:
-            return contextlib.nullcontext()
-        return self._pipeshard.trace_context()
-
-    def plan(self, traced: TracedStep, args: Sequence[Any], require_devices: bool = False):
-        """The recorded plan of ``traced``: a ``ShardingPlan`` or a ``PipeshardPlan``."""
-        self.parallel_plan.check_step(traced)
-        if self._pipeshard is None:
-            return self._sharding_plan(traced, require_devices)
-        return self._pipeshard_plan(traced, args, require_devices)[0]
-
-    def compile_executable(self, traced: TracedStep, args: Sequence[Any]) -> Executable:
-        self.parallel_plan.check_step(traced)
-        if self._pipeshard is None:
-            plan = self._sharding_plan(traced, require_devices=True)
-            return _compile_one_mesh(self.devices, traced, plan, self.num_micro_batches)
-        plan, devices = self._pipeshard_plan(traced, args, require_devices=True)
-        return self._pipeshard._compile_plan(plan, devices)
-
-    def _sharding_plan(self, traced: TracedStep, require_devices: bool) -> ShardingPlan:
-        recorded = self.parallel_plan.sharding_plan
-        mesh = resolve_logical_mesh(self.devices, None, require_devices)
-        if mesh.num_devices != recorded.logical_mesh.num_devices:
-            raise ValueError(
-                f"the ParallelPlan of {self.parallel_plan.step_name} was made for "
-                f"{recorded.logical_mesh.num_devices} devices but devices has "
-                f"{mesh.num_devices}"
-            )
-        logical = replace(recorded.logical_mesh, devices=mesh.devices)
-        return _bound_sharding_plan(recorded, traced.jaxpr, logical)
-
-    def _pipeshard_plan(self, traced: TracedStep, args, require_devices: bool):
-        inner = self._pipeshard
-        num_hosts, per_host, cluster, devices = inner._cluster()
-        info = self.parallel_plan.cluster_info
-        if (num_hosts, per_host) != (info.num_hosts, info.num_devices_per_host):
-            raise ValueError(
-                f"the ParallelPlan of {self.parallel_plan.step_name} was made for a cluster "
-                f"of {info.num_hosts} x {info.num_devices_per_host} devices but devices is "
-                f"{num_hosts} x {per_host}"
-            )
-        if devices is None and require_devices and inner._ray_cluster() is None:
-            raise ValueError(
-                f"devices is {type(self.devices).__name__} (a cluster that is not here, no "
-                "devices): it can be planned for with parallelize(...).plan(*args), not run"
-            )
-        pipeline = self.parallel_plan.pipeline_plan
-        recorded = pipeline.decisions
-        vars_by_ref = {ref: v for v, ref in value_refs(traced.jaxpr).items()}
-        decisions = replace(
-            recorded,
-            stage_specs={
-                (_lookup(vars_by_ref, ref, traced), s): spec
-                for (ref, s), spec in recorded.stage_specs.items()
-            },
-        )
-        plan = plan_pipeshard(
-            traced,
-            num_hosts,
-            per_host,
-            cluster,
-            inner.num_micro_batches,
-            pipeline_schedule=pipeline.pipeline_schedule,
-            layer_option=pipeline.layer_option,
-            args=args,
-            devices=devices,
-            decisions=decisions,
-        )
-        return plan, devices
-
-    def __repr__(self) -> str:
-        plan = self.parallel_plan
-        return (
-            f"PlannedParallel({plan.method} plan of {plan.step_name}, "
-            f"num_micro_batches={plan.num_micro_batches})"
-        )
-
-
-def _lookup(vars_by_ref: dict, ref: str, traced: TracedStep) -> Var:
-    var = vars_by_ref.get(ref)
-    if var is None:
-        raise ValueError(
-            f"the ParallelPlan names a value {ref!r} that {traced.name} does not have: it "
-            "was made for another step"
-        )
-    return var
 
 
 # ----------------------------------------------------------------------------- one mesh
@@ -585,136 +481,6 @@ def _portable_sharding_plan(plan: ShardingPlan, jaxpr: Jaxpr) -> ShardingPlan:
     )
 
 
-def _bound_sharding_plan(
-    plan: ShardingPlan, jaxpr: Jaxpr, logical_mesh: LogicalDeviceMesh
-) -> ShardingPlan:
-    """The portable ``plan`` on the values and equations of ``jaxpr``, on
-    ``logical_mesh``."""
-    vars_by_ref = {ref: v for v, ref in value_refs(jaxpr).items()}
-    eqns_by_ref = eqn_refs(jaxpr)
-
-    def find(table: dict, ref: str):
-        if ref not in table:
-            raise ValueError(
-                f"the ParallelPlan names {ref!r}, which this step does not have: it was "
-                "made for another step"
-            )
-        return table[ref]
-
-    if len(plan.in_specs) != len(jaxpr.invars) or len(plan.out_specs) != len(jaxpr.outvars):
-        raise ValueError(
-            f"the ParallelPlan has {len(plan.in_specs)} inputs and {len(plan.out_specs)} "
-            f"outputs, this step {len(jaxpr.invars)} and {len(jaxpr.outvars)}: it was made "
-            "for another step"
-        )
-    return replace(
-        plan,
-        logical_mesh=logical_mesh,
-        var_specs={find(vars_by_ref, r): spec for r, spec in plan.var_specs.items()},
-        operand_specs={find(eqns_by_ref, r): s for r, s in plan.operand_specs.items()},
-        partial_sums={find(eqns_by_ref, r): p for r, p in plan.partial_sums.items()},
-    )
-
-
-# ----------------------------------------------------------------------------- JSON
-
-
-def _spec_to_json(spec: PartitionSpec | None) -> list | None:
-    """``PartitionSpec('x', None, ('x', 'y'))`` -> ``['x', None, ['x', 'y']]``."""
-    if spec is None:
-        return None
-    out: list = []
-    for entry in spec:
-        if entry is None or isinstance(entry, str):
-            out.append(entry)
-        elif isinstance(entry, tuple) and all(isinstance(a, str) for a in entry):
-            out.append(list(entry))
-        else:
-            raise ValueError(
-                f"cannot record the PartitionSpec {spec}: its entry {entry!r} is not a mesh "
-                "axis name, a tuple of them or None"
-            )
-    return out
-
-
-def _spec_from_json(data: list | None) -> PartitionSpec | None:
-    if data is None:
-        return None
-    return PartitionSpec(*(tuple(e) if isinstance(e, list) else e for e in data))
-
-
-def _mesh_to_json(mesh: LogicalDeviceMesh) -> dict:
-    return {
-        "shape": list(mesh.shape),
-        "axis_names": list(mesh.axis_names),
-        "mesh_alpha": list(mesh.mesh_alpha),
-        "mesh_beta": list(mesh.mesh_beta),
-        "device_flops": mesh.device_flops,
-        "memory_bandwidth": mesh.memory_bandwidth,
-    }
-
-
-def _mesh_from_json(data: Mapping) -> LogicalDeviceMesh:
-    return LogicalDeviceMesh(
-        tuple(data["shape"]),
-        tuple(data["mesh_alpha"]),
-        tuple(data["mesh_beta"]),
-        axis_names=tuple(data["axis_names"]),
-        device_flops=data["device_flops"],
-        memory_bandwidth=data["memory_bandwidth"],
-    )
-
-
-def _sharding_plan_to_json(plan: ShardingPlan) -> dict:
-    return {
-        "method": plan.method,
-        "logical_mesh": _mesh_to_json(plan.logical_mesh),
-        "in_specs": [_spec_to_json(s) for s in plan.in_specs],
-        "out_specs": [_spec_to_json(s) for s in plan.out_specs],
-        "var_specs": {ref: _spec_to_json(s) for ref, s in plan.var_specs.items()},
-        "operand_specs": {
-            ref: [_spec_to_json(s) for s in specs] for ref, specs in plan.operand_specs.items()
-        },
-        "partial_sums": {
-            ref: {
-                "operand_specs": [[_spec_to_json(s) for s in specs] for specs in p.operand_specs],
-                "reduce_axes": list(p.reduce_axes),
-            }
-            for ref, p in plan.partial_sums.items()
-        },
-        "data_axes": list(plan.data_axes),
-        "grad_specs": None
-        if plan.grad_specs is None
-        else [_spec_to_json(s) for s in plan.grad_specs],
-        "objective": plan.objective,
-    }
-
-
-def _sharding_plan_from_json(data: Mapping) -> ShardingPlan:
-    grad_specs = data["grad_specs"]
-    return ShardingPlan(
-        logical_mesh=_mesh_from_json(data["logical_mesh"]),
-        in_specs=tuple(_spec_from_json(s) for s in data["in_specs"]),
-        out_specs=tuple(_spec_from_json(s) for s in data["out_specs"]),
-        var_specs={ref: _spec_from_json(s) for ref, s in data["var_specs"].items()},
-        operand_specs={
-            ref: tuple(_spec_from_json(s) for s in specs)
-            for ref, specs in data["operand_specs"].items()
-        },
-        partial_sums={
-            ref: PartialSum(
-                tuple(tuple(_spec_from_json(s) for s in specs) for specs in p["operand_specs"]),
-                tuple(p["reduce_axes"]),
-            )
-            for ref, p in data.get("partial_sums", {}).items()
-        },
-        data_axes=tuple(data["data_axes"]),
-        grad_specs=None if grad_specs is None else tuple(_spec_from_json(s) for s in grad_specs),
-        objective=data["objective"],
-        method=data["method"],
-    )
-
-
 def _portable_placements(
     specs: Sequence[PlacementSpec], traced: TracedStep, num_micro_batches: int | None
 ) -> tuple[PlacementSpec, ...]:
@@ -728,80 +494,7 @@ def _portable_placements(
     )
 
 
-def _placement_to_json(spec: PlacementSpec) -> dict:
-    return {
-        "shape": list(spec.aval.shape),
-        "dtype": np.dtype(spec.aval.dtype).name,
-        "mesh_ids": list(spec.mesh_ids),
-        "sharding_specs": [_spec_to_json(s) for s in spec.sharding_specs],
-    }
-
-
-def _placement_from_json(data: Mapping) -> PlacementSpec:
-    return PlacementSpec(
-        jax.ShapeDtypeStruct(tuple(data["shape"]), np.dtype(data["dtype"])),
-        tuple(data["mesh_ids"]),
-        tuple(_spec_from_json(s) for s in data["sharding_specs"]),
-    )
-
-
-def _layer_option_to_json(option: ManualLayerOption | AutoLayerOption) -> dict:
-    kind = "auto" if isinstance(option, AutoLayerOption) else "manual"
-    fields = {f.name: getattr(option, f.name) for f in dataclasses.fields(option)}
-    if "static_argnums" in fields:
-        fields["static_argnums"] = list(fields["static_argnums"])
-    return {"kind": kind, **fields}
-
-
-def _layer_option_from_json(data: Mapping) -> ManualLayerOption | AutoLayerOption:
-    fields = {k: v for k, v in data.items() if k != "kind"}
-    if data["kind"] == "auto":
-        fields["static_argnums"] = tuple(fields.get("static_argnums", ()))
-        return AutoLayerOption(**fields)
-    return ManualLayerOption(**fields)
-
-
-def _option_to_json(option: AutoShardingOption) -> dict:
-    out = {}
-    for f in dataclasses.fields(option):
-        value = getattr(option, f.name)
-        out[f.name] = list(value) if isinstance(value, tuple) else value
-    return out
-
-
-def _stage_plan_to_json(plan: StagePlan) -> dict:
-    return {
-        "layer_to_stage": list(plan.layer_to_stage),
-        "device_ranges": [list(r) for r in plan.device_ranges],
-        "logical_shapes": [list(s) for s in plan.logical_shapes],
-        "autosharding_option_dicts": [
-            None if d is None else {k: list(v) if isinstance(v, tuple) else v for k, v in d.items()}
-            for d in plan.autosharding_option_dicts
-        ],
-        "submesh_shapes": [list(s) for s in plan.submesh_shapes],
-        "latencies": None if plan.latencies is None else list(plan.latencies),
-        "memory": None if plan.memory is None else list(plan.memory),
-        "predicted_cost": plan.predicted_cost,
-    }
-
-
-def _stage_plan_from_json(data: Mapping) -> StagePlan:
-    def pairs(rows):
-        return tuple(tuple(int(n) for n in row) for row in rows)
-
-    def floats(values):
-        return None if values is None else tuple(float(v) for v in values)
-
-    return StagePlan(
-        layer_to_stage=tuple(data["layer_to_stage"]),
-        device_ranges=pairs(data["device_ranges"]),
-        logical_shapes=pairs(data["logical_shapes"]),
-        autosharding_option_dicts=tuple(data["autosharding_option_dicts"]),
-        submesh_shapes=pairs(data["submesh_shapes"]),
-        latencies=floats(data["latencies"]),
-        memory=floats(data["memory"]),
-        predicted_cost=data["predicted_cost"],
-    )
+# ----------------------------------------------------------------------------- JSON
 
 
 def _pipeline_plan_to_json(plan: PipelinePlan) -> dict:
@@ -809,18 +502,18 @@ def _pipeline_plan_to_json(plan: PipelinePlan) -> dict:
     layers = d.layers
     return {
         "pipeline_schedule": plan.pipeline_schedule,
-        "layer_option": _layer_option_to_json(plan.layer_option),
+        "layer_option": layer_option_to_json(plan.layer_option),
         "layers": {
             "layers": list(layers.layers),
             "kinds": None if layers.kinds is None else list(layers.kinds),
             "num_layers": layers.num_layers,
         },
-        "stage_plan": _stage_plan_to_json(d.stage_plan),
-        "options": [_option_to_json(o) for o in d.options],
-        "logical_meshes": [_mesh_to_json(m) for m in d.logical_meshes],
+        "stage_plan": stage_plan_to_json(d.stage_plan),
+        "options": [option_to_json(o) for o in d.options],
+        "logical_meshes": [mesh_to_json(m) for m in d.logical_meshes],
         # Sorted, so that two records of one plan are the same text.
         "stage_specs": sorted(
-            ([ref, s, _spec_to_json(spec)] for (ref, s), spec in d.stage_specs.items()),
+            ([ref, s, spec_to_json(spec)] for (ref, s), spec in d.stage_specs.items()),
             key=lambda row: (row[1], row[0]),
         ),
         "objectives": [[s, list(v)] for s, v in sorted(d.objectives.items())],
@@ -835,12 +528,12 @@ def _pipeline_plan_from_json(data: Mapping) -> PipelinePlan:
             None if layers["kinds"] is None else tuple(layers["kinds"]),
             layers["num_layers"],
         ),
-        stage_plan=_stage_plan_from_json(data["stage_plan"]),
+        stage_plan=stage_plan_from_json(data["stage_plan"]),
         options=tuple(AutoShardingOption(**o) for o in data["options"]),
-        logical_meshes=tuple(_mesh_from_json(m) for m in data["logical_meshes"]),
-        stage_specs={(ref, s): _spec_from_json(spec) for ref, s, spec in data["stage_specs"]},
+        logical_meshes=tuple(mesh_from_json(m) for m in data["logical_meshes"]),
+        stage_specs={(ref, s): spec_from_json(spec) for ref, s, spec in data["stage_specs"]},
         objectives={s: list(v) for s, v in data["objectives"]},
     )
     return PipelinePlan(
-        data["pipeline_schedule"], _layer_option_from_json(data["layer_option"]), decisions
+        data["pipeline_schedule"], layer_option_from_json(data["layer_option"]), decisions
     )

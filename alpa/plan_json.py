@@ -1,0 +1,197 @@
+"""The JSON form of a :class:`~alpa.parallel_plan.ParallelPlan`'s parts.
+
+Each part of a plan has a ``*_to_json`` giving plain lists, dicts, strings and numbers, and
+a ``*_from_json`` rebuilding the part from them: ``from_json(to_json(x)) == x``. A
+``PartitionSpec`` entry is a mesh axis name, a list of them or ``None``; tuples become lists;
+a logical mesh keeps its shape, axis names and alpha-beta costs but never its devices (a
+plan is replayed on the devices of the method that loads it). The layout of the whole
+record and its version (``PLAN_FORMAT``) are :class:`~alpa.parallel_plan.ParallelPlan`'s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+import jax
+import numpy as np
+from jax.sharding import PartitionSpec
+
+from alpa.device_mesh import LogicalDeviceMesh
+from alpa.executable import PlacementSpec
+from alpa.pipeline_parallel.layer_construction import AutoLayerOption, ManualLayerOption
+from alpa.pipeline_parallel.stage_construction import StagePlan
+from alpa.shard_parallel.auto_sharding import AutoShardingOption
+from alpa.shard_parallel.sharding_plan import PartialSum, ShardingPlan
+
+
+def spec_to_json(spec: PartitionSpec | None) -> list | None:
+    """``PartitionSpec('x', None, ('x', 'y'))`` -> ``['x', None, ['x', 'y']]``."""
+    if spec is None:
+        return None
+    out: list = []
+    for entry in spec:
+        if entry is None or isinstance(entry, str):
+            out.append(entry)
+        elif isinstance(entry, tuple) and all(isinstance(a, str) for a in entry):
+            out.append(list(entry))
+        else:
+            raise ValueError(
+                f"cannot record the PartitionSpec {spec}: its entry {entry!r} is not a mesh "
+                "axis name, a tuple of them or None"
+            )
+    return out
+
+
+def spec_from_json(data: list | None) -> PartitionSpec | None:
+    if data is None:
+        return None
+    return PartitionSpec(*(tuple(e) if isinstance(e, list) else e for e in data))
+
+
+def mesh_to_json(mesh: LogicalDeviceMesh) -> dict:
+    return {
+        "shape": list(mesh.shape),
+        "axis_names": list(mesh.axis_names),
+        "mesh_alpha": list(mesh.mesh_alpha),
+        "mesh_beta": list(mesh.mesh_beta),
+        "device_flops": mesh.device_flops,
+        "memory_bandwidth": mesh.memory_bandwidth,
+    }
+
+
+def mesh_from_json(data: Mapping) -> LogicalDeviceMesh:
+    return LogicalDeviceMesh(
+        tuple(data["shape"]),
+        tuple(data["mesh_alpha"]),
+        tuple(data["mesh_beta"]),
+        axis_names=tuple(data["axis_names"]),
+        device_flops=data["device_flops"],
+        memory_bandwidth=data["memory_bandwidth"],
+    )
+
+
+def sharding_plan_to_json(plan: ShardingPlan) -> dict:
+    return {
+        "method": plan.method,
+        "logical_mesh": mesh_to_json(plan.logical_mesh),
+        "in_specs": [spec_to_json(s) for s in plan.in_specs],
+        "out_specs": [spec_to_json(s) for s in plan.out_specs],
+        "var_specs": {ref: spec_to_json(s) for ref, s in plan.var_specs.items()},
+        "operand_specs": {
+            ref: [spec_to_json(s) for s in specs] for ref, specs in plan.operand_specs.items()
+        },
+        "partial_sums": {
+            ref: {
+                "operand_specs": [[spec_to_json(s) for s in specs] for specs in p.operand_specs],
+                "reduce_axes": list(p.reduce_axes),
+            }
+            for ref, p in plan.partial_sums.items()
+        },
+        "data_axes": list(plan.data_axes),
+        "grad_specs": None
+        if plan.grad_specs is None
+        else [spec_to_json(s) for s in plan.grad_specs],
+        "objective": plan.objective,
+    }
+
+
+def sharding_plan_from_json(data: Mapping) -> ShardingPlan:
+    grad_specs = data["grad_specs"]
+    return ShardingPlan(
+        logical_mesh=mesh_from_json(data["logical_mesh"]),
+        in_specs=tuple(spec_from_json(s) for s in data["in_specs"]),
+        out_specs=tuple(spec_from_json(s) for s in data["out_specs"]),
+        var_specs={ref: spec_from_json(s) for ref, s in data["var_specs"].items()},
+        operand_specs={
+            ref: tuple(spec_from_json(s) for s in specs)
+            for ref, specs in data["operand_specs"].items()
+        },
+        partial_sums={
+            ref: PartialSum(
+                tuple(tuple(spec_from_json(s) for s in specs) for specs in p["operand_specs"]),
+                tuple(p["reduce_axes"]),
+            )
+            for ref, p in data.get("partial_sums", {}).items()
+        },
+        data_axes=tuple(data["data_axes"]),
+        grad_specs=None if grad_specs is None else tuple(spec_from_json(s) for s in grad_specs),
+        objective=data["objective"],
+        method=data["method"],
+    )
+
+
+def placement_to_json(spec: PlacementSpec) -> dict:
+    return {
+        "shape": list(spec.aval.shape),
+        "dtype": np.dtype(spec.aval.dtype).name,
+        "mesh_ids": list(spec.mesh_ids),
+        "sharding_specs": [spec_to_json(s) for s in spec.sharding_specs],
+    }
+
+
+def placement_from_json(data: Mapping) -> PlacementSpec:
+    return PlacementSpec(
+        jax.ShapeDtypeStruct(tuple(data["shape"]), np.dtype(data["dtype"])),
+        tuple(data["mesh_ids"]),
+        tuple(spec_from_json(s) for s in data["sharding_specs"]),
+    )
+
+
+def layer_option_to_json(option: ManualLayerOption | AutoLayerOption) -> dict:
+    kind = "auto" if isinstance(option, AutoLayerOption) else "manual"
+    fields = {f.name: getattr(option, f.name) for f in dataclasses.fields(option)}
+    if "static_argnums" in fields:
+        fields["static_argnums"] = list(fields["static_argnums"])
+    return {"kind": kind, **fields}
+
+
+def layer_option_from_json(data: Mapping) -> ManualLayerOption | AutoLayerOption:
+    fields = {k: v for k, v in data.items() if k != "kind"}
+    if data["kind"] == "auto":
+        fields["static_argnums"] = tuple(fields.get("static_argnums", ()))
+        return AutoLayerOption(**fields)
+    return ManualLayerOption(**fields)
+
+
+def option_to_json(option: AutoShardingOption) -> dict:
+    out = {}
+    for f in dataclasses.fields(option):
+        value = getattr(option, f.name)
+        out[f.name] = list(value) if isinstance(value, tuple) else value
+    return out
+
+
+def stage_plan_to_json(plan: StagePlan) -> dict:
+    return {
+        "layer_to_stage": list(plan.layer_to_stage),
+        "device_ranges": [list(r) for r in plan.device_ranges],
+        "logical_shapes": [list(s) for s in plan.logical_shapes],
+        "autosharding_option_dicts": [
+            None if d is None else {k: list(v) if isinstance(v, tuple) else v for k, v in d.items()}
+            for d in plan.autosharding_option_dicts
+        ],
+        "submesh_shapes": [list(s) for s in plan.submesh_shapes],
+        "latencies": None if plan.latencies is None else list(plan.latencies),
+        "memory": None if plan.memory is None else list(plan.memory),
+        "predicted_cost": plan.predicted_cost,
+    }
+
+
+def stage_plan_from_json(data: Mapping) -> StagePlan:
+    def pairs(rows):
+        return tuple(tuple(int(n) for n in row) for row in rows)
+
+    def floats(values):
+        return None if values is None else tuple(float(v) for v in values)
+
+    return StagePlan(
+        layer_to_stage=tuple(data["layer_to_stage"]),
+        device_ranges=pairs(data["device_ranges"]),
+        logical_shapes=pairs(data["logical_shapes"]),
+        autosharding_option_dicts=tuple(data["autosharding_option_dicts"]),
+        submesh_shapes=pairs(data["submesh_shapes"]),
+        latencies=floats(data["latencies"]),
+        memory=floats(data["memory"]),
+        predicted_cost=data["predicted_cost"],
+    )

@@ -1,0 +1,177 @@
+"""PlannedParallel: compile a step exactly as a recorded :class:`ParallelPlan` says.
+
+``alpa.plan_to_method(plan)`` returns this method. It searches nothing (no ILP, no stage
+DP): the recorded decisions, whose values and equations are named by position
+(:func:`~alpa.parallel_plan.value_refs`), are bound to the values and equations of a fresh
+trace of the step, after checking that the trace is the recorded step (its fingerprint,
+inputs and outputs); a plan applied to another step raises ``ValueError``. Compiling the
+bound plan gives the recorded executable.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
+
+from jax.extend.core import Jaxpr, Var
+
+from alpa.device_mesh import LogicalDeviceMesh
+from alpa.executable import Executable
+from alpa.parallel_method import (
+    ParallelMethod,
+    PipeshardParallel,
+    _compile_one_mesh,
+    resolve_logical_mesh,
+)
+from alpa.parallel_plan import ParallelPlan, eqn_refs, value_refs
+from alpa.pipeline_parallel.pipeshard_plan import plan_pipeshard
+from alpa.shard_parallel.sharding_plan import ShardingPlan
+from alpa.tracing import TracedStep
+
+
+class PlannedParallel(ParallelMethod):
+    """The method of a recorded :class:`ParallelPlan` (:func:`plan_to_method`).
+
+    ``plan()`` rebuilds the recorded ``ShardingPlan`` / ``PipeshardPlan`` for a fresh
+    trace of the step, after checking that the trace is the recorded step; compiling it
+    gives the recorded executable. A pipeline is traced under the recorded layer option,
+    as ``PipeshardParallel`` traces it (an ``AutoLayerOption`` cuts the loss function
+    while tracing); its stages and shardings are replayed.
+    """
+
+    def __init__(self, plan: ParallelPlan, devices=None):
+        self.parallel_plan = plan
+        self.devices = devices
+        self.num_micro_batches = plan.num_micro_batches
+        pipeline = plan.pipeline_plan
+        self._pipeshard = None
+        if pipeline is not None:
+            # The recorded schedule and layer option; its stage and sharding options are
+            # never read, the recorded decisions take their place.
+            self._pipeshard = PipeshardParallel(
+                devices=devices,
+                num_micro_batches=plan.num_micro_batches or 1,
+                pipeline_schedule=pipeline.pipeline_schedule,
+                layer_option=pipeline.layer_option,
+            )
+
+    def trace_context(self) -> contextlib.AbstractContextManager:
+        if self._pipeshard is None:
+            return contextlib.nullcontext()
+        return self._pipeshard.trace_context()
+
+    def plan(self, traced: TracedStep, args: Sequence[Any], require_devices: bool = False):
+        """The recorded plan of ``traced``: a ``ShardingPlan`` or a ``PipeshardPlan``."""
+        self.parallel_plan.check_step(traced)
+        if self._pipeshard is None:
+            return self._sharding_plan(traced, require_devices)
+        return self._pipeshard_plan(traced, args, require_devices)[0]
+
+    def compile_executable(self, traced: TracedStep, args: Sequence[Any]) -> Executable:
+        self.parallel_plan.check_step(traced)
+        if self._pipeshard is None:
+            plan = self._sharding_plan(traced, require_devices=True)
+            return _compile_one_mesh(self.devices, traced, plan, self.num_micro_batches)
+        plan, devices = self._pipeshard_plan(traced, args, require_devices=True)
+        return self._pipeshard._compile_plan(plan, devices)
+
+    def _sharding_plan(self, traced: TracedStep, require_devices: bool) -> ShardingPlan:
+        recorded = self.parallel_plan.sharding_plan
+        mesh = resolve_logical_mesh(self.devices, None, require_devices)
+        if mesh.num_devices != recorded.logical_mesh.num_devices:
+            raise ValueError(
+                f"the ParallelPlan of {self.parallel_plan.step_name} was made for "
+                f"{recorded.logical_mesh.num_devices} devices but devices has "
+                f"{mesh.num_devices}"
+            )
+        logical = replace(recorded.logical_mesh, devices=mesh.devices)
+        return _bound_sharding_plan(recorded, traced.jaxpr, logical)
+
+    def _pipeshard_plan(self, traced: TracedStep, args, require_devices: bool):
+        inner = self._pipeshard
+        num_hosts, per_host, cluster, devices = inner._cluster()
+        info = self.parallel_plan.cluster_info
+        if (num_hosts, per_host) != (info.num_hosts, info.num_devices_per_host):
+            raise ValueError(
+                f"the ParallelPlan of {self.parallel_plan.step_name} was made for a cluster "
+                f"of {info.num_hosts} x {info.num_devices_per_host} devices but devices is "
+                f"{num_hosts} x {per_host}"
+            )
+        if devices is None and require_devices and inner._ray_cluster() is None:
+            raise ValueError(
+                f"devices is {type(self.devices).__name__} (a cluster that is not here, no "
+                "devices): it can be planned for with parallelize(...).plan(*args), not run"
+            )
+        pipeline = self.parallel_plan.pipeline_plan
+        recorded = pipeline.decisions
+        vars_by_ref = {ref: v for v, ref in value_refs(traced.jaxpr).items()}
+        decisions = replace(
+            recorded,
+            stage_specs={
+                (_lookup(vars_by_ref, ref, traced), s): spec
+                for (ref, s), spec in recorded.stage_specs.items()
+            },
+        )
+        plan = plan_pipeshard(
+            traced,
+            num_hosts,
+            per_host,
+            cluster,
+            inner.num_micro_batches,
+            pipeline_schedule=pipeline.pipeline_schedule,
+            layer_option=pipeline.layer_option,
+            args=args,
+            devices=devices,
+            decisions=decisions,
+        )
+        return plan, devices
+
+    def __repr__(self) -> str:
+        plan = self.parallel_plan
+        return (
+            f"PlannedParallel({plan.method} plan of {plan.step_name}, "
+            f"num_micro_batches={plan.num_micro_batches})"
+        )
+
+
+def _lookup(vars_by_ref: dict, ref: str, traced: TracedStep) -> Var:
+    var = vars_by_ref.get(ref)
+    if var is None:
+        raise ValueError(
+            f"the ParallelPlan names a value {ref!r} that {traced.name} does not have: it "
+            "was made for another step"
+        )
+    return var
+
+
+def _bound_sharding_plan(
+    plan: ShardingPlan, jaxpr: Jaxpr, logical_mesh: LogicalDeviceMesh
+) -> ShardingPlan:
+    """The portable ``plan`` on the values and equations of ``jaxpr``, on
+    ``logical_mesh``."""
+    vars_by_ref = {ref: v for v, ref in value_refs(jaxpr).items()}
+    eqns_by_ref = eqn_refs(jaxpr)
+
+    def find(table: dict, ref: str):
+        if ref not in table:
+            raise ValueError(
+                f"the ParallelPlan names {ref!r}, which this step does not have: it was "
+                "made for another step"
+            )
+        return table[ref]
+
+    if len(plan.in_specs) != len(jaxpr.invars) or len(plan.out_specs) != len(jaxpr.outvars):
+        raise ValueError(
+            f"the ParallelPlan has {len(plan.in_specs)} inputs and {len(plan.out_specs)} "
+            f"outputs, this step {len(jaxpr.invars)} and {len(jaxpr.outvars)}: it was made "
+            "for another step"
+        )
+    return replace(
+        plan,
+        logical_mesh=logical_mesh,
+        var_specs={find(vars_by_ref, r): spec for r, spec in plan.var_specs.items()},
+        operand_specs={find(eqns_by_ref, r): s for r, s in plan.operand_specs.items()},
+        partial_sums={find(eqns_by_ref, r): p for r, p in plan.partial_sums.items()},
+    )
