@@ -32,11 +32,11 @@ from alpa.shard_parallel.sharding_spec import (
     replicated,
     to_partition_spec,
 )
+from alpa.shard_parallel.strategy_costs import sums_partials
 from alpa.shard_parallel.strategy_graph import (
     GraphOptions,
     StrategyGraph,
     build_strategy_graph,
-    sums_partials,
 )
 
 
@@ -252,7 +252,7 @@ class AutoShardingSolution:
 
     def _partial_sums(self) -> dict:
         """The adds of two partial results whose chosen strategies reduce alike (the ILP
-        priced one reduction for them: ``strategy_graph.partial_sum_discount``)."""
+        priced one reduction for them: ``strategy_costs.partial_sum_discount``)."""
         nodes, choice, mesh = self.graph.nodes, self.solution.choice, self.mesh
 
         def chosen(n):

@@ -49,7 +49,8 @@ from dataclasses import dataclass
 import numpy as np
 import pulp
 
-from alpa.shard_parallel.strategy_graph import StrategyGraph, combined_latency, live_points
+from alpa.shard_parallel.strategy_costs import combined_latency
+from alpa.shard_parallel.strategy_graph import StrategyGraph, live_points
 
 
 class InfeasibleMemoryBudgetError(ValueError):

@@ -4,7 +4,7 @@ A contraction whose contracted dimension is split leaves each device a partial r
 the plan reduces it where it is computed. When two such results are only ever added (the
 tied input and output embedding's gradient: a scatter-add plus a matmul) and both reduce
 over the same mesh axes into the same spec, the ILP prices one reduction of their sum
-(``strategy_graph.partial_sum_discount``). XLA reduces each operand of the add on its own
+(``strategy_costs.partial_sum_discount``). XLA reduces each operand of the add on its own
 (measured on CPU: a tuple all-reduce of both), so the lowering writes the plan out in
 ``shard_map``: both producers run on each device's blocks of their operands, in the specs
 their strategies read them, the partial results are added, and the sum is reduced once,
@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec
 
 from alpa.shard_parallel.micro_batches import bind_eqn
 from alpa.shard_parallel.sharding_plan import PartialSum
-from alpa.shard_parallel.strategy_graph import partial_chain
+from alpa.shard_parallel.strategy_costs import partial_chain
 
 
 class _Pending:

@@ -14,7 +14,7 @@ leading key dimensions, whole elsewhere. The key ops (``random_seed``, ``random_
 new keys like ``random_bits`` draws words, so it is a generator too.
 
 The rules state no cost of their own: the strategy graph prices each strategy's work
-(``strategy_graph.work_cost``), in which a replicated draw writes the whole result on every
+(``strategy_costs.work_cost``), in which a replicated draw writes the whole result on every
 device and a split one only its shard, and the ILP weighs that against the communication a
 split draw may need downstream.
 """

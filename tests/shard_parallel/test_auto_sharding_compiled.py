@@ -25,7 +25,7 @@ from alpa.model.moe import MoEConfig, get_moe_train_state_and_step
 from alpa.shard_parallel.auto_sharding import AutoShardingOption, solve_auto_sharding
 from alpa.shard_parallel.ilp_solver import InfeasibleMemoryBudgetError
 from alpa.shard_parallel.sharding_spec import Spec, axis_dim, used_axes
-from alpa.shard_parallel.strategy_graph import sums_partials
+from alpa.shard_parallel.strategy_costs import sums_partials
 from alpa.testing import assert_allclose, get_mlp_train_state_and_step, unit_cost_mesh
 from alpa.testing import run_auto_sharded as _compile
 from alpa.util import count_communication_primitives
@@ -426,7 +426,7 @@ def _plan_collectives(executable, **option) -> Counter:
       split contracting/reduced dimension; ``... = RRR AR1``, or ``... RS1->S1RR`` with
       ``prefer_reduce_scatter``): one all-reduce (reduce-scatter) of its result;
     * but where an add sums two partial results reduced alike
-      (``strategy_graph.sums_partials``), one reduction of their sum, not two;
+      (``strategy_costs.sums_partials``), one reduction of their sum, not two;
     * each resharding edge (an operand read in another spec than its producer's): the
       collectives of that resharding. The lowering reshards a value once per target spec,
       shared by all its readers (``lowering.eval_jaxpr_with_constraints``), so a
