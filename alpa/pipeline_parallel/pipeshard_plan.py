@@ -346,6 +346,25 @@ def _layout(logical_meshes: Sequence[LogicalDeviceMesh], specs: dict, key) -> La
     return Layout(tuple(logical_meshes[mesh].shape), DATA_AXES, specs[(key[0], mesh)])
 
 
+def _logical_meshes(
+    stage_plan: StagePlan, options: Sequence[AutoShardingOption], cluster: ClusterSpec
+) -> list[LogicalDeviceMesh]:
+    """Per stage, the logical view of its submesh the ILP plans on: the option's
+    ``logical_mesh_shape`` or the stage plan's, with the option's alpha-beta (default:
+    the ``cluster``'s)."""
+    meshes = []
+    for submesh, shape, option in zip(
+        stage_plan.submesh_shapes, stage_plan.logical_shapes, options, strict=True
+    ):
+        virtual = VirtualPhysicalMesh(int(submesh[0]), int(submesh[1]), cluster=cluster)
+        meshes.append(
+            virtual.get_logical_mesh(
+                option.logical_mesh_shape or shape, option.mesh_alpha, option.mesh_beta
+            )
+        )
+    return meshes
+
+
 def _name_vars(closed_jaxpr) -> dict:
     names: dict = {}
     jaxpr = closed_jaxpr.jaxpr
@@ -441,16 +460,7 @@ def plan_pipeshard(
             f"pipeline_schedule='inference' instead of {pipeline_schedule!r}"
         )
     if decisions is None:
-        logical_meshes = []
-        for submesh, shape, option in zip(
-            stage_plan.submesh_shapes, stage_plan.logical_shapes, options, strict=True
-        ):
-            virtual = VirtualPhysicalMesh(int(submesh[0]), int(submesh[1]), cluster=cluster)
-            logical_meshes.append(
-                virtual.get_logical_mesh(
-                    option.logical_mesh_shape or shape, option.mesh_alpha, option.mesh_beta
-                )
-            )
+        logical_meshes = _logical_meshes(stage_plan, options, cluster)
     else:
         logical_meshes = list(decisions.logical_meshes)
     mesh_sizes = [m.num_devices for m in logical_meshes]
