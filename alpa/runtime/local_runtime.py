@@ -36,6 +36,7 @@ from alpa.pipeline_parallel.runtime_emitter import (
     Op,
     PipelineInstructions,
 )
+from alpa.runtime.ray_worker import jitted_concat, jitted_mean
 
 
 @dataclass
@@ -325,15 +326,9 @@ class LocalPipelineRuntime:
         )
 
 
-_concat_fn = jax.jit(lambda *xs: jax.numpy.concatenate(xs, axis=0))
-
-
-_mean_fn = jax.jit(lambda *xs: sum(xs[1:], xs[0]) / len(xs))
-
-
 def _mean(values):
-    return _mean_fn(*values)
+    return jitted_mean()(*values)
 
 
 def _concat(values):
-    return values[0] if len(values) == 1 else _concat_fn(*values)
+    return values[0] if len(values) == 1 else jitted_concat()(*values)

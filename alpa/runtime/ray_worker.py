@@ -631,22 +631,25 @@ def _recv(w: MeshHostWorker, lp: _LoadedProgram, ins: WorkerInstruction, env, ar
 
 
 def _concat(w: MeshHostWorker, lp: _LoadedProgram, ins: WorkerInstruction, env, args, step):
-    env[ins.out_slots[0]] = _jitted_concat()(*[env[i] for i in ins.in_slots])
+    env[ins.out_slots[0]] = jitted_concat()(*[env[i] for i in ins.in_slots])
 
 
 def _mean(w: MeshHostWorker, lp: _LoadedProgram, ins: WorkerInstruction, env, args, step):
-    env[ins.out_slots[0]] = _jitted_mean()(*[env[i] for i in ins.in_slots])
+    env[ins.out_slots[0]] = jitted_mean()(*[env[i] for i in ins.in_slots])
 
 
 @functools.cache
-def _jitted_concat() -> Callable:
+def jitted_concat() -> Callable:
+    """``CONCAT``, compiled: per-micro-batch values joined along axis 0 (made on first use,
+    after this process has set up jax; the local runtime uses it too)."""
     import jax
 
     return jax.jit(lambda *xs: jax.numpy.concatenate(xs, axis=0))
 
 
 @functools.cache
-def _jitted_mean() -> Callable:
+def jitted_mean() -> Callable:
+    """``MEAN``, compiled: the mean of per-micro-batch values (a scalar loss)."""
     import jax
 
     return jax.jit(lambda *xs: sum(xs[1:], xs[0]) / len(xs))
