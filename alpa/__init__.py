@@ -45,11 +45,11 @@ _EXPORTS = {
     "global_config": "alpa.global_env",
     "set_seed": "alpa.global_env",
     "DataParallel": "alpa.parallel_method",
-    "get_3d_parallel_method": "alpa.parallel_method",
+    "get_3d_parallel_method": "alpa.pipeshard_method",
     "ParallelMethod": "alpa.parallel_method",
     "CreateStateParallel": "alpa.follow_parallel",
     "FollowParallel": "alpa.follow_parallel",
-    "PipeshardParallel": "alpa.parallel_method",
+    "PipeshardParallel": "alpa.pipeshard_method",
     "ShardParallel": "alpa.parallel_method",
     "Zero2Parallel": "alpa.parallel_method",
     "Zero3Parallel": "alpa.parallel_method",
@@ -142,11 +142,9 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and editors
     from alpa.parallel_method import (  # noqa: F401
         DataParallel,
         ParallelMethod,
-        PipeshardParallel,
         ShardParallel,
         Zero2Parallel,
         Zero3Parallel,
-        get_3d_parallel_method,
     )
     from alpa.parallel_plan import ParallelPlan, plan_to_method  # noqa: F401
     from alpa.pipeline_parallel.layer_construction import (  # noqa: F401
@@ -158,6 +156,7 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and editors
         ManualStageOption,
         UniformStageOption,
     )
+    from alpa.pipeshard_method import PipeshardParallel, get_3d_parallel_method  # noqa: F401
     from alpa.planned_parallel import PlannedParallel  # noqa: F401
     from alpa.runtime.ray_mesh import (  # noqa: F401
         DeviceCluster,

@@ -3,8 +3,9 @@
 A method turns a :class:`~alpa.tracing.TracedStep` into an
 :class:`~alpa.executable.Executable`. ``ShardParallel`` runs the whole step on one mesh
 (intra-operator parallelism); ``DataParallel``, ``Zero2Parallel`` and ``Zero3Parallel`` are
-``ShardParallel`` with fixed plans; ``PipeshardParallel`` cuts the step into pipeline
-stages, each sharded on its own submesh (the passes are in ``alpa.pipeline_parallel``).
+``ShardParallel`` with fixed plans. ``PipeshardParallel``, which cuts the step into
+pipeline stages each sharded on its own submesh, is in :mod:`alpa.pipeshard_method`
+(and reachable here, Alpa's path).
 """
 
 from __future__ import annotations
@@ -17,10 +18,7 @@ from dataclasses import fields, replace
 from typing import Any
 
 from alpa.cluster import (
-    get_global_cluster,
     get_global_physical_mesh,
-    get_global_virtual_physical_mesh,
-    global_virtual_mesh_if_set,
 )
 from alpa.device_mesh import (
     ClusterSpec,
@@ -29,27 +27,8 @@ from alpa.device_mesh import (
     VirtualPhysicalMesh,
 )
 from alpa.executable import Executable
-from alpa.pipeline_parallel.layer_construction import (
-    AutoLayerOption,
-    layer_option_context,
-    resolve_layer_option,
-)
-from alpa.pipeline_parallel.pipeshard_executable import PipeshardDriverExecutable
-from alpa.pipeline_parallel.pipeshard_plan import PipeshardPlan, plan_pipeshard
-from alpa.pipeline_parallel.pipeshard_ray_executable import PipeshardRayExecutable
 from alpa.pipeline_parallel.resharding import worker_transfer_plan
-from alpa.pipeline_parallel.schedules import schedules
-from alpa.pipeline_parallel.stage_construction import (
-    ManualStageOption,
-    resolve_stage_option,
-    submesh_shape,
-)
-from alpa.pipeline_parallel.user_shardings import (
-    check_axis_names,
-    check_manual_sharding_option,
-    check_stage_input_shardings,
-)
-from alpa.runtime.ray_mesh import DeviceCluster, DistributedPhysicalDeviceMesh
+from alpa.runtime.ray_mesh import DistributedPhysicalDeviceMesh
 from alpa.shard_parallel.auto_sharding import AutoShardingOption, plan_auto_sharding
 from alpa.shard_parallel.data_parallel import data_parallel_plan
 from alpa.shard_parallel.distributed_executable import DistributedMeshExecutable
@@ -410,240 +389,14 @@ class Zero3Parallel(_FixedPlanParallel):
     default_option = AutoShardingOption(force_zero_stage_3=True)
 
 
-# ----------------------------------------------------------------------------- pipeshard
-
-
-class PipeshardParallel(ParallelMethod):
-    """Inter-operator (pipeline) plus intra-operator parallelism.
-
-    Args:
-      devices: ``None`` (the devices of ``alpa.init``), a ``LocalPhysicalDeviceMesh``, a
-        ``VirtualPhysicalMesh`` or ``ClusterSpec`` (for ``plan()`` only) or a
-        list of jax devices.
-      num_micro_batches: micro-batches per step; divides the batch size.
-      default_auto_sharding_option: ``AutoShardingOption`` of every stage (default
-        ``AutoShardingOption()``: the ILP shards each stage on its logical submesh); the
-        stage option's per-stage dicts override its fields.
-      pipeline_schedule: ``"1f1b"``, ``"gpipe"`` or ``"inference"``.
-      layer_option: ``"manual"``, ``ManualLayerOption`` or ``AutoLayerOption`` (layers by
-        clustering the loss function's equations; ``layer_construction``).
-      stage_option: ``"auto"`` or ``AutoStageOption`` (the stage DP picks stages,
-        submeshes and logical shapes; ``stage_construction``), ``"uniform"``,
-        ``UniformStageOption`` or ``ManualStageOption``.
-      stage_input_shardings: per stage, a list with a ``PartitionSpec`` (or ``None``) per
-        input of the stage (``executable.get_stage_input_names()``), in the submesh's
-        axes ``("x", "y")`` or those of ``manual_sharding_option``.
-      manual_sharding_option: a ``ManualShardingOption`` whose ``in_axis_resources`` /
-        ``out_axis_resources`` pin the step's inputs and outputs on the stages that read
-        or produce them, in the axis names ``submesh_axis_names[stage]`` (default
-        ``mesh_axis_names``). See ``alpa.pipeline_parallel.user_shardings``.
-    """
-
-    def __init__(
-        self,
-        devices=None,
-        num_micro_batches: int = 1,
-        default_auto_sharding_option=None,
-        pipeline_schedule: str = "1f1b",
-        layer_option=None,
-        stage_option=None,
-        stage_input_shardings=None,
-        manual_sharding_option=None,
-    ):
-        if (
-            isinstance(num_micro_batches, bool)
-            or not isinstance(num_micro_batches, int)
-            or num_micro_batches < 1
-        ):
-            raise ValueError(f"num_micro_batches must be a positive int, got {num_micro_batches!r}")
-        if pipeline_schedule not in schedules:
-            raise ValueError(
-                f"unknown pipeline_schedule {pipeline_schedule!r}; expected one of "
-                f"{sorted(schedules)}"
-            )
-        if manual_sharding_option is not None:
-            manual_sharding_option = check_manual_sharding_option(manual_sharding_option)
-        if stage_input_shardings is not None:
-            stage_input_shardings = check_stage_input_shardings(stage_input_shardings)
-        check_axis_names(manual_sharding_option, stage_input_shardings)
-        self.manual_sharding_option = manual_sharding_option
-        self.stage_input_shardings = stage_input_shardings
-        self.devices = devices
-        self.num_micro_batches = num_micro_batches
-        self.default_auto_sharding_option = default_auto_sharding_option
-        self.pipeline_schedule = pipeline_schedule
-        self.layer_option = resolve_layer_option(layer_option)
-        self.stage_option = resolve_stage_option(stage_option)
-
-    def _cluster(self) -> tuple[int, int, ClusterSpec, list[Any] | None]:
-        """``(num_hosts, num_devices_per_host, cluster, devices)``; ``devices`` is ``None``
-        for a cluster that is not here (a ``VirtualPhysicalMesh`` or ``ClusterSpec``) and
-        for a Ray cluster (its workers own the devices)."""
-        devices = self.devices
-        if isinstance(devices, ClusterSpec):
-            devices = devices.get_virtual_physical_mesh()
-        if isinstance(devices, VirtualPhysicalMesh):
-            cluster = devices.cluster or ClusterSpec.preset("cpu", devices.num_hosts)
-            return devices.num_hosts, devices.num_devices_per_host, cluster, None
-        ray_cluster = self._ray_cluster()
-        chosen = global_virtual_mesh_if_set() if devices is None else None
-        if ray_cluster is not None:
-            if chosen is not None:  # set_global_virtual_physical_mesh: the first hosts
-                spec = replace(
-                    ray_cluster.spec,
-                    num_nodes=chosen.num_hosts,
-                    num_devices_per_node=chosen.num_devices_per_host,
-                )
-                return chosen.num_hosts, chosen.num_devices_per_host, spec, None
-            spec = ray_cluster.spec
-            return ray_cluster.num_hosts, ray_cluster.num_devices_per_host, spec, None
-        if chosen is not None:
-            local = get_global_physical_mesh()
-            if chosen.num_hosts != 1 or chosen.num_devices > local.num_devices:
-                raise ValueError(
-                    f"the global virtual mesh {chosen.shape} does not fit the "
-                    f"{local.num_devices} local devices of alpa.init('local')"
-                )
-            physical = local.slice_1d(0, chosen.num_devices)
-            return 1, physical.num_devices, physical.cluster, list(physical.devices)
-        if devices is None:
-            physical = get_global_physical_mesh()
-        elif isinstance(devices, LocalPhysicalDeviceMesh):
-            physical = devices
-        else:
-            physical = LocalPhysicalDeviceMesh(getattr(devices, "devices", devices))
-        return 1, physical.num_devices, physical.cluster, list(physical.devices)
-
-    def _ray_cluster(self):
-        """The ``DeviceCluster`` stages run on: ``alpa.init("ray")``'s, when ``devices``
-        is ``None`` (or that cluster itself)."""
-        if isinstance(self.devices, DeviceCluster):
-            return self.devices
-        return get_global_cluster() if self.devices is None else None
-
-    def _plan(self, traced: TracedStep, args: Sequence[Any], require_devices: bool):
-        num_hosts, per_host, cluster, devices = self._cluster()
-        if devices is None and require_devices and self._ray_cluster() is None:
-            raise ValueError(
-                f"devices is {type(self.devices).__name__} (a cluster that is not here, no "
-                "devices): it can be planned for with parallelize(...).plan(*args), not run"
-            )
-        plan = plan_pipeshard(
-            traced,
-            num_hosts,
-            per_host,
-            cluster,
-            self.num_micro_batches,
-            pipeline_schedule=self.pipeline_schedule,
-            layer_option=self.layer_option,
-            stage_option=self.stage_option,
-            default_auto_sharding_option=self.default_auto_sharding_option,
-            manual_sharding_option=self.manual_sharding_option,
-            stage_input_shardings=self.stage_input_shardings,
-            args=args,
-            devices=devices,
-        )
-        return plan, devices
-
-    def plan(self, traced: TracedStep, args: Sequence[Any]) -> PipeshardPlan:
-        """The ``PipeshardPlan`` of ``traced``; compiles and runs nothing (only
-        ``AutoStageOption(cost_model="measured")`` uses the devices)."""
-        return self._plan(traced, args, require_devices=False)[0]
-
-    def trace_context(self) -> contextlib.AbstractContextManager:
-        """The layer option: ``alpa.grad`` cuts the loss function as it says."""
-        return layer_option_context(self.layer_option)
-
-    def compile_executable(self, traced: TracedStep, args: Sequence[Any]) -> Executable:
-        with timed("planning"):
-            plan, devices = self._plan(traced, args, require_devices=True)
-        with timed("compile"):
-            return self._compile_plan(plan, devices)
-
-    def _compile_plan(self, plan: PipeshardPlan, devices) -> Executable:
-        ray_cluster = self._ray_cluster()
-        if ray_cluster is None:
-            return PipeshardDriverExecutable(plan, devices)
-        per_host = self._cluster()[1]
-        meshes = []
-        for start, stop in plan.stage_plan.device_ranges:
-            hosts = tuple(range(start // per_host, (stop - 1) // per_host + 1))
-            meshes.append(
-                ray_cluster.get_physical_mesh(hosts, min(stop - start, per_host), start % per_host)
-            )
-        return PipeshardRayExecutable(plan, meshes)
-
-    def __repr__(self) -> str:
-        return (
-            f"PipeshardParallel(num_micro_batches={self.num_micro_batches}, "
-            f"pipeline_schedule={self.pipeline_schedule!r}, "
-            f"stage_option={self.stage_option!r})"
-        )
-
-
-# ----------------------------------------------------------------------------- 3-D
-
-
-def get_3d_parallel_method(
-    num_micro_batches: int,
-    data_parallel: int,
-    operator_parallel: int,
-    pipeline_parallel: int,
-    allow_degenerate_into_shard_parallel: bool = True,
-    use_remat: bool = True,
-    num_devices_per_host: int | None = None,
-) -> ParallelMethod:
-    """Alpa's hand-set 3-D parallelism: ``pipeline_parallel`` equal stages (layers by
-    clustering, one per stage), each on ``data_parallel x operator_parallel`` devices as
-    the logical mesh ``(data_parallel, operator_parallel)``, the batch split over mesh
-    axis 0. With ``pipeline_parallel == 1`` (and ``allow_degenerate_into_shard_parallel``)
-    it is ``ShardParallel`` on that logical mesh of the global mesh.
-
-    ``num_devices_per_host``: devices per host of a stage's submesh (default: the global
-    cluster's); a stage of more devices spans whole hosts.
-    """
-    for name, value in (
-        ("data_parallel", data_parallel),
-        ("operator_parallel", operator_parallel),
-        ("pipeline_parallel", pipeline_parallel),
-    ):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
-    option = AutoShardingOption(prefer_reduce_scatter=True, force_batch_dim_to_mesh_dim=0)
-    stage_devices = data_parallel * operator_parallel
-    if pipeline_parallel == 1 and allow_degenerate_into_shard_parallel:
-        physical = get_global_physical_mesh()
-        if physical.num_devices != stage_devices:
-            raise ValueError(
-                f"data_parallel * operator_parallel = {stage_devices} but the global mesh has "
-                f"{physical.num_devices} devices"
-            )
-        return ShardParallel(
-            devices=physical.get_logical_mesh((data_parallel, operator_parallel)),
-            num_micro_batches=num_micro_batches,
-            auto_sharding_option=option,
-        )
-    per_host = num_devices_per_host or get_global_virtual_physical_mesh().num_devices_per_host
-    physical_shape = submesh_shape(stage_devices, per_host)
-    return PipeshardParallel(
-        num_micro_batches=num_micro_batches,
-        default_auto_sharding_option=option,
-        layer_option=AutoLayerOption(
-            layer_num=pipeline_parallel,
-            remat_mode="coarse_grained_remat" if use_remat else "none",
-        ),
-        stage_option=ManualStageOption(
-            forward_stage_layer_ids=[[i] for i in range(pipeline_parallel)],
-            submesh_physical_shapes=[physical_shape] * pipeline_parallel,
-            submesh_logical_shapes=[(data_parallel, operator_parallel)] * pipeline_parallel,
-            submesh_autosharding_option_dicts=[{}] * pipeline_parallel,
-        ),
-    )
-
-
 def __getattr__(name: str):
-    # Alpa's module path for the methods that follow another step's plan; they live in
-    # alpa.follow_parallel, which builds on this module.
+    # Alpa's module path for the pipeline method and the methods that follow another
+    # step's plan; they live in alpa.pipeshard_method and alpa.follow_parallel, which
+    # build on this module.
+    if name in ("PipeshardParallel", "get_3d_parallel_method"):
+        from alpa import pipeshard_method
+
+        return getattr(pipeshard_method, name)
     if name in ("CreateStateParallel", "FollowParallel"):
         from alpa import follow_parallel
 

@@ -47,7 +47,7 @@ def test_lower_passes_load_nothing_of_the_pipeline_pass(package):
 def test_import_alpa_loads_on_first_use():
     loaded = _loaded("alpa", walk=False)
     assert loaded == {"alpa"}, loaded
-    # The control (the check can fail): the methods stand on the pipeline pass.
+    # The control (the check can fail): the pipeline method stands on the pipeline pass.
     assert "alpa.pipeline_parallel.pipeshard_executable" in _loaded(
-        "alpa.parallel_method", walk=False
+        "alpa.pipeshard_method", walk=False
     )
