@@ -1,15 +1,20 @@
-"""Gradients of a data-parallel stage reduced once per step, in apply-grad.
+"""Gradients of every stage reduced once per step, in apply-grad.
 
-A data-parallel stage (``force_data_parallel=True``, or auto-sharding off) runs its forward
-and backward computations once per micro-batch with the micro-batch split over all
-devices of its submesh. Left to XLA's partitioner, every gradient (a sum over the
-micro-batch's rows) would be all-reduced inside the backward, once per micro-batch. As on
-one mesh (``shard_parallel/micro_batches.py``), such a row sum is *deferred* instead:
+A stage runs its forward and backward computations once per micro-batch with the
+micro-batch split over its *data axes*: every axis of its submesh for a data-parallel
+stage (``force_data_parallel=True``, or auto-sharding off), the logical mesh axes the ILP
+splits the batch over for a stage the ILP plans (``stage_data_axes``; none for a purely
+model-parallel stage, which has no gradient reduction at all). Left to XLA's partitioner,
+every gradient (a sum over the micro-batch's rows) would be all-reduced over those axes
+inside the backward, once per micro-batch. As on one mesh
+(``shard_parallel/micro_batches.py``), such a row sum is *deferred* instead:
 
 * **backward**: each device computes the sum over its own rows and keeps it as one slice
-  of a value with a new leading axis of size ``n`` (the devices of the submesh), split over
-  them: no communication. Linear operations between the row sum and the ``alpa.grad``
-  marker apply slice by slice.
+  of a value with a new leading axis of size ``n`` (the devices along the data axes), split
+  over them: no communication. The value's own dimensions keep the split the stage's plan
+  gives them over the other axes (a column-parallel kernel's gradient stays split over the
+  model axis). Linear operations between the row sum and the ``alpa.grad`` marker apply
+  slice by slice.
 * **accumulation**: the running sum of a deferred gradient is such an ``[n, ...]`` buffer
   (a value of its own, :attr:`DeferredSums.partials`), donated and updated in the backward
   like every accumulator.
@@ -23,10 +28,10 @@ one mesh (``shard_parallel/micro_batches.py``), such a row sum is *deferred* ins
 
 Only gradients whose every reader is an apply computation on their own stage are
 deferred (a gradient the step returns, or that another stage reads, is reduced where it
-is computed). Which dimensions hold the batch's rows is read off a trace at the per-device
-micro-batch size (``micro_batches.batch_dims``); where it differs in structure, or the
-micro-batch does not split over the submesh, nothing is deferred and the stage keeps its
-per-micro-batch all-reduces. Stages planned by the ILP keep the ILP's plan.
+is computed). Which dimensions hold the batch's rows is read off a trace at the
+micro-batch size divided by the data axes' devices (``micro_batches.batch_dims``); where it
+differs in structure, or the micro-batch does not split over those devices, nothing is
+deferred and the stage keeps its per-micro-batch all-reduces.
 """
 
 from __future__ import annotations
@@ -35,12 +40,14 @@ import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 from jax.core import ShapedArray
 from jax.extend.core import Var
+from jax.sharding import PartitionSpec
 
 from alpa.pipeline_parallel.computation import PipelineProgram, StageComputation, _is_var
 from alpa.shard_parallel.data_parallel import is_opt_state, zero_spec
-from alpa.shard_parallel.micro_batches import batch_dims, deferrable
+from alpa.shard_parallel.micro_batches import batch_dims, deferrable, partial_spec
 from alpa.tracing import TracedStep, new_jaxpr
 
 
@@ -55,11 +62,17 @@ class DeferredSums:
         row sums that start them.
       partials: ``alpa.grad`` marker output -> its accumulator of partial sums, a value of
         shape ``[n, *shape]`` that the backward updates and apply-grad reduces.
+      stage_axes: per stage with deferred sums, its data axes (the logical mesh axes the
+        ``n`` slices are split over).
+      partial_specs: accumulator -> its ``PartitionSpec``: ``n`` over the data axes, the
+        gradient's own dimensions as the stage's plan splits them over the other axes.
     """
 
     values: frozenset[Var]
     row_dims: dict
     partials: dict[Var, Var]
+    stage_axes: dict[int, tuple[str, ...]]
+    partial_specs: dict[Var, PartitionSpec]
 
     @functools.cached_property
     def accumulators(self) -> frozenset[Var]:
@@ -67,16 +80,72 @@ class DeferredSums:
         return frozenset(self.partials.values())
 
 
+def stage_data_axes(
+    traced: TracedStep,
+    program: PipelineProgram,
+    stage_specs: dict,
+    mesh_shapes: Sequence[Sequence[int]],
+    data_parallel: Sequence[bool],
+    axis_names: tuple[str, ...],
+) -> list[tuple[str, ...]]:
+    """Per stage, the logical mesh axes its micro-batch is split over.
+
+    A data-parallel stage: every axis (when it has more than one device). A stage the
+    ILP plans: the axes that split dimension 0 of the first batch value its forward
+    reads (a batch argument of the step first, else an activation from the stage
+    before), as the sharding table says; none when the plan splits no batch value's
+    rows (pure model parallelism)."""
+    batch_args = {
+        v for v, b in zip(traced.closed_jaxpr.jaxpr.invars, traced.batch_invars, strict=True) if b
+    }
+    micro = [a.shape[0] for a, b in zip(traced.in_avals, traced.batch_invars, strict=True) if b]
+    out = []
+    for s, (shape, dp) in enumerate(zip(mesh_shapes, data_parallel, strict=True)):
+        sizes = dict(zip(axis_names, shape, strict=True))
+        if dp:
+            out.append(tuple(axis_names) if np.prod(shape) > 1 else ())
+            continue
+        forward = program.computation(s, "forward")
+        reads = [] if forward is None else [v for v in forward.invars if _is_var(v)]
+        candidates = [v for v in reads if v in batch_args]
+        candidates += [v for v in reads if v not in batch_args and v in program.batch_dependent]
+        axes: tuple[str, ...] = ()
+        for v in candidates:
+            spec = stage_specs.get((v, s))
+            if not v.aval.shape or v.aval.shape[0] not in micro or not spec or not spec[0]:
+                continue
+            first = spec[0] if isinstance(spec[0], tuple) else (spec[0],)
+            axes = tuple(a for a in first if sizes[a] > 1)
+            break
+        out.append(axes)
+    return out
+
+
 def defer_gradient_sums(
     program: PipelineProgram,
     traced: TracedStep,
     mesh_sizes: Sequence[int],
-    data_parallel: Sequence[bool],
+    data_axes: Sequence[tuple[str, ...]],
+    axis_sizes: Sequence[dict[str, int]] | None = None,
+    stage_specs: dict | None = None,
 ) -> DeferredSums | None:
-    """The deferred sums of ``program`` (module docstring): in stage ``s`` when
-    ``data_parallel[s]`` and ``mesh_sizes[s] > 1``. ``None`` when nothing is deferred."""
+    """The deferred sums of ``program`` (module docstring): in stage ``s`` when its
+    ``data_axes[s]`` (:func:`stage_data_axes`) hold more than one device
+    (``axis_sizes[s]``: the logical mesh's size per axis; default, the data axes span the
+    ``mesh_sizes[s]`` devices). ``stage_specs`` (the sharding table) gives each
+    accumulator the split of its gradient over the other axes. ``None`` when nothing is
+    deferred."""
     if not program.is_training:
         return None
+    stage_specs = stage_specs or {}
+
+    def num_data(s: int) -> int:
+        if not data_axes[s]:
+            return 1
+        if axis_sizes is None:
+            return mesh_sizes[s]
+        return int(np.prod([axis_sizes[s][a] for a in data_axes[s]]))
+
     jaxpr = program.closed_jaxpr.jaxpr
     step_outputs = {v for v in jaxpr.outvars if _is_var(v)}
     readers: dict[Var, list[StageComputation]] = {}
@@ -92,9 +161,11 @@ def defer_gradient_sums(
     values: set[Var] = set()
     row_dims: dict = {}
     partials: dict[Var, Var] = {}
+    stage_axes: dict[int, tuple[str, ...]] = {}
+    partial_specs: dict[Var, PartitionSpec] = {}
     for comp in program.computations:
-        s, n = comp.stage, mesh_sizes[comp.stage]
-        if comp.kind == "apply" or not comp.eqns or not data_parallel[s] or n == 1:
+        s, n = comp.stage, num_data(comp.stage)
+        if comp.kind == "apply" or not comp.eqns or n == 1:
             continue
         if not batch_sizes or any(b % n for b in batch_sizes):
             continue
@@ -133,10 +204,15 @@ def defer_gradient_sums(
         for operand, out in marked.items():
             if operand in deferred:
                 aval = out.aval
-                partials[out] = Var(ShapedArray((n, *aval.shape), aval.dtype))
+                partials[out] = acc = Var(ShapedArray((n, *aval.shape), aval.dtype))
+                spec = tuple(partial_spec(stage_specs.get((out, s)), data_axes[s]))
+                while spec and spec[-1] is None:
+                    spec = spec[:-1]
+                partial_specs[acc] = PartitionSpec(*spec)
+                stage_axes[s] = tuple(data_axes[s])
     if not partials:
         return None
-    return DeferredSums(frozenset(values), row_dims, partials)
+    return DeferredSums(frozenset(values), row_dims, partials, stage_axes, partial_specs)
 
 
 def zero2_specs(

@@ -117,8 +117,10 @@ class StagePrograms:
         values = {v for e in comp.eqns for v in e.outvars if v in deferred.values}
         if not values:
             return {}
+        s = comp.stage
+        var_specs = {v: spec for (v, m), spec in self.stage_specs.items() if m == s and v in values}
         return deferred_rules(
-            comp.eqns, deferred.row_dims, values, self.meshes[comp.stage], DATA_AXES
+            comp.eqns, deferred.row_dims, values, self.meshes[s], deferred.stage_axes[s], var_specs
         )
 
     def key_sharding(self, key) -> NamedSharding:
@@ -160,12 +162,13 @@ class StagePrograms:
         mesh = self.meshes[comp.stage]
         overrides = self._deferred_rules(comp)
         reduced_specs = {i: self.sharding(comp.invars[i], comp.stage) for i in reduces}
+        data_axes = self.program.deferred.stage_axes[comp.stage] if reduces else ()
 
         def fn(*args):
             env = dict(consts)
             inputs = list(args[:num_in])
             for i, sharding in reduced_specs.items():  # the step's one gradient reduction
-                total = sum_partials(inputs[i], mesh, DATA_AXES, sharding.spec)
+                total = sum_partials(inputs[i], mesh, data_axes, sharding.spec)
                 inputs[i] = jax.lax.with_sharding_constraint(total, sharding)
             env.update(zip(comp.invars, inputs, strict=True))
             _eval_eqns(comp.eqns, env, constraints, overrides)

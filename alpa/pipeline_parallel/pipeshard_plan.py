@@ -43,7 +43,11 @@ from alpa.pipeline_parallel.computation import (
     rematerialize,
     split_computations,
 )
-from alpa.pipeline_parallel.deferred_sums import defer_gradient_sums, zero2_specs
+from alpa.pipeline_parallel.deferred_sums import (
+    defer_gradient_sums,
+    stage_data_axes,
+    zero2_specs,
+)
 from alpa.pipeline_parallel.layer_construction import (
     LayerAssignment,
     construct_layers,
@@ -464,9 +468,9 @@ def plan_pipeshard(
     else:
         logical_meshes = list(decisions.logical_meshes)
     mesh_sizes = [m.num_devices for m in logical_meshes]
+    mesh_shapes = [tuple(m.shape) for m in logical_meshes]
     data_parallel = [not uses_ilp(o, n) for o, n in zip(options, mesh_sizes, strict=True)]
     if decisions is None:
-        mesh_shapes = [tuple(m.shape) for m in logical_meshes]
         pinned = pinned_specs(
             traced, program, args, mesh_shapes, manual_sharding_option, stage_input_shardings, names
         )
@@ -488,8 +492,10 @@ def plan_pipeshard(
             rows = num_micro_batches * batch_size(traced)
             program = draw_rows_of_full_batch(program, draws, rows)
             names[program.row_ids] = f"v{len(names)}"
-    # A data-parallel stage's gradients: reduced once per step, in apply-grad.
-    deferred = defer_gradient_sums(program, traced, mesh_sizes, data_parallel)
+    # Every stage's gradients: reduced once per step over its data axes, in apply-grad.
+    data_axes = stage_data_axes(traced, program, stage_specs, mesh_shapes, data_parallel, DATA_AXES)
+    axis_sizes = [dict(zip(DATA_AXES, shape, strict=True)) for shape in mesh_shapes]
+    deferred = defer_gradient_sums(program, traced, mesh_sizes, data_axes, axis_sizes, stage_specs)
     if deferred is not None:
         program = dataclasses.replace(program, deferred=deferred)
         for v in deferred.partials.values():

@@ -100,14 +100,15 @@ def data_parallel_spec(var, program: PipelineProgram, num_devices: int) -> Parti
 
 def value_spec(var, mesh: int, program: PipelineProgram, stage_specs: dict, num_devices: int):
     """The ``PartitionSpec`` of ``var`` on mesh ``mesh`` (of ``num_devices`` devices): its
-    entry in the sharding table, else ``[n, ...]`` (one slice per device) for the
-    accumulator of a deferred gradient's partial sums, else :func:`data_parallel_spec`."""
+    entry in the sharding table, else ``[n, ...]`` (one slice per device along the stage's
+    data axes) for the accumulator of a deferred gradient's partial sums, else
+    :func:`data_parallel_spec`."""
     spec = stage_specs.get((var, mesh))
     if spec is not None:
         return spec
     deferred = program.deferred
     if deferred is not None and var in deferred.accumulators:
-        return PartitionSpec(DATA_AXES)
+        return deferred.partial_specs[var]
     return data_parallel_spec(var, program, num_devices)
 
 

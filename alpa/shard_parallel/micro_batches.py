@@ -335,7 +335,7 @@ def deferred_rules(
         if not eqn.outvars or eqn.outvars[0] not in deferred:
             continue
         partial_sharding = NamedSharding(
-            mesh, _partial_spec(var_specs.get(eqn.outvars[0]), data, data_axes)
+            mesh, partial_spec(var_specs.get(eqn.outvars[0]), data_axes)
         )
         partial_in = tuple(isinstance(v, Var) and v in deferred for v in eqn.invars)
         if any(partial_in):
@@ -345,9 +345,10 @@ def deferred_rules(
     return rules
 
 
-def _partial_spec(spec: PartitionSpec | None, data, data_axes) -> PartitionSpec:
+def partial_spec(spec: PartitionSpec | None, data_axes: tuple[str, ...]) -> PartitionSpec:
     """The spec of a value's per-device partial sums ``[n, ...]``: ``n`` over the data
     axes, the value's own dimensions as ``spec`` splits them over the other axes."""
+    data = tuple(data_axes) if len(data_axes) > 1 else data_axes[0]
     rest = []
     for axes in spec or ():
         axes = axes if isinstance(axes, tuple) else (axes,) if axes else ()

@@ -1,0 +1,150 @@
+"""Stages planned by the ILP reduce their gradients over the data axis once per step.
+
+Oracle: the replica groups of every collective in each compiled stage computation. On a
+logical (2, 2) submesh whose ILP splits the batch over ``x``, a gradient reduction is a
+collective over the ``x`` groups ({0, 2}, {1, 3}); the backward (run once per micro-batch)
+must have none, apply-grad (once per step) one combined all-reduce. Collectives over ``y``
+(the model axis: tensor-parallel activations) stay per micro-batch, as the ILP priced them.
+Numerics equal the serial step.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import devices_or_skip
+
+import alpa
+from alpa.pipeline_parallel.stage_construction import ManualStageOption
+
+_COLLECTIVE = re.compile(r"= .*? (all-reduce|all-gather|reduce-scatter)(?:-start)?\(")
+
+
+def replica_groups(line: str) -> frozenset[frozenset[int]]:
+    """The replica groups of one HLO collective, in any of XLA's three spellings."""
+    explicit = re.search(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}", line)
+    if explicit:
+        groups = re.findall(r"\{([\d,]*)\}", explicit.group(1))
+        return frozenset(frozenset(int(d) for d in g.split(",") if d) for g in groups)
+    iota = re.search(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", line)
+    if iota:
+        shape = [int(d) for d in iota.group(1).split(",")]
+        dims = [int(d) for d in iota.group(2).split(",")]
+        ids = np.arange(int(np.prod(dims))).reshape(dims)
+        if iota.group(3):
+            ids = ids.transpose([int(d) for d in iota.group(3).split(",")])
+        rows = ids.reshape(shape).reshape(shape[0], -1)
+        return frozenset(frozenset(int(d) for d in row) for row in rows)
+    mesh = re.search(
+        r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\((.*?)\))? \{([^}]*)\}", line
+    )
+    if mesh:
+        axes = [(a, int(n)) for a, n in re.findall(r"'(\w+)'=(\d+)", mesh.group(1))]
+        names, sizes = [a for a, _ in axes], [n for _, n in axes]
+        ids = np.arange(int(np.prod(sizes)))
+        if mesh.group(2):  # the devices at the mesh's positions, as an iota or a list
+            perm = re.fullmatch(r"\[([\d,]+)\](?:T\(([\d,]+)\))?", mesh.group(2))
+            if perm:
+                ids = ids.reshape([int(d) for d in perm.group(1).split(",")])
+                if perm.group(2):
+                    ids = ids.transpose([int(d) for d in perm.group(2).split(",")])
+            else:
+                ids = np.array([int(d) for d in mesh.group(2).split(",")])
+        ids = ids.reshape(sizes)
+        reduced = [names.index(a) for a in re.findall(r"'(\w+)'", mesh.group(3))]
+        kept = [i for i in range(len(names)) if i not in reduced]
+        size = int(np.prod([sizes[i] for i in reduced]))
+        rows = ids.transpose(kept + reduced).reshape(-1, size)
+        return frozenset(frozenset(int(d) for d in row) for row in rows)
+    raise AssertionError(f"no replica groups in {line!r}")
+
+
+def collectives(hlo: str) -> list[tuple[str, frozenset]]:
+    """(kind, replica groups) of every collective of a compiled computation."""
+    out = []
+    for line in hlo.splitlines():
+        match = _COLLECTIVE.search(line)
+        if match and "replica_groups" in line:
+            out.append((match.group(1), replica_groups(line)))
+    return out
+
+
+# A (2, 2) logical mesh over 4 devices, row-major: x pairs devices 2 apart, y neighbours.
+X_GROUPS = frozenset({frozenset({0, 2}), frozenset({1, 3})})
+Y_GROUPS = frozenset({frozenset({0, 1}), frozenset({2, 3})})
+
+
+def test_replica_group_spellings():
+    assert replica_groups("x, replica_groups={{0,2},{1,3}}, y") == X_GROUPS
+    assert replica_groups("replica_groups=[2,2]<=[4], use") == Y_GROUPS
+    assert replica_groups("replica_groups=[2,2]<=[2,2]T(1,0), use") == X_GROUPS
+    assert replica_groups("replica_groups=mesh['axis_0'=2,'axis_1'=2] {'axis_0'}, u") == X_GROUPS
+    assert replica_groups("replica_groups=mesh['axis_0'=2,'axis_1'=2] {'axis_1'}, u") == Y_GROUPS
+    # Devices permuted: position (i, j) holds device 2j + i, so axis_1 pairs {0, 2}.
+    permuted = "replica_groups=mesh['a'=2,'b'=2], device_ids=([2,2]T(1,0)) {'b'}, d"
+    assert replica_groups(permuted) == X_GROUPS
+
+
+def _model(name: str, grad):
+    from alpa.model.bert import BertConfig, get_bert_train_state_and_step
+    from alpa.model.gpt import GPTConfig, get_gpt_train_state_and_step
+
+    # Untied heads: the head's part of a tied embedding's gradient is sent to the stage of
+    # the embedding, so it is reduced where it is computed (a gradient another stage
+    # reads is not deferred; deferred_sums).
+    small = dict(
+        hidden_size=32,
+        num_layers=2,
+        num_heads=2,
+        add_manual_pipeline_markers=True,
+        tie_word_embeddings=False,
+    )
+    if name == "gpt":
+        config = GPTConfig(seq_len=16, vocab_size=64, **small)
+        return get_gpt_train_state_and_step(config, 32, grad_func=grad)
+    config = BertConfig(vocab_size=64, max_position_embeddings=16, **small)
+    state, batch, step = get_bert_train_state_and_step(config, 32, seq_len=16, grad_func=grad)
+    # A masked mean is per micro-batch (docs/shard_parallel.md); a full mask makes it the
+    # serial step's mean, so the numerics can be compared.
+    batch = dict(batch, label_mask=jnp.ones_like(batch["label_mask"]))
+    return state, batch, step
+
+
+@pytest.mark.parametrize("model", ["gpt", "bert"])
+def test_ilp_stages_reduce_gradients_once_per_step(model):
+    devices_or_skip(8)
+    state, batch, step = _model(model, alpa.value_and_grad)
+    ref_state, _, ref_step = _model(model, jax.value_and_grad)
+    expected = jax.jit(ref_step)(ref_state, batch)
+    forced = {"force_batch_dim_to_mesh_dim": 0}
+    method = alpa.PipeshardParallel(
+        num_micro_batches=4,
+        stage_option=ManualStageOption(
+            [[0], [1]],
+            [(1, 4), (1, 4)],
+            submesh_logical_shapes=[(2, 2), (2, 2)],
+            submesh_autosharding_option_dicts=[forced, forced],
+        ),
+    )
+    parallel = alpa.parallelize(step, method=method, donate_argnums=())
+    out = parallel(state, batch)
+    alpa.testing.assert_allclose(out[0].params, expected[0].params)
+    np.testing.assert_allclose(np.asarray(out[1]), np.asarray(expected[1]), rtol=1e-5)
+
+    executable = parallel.get_last_executable()
+    deferred = executable.program.deferred
+    assert deferred is not None and deferred.stage_axes == {0: ("x",), 1: ("x",)}
+    # Every parameter gradient but none is carried as partial sums.
+    assert len(deferred.partials) >= len(executable.program.accumulated) - 1
+    names = [c.name for c in executable.program.computations]
+    hlo = dict(zip(names, executable.get_hlo_text(), strict=True))
+    for stage in range(2):
+        backward = collectives(hlo[f"stage{stage}_backward"])
+        assert not [c for c in backward if c[1] == X_GROUPS], (stage, backward)
+        applies = [collectives(text) for name, text in hlo.items() if f"stage{stage}_apply" in name]
+        reductions = [c for cs in applies for c in cs if c == ("all-reduce", X_GROUPS)]
+        assert len(reductions) == 1, (stage, applies)
