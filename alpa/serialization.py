@@ -14,12 +14,16 @@ written by orbax-checkpoint, the maintained checkpoint library of JAX:
   checkpoint is the shard shape and no array is ever gathered whole. Leaves on a Ray
   mesh (``DistributedArray``) are the exception: they are fetched to the driver first
   (see "Ray" below).
-* **A save is atomic.** orbax writes into ``checkpoint_<s>.orbax-checkpoint-tmp-<time>``
-  and renames it to ``checkpoint_<s>`` only once every array and the metadata are
-  written. A save killed midway leaves that temporary directory behind and nothing else:
-  earlier steps are untouched, the unfinished step is not listed by
-  :func:`checkpoint_steps`, and restoring it names the unfinished save. Saving a step
-  that already exists replaces it (the old copy is removed first, as in Alpa).
+* **A step is committed atomically, new or re-saved.** Every save writes into a
+  directory of its own beside the step (``checkpoint_<s>.alpa-tmp-<id>``), records the
+  checksums of what it wrote, and then swaps it in by renames
+  (``alpa.checkpoint_files``): a save killed at any point leaves the old or the new step
+  complete and readable, never neither, and an unfinished save is never listed by
+  :func:`checkpoint_steps`. ``keep=`` deletes older steps only once the new one is
+  committed and checked.
+* **Checksums.** Every file of a step has its CRC-32 in ``alpa_checksums.json``, per part;
+  :func:`restore_checkpoint` checks them first (``verify=True``, the default), so a damaged
+  file is an error that names the step, the part and the file, never different values.
 * **Restoring reads each shard where it goes.** Every leaf of ``placement_specs`` (a
   :class:`~alpa.executable.PlacementSpec`, as ``executable.get_input_placement_specs()``
   returns them) names the sharding the step reads the leaf in, on its first mesh; orbax
@@ -36,19 +40,17 @@ of **parts** (``alpa.runtime.checkpoint_parts``): each mesh's workers write the 
 that live on it as one orbax checkpoint ``mesh_<id>`` (each worker writing the shards its
 devices hold, the workers of a mesh over several hosts coordinated by orbax), the driver
 writes what it holds itself (``driver``), and ``alpa_parts.json`` records which part holds
-each leaf and the state's structure. The parts are written into ``checkpoint_<s>.alpa-tmp``
-and the step is committed by renaming it, so a save killed midway leaves earlier steps as
-they were. Restoring reads each leaf from its part where it goes: a Ray placement's mesh
-workers read their slices, a local sharding is read by this process; a checkpoint of
-either kind restores onto either runtime.
+each leaf and the state's structure; the step is committed as above. A save of arrays
+whose mesh was shut down raises before anything is written. Restoring reads each leaf from
+its part where it goes: a Ray placement's mesh workers read their slices, a local sharding
+is read by this process; a checkpoint of either kind restores onto either runtime.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
-import re
-import shutil
 import uuid
 from typing import Any
 
@@ -57,12 +59,22 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import serialization as flax_serialization
 
+from alpa import checkpoint_files as files
+from alpa.checkpoint_files import DamagedCheckpointError
 from alpa.executable import PlacementSpec, place
 from alpa.runtime.checkpoint_parts import read_part, write_part
 
 PyTree = Any
 
-_STEP_DIR = re.compile(r"checkpoint_(\d+)")
+__all__ = [
+    "DamagedCheckpointError",
+    "checkpoint_steps",
+    "restore_checkpoint",
+    "save_checkpoint",
+]
+
+logger = logging.getLogger("alpa")
+
 #: The record of a checkpoint made of parts (Ray; module docstring).
 _PARTS_FILE = "alpa_parts.json"
 
@@ -89,11 +101,16 @@ def save_checkpoint(
       target: a pytree of ``jax.Array`` (sharded anywhere), ``DistributedArray``,
         ``np.ndarray``, Python or numpy scalars and strings.
       step: the training step, an int >= 0.
-      local_cache_dir: accepted for Alpa compatibility and unused: orbax writes every
-        shard straight to ``ckpt_dir`` and makes the step visible atomically, which is
-        what Alpa's local cache staged by hand.
+      local_cache_dir: accepted for Alpa compatibility and unused: every shard is
+        written straight to ``ckpt_dir`` and the step appears atomically, which is what
+        Alpa's local cache staged by hand.
       keep: if given, keep only the ``keep`` highest steps (this one included) and
-        delete older ones once this save is complete. By default every step is kept.
+        delete older ones once this save is committed and its files checked. By default
+        every step is kept.
+
+    Raises:
+      RuntimeError: a leaf is a ``DistributedArray`` of a mesh that was shut down (its
+        data is gone); nothing is written.
     """
     directory = _check_dir_arg(ckpt_dir)
     step = _check_step_arg(step)
@@ -104,9 +121,10 @@ def save_checkpoint(
         )
     if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
         raise ValueError(f"keep={keep!r} must be None (keep every step) or an int >= 1")
-    _save(directory, flax_serialization.to_state_dict(target), step)
+    path = _save(directory, flax_serialization.to_state_dict(target), step)
     if keep is not None:
-        _delete_old_steps(directory, keep)
+        files.verify(path, step, contents=False)  # committed and every file there
+        files.delete_steps(directory, checkpoint_steps(directory)[:-keep])
 
 
 def restore_checkpoint(
@@ -115,6 +133,7 @@ def restore_checkpoint(
     placement_specs: PyTree | None = None,
     *,
     target: PyTree | None = None,
+    verify: bool = True,
 ) -> PyTree:
     """The state saved as ``step`` under ``ckpt_dir``, each leaf placed where
     ``placement_specs`` says.
@@ -129,34 +148,40 @@ def restore_checkpoint(
         is restored as a host ``np.ndarray``.
       target: a pytree whose structure the result takes (e.g. a ``TrainState``), in place
         of the structure of ``placement_specs``; its leaves are not read.
+      verify: check every file of the step against the checksums its save wrote before
+        reading it (one more read of the step's files, ~2.8 GB/s of CRC-32 here;
+        ``docs/checkpoints.md``). ``False`` skips the check of the data, not of the
+        metadata.
 
     Returns:
       the restored pytree: in the structure of ``target``, else of ``placement_specs``,
       else the saved state dict (nested dicts with string keys).
+
+    Raises:
+      DamagedCheckpointError: a file of the step differs from what its save wrote, or
+        its metadata cannot be read; the message names the step, the part and the file.
     """
     directory = _check_dir_arg(ckpt_dir)
+    if not isinstance(verify, bool):
+        raise TypeError(f"verify={verify!r} ({type(verify).__name__}) must be a bool")
     if not os.path.isdir(directory):
         raise FileNotFoundError(f"checkpoint directory {directory} does not exist")
     step = _latest_step(directory) if step is None else _check_step_arg(step)
     path = _step_path(directory, step)
+    if files.has_checksums(path):
+        files.verify(path, step, contents=verify)
+    else:
+        logger.warning("checkpoint %s has no checksums (saved before alpa wrote them)", path)
     if os.path.exists(os.path.join(path, _PARTS_FILE)):
         return _restore_parts(path, step, placement_specs, target)
     return _restore(path, step, placement_specs, target)
 
 
 def checkpoint_steps(ckpt_dir: str | os.PathLike) -> list[int]:
-    """The steps saved completely under ``ckpt_dir``, in increasing order (an unfinished
-    save, e.g. one killed midway, is not listed)."""
-    directory = _check_dir_arg(ckpt_dir)
-    if not os.path.isdir(directory):
-        return []
-    steps = []
-    for name in os.listdir(directory):
-        match = _STEP_DIR.fullmatch(name)
-        path = os.path.join(directory, name)
-        if match and os.path.isdir(path) and ocp.step.is_path_finalized(path):
-            steps.append(int(match.group(1)))
-    return sorted(steps)
+    """The steps committed under ``ckpt_dir``, in increasing order (an unfinished save,
+    e.g. one killed midway, is not listed; a step whose re-save was killed is listed as
+    its old copy)."""
+    return sorted(files.step_dirs(_check_dir_arg(ckpt_dir)))
 
 
 # ---------------------------------------------------------------------------------------
@@ -187,32 +212,22 @@ def _latest_step(directory: str) -> int:
 def _step_path(directory: str, step: int) -> str:
     """The directory of a complete save of ``step``, or a ``FileNotFoundError`` that names
     the steps there are."""
-    steps = checkpoint_steps(directory)
+    steps = files.step_dirs(directory)
     if step not in steps:
         raise FileNotFoundError(
-            f"no checkpoint of step {step} in {directory}: the steps there are {steps}"
-            f"{_unfinished_note(directory, step)}"
+            f"no checkpoint of step {step} in {directory}: the steps there are "
+            f"{sorted(steps)}{_unfinished_note(directory, step)}"
         )
-    return os.path.join(directory, f"checkpoint_{step}")
+    return steps[step]
 
 
 def _unfinished_note(directory: str, step: int | None) -> str:
-    """A note on unfinished saves (orbax's temporary directories) of ``step`` (any step
-    when ``None``), which is what a save killed midway leaves."""
-    prefix = "checkpoint_" if step is None else f"checkpoint_{step}."
-    unfinished = sorted(
-        name
-        for name in os.listdir(directory)
-        if name.startswith(prefix) and _STEP_DIR.fullmatch(name) is None
-    )
+    """A note on what unfinished saves of ``step`` (any step when ``None``) left, which
+    is what a save killed midway leaves."""
+    unfinished = files.unfinished(directory, step)
     if not unfinished:
         return ""
     return f" ({', '.join(unfinished)}: a save that did not finish, e.g. killed midway)"
-
-
-def _delete_old_steps(directory: str, keep: int) -> None:
-    for old in checkpoint_steps(directory)[:-keep]:
-        shutil.rmtree(os.path.join(directory, f"checkpoint_{old}"))
 
 
 def _leaf_paths(tree: PyTree) -> list[tuple[str, Any]]:
@@ -226,18 +241,29 @@ def _leaf_paths(tree: PyTree) -> list[tuple[str, Any]]:
 # ---------------------------------------------------------------------------------------
 
 
-def _save(directory: str, state_dict: PyTree, step: int) -> None:
+def _save(directory: str, state_dict: PyTree, step: int) -> str:
+    """Write the step beside the old one, seal it with its checksums, swap it in
+    (``alpa.checkpoint_files``); the committed step's path."""
     leaves, tree = jax.tree.flatten(state_dict)
     paths = [path for path, _ in _leaf_paths(state_dict)]
-    if any(getattr(x, "is_distributed_array", False) for x in leaves):
-        _save_parts(directory, step, jax.tree.unflatten(tree, paths), paths, leaves)
-        return
-    items = jax.tree.unflatten(
-        tree, [_savable(x, path) for x, path in zip(leaves, paths, strict=True)]
-    )
+    on_ray = [x for x in leaves if getattr(x, "is_distributed_array", False)]
+    for x in on_ray:
+        x._check()  # a mesh shut down: raise before anything is written
+    if not on_ray:
+        items = jax.tree.unflatten(
+            tree, [_savable(x, path) for x, path in zip(leaves, paths, strict=True)]
+        )
     os.makedirs(directory, exist_ok=True)
-    with ocp.PyTreeCheckpointer() as checkpointer:
-        checkpointer.save(os.path.join(directory, f"checkpoint_{step}"), items, force=True)
+    files.recover(directory, step)
+    staging = files.staging_dir(directory, step)
+    if on_ray:
+        parts = _save_parts(staging, jax.tree.unflatten(tree, paths), paths, leaves)
+    else:
+        parts = []
+        with ocp.PyTreeCheckpointer() as checkpointer:
+            checkpointer.save(staging, items)
+    files.seal(staging, parts)
+    return files.commit(staging, directory, step)
 
 
 def _savable(x: Any, path: str) -> Any:
@@ -260,7 +286,7 @@ def _savable(x: Any, path: str) -> Any:
 
 def _restore(path: str, step: int, placement_specs: PyTree, target: PyTree) -> PyTree:
     with ocp.PyTreeCheckpointer() as checkpointer:
-        saved = checkpointer.metadata(path).item_metadata.tree
+        saved = _saved_tree(checkpointer, path, step)
         saved_leaves, saved_tree = jax.tree.flatten(saved)
         saved_paths = [p for p, _ in _leaf_paths(saved)]
         if placement_specs is None:
@@ -284,6 +310,18 @@ def _restore(path: str, step: int, placement_specs: PyTree, target: PyTree) -> P
     if structure is None:
         return restored
     return flax_serialization.from_state_dict(structure, restored)
+
+
+def _saved_tree(checkpointer: Any, path: str, step: int) -> PyTree:
+    """The saved tree of orbax's metadata, or an error naming the file when it is damaged
+    (orbax itself answers ``None`` and fails later on ``None.tree``)."""
+    try:
+        metadata = checkpointer.metadata(path).item_metadata
+        if metadata is None:
+            raise ValueError("orbax finds no tree metadata in it")
+        return metadata.tree
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise files.damaged_metadata(path, step, files.WHOLE_STATE, "_METADATA", e) from e
 
 
 def _specs_by_saved_leaf(placement_specs: PyTree, saved_paths: list[str], path: str) -> list:
@@ -353,14 +391,11 @@ def _restore_args(spec: Any, meta: Any, leaf_path: str, step: int) -> Any:
 # ---------------------------------------------------------------------------------------
 
 
-def _save_parts(directory: str, step: int, skeleton: PyTree, paths: list, leaves: list) -> None:
-    """Each Ray mesh writes its leaves, the driver the rest; then the step is committed
-    by one rename (module docstring)."""
+def _save_parts(staging: str, skeleton: PyTree, paths: list, leaves: list) -> list[str]:
+    """Each Ray mesh writes its leaves into ``staging``, the driver the rest (module
+    docstring); the names of the parts."""
     from alpa.runtime.ray_mesh import wait_workers
 
-    final = os.path.join(directory, f"checkpoint_{step}")
-    staging = final + ".alpa-tmp"
-    shutil.rmtree(staging, ignore_errors=True)
     os.makedirs(staging)
     meshes: dict[int, tuple[Any, list, list]] = {}
     on_driver, parts, avals = {}, {}, {}
@@ -387,18 +422,19 @@ def _save_parts(directory: str, step: int, skeleton: PyTree, paths: list, leaves
     record = {"format": 1, "skeleton": skeleton, "parts": parts, "avals": avals}
     with open(os.path.join(staging, _PARTS_FILE), "w") as f:
         json.dump(record, f)
-    if os.path.exists(final):  # replacing a step, as orbax's force=True does
-        shutil.rmtree(final)
-    os.rename(staging, final)
+    return sorted(set(parts.values()))
 
 
 def _restore_parts(path: str, step: int, placement_specs: PyTree, target: PyTree) -> PyTree:
     """Each leaf read from its part where its spec places it (module docstring)."""
     from alpa.runtime.ray_mesh import DistributedArray, wait_workers
 
-    with open(os.path.join(path, _PARTS_FILE)) as f:
-        record = json.load(f)
-    skeleton, parts = record["skeleton"], record["parts"]
+    try:
+        with open(os.path.join(path, _PARTS_FILE)) as f:
+            record = json.load(f)
+        skeleton, parts = record["skeleton"], record["parts"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise files.damaged_metadata(path, step, "record", _PARTS_FILE, e) from e
     saved_paths = jax.tree.leaves(skeleton)
     if placement_specs is None:
         specs = [None] * len(saved_paths)
@@ -422,6 +458,8 @@ def _restore_parts(path: str, step: int, placement_specs: PyTree, target: PyTree
         else:
             local.setdefault(part, {})[leaf_path] = (spec.placements[0], spec.aval.dtype)
     calls, made = [], []
+    for mesh, _ in remote.values():
+        mesh._check_alive()  # specs of an executable compiled for a cluster shut down
     for (_, part), (mesh, leaves) in remote.items():
         names = [uuid.uuid4().hex for _ in leaves]
         layouts = [spec.placements[0][1] for _, spec in leaves]

@@ -3,12 +3,13 @@ executable's placement specs (the same meshes, other mesh shapes, pipeline stage
 continue training equal to the serial run; atomicity under a killed save; bad input."""
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
-import textwrap
 
 import jax
+import killed_save  # tests/ is on sys.path, as for conftest
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
@@ -17,7 +18,7 @@ from flax.training.train_state import TrainState
 
 import alpa
 from alpa.executable import PlacementSpec
-from alpa.serialization import checkpoint_steps
+from alpa.serialization import DamagedCheckpointError, checkpoint_steps
 from alpa.testing import assert_allclose, get_mlp_train_state_and_step
 
 BATCH, HIDDEN = 32, 16
@@ -224,69 +225,141 @@ def test_restore_into_plain_shardings(tmp_path):
     np.testing.assert_array_equal(np.asarray(restored["w"]), value)
 
 
-# ---- atomicity
-
-_KILLED_SAVE = textwrap.dedent(
-    """
-    import os, sys, threading, time
-    import numpy as np
-    import alpa
-
-    ckpt_dir = sys.argv[1]
-
-    def kill_once_writing():
-        # Killed as soon as tensorstore has written the first data file of step 2 into
-        # orbax's temporary directory: midway through writing the array.
-        tmp = os.path.join(ckpt_dir, "checkpoint_2.orbax-checkpoint-tmp")
-        while True:
-            for root, _, files in os.walk(tmp):
-                if os.path.basename(root) == "d" and files:
-                    os.kill(os.getpid(), 9)
-            time.sleep(0.0005)
-
-    threading.Thread(target=kill_once_writing, daemon=True).start()
-    big = np.random.default_rng(0).standard_normal((4096, 2048)).astype(np.float32)
-    alpa.save_checkpoint(ckpt_dir, {"w": big, "n": 2}, 2)
-    sys.exit(0)  # the save finished before the kill: the test cannot judge atomicity
-    """
-)
+# ---- atomicity: saves killed with SIGKILL (tests/killed_save.py)
 
 
-def test_a_save_killed_midway_leaves_the_previous_step_intact(tmp_path):
-    previous = {"w": np.arange(16.0).reshape(4, 4), "n": 1}
-    alpa.save_checkpoint(tmp_path, previous, 1)
-
+def killed_save_run(ckpt, step, seed, mode, at, *extra):
+    """Run tests/killed_save.py: save ``killed_save.state(seed)`` as ``step``, killed at
+    ``(mode, at)``; the exit code (``-SIGKILL`` when killed)."""
     env = dict(os.environ, JAX_PLATFORMS="cpu")
+    args = [sys.executable, killed_save.__file__, str(ckpt), str(step), str(seed), mode, str(at)]
     result = subprocess.run(
-        [sys.executable, "-c", _KILLED_SAVE, str(tmp_path)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=120,
+        [*args, *map(str, extra)], capture_output=True, text=True, env=env, timeout=180
     )
-    assert result.returncode == -signal.SIGKILL, (result.returncode, result.stderr)
+    assert result.returncode in (0, -signal.SIGKILL), result.stderr
+    return result.returncode
 
-    leftovers = [name for name in os.listdir(tmp_path) if name.startswith("checkpoint_2")]
-    assert leftovers == ["checkpoint_2.orbax-checkpoint-tmp"]  # half-written, never renamed
-    written = [f for root, _, f in os.walk(tmp_path / leftovers[0]) if root.endswith("/d")]
-    assert any(written)  # killed while writing array data, not before
-    assert checkpoint_steps(tmp_path) == [1]
-    restored = alpa.restore_checkpoint(tmp_path, 1)
-    np.testing.assert_array_equal(restored["w"], previous["w"])
-    assert restored["n"] == 1
-    assert np.asarray(alpa.restore_checkpoint(tmp_path)["n"]) == 1  # latest is still 1
+
+def restored_seed(ckpt, step, seeds):
+    """Which of ``seeds`` step ``step`` holds, after checking it restores completely and
+    bit-exactly as that seed's state."""
+    restored = alpa.restore_checkpoint(ckpt, step)
+    seed = int(restored["n"])
+    assert seed in seeds, (seed, seeds)
+    expected = killed_save.state(seed)
+    for name in ("w", "v"):
+        np.testing.assert_array_equal(
+            np.asarray(restored["params"][name]), expected["params"][name]
+        )
+    return seed
+
+
+# Kill points of a re-save (tests/killed_save.py counts renames and rmtrees): after orbax's
+# rename of its own files (1), after the checksums (2), between the commit's two renames
+# (3), after the commit (4), after deleting the old copy (5).
+_RESAVE_OPS = [1, 2, 3, 4, 5]
+# Seconds after the save started: a re-save of the 16 MiB state takes ~0.3 s here.
+_RESAVE_TIMES = [0.03, 0.1, 0.2, 0.35]
+
+
+def test_a_resave_killed_anywhere_leaves_the_old_or_the_new_step(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    outcomes, in_window = [], 0
+    kills = [("op", at) for at in _RESAVE_OPS] + [("time", t) for t in _RESAVE_TIMES]
+    for seed, (mode, at) in enumerate(kills, start=1):
+        # Each kill starts from a committed step 1 (this save also cleans what the last
+        # kill left), so that the op counts of the save are the same every time.
+        alpa.save_checkpoint(ckpt, killed_save.state(100 + seed), 1)
+        assert sorted(os.listdir(ckpt)) == ["checkpoint_1"]
+        code = killed_save_run(ckpt, 1, seed, mode, at)
+        left = [n for n in os.listdir(ckpt) if n != "checkpoint_1"]
+        in_window += bool(left) and code != 0  # killed while the save had files out
+        assert checkpoint_steps(ckpt) == [1], (mode, at, os.listdir(ckpt))
+        new = restored_seed(ckpt, 1, {100 + seed, seed}) == seed
+        outcomes.append((mode, at, code, "new" if new else "old"))
+    killed = [o for o in outcomes if o[2] == -signal.SIGKILL]
+    assert [o[3] for o in outcomes[:5]] == ["old", "old", "old", "new", "new"], outcomes
+    # Kills landed between the commit's renames (op 3: no checkpoint_1, only the old copy
+    # renamed) and, timed, while the new copy was being written.
+    assert in_window >= 4 and len(killed) >= 7, outcomes
+    assert any(o[0] == "time" and o[3] == "old" for o in killed), outcomes
+
+
+def test_keep_deletes_old_steps_only_after_the_new_one_is_committed(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    # A new step 2 with keep=1: killed before its commit (op 1: orbax's files written,
+    # no checksums yet), after it (3), after step 1 was unlisted for deletion (4).
+    for at, steps in [(1, [1]), (3, [1, 2]), (4, [2])]:
+        shutil.rmtree(ckpt, ignore_errors=True)
+        alpa.save_checkpoint(ckpt, killed_save.state(100), 1)
+        assert killed_save_run(ckpt, 2, 7, "op", at, "--keep", 1) == -signal.SIGKILL
+        assert checkpoint_steps(ckpt) == steps, (at, os.listdir(ckpt))
+        for step in steps:
+            assert restored_seed(ckpt, step, {100, 7}) == (100 if step == 1 else 7)
+        if at == 1:
+            with pytest.raises(
+                FileNotFoundError,
+                match=r"no checkpoint of step 2 in .*: the steps there are \[1\] "
+                r"\(checkpoint_2\.alpa-tmp-\w+: a save that did not finish, e\.g\. "
+                r"killed midway\)",
+            ):
+                alpa.restore_checkpoint(ckpt, 2)
+    alpa.save_checkpoint(ckpt, {"n": 3}, 3, keep=1)
+    assert sorted(os.listdir(ckpt)) == ["checkpoint_3"]
+
+
+# ---- checksums
+
+
+def _largest_data_file(step_dir):
+    sizes = {
+        os.path.join(root, name): os.path.getsize(os.path.join(root, name))
+        for root, _, names in os.walk(step_dir)
+        for name in names
+    }
+    return max(sizes, key=sizes.get)
+
+
+def test_a_flipped_byte_is_an_error_naming_the_step_part_and_file(tmp_path):
+    alpa.save_checkpoint(tmp_path, killed_save.state(5), 3)
+    path = _largest_data_file(tmp_path / "checkpoint_3")
+    rel = os.path.relpath(path, tmp_path / "checkpoint_3")
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) // 2)
+        data = f.read(64)
+        f.seek(-64, os.SEEK_CUR)
+        f.write(bytes(b ^ 0xFF for b in data))
     with pytest.raises(
-        FileNotFoundError,
-        match=r"no checkpoint of step 2 in .*: the steps there are \[1\] "
-        r"\(checkpoint_2\.orbax-checkpoint-tmp\S*: a save that did not finish, e\.g\. "
-        r"killed midway\)",
+        DamagedCheckpointError,
+        match=rf"checkpoint of step 3 \(.*checkpoint_3\) is damaged: part 'state', file "
+        rf"'{rel}' has CRC-32 \w+, the save wrote \w+",
     ):
-        alpa.restore_checkpoint(tmp_path, 2)
-    # Saving the step again replaces the unfinished save.
-    alpa.save_checkpoint(tmp_path, {"w": np.ones(3), "n": 2}, 2)
-    assert checkpoint_steps(tmp_path) == [1, 2]
-    assert sorted(os.listdir(tmp_path)) == ["checkpoint_1", "checkpoint_2"]
-    np.testing.assert_array_equal(alpa.restore_checkpoint(tmp_path, 2)["w"], np.ones(3))
+        alpa.restore_checkpoint(tmp_path, 3)
+    # The control: the same file truncated is caught by its size even without verify.
+    with open(path, "r+b") as f:
+        f.truncate(100)
+    with pytest.raises(DamagedCheckpointError, match=rf"file '{rel}' has 100 bytes, the save"):
+        alpa.restore_checkpoint(tmp_path, 3, verify=False)
+
+
+def test_damaged_metadata_is_an_error_naming_the_file(tmp_path):
+    alpa.save_checkpoint(tmp_path, killed_save.state(5), 3)
+    metadata = tmp_path / "checkpoint_3" / "_METADATA"
+    metadata.write_bytes(b"#" * metadata.stat().st_size)  # same size: only the CRC knows
+    with pytest.raises(DamagedCheckpointError, match=r"part 'state', file '_METADATA' has CRC"):
+        alpa.restore_checkpoint(tmp_path, 3)
+    with pytest.raises(
+        DamagedCheckpointError, match=r"part 'state', file '_METADATA' cannot be read"
+    ):
+        alpa.restore_checkpoint(tmp_path, 3, verify=False)
+    checksums = tmp_path / "checkpoint_3" / "alpa_checksums.json"
+    checksums.write_text("{")
+    with pytest.raises(
+        DamagedCheckpointError, match=r"part 'checksums', file 'alpa_checksums.json' cannot be"
+    ):
+        alpa.restore_checkpoint(tmp_path, 3)
+    with pytest.raises(TypeError, match=r"verify=1 \(int\) must be a bool"):
+        alpa.restore_checkpoint(tmp_path, 3, verify=1)
 
 
 # ---- bad input

@@ -48,7 +48,7 @@ def write_part(directory: str, arrays: Mapping[str, Any]) -> None:
     import orbax.checkpoint as ocp
 
     with ocp.PyTreeCheckpointer() as checkpointer:
-        checkpointer.save(directory, nest(arrays), force=True)
+        checkpointer.save(directory, nest(arrays))
 
 
 def read_part(directory: str, wanted: Mapping[str, tuple[Any, Any]]) -> dict[str, Any]:
@@ -59,7 +59,10 @@ def read_part(directory: str, wanted: Mapping[str, tuple[Any, Any]]) -> dict[str
     import orbax.checkpoint as ocp
 
     with ocp.PyTreeCheckpointer() as checkpointer:
-        saved = checkpointer.metadata(directory).item_metadata.tree
+        metadata = checkpointer.metadata(directory).item_metadata
+        if metadata is None:  # orbax answers None for a damaged _METADATA file
+            raise ValueError(f"checkpoint part {directory}: its file '_METADATA' is damaged")
+        saved = metadata.tree
         items, args = {}, {}
         for path, (sharding, dtype) in wanted.items():
             meta = _lookup(saved, path)
