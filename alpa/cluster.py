@@ -8,6 +8,7 @@ compile, so that nothing imports back up to ``alpa.api``.
 from __future__ import annotations
 
 import logging
+import socket
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -42,7 +43,10 @@ def init(
         before), else the one at ``cluster_address``, else a running one
         (``address="auto"``), else a new local one; mesh workers own the devices
         (``docs/ray.md``).
-      cluster_address: with ``"ray"``, the address of the Ray cluster to connect to.
+      cluster_address: with ``"ray"``, the address of the Ray cluster to connect to
+        (``host:port`` of its head, or ``ray://host:port``). One that accepts no
+        connection within ``global_config.ray_connect_timeout`` seconds (default 10)
+        raises ``ConnectionError`` naming it; Ray alone would wait without limit.
       num_nodes: with ``"ray"``, use this many of its nodes (default all).
       num_devices_per_node: with ``"ray"``, devices per node (default: a GPU node's GPUs;
         :data:`alpa.runtime.ray_mesh.DEFAULT_CPU_DEVICES_PER_NODE` virtual devices on a
@@ -95,6 +99,8 @@ def _init_ray(cluster_address, num_nodes, num_devices_per_node, namespace):
 
     if not ray.is_initialized():
         address = cluster_address or "auto"
+        if cluster_address is not None:
+            _check_reachable(cluster_address)
         try:
             ray.init(address=address, namespace=namespace, log_to_driver=False)
         except ConnectionError:
@@ -109,6 +115,30 @@ def _init_ray(cluster_address, num_nodes, num_devices_per_node, namespace):
             )
             _started_ray = True
     return DeviceCluster(num_nodes, num_devices_per_node)
+
+
+def _check_reachable(address: str) -> None:
+    """Raise ``ConnectionError`` naming ``address`` unless it accepts a TCP connection
+    within ``global_config.ray_connect_timeout``: ``ray.init`` retries an address where
+    nothing answers without limit."""
+    from alpa.global_env import global_config
+
+    if not isinstance(address, str):
+        raise TypeError(f"cluster_address={address!r} ({type(address).__name__}) must be a str")
+    if address in ("auto", "local"):
+        return
+    host, sep, port = address.split("://", 1)[-1].rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"cluster_address={address!r}: expected 'host:port' or 'ray://host:port'")
+    limit = global_config.ray_connect_timeout
+    try:
+        socket.create_connection((host, int(port)), timeout=limit).close()
+    except OSError as e:
+        raise ConnectionError(
+            f"alpa.init('ray', cluster_address={address!r}): nothing accepted a connection "
+            f"at {host}:{port} within {limit:g} s (global_config.ray_connect_timeout): {e}. "
+            "Is the Ray head running there (ray start --head) and is this its address?"
+        ) from e
 
 
 def shutdown() -> None:

@@ -63,6 +63,19 @@ class GlobalConfig:
     #: explicit. Environment: ``ALPA_SEED`` (sets this field only; numpy and Python are
     #: seeded by :func:`set_seed` alone).
     seed: int = field(default_factory=lambda: _env_int("ALPA_SEED", 0))
+    #: Seconds the driver waits for Ray mesh workers to answer one call (a step, a
+    #: compile, a fetch, a checkpoint part) before it raises, naming the mesh and host,
+    #: and aborts the step on the others. A dead worker is reported within seconds
+    #: regardless; this bounds a worker that hangs. Environment: ``ALPA_RAY_WORKER_TIMEOUT``.
+    ray_worker_timeout: float = field(
+        default_factory=lambda: _env_float("ALPA_RAY_WORKER_TIMEOUT", 3600.0)
+    )
+    #: Seconds ``alpa.init("ray", cluster_address=...)`` waits for the address to accept a
+    #: connection before it raises ``ConnectionError`` naming it (Ray itself retries an
+    #: address that does not answer without limit). Environment: ``ALPA_RAY_CONNECT_TIMEOUT``.
+    ray_connect_timeout: float = field(
+        default_factory=lambda: _env_float("ALPA_RAY_CONNECT_TIMEOUT", 10.0)
+    )
 
 
 global_config = GlobalConfig()

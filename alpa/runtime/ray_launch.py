@@ -31,7 +31,12 @@ from typing import Any
 
 import numpy as np
 
-from alpa.runtime.ray_mesh import DistributedArray, DistributedPhysicalDeviceMesh, wait_workers
+from alpa.runtime.ray_mesh import (
+    DistributedArray,
+    DistributedPhysicalDeviceMesh,
+    shut_down_error,
+    wait_workers,
+)
 from alpa.runtime.worker_program import Layout, TransferPlan, WorkerOp, WorkerProgram
 
 _program_ids = itertools.count()
@@ -110,6 +115,9 @@ class RayStepLauncher:
 
     def launch(self, flat_args: Sequence[Any]) -> list[list[DistributedArray]]:
         """Run one step; per mesh, its outputs."""
+        for mesh in self.meshes:  # a mesh with no workers would run nothing, silently
+            if mesh.is_shut_down:
+                raise shut_down_error("this parallelized function (compiled for it)", mesh)
         step_id = next(_step_ids)
         self._moved: list[DistributedArray] = []
         refs: dict[int, Any] = {}
@@ -122,6 +130,10 @@ class RayStepLauncher:
             consumed = []
             for leaf, layout in self.mesh_args[i]:
                 x = flat_args[leaf]
+                if isinstance(x, DistributedArray) and x.mesh.is_shut_down:
+                    if x._fetched is None:
+                        x._check()  # raises: its data went with its mesh
+                    x = x._fetched  # fetched before the shutdown: a host array now
                 if isinstance(x, DistributedArray):
                     x._check()
                     if x.mesh is not mesh:
@@ -202,6 +214,7 @@ def reshard_array(
     """``x`` copied onto ``mesh`` as ``layout``, worker to worker by the tile plan (each
     piece once per destination host; never through the driver)."""
     x._check()
+    mesh._check_alive()
     plan = planner(
         x.shape, x.dtype, x.layout, x.mesh.num_devices_per_host, layout, mesh.num_devices_per_host
     )

@@ -13,7 +13,12 @@
 
 Every wait on workers goes through :func:`wait_workers`, which turns a dead actor or a
 worker's exception into a ``RuntimeError`` naming the mesh and host, and aborts the step on
-the workers still waiting for it, so a failure never hangs the driver.
+the workers still waiting for it, so a failure never hangs the driver; a worker that does
+not answer within ``global_config.ray_worker_timeout`` is a failure too.
+
+After ``alpa.shutdown()`` (or ``mesh.shutdown()``) a mesh has no workers: every use of it,
+of an executable compiled for it or of a ``DistributedArray`` that lived on it raises at
+once (:func:`shut_down_error`) instead of sending nothing and waiting.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from __future__ import annotations
 import itertools
 import logging
 import math
+import time
 import uuid
 import weakref
 from collections.abc import Sequence
@@ -35,6 +41,7 @@ from alpa.device_mesh import (
     PhysicalDeviceMesh,
     VirtualPhysicalMesh,
 )
+from alpa.global_env import global_config
 from alpa.runtime.worker_program import Layout
 
 logger = logging.getLogger("alpa")
@@ -53,7 +60,8 @@ _POLL_S = 1.0
 def wait_workers(calls: Sequence[tuple[Any, str]], on_failure=None) -> list[Any]:
     """The results of Ray calls ``[(object_ref, label), ...]`` in order.
 
-    A dead worker (``ray.kill``, a crash, a lost node) or an exception inside a worker
+    A dead worker (``ray.kill``, a crash, a lost node), an exception inside a worker or a
+    worker that has not answered after ``global_config.ray_worker_timeout`` seconds
     raises ``RuntimeError`` whose message starts with the call's label (its mesh and
     host); ``on_failure(label, error)`` runs first, to abort what other workers wait for.
     """
@@ -61,7 +69,18 @@ def wait_workers(calls: Sequence[tuple[Any, str]], on_failure=None) -> list[Any]
 
     label_of = {ref: label for ref, label in calls}
     pending = list(label_of)
+    limit = global_config.ray_worker_timeout
+    deadline = time.monotonic() + limit
     while pending:
+        if time.monotonic() > deadline:
+            label = label_of[pending[0]]
+            error = RuntimeError(
+                f"{label}: no answer within {limit:g} s (global_config.ray_worker_timeout, "
+                f"environment ALPA_RAY_WORKER_TIMEOUT); {len(pending)} call(s) still pending"
+            )
+            if on_failure is not None:
+                on_failure(label, error)
+            raise error
         ready, pending = ray.wait(pending, num_returns=len(pending), timeout=_POLL_S)
         for ref in ready:
             try:
@@ -369,10 +388,7 @@ class DistributedPhysicalDeviceMesh(PhysicalDeviceMesh):
 
     def _check_alive(self) -> None:
         if self.is_shut_down:
-            raise RuntimeError(
-                f"mesh {self.mesh_id} was shut down (alpa.shutdown()); call alpa.init and "
-                "compile again"
-            )
+            raise shut_down_error(f"mesh {self.mesh_id}", self)
 
     def shutdown(self) -> None:
         import ray
@@ -472,6 +488,12 @@ class DistributedArray:
         self._finalizer.detach()
 
     def _check(self) -> None:
+        if self.mesh.is_shut_down:
+            raise shut_down_error(
+                f"a DistributedArray {self.shape} {self.dtype.name} that lived on mesh "
+                f"{self.mesh.mesh_id}",
+                self.mesh,
+            )
         if self._deleted:
             raise RuntimeError(
                 f"DistributedArray {self.name} {self.shape} was deleted or donated to a step"
@@ -482,6 +504,20 @@ class DistributedArray:
             f"DistributedArray(shape={self.shape}, dtype={self.dtype}, mesh={self.mesh.mesh_id},"
             f" spec={self.layout.spec} on {self.layout.mesh_shape})"
         )
+
+
+def shut_down_error(what: str, mesh: DistributedPhysicalDeviceMesh) -> RuntimeError:
+    """The error for ``what`` (a value, an executable, the mesh itself) used after ``mesh``
+    was shut down: what is gone, and what to do instead."""
+    return RuntimeError(
+        f"{what} cannot be used: mesh {mesh.mesh_id} ({mesh.num_hosts} hosts x "
+        f"{mesh.num_devices_per_host} devices) was shut down (alpa.shutdown() or "
+        "mesh.shutdown()), and its workers, their arrays and the programs compiled for "
+        "them are gone. After alpa.init(), parallelize the function again (alpa.parallelize, "
+        "or alpa.clear_executable_cache()) and re-place values on the new cluster: restore "
+        "them from a checkpoint (alpa.restore_checkpoint), or pass host copies taken with "
+        "np.asarray(x) before the shutdown."
+    )
 
 
 def prefetch(arrays: Sequence[Any]) -> None:
