@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import time
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -44,9 +45,9 @@ def init(
         (``address="auto"``), else a new local one; mesh workers own the devices
         (``docs/ray.md``).
       cluster_address: with ``"ray"``, the address of the Ray cluster to connect to
-        (``host:port`` of its head, or ``ray://host:port``). One that accepts no
-        connection within ``global_config.ray_connect_timeout`` seconds (default 10)
-        raises ``ConnectionError`` naming it; Ray alone would wait without limit.
+        (``host:port`` of its head, or ``ray://host:port``). One where no gRPC server
+        answers within ``global_config.ray_connect_timeout`` seconds (default 10) raises
+        ``ConnectionError`` naming it; Ray alone would wait without limit.
       num_nodes: with ``"ray"``, use this many of its nodes (default all).
       num_devices_per_node: with ``"ray"``, devices per node (default: a GPU node's GPUs;
         :data:`alpa.runtime.ray_mesh.DEFAULT_CPU_DEVICES_PER_NODE` virtual devices on a
@@ -117,10 +118,16 @@ def _init_ray(cluster_address, num_nodes, num_devices_per_node, namespace):
     return DeviceCluster(num_nodes, num_devices_per_node)
 
 
+#: An HTTP/2 client's first bytes (RFC 9113 §3.4): the preface and an empty SETTINGS frame.
+_H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"
+
+
 def _check_reachable(address: str) -> None:
-    """Raise ``ConnectionError`` naming ``address`` unless it accepts a TCP connection
-    within ``global_config.ray_connect_timeout``: ``ray.init`` retries an address where
-    nothing answers without limit."""
+    """Raise ``ConnectionError`` naming ``address`` unless a gRPC server (Ray's GCS, or
+    the Ray client server of ``ray://``) answers there within
+    ``global_config.ray_connect_timeout``: ``ray.init`` retries an address that refuses
+    or does not answer without limit. The check is HTTP/2's opening exchange, which every
+    gRPC server answers with a SETTINGS frame."""
     from alpa.global_env import global_config
 
     if not isinstance(address, str):
@@ -131,13 +138,23 @@ def _check_reachable(address: str) -> None:
     if not sep or not host or not port.isdigit():
         raise ValueError(f"cluster_address={address!r}: expected 'host:port' or 'ray://host:port'")
     limit = global_config.ray_connect_timeout
+    deadline = time.monotonic() + limit
     try:
-        socket.create_connection((host, int(port)), timeout=limit).close()
-    except OSError as e:
+        with socket.create_connection((host, int(port)), timeout=limit) as sock:
+            sock.sendall(_H2_PREFACE)
+            header = b""
+            while len(header) < 9:  # the server's first frame header
+                sock.settimeout(max(deadline - time.monotonic(), 1e-3))
+                chunk = sock.recv(9 - len(header))
+                if not chunk:
+                    raise ConnectionError("the connection was closed without an answer")
+                header += chunk
+    except OSError as e:  # refused, unreachable, timed out, closed
         raise ConnectionError(
-            f"alpa.init('ray', cluster_address={address!r}): nothing accepted a connection "
-            f"at {host}:{port} within {limit:g} s (global_config.ray_connect_timeout): {e}. "
-            "Is the Ray head running there (ray start --head) and is this its address?"
+            f"alpa.init('ray', cluster_address={address!r}): no Ray cluster answered at "
+            f"{host}:{port} within {limit:g} s (global_config.ray_connect_timeout): "
+            f"{type(e).__name__}: {e}. Is the Ray head running there (ray start --head) and "
+            "is this the address it printed?"
         ) from e
 
 

@@ -21,6 +21,8 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import signal
+import subprocess
 import sys
 import threading
 
@@ -39,6 +41,34 @@ def state(seed: int) -> dict:
         },
         "n": seed,
     }
+
+
+def run(ckpt, step: int, seed: int, mode: str, at: float, *extra) -> int:
+    """Run this script: save ``state(seed)`` as ``step`` under ``ckpt``, killed at
+    ``(mode, at)``; its exit code (``-SIGKILL`` when killed, 0 when the save finished)."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    args = [sys.executable, __file__, str(ckpt), str(step), str(seed), mode, str(at)]
+    result = subprocess.run(
+        [*args, *map(str, extra)], capture_output=True, text=True, env=env, timeout=180
+    )
+    assert result.returncode in (0, -signal.SIGKILL), result.stderr
+    return result.returncode
+
+
+def restored_seed(ckpt, step: int, seeds) -> int:
+    """Which of ``seeds`` step ``step`` holds, after checking that it restores completely
+    and bit-exactly as that seed's state."""
+    import alpa
+
+    restored = alpa.restore_checkpoint(ckpt, step)
+    seed = int(restored["n"])
+    assert seed in seeds, (seed, seeds)
+    expected = state(seed)
+    for name in ("w", "v"):
+        np.testing.assert_array_equal(
+            np.asarray(restored["params"][name]), expected["params"][name]
+        )
+    return seed
 
 
 def _kill() -> None:

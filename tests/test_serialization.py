@@ -5,8 +5,6 @@ continue training equal to the serial run; atomicity under a killed save; bad in
 import os
 import shutil
 import signal
-import subprocess
-import sys
 
 import jax
 import killed_save  # tests/ is on sys.path, as for conftest
@@ -228,32 +226,6 @@ def test_restore_into_plain_shardings(tmp_path):
 # ---- atomicity: saves killed with SIGKILL (tests/killed_save.py)
 
 
-def killed_save_run(ckpt, step, seed, mode, at, *extra):
-    """Run tests/killed_save.py: save ``killed_save.state(seed)`` as ``step``, killed at
-    ``(mode, at)``; the exit code (``-SIGKILL`` when killed)."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    args = [sys.executable, killed_save.__file__, str(ckpt), str(step), str(seed), mode, str(at)]
-    result = subprocess.run(
-        [*args, *map(str, extra)], capture_output=True, text=True, env=env, timeout=180
-    )
-    assert result.returncode in (0, -signal.SIGKILL), result.stderr
-    return result.returncode
-
-
-def restored_seed(ckpt, step, seeds):
-    """Which of ``seeds`` step ``step`` holds, after checking it restores completely and
-    bit-exactly as that seed's state."""
-    restored = alpa.restore_checkpoint(ckpt, step)
-    seed = int(restored["n"])
-    assert seed in seeds, (seed, seeds)
-    expected = killed_save.state(seed)
-    for name in ("w", "v"):
-        np.testing.assert_array_equal(
-            np.asarray(restored["params"][name]), expected["params"][name]
-        )
-    return seed
-
-
 # Kill points of a re-save (tests/killed_save.py counts renames and rmtrees): after orbax's
 # rename of its own files (1), after the checksums (2), between the commit's two renames
 # (3), after the commit (4), after deleting the old copy (5).
@@ -271,11 +243,11 @@ def test_a_resave_killed_anywhere_leaves_the_old_or_the_new_step(tmp_path):
         # kill left), so that the op counts of the save are the same every time.
         alpa.save_checkpoint(ckpt, killed_save.state(100 + seed), 1)
         assert sorted(os.listdir(ckpt)) == ["checkpoint_1"]
-        code = killed_save_run(ckpt, 1, seed, mode, at)
+        code = killed_save.run(ckpt, 1, seed, mode, at)
         left = [n for n in os.listdir(ckpt) if n != "checkpoint_1"]
         in_window += bool(left) and code != 0  # killed while the save had files out
         assert checkpoint_steps(ckpt) == [1], (mode, at, os.listdir(ckpt))
-        new = restored_seed(ckpt, 1, {100 + seed, seed}) == seed
+        new = killed_save.restored_seed(ckpt, 1, {100 + seed, seed}) == seed
         outcomes.append((mode, at, code, "new" if new else "old"))
     killed = [o for o in outcomes if o[2] == -signal.SIGKILL]
     assert [o[3] for o in outcomes[:5]] == ["old", "old", "old", "new", "new"], outcomes
@@ -292,10 +264,10 @@ def test_keep_deletes_old_steps_only_after_the_new_one_is_committed(tmp_path):
     for at, steps in [(1, [1]), (3, [1, 2]), (4, [2])]:
         shutil.rmtree(ckpt, ignore_errors=True)
         alpa.save_checkpoint(ckpt, killed_save.state(100), 1)
-        assert killed_save_run(ckpt, 2, 7, "op", at, "--keep", 1) == -signal.SIGKILL
+        assert killed_save.run(ckpt, 2, 7, "op", at, "--keep", 1) == -signal.SIGKILL
         assert checkpoint_steps(ckpt) == steps, (at, os.listdir(ckpt))
         for step in steps:
-            assert restored_seed(ckpt, step, {100, 7}) == (100 if step == 1 else 7)
+            assert killed_save.restored_seed(ckpt, step, {100, 7}) == (100 if step == 1 else 7)
         if at == 1:
             with pytest.raises(
                 FileNotFoundError,

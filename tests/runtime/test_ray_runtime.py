@@ -6,10 +6,16 @@ on the workers, and a worker killed mid-step."""
 import gc
 import json
 import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 
 import jax
+import killed_save  # tests/ is on sys.path, as for conftest
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
@@ -704,3 +710,131 @@ def test_checkpoint_of_a_mesh_over_two_hosts(ray_cluster, tmp_path):
     with pytest.raises(FileNotFoundError, match=r"checkpoint_2.alpa-tmp: a save that did not"):
         alpa.restore_checkpoint(tmp_path, 2, specs)
     assert_allclose(alpa.restore_checkpoint(tmp_path, 1, None)["params"], saved_params)
+
+
+def _flip_bytes(path, count=64):
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) // 2)
+        data = f.read(count)
+        f.seek(-len(data), os.SEEK_CUR)
+        f.write(bytes(b ^ 0xFF for b in data))
+
+
+# Kill points of a re-save on Ray, counted in the driver (tests/killed_save.py): after the
+# driver's part (1), after the checksums (2), between the commit's renames (3), after the
+# commit (4); and 0.02 s after the save started, while the mesh workers write their part.
+_RAY_KILLS = [("op", 2, "old"), ("op", 3, "old"), ("op", 4, "new"), ("time", 0.02, "old")]
+
+
+def test_a_ray_resave_killed_anywhere_leaves_the_old_or_the_new_step(ray_cluster, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    mesh = alpa.get_global_cluster().get_physical_mesh((0,), 2)
+    layout = Layout((1, 2), ("x", "y"), P("y"))
+    in_window = 0
+    for seed, (mode, at, expected) in enumerate(_RAY_KILLS, start=1):
+        base = killed_save.state(100 + seed)
+        base["params"] = {k: mesh.put(v, layout) for k, v in base["params"].items()}
+        alpa.save_checkpoint(ckpt, base, 1)  # a committed step 1 to re-save
+        code = killed_save.run(ckpt, 1, seed, mode, at, "--ray", ray_cluster.address)
+        assert code == -signal.SIGKILL, (mode, at)
+        in_window += any(n != "checkpoint_1" for n in os.listdir(ckpt))
+        assert alpa.serialization.checkpoint_steps(ckpt) == [1], (mode, at, os.listdir(ckpt))
+        got = killed_save.restored_seed(ckpt, 1, {100 + seed, seed})
+        assert got == (seed if expected == "new" else 100 + seed), (mode, at)
+    assert in_window >= 3
+    # A part's checksums are checked too: a flipped byte names the mesh's part.
+    part = next(n for n in os.listdir(ckpt / "checkpoint_1") if n.startswith("mesh_"))
+    sizes = {
+        os.path.join(root, n): os.path.getsize(os.path.join(root, n))
+        for root, _, names in os.walk(ckpt / "checkpoint_1" / part)
+        for n in names
+    }
+    _flip_bytes(max(sizes, key=sizes.get))
+    with pytest.raises(alpa.serialization.DamagedCheckpointError, match=rf"part '{part}', file"):
+        alpa.restore_checkpoint(ckpt, 1)
+
+
+def test_after_shutdown_a_save_a_stale_function_and_old_values_raise_at_once(ray_cluster, tmp_path):
+    mesh = alpa.get_global_cluster().get_physical_mesh((0,), 2)
+    state, batch, step = get_mlp_train_state_and_step(32, 16, num_layers=2)
+    expected = _serial(step, state, batch, 2)
+    p_step = alpa.parallelize(step, method=alpa.DataParallel(devices=mesh))
+    state = p_step(state, batch)
+    alpa.save_checkpoint(tmp_path, state, 1)
+    old_specs = p_step.get_last_executable().get_input_placement_specs()[0]
+    kernel = state.params["Dense_0"]["kernel"]
+    fetched = state.params["Dense_1"]["kernel"]
+    host_copy = np.asarray(fetched)  # fetched before the shutdown: stays readable
+    alpa.shutdown()
+    alpa.init("ray", num_devices_per_node=DEVICES_PER_NODE)
+
+    gone = rf"mesh {mesh.mesh_id} \(1 hosts x 2 devices\) was shut down \(alpa.shutdown\(\)"
+    value_gone = rf"a DistributedArray \([\d, ]*\) \w+ that lived on mesh {mesh.mesh_id} "
+    remedy = r".*parallelize the function again.*restore them from a checkpoint"
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match=value_gone + "cannot be used: " + gone + remedy):
+        alpa.save_checkpoint(tmp_path, state, 2, keep=1)
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint_1"]  # nothing written or deleted
+    with pytest.raises(RuntimeError, match=r"this parallelized function \(compiled for it\) "):
+        p_step(state, batch)
+    other = alpa.get_global_cluster().get_physical_mesh((1,), 2)
+    p_new = alpa.parallelize(step, method=alpa.DataParallel(devices=other))
+    with pytest.raises(RuntimeError, match=value_gone):
+        p_new(state, batch)  # hung in the resharding before
+    with pytest.raises(RuntimeError, match=value_gone):
+        np.asarray(kernel)
+    with pytest.raises(RuntimeError, match=gone):
+        alpa.restore_checkpoint(tmp_path, 1, old_specs)
+    assert time.monotonic() - started < 10
+    np.testing.assert_array_equal(np.asarray(fetched), host_copy)
+
+    # The remedy: the state restored from the checkpoint onto the new cluster trains on.
+    specs = p_new.get_executable(state, batch).get_input_placement_specs()[0]
+    restored = alpa.restore_checkpoint(tmp_path, 1, specs)
+    assert_allclose(p_new(restored, batch).params, expected.params)
+
+
+_UNREACHABLE = textwrap.dedent(
+    """
+    import socket, sys, time
+    import alpa
+
+    alpa.global_config.ray_connect_timeout = 2.0
+    closed = socket.socket()  # bound, not listening: the connection is refused
+    closed.bind(("127.0.0.1", 0))
+    silent = socket.socket()  # listening, never answers: the connection hangs
+    silent.bind(("127.0.0.1", 0))
+    silent.listen()
+    for sock in (closed, silent):
+        host, port = sock.getsockname()
+        started = time.monotonic()
+        try:
+            alpa.init("ray", cluster_address=f"{host}:{port}")
+        except ConnectionError as e:
+            print(f"{time.monotonic() - started:.1f} {e}")
+    alpa.init("ray", cluster_address=sys.argv[1], num_devices_per_node=4)  # the control
+    print(alpa.get_global_cluster())
+    """
+)
+
+
+def test_init_with_an_address_that_does_not_answer_raises_within_the_limit(ray_cluster):
+    # A fresh interpreter: Ray must not be connected yet (this one is).
+    result = subprocess.run(
+        [sys.executable, "-c", _UNREACHABLE, ray_cluster.address],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    lines = result.stdout.splitlines()
+    assert len(lines) == 3, (result.stdout, result.stderr)
+    assert lines.pop() == f"DeviceCluster(2 hosts x {DEVICES_PER_NODE} cpu devices)"
+    for line in lines:
+        seconds, message = line.split(" ", 1)
+        assert float(seconds) < 2.0 + 1.0, line
+        assert re.match(
+            r"alpa.init\('ray', cluster_address='127.0.0.1:\d+'\): no Ray cluster answered "
+            r"at 127.0.0.1:\d+ within 2 s \(global_config.ray_connect_timeout\)",
+            message,
+        ), line
+    assert "ConnectionRefusedError" in lines[0] and "timed out" in lines[1], lines
