@@ -707,7 +707,7 @@ def test_checkpoint_of_a_mesh_over_two_hosts(ray_cluster, tmp_path):
     with pytest.raises(RuntimeError, match=f"mesh {executable.mesh.mesh_id} host"):
         alpa.save_checkpoint(tmp_path, broken, 2)
     assert alpa.serialization.checkpoint_steps(tmp_path) == [1]
-    with pytest.raises(FileNotFoundError, match=r"checkpoint_2.alpa-tmp: a save that did not"):
+    with pytest.raises(FileNotFoundError, match=r"checkpoint_2\.alpa-tmp-\w+: a save that did not"):
         alpa.restore_checkpoint(tmp_path, 2, specs)
     assert_allclose(alpa.restore_checkpoint(tmp_path, 1, None)["params"], saved_params)
 
