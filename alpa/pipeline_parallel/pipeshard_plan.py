@@ -30,6 +30,7 @@ its schedule grid; :meth:`PipeshardPlan.summary` is its JSON-able record and
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -61,9 +62,11 @@ from alpa.pipeline_parallel.stage_construction import (
     ManualStageOption,
     StageContext,
     StagePlan,
+    layer_problem,
     plan_stages,
     resolve_stage_option,
 )
+from alpa.pipeline_parallel.stage_cost import LogicalConfig, StagePlanCost, predict_stage_plan
 from alpa.pipeline_parallel.stage_sharding import (
     DATA_AXES,
     plan_stage_shardings,
@@ -173,6 +176,52 @@ class PipeshardPlan:
             submesh_autosharding_option_dicts=[d or {} for d in plan.autosharding_option_dicts],
         )
 
+    @functools.cached_property
+    def cost(self) -> StagePlanCost:
+        """These stages priced by the analytic stage cost model
+        (``stage_cost.predict_stage_plan``): the same model the stage DP minimises, for
+        manual and uniform stages too, so that a hand plan and an automatic one compare
+        on equal terms. Solves the layer ILPs of the stages' configurations."""
+        plan = self.stage_plan
+        context = StageContext(
+            num_layers=self.layers.num_layers,
+            num_hosts=self.num_hosts,
+            num_devices_per_host=self.num_devices_per_host,
+            cluster=self.cluster,
+            traced=self.traced,
+            layers=self.layers,
+            names=self.names,
+            num_micro_batches=self.num_micro_batches,
+            remat=bool(self.layer_option is not None and self.layer_option.remat_layer),
+        )
+        default = AutoShardingOption()
+        stages, configs = [], []
+        for s, layers in enumerate(plan.stage_layers()):
+            option = self.options[s]
+            items = tuple(
+                (f.name, _hashable(getattr(option, f.name)))
+                for f in dataclasses.fields(option)
+                if getattr(option, f.name) != getattr(default, f.name)
+            )
+            config = LogicalConfig(tuple(self.logical_meshes[s].shape), items)
+            shape = tuple(plan.submesh_shapes[s])
+            stages.append((layers[0], layers[-1], shape, config))
+            configs.append((shape, config))
+        budget = min(
+            (o.memory_budget_per_device for o in self.options if o.memory_budget_per_device),
+            default=self.cluster.device_memory,
+        )
+        problem = layer_problem(context, (), (), default, budget)
+        return predict_stage_plan(problem, stages)
+
+    @property
+    def predicted_cost(self) -> float:
+        """Seconds per step the analytic model predicts: the stage DP's value for
+        automatic stages, :attr:`cost` for the others."""
+        if self.stage_plan.predicted_cost is not None:
+            return self.stage_plan.predicted_cost
+        return self.cost.step_seconds
+
     def decisions(self) -> PipeshardDecisions:
         """What :func:`plan_pipeshard` needs to make this plan again without searching."""
         return PipeshardDecisions(
@@ -215,7 +264,7 @@ class PipeshardPlan:
             "num_layers": self.layers.num_layers,
             "num_micro_batches": self.num_micro_batches,
             "schedule": self.schedule.name,
-            "predicted_cost": plan.predicted_cost,
+            "predicted_cost": plan.predicted_cost,  # automatic stages; cost: any plan
             "stages": stages,
             "ticks": [[str(task) for task in tick] for tick in self.schedule.ticks],
             "instructions": [str(ins) for ins in self.instructions.instructions],
@@ -284,6 +333,14 @@ class PipeshardPlan:
 
     def __repr__(self) -> str:
         return f"<PipeshardPlan of {self.traced.name}: {self.num_stages} stages>\n{self}"
+
+
+def _hashable(value):
+    if isinstance(value, list | tuple):
+        return tuple(_hashable(v) for v in value)
+    if isinstance(value, dict):
+        return tuple(sorted((k, _hashable(v)) for k, v in value.items()))
+    return value
 
 
 def _reshard_summary(index: int, ins, plan: TransferPlan) -> dict:
@@ -438,6 +495,7 @@ def plan_pipeshard(
             stage_option,
             default_auto_sharding_option,
             devices,
+            layer_option.remat_layer,
         )
         options = stage_options(default_auto_sharding_option, stage_plan.autosharding_option_dicts)
     else:
@@ -537,6 +595,7 @@ def _search_stages(
     stage_option: Any,
     default_auto_sharding_option: Any,
     devices: Sequence[Any] | None,
+    remat: bool = False,
 ) -> StagePlan:
     """The stages ``stage_option`` picks for ``layers`` (the stage DP for ``"auto"``)."""
     stage_option = resolve_stage_option(stage_option)
@@ -557,6 +616,7 @@ def _search_stages(
         names=names,
         num_micro_batches=num_micro_batches,
         option=default_auto_sharding_option,
+        remat=remat,
     )
     return plan_stages(stage_option, context)
 

@@ -271,6 +271,8 @@ class StageContext:
         (auto stages cost the layers' computations).
       num_micro_batches: micro-batches per step.
       option: the default ``AutoShardingOption``.
+      remat: each stage's backward recomputes its forward (the layer option's
+        ``remat_layer``), which the cost model prices.
     """
 
     num_layers: int
@@ -283,6 +285,7 @@ class StageContext:
     names: dict | None = None
     num_micro_batches: int = 1
     option: Any = None
+    remat: bool = False
 
     @property
     def num_devices(self) -> int:
@@ -449,15 +452,12 @@ def get_last_dp_result() -> tuple:
     return _LAST_DP_RESULT
 
 
-def stage_problem(option: AutoStageOption, context: StageContext):
-    """The :class:`~alpa.pipeline_parallel.stage_cost.StageProblem` of ``context``."""
+def layer_problem(context: StageContext, choices, configs, option, budget):
+    """The :class:`~alpa.pipeline_parallel.stage_cost.StageProblem` of ``context``'s
+    layers (one stage per layer) on the submesh ``choices``, each with its logical
+    ``configs``, under the ``AutoShardingOption`` ``option`` and a memory ``budget``."""
     from alpa.pipeline_parallel.computation import split_computations
-    from alpa.pipeline_parallel.stage_cost import (
-        StageProblem,
-        get_logical_configs,
-        split_parameters_under_memory_pressure,
-    )
-    from alpa.shard_parallel.auto_sharding import AutoShardingOption
+    from alpa.pipeline_parallel.stage_cost import StageProblem
 
     layers, traced = context.layers, context.traced
     program = split_computations(
@@ -467,6 +467,29 @@ def stage_problem(option: AutoStageOption, context: StageContext):
         traced.batch_invars,
         layers.kinds,
     )
+    return StageProblem(
+        traced,
+        program,
+        context.names or {},
+        tuple(choices),
+        tuple(configs),
+        context.cluster,
+        option,
+        budget,
+        num_micro_batches=context.num_micro_batches,
+        remat=context.remat,
+    )
+
+
+def stage_problem(option: AutoStageOption, context: StageContext):
+    """The :class:`~alpa.pipeline_parallel.stage_cost.StageProblem` of ``context``."""
+    from alpa.pipeline_parallel.stage_cost import (
+        get_logical_configs,
+        split_parameters_under_memory_pressure,
+    )
+    from alpa.shard_parallel.auto_sharding import AutoShardingOption
+
+    traced = context.traced
     choices = get_submesh_choices(
         context.num_hosts,
         context.num_devices_per_host,
@@ -488,9 +511,7 @@ def stage_problem(option: AutoStageOption, context: StageContext):
         or default.memory_budget_per_device
         or context.cluster.device_memory
     )
-    problem = StageProblem(
-        traced, program, context.names or {}, choices, configs, context.cluster, default, budget
-    )
+    problem = layer_problem(context, choices, configs, default, budget)
     return split_parameters_under_memory_pressure(problem, context.num_devices)
 
 

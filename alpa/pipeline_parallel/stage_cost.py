@@ -11,29 +11,39 @@ Two models:
 * :class:`AnalyticStageCost` (the default; needs no device, so it plans for a
   ``ClusterSpec`` that is not here). Per layer ``l`` and configuration, the forward and
   backward equations of ``l`` are planned by the same auto-sharding ILP the stage would
-  be compiled with, on that logical submesh; the latency is
+  be compiled with, on that logical submesh; the latency of one micro-batch is
 
-  .. math::  t(i, j, m, c) = \\sum_{l=i}^{j} \\Big(\\frac{F_l}{n_m R} + K_l(m, c)\\Big)
-             + [i > 0] \\, \\frac{2 X_i}{W}
+  .. math::  t(i, j, m, c) = \\sum_{l=i}^{j} \\Big(\\frac{F_l + r F^{fwd}_l}{n_m R}
+             + K_l(m, c) + \\frac{G_l(m, c)}{B}\\Big) + [i > 0] \\, \\frac{2 X_i}{W}
 
-  with :math:`F_l` the layer's FLOPs (``tracing.flops``), :math:`R` the device's peak
-  FLOP/s, :math:`K_l` the communication of the ILP's plan (seconds under the alpha-beta
-  model of the cluster; the ILP's objective also holds a compute estimate, which is not
-  added again), :math:`X_i` the bytes entering layer ``i`` from
-  earlier layers (sent forward, their cotangents sent back) and :math:`W` the cross-mesh
-  bandwidth (``inf``: free). Layers with identical jaxprs are planned once.
+  with :math:`F_l` the layer's FLOPs, forward and backward (``tracing.flops``),
+  :math:`F^{fwd}_l` its forward's, recomputed in the backward when ``r = 1``
+  (``remat_layer`` / ``remat_mode="coarse_grained_remat"``), :math:`R` the device's peak
+  FLOP/s, :math:`K_l` the seconds of the collectives the ILP's plan runs once per
+  micro-batch (alpha-beta model of the cluster; the ILP's objective also holds a compute
+  estimate, which is not added again), :math:`G_l` the seconds of its gradient
+  reductions over the data axes, which every stage defers to apply-grad
+  (``deferred_sums``) and so runs once per step, amortised over the :math:`B`
+  micro-batches (a data-parallel configuration: one all-reduce of the layer's parameter
+  bytes over the submesh), :math:`X_i` the bytes entering layer ``i`` from earlier layers
+  (sent forward, their cotangents sent back) and :math:`W` the cross-mesh bandwidth
+  (``inf``: free). Layers with identical jaxprs are planned once.
 
   Memory per device: the stage's state (parameters, optimizer state, gradient sums) at
-  the fraction of the parameters' bytes the ILP's input shardings leave on one device,
-  plus per micro-batch in flight the activations its forward keeps for its backward
-  (the values that depend on the batch: weights the forward hands on, and values computed
-  from weights alone, are not counted per micro-batch), split over the submesh. Under
-  1F1B a stage followed by ``k`` stages holds ``k + 1`` micro-batches, so
-  ``max_n_succ_stages = floor((budget - state) / activations) - 1`` (``-1``, and an
-  ``inf`` latency, when not even one fits). The layer ILPs run without
-  the budget; on a submesh where the replicated state of an average stage cannot fit
-  next to its micro-batches in flight, its configurations ask the ILP to split
-  parameters (:func:`split_parameters_under_memory_pressure`).
+  the fraction of the parameters' bytes the ILP's input shardings leave on one device;
+  per micro-batch in flight, the activations its forward keeps for its backward (the
+  values that depend on the batch, each at the bytes per device of the ILP's sharding of
+  it; split over the submesh in a data-parallel configuration), or under ``r = 1`` only
+  the batch values entering the stage, plus, once, one micro-batch's activations while
+  its backward recomputes them. Under 1F1B a stage followed by ``k`` stages holds
+  ``k + 1`` micro-batches, so ``max_n_succ_stages = floor((budget - state - once) /
+  per_micro_batch) - 1`` (``-1``, and an ``inf`` latency, when not even one fits). The
+  layer ILPs run without the budget; on a submesh where the replicated state of an
+  average stage cannot fit next to its micro-batches in flight, its configurations ask
+  the ILP to split parameters (:func:`split_parameters_under_memory_pressure`).
+
+  :func:`predict_stage_plan` prices any stage plan (manual ones too) with the same
+  model, so a hand plan and the DP's compare on equal terms.
 
 * :class:`MeasuredStageCost`: compiles every candidate stage on the real submesh
   (``ShardParallel``'s intra-op pass and lowering) and times it; results are cached on
@@ -44,6 +54,7 @@ Two models:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import math
@@ -136,6 +147,9 @@ class StageProblem:
       cluster: the hardware the plan is for.
       option: the ``AutoShardingOption`` each configuration's fields update.
       memory_budget: bytes per device a stage may use.
+      num_micro_batches: micro-batches per step (the gradient reductions, once per step,
+        are amortised over them).
+      remat: each stage's backward recomputes its forward (stage-level remat).
     """
 
     traced: TracedStep
@@ -146,10 +160,17 @@ class StageProblem:
     cluster: ClusterSpec
     option: AutoShardingOption
     memory_budget: float
+    num_micro_batches: int = 1
+    remat: bool = False
 
     @property
     def num_layers(self) -> int:
         return self.program.num_stages
+
+    @functools.cached_property
+    def layer_facts(self) -> list[_LayerFacts]:
+        """Every layer's facts (FLOPs, state, activations), computed once."""
+        return [_layer_facts(self, layer) for layer in range(self.num_layers)]
 
     @property
     def num_configs(self) -> int:
@@ -205,16 +226,20 @@ def split_parameters_under_memory_pressure(problem: StageProblem, num_devices: i
     under 1F1B the first of them keeps ``D / n`` micro-batches in flight. When the
     replicated state of ``k`` layers (parameters, optimizer state and gradient sums whole;
     the largest layer's, times ``k``) plus ``D / n`` micro-batches of their activations
-    (split over the ``n`` devices, as the memory model splits them) exceed
-    ``memory_budget``, the ILP must split the parameters there (Alpa's option of that
-    name). The layer ILPs are otherwise solved without the budget, which they would keep
-    data parallel where communication says so. The stages compile with the
-    configuration's option, so the plan priced is the plan run."""
+    (split over the ``n`` devices, as a data-parallel stage splits them; under stage
+    remat, only the batch values entering a layer) exceed ``memory_budget``, the ILP must
+    split the parameters there (Alpa's option of that name). The layer ILPs are otherwise
+    solved without the budget, which they would keep data parallel where communication
+    says so. The stages compile with the configuration's option, so the plan priced is
+    the plan run."""
     if problem.option.force_data_parallel or not problem.option.allow_replicated_parameters:
         return problem
-    facts = [_layer_facts(problem, layer) for layer in range(problem.num_layers)]
+    facts = problem.layer_facts
     state = max(f.state_bytes for f in facts)
-    activation = max(f.activation_bytes for f in facts)
+    if problem.remat:
+        activation = max(f.entering_bytes + f.batch_arg_bytes for f in facts)
+    else:
+        activation = max(f.activation_bytes for f in facts)
     configs = []
     for (hosts, per_host), choices in zip(problem.submesh_choices, problem.configs, strict=True):
         n = hosts * per_host
@@ -238,11 +263,59 @@ def split_parameters_under_memory_pressure(problem: StageProblem, num_devices: i
 
 @dataclass(frozen=True)
 class _LayerFacts:
-    flops: float
+    flops: float  # forward and backward
+    forward_flops: float
     state_bytes: float  # parameters, optimizer state and gradient sums of the layer
     param_bytes: float  # the parameters its forward/backward read
     activation_bytes: float  # per micro-batch: batch values its forward keeps for its backward
     entering_bytes: float  # per micro-batch: what it reads from earlier layers
+    batch_arg_bytes: float  # per micro-batch: the step's batch arguments its forward reads
+    kept: tuple  # the values counted in activation_bytes
+    entering: tuple  # the values counted in entering_bytes
+    batch_args: tuple  # the values counted in batch_arg_bytes
+    gradients: frozenset  # the row sums that make its parameters' gradients
+
+
+#: Primitives through which a row sum reaches the gradient marker unchanged in kind: a
+#: reduction of their result is a reduction of the row sum (``micro_batches``' linear set,
+#: restricted to what the split leaves between a row sum and the marker).
+_PASS_TO_GRADIENT = frozenset(
+    {
+        "add",
+        "add_any",
+        "transpose",
+        "convert_element_type",
+        "reshape",
+        "copy",
+        "squeeze",
+        "expand_dims",
+        "pipeline_marker",
+        "mul",
+        "neg",
+    }
+)
+_ROW_SUM_PRIMITIVES = frozenset(
+    {"dot_general", "reduce_sum", "scatter-add", "conv_general_dilated"}
+)
+
+
+def _gradient_row_sums(program: PipelineProgram, comps) -> frozenset:
+    """The values of ``comps`` that are row sums making a gradient ``alpa.grad`` marks:
+    found from each marked operand back through :data:`_PASS_TO_GRADIENT` equations."""
+    producer = {v: e for c in comps for e in c.eqns for v in e.outvars}
+    found, stack, seen = set(), list(program.accumulated.values()), set()
+    while stack:
+        v = stack.pop()
+        if v in seen or v not in producer:
+            continue
+        seen.add(v)
+        eqn = producer[v]
+        name = eqn.primitive.name
+        if name in _ROW_SUM_PRIMITIVES:
+            found.add(v)
+        elif name in _PASS_TO_GRADIENT:
+            stack.extend(x for x in eqn.invars if _is_var(x))
+    return frozenset(found)
 
 
 def _layer_facts(problem: StageProblem, layer: int) -> _LayerFacts:
@@ -252,6 +325,7 @@ def _layer_facts(problem: StageProblem, layer: int) -> _LayerFacts:
     forward = program.computation(layer, "forward")
     backward = program.computation(layer, "backward")
     flops = jaxpr_flops(e for c in comps for e in c.eqns)
+    forward_flops = jaxpr_flops(forward.eqns) if forward is not None else 0.0
     read = {v for c in comps for v in c.invars}
     params = [v for v in read if v in invars and v not in program.batch_dependent]
     param_bytes = float(sum(_nbytes(v) for v in params))
@@ -261,22 +335,35 @@ def _layer_facts(problem: StageProblem, layer: int) -> _LayerFacts:
         if v not in program.batch_dependent and layer in program.input_stages.get(v, ())
     ]
     state_bytes = float(sum(_nbytes(v) for v in state)) + param_bytes  # + gradient sums
-    kept = set()
+    kept: set = set()
     if forward is not None and backward is not None:
         # Per micro-batch: what depends on the batch. Weights the forward hands on to the
         # backward (a marker passes them along) are the parameters' own buffers, in state.
         kept = set(forward.outvars) & set(backward.invars) & program.batch_dependent
-    activation = float(sum(_nbytes(v) for v in kept))
-    entering = 0.0
+    entering: list = []
+    batch_args: list = []
     if forward is not None:
-        entering = float(
-            sum(
-                _nbytes(v)
-                for v in forward.invars
-                if _is_var(v) and v not in invars and program.home.get(v, layer) < layer
-            )
-        )
-    return _LayerFacts(flops, state_bytes, param_bytes, activation, entering)
+        for v in forward.invars:
+            if not _is_var(v) or v not in program.batch_dependent:
+                continue
+            if v in invars:
+                batch_args.append(v)
+            elif program.home.get(v, layer) < layer:
+                entering.append(v)
+    total = lambda vs: float(sum(_nbytes(v) for v in vs))  # noqa: E731
+    return _LayerFacts(
+        flops=flops,
+        forward_flops=forward_flops,
+        state_bytes=state_bytes,
+        param_bytes=param_bytes,
+        activation_bytes=total(kept),
+        entering_bytes=total(entering),
+        batch_arg_bytes=total(batch_args),
+        kept=tuple(kept),
+        entering=tuple(entering),
+        batch_args=tuple(batch_args),
+        gradients=_gradient_row_sums(program, comps),
+    )
 
 
 def layer_flops(problem: StageProblem) -> np.ndarray:
@@ -298,9 +385,52 @@ def _per_device_bytes(aval, spec: PartitionSpec | None, mesh_shape, axis_names) 
     return total / split
 
 
-def _ilp_layer(problem: StageProblem, step: TracedStep, m: int, config: LogicalConfig):
-    """(communication seconds, fraction of the parameters' bytes on one device) of one
-    layer's ``step`` on submesh choice ``m`` with ``config``."""
+@dataclass(frozen=True)
+class LayerPlanCost:
+    """What one layer costs in one configuration of a submesh (per device).
+
+    Attributes:
+      communication: seconds of the collectives run once per micro-batch.
+      gradient_sync: seconds of the gradient reductions over the data axes, run once per
+        step (``deferred_sums``).
+      param_fraction: the fraction of the parameters' bytes on one device.
+      kept_bytes: per micro-batch, the activations its forward keeps for its backward.
+      entering_bytes: per micro-batch, the batch values it reads from earlier layers.
+      batch_arg_bytes: per micro-batch, the step's batch arguments it reads.
+    """
+
+    communication: float
+    gradient_sync: float
+    param_fraction: float
+    kept_bytes: float
+    entering_bytes: float
+    batch_arg_bytes: float
+
+
+def _data_parallel_layer(
+    problem: StageProblem, facts: _LayerFacts, m: int, config
+) -> LayerPlanCost:
+    """A layer with no ILP: everything batch-dependent split over the ``n`` devices,
+    parameters replicated, one all-reduce of its gradients per step."""
+    n = int(np.prod(problem.submesh_choices[m]))
+    sync = 0.0
+    if n > 1:
+        flat = problem.logical_mesh(m, config).flatten()
+        sync = flat.all_reduce_cost(facts.param_bytes, 1)
+    return LayerPlanCost(
+        communication=0.0,
+        gradient_sync=sync,
+        param_fraction=1.0,
+        kept_bytes=facts.activation_bytes / n,
+        entering_bytes=facts.entering_bytes / n,
+        batch_arg_bytes=facts.batch_arg_bytes / n,
+    )
+
+
+def _ilp_layer(
+    problem: StageProblem, facts: _LayerFacts, step: TracedStep, m: int, config: LogicalConfig
+) -> LayerPlanCost:
+    """One layer's ``step`` planned by the ILP on submesh choice ``m`` with ``config``."""
     mesh = problem.logical_mesh(m, config)
     option = problem.config_option(config)
     # Priced as the stages run (no partial sums carried through adds). The latency
@@ -308,18 +438,44 @@ def _ilp_layer(problem: StageProblem, step: TracedStep, m: int, config: LogicalC
     # docstring), and the ILP's objective holds its own compute estimate too.
     solution = solve_auto_sharding(step, mesh, option, partial_sums=False)
     plan = solution.to_sharding_plan()
-    communication = ilp_solver.communication_cost(solution.graph, solution.solution.choice)
-    invars = step.jaxpr.invars
+    graph, choice = solution.graph, solution.solution.choice
+    communication = ilp_solver.communication_cost(graph, choice)
+    # The gradient row sums reduced over the data axes: deferred to once per step.
+    data = {list(mesh.axis_names).index(a) for a in plan.data_axes}
+    sync = 0.0
+    for node in graph.nodes:
+        if data and any(v in facts.gradients for v in node.outvars):
+            strategy = node.strategies[choice[node.id]]
+            if strategy.reduce_axes and set(strategy.reduce_axes) <= data:
+                sync += strategy.comm_cost
+    shape, names = plan.logical_mesh.shape, plan.logical_mesh.axis_names
+    specs = dict(zip(step.jaxpr.invars, plan.in_specs, strict=True))
+    specs.update(plan.var_specs)
+    n = mesh.num_devices
+
+    def local(values) -> float:
+        # A value the plan does not name is counted split over the submesh.
+        return float(
+            sum(
+                _per_device_bytes(v.aval, specs[v], shape, names) if v in specs else _nbytes(v) / n
+                for v in values
+            )
+        )
+
     program_inputs = set(problem.program.closed_jaxpr.jaxpr.invars)
-    whole, local = 0.0, 0.0
-    for v, spec in zip(invars, plan.in_specs, strict=True):
+    whole = local_params = 0.0
+    for v, spec in zip(step.jaxpr.invars, plan.in_specs, strict=True):
         if v in program_inputs and v not in problem.program.batch_dependent:
             whole += _nbytes(v)
-            local += _per_device_bytes(
-                v.aval, spec, plan.logical_mesh.shape, plan.logical_mesh.axis_names
-            )
-    fraction = local / whole if whole else 1.0
-    return float(communication), fraction
+            local_params += _per_device_bytes(v.aval, spec, shape, names)
+    return LayerPlanCost(
+        communication=float(communication) - sync,
+        gradient_sync=sync,
+        param_fraction=local_params / whole if whole else 1.0,
+        kept_bytes=local(facts.kept),
+        entering_bytes=local(facts.entering),
+        batch_arg_bytes=local(facts.batch_args),
+    )
 
 
 class _LayerPlans:
@@ -331,9 +487,10 @@ class _LayerPlans:
     so even two cores overlap the two halves. Results do not depend on the order.
     """
 
-    def __init__(self, problem: StageProblem, workers: int | None = None):
+    def __init__(self, problem: StageProblem, facts, workers: int | None = None):
+        self._problem, self._facts = problem, facts
         steps: dict = {}  # (layer, devices) -> (its step, its structure key)
-        jobs: dict = {}  # ILP key -> (step, m, config)
+        jobs: dict = {}  # ILP key -> (layer, step, m, config)
 
         def ilp_key(layer: int, m: int, config: LogicalConfig):
             n = int(np.prod(problem.submesh_choices[m]))
@@ -344,7 +501,7 @@ class _LayerPlans:
                 steps[layer, n] = (step, structure_key(step))
             step, structure = steps[layer, n]
             key = (structure, problem.submesh_choices[m], config)
-            jobs.setdefault(key, (step, m, config))
+            jobs.setdefault(key, (layer, step, m, config))
             return key
 
         self._keys = {  # (layer, m, config) -> its ILP's key; None: planned without one
@@ -354,54 +511,73 @@ class _LayerPlans:
             for layer in range(problem.num_layers)
         }
         solved = map_on_threads(
-            lambda job: _ilp_layer(problem, *job), list(jobs.values()), workers, "alpa-stage-ilp"
+            lambda job: _ilp_layer(problem, facts[job[0]], *job[1:]),
+            list(jobs.values()),
+            workers,
+            "alpa-stage-ilp",
         )
         self._solved = dict(zip(jobs, solved, strict=True))
 
-    def get(self, layer: int, m: int, config: LogicalConfig) -> tuple[float, float]:
+    def get(self, layer: int, m: int, config: LogicalConfig) -> LayerPlanCost:
         key = self._keys[layer, m, config]
-        return (0.0, 1.0) if key is None else self._solved[key]
+        if key is None:
+            return _data_parallel_layer(self._problem, self._facts[layer], m, config)
+        return self._solved[key]
 
 
-def _stage_memory(problem: StageProblem, facts: Sequence[_LayerFacts], plans: _LayerPlans):
-    """``memory(i, j, m, c, config) -> (state, activation)`` bytes per device of a stage of
-    layers ``i..j`` (module docstring)."""
+def _stage_memory(problem: StageProblem, plans: _LayerPlans):
+    """``memory(i, j, m, c, config) -> (state, per_micro_batch, once)`` bytes per device of
+    a stage of layers ``i..j`` (module docstring): its state, the activations it keeps per
+    micro-batch in flight, and what it holds once (under remat, one micro-batch's
+    activations while its backward recomputes them)."""
 
     def memory(i, j, m, c, config):
-        n = int(np.prod(problem.submesh_choices[m]))
-        state = activation = 0.0
+        state = per_micro = once = 0.0
+        facts = problem.layer_facts
         for layer in range(i, j + 1):
-            _, fraction = plans.get(layer, m, config)
-            state += facts[layer].state_bytes * fraction
-            activation += facts[layer].activation_bytes / n
-        return state, activation
+            cost = plans.get(layer, m, config)
+            state += facts[layer].state_bytes * cost.param_fraction
+            if problem.remat:
+                # Kept: what enters the stage (the first layer's inputs from earlier
+                # layers) and the batch arguments its layers read.
+                per_micro += cost.batch_arg_bytes + (cost.entering_bytes if layer == i else 0.0)
+                once += cost.kept_bytes
+            else:
+                per_micro += cost.kept_bytes
+        return state, per_micro, once
 
     return memory
 
 
 def _fill(problem: StageProblem, latency_of, memory_of) -> StageCosts:
-    """Tables from per-(layers, m, c) latency and (state, activation) bytes per device."""
+    """Tables from per-(layers, m, c) latency and (state, per micro-batch, once) bytes per
+    device."""
     L, M, C = problem.num_layers, len(problem.submesh_choices), problem.num_configs
     cost = np.full((L, L, M, C), np.inf)
     succ = np.full((L, L, M, C), -1, dtype=np.int64)
     memory = np.full((L, L, M, C), np.inf)
-    budget = problem.memory_budget
     for m, configs in enumerate(problem.configs):
         for c, config in enumerate(configs):
             for i in range(L):
                 for j in range(i, L):
-                    state, activation = memory_of(i, j, m, c, config)
-                    memory[i, j, m, c] = state + activation
-                    if activation > 0:
-                        fits = math.floor((budget - state) / activation) - 1
-                    else:
-                        fits = L if state <= budget else -1
-                    fits = min(fits, L)
+                    state, per_micro, once = memory_of(i, j, m, c, config)
+                    memory[i, j, m, c] = state + once + per_micro
+                    fits = _stages_that_fit(problem.memory_budget, state + once, per_micro, L)
                     if fits < 0:
                         continue
                     succ[i, j, m, c] = fits
                     cost[i, j, m, c] = latency_of(i, j, m, c, config)
     return StageCosts(cost, succ, memory)
+
+
+def _stages_that_fit(budget: float, fixed: float, per_micro: float, num_layers: int) -> int:
+    """How many stages may follow a stage holding ``fixed`` bytes and ``per_micro`` per
+    micro-batch in flight (1F1B: ``k`` followers, ``k + 1`` micro-batches); -1: none."""
+    if per_micro > 0:
+        fits = math.floor((budget - fixed) / per_micro) - 1
+    else:
+        fits = num_layers if fixed <= budget else -1
+    return min(fits, num_layers)
 
 
 class AnalyticStageCost:
@@ -420,23 +596,79 @@ class AnalyticStageCost:
         self.cross_mesh_bandwidth = cross_mesh_bandwidth
         self.workers = workers
 
-    def __call__(self, problem: StageProblem) -> StageCosts:
+    def stage_model(self, problem: StageProblem):
+        """``(latency, memory)``: functions of ``(i, j, m, c, config)`` giving a stage's
+        seconds per micro-batch and its ``(state, per micro-batch, once)`` bytes."""
         cluster = problem.cluster
         bandwidth = self.cross_mesh_bandwidth or cluster.inter_node_bandwidth
-        facts = [_layer_facts(problem, layer) for layer in range(problem.num_layers)]
-        plans = _LayerPlans(problem, self.workers)
+        facts = problem.layer_facts
+        plans = _LayerPlans(problem, facts, self.workers)
+        remat = 1.0 if problem.remat else 0.0
+        micro = max(1, problem.num_micro_batches)
 
         def latency(i, j, m, c, config):
             n = int(np.prod(problem.submesh_choices[m]))
             total = 0.0
             for layer in range(i, j + 1):
-                comm, _ = plans.get(layer, m, config)
-                total += facts[layer].flops / (n * cluster.device_flops) + comm
+                cost = plans.get(layer, m, config)
+                flops = facts[layer].flops + remat * facts[layer].forward_flops
+                total += flops / (n * cluster.device_flops)
+                total += cost.communication + cost.gradient_sync / micro
             if i > 0:
                 total += 2 * facts[i].entering_bytes / bandwidth
             return total
 
-        return _fill(problem, latency, _stage_memory(problem, facts, plans))
+        return latency, _stage_memory(problem, plans)
+
+    def __call__(self, problem: StageProblem) -> StageCosts:
+        return _fill(problem, *self.stage_model(problem))
+
+
+@dataclass(frozen=True)
+class StagePlanCost:
+    """The analytic model's price of one stage plan.
+
+    Attributes:
+      step_seconds: ``sum(latencies) + (B - 1) * max(latencies)``, the DP's objective.
+      latencies: per stage, seconds per micro-batch.
+      memory: per stage, bytes per device with its micro-batches in flight under 1F1B.
+      fits: per stage, whether that memory is within the budget.
+    """
+
+    step_seconds: float
+    latencies: tuple[float, ...]
+    memory: tuple[float, ...]
+    fits: tuple[bool, ...]
+
+
+def predict_stage_plan(
+    problem: StageProblem,
+    stages: Sequence[tuple[int, int, tuple[int, int], LogicalConfig]],
+    model: AnalyticStageCost | None = None,
+) -> StagePlanCost:
+    """Price ``stages`` (per stage: first layer, last layer, submesh, logical
+    configuration) with the analytic model, as the DP prices its own plans: a hand plan
+    and the DP's compare on equal terms. Only the ILPs of the given configurations are
+    solved. ``problem``'s submesh choices and configurations are replaced by the stages'."""
+    shapes = tuple(dict.fromkeys(tuple(s[2]) for s in stages))
+    configs = tuple(
+        tuple(dict.fromkeys(s[3] for s in stages if tuple(s[2]) == shape)) for shape in shapes
+    )
+    problem = dataclasses.replace(problem, submesh_choices=shapes, configs=configs)
+    latency_of, memory_of = (model or AnalyticStageCost()).stage_model(problem)
+    latencies, memory, fits = [], [], []
+    num_stages = len(stages)
+    for s, (i, j, shape, config) in enumerate(stages):
+        m = shapes.index(tuple(shape))
+        c = configs[m].index(config)
+        latencies.append(latency_of(i, j, m, c, config))
+        state, per_micro, once = memory_of(i, j, m, c, config)
+        in_flight = min(num_stages - s, max(1, problem.num_micro_batches))
+        memory.append(state + once + in_flight * per_micro)
+        fits.append(memory[-1] <= problem.memory_budget)
+    micro = max(1, problem.num_micro_batches)
+    total = sum(latencies) + (micro - 1) * max(latencies)
+    return StagePlanCost(float(total), tuple(latencies), tuple(memory), tuple(fits))
 
 
 class MeasuredStageCost:
@@ -468,7 +700,7 @@ class MeasuredStageCost:
 
         devices = list(self.devices or jax.devices())
         cache = self._load()
-        facts = [_layer_facts(problem, layer) for layer in range(problem.num_layers)]
+        facts = problem.layer_facts
         L = problem.num_layers
         candidates = [
             (i, j, m, c, config)
@@ -506,7 +738,7 @@ class MeasuredStageCost:
         def latency(i, j, m, c, config):
             return latencies.get((i, j, m, c), np.inf)
 
-        memory = _stage_memory(problem, facts, _LayerPlans(problem))
+        memory = _stage_memory(problem, _LayerPlans(problem, facts))
         return _fill(problem, latency, memory)
 
     def _time(self, step: TracedStep, mesh, option: AutoShardingOption) -> float:

@@ -1,4 +1,4 @@
-"""Planning time of automatic pipelines: GPT on clusters that are not here (issue 10).
+"""Automatic pipelines for GPT on clusters that are not here: how fast, and how good.
 
 For each case (GPT size, ``ClusterSpec`` preset, nodes x GPUs), this builds the train step
 on abstract inputs (``jax.ShapeDtypeStruct``; no weights allocated, no device touched) and
@@ -15,13 +15,25 @@ analytic stage cost model. It writes, per case, the time split
   instructions),
 
 the chosen plan (stages, layers, submeshes, logical shapes) and its predicted iteration
-time, to a JSON file, and prints a summary table.
+time, and how good that is:
+
+* ``limit_s``: the model's FLOPs (``alpa.util.compute_gpt_tflops``'s count, forward and
+  backward; a recomputed forward is not model FLOPs) at the cluster's peak,
+* ``hand_s``: the Megatron-style hand plan priced by the same analytic model
+  (``PipeshardPlan.cost``): one stage per node (the layers split evenly), each on its
+  node's 8 GPUs with a logical ``(1, 8)`` mesh on which the ILP must split every weight
+  (``allow_replicated_parameters=False``: Megatron's tensor parallelism inside a node,
+  pipeline stages across nodes),
+* ``predicted / limit`` and ``predicted / hand``,
+
+to a JSON file, and prints a summary table.
 
 Alpa (OSDI 2022) needed 2,393 s for GPT-39B on 64 GPUs (1,583 s compiling, 804 s
 profiling, 1.65 s DP); the target here is under 60 s per case on a 2-core machine.
 
 Usage: python benchmark/pipeline/bench_auto_pipeline.py [--cases 1.3B:8 39B:64 ...]
        [--out benchmark/pipeline/results.json] [--batch 1024] [--micro-batches 64]
+       [--remat coarse_grained_remat|none] [--no-hand]
 """
 
 from __future__ import annotations
@@ -39,14 +51,22 @@ from alpa.device_mesh import ClusterSpec
 from alpa.model.gpt import GPT_PRESETS, get_gpt_train_state_and_step
 from alpa.pipeline_parallel import layer_construction, segments, stage_construction
 from alpa.pipeline_parallel.stage_cost import AnalyticStageCost
+from alpa.util import compute_gpt_tflops
 
 # (model, GPUs): Alpa's weak-scaling pairs, and GPT-39B on 64 GPUs as in its paper.
-DEFAULT_CASES = ("1.3B:8", "2.6B:16", "6.7B:32", "15B:64", "39B:64")
+DEFAULT_CASES = ("1.3B:8", "2.6B:16", "6.7B:32", "15B:64", "39B:64", "175B:1024")
 
 # Layers the step is clustered into, per model: the counts of Alpa's own GPT searches
 # (its benchmark suite's perf_test_auto, benchmark/alpa/suite_gpt.py), each a divisor of
 # the model's transformer blocks (24, 32, 32, 48, 48).
-LAYER_NUM = {"1.3B": 6, "2.6B": 8, "6.7B": 8, "15B": 16, "39B": 16}
+LAYER_NUM = {"1.3B": 6, "2.6B": 8, "6.7B": 8, "15B": 16, "39B": 16, "175B": 32}
+
+
+# GPT-3 175B (96 layers, hidden 12288, 96 heads), the largest of Alpa's weak-scaling table.
+MODELS = {
+    **GPT_PRESETS,
+    "175B": dataclasses.replace(GPT_PRESETS["39B"], hidden_size=12288, num_layers=96, num_heads=96),
+}
 
 
 class Timers:
@@ -76,8 +96,10 @@ def run_case(
     micro_batches: int,
     timers: Timers,
     layer_num: int | None = None,
+    remat: str = "coarse_grained_remat",
+    hand: bool = True,
 ) -> dict:
-    config = dataclasses.replace(GPT_PRESETS[model], dtype=jnp.float16)  # as Alpa's runs
+    config = dataclasses.replace(MODELS[model], dtype=jnp.float16)  # as Alpa's runs
     per_node = min(num_gpus, 8)
     cluster = ClusterSpec.preset("a100-40gb", num_gpus // per_node, per_node)
     layer_num = layer_num or LAYER_NUM.get(model, min(config.num_layers, 16))
@@ -87,7 +109,7 @@ def run_case(
     method = alpa.PipeshardParallel(
         devices=cluster,
         num_micro_batches=micro_batches,
-        layer_option=alpa.AutoLayerOption(layer_num=layer_num),  # layer_eps=0.6
+        layer_option=alpa.AutoLayerOption(layer_num=layer_num, remat_mode=remat),
         stage_option="auto",
     )
     timers.seconds.clear()
@@ -99,6 +121,19 @@ def run_case(
     trace = split.get("trace", 0.0) - split.get("layer_clustering", 0.0)
     known = trace + sum(split.get(k, 0.0) for k in ("layer_clustering", "stage_cost", "dp"))
     stages = plan.summary()["stages"]
+    flops = 1e12 * compute_gpt_tflops(
+        batch,
+        config.seq_len,
+        config.num_layers,
+        config.hidden_size,
+        config.vocab_size,
+        num_gpus,
+        1.0,
+    )
+    limit = flops / cluster.device_flops
+    hand_s = hand_plan = None
+    if hand:
+        hand_s, hand_plan = _hand_plan(step, state, data, cluster, micro_batches, layer_num, remat)
     return {
         "model": model,
         "num_gpus": num_gpus,
@@ -113,12 +148,50 @@ def run_case(
         "dp_s": split.get("dp", 0.0),
         "rest_s": total - known,
         "predicted_iteration_s": plan.stage_plan.predicted_cost,
+        "limit_s": limit,
+        "predicted_over_limit": plan.stage_plan.predicted_cost / limit,
+        "hand_s": hand_s,
+        "predicted_over_hand": None if hand_s is None else plan.stage_plan.predicted_cost / hand_s,
+        "hand_plan": hand_plan,
         "stages": [
             {k: s[k] for k in ("layers", "submesh", "logical_shape", "latency", "memory")}
             for s in stages
         ],
         "plan": str(plan).splitlines()[: len(stages) + 2],
     }
+
+
+def _hand_plan(step, state, data, cluster, micro_batches, layer_num, remat):
+    """The Megatron-style plan (module docstring) priced by the analytic model: seconds per
+    step and its first lines (``None`` when the layers do not split evenly over nodes)."""
+    nodes = cluster.num_nodes
+    if layer_num % nodes:
+        return None, None
+    per = layer_num // nodes
+    stage_option = alpa.ManualStageOption(
+        forward_stage_layer_ids=[list(range(s * per, (s + 1) * per)) for s in range(nodes)],
+        submesh_physical_shapes=[(1, cluster.num_devices_per_node)] * nodes,
+        submesh_logical_shapes=[(1, cluster.num_devices_per_node)] * nodes,
+        # Megatron splits every weight over the node (tensor parallelism).
+        submesh_autosharding_option_dicts=[{"allow_replicated_parameters": False}] * nodes,
+    )
+    method = alpa.PipeshardParallel(
+        devices=cluster,
+        num_micro_batches=micro_batches,
+        layer_option=alpa.AutoLayerOption(layer_num=layer_num, remat_mode=remat),
+        stage_option=stage_option,
+    )
+    plan = alpa.parallelize(step, method=method).plan(state, data)
+    cost = plan.cost
+    lines = [
+        f"hand plan: {nodes} stages x {per} layers on (1,{cluster.num_devices_per_node}), "
+        f"predicted {cost.step_seconds * 1e3:.1f} ms/step"
+    ]
+    for s, (lat, mem, fits) in enumerate(zip(cost.latencies, cost.memory, cost.fits, strict=True)):
+        over = "" if fits else " (over budget)"
+        lines.append(f"  stage {s}: {lat * 1e3:.3f} ms, {mem / 2**20:.1f} MiB{over}")
+    seconds = cost.step_seconds if all(cost.fits) else float("inf")
+    return seconds, lines
 
 
 def main() -> None:
@@ -130,6 +203,13 @@ def main() -> None:
     parser.add_argument(
         "--layer-num", type=int, default=None, help="layers for every case (default: LAYER_NUM)"
     )
+    parser.add_argument(
+        "--remat",
+        default="coarse_grained_remat",
+        choices=["none", "coarse_grained_remat"],
+        help="AutoLayerOption.remat_mode (Alpa's GPT benchmark: coarse_grained_remat)",
+    )
+    parser.add_argument("--no-hand", action="store_true", help="skip the hand plan")
     args = parser.parse_args()
     alpa.util.disable_tqdm_globally()
     # Only trace-time work is timed; nothing here compiles or touches a device.
@@ -144,9 +224,18 @@ def main() -> None:
     results = []
     for case in args.cases:
         model, gpus = case.split(":")
-        result = run_case(model, int(gpus), args.batch, args.micro_batches, timers, args.layer_num)
+        result = run_case(
+            model,
+            int(gpus),
+            args.batch,
+            args.micro_batches,
+            timers,
+            args.layer_num,
+            args.remat,
+            not args.no_hand,
+        )
         results.append(result)
-        print("\n".join(result["plan"]), flush=True)
+        print("\n".join(result["plan"] + (result["hand_plan"] or [])), flush=True)
         with open(args.out, "w") as f:
             json.dump({"machine": "2-core CPU", "results": results}, f, indent=1)
 
@@ -161,6 +250,10 @@ def main() -> None:
         "rest",
         "stages",
         "predicted s/iter",
+        "limit s",
+        "/limit",
+        "hand s",
+        "/hand",
     )
     rows = [header]
     for r in results:
@@ -176,6 +269,10 @@ def main() -> None:
                 f"{r['rest_s']:.1f}",
                 str(len(r["stages"])),
                 f"{r['predicted_iteration_s']:.3f}",
+                f"{r['limit_s']:.3f}",
+                f"{r['predicted_over_limit']:.2f}",
+                "-" if r["hand_s"] is None else f"{r['hand_s']:.3f}",
+                "-" if r["predicted_over_hand"] is None else f"{r['predicted_over_hand']:.2f}",
             )
         )
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]

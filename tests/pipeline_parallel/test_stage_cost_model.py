@@ -1,0 +1,170 @@
+"""The analytic stage cost model, term by term, against closed forms (no device used).
+
+The model (``stage_cost`` module docstring): per micro-batch a stage costs its FLOPs at the
+cluster's rate (plus its forward again under stage remat), its own collectives, and its
+gradient reductions once per step, amortised over the ``B`` micro-batches; its memory is
+its state, plus per micro-batch in flight the activations it keeps (under remat, only
+what enters it), plus, under remat, one micro-batch's activations once.
+
+The step: 4 Dense(64) layers with Adam, micro-batches of 4 rows (batch 64, ``B = 16``),
+8 devices of one node on a network with no latency and 1e9 B/s links.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+from test_auto_stages import make_train_step, mlp_state
+
+import alpa
+from alpa.device_mesh import ClusterSpec
+from alpa.pipeline_parallel import stage_cost
+from alpa.pipeline_parallel.stage_construction import AutoStageOption
+from alpa.pipeline_parallel.stage_cost import AnalyticStageCost
+
+BANDWIDTH = 1e9
+RATE = 1e13
+CLUSTER = ClusterSpec(
+    1, 8, RATE, 1 << 34, BANDWIDTH, BANDWIDTH, intra_node_latency=0.0, inter_node_latency=0.0
+)
+ROWS, WIDTH = 4, 64
+PARAM_BYTES = (WIDTH * WIDTH + WIDTH) * 4  # a layer's kernel and bias, f32
+
+
+def _recorded(
+    k=16, remat="none", data_parallel=False, cluster=CLUSTER, stage_option=None, rows=ROWS
+):
+    """(problem, tables, plan) of planning the 4-layer MLP with ``k`` micro-batches."""
+    seen = {}
+
+    def recording(problem):
+        seen["problem"], seen["costs"] = problem, AnalyticStageCost()(problem)
+        return seen["costs"]
+
+    state, batch = mlp_state((WIDTH,) * 4, rows * k, abstract=True)
+    option = alpa.AutoShardingOption(force_data_parallel=data_parallel)
+    method = alpa.PipeshardParallel(
+        devices=cluster,
+        num_micro_batches=k,
+        layer_option=alpa.AutoLayerOption(layer_num=4, remat_mode=remat),
+        stage_option=stage_option or AutoStageOption(cost_model=recording),
+        default_auto_sharding_option=option,
+    )
+    plan = alpa.parallelize(make_train_step(alpa.value_and_grad), method=method).plan(state, batch)
+    return seen.get("problem"), seen.get("costs"), plan
+
+
+def _all_reduce(num_bytes: float, n: int) -> float:
+    return 2 * (n - 1) / n * num_bytes / BANDWIDTH
+
+
+def test_data_parallel_gradient_all_reduce_is_paid_once_per_step():
+    """A data-parallel stage of one layer on ``n`` devices:
+    ``t = F / (n R) + AR_n(P) / B (+ 2 X / W for a layer after the first)``, with
+    ``AR_n(P) = 2 (n - 1) / n * P / W`` the one all-reduce of the layer's gradients (its
+    kernel and bias, ``P`` bytes) per step; so ``t(B=1) - t(B=16) = AR_n(P) * 15 / 16``."""
+    problem, costs, _ = _recorded(k=16, data_parallel=True)
+    _, costs_one, _ = _recorded(k=1, data_parallel=True)
+    facts = problem.layer_facts
+    checked = 0
+    for layer in range(3):  # the loss layer has no parameters of its own besides its Dense
+        assert facts[layer].param_bytes == PARAM_BYTES
+        for m, (hosts, per_host) in enumerate(problem.submesh_choices):
+            n = hosts * per_host
+            transfer = 2 * facts[layer].entering_bytes / BANDWIDTH if layer else 0.0
+            expected = facts[layer].flops / (n * RATE) + _all_reduce(PARAM_BYTES, n) / 16
+            assert costs.compute_cost[layer, layer, m, 0] == pytest.approx(expected + transfer)
+            saved = (
+                costs_one.compute_cost[layer, layer, m, 0] - costs.compute_cost[layer, layer, m, 0]
+            )
+            assert saved == pytest.approx(_all_reduce(PARAM_BYTES, n) * 15 / 16)
+            checked += n > 1
+    assert checked >= 3 * 3
+
+
+def test_ilp_gradient_reductions_are_split_from_the_per_micro_batch_collectives():
+    """The ILP on a logical ``(n, 1)`` mesh with the batch forced on axis 0
+    (``submesh_logical_shape_space="data_parallel_only"``), micro-batches of 256 rows
+    (gathering a layer's f32[256, 64] input would cost more than reducing its f32[64, 64]
+    gradient), plans a Dense layer data parallel: its only collectives are the gradient all-reduces over axis 0, which
+    the model moves to ``gradient_sync`` (``AR_n(P)``, once per step), leaving nothing per
+    micro-batch."""
+    seen = {}
+
+    def recording(problem):
+        seen["problem"] = problem
+        return AnalyticStageCost()(problem)
+
+    space = AutoStageOption(cost_model=recording, submesh_logical_shape_space="data_parallel_only")
+    _recorded(k=16, stage_option=space, rows=256)
+    problem = seen["problem"]
+    plans = stage_cost._LayerPlans(problem, problem.layer_facts, workers=1)
+    checked = 0
+    for m, configs in enumerate(problem.configs):
+        n = int(np.prod(problem.submesh_choices[m]))
+        for config in configs:
+            if n == 1:
+                continue
+            assert config.shape == (n, 1) and config.option_dict == {
+                "force_batch_dim_to_mesh_dim": 0
+            }
+            cost = plans.get(1, m, config)
+            assert cost.gradient_sync == pytest.approx(_all_reduce(PARAM_BYTES, n), rel=1e-6)
+            assert cost.communication == pytest.approx(0.0, abs=1e-12)
+            checked += 1
+    assert checked >= 2, problem.configs
+
+
+def test_remat_keeps_only_what_enters_a_stage_and_recomputes_its_forward():
+    """Stage of all 4 layers, data parallel on ``n`` devices. Per micro-batch the forward
+    keeps ``A = [1280, 1280, 1280, 2048]`` bytes per layer (an f32[4, 64] input and a
+    bool[4, 64] relu mask; the loss layer two f32[4, 64]), and what enters the stage is the
+    batch: ``x`` and ``y``, f32[4, 64] each. Without remat: ``per micro-batch = sum A / n``.
+    With remat: ``per micro-batch = 2 * 1024 / n``, plus ``sum A / n`` once (the
+    micro-batch being recomputed), and the latency grows by the forward FLOPs ``/ (n R)``."""
+    plain_problem, plain, _ = _recorded(data_parallel=True)
+    remat_problem, remat, _ = _recorded(data_parallel=True, remat="coarse_grained_remat")
+    facts = plain_problem.layer_facts
+    assert [f.activation_bytes for f in facts] == [1280, 1280, 1280, 2048]
+    kept, entering = 1280 * 3 + 2048, 2 * ROWS * WIDTH * 4
+    state = sum(f.state_bytes for f in facts)
+    forward = sum(f.forward_flops for f in facts)
+    budget = plain_problem.memory_budget
+    for m, (hosts, per_host) in enumerate(plain_problem.submesh_choices):
+        n = hosts * per_host
+        assert plain.memory[0, 3, m, 0] == pytest.approx(state + kept / n)
+        assert remat.memory[0, 3, m, 0] == pytest.approx(state + kept / n + entering / n)
+        fits = min(int((budget - state - kept / n) // (entering / n)) - 1, 4)
+        assert remat.max_n_succ_stages[0, 3, m, 0] == fits
+        extra = remat.compute_cost[0, 3, m, 0] - plain.compute_cost[0, 3, m, 0]
+        assert extra == pytest.approx(forward / (n * RATE))
+    assert remat_problem.remat and not plain_problem.remat
+
+
+def test_a_hand_plan_is_priced_by_the_same_model_as_the_dp():
+    """The DP's plan replayed as a ``ManualStageOption``: ``plan.cost`` of the manual plan
+    (which runs only its stages' ILPs) equals the DP's own prediction, stage by stage."""
+    _, _, auto = _recorded()
+    manual_option = auto.stage_option()
+    _, _, manual = _recorded(stage_option=manual_option)
+    assert manual.stage_plan.predicted_cost is None
+    cost = manual.cost
+    assert manual.predicted_cost == cost.step_seconds
+    assert cost.step_seconds == pytest.approx(auto.stage_plan.predicted_cost, rel=1e-9)
+    assert cost.latencies == pytest.approx(auto.stage_plan.latencies, rel=1e-9)
+    assert all(cost.fits)
+    k = manual.num_micro_batches
+    assert cost.step_seconds == pytest.approx(sum(cost.latencies) + (k - 1) * max(cost.latencies))
+
+
+def test_a_hand_plan_over_the_budget_says_so():
+    """A budget below one stage's state: the manual plan is priced, and marked as not
+    fitting, instead of failing."""
+    tiny = dataclasses.replace(CLUSTER, device_memory=1000)
+    option = alpa.ManualStageOption([[0, 1], [2, 3]], [(1, 4), (1, 4)])
+    _, _, plan = _recorded(cluster=tiny, stage_option=option)
+    cost = plan.cost
+    assert len(cost.latencies) == 2 and not any(cost.fits)
+    assert all(m > 1000 for m in cost.memory)
