@@ -18,6 +18,9 @@ setup(
         "optax>=0.2",
         "ray>=2.9",
         "pulp>=2.7",
+        # The auto-sharding ILP's default solver: HiGHS in process, several times faster
+        # than CBC through PuLP on the same ILPs (docs/auto_sharding.md), same objectives.
+        "highspy>=1.7",
         "numpy>=1.26",
         "tqdm>=4.60",
         # Checkpoints (alpa.serialization): the maintained JAX checkpoint library, which writes

@@ -49,6 +49,9 @@ class GlobalConfig:
     #: Time limit (seconds) for one ILP solve of the auto-sharding pass.
     #: Environment: ``ALPA_ILP_TIME_LIMIT``.
     ilp_time_limit: float = field(default_factory=lambda: _env_float("ALPA_ILP_TIME_LIMIT", 60.0))
+    #: The MILP solver of the auto-sharding ILP: ``"highs"`` (HiGHS in this process, the
+    #: default) or ``"cbc"`` (CBC through PuLP). Environment: ``ALPA_ILP_SOLVER``.
+    ilp_solver: str = field(default_factory=lambda: os.environ.get("ALPA_ILP_SOLVER", "highs"))
     #: Show tqdm progress bars (planning, profiling). ``alpa.util.disable_tqdm_globally()``
     #: turns them off. Environment: ``ALPA_DISABLE_TQDM=1`` turns them off.
     use_tqdm: bool = field(default_factory=lambda: not _env_bool("ALPA_DISABLE_TQDM", False))

@@ -35,20 +35,20 @@ paid once per mesh axis that any of them uses (``combined_latency``), which the 
 objective adds. The solve itself leaves that shared term out, so a plan is optimal up to
 ``sum_a alpha_a``.
 
-What remains goes to CBC through PuLP. ``prob.sol_status`` is checked, not only
-``LpStatus``: a solve stopped at its time limit with a feasible plan reports "Optimal" too.
+What remains goes to the MILP solver that ``global_config.ilp_solver`` names (``milp``:
+HiGHS in process by default, or CBC through PuLP); a solve stopped at its time limit with
+a feasible plan is reported as such, not as optimal.
 """
 
 from __future__ import annotations
 
-import threading
 import time
-import warnings
 from dataclasses import dataclass
 
 import numpy as np
-import pulp
 
+from alpa.global_env import global_config
+from alpa.shard_parallel.milp import Milp
 from alpa.shard_parallel.strategy_costs import combined_latency
 from alpa.shard_parallel.strategy_graph import StrategyGraph, live_points
 
@@ -336,37 +336,11 @@ class _Groups:
 # ----------------------------------------------------------------------------- ILP
 
 
-#: CBC options: solve the root LP with the dual simplex before branch and bound. CBC's
-#: default root solve takes ~10x longer on these problems (whose relaxations are often
-#: integral already); the branch and bound that follows is unchanged.
-CBC_OPTIONS = ("dualSimplex",)
-
-
-_CBC_LOCK = threading.Lock()  # warnings.catch_warnings is process-wide; ILPs run on threads
-
-
-def _cbc(time_limit: float):
-    """CBC: a system ``cbc`` when there is one, else the binary bundled with PuLP."""
-    coin = pulp.COIN_CMD(msg=False, timeLimit=time_limit, options=list(CBC_OPTIONS))
-    if coin.available():
-        return coin
-    with _CBC_LOCK, warnings.catch_warnings():
-        # PuLP 3.3 deprecates its bundled CBC in favour of a separately installed one.
-        warnings.filterwarnings("ignore", "PULP_CBC_CMD is deprecated", DeprecationWarning)
-        return pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit, options=list(CBC_OPTIONS))
-
-
 def _solve_ilp(graph, groups: _Groups, core, memory_budget, time_limit):
-    prob = pulp.LpProblem("auto_sharding", pulp.LpMinimize)
-    s = {
-        g: [prob.add_variable(f"s_{g}_{i}", cat="Binary") for i in range(groups.k[g])] for g in core
-    }
-    terms = []
+    model = Milp()
+    s = {g: model.add_binaries(groups.unary[g] + groups.tie[g]) for g in core}
     for g in core:
-        prob += pulp.lpSum(s[g]) == 1, f"one_{g}"
-        cost = groups.unary[g] + groups.tie[g]
-        terms += [(var, float(c)) for c, var in zip(cost, s[g], strict=True) if c != 0]
-    num_vars = sum(len(v) for v in s.values())
+        model.add_row(s[g], [1.0] * len(s[g]), 1.0, 1.0)
     for g in core:
         for h in sorted(groups.adj[g]):
             if h < g:
@@ -374,41 +348,37 @@ def _solve_ilp(graph, groups: _Groups, core, memory_budget, time_limit):
             m = groups.adj[g][h]
             rows, cols = _equal_lines(m), _equal_lines(m.T)
             e = [
-                [prob.add_variable(f"e_{g}_{h}_{a}_{b}", 0, 1) for b in range(len(cols))]
-                for a in range(len(rows))
-            ]
-            num_vars += len(rows) * len(cols)
+                [model.add_var(float(m[ri[0], cj[0]])) for cj in cols]
+                for ri in rows
+            ]  # fmt: skip
             for a, members in enumerate(rows):
-                prob += pulp.lpSum(e[a]) == pulp.lpSum(s[g][i] for i in members), f"row_{g}_{h}_{a}"
-            for b, members in enumerate(cols):
-                prob += (
-                    pulp.lpSum(e[a][b] for a in range(len(rows)))
-                    == pulp.lpSum(s[h][j] for j in members),
-                    f"col_{g}_{h}_{b}",
+                model.add_row(
+                    e[a] + [s[g][i] for i in members],
+                    [1.0] * len(e[a]) + [-1.0] * len(members),
+                    0.0,
+                    0.0,
                 )
-            terms += [
-                (e[a][b], float(m[ri[0], cj[0]]))
-                for a, ri in enumerate(rows)
-                for b, cj in enumerate(cols)
-                if m[ri[0], cj[0]] != 0
-            ]
-    prob += pulp.LpAffineExpression(terms)
+            for b, members in enumerate(cols):
+                column = [e[a][b] for a in range(len(rows))]
+                model.add_row(
+                    column + [s[h][j] for j in members],
+                    [1.0] * len(column) + [-1.0] * len(members),
+                    0.0,
+                    0.0,
+                )
     if memory_budget is not None:
-        _add_memory_constraints(prob, graph, groups, s, memory_budget)
-    prob.solve(_cbc(time_limit))
-    if prob.sol_status == pulp.LpSolutionOptimal:
-        status = "optimal"
-    elif prob.sol_status == pulp.LpSolutionIntegerFeasible:
-        status = "feasible (time limit)"
-    elif memory_budget is not None:
-        raise InfeasibleMemoryBudgetError(_infeasible_message(graph, memory_budget, time_limit))
-    else:
+        _add_memory_constraints(model, graph, groups, s, memory_budget)
+    solver = global_config.ilp_solver
+    values, status = model.solve(solver, time_limit)
+    if values is None:
+        if memory_budget is not None:
+            raise InfeasibleMemoryBudgetError(_infeasible_message(graph, memory_budget, time_limit))
         raise RuntimeError(
-            f"the auto-sharding ILP found no plan: {pulp.LpStatus[prob.status]} "
-            f"(solution status {prob.sol_status}, time limit {time_limit} s)"
+            f"the auto-sharding ILP found no plan with {solver}: {status} "
+            f"(time limit {time_limit} s)"
         )
-    picks = {g: int(np.argmax([v.value() or 0.0 for v in s[g]])) for g in core}
-    return picks, status, num_vars
+    picks = {g: int(np.argmax(values[s[g]])) for g in core}
+    return picks, status, model.num_vars
 
 
 def _equal_lines(m: np.ndarray) -> list[list[int]]:
@@ -439,14 +409,14 @@ def _memory_terms(graph, groups, s, live):
     return terms, constant
 
 
-def _add_memory_constraints(prob, graph, groups, s, budget) -> None:
+def _add_memory_constraints(model: Milp, graph, groups, s, budget) -> None:
     seen = set()
-    for t, live in enumerate(live_points(graph)):
+    for live in live_points(graph):
         if live in seen:
             continue
         seen.add(live)
         terms, constant = _memory_terms(graph, groups, s, live)
-        prob += pulp.LpAffineExpression(terms) <= budget - constant, f"mem_{t}"
+        model.add_row([v for v, _ in terms], [c for _, c in terms], -np.inf, budget - constant)
 
 
 def _infeasible_message(graph, budget, time_limit) -> str:
@@ -461,17 +431,15 @@ def _infeasible_message(graph, budget, time_limit) -> str:
 def smallest_peak_memory(graph, time_limit) -> float:
     """The least peak memory of any plan (min over plans of max over liveness points)."""
     groups = _Groups(graph)
-    prob = pulp.LpProblem("smallest_plan", pulp.LpMinimize)
     core = [g for g in groups.roots if groups.k[g] > 1]
-    s = {
-        g: [prob.add_variable(f"s_{g}_{i}", cat="Binary") for i in range(groups.k[g])] for g in core
-    }
+    model = Milp()
+    s = {g: model.add_binaries([0.0] * groups.k[g]) for g in core}
     for g in core:
-        prob += pulp.lpSum(s[g]) == 1
-    peak = prob.add_variable("peak", 0)
-    prob += peak
+        model.add_row(s[g], [1.0] * len(s[g]), 1.0, 1.0)
+    peak = model.add_var(1.0, 0.0, np.inf)
     for live in set(live_points(graph)):
         terms, constant = _memory_terms(graph, groups, s, live)
-        prob += pulp.LpAffineExpression(terms) + constant <= peak
-    prob.solve(_cbc(time_limit))
-    return float(peak.value() or 0.0)
+        index = [v for v, _ in terms] + [peak]
+        model.add_row(index, [c for _, c in terms] + [-1.0], -np.inf, -constant)
+    values, _ = model.solve(global_config.ilp_solver, time_limit)
+    return float(values[peak]) if values is not None else float("nan")

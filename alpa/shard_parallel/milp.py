@@ -1,0 +1,198 @@
+"""A mixed-integer linear program held in arrays, solved by HiGHS or CBC.
+
+The auto-sharding ILP (``ilp_solver``) writes its variables and rows here and reads back
+the values; which solver runs is a setting, not a rewrite:
+
+* ``"highs"`` (the default): HiGHS through ``highspy``, in this process: the model is
+  handed over as a row-wise sparse matrix, with no file written and no process started.
+* ``"cbc"``: CBC through PuLP (a subprocess reading an MPS file), kept to compare with.
+
+Measured on the stage-cost ILPs of GPT-39B on 64 GPUs (``benchmark/pipeline/
+bench_ilp_solvers.py``): the same objectives, HiGHS several times faster, most of CBC's
+time being PuLP's expression objects, the MPS file and the process start
+(``docs/auto_sharding.md``).
+
+A solve returns the variables' values and a status: ``"optimal"``, ``"feasible (time
+limit)"`` (stopped at the time limit with a plan: its values are returned), or
+``"infeasible"`` / ``"no solution"`` (``values`` is ``None``).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import warnings
+from dataclasses import dataclass, field
+
+import numpy as np
+
+SOLVERS = ("highs", "cbc")
+
+
+@dataclass
+class Milp:
+    """``minimize cost . x`` subject to ``row_lower <= A x <= row_upper`` and
+    ``lower <= x <= upper``, ``x[i]`` integral where ``integer[i]``."""
+
+    cost: list[float] = field(default_factory=list)
+    lower: list[float] = field(default_factory=list)
+    upper: list[float] = field(default_factory=list)
+    integer: list[bool] = field(default_factory=list)
+    row_start: list[int] = field(default_factory=lambda: [0])
+    row_index: list[int] = field(default_factory=list)
+    row_value: list[float] = field(default_factory=list)
+    row_lower: list[float] = field(default_factory=list)
+    row_upper: list[float] = field(default_factory=list)
+
+    @property
+    def num_vars(self) -> int:
+        return len(self.cost)
+
+    def add_var(self, cost: float = 0.0, lower: float = 0.0, upper: float = 1.0, integer=False):
+        self.cost.append(float(cost))
+        self.lower.append(float(lower))
+        self.upper.append(float(upper))
+        self.integer.append(bool(integer))
+        return len(self.cost) - 1
+
+    def add_binaries(self, costs) -> list[int]:
+        return [self.add_var(c, 0.0, 1.0, True) for c in costs]
+
+    def add_row(self, index, value, lower: float, upper: float) -> None:
+        """``lower <= sum_k value[k] * x[index[k]] <= upper`` (repeated indices add up)."""
+        merged: dict[int, float] = {}
+        for i, v in zip(index, value, strict=True):
+            merged[int(i)] = merged.get(int(i), 0.0) + float(v)
+        self.row_index += list(merged)
+        self.row_value += list(merged.values())
+        self.row_start.append(len(self.row_index))
+        self.row_lower.append(float(lower))
+        self.row_upper.append(float(upper))
+
+    def solve(self, solver: str, time_limit: float) -> tuple[np.ndarray | None, str]:
+        """``(values, status)`` (module docstring)."""
+        if solver not in SOLVERS:
+            raise ValueError(f"ILP solver must be one of {SOLVERS}, got {solver!r}")
+        return _solve_highs(self, time_limit) if solver == "highs" else _solve_cbc(self, time_limit)
+
+
+# ----------------------------------------------------------------------------- HiGHS
+
+_BANNER_LOCK = threading.Lock()
+_banner_shown = False
+
+
+def _new_highs():
+    """A ``highspy.Highs`` with its output off. HiGHS prints a banner when the first one
+    of a process is made, before any option can be set; that one line is sent to
+    ``/dev/null`` instead of the user's output."""
+    global _banner_shown
+    import highspy
+
+    with _BANNER_LOCK:
+        if _banner_shown:
+            h = highspy.Highs()
+        else:
+            _banner_shown = True
+            saved = os.dup(1)
+            try:
+                with open(os.devnull, "w") as null:
+                    os.dup2(null.fileno(), 1)
+                    h = highspy.Highs()
+            finally:
+                os.dup2(saved, 1)
+                os.close(saved)
+    h.setOptionValue("output_flag", False)
+    return h
+
+
+def _solve_highs(model: Milp, time_limit: float):
+    import highspy
+
+    h = _new_highs()
+    h.setOptionValue("time_limit", float(time_limit))
+    h.setOptionValue("threads", 1)  # the stage-cost ILPs already run several at a time
+    lp = highspy.HighsLp()
+    lp.num_col_ = model.num_vars
+    lp.num_row_ = len(model.row_lower)
+    lp.col_cost_ = np.asarray(model.cost, dtype=np.float64)
+    lp.col_lower_ = np.asarray(model.lower, dtype=np.float64)
+    lp.col_upper_ = np.asarray(model.upper, dtype=np.float64)
+    lp.row_lower_ = np.asarray(model.row_lower, dtype=np.float64)
+    lp.row_upper_ = np.asarray(model.row_upper, dtype=np.float64)
+    lp.a_matrix_.format_ = highspy.MatrixFormat.kRowwise
+    lp.a_matrix_.start_ = np.asarray(model.row_start, dtype=np.int32)
+    lp.a_matrix_.index_ = np.asarray(model.row_index, dtype=np.int32)
+    lp.a_matrix_.value_ = np.asarray(model.row_value, dtype=np.float64)
+    kinds = highspy.HighsVarType
+    lp.integrality_ = [kinds.kInteger if i else kinds.kContinuous for i in model.integer]
+    h.passModel(lp)
+    h.run()
+    status = h.getModelStatus()
+    feasible = h.getInfo().primal_solution_status == 2  # kSolutionStatusFeasible
+    if status == highspy.HighsModelStatus.kOptimal:
+        return np.asarray(h.getSolution().col_value), "optimal"
+    if status == highspy.HighsModelStatus.kInfeasible:
+        return None, "infeasible"
+    if feasible:
+        return np.asarray(h.getSolution().col_value), "feasible (time limit)"
+    return None, f"no solution ({h.modelStatusToString(status)})"
+
+
+# ----------------------------------------------------------------------------- CBC
+
+#: CBC options: solve the root LP with the dual simplex before branch and bound. CBC's
+#: default root solve takes ~10x longer on these problems (whose relaxations are often
+#: integral already); the branch and bound that follows is unchanged.
+CBC_OPTIONS = ("dualSimplex",)
+
+_CBC_LOCK = threading.Lock()  # warnings.catch_warnings is process-wide; ILPs run on threads
+
+
+def _cbc(time_limit: float):
+    """CBC: a system ``cbc`` when there is one, else the binary bundled with PuLP."""
+    import pulp
+
+    coin = pulp.COIN_CMD(msg=False, timeLimit=time_limit, options=list(CBC_OPTIONS))
+    if coin.available():
+        return coin
+    with _CBC_LOCK, warnings.catch_warnings():
+        # PuLP 3.3 deprecates its bundled CBC in favour of a separately installed one.
+        warnings.filterwarnings("ignore", "PULP_CBC_CMD is deprecated", DeprecationWarning)
+        return pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit, options=list(CBC_OPTIONS))
+
+
+def _solve_cbc(model: Milp, time_limit: float):
+    """Through PuLP. ``prob.sol_status`` is checked, not only ``LpStatus``: a solve
+    stopped at its time limit with a feasible plan reports "Optimal" too."""
+    import pulp
+
+    prob = pulp.LpProblem("milp", pulp.LpMinimize)
+    x = [
+        prob.add_variable(f"x{i}", lo, hi, cat="Integer" if integ else "Continuous")
+        for i, (lo, hi, integ) in enumerate(
+            zip(model.lower, model.upper, model.integer, strict=True)
+        )
+    ]
+    prob += pulp.LpAffineExpression([(x[i], c) for i, c in enumerate(model.cost) if c != 0])
+    for r, (lo, hi) in enumerate(zip(model.row_lower, model.row_upper, strict=True)):
+        a, b = model.row_start[r], model.row_start[r + 1]
+        expr = pulp.LpAffineExpression(
+            [(x[i], v) for i, v in zip(model.row_index[a:b], model.row_value[a:b], strict=True)]
+        )
+        if lo == hi:
+            prob += expr == lo, f"r{r}"
+        else:
+            if lo > -np.inf:
+                prob += expr >= lo, f"l{r}"
+            if hi < np.inf:
+                prob += expr <= hi, f"u{r}"
+    prob.solve(_cbc(time_limit))
+    values = np.array([v.value() or 0.0 for v in x])
+    if prob.sol_status == pulp.LpSolutionOptimal:
+        return values, "optimal"
+    if prob.sol_status == pulp.LpSolutionIntegerFeasible:
+        return values, "feasible (time limit)"
+    if prob.status == pulp.LpStatusInfeasible:
+        return None, "infeasible"
+    return None, f"no solution ({pulp.LpStatus[prob.status]}, status {prob.sol_status})"
