@@ -14,7 +14,7 @@ import abc
 import contextlib
 import warnings
 from collections.abc import Sequence
-from dataclasses import fields, replace
+from dataclasses import replace
 from typing import Any
 
 from alpa.cluster import (
@@ -29,7 +29,11 @@ from alpa.device_mesh import (
 from alpa.executable import Executable
 from alpa.pipeline_parallel.resharding import worker_transfer_plan
 from alpa.runtime.ray_mesh import DistributedPhysicalDeviceMesh
-from alpa.shard_parallel.auto_sharding import AutoShardingOption, plan_auto_sharding
+from alpa.shard_parallel.auto_sharding import (
+    AutoShardingOption,
+    plan_auto_sharding,
+    snapshot_for_compile,
+)
 from alpa.shard_parallel.data_parallel import data_parallel_plan
 from alpa.shard_parallel.distributed_executable import DistributedMeshExecutable
 from alpa.shard_parallel.executable import compile_shard_executable
@@ -73,51 +77,6 @@ def _check_num_micro_batches(value) -> int | None:
     return None if value == 1 else value
 
 
-class OptionView:
-    """``method.as_option``: Alpa's mutable view of a method's ``AutoShardingOption``.
-
-    Alpa's users tune a method after building it (``method.as_option.prefer_reduce_scatter
-    = True``). The option itself stays a frozen, validated ``AutoShardingOption``: an
-    assignment here builds a new one with that field replaced (so a bad value is refused
-    at the assignment, with the field named) and installs it on the method. It takes
-    effect at the method's next compilation; a step the method already compiled keeps the
-    option it was compiled with (a warning says so; ``alpa.clear_executable_cache()``
-    recompiles).
-    """
-
-    __slots__ = ("_method",)
-
-    def __init__(self, method: ParallelMethod):
-        object.__setattr__(self, "_method", method)
-
-    def __getattr__(self, name: str):
-        return getattr(self._method.auto_sharding_option, name)
-
-    def __setattr__(self, name: str, value) -> None:
-        method = self._method
-        option = method.auto_sharding_option
-        if name not in _OPTION_FIELDS:
-            raise AttributeError(
-                f"{type(method).__name__}.as_option has no field {name!r}; the fields of "
-                f"AutoShardingOption are {', '.join(sorted(_OPTION_FIELDS))}"
-            )
-        method.auto_sharding_option = replace(option, **{name: value})
-        if getattr(method, "_compiled", False):
-            warnings.warn(
-                f"{type(method).__name__}.as_option.{name} was set after the method compiled "
-                "a step: executables already compiled keep the old option "
-                "(alpa.clear_executable_cache() recompiles them)",
-                UserWarning,
-                stacklevel=2,
-            )
-
-    def __repr__(self) -> str:
-        return repr(self._method.auto_sharding_option)
-
-
-_OPTION_FIELDS = frozenset(f.name for f in fields(AutoShardingOption))
-
-
 def _check_option(value) -> AutoShardingOption:
     if not isinstance(value, AutoShardingOption):
         raise TypeError(
@@ -127,15 +86,20 @@ def _check_option(value) -> AutoShardingOption:
 
 
 class _AutoShardingOptionHolder:
-    """``as_option`` (Alpa's name, an :class:`OptionView`) and ``auto_sharding_option``
-    (the frozen option) of a one-mesh method."""
+    """``as_option`` (Alpa's name) and ``auto_sharding_option``: the same mutable
+    ``AutoShardingOption`` of a one-mesh method.
+
+    As in Alpa, the method holds the user's option itself, so an assignment to it
+    (``method.as_option.prefer_reduce_scatter = True``) acts at the method's next
+    compilation; each compilation plans with a frozen snapshot of it
+    (``AutoShardingOption.snapshot``), which the executable keeps.
+    """
 
     auto_sharding_option: AutoShardingOption
-    _compiled: bool = False
 
     @property
-    def as_option(self) -> OptionView:
-        return OptionView(self)
+    def as_option(self) -> AutoShardingOption:
+        return self.auto_sharding_option
 
     @as_option.setter
     def as_option(self, value: AutoShardingOption) -> None:
@@ -185,7 +149,9 @@ def resolve_logical_mesh(
 BUDGET_ATTEMPTS = 4
 
 
-def _compile_within_budget(method, traced: TracedStep, plan, resolve: bool) -> Executable:
+def _compile_within_budget(
+    method, traced: TracedStep, plan, option: AutoShardingOption, resolve: bool
+) -> Executable:
     """Compile ``plan``; with a ``memory_budget_per_device``, keep the budget's promise:
     the compiled program's allocation (``get_total_allocation_size``: arguments, outputs,
     temporaries) is within it, or the call fails with ``InfeasibleMemoryBudgetError``.
@@ -195,7 +161,6 @@ def _compile_within_budget(method, traced: TracedStep, plan, resolve: bool) -> E
     budget scaled down by the factor it missed by, up to :data:`BUDGET_ATTEMPTS` plans;
     ``resolve=False`` (a fixed plan, which no budget changes) only checks.
     """
-    option = method.auto_sharding_option
     budget = option.memory_budget_per_device
     with timed("compile"):
         executable = _compile_one_mesh(method.devices, traced, plan, method.num_micro_batches)
@@ -289,22 +254,33 @@ class ShardParallel(_AutoShardingOptionHolder, ParallelMethod):
                 stacklevel=2,
             )
 
-    def plan(self, traced: TracedStep, args: Sequence[Any], require_devices: bool = False):
-        """The ``ShardingPlan`` of ``traced``; touches no device."""
-        mesh_shape = getattr(self.auto_sharding_option, "logical_mesh_shape", None)
-        logical_mesh = resolve_logical_mesh(self.devices, mesh_shape, require_devices)
+    def plan(
+        self,
+        traced: TracedStep,
+        args: Sequence[Any],
+        require_devices: bool = False,
+        option: AutoShardingOption | None = None,
+    ):
+        """The ``ShardingPlan`` of ``traced`` under ``option`` (default: a snapshot of the
+        method's option); touches no device."""
+        option = self.auto_sharding_option.snapshot() if option is None else option
+        logical_mesh = resolve_logical_mesh(
+            self.devices, option.logical_mesh_shape, require_devices
+        )
         if self.manual_sharding_option is not None:
             return manual_sharding_plan(traced, logical_mesh, self.manual_sharding_option, args)
-        return plan_auto_sharding(traced, logical_mesh, self.auto_sharding_option)
+        return plan_auto_sharding(traced, logical_mesh, option)
 
     def compile_executable(self, traced: TracedStep, args: Sequence[Any]) -> Executable:
-        self._compiled = True
+        option = snapshot_for_compile(self.auto_sharding_option)
         with timed("planning"):
-            plan = self.plan(traced, args, require_devices=True)
+            plan = self.plan(traced, args, require_devices=True, option=option)
         if self.manual_sharding_option is not None:
             with timed("compile"):
-                return _compile_one_mesh(self.devices, traced, plan, self.num_micro_batches)
-        return _compile_within_budget(self, traced, plan, resolve=True)
+                executable = _compile_one_mesh(self.devices, traced, plan, self.num_micro_batches)
+        else:
+            executable = _compile_within_budget(self, traced, plan, option, resolve=True)
+        return _keep_option(executable, option)
 
     def __repr__(self) -> str:
         return (
@@ -324,23 +300,18 @@ class _FixedPlanParallel(_AutoShardingOptionHolder, ParallelMethod):
     fields do not act on a fixed plan.
     """
 
-    default_option = AutoShardingOption(force_data_parallel=True)
+    default_option = AutoShardingOption(force_data_parallel=True).snapshot()
 
     def __init__(self, devices=None, num_micro_batches: int | None = None):
         self.devices = devices
         self.num_micro_batches = _check_num_micro_batches(num_micro_batches)
-        self.auto_sharding_option = self.default_option
+        self.auto_sharding_option = replace(self.default_option)  # this method's own copy
 
     @property
     def zero_stage(self) -> int | None:
         """The ZeRO stage the option asks for (0: plain data parallel), ``None`` when it
         asks for no fixed plan."""
-        option = self.auto_sharding_option
-        if option.force_zero_stage_3:
-            return 3
-        if option.force_data_parallel:
-            return 2 if option.prefer_reduce_scatter else 0
-        return None
+        return _zero_stage(self.auto_sharding_option)
 
     @property
     def splits_only_the_batch(self) -> bool:
@@ -348,45 +319,71 @@ class _FixedPlanParallel(_AutoShardingOptionHolder, ParallelMethod):
         warns when there are none: every device would compute the whole step)."""
         return self.zero_stage is not None
 
-    def plan(self, traced: TracedStep, args: Sequence[Any], require_devices: bool = False):
-        """The fixed ``ShardingPlan``; touches no device."""
-        stage = self.zero_stage
+    def plan(
+        self,
+        traced: TracedStep,
+        args: Sequence[Any],
+        require_devices: bool = False,
+        option: AutoShardingOption | None = None,
+    ):
+        """The fixed ``ShardingPlan`` under ``option`` (default: a snapshot of the
+        method's option); touches no device."""
+        option = self.auto_sharding_option.snapshot() if option is None else option
+        stage = _zero_stage(option)
         if stage is None:  # the user cleared the fixed plan: the ILP decides
-            mesh_shape = self.auto_sharding_option.logical_mesh_shape
+            mesh_shape = option.logical_mesh_shape
             logical_mesh = resolve_logical_mesh(self.devices, mesh_shape, require_devices)
-            return plan_auto_sharding(traced, logical_mesh, self.auto_sharding_option)
+            return plan_auto_sharding(traced, logical_mesh, option)
         logical_mesh = resolve_logical_mesh(self.devices, require_devices=require_devices)
         return data_parallel_plan(traced, logical_mesh, stage, type(self).__name__)
 
     def compile_executable(self, traced: TracedStep, args: Sequence[Any]) -> Executable:
-        self._compiled = True
+        option = snapshot_for_compile(self.auto_sharding_option)
         with timed("planning"):
-            plan = self.plan(traced, args, require_devices=True)
+            plan = self.plan(traced, args, require_devices=True, option=option)
         # A fixed plan cannot trade communication for memory: its budget is only checked.
-        return _compile_within_budget(self, traced, plan, resolve=self.zero_stage is None)
+        resolve = _zero_stage(option) is None
+        executable = _compile_within_budget(self, traced, plan, option, resolve)
+        return _keep_option(executable, option)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(num_micro_batches={self.num_micro_batches})"
+
+
+def _zero_stage(option: AutoShardingOption) -> int | None:
+    if option.force_zero_stage_3:
+        return 3
+    if option.force_data_parallel:
+        return 2 if option.prefer_reduce_scatter else 0
+    return None
+
+
+def _keep_option(executable: Executable, option: AutoShardingOption) -> Executable:
+    """Record on ``executable`` the frozen option it was planned with."""
+    executable.auto_sharding_option = option
+    return executable
 
 
 class DataParallel(_FixedPlanParallel):
     """Split the batch over all devices; replicate parameters and optimizer state;
     all-reduce gradients."""
 
-    default_option = AutoShardingOption(force_data_parallel=True)
+    default_option = AutoShardingOption(force_data_parallel=True).snapshot()
 
 
 class Zero2Parallel(_FixedPlanParallel):
     """Data parallel with the optimizer state sharded over devices (ZeRO stage 2)."""
 
-    default_option = AutoShardingOption(force_data_parallel=True, prefer_reduce_scatter=True)
+    default_option = AutoShardingOption(
+        force_data_parallel=True, prefer_reduce_scatter=True
+    ).snapshot()
 
 
 class Zero3Parallel(_FixedPlanParallel):
     """Data parallel with parameters and optimizer state sharded (ZeRO stage 3);
     parameters are gathered before use."""
 
-    default_option = AutoShardingOption(force_zero_stage_3=True)
+    default_option = AutoShardingOption(force_zero_stage_3=True).snapshot()
 
 
 def __getattr__(name: str):

@@ -529,7 +529,7 @@ def _pipeline_plan_from_json(data: Mapping) -> PipelinePlan:
             layers["num_layers"],
         ),
         stage_plan=stage_plan_from_json(data["stage_plan"]),
-        options=tuple(AutoShardingOption(**o) for o in data["options"]),
+        options=tuple(AutoShardingOption(**o).snapshot() for o in data["options"]),
         logical_meshes=tuple(mesh_from_json(m) for m in data["logical_meshes"]),
         stage_specs={(ref, s): spec_from_json(spec) for ref, s, spec in data["stage_specs"]},
         objectives={s: list(v) for s, v in data["objectives"]},

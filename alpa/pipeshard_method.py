@@ -44,7 +44,7 @@ from alpa.pipeline_parallel.user_shardings import (
     check_stage_input_shardings,
 )
 from alpa.runtime.ray_mesh import DeviceCluster
-from alpa.shard_parallel.auto_sharding import AutoShardingOption
+from alpa.shard_parallel.auto_sharding import AutoShardingOption, snapshot_for_compile
 from alpa.timer import timed
 from alpa.tracing import TracedStep
 
@@ -173,13 +173,20 @@ class PipeshardParallel(ParallelMethod):
             pipeline_schedule=self.pipeline_schedule,
             layer_option=self.layer_option,
             stage_option=self.stage_option,
-            default_auto_sharding_option=self.default_auto_sharding_option,
+            # A snapshot: a later assignment to the user's option never changes this plan.
+            default_auto_sharding_option=self._option_snapshot(),
             manual_sharding_option=self.manual_sharding_option,
             stage_input_shardings=self.stage_input_shardings,
             args=args,
             devices=devices,
         )
         return plan, devices
+
+    def _option_snapshot(self) -> AutoShardingOption | None:
+        option = self.default_auto_sharding_option
+        if isinstance(option, AutoShardingOption):
+            return snapshot_for_compile(option)
+        return option  # anything else: stage_options names the bad value
 
     def plan(self, traced: TracedStep, args: Sequence[Any]) -> PipeshardPlan:
         """The ``PipeshardPlan`` of ``traced``; compiles and runs nothing (only

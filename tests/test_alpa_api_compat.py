@@ -2,6 +2,8 @@
 defaults, executables as callables, avals, the cluster and mesh API, cache clearing and
 the small helpers of ``alpa.util``."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -209,16 +211,61 @@ def test_as_option_assignment_takes_effect_and_is_validated():
     with pytest.raises(TypeError, match=r"allow_mixed_mesh_shape must be a bool, got 'yes'"):
         shard.as_option.allow_mixed_mesh_shape = "yes"
     assert shard.as_option.allow_mixed_mesh_shape is False
-    with pytest.raises(AttributeError, match="ShardParallel.as_option has no field 'prefer_rs'"):
+    with pytest.raises(AttributeError, match="AutoShardingOption has no field 'prefer_rs'"):
         shard.as_option.prefer_rs = True
     # After a compile the cached executables keep their option: say so.
     with pytest.warns(UserWarning, match="executables already compiled keep the old option"):
         shard.as_option.allow_all_to_all = False
+    assert forced_exe.auto_sharding_option.allow_all_to_all  # the snapshot it compiled with
     # The whole option can be replaced, with a check of its type.
     shard.as_option = alpa.AutoShardingOption(prefer_reduce_scatter=True)
     assert shard.auto_sharding_option.prefer_reduce_scatter
     with pytest.raises(TypeError, match="auto_sharding_option must be an AutoShardingOption"):
         shard.as_option = {"prefer_reduce_scatter": True}
+
+
+def test_an_option_is_mutable_checked_per_field_and_snapshotted_at_compile():
+    """Alpa's users build an option, assign fields, then pass it (or keep assigning while a
+    method holds it): each assignment is checked; a compilation plans with a frozen
+    snapshot, so a later assignment acts at the next compilation only."""
+    from alpa.testing import get_mlp_train_state_and_step
+
+    option = alpa.AutoShardingOption()
+    option.force_data_parallel = True
+    option.prefer_reduce_scatter = True
+    with pytest.raises(ValueError, match=r"memory_budget_per_device must be None or a positive"):
+        option.memory_budget_per_device = -1
+    assert option.memory_budget_per_device is None
+    with pytest.raises(ValueError, match=r"logical_mesh_shape must be None or two positive ints"):
+        option.logical_mesh_shape = (2, 0)
+    option.mesh_alpha = [1, 2]
+    assert option.mesh_alpha == (1.0, 2.0)
+    with pytest.raises(TypeError, match="mutable, hence unhashable"):
+        hash(option)
+
+    state, batch, step = get_mlp_train_state_and_step(32, 16, num_layers=2)
+    p_step = alpa.parallelize(step, method=alpa.ShardParallel(auto_sharding_option=option))
+    executable = p_step.get_executable(state, batch)
+    compiled = executable.auto_sharding_option
+    assert compiled == option and compiled is not option and compiled.frozen
+    assert hash(compiled) == hash(option.snapshot())
+    with pytest.raises(dataclasses.FrozenInstanceError, match="frozen snapshot"):
+        compiled.prefer_reduce_scatter = False
+    zero2 = _opt_state_specs(p_step, state, batch)
+    # A later assignment warns and leaves the compiled plan as it was...
+    with pytest.warns(UserWarning, match="executables already compiled keep the old option"):
+        option.prefer_reduce_scatter = False
+    assert compiled.prefer_reduce_scatter and executable.auto_sharding_option is compiled
+    assert _opt_state_specs(p_step, state, batch) == zero2
+    # ...and a new compilation plans with the new value (plain data parallel).
+    again = alpa.parallelize(step, method=alpa.ShardParallel(auto_sharding_option=option))
+    assert not again.get_executable(state, batch).auto_sharding_option.prefer_reduce_scatter
+    assert _opt_state_specs(again, state, batch) != zero2
+    # The two fields that exclude each other are checked when a compilation takes them.
+    fresh = alpa.AutoShardingOption(force_data_parallel=True)
+    fresh.force_zero_stage_3 = True
+    with pytest.raises(ValueError, match="force_data_parallel and force_zero_stage_3 exclude"):
+        fresh.snapshot()
 
 
 def test_timers_record_the_compiler_phases():

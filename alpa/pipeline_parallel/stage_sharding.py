@@ -80,7 +80,7 @@ def stage_options(
             raise NotImplementedError(
                 f"stage {s}: force_zero_stage_3 is not supported by PipeshardParallel yet"
             )
-    return options
+    return [option.snapshot() for option in options]  # frozen: a plan's options never change
 
 
 def uses_ilp(option: AutoShardingOption, num_devices: int) -> bool:

@@ -10,8 +10,9 @@ modules; this one holds the options and wires the passes together.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import FrozenInstanceError, dataclass, fields, replace
 from typing import Literal as TypingLiteral
 
 from jax.extend.core import Literal
@@ -40,9 +41,115 @@ from alpa.shard_parallel.strategy_graph import (
 )
 
 
-@dataclass(frozen=True)
+def _check_bool(name: str, value):
+    if not isinstance(value, bool):
+        raise TypeError(
+            f"AutoShardingOption.{name} must be a bool, got {value!r} ({type(value).__name__})"
+        )
+    return value
+
+
+def _check_batch_dim(name: str, dim):
+    if dim is not None and (isinstance(dim, bool) or dim not in (0, 1)):
+        raise ValueError(
+            f"AutoShardingOption.{name} must be None, 0 or 1 (a logical mesh axis), got {dim!r}"
+        )
+    return dim
+
+
+def _check_threshold(name: str, threshold):
+    if isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 0:
+        raise ValueError(
+            f"AutoShardingOption.{name} must be a non-negative int (bytes), got {threshold!r}"
+        )
+    return threshold
+
+
+def _check_budget(name: str, budget):
+    if budget is not None and (
+        isinstance(budget, bool) or not isinstance(budget, int | float) or not budget > 0
+    ):
+        raise ValueError(
+            f"AutoShardingOption.{name} must be None or a positive number of bytes, got {budget!r}"
+        )
+    return budget
+
+
+def _check_mesh_shape(name: str, shape):
+    if shape is None:
+        return None
+    try:
+        dims = tuple(shape)
+    except TypeError:
+        dims = ()
+    if len(dims) != 2 or not all(
+        isinstance(d, int) and not isinstance(d, bool) and d >= 1 for d in dims
+    ):
+        raise ValueError(
+            f"AutoShardingOption.{name} must be None or two positive ints, got {shape!r}"
+        )
+    return dims
+
+
+def _check_alpha_beta(name: str, value):
+    if value is None:
+        return None
+    try:
+        pair = tuple(value)
+    except TypeError:
+        pair = ()
+    if len(pair) != 2 or not all(
+        isinstance(v, int | float) and not isinstance(v, bool) and v >= 0 for v in pair
+    ):
+        raise ValueError(
+            f"AutoShardingOption.{name} must be None or two non-negative numbers "
+            f"(one per logical mesh axis), got {value!r}"
+        )
+    return tuple(float(v) for v in pair)
+
+
+def _check_time_limit(name: str, limit):
+    if limit is not None and (
+        isinstance(limit, bool) or not isinstance(limit, int | float) or not limit > 0
+    ):
+        raise ValueError(
+            f"AutoShardingOption.{name} must be None or positive seconds, got {limit!r}"
+        )
+    return limit
+
+
+#: Per field, the check an assignment goes through (it returns the value to store).
+_FIELD_CHECKS = {
+    "enable_auto_sharding": _check_bool,
+    "prefer_reduce_scatter": _check_bool,
+    "force_batch_dim_to_mesh_dim": _check_batch_dim,
+    "force_data_parallel": _check_bool,
+    "force_zero_stage_3": _check_bool,
+    "force_zero_stage_3_all_gather_threshold": _check_threshold,
+    "allow_all_gather": _check_bool,
+    "allow_all_to_all": _check_bool,
+    "allow_replicated_parameters": _check_bool,
+    "allow_mixed_mesh_shape": _check_bool,
+    "allow_recompute_heavy_op": _check_bool,
+    "memory_budget_per_device": _check_budget,
+    "logical_mesh_shape": _check_mesh_shape,
+    "mesh_alpha": _check_alpha_beta,
+    "mesh_beta": _check_alpha_beta,
+    "solver_time_limit": _check_time_limit,
+}
+
+
+@dataclass
 class AutoShardingOption:
     """Options of the auto-sharding pass (the fields and meanings of Alpa's option).
+
+    As in Alpa, an option is a mutable object: users build one and assign fields
+    (``option.prefer_reduce_scatter = True``) before passing it to a method, or while a
+    method holds it. Each assignment is checked at once (the field named, a bad value
+    refused, the option left as it was). A method that compiles takes a
+    :meth:`snapshot`, a frozen copy, so the plan it compiled never changes under it; an
+    assignment to an option some compilation already snapshotted warns that compiled
+    executables keep the old value.
 
     Attributes:
       enable_auto_sharding: run the ILP; ``False`` leaves every intermediate value to XLA and
@@ -95,77 +202,72 @@ class AutoShardingOption:
     solver_time_limit: float | None = None
 
     def __post_init__(self):
-        for name in (
-            "enable_auto_sharding",
-            "prefer_reduce_scatter",
-            "force_data_parallel",
-            "force_zero_stage_3",
-            "allow_all_gather",
-            "allow_all_to_all",
-            "allow_replicated_parameters",
-            "allow_mixed_mesh_shape",
-            "allow_recompute_heavy_op",
-        ):
-            value = getattr(self, name)
-            if not isinstance(value, bool):
-                raise TypeError(
-                    f"AutoShardingOption.{name} must be a bool, got {value!r} "
-                    f"({type(value).__name__})"
-                )
-        dim = self.force_batch_dim_to_mesh_dim
-        if dim is not None and (isinstance(dim, bool) or dim not in (0, 1)):
-            raise ValueError(
-                f"AutoShardingOption.force_batch_dim_to_mesh_dim must be None, 0 or 1 "
-                f"(a logical mesh axis), got {dim!r}"
-            )
-        threshold = self.force_zero_stage_3_all_gather_threshold
-        if isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 0:
-            raise ValueError(
-                "AutoShardingOption.force_zero_stage_3_all_gather_threshold must be a "
-                f"non-negative int (bytes), got {threshold!r}"
-            )
-        budget = self.memory_budget_per_device
-        if budget is not None and (
-            isinstance(budget, bool) or not isinstance(budget, int | float) or not budget > 0
-        ):
-            raise ValueError(
-                "AutoShardingOption.memory_budget_per_device must be None or a positive "
-                f"number of bytes, got {budget!r}"
-            )
-        shape = self.logical_mesh_shape
-        if shape is not None:
-            shape = tuple(shape)
-            if len(shape) != 2 or not all(
-                isinstance(d, int) and not isinstance(d, bool) and d >= 1 for d in shape
-            ):
-                raise ValueError(
-                    "AutoShardingOption.logical_mesh_shape must be None or two positive "
-                    f"ints, got {self.logical_mesh_shape!r}"
-                )
-            object.__setattr__(self, "logical_mesh_shape", shape)
-        for name in ("mesh_alpha", "mesh_beta"):
-            value = getattr(self, name)
-            if value is None:
-                continue
-            value = tuple(value)
-            if len(value) != 2 or not all(
-                isinstance(v, int | float) and not isinstance(v, bool) and v >= 0 for v in value
-            ):
-                raise ValueError(
-                    f"AutoShardingOption.{name} must be None or two non-negative numbers "
-                    f"(one per logical mesh axis), got {getattr(self, name)!r}"
-                )
-            object.__setattr__(self, name, tuple(float(v) for v in value))
-        limit = self.solver_time_limit
-        if limit is not None and (isinstance(limit, bool) or not limit > 0):
-            raise ValueError(
-                f"AutoShardingOption.solver_time_limit must be None or positive seconds, "
-                f"got {limit!r}"
-            )
+        self._check_together()
+
+    def _check_together(self) -> None:
         if self.force_data_parallel and self.force_zero_stage_3:
             raise ValueError(
                 "AutoShardingOption: force_data_parallel and force_zero_stage_3 exclude each other"
             )
+
+    def __setattr__(self, name: str, value) -> None:
+        if self.__dict__.get("_frozen", False):
+            raise FrozenInstanceError(
+                f"cannot assign AutoShardingOption.{name}: this option is the frozen snapshot "
+                "a compilation took; assign the field on the option you passed to the method "
+                "(its next compilation takes a new snapshot)"
+            )
+        check = _FIELD_CHECKS.get(name)
+        if check is None:
+            raise AttributeError(
+                f"AutoShardingOption has no field {name!r}; its fields are "
+                f"{', '.join(sorted(_FIELD_CHECKS))}"
+            )
+        value = check(name, value)
+        if self.__dict__.get("_snapshotted", False) and self.__dict__.get(name) != value:
+            warnings.warn(
+                f"AutoShardingOption.{name} was set after a method compiled a step with this "
+                "option: executables already compiled keep the old option "
+                "(alpa.clear_executable_cache() recompiles them)",
+                UserWarning,
+                stacklevel=2,
+            )
+        object.__setattr__(self, name, value)
+
+    def __hash__(self) -> int:
+        if not self.__dict__.get("_frozen", False):
+            raise TypeError(
+                "an AutoShardingOption is mutable, hence unhashable; hash its snapshot()"
+            )
+        return hash(tuple(getattr(self, f.name) for f in fields(self)))
+
+    @property
+    def frozen(self) -> bool:
+        """Whether this option is a snapshot (assignments raise)."""
+        return self.__dict__.get("_frozen", False)
+
+    def snapshot(self) -> AutoShardingOption:
+        """A frozen, hashable copy of the option as it is now: what a compilation plans
+        with, so that a later assignment to this option never changes a compiled plan.
+        The fields are checked together here (each assignment checked its own)."""
+        if self.force_data_parallel and self.force_zero_stage_3:
+            raise ValueError(
+                "AutoShardingOption: force_data_parallel and force_zero_stage_3 exclude each other"
+            )
+        if self.frozen:
+            return self
+        copy = object.__new__(type(self))
+        copy.__dict__.update({f.name: getattr(self, f.name) for f in fields(self)}, _frozen=True)
+        return copy
+
+
+def snapshot_for_compile(option: AutoShardingOption) -> AutoShardingOption:
+    """``option.snapshot()``, remembering on ``option`` that a compilation took it: a later
+    assignment to ``option`` then warns that compiled executables keep the old value."""
+    frozen = option.snapshot()
+    if frozen is not option:
+        object.__setattr__(option, "_snapshotted", True)
+    return frozen
 
 
 # ----------------------------------------------------------------------------- planning
