@@ -60,6 +60,7 @@ _EXPORTS = {
     "ManualLayerOption": "alpa.pipeline_parallel.layer_construction",
     "automatic_remat": "alpa.pipeline_parallel.remat",
     "manual_remat": "alpa.pipeline_parallel.remat",
+    "AutoStageOption": "alpa.pipeline_parallel.stage_construction",
     "ManualStageOption": "alpa.pipeline_parallel.stage_construction",
     "UniformStageOption": "alpa.pipeline_parallel.stage_construction",
     "mark_pipeline_boundary": "alpa.tracing.primitive_def",
@@ -153,6 +154,7 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and editors
     )
     from alpa.pipeline_parallel.remat import automatic_remat, manual_remat  # noqa: F401
     from alpa.pipeline_parallel.stage_construction import (  # noqa: F401
+        AutoStageOption,
         ManualStageOption,
         UniformStageOption,
     )

@@ -480,3 +480,25 @@ class LocalPhysicalDeviceMesh(PhysicalDeviceMesh):
 
     def __repr__(self) -> str:
         return f"LocalPhysicalDeviceMesh({len(self.devices)} x {self.devices[0].platform})"
+
+
+# Alpa's programs import the global cluster's accessors and DistributedArray from this
+# module; they live in alpa.cluster and alpa.runtime.ray_mesh, which build on this one.
+_ALPA_NAMES = {
+    "get_global_cluster": "alpa.cluster",
+    "get_global_physical_mesh": "alpa.cluster",
+    "get_global_virtual_physical_mesh": "alpa.cluster",
+    "set_global_virtual_physical_mesh": "alpa.cluster",
+    "DistributedArray": "alpa.runtime.ray_mesh",
+    "DistributedPhysicalDeviceMesh": "alpa.runtime.ray_mesh",
+    "DeviceCluster": "alpa.runtime.ray_mesh",
+}
+
+
+def __getattr__(name: str):
+    module = _ALPA_NAMES.get(name)
+    if module is None:
+        raise AttributeError(f"module 'alpa.device_mesh' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(module), name)

@@ -390,7 +390,7 @@ def __getattr__(name: str):
     # Alpa's module path for the pipeline method and the methods that follow another
     # step's plan; they live in alpa.pipeshard_method and alpa.follow_parallel, which
     # build on this module.
-    if name in ("PipeshardParallel", "get_3d_parallel_method"):
+    if name in ("PipeshardParallel", "get_3d_parallel_method", "LocalPipelineParallel"):
         from alpa import pipeshard_method
 
         return getattr(pipeshard_method, name)

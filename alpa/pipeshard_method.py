@@ -227,6 +227,14 @@ class PipeshardParallel(ParallelMethod):
 # ----------------------------------------------------------------------------- 3-D
 
 
+def LocalPipelineParallel(num_micro_batches: int = 1) -> PipeshardParallel:  # noqa: N802
+    """Alpa's in-process pipeline method (Alpa's name, kept for its programs): the step's
+    manual layers (``mark_pipeline_boundary``) run as pipeline stages on this process's
+    devices. Every ``PipeshardParallel`` without Ray already runs in this process, so this
+    is ``PipeshardParallel(layer_option="manual")``."""
+    return PipeshardParallel(num_micro_batches=num_micro_batches, layer_option="manual")
+
+
 def get_3d_parallel_method(
     num_micro_batches: int,
     data_parallel: int,

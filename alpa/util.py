@@ -239,3 +239,64 @@ def get_shard_shape(aval: Any, sharding: Any) -> tuple[int, ...]:
     (a ``jax.sharding.Sharding``, e.g. from ``executable.get_input_placement_specs()``'s
     mesh and spec through ``NamedSharding``)."""
     return tuple(sharding.shard_shape(tuple(aval.shape)))
+
+
+# ----------------------------------------------------------------------------- benchmarks
+# Alpa's benchmark scripts import these from alpa.util: results as TSV lines, rounded
+# strings, and the per-iteration costs a timer recorded.
+
+GB = 1 << 30
+
+
+def write_tsv(heads: Sequence[str], values: Sequence[Any], filename, print_line: bool = True):
+    """Append ``values`` as one tab-separated line to ``filename``; with ``print_line``,
+    also print ``head: value`` pairs."""
+    if len(heads) != len(values):
+        raise ValueError(f"write_tsv got {len(heads)} heads but {len(values)} values")
+    cells = [str(v) for v in values]
+    with open(filename, "a", encoding="utf-8") as out:
+        out.write("\t".join(cells) + "\n")
+    if print_line:
+        print("  ".join(f"{h}: {c}" for h, c in zip(heads, cells, strict=True)))
+
+
+def to_str_round(x: Any, decimal: int = 6) -> str:
+    """``x`` (a number, string, or nested list / tuple / array of them) as a string with
+    floats rounded to ``decimal`` places."""
+    if isinstance(x, str):
+        return x
+    if isinstance(x, list | tuple | np.ndarray):
+        return "[" + ", ".join(to_str_round(y, decimal) for y in x) + "]"
+    if isinstance(x, dict):
+        return str({k: to_str_round(v, decimal) for k, v in x.items()})
+    if isinstance(x, int | np.integer):
+        return str(x)
+    if isinstance(x, float | np.floating):
+        return f"{x:.{decimal}f}"
+    raise TypeError(f"to_str_round: cannot format {x!r} ({type(x).__name__})")
+
+
+_last_print_time = [time.time()]
+
+
+def print_used_time(message: str) -> None:
+    """Print the seconds since the previous call (the first: since alpa.util's import);
+    Alpa's coarse progress timer."""
+    now = time.time()
+    print(f"{message}: {now - _last_print_time[0]:.2f} s")
+    _last_print_time[0] = now
+
+
+def get_execution_time_costs(
+    warmup: int = 2, timer_name: str = "overall", return_all_costs: bool = False
+) -> list[float]:
+    """The seconds each measured interval of timer ``timer_name`` took (``alpa.timers``),
+    without the first ``warmup`` ones unless ``return_all_costs``."""
+    from alpa.timer import timers
+
+    if timer_name not in timers:
+        raise KeyError(
+            f"no timer named {timer_name!r}; the timers are {', '.join(timers.names()) or 'none'}"
+        )
+    costs = list(timers(timer_name).costs)
+    return costs if return_all_costs else costs[warmup:]

@@ -293,3 +293,50 @@ def test_timers_record_the_compiler_phases():
         timer.start()
     with pytest.raises(ValueError, match="mode must be 'last', 'sum' or 'average'"):
         timer.elapsed("max")
+
+
+def test_alpas_names_at_alpas_module_paths(tmp_path, capsys):
+    import alpa.cluster
+    import alpa.device_mesh
+    import alpa.parallel_method
+    import alpa.pipeline_parallel.stage_construction as stage_construction
+    import alpa.runtime.ray_mesh
+    import alpa.util
+    from alpa.pipeline_parallel.layer_construction import ManualLayerOption
+
+    assert alpa.AutoStageOption is stage_construction.AutoStageOption
+    assert alpa.UniformStageOption is stage_construction.UniformStageOption
+    for name in (
+        "get_global_cluster",
+        "get_global_physical_mesh",
+        "get_global_virtual_physical_mesh",
+    ):
+        assert getattr(alpa.device_mesh, name) is getattr(alpa.cluster, name)
+    assert alpa.device_mesh.DistributedArray is alpa.runtime.ray_mesh.DistributedArray
+    with pytest.raises(AttributeError, match="'alpa.device_mesh' has no attribute 'nope'"):
+        alpa.device_mesh.nope  # noqa: B018
+    local = alpa.parallel_method.LocalPipelineParallel()
+    assert isinstance(local, alpa.PipeshardParallel)
+    assert local.layer_option == ManualLayerOption()
+
+    util = alpa.util
+    assert util.GB == 2**30
+    path = tmp_path / "results.tsv"
+    util.write_tsv(["model", "time"], ["gpt", 1.5], path)
+    util.write_tsv(["model", "time"], ["bert", 2], path, print_line=False)
+    assert path.read_text() == "gpt\t1.5\nbert\t2\n"
+    assert capsys.readouterr().out == "model: gpt  time: 1.5\n"
+    with pytest.raises(ValueError, match="write_tsv got 2 heads but 1 values"):
+        util.write_tsv(["a", "b"], [1], path)
+    assert util.to_str_round([1.234567, (2, "x")], 2) == "[1.23, [2, x]]"
+    util.print_used_time("phase")
+    assert capsys.readouterr().out.startswith("phase: ")
+    timer = alpa.timers("compat-test-timer")
+    timer.reset()
+    for _ in range(4):
+        timer.start()
+        timer.stop()
+    assert len(util.get_execution_time_costs(timer_name="compat-test-timer")) == 2
+    assert len(util.get_execution_time_costs(1, "compat-test-timer", return_all_costs=True)) == 4
+    with pytest.raises(KeyError, match="no timer named 'absent'"):
+        util.get_execution_time_costs(timer_name="absent")

@@ -293,6 +293,71 @@ def mark_layers(fun: Callable) -> Callable:
     return wrapped
 
 
+def manual_layer_construction(
+    fun: Callable | None = None, *, static_argnums: Sequence[int] = (), remat_layer: bool = False
+):
+    """Alpa's decorator: ``fun`` (a loss function) cut into layers at its
+    ``mark_pipeline_boundary()`` calls, each layer wrapped in layer markers.
+
+    It is :func:`mark_layers` with a ``ManualLayerOption`` fixed at decoration, for
+    Alpa's programs that decorate the loss and differentiate it with ``jax.grad``
+    (``alpa.grad`` applies the method's option by itself). Use as ``@manual_layer_
+    construction`` or ``manual_layer_construction(fun, remat_layer=True)``.
+    ``static_argnums`` is accepted for Alpa's signature: arguments that are not arrays
+    are constants of the trace anyway.
+    """
+    check_static_argnums(static_argnums, "manual_layer_construction")
+    return _decorate(fun, ManualLayerOption(remat_layer=remat_layer))
+
+
+def automatic_layer_construction(
+    fun: Callable | None = None,
+    *,
+    layer_num: int | None = None,
+    remat_layer: bool = False,
+    static_argnums: Sequence[int] = (),
+    eps: float = 0.6,
+    cost_criteria: str = "flops",
+):
+    """Alpa's decorator: ``fun`` (a loss function) clustered into ``layer_num`` layers
+    (``AutoLayerOption``), each wrapped in layer markers; ``remat_layer`` is
+    ``remat_mode="coarse_grained_remat"``. Use as
+    ``@automatic_layer_construction(layer_num=2)`` or
+    ``automatic_layer_construction(fun, layer_num=2)``. Layers balance FLOPs
+    (``cost_criteria="flops"``, the only criterion here)."""
+    if layer_num is None:
+        raise TypeError("automatic_layer_construction needs layer_num (the number of layers)")
+    if cost_criteria != "flops":
+        raise ValueError(
+            f"automatic_layer_construction: cost_criteria={cost_criteria!r} is not supported; "
+            "layers balance FLOPs ('flops')"
+        )
+    option = AutoLayerOption(
+        layer_num,
+        remat_mode="coarse_grained_remat" if remat_layer else "none",
+        layer_eps=eps,
+        static_argnums=check_static_argnums(static_argnums, "automatic_layer_construction"),
+    )
+    return _decorate(fun, option)
+
+
+def _decorate(fun: Callable | None, option: LayerOption):
+    """``fun`` rewritten by ``option`` at every call (or the decorator, without ``fun``)."""
+
+    def decorate(f: Callable) -> Callable:
+        if not callable(f):
+            raise TypeError(f"a layer construction decorator needs a function, got {f!r}")
+
+        @functools.wraps(f)
+        def wrapped(*args, **kwargs):
+            with layer_option_context(option):
+                return option.rewrite_loss(f)(*args, **kwargs)
+
+        return wrapped
+
+    return decorate if fun is None else decorate(fun)
+
+
 def _eval_layered(closed: ClosedJaxpr, segments: Segments, args: Sequence) -> list:
     """Evaluate ``closed`` on ``args``, segment ``l`` between ``layer_l`` markers."""
     jaxpr = closed.jaxpr

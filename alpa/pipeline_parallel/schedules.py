@@ -29,6 +29,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
+import numpy as np
+
 TaskKind = Literal["forward", "backward", "apply"]
 
 
@@ -196,3 +198,94 @@ def make_schedule(name: str, num_stages: int, num_micro_batches: int) -> Pipelin
     if name not in schedules:
         raise ValueError(f"unknown pipeline_schedule {name!r}; expected one of {sorted(schedules)}")
     return schedules[name](num_stages, num_micro_batches)
+
+
+# ----------------------------------------------------------------------------- Alpa's view
+#
+# Alpa's programs and tests read a schedule through classes built from a stage dependency
+# matrix: ``2 S`` "stages" for ``S`` meshes (forward stage ``i`` and backward stage
+# ``2 S - 1 - i`` on mesh ``i``), apply-grad stages placed by ``apply_grad_placement``, and
+# ``schedules[clock][mesh]`` a ``(micro_batch, stage)`` pair or ``None``. The classes below
+# are that view of the schedules above; the runtime uses the schedules above only.
+
+
+def gen_linear_pipeline_dependency(num_stage: int) -> np.ndarray:
+    """Alpa's dependency matrix of a linear pipeline of ``num_stage`` (forward then
+    backward) stages: ``d[i, j] = 1`` when stage ``i`` reads stage ``j``'s output (the stage
+    before it, and the backward stage of a forward stage its activations)."""
+    if isinstance(num_stage, bool) or not isinstance(num_stage, int) or num_stage < 2:
+        raise ValueError(f"num_stage must be an int >= 2, got {num_stage!r}")
+    d = np.zeros((num_stage, num_stage), dtype=int)
+    for i in range(num_stage - 1):
+        d[i + 1, i] = 1
+    for i in range(num_stage // 2):
+        d[num_stage - 1 - i, i] = 1
+    return d
+
+
+class _AlpaScheduleView:
+    """``schedules``, ``num_clock``, ``stage_placement`` and ``mesh_placement`` of one of
+    this module's schedules, in Alpa's stage numbering."""
+
+    _make: Callable[[int, int], PipelineSchedule]
+
+    def __init__(self, *, dependency, meshes, apply_grad_placement, num_batch: int = 1):
+        dependency = np.asarray(dependency)
+        num_stage = dependency.shape[0]
+        num_mesh = len(meshes)
+        if num_stage != 2 * num_mesh:
+            raise ValueError(
+                f"{type(self).__name__}: the dependency has {num_stage} stages but there are "
+                f"{num_mesh} meshes; a linear pipeline has a forward and a backward stage "
+                "per mesh"
+            )
+        self.dependency = dependency
+        self.meshes = meshes
+        self.num_stage = num_stage
+        self.num_mesh = num_mesh
+        self.num_batch = num_batch
+        self.apply_grad_placement = dict(apply_grad_placement)
+        self.schedule = type(self)._make(num_mesh, num_batch)
+        apply_on = {mesh: stage for stage, mesh in self.apply_grad_placement.items()}
+        self.schedules: list[list[tuple[int, int] | None]] = []
+        for tick in self.schedule.ticks:
+            row: list[tuple[int, int] | None] = [None] * num_mesh
+            for task in tick:
+                if task.kind == "forward":
+                    row[task.stage] = (task.micro_batch, task.stage)
+                elif task.kind == "backward":
+                    row[task.stage] = (task.micro_batch, num_stage - 1 - task.stage)
+                elif task.stage in apply_on:
+                    row[task.stage] = (0, apply_on[task.stage])
+            self.schedules.append(row)
+
+    @property
+    def num_clock(self) -> int:
+        return len(self.schedules)
+
+    def stage_placement(self, stage_idx: int) -> set[int]:
+        """The meshes stage ``stage_idx`` runs on (one)."""
+        if stage_idx in self.apply_grad_placement:
+            return {self.apply_grad_placement[stage_idx]}
+        return {stage_idx if stage_idx < self.num_mesh else self.num_stage - 1 - stage_idx}
+
+    def mesh_placement(self, mesh_idx: int) -> set[int]:
+        """The stages mesh ``mesh_idx`` runs: its forward, its backward, its apply-grad."""
+        stages = {mesh_idx, self.num_stage - 1 - mesh_idx}
+        stages |= {s for s, m in self.apply_grad_placement.items() if m == mesh_idx}
+        return stages
+
+    def pprint_schedule(self) -> str:
+        return self.schedule.grid()
+
+
+class GpipeSchedule(_AlpaScheduleView):
+    """Alpa's name for the GPipe schedule (:func:`gpipe_schedule`)."""
+
+    _make = staticmethod(gpipe_schedule)
+
+
+class PipeDreamFlush(_AlpaScheduleView):
+    """Alpa's name for the 1F1B schedule (:func:`one_f_one_b_schedule`)."""
+
+    _make = staticmethod(one_f_one_b_schedule)

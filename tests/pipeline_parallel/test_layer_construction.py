@@ -158,3 +158,40 @@ def test_boundary_outside_the_differentiated_function():
 
     with pytest.raises(ValueError, match=r"both in the function that alpa.grad"):
         manual_layers(jax.make_jaxpr(step2)(params, batch))
+
+
+def test_alpas_layer_decorators_mark_layers_for_plain_jax_grad():
+    # Alpa's programs decorate the loss and differentiate it with jax.grad: the decorator
+    # does what alpa.grad does, with its own option.
+    from alpa.pipeline_parallel.layer_construction import (
+        automatic_layer_construction,
+        manual_layer_construction,
+    )
+
+    manual = _step(lambda f: jax.value_and_grad(manual_layer_construction(f)))
+    jaxpr = jax.make_jaxpr(manual)(_params(), _batch()).jaxpr
+    names = [(name, kind) for name, kind, _ in _markers(jaxpr)]
+    assert names[:4] == [
+        ("layer_0", "start"),
+        ("layer_0", "end"),
+        ("layer_1", "start"),
+        ("layer_1", "end"),
+    ]
+    assert len(names) == 8 and ("boundary", "boundary") not in names
+    # The automatic one clusters into layer_num layers, ignoring the boundary.
+    auto = _step(
+        lambda f: jax.value_and_grad(automatic_layer_construction(layer_num=2, eps=1.0)(f))
+    )
+    jaxpr = jax.make_jaxpr(auto)(_params(), _batch()).jaxpr
+    starts = [n for n, kind, _ in _markers(jaxpr) if kind == "start"]
+    assert starts[:2] == ["layer_0", "layer_1"] and len(starts) == 4
+    ref = jax.jit(_step(jax.value_and_grad))(_params(), _batch())
+    for step in (manual, auto):
+        for a, b in zip(
+            jax.tree.leaves(step(_params(), _batch())), jax.tree.leaves(ref), strict=True
+        ):
+            assert jnp.allclose(a, b, rtol=1e-5, atol=1e-5)
+    with pytest.raises(TypeError, match="automatic_layer_construction needs layer_num"):
+        automatic_layer_construction(_loss)
+    with pytest.raises(TypeError, match="static_argnums must be an int or a tuple of ints"):
+        manual_layer_construction(_loss, static_argnums="x")

@@ -83,3 +83,36 @@ def test_registry_and_bad_names():
         make_schedule("zero_bubble", 2, 2)
     with pytest.raises(ValueError, match="num_micro_batches must be a positive int, got 0"):
         make_schedule("gpipe", 2, 0)
+
+
+def test_alpas_schedule_classes_read_the_same_schedules():
+    from alpa.pipeline_parallel.schedules import (
+        GpipeSchedule,
+        PipeDreamFlush,
+        gen_linear_pipeline_dependency,
+    )
+
+    deps = gen_linear_pipeline_dependency(6)  # 3 meshes: forward 0-2, backward 3-5
+    assert deps[1, 0] == deps[5, 0] == deps[4, 1] == 1 and deps[0].sum() == 0
+    apply = {6: 0, 7: 1, 8: 2}
+    gpipe = GpipeSchedule(
+        dependency=deps, meshes=[None] * 3, apply_grad_placement=apply, num_batch=4
+    )
+    assert gpipe.num_clock == 2 * (3 + 4 - 1) + 1
+    assert gpipe.schedules[0] == [(0, 0), None, None]
+    assert gpipe.schedules[-1] == [(0, 6), (0, 7), (0, 8)]
+    assert gpipe.stage_placement(4) == {1} and gpipe.mesh_placement(2) == {2, 3, 8}
+    flush = PipeDreamFlush(
+        dependency=deps, meshes=[None] * 3, apply_grad_placement=apply, num_batch=4
+    )
+    assert flush.num_clock == gpipe.num_clock
+    # 1F1B: mesh i never holds more than 3 - i micro-batches of activations.
+    in_flight, peak = [0, 0, 0], [0, 0, 0]
+    for clock in flush.schedules:
+        for mesh, task in enumerate(clock):
+            if task is not None and task[1] < 6:
+                in_flight[mesh] += 1 if task[1] < 3 else -1
+                peak[mesh] = max(peak[mesh], in_flight[mesh])
+    assert peak == [3, 2, 1]
+    with pytest.raises(ValueError, match="the dependency has 6 stages but there are 2 meshes"):
+        GpipeSchedule(dependency=deps, meshes=[None] * 2, apply_grad_placement={}, num_batch=1)
