@@ -222,6 +222,14 @@ def _is_aval(x) -> bool:
     return isinstance(x, jax.core.ShapedArray)
 
 
+def _function_name(fun: Callable) -> str:
+    """A name for messages: ``fun.__name__``, or for a ``functools.partial`` (which has
+    none, and which Alpa's programs parallelize) its function's, or the type's."""
+    while isinstance(fun, functools.partial):
+        fun = fun.func
+    return getattr(fun, "__name__", type(fun).__name__)
+
+
 class ParallelizedFunc:
     """A parallelized step. Calling it compiles (once per input signature) and runs."""
 
@@ -237,7 +245,8 @@ class ParallelizedFunc:
         self._last_executable: Executable | None = None
         self._hit: _CacheHit | None = None
         self._donations = DonationLog()
-        self._warnings = CompileWarnings(fun.__name__)
+        self.name = _function_name(fun)
+        self._warnings = CompileWarnings(self.name)
         functools.update_wrapper(self, fun)
         _all_parallelized.add(self)
 
@@ -248,7 +257,7 @@ class ParallelizedFunc:
         static = None
         if self.static_argnums != "auto":
             static = self._positions(self.static_argnums, n, "static_argnums")
-            check_static_args(self.fun.__name__, args, static, self.static_argnums)
+            check_static_args(self.name, args, static, self.static_argnums)
         batch_argnums = self.batch_argnums
         if batch_argnums is None:  # the default: Alpa's (1,), when there is an argument 1
             # that the user did not make static
@@ -257,11 +266,11 @@ class ParallelizedFunc:
             if not -n <= pos < n:
                 raise ValueError(
                     f"batch_argnums={batch_argnums} is out of range for a call of "
-                    f"{self.fun.__name__} with {n} positional arguments"
+                    f"{self.name} with {n} positional arguments"
                 )
         batch = tuple(sorted(p % n for p in batch_argnums))
         phrase = batch_argnums_phrase(self.batch_argnums)
-        check_batch_is_not_state(self.fun.__name__, args, batch, phrase)
+        check_batch_is_not_state(self.name, args, batch, phrase)
         if static is None:
             static = tuple(i for i, a in enumerate(args) if i not in batch and _is_auto_static(a))
         if self.donate_argnums == "auto":
@@ -281,7 +290,7 @@ class ParallelizedFunc:
             if not -n <= pos < n:
                 raise ValueError(
                     f"{name}={tuple(argnums)} is out of range for a call of "
-                    f"{self.fun.__name__} with {n} positional arguments"
+                    f"{self.name} with {n} positional arguments"
                 )
         return tuple(sorted(p % n for p in argnums))
 
@@ -293,7 +302,7 @@ class ParallelizedFunc:
                     hash(arg)
                 except TypeError:
                     raise TypeError(
-                        f"argument {i} of {self.fun.__name__} is static (static_argnums) but "
+                        f"argument {i} of {self.name} is static (static_argnums) but "
                         f"not hashable: {type(arg).__name__}"
                     ) from None
                 continue
@@ -301,7 +310,7 @@ class ParallelizedFunc:
                 name = f"argument {i}{jax.tree_util.keystr(path)}"
                 if not _is_array_leaf(leaf):
                     raise TypeError(
-                        f"{name} of {self.fun.__name__} is a {type(leaf).__name__}, not an "
+                        f"{name} of {self.name} is a {type(leaf).__name__}, not an "
                         "array: dynamic arguments must be pytrees of arrays. Mark the "
                         "argument static with static_argnums, or remove the leaf."
                     )
@@ -368,14 +377,12 @@ class ParallelizedFunc:
     def __call__(self, *args, **kwargs):
         if kwargs:
             raise TypeError(
-                f"{self.fun.__name__} was parallelized: pass its arguments "
+                f"{self.name} was parallelized: pass its arguments "
                 f"positionally (got keyword arguments {sorted(kwargs)})"
             )
         reused = self._donations.find_deleted(args)
         if reused is not None:
-            raise reused_donation_error(
-                self.fun.__name__, reused, args[reused], self.donate_argnums
-            )
+            raise reused_donation_error(self.name, reused, args[reused], self.donate_argnums)
         hit = self._hit
         if hit is not None:
             out = hit(args)
@@ -383,7 +390,7 @@ class ParallelizedFunc:
                 self._donations.record(args, hit.donated)
                 return out
         executable, leaves, static = self._compile(args)
-        check_not_deleted(self.fun.__name__, leaves, lambda: self._flatten(args, static)[1])
+        check_not_deleted(self.name, leaves, lambda: self._flatten(args, static)[1])
         placing = hit is not None and hit.executable is executable
         outs = executable.launch(leaves)
         # The next call that looks like this one skips the key; if this executable's
@@ -410,7 +417,7 @@ class ParallelizedFunc:
 
     def get_last_executable(self) -> Executable:
         if self._last_executable is None:
-            raise RuntimeError(f"{self.fun.__name__} has not been called or compiled yet")
+            raise RuntimeError(f"{self.name} has not been called or compiled yet")
         return self._last_executable
 
     def preshard_dynamic_args(self, *args):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 
@@ -79,6 +79,16 @@ class GlobalConfig:
     ray_connect_timeout: float = field(
         default_factory=lambda: _env_float("ALPA_RAY_CONNECT_TIMEOUT", 10.0)
     )
+
+    def __setattr__(self, name: str, value) -> None:
+        # A misspelt or Alpa-only setting would otherwise be stored and ignored in silence.
+        names = {f.name for f in fields(self)}
+        if name not in names:
+            raise AttributeError(
+                f"alpa.global_config has no setting {name!r} (set to {value!r}); its settings "
+                f"are {', '.join(sorted(names))}"
+            )
+        object.__setattr__(self, name, value)
 
 
 global_config = GlobalConfig()

@@ -340,3 +340,24 @@ def test_alpas_names_at_alpas_module_paths(tmp_path, capsys):
     assert len(util.get_execution_time_costs(1, "compat-test-timer", return_all_costs=True)) == 4
     with pytest.raises(KeyError, match="no timer named 'absent'"):
         util.get_execution_time_costs(timer_name="absent")
+
+
+def test_parallelize_a_partial_and_global_config_refuses_unknown_settings():
+    import functools
+
+    from alpa.testing import get_mlp_train_state_and_step
+
+    state, batch, step = get_mlp_train_state_and_step(32, 16, num_layers=2)
+
+    def scaled(state, batch, scale):
+        return jax.tree.map(lambda x: x * scale, step(state, batch))
+
+    partial = functools.partial(scaled, scale=2.0)
+    p_step = alpa.parallelize(partial, method=alpa.DataParallel())
+    assert p_step.name == "scaled"
+    expected = jax.jit(partial)(state, batch)
+    assert_allclose(p_step(state, batch), expected)
+
+    with pytest.raises(AttributeError, match="global_config has no setting 'nccl_mode'"):
+        alpa.global_config.nccl_mode = "cupy"
+    assert not hasattr(alpa.global_config, "nccl_mode")
