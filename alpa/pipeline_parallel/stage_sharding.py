@@ -38,7 +38,7 @@ from concurrent.futures import Future
 from typing import Any
 
 import jax
-from jax.extend.core import ClosedJaxpr
+from jax.extend.core import ClosedJaxpr, Jaxpr
 from jax.sharding import PartitionSpec
 
 from alpa.device_mesh import LogicalDeviceMesh
@@ -240,15 +240,47 @@ def _positional_vars(step: TracedStep) -> list:
 def structure_key(step: TracedStep) -> str:
     """A digest of ``step``'s equations and batch inputs, blind to the names of the
     pipeline markers in it: layers 3 and 4 of a stack of identical blocks differ only in
-    their markers' ``name=layer_3`` / ``name=layer_4``. Equal keys: the same equations on
-    values that correspond by position (the text names values by position)."""
+    their markers' ``name=layer_3`` / ``name=layer_4``. Equal keys: the same primitives
+    with the same parameters, on values that correspond by position (each value is named
+    by the order in which it first appears) and have the same types. Written directly
+    rather than through the jaxpr's pretty-printer, which took most of the time of the
+    stage-cost ILPs' keys on large models."""
     jaxpr = step.closed_jaxpr.jaxpr
-    eqns = [
-        e.replace(params={**e.params, "name": ""}) if e.primitive is pipeline_p else e
-        for e in jaxpr.eqns
-    ]
-    text = str(jaxpr.replace(eqns=eqns)) + repr(step.batch_invars)
-    return hashlib.sha256(text.encode()).hexdigest()
+    position: dict = {}
+
+    def name(v) -> str:
+        if not _is_var(v):
+            return f"lit:{v.val!r}:{v.aval.str_short()}"
+        if v not in position:
+            position[v] = len(position)
+        return f"{position[v]}:{v.aval.str_short()}"
+
+    parts = [",".join(name(v) for v in jaxpr.constvars), ",".join(name(v) for v in jaxpr.invars)]
+    for e in jaxpr.eqns:
+        params = {
+            k: v for k, v in e.params.items() if not (e.primitive is pipeline_p and k == "name")
+        }
+        parts.append(
+            f"{e.primitive.name}[{_params_text(params)}]({','.join(name(v) for v in e.invars)})"
+            f"->({','.join(name(v) for v in e.outvars)})"
+        )
+    parts.append(",".join(name(v) for v in jaxpr.outvars))
+    parts.append(repr(step.batch_invars))
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+
+
+def _params_text(value) -> str:
+    """Equation parameters as text: sub-jaxprs printed in full, callables by name (their
+    repr holds an address, which differs between equal layers), the rest by ``repr``."""
+    if isinstance(value, dict):
+        return ";".join(f"{k}={_params_text(v)}" for k, v in sorted(value.items()))
+    if isinstance(value, tuple | list):
+        return "(" + ",".join(_params_text(v) for v in value) + ")"
+    if isinstance(value, Jaxpr | ClosedJaxpr):
+        return str(value)
+    if callable(value) and not isinstance(value, type):
+        return getattr(value, "__qualname__", type(value).__name__)
+    return repr(value)
 
 
 def merged_step(
