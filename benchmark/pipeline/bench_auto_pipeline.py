@@ -198,7 +198,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", nargs="+", default=list(DEFAULT_CASES))
     parser.add_argument("--batch", type=int, default=1024)
-    parser.add_argument("--micro-batches", type=int, default=128)
+    parser.add_argument("--micro-batches", type=int, default=64)
     parser.add_argument("--out", default="benchmark/pipeline/results.json")
     parser.add_argument(
         "--layer-num", type=int, default=None, help="layers for every case (default: LAYER_NUM)"
