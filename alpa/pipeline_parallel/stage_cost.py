@@ -69,7 +69,12 @@ from jax.sharding import PartitionSpec
 
 from alpa.device_mesh import ClusterSpec, VirtualPhysicalMesh
 from alpa.pipeline_parallel.computation import PipelineProgram, _is_var, _nbytes
-from alpa.pipeline_parallel.stage_sharding import merged_step, structure_key, uses_ilp
+from alpa.pipeline_parallel.stage_sharding import (
+    equations_key,
+    merged_step,
+    structure_key,
+    uses_ilp,
+)
 from alpa.shard_parallel import ilp_solver
 from alpa.shard_parallel.auto_sharding import (
     AutoShardingOption,
@@ -490,6 +495,7 @@ class _LayerPlans:
     def __init__(self, problem: StageProblem, facts, workers: int | None = None):
         self._problem, self._facts = problem, facts
         steps: dict = {}  # (layer, devices) -> (its step, its structure key)
+        equations: dict = {}  # layer -> equations_key of its step (the same for every n)
         jobs: dict = {}  # ILP key -> (layer, step, m, config)
 
         def ilp_key(layer: int, m: int, config: LogicalConfig):
@@ -497,8 +503,12 @@ class _LayerPlans:
             if not uses_ilp(problem.config_option(config), n):
                 return None
             if (layer, n) not in steps:
+                # The layer's step on n devices differs between n only in which inputs
+                # are split as the batch.
                 step, _ = problem.stage_step(layer, layer, n)
-                steps[layer, n] = (step, structure_key(step))
+                if layer not in equations:
+                    equations[layer] = equations_key(step)
+                steps[layer, n] = (step, (equations[layer], step.batch_invars))
             step, structure = steps[layer, n]
             key = (structure, problem.submesh_choices[m], config)
             jobs.setdefault(key, (layer, step, m, config))

@@ -238,7 +238,12 @@ def _positional_vars(step: TracedStep) -> list:
 
 
 def structure_key(step: TracedStep) -> str:
-    """A digest of ``step``'s equations and batch inputs, blind to the names of the
+    """A digest of ``step``'s equations (:func:`equations_key`) and its batch inputs."""
+    return hashlib.sha256(f"{equations_key(step)}\n{step.batch_invars!r}".encode()).hexdigest()
+
+
+def equations_key(step: TracedStep) -> str:
+    """A digest of ``step``'s equations, blind to the names of the
     pipeline markers in it: layers 3 and 4 of a stack of identical blocks differ only in
     their markers' ``name=layer_3`` / ``name=layer_4``. Equal keys: the same primitives
     with the same parameters, on values that correspond by position (each value is named
@@ -246,14 +251,15 @@ def structure_key(step: TracedStep) -> str:
     rather than through the jaxpr's pretty-printer, which took most of the time of the
     stage-cost ILPs' keys on large models."""
     jaxpr = step.closed_jaxpr.jaxpr
-    position: dict = {}
+    named: dict = {}  # var -> its text (each var's type is printed once)
 
     def name(v) -> str:
         if not _is_var(v):
             return f"lit:{v.val!r}:{v.aval.str_short()}"
-        if v not in position:
-            position[v] = len(position)
-        return f"{position[v]}:{v.aval.str_short()}"
+        text = named.get(v)
+        if text is None:
+            text = named[v] = f"{len(named)}:{v.aval.str_short()}"
+        return text
 
     parts = [",".join(name(v) for v in jaxpr.constvars), ",".join(name(v) for v in jaxpr.invars)]
     for e in jaxpr.eqns:
@@ -265,7 +271,6 @@ def structure_key(step: TracedStep) -> str:
             f"->({','.join(name(v) for v in e.outvars)})"
         )
     parts.append(",".join(name(v) for v in jaxpr.outvars))
-    parts.append(repr(step.batch_invars))
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
 
