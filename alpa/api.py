@@ -53,6 +53,7 @@ from alpa.cluster import (  # noqa: F401 (alpa.api.init etc., as in Alpa)
 from alpa.executable import Executable
 from alpa.parallel_method import ParallelMethod, ShardParallel
 from alpa.pipeline_parallel.layer_construction import mark_layers
+from alpa.pipeline_parallel.segments import reuse_cuts
 from alpa.timer import timed
 from alpa.tracing import TracedStep, abstractify, leaf_signature, note_grad_inputs, trace_step
 from alpa.tracing.primitive_def import mark_pipeline_jaxpreqn
@@ -360,11 +361,14 @@ class ParallelizedFunc:
         return executable, leaves, static
 
     def _trace(self, args, static, batch, donate, names, k: int) -> TracedStep:
+        cuts: dict = {}  # the layer clustering's cuts, shared with the retraces
+
         def trace_at(divisor: int) -> TracedStep:
             abstract = traced_args(args, batch, divisor)
             # The method's options that act while tracing (PipeshardParallel's layer
-            # option, read by alpa.grad's layer rewrite) hold for every (re)trace.
-            with self.method.trace_context(), timed("tracing"):
+            # option, read by alpa.grad's layer rewrite) hold for every (re)trace, and
+            # a retrace cuts the layers where the first trace did.
+            with self.method.trace_context(), reuse_cuts(cuts), timed("tracing"):
                 traced = trace_step(self.fun, abstract, static, batch, donate, names)
             return dataclasses.replace(traced, retrace=lambda d: trace_at(divisor * d))
 

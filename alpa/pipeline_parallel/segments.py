@@ -20,8 +20,10 @@ rewrite transparent to JAX: the result traces, differentiates and jits as ``fun`
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextvars import ContextVar
 
 import jax
 import numpy as np
@@ -133,6 +135,16 @@ def clustered_segments(
     """
     eqns = [e for e in eqns if not is_boundary(e)]
     n = len(eqns)
+    memo, memo_key = _cut_memo.get(), None
+    if memo is not None:
+        memo_key = (
+            tuple((e.primitive, len(e.invars), len(e.outvars)) for e in eqns),
+            num_segments,
+            tolerance,
+        )
+        starts = memo.get(memo_key)
+        if starts is not None:
+            return _cut(eqns, starts)
     if num_segments > n:
         raise ValueError(
             f"{what}: cannot cut the {n} equations of {subject} into {num_segments} "
@@ -167,8 +179,32 @@ def clustered_segments(
             "or too little to balance "
             "at this granularity. Use a larger eps (layer_eps) or fewer layers."
         ) from error
-    bounds = [0, *starts, n]
-    return [eqns[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
+    if memo is not None:
+        memo[memo_key] = tuple(starts)
+    return _cut(eqns, starts)
+
+
+def _cut(eqns: Sequence[JaxprEqn], starts: Sequence[int]) -> Segments:
+    bounds = [0, *starts, len(eqns)]
+    return [list(eqns[a:b]) for a, b in zip(bounds, bounds[1:], strict=False)]
+
+
+_cut_memo: ContextVar[dict | None] = ContextVar("alpa_segment_cut_memo", default=None)
+
+
+@contextlib.contextmanager
+def reuse_cuts(memo: dict) -> Iterator[None]:
+    """Within the block, :func:`clustered_segments` cuts equations whose primitives (in
+    order, with their operand and result counts) were cut before under the same ``memo``
+    where they were cut then, without clustering again. ``alpa.parallelize`` shares one
+    memo between a step's trace and its retrace at the per-device batch size
+    (``micro_batches.batch_dims``): the two then have the same layers, equation for
+    equation, which the retrace needs, and the clustering runs once."""
+    token = _cut_memo.set(memo)
+    try:
+        yield
+    finally:
+        _cut_memo.reset(token)
 
 
 def _nbytes(v: Var) -> int:
