@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import time
@@ -118,6 +119,106 @@ def count_loop_communication_primitives(hlo_text: str) -> CollectiveCounts:
                 pending += [n.strip().lstrip("%") for n in match.group("names").split(",")]
     body_text = "\n".join(line for name in sorted(seen) for line in computations[name])
     return count_communication_primitives(body_text)
+
+
+def replica_groups(line: str) -> frozenset[frozenset[int]]:
+    """The replica groups (device ids) of one HLO collective, in any of XLA's three
+    spellings: explicit (``{{0,2},{1,3}}``), iota (``[2,2]<=[2,2]T(1,0)``) and mesh
+    axes (``mesh['axis_0'=2,'axis_1'=2] {'axis_0'}``)."""
+    explicit = re.search(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}", line)
+    if explicit:
+        groups = re.findall(r"\{([\d,]*)\}", explicit.group(1))
+        return frozenset(frozenset(int(d) for d in g.split(",") if d) for g in groups)
+    iota = re.search(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", line)
+    if iota:
+        shape = [int(d) for d in iota.group(1).split(",")]
+        dims = [int(d) for d in iota.group(2).split(",")]
+        ids = np.arange(int(np.prod(dims))).reshape(dims)
+        if iota.group(3):
+            ids = ids.transpose([int(d) for d in iota.group(3).split(",")])
+        rows = ids.reshape(shape).reshape(shape[0], -1)
+        return frozenset(frozenset(int(d) for d in row) for row in rows)
+    mesh = re.search(
+        r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\((.*?)\))? \{([^}]*)\}", line
+    )
+    if mesh:
+        axes = [(a, int(n)) for a, n in re.findall(r"'(\w+)'=(\d+)", mesh.group(1))]
+        names, sizes = [a for a, _ in axes], [n for _, n in axes]
+        ids = np.arange(int(np.prod(sizes)))
+        if mesh.group(2):  # the devices at the mesh's positions, as an iota or a list
+            perm = re.fullmatch(r"\[([\d,]+)\](?:T\(([\d,]+)\))?", mesh.group(2))
+            if perm:
+                ids = ids.reshape([int(d) for d in perm.group(1).split(",")])
+                if perm.group(2):
+                    ids = ids.transpose([int(d) for d in perm.group(2).split(",")])
+            else:
+                ids = np.array([int(d) for d in mesh.group(2).split(",")])
+        ids = ids.reshape(sizes)
+        reduced = [names.index(a) for a in re.findall(r"'(\w+)'", mesh.group(3))]
+        kept = [i for i in range(len(names)) if i not in reduced]
+        size = int(np.prod([sizes[i] for i in reduced]))
+        rows = ids.transpose(kept + reduced).reshape(-1, size)
+        return frozenset(frozenset(int(d) for d in row) for row in rows)
+    raise ValueError(f"no replica groups in {line!r}")
+
+
+_BYTES_COLLECTIVE_RE = re.compile(
+    r"=\s*(?P<shape>.*?)\s(?P<op>all-reduce|all-gather|reduce-scatter|all-to-all|"
+    r"collective-permute)(?P<start>-start)?\("
+)
+_TYPED_SHAPE_RE = re.compile(r"\b([a-z]+\d*)\[([\d,]*)\]")
+_ITEMSIZE = {"pred": 1, "s4": 1, "u4": 1, "c64": 8, "c128": 16}
+
+
+def _shape_bytes(shapes: list[tuple[str, str]]) -> int:
+    total = 0
+    for dtype, dims in shapes:
+        itemsize = _ITEMSIZE.get(dtype) or int(re.sub(r"\D", "", dtype) or 8) // 8
+        total += math.prod(int(d) for d in dims.split(",") if d) * itemsize
+    return total
+
+
+def collective_bytes(hlo_text: str) -> dict[str, int]:
+    """Bytes per device of the collectives in HLO text, by kind: ``all-reduce``,
+    ``all-gather``, ``reduce-scatter``, ``all-to-all``, ``collective-permute``.
+
+    The convention is the cost model's (``sharding_spec.Collective``): an all-reduce
+    counts the buffer it reduces, an all-gather the result it gathers, a reduce-scatter
+    the operand it scatters (its result times the group size), an all-to-all the buffer
+    it exchanges, a collective-permute the buffer it sends. A tuple collective (XLA's
+    combined reductions) counts each element; a collective over groups of one device
+    moves nothing and is not counted. Each collective counts once where it appears in
+    the text: one in a loop body counts once, not once per trip."""
+    total = dict.fromkeys(
+        ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute"), 0
+    )
+    partitions = re.search(r"num_partitions=(\d+)", hlo_text)
+    for line in hlo_text.splitlines():
+        match = _BYTES_COLLECTIVE_RE.search(line)
+        if match is None:
+            continue
+        op, shapes = match.group("op"), _TYPED_SHAPE_RE.findall(match.group("shape"))
+        if match.group("start") and op in ("all-gather", "collective-permute"):
+            # (operands, results[, contexts]): an all-gather's results are the second half,
+            # a permute's operand the first element.
+            arrays = [s for s in shapes if s[0] not in ("u32", "s32") or s[1]]
+            shapes = arrays[len(arrays) // 2 :] if op == "all-gather" else arrays[:1]
+        if op == "collective-permute":
+            if "source_target_pairs={}" in line:
+                continue
+            total[op] += _shape_bytes(shapes)
+            continue
+        groups = replica_groups(line) if "replica_groups=" in line else ()
+        size = max((len(g) for g in groups), default=0)
+        if not size:  # one group of every device
+            if op == "reduce-scatter" and partitions is None:
+                raise ValueError(f"a reduce-scatter over an unknown group size: {line!r}")
+            size = int(partitions.group(1)) if partitions else 0
+        if size == 1:
+            continue
+        nbytes = _shape_bytes(shapes)
+        total[op] += nbytes * size if op == "reduce-scatter" else nbytes
+    return total
 
 
 # ----------------------------------------------------------------------------- progress

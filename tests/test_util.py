@@ -9,6 +9,7 @@ import pytest
 from alpa.testing import assert_allclose
 from alpa.util import (
     benchmark_func,
+    collective_bytes,
     compute_gpt_tflops,
     compute_param_number,
     count_communication_primitives,
@@ -34,6 +35,30 @@ def test_count_communication_primitives():
     assert count_communication_primitives(HLO) == (5, 2, 1, 1, 1)
     assert count_communication_primitives(HLO, ignore_scalar_all_reduce=True) == (4, 1, 1, 1, 1)
     assert count_communication_primitives("") == (0, 0, 0, 0, 0)
+
+
+def test_collective_bytes_in_the_cost_models_convention():
+    hlo = """HloModule m, num_partitions=4
+  %ar = (f32[8]{0}, f32[8,8]{1,0}) all-reduce(%a, %b), replica_groups={{0,1},{2,3}}, to_apply=%add
+  %ar.1 = f32[] all-reduce(%c), replica_groups=[2,2]<=[4], to_apply=%add
+  %ar.2 = f32[64]{0} all-reduce(%c), replica_groups={{0},{1},{2},{3}}, to_apply=%add
+  %ags = (f32[4]{0}, f32[8]{0}) all-gather-start(%d), replica_groups={{0,1},{2,3}}, dimensions={0}
+  %agd = f32[8]{0} all-gather-done(%ags)
+  %rs = bf16[4]{0} reduce-scatter(%e), replica_groups={}, dimensions={0}, to_apply=%add
+  %a2a = f32[8,8]{1,0} all-to-all(%f), replica_groups={{0,1},{2,3}}, dimensions={0}
+  %cp = s8[16]{0} collective-permute(%g), source_target_pairs={{0,1},{1,0}}
+"""
+    # All-reduce: the buffers (a group of one device moves nothing); all-gather: the
+    # gathered result; reduce-scatter: the operand (result x group: all 4 devices).
+    assert collective_bytes(hlo) == {
+        "all-reduce": 8 * 4 + 64 * 4 + 4,
+        "all-gather": 8 * 4,
+        "reduce-scatter": 4 * 2 * 4,
+        "all-to-all": 64 * 4,
+        "collective-permute": 16,
+    }
+    with pytest.raises(ValueError, match="unknown group size"):
+        collective_bytes("%rs = f32[4]{0} reduce-scatter(%e), dimensions={0}")
 
 
 def test_compute_gpt_tflops_closed_form():

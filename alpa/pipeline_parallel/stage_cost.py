@@ -60,6 +60,7 @@ import json
 import math
 import os
 import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -81,6 +82,7 @@ from alpa.shard_parallel.auto_sharding import (
     plan_auto_sharding,
     solve_auto_sharding,
 )
+from alpa.shard_parallel.sharding_spec import Collective
 from alpa.tracing import TracedStep
 from alpa.tracing.flops import jaxpr_flops
 from alpa.util import map_on_threads
@@ -398,6 +400,10 @@ class LayerPlanCost:
       communication: seconds of the collectives run once per micro-batch.
       gradient_sync: seconds of the gradient reductions over the data axes, run once per
         step (``deferred_sums``).
+      communication_bytes: the bytes per device of those per-micro-batch collectives, by
+        HLO kind (``sharding_spec.Collective``'s convention: the buffer an all-reduce
+        reduces, the result an all-gather gathers, ...).
+      gradient_sync_bytes: the same of the once-per-step gradient reductions.
       param_fraction: the fraction of the parameters' bytes on one device.
       kept_bytes: per micro-batch, the activations its forward keeps for its backward.
       entering_bytes: per micro-batch, the batch values it reads from earlier layers.
@@ -406,6 +412,8 @@ class LayerPlanCost:
 
     communication: float
     gradient_sync: float
+    communication_bytes: dict
+    gradient_sync_bytes: dict
     param_fraction: float
     kept_bytes: float
     entering_bytes: float
@@ -419,12 +427,16 @@ def _data_parallel_layer(
     parameters replicated, one all-reduce of its gradients per step."""
     n = int(np.prod(problem.submesh_choices[m]))
     sync = 0.0
+    reductions = []
     if n > 1:
         flat = problem.logical_mesh(m, config).flatten()
         sync = flat.all_reduce_cost(facts.param_bytes, 1)
+        reductions.append(Collective("all-reduce", 1, facts.param_bytes))
     return LayerPlanCost(
         communication=0.0,
         gradient_sync=sync,
+        communication_bytes=ilp_solver.bytes_by_kind(()),
+        gradient_sync_bytes=ilp_solver.bytes_by_kind(reductions),
         param_fraction=1.0,
         kept_bytes=facts.activation_bytes / n,
         entering_bytes=facts.entering_bytes / n,
@@ -447,12 +459,22 @@ def _ilp_layer(
     communication = ilp_solver.communication_cost(graph, choice)
     # The gradient row sums reduced over the data axes: deferred to once per step.
     data = {list(mesh.axis_names).index(a) for a in plan.data_axes}
+    # A gradient row sum reduced over data axes (and perhaps model axes too): its
+    # reductions over the data axes are the ones deferred; over a model axis (a row sum
+    # that also sums a dimension split there) it stays in the backward, per micro-batch.
+    gradient_nodes = {
+        node.id for node in graph.nodes if any(v in facts.gradients for v in node.outvars)
+    }
+    once, per_micro = [], []
     sync = 0.0
-    for node in graph.nodes:
-        if data and any(v in facts.gradients for v in node.outvars):
-            strategy = node.strategies[choice[node.id]]
-            if strategy.reduce_axes and set(strategy.reduce_axes) <= data:
-                sync += strategy.comm_cost
+    for node, reduces, collective in ilp_solver.collectives(graph, choice):
+        if reduces and node in gradient_nodes and collective.axis in data:
+            once.append(collective)
+            sync += collective.cost(mesh)
+            if graph.nodes[node].combined and collective.kind == "all-reduce":
+                sync -= mesh.mesh_alpha[collective.axis]  # paid once (combined_latency)
+        else:
+            per_micro.append(collective)
     shape, names = plan.logical_mesh.shape, plan.logical_mesh.axis_names
     specs = dict(zip(step.jaxpr.invars, plan.in_specs, strict=True))
     specs.update(plan.var_specs)
@@ -476,6 +498,8 @@ def _ilp_layer(
     return LayerPlanCost(
         communication=float(communication) - sync,
         gradient_sync=sync,
+        communication_bytes=ilp_solver.bytes_by_kind(per_micro),
+        gradient_sync_bytes=ilp_solver.bytes_by_kind(once),
         param_fraction=local_params / whole if whole else 1.0,
         kept_bytes=local(facts.kept),
         entering_bytes=local(facts.entering),
@@ -607,8 +631,10 @@ class AnalyticStageCost:
         self.workers = workers
 
     def stage_model(self, problem: StageProblem):
-        """``(latency, memory)``: functions of ``(i, j, m, c, config)`` giving a stage's
-        seconds per micro-batch and its ``(state, per micro-batch, once)`` bytes."""
+        """``(latency, memory, collective_bytes)``: functions of ``(i, j, m, c, config)``
+        giving a stage's seconds per micro-batch, its ``(state, per micro-batch, once)``
+        bytes, and its collectives' ``(per micro-batch, once per step)`` bytes by kind
+        with its parameters' bytes per device."""
         cluster = problem.cluster
         bandwidth = self.cross_mesh_bandwidth or cluster.inter_node_bandwidth
         facts = problem.layer_facts
@@ -628,10 +654,20 @@ class AnalyticStageCost:
                 total += 2 * facts[i].entering_bytes / bandwidth
             return total
 
-        return latency, _stage_memory(problem, plans)
+        def collective_bytes(i, j, m, c, config):
+            per_micro, once, params = Counter(), Counter(), 0.0
+            for layer in range(i, j + 1):
+                cost = plans.get(layer, m, config)
+                per_micro.update(cost.communication_bytes)
+                once.update(cost.gradient_sync_bytes)
+                params += facts[layer].param_bytes * cost.param_fraction
+            return dict(per_micro), dict(once), params
+
+        return latency, _stage_memory(problem, plans), collective_bytes
 
     def __call__(self, problem: StageProblem) -> StageCosts:
-        return _fill(problem, *self.stage_model(problem))
+        latency, memory, _ = self.stage_model(problem)
+        return _fill(problem, latency, memory)
 
 
 @dataclass(frozen=True)
@@ -643,12 +679,28 @@ class StagePlanCost:
       latencies: per stage, seconds per micro-batch.
       memory: per stage, bytes per device with its micro-batches in flight under 1F1B.
       fits: per stage, whether that memory is within the budget.
+      collective_bytes: per stage, the bytes per device of the collectives its forward
+        and backward run per micro-batch, by HLO kind (``"all-reduce"``, ...; in
+        ``sharding_spec.Collective``'s convention): what ``K`` prices.
+      gradient_sync_bytes: per stage, the same of its gradient reductions, run once per
+        step in apply-grad: what ``G`` prices.
+      state_memory: per stage, the part of ``memory`` that is state (parameters,
+        optimizer state, gradient sums).
+      activation_memory: per stage, the part of ``memory`` held per micro-batch in
+        flight (under remat, only the values entering the stage).
+      parameter_memory: per stage, its parameters' bytes per device (the gradient sums
+        are as many; the optimizer state is the rest of ``state_memory``).
     """
 
     step_seconds: float
     latencies: tuple[float, ...]
     memory: tuple[float, ...]
     fits: tuple[bool, ...]
+    collective_bytes: tuple[dict, ...] = ()
+    gradient_sync_bytes: tuple[dict, ...] = ()
+    state_memory: tuple[float, ...] = ()
+    activation_memory: tuple[float, ...] = ()
+    parameter_memory: tuple[float, ...] = ()
 
 
 def predict_stage_plan(
@@ -665,8 +717,9 @@ def predict_stage_plan(
         tuple(dict.fromkeys(s[3] for s in stages if tuple(s[2]) == shape)) for shape in shapes
     )
     problem = dataclasses.replace(problem, submesh_choices=shapes, configs=configs)
-    latency_of, memory_of = (model or AnalyticStageCost()).stage_model(problem)
-    latencies, memory, fits = [], [], []
+    latency_of, memory_of, bytes_of = (model or AnalyticStageCost()).stage_model(problem)
+    latencies, memory, fits, per_micro_bytes, once_bytes = [], [], [], [], []
+    states, activations, params = [], [], []
     num_stages = len(stages)
     for s, (i, j, shape, config) in enumerate(stages):
         m = shapes.index(tuple(shape))
@@ -676,9 +729,25 @@ def predict_stage_plan(
         in_flight = min(num_stages - s, max(1, problem.num_micro_batches))
         memory.append(state + once + in_flight * per_micro)
         fits.append(memory[-1] <= problem.memory_budget)
+        states.append(state)
+        activations.append(per_micro)
+        sent, synced, local_params = bytes_of(i, j, m, c, config)
+        per_micro_bytes.append(sent)
+        once_bytes.append(synced)
+        params.append(local_params)
     micro = max(1, problem.num_micro_batches)
     total = sum(latencies) + (micro - 1) * max(latencies)
-    return StagePlanCost(float(total), tuple(latencies), tuple(memory), tuple(fits))
+    return StagePlanCost(
+        float(total),
+        tuple(latencies),
+        tuple(memory),
+        tuple(fits),
+        tuple(per_micro_bytes),
+        tuple(once_bytes),
+        tuple(states),
+        tuple(activations),
+        tuple(params),
+    )
 
 
 class MeasuredStageCost:

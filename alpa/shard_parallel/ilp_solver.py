@@ -49,7 +49,12 @@ import numpy as np
 
 from alpa.global_env import global_config
 from alpa.shard_parallel.milp import Milp
-from alpa.shard_parallel.strategy_costs import combined_latency
+from alpa.shard_parallel.sharding_spec import (
+    COLLECTIVE_KINDS,
+    Collective,
+    resharding_collectives,
+)
+from alpa.shard_parallel.strategy_costs import combined_latency, sums_partials
 from alpa.shard_parallel.strategy_graph import StrategyGraph, live_points
 
 
@@ -86,6 +91,56 @@ def communication_cost(graph: StrategyGraph, choice) -> float:
         total += node.strategies[choice[node.id]].comm_cost
     for edge in graph.edges:
         total += float(edge.cost[choice[edge.src], choice[edge.dst]])
+    return total
+
+
+def collectives(graph: StrategyGraph, choice) -> list[tuple[int, bool, Collective]]:
+    """The collectives behind :func:`communication_cost`, as ``(node, reduces,
+    collective)``: each chosen strategy's reductions (``reduces``: an all-reduce of the
+    node's result per axis it reduces over, or a reduce-scatter into the axis that splits
+    the result) and each edge's resharding (``sharding_spec.resharding_collectives``),
+    with ``node`` the consumer. Their costs on the mesh add up to
+    :func:`communication_cost` but for the latency of combined reductions.
+    A reduction the graph prices once for two partial results (``PartialSumSite``) is
+    listed once."""
+    mesh = graph.mesh
+    merged = {
+        site.other
+        for site in graph.partial_sums
+        if sums_partials(graph.nodes, site, choice[site.other], choice[site.add_node])
+    }
+    out = []
+    for node in graph.nodes:
+        if node.id in merged:
+            continue
+        strategy = node.strategies[choice[node.id]]
+        split = {a for spec in strategy.out_specs for axes in spec for a in axes}
+        for axis in strategy.reduce_axes:
+            if mesh.shape[axis] == 1:
+                continue
+            per_device = node.out_bytes[0][choice[node.id]]
+            if axis in split:  # reduce-scatter: priced on the unscattered buffer
+                scattered = per_device * mesh.shape[axis]
+                out.append((node.id, True, Collective("reduce-scatter", axis, scattered)))
+            else:
+                out.append((node.id, True, Collective("all-reduce", axis, per_device)))
+    allow_all_to_all = graph.options is None or graph.options.allow_all_to_all
+    for edge in graph.edges:
+        if not edge.src_specs:
+            continue
+        src, dst = edge.src_specs[choice[edge.src]], edge.dst_specs[choice[edge.dst]]
+        if dst is None:
+            continue
+        for c in resharding_collectives(src, dst, edge.nbytes, mesh, allow_all_to_all):
+            out.append((edge.dst, False, c))
+    return out
+
+
+def bytes_by_kind(collectives) -> dict[str, float]:
+    """Bytes per device of ``collectives`` by kind (``Collective``'s convention)."""
+    total = dict.fromkeys(COLLECTIVE_KINDS, 0.0)
+    for c in collectives:
+        total[c.kind] += c.nbytes
     return total
 
 

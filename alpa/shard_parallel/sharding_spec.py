@@ -18,6 +18,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from jax.sharding import PartitionSpec
 
@@ -142,18 +143,41 @@ def nbytes(shape: Sequence[int], itemsize: int) -> int:
     return math.prod(shape) * itemsize
 
 
-def resharding_cost(
-    src: Spec,
-    dst: Spec,
-    total_bytes: float,
-    mesh: LogicalDeviceMesh,
-    allow_all_gather: bool = True,
-    allow_all_to_all: bool = True,
-) -> float:
-    """The cost of turning a value held as ``src`` into ``dst`` (module docstring)."""
+#: The collectives of the cost model, by their names in HLO.
+COLLECTIVE_KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all")
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective over one logical mesh ``axis``. ``nbytes`` is per device, in the
+    convention of ``LogicalDeviceMesh``'s costs: the buffer an all-reduce reduces, the
+    result an all-gather gathers, the operand a reduce-scatter scatters, the buffer an
+    all-to-all exchanges."""
+
+    kind: str
+    axis: int
+    nbytes: float
+
+    def cost(self, mesh: LogicalDeviceMesh) -> float:
+        return _COSTS[self.kind](mesh, self.nbytes, self.axis)
+
+
+_COSTS = {
+    "all-reduce": LogicalDeviceMesh.all_reduce_cost,
+    "all-gather": LogicalDeviceMesh.all_gather_cost,
+    "reduce-scatter": LogicalDeviceMesh.reduce_scatter_cost,
+    "all-to-all": LogicalDeviceMesh.all_to_all_cost,
+}
+
+
+def resharding_collectives(
+    src: Spec, dst: Spec, total_bytes: float, mesh: LogicalDeviceMesh, allow_all_to_all: bool = True
+) -> tuple[Collective, ...]:
+    """The collectives that turn a value of ``total_bytes`` held as ``src`` into ``dst``
+    (module docstring), over axes of more than one device."""
     if src == dst:
-        return 0.0
-    cost = 0.0
+        return ()
+    out = []
     shards = num_shards(src, mesh)
     for axis in used_axes(src):
         src_dim = axis_dim(src, axis)
@@ -162,10 +186,26 @@ def resharding_cost(
             continue
         per_device = total_bytes / shards
         if dst_dim is not None and allow_all_to_all and len(src[src_dim]) == 1:
-            cost += mesh.all_to_all_cost(per_device, axis)
+            out.append(Collective("all-to-all", axis, per_device))
             continue
-        cost += mesh.all_gather_cost(per_device * mesh.shape[axis], axis)
-        if not allow_all_gather:
-            cost += FORBIDDEN_COST
+        out.append(Collective("all-gather", axis, per_device * mesh.shape[axis]))
         shards //= mesh.shape[axis]
+    return tuple(c for c in out if mesh.shape[c.axis] > 1)
+
+
+def resharding_cost(
+    src: Spec,
+    dst: Spec,
+    total_bytes: float,
+    mesh: LogicalDeviceMesh,
+    allow_all_gather: bool = True,
+    allow_all_to_all: bool = True,
+) -> float:
+    """The cost of turning a value held as ``src`` into ``dst`` (module docstring): its
+    :func:`resharding_collectives`, priced by the mesh."""
+    cost = 0.0
+    for collective in resharding_collectives(src, dst, total_bytes, mesh, allow_all_to_all):
+        cost += collective.cost(mesh)
+        if collective.kind == "all-gather" and not allow_all_gather:
+            cost += FORBIDDEN_COST
     return cost

@@ -101,9 +101,16 @@ class Node:
 
 @dataclass(frozen=True)
 class Edge:
+    """A value read: ``cost[i, j]`` reshards ``src``'s output under its strategy ``i``
+    (spec ``src_specs[i]``) into ``dst_specs[j]`` (``None``: taken as it is), the spec
+    ``dst``'s strategy ``j`` reads; the value is ``nbytes`` in full."""
+
     src: int
     dst: int
     cost: np.ndarray  # [src strategy, dst strategy]
+    src_specs: tuple[Spec, ...] = ()
+    dst_specs: tuple[Spec | None, ...] = ()
+    nbytes: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -121,6 +128,7 @@ class StrategyGraph:
     num_eqns: int
     unknown_primitives: tuple[str, ...]
     partial_sums: tuple[PartialSumSite, ...] = ()
+    options: GraphOptions | None = None
 
 
 @dataclass(frozen=True)
@@ -230,6 +238,7 @@ def build_strategy_graph(
         num_eqns=len(builder.eqns),
         unknown_primitives=tuple(sorted(builder.unknown)),
         partial_sums=tuple(builder.partial_sums),
+        options=options,
     )
 
 
@@ -419,15 +428,17 @@ class _Builder:
             src_id, k = self.sources[var]
             dst_specs = tuple(s.in_specs[j] for s in result.strategies)
             total = nbytes(var.aval.shape, itemsize(var.aval))
-            cost = self._matrix(self._specs_of((src_id, k)), dst_specs, total)
+            src_specs = self._specs_of((src_id, k))
+            cost = self._matrix(src_specs, dst_specs, total)
             if site is not None and j == site.other_index:
                 cost = cost + partial_sum_discount(self.nodes, site)
-            self.edges.append(Edge(src_id, node_id, cost))
+            self.edges.append(Edge(src_id, node_id, cost, src_specs, dst_specs, total))
 
     def add_state_edge(self, source: Source, input_node: int, var) -> None:
         total = nbytes(var.aval.shape, itemsize(var.aval))
-        cost = self._matrix(self._specs_of(source), self._specs_of((input_node, 0)), total)
-        self.edges.append(Edge(source[0], input_node, cost))
+        src_specs, dst_specs = self._specs_of(source), self._specs_of((input_node, 0))
+        cost = self._matrix(src_specs, dst_specs, total)
+        self.edges.append(Edge(source[0], input_node, cost, src_specs, dst_specs, total))
 
     def _matrix(
         self, src_specs: tuple[Spec, ...], dst_specs: tuple[Spec | None, ...], total: float

@@ -20,47 +20,9 @@ from conftest import devices_or_skip
 
 import alpa
 from alpa.pipeline_parallel.stage_construction import ManualStageOption
+from alpa.util import replica_groups
 
 _COLLECTIVE = re.compile(r"= .*? (all-reduce|all-gather|reduce-scatter)(?:-start)?\(")
-
-
-def replica_groups(line: str) -> frozenset[frozenset[int]]:
-    """The replica groups of one HLO collective, in any of XLA's three spellings."""
-    explicit = re.search(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}", line)
-    if explicit:
-        groups = re.findall(r"\{([\d,]*)\}", explicit.group(1))
-        return frozenset(frozenset(int(d) for d in g.split(",") if d) for g in groups)
-    iota = re.search(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", line)
-    if iota:
-        shape = [int(d) for d in iota.group(1).split(",")]
-        dims = [int(d) for d in iota.group(2).split(",")]
-        ids = np.arange(int(np.prod(dims))).reshape(dims)
-        if iota.group(3):
-            ids = ids.transpose([int(d) for d in iota.group(3).split(",")])
-        rows = ids.reshape(shape).reshape(shape[0], -1)
-        return frozenset(frozenset(int(d) for d in row) for row in rows)
-    mesh = re.search(
-        r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\((.*?)\))? \{([^}]*)\}", line
-    )
-    if mesh:
-        axes = [(a, int(n)) for a, n in re.findall(r"'(\w+)'=(\d+)", mesh.group(1))]
-        names, sizes = [a for a, _ in axes], [n for _, n in axes]
-        ids = np.arange(int(np.prod(sizes)))
-        if mesh.group(2):  # the devices at the mesh's positions, as an iota or a list
-            perm = re.fullmatch(r"\[([\d,]+)\](?:T\(([\d,]+)\))?", mesh.group(2))
-            if perm:
-                ids = ids.reshape([int(d) for d in perm.group(1).split(",")])
-                if perm.group(2):
-                    ids = ids.transpose([int(d) for d in perm.group(2).split(",")])
-            else:
-                ids = np.array([int(d) for d in mesh.group(2).split(",")])
-        ids = ids.reshape(sizes)
-        reduced = [names.index(a) for a in re.findall(r"'(\w+)'", mesh.group(3))]
-        kept = [i for i in range(len(names)) if i not in reduced]
-        size = int(np.prod([sizes[i] for i in reduced]))
-        rows = ids.transpose(kept + reduced).reshape(-1, size)
-        return frozenset(frozenset(int(d) for d in row) for row in rows)
-    raise AssertionError(f"no replica groups in {line!r}")
 
 
 def collectives(hlo: str) -> list[tuple[str, frozenset]]:

@@ -1,0 +1,125 @@
+"""The stage cost model checked against the programs it prices (issue 26).
+
+For every stage of a planned pipeshard step on logical (2, 2) submeshes, where the ILP
+splits the batch over ``x`` and the model over ``y``:
+
+* **collectives**: the bytes per device ``plan.cost`` says the stage's forward and
+  backward move per micro-batch, by kind (``StagePlanCost.collective_bytes``: what ``K``
+  prices), equal the bytes of the collectives in their compiled HLO
+  (``alpa.util.collective_bytes``, the same convention: the buffer an all-reduce reduces,
+  the result an all-gather gathers, ...); the gradient reductions it defers to apply-grad
+  (``gradient_sync_bytes``: what ``G`` prices) equal the all-reduces of the stage's
+  compiled apply-grad. Apply-grad's all-gathers (its own ILP computes part of the update
+  sharded and gathers the parameters back) are not priced by the stage model: they are
+  only checked to be all-gathers.
+* **memory**: the activations the model keeps per micro-batch in flight
+  (``activation_memory``) equal the bytes per device of the batch-dependent values the
+  compiled forward hands its backward, as XLA lays them out (the executable's output
+  shardings). XLA's memory analysis of the forward (``output_size_in_bytes``) holds
+  these, the values sent to the next stage, and copies of weights the forward hands the
+  backward through its pipeline marker, which the model does not count (docs/pipeline.md).
+
+Each stage holds one layer: a stage of several layers is priced as the sum of per-layer
+ILPs, which do not see a resharding between two layers of the stage (docs/pipeline.md).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import devices_or_skip
+
+import alpa
+from alpa.pipeline_parallel.stage_construction import ManualStageOption
+from alpa.util import collective_bytes
+
+
+def _step(model: str):
+    if model == "gpt":
+        from alpa.model.gpt import GPTConfig, get_gpt_train_state_and_step
+
+        config = GPTConfig(
+            seq_len=16,
+            vocab_size=64,
+            hidden_size=32,
+            num_layers=2,
+            num_heads=2,
+            add_manual_pipeline_markers=True,
+            tie_word_embeddings=False,
+        )
+        return get_gpt_train_state_and_step(config, 32, grad_func=alpa.value_and_grad)
+    from alpa.model.mlp import MLPModel, get_mlp_train_state_and_step
+
+    mlp = MLPModel(hidden_size=64, num_layers=1, output_dim=16, add_manual_pipeline_markers=True)
+    return get_mlp_train_state_and_step(mlp, 32, 16, grad_func=alpa.value_and_grad)
+
+
+def _compiled_stages(model: str):
+    """The executable of ``model`` in two one-layer stages on logical (2, 2) submeshes."""
+    devices_or_skip(8)
+    state, batch, step = _step(model)
+    forced = {"force_batch_dim_to_mesh_dim": 0}
+    method = alpa.PipeshardParallel(
+        num_micro_batches=4,
+        stage_option=ManualStageOption(
+            [[0], [1]],
+            [(1, 4), (1, 4)],
+            submesh_logical_shapes=[(2, 2), (2, 2)],
+            submesh_autosharding_option_dicts=[forced, forced],
+        ),
+    )
+    return alpa.parallelize(step, method=method, donate_argnums=()).get_executable(state, batch)
+
+
+def _nonzero(counts: dict) -> dict:
+    return {kind: value for kind, value in counts.items() if value}
+
+
+def _sum(texts) -> dict:
+    total: dict = {}
+    for text in texts:
+        for kind, value in collective_bytes(text).items():
+            total[kind] = total.get(kind, 0) + value
+    return total
+
+
+def _kept_bytes(executable, forward, backward) -> int:
+    """Bytes per device of the batch-dependent values ``forward`` hands ``backward``,
+    as the compiled forward lays out its outputs."""
+    compiled = executable._compiled_computation(executable.program.computations.index(forward))
+    read = set(backward.invars)
+    total = 0
+    for v, sharding in zip(forward.outvars, compiled.output_shardings, strict=True):
+        if v in read and v in executable.program.batch_dependent:
+            total += int(np.prod(sharding.shard_shape(v.aval.shape))) * v.aval.dtype.itemsize
+    return total
+
+
+@pytest.mark.parametrize("model", ["gpt", "mlp"])
+def test_collective_bytes_and_activations_match_the_compiled_stages(model):
+    executable = _compiled_stages(model)
+    cost = executable.plan.cost
+    comps = executable.program.computations
+    texts = executable.get_hlo_text()
+    for stage in range(executable.plan.num_stages):
+        mine = [(c, t) for c, t in zip(comps, texts, strict=True) if c.stage == stage]
+        per_micro = _sum(t for c, t in mine if c.name.endswith(("forward", "backward")))
+        apply = _sum(t for c, t in mine if "_apply" in c.name)
+        predicted = _nonzero(cost.collective_bytes[stage])
+        # The last stage's layer is split over y: its backward all-reduces per micro-batch.
+        assert predicted or stage == 0, (model, stage)
+        assert _nonzero(per_micro).keys() == predicted.keys(), (model, stage, per_micro)
+        for kind, nbytes in predicted.items():
+            assert per_micro[kind] == pytest.approx(nbytes, rel=0.05), (model, stage, kind)
+        synced = cost.gradient_sync_bytes[stage]
+        assert synced["all-reduce"] > 0, (model, stage)
+        assert apply["all-reduce"] == pytest.approx(synced["all-reduce"], rel=0.05), (
+            model,
+            stage,
+        )
+        assert set(_nonzero(apply)) <= {"all-reduce", "all-gather"}, (model, stage, apply)
+
+        forward = next(c for c in comps if c.name == f"stage{stage}_forward")
+        backward = next(c for c in comps if c.name == f"stage{stage}_backward")
+        kept = _kept_bytes(executable, forward, backward)
+        assert cost.activation_memory[stage] == pytest.approx(kept, rel=0.10), (model, stage)
