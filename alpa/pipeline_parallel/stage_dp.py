@@ -182,7 +182,6 @@ def _dp_within(num_layers, num_devices, num_micro_batches, sizes, cost, max_succ
     smallest ``(end, m, c)``.
     """
     L, D, M = num_layers, num_devices, len(sizes)
-    C = cost.shape[3]
     inf = np.inf
     f = np.full((L + 1, L + 1, D + 1), inf)  # f[s, k, d]
     stage_max = np.zeros((L + 1, L + 1, D + 1))
@@ -203,17 +202,22 @@ def _dp_within(num_layers, num_devices, num_micro_batches, sizes, cost, max_succ
         for k in range(L - 1, -1, -1):
             # The first stage is layers k..i-1, i = k+1..L (j = i-1 = k..L-1).
             t = np.where(s - 1 <= max_succ[k, k:L], within[k, k:L], inf)  # [i', m, c]
+            # The rest of the plan does not depend on the stage's configuration, so per
+            # (i', m) only its fastest one can be chosen (and gives the smaller maximum
+            # too); the first of equals, as the tie rule says.
+            best_c = t.argmin(axis=2)  # [i', m]
+            t = np.take_along_axis(t, best_c[:, :, None], axis=2)  # [i', m, 1]
             rest = shifted[:, k + 1 :, :].transpose(1, 0, 2)  # [i', m, d]
             rest_max = shifted_max[:, k + 1 :, :].transpose(1, 0, 2)
-            total = (rest[:, :, None, :] + t[:, :, :, None]).reshape(-1, D + 1)
-            peak = np.maximum(rest_max[:, :, None, :], t[:, :, :, None]).reshape(-1, D + 1)
+            total = (rest + t).reshape(-1, D + 1)
+            peak = np.maximum(rest_max, t).reshape(-1, D + 1)
             # Least sum, then least maximum among equal sums (module docstring).
             least = total.min(axis=0)
             best = np.where(total == least, peak, inf).argmin(axis=0)
             f[s, k] = total[best, columns]
             stage_max[s, k] = peak[best, columns]
-            end, m, c = np.unravel_index(best, (L - k, M, C))
-            arg[s, k, :, 0], arg[s, k, :, 1], arg[s, k, :, 2] = end + k + 1, m, c
+            end, m = np.unravel_index(best, (L - k, M))
+            arg[s, k, :, 0], arg[s, k, :, 1], arg[s, k, :, 2] = end + k + 1, m, best_c[end, m]
     sums, peaks = f[1:, 0, D], stage_max[1:, 0, D]
     if not np.isfinite(sums).any():
         return None
