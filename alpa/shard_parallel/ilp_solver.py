@@ -423,6 +423,8 @@ def _solve_ilp(graph, groups: _Groups, core, memory_budget, time_limit):
                 )
     if memory_budget is not None:
         _add_memory_constraints(model, graph, groups, s, memory_budget)
+    else:
+        model.presolve = False  # Milp.presolve
     solver = global_config.ilp_solver
     values, status = model.solve(solver, time_limit)
     if values is None:
