@@ -32,8 +32,9 @@ with the same producer specs, consumer specs and byte size.
 
 from __future__ import annotations
 
+import threading
 import warnings
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -246,13 +247,40 @@ def _whole(var) -> Strategy:
     return Strategy("replicated", (replicated(len(var.aval.shape)),), ())
 
 
+#: How many (mesh, options) pairs keep their builder caches (:func:`_shared_caches`).
+SHARED_CACHE_LIMIT = 64
+_shared: OrderedDict = OrderedDict()
+_shared_lock = threading.Lock()
+_CACHE_NAMES = ("priced", "cost", "matrix", "rule", "shards", "bytes")
+
+
+def _shared_caches(mesh: LogicalDeviceMesh, options: GraphOptions) -> dict[str, dict]:
+    """The builder caches of every graph built on ``mesh`` (by value: shape, axis names,
+    rates) with ``options``, the last :data:`SHARED_CACHE_LIMIT` pairs kept. Their entries
+    depend only on the mesh, the options and their own keys, so the graphs of different
+    programs share them: the stage-cost ILPs of a model's distinct layers on one logical
+    submesh run each equation's strategy rule, pricing and resharding matrices once.
+    Threads share them too: an entry computed twice is computed alike."""
+    key = (mesh, options)
+    with _shared_lock:
+        caches = _shared.get(key)
+        if caches is None:
+            caches = _shared[key] = {name: {} for name in _CACHE_NAMES}
+            while len(_shared) > SHARED_CACHE_LIMIT:
+                _shared.popitem(last=False)
+        else:
+            _shared.move_to_end(key)
+    return caches
+
+
 class _Builder:
     def __init__(self, mesh: LogicalDeviceMesh, options: GraphOptions, combinable: set[int]):
         self.mesh = mesh
         self.options = options
         self.combinable = combinable
         self.batch_axis: tuple[Mapping, int] | None = None
-        self._priced_cache: dict = {}
+        caches = _shared_caches(mesh, options)
+        self._priced_cache: dict = caches["priced"]
         self.nodes: list[Node] = []
         self.edges: list[Edge] = []
         self.sources: dict = {}
@@ -266,11 +294,11 @@ class _Builder:
         # Per node, per output: the output spec under each strategy (the operand specs of
         # the node's consumers).
         self._out_specs: list[tuple[tuple[Spec, ...], ...]] = []
-        self._cost_cache: dict = {}
-        self._matrix_cache: dict = {}
-        self._rule_cache: dict = {}
-        self._shards_cache: dict = {}
-        self._bytes_cache: dict = {}
+        self._cost_cache: dict = caches["cost"]
+        self._matrix_cache: dict = caches["matrix"]
+        self._rule_cache: dict = caches["rule"]
+        self._shards_cache: dict = caches["shards"]
+        self._bytes_cache: dict = caches["bytes"]
         # How often the jaxpr (not a remat2 body) reads each value; the add sites found.
         self.reads: Counter = Counter()
         self.partial_sums: list[PartialSumSite] = []
