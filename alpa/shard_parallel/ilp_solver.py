@@ -395,31 +395,33 @@ def _solve_ilp(graph, groups: _Groups, core, memory_budget, time_limit):
     model = Milp()
     s = {g: model.add_binaries(groups.unary[g] + groups.tie[g]) for g in core}
     for g in core:
-        model.add_row(s[g], [1.0] * len(s[g]), 1.0, 1.0)
+        model.add_row(s[g], [1.0] * len(s[g]), 1.0, 1.0, distinct=True)
     for g in core:
         for h in sorted(groups.adj[g]):
             if h < g:
                 continue
             m = groups.adj[g][h]
             rows, cols = _equal_lines(m), _equal_lines(m.T)
-            e = [
-                [model.add_var(float(m[ri[0], cj[0]])) for cj in cols]
-                for ri in rows
-            ]  # fmt: skip
+            costs = m[np.ix_([ri[0] for ri in rows], [cj[0] for cj in cols])]
+            flat = model.add_vars(costs.ravel().tolist())
+            e = [flat[a * len(cols) : (a + 1) * len(cols)] for a in range(len(rows))]
+            # The variables of one row are distinct (e's, then s's): nothing to merge.
             for a, members in enumerate(rows):
                 model.add_row(
                     e[a] + [s[g][i] for i in members],
                     [1.0] * len(e[a]) + [-1.0] * len(members),
                     0.0,
                     0.0,
+                    distinct=True,
                 )
             for b, members in enumerate(cols):
-                column = [e[a][b] for a in range(len(rows))]
+                column = flat[b :: len(cols)]
                 model.add_row(
                     column + [s[h][j] for j in members],
                     [1.0] * len(column) + [-1.0] * len(members),
                     0.0,
                     0.0,
+                    distinct=True,
                 )
     if memory_budget is not None:
         _add_memory_constraints(model, graph, groups, s, memory_budget)
@@ -492,7 +494,7 @@ def smallest_peak_memory(graph, time_limit) -> float:
     model = Milp()
     s = {g: model.add_binaries([0.0] * groups.k[g]) for g in core}
     for g in core:
-        model.add_row(s[g], [1.0] * len(s[g]), 1.0, 1.0)
+        model.add_row(s[g], [1.0] * len(s[g]), 1.0, 1.0, distinct=True)
     peak = model.add_var(1.0, 0.0, np.inf)
     for live in set(live_points(graph)):
         terms, constant = _memory_terms(graph, groups, s, live)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 import warnings
 from dataclasses import dataclass, field
 
@@ -60,16 +61,33 @@ class Milp:
         self.integer.append(bool(integer))
         return len(self.cost) - 1
 
-    def add_binaries(self, costs) -> list[int]:
-        return [self.add_var(c, 0.0, 1.0, True) for c in costs]
+    def add_vars(self, costs, integer: bool = False) -> list[int]:
+        """Variables in ``[0, 1]``, one per cost."""
+        first = len(self.cost)
+        self.cost += [float(c) for c in costs]
+        count = len(self.cost) - first
+        self.lower += [0.0] * count
+        self.upper += [1.0] * count
+        self.integer += [bool(integer)] * count
+        return list(range(first, first + count))
 
-    def add_row(self, index, value, lower: float, upper: float) -> None:
-        """``lower <= sum_k value[k] * x[index[k]] <= upper`` (repeated indices add up)."""
-        merged: dict[int, float] = {}
-        for i, v in zip(index, value, strict=True):
-            merged[int(i)] = merged.get(int(i), 0.0) + float(v)
-        self.row_index += list(merged)
-        self.row_value += list(merged.values())
+    def add_binaries(self, costs) -> list[int]:
+        return self.add_vars(costs, integer=True)
+
+    def add_row(self, index, value, lower: float, upper: float, distinct: bool = False) -> None:
+        """``lower <= sum_k value[k] * x[index[k]] <= upper`` (repeated indices add up;
+        ``distinct``: the caller knows there are none, and nothing is merged)."""
+        if distinct:
+            if len(index) != len(value):
+                raise ValueError(f"{len(index)} indices but {len(value)} values")
+            self.row_index += [int(i) for i in index]
+            self.row_value += [float(v) for v in value]
+        else:
+            merged: dict[int, float] = {}
+            for i, v in zip(index, value, strict=True):
+                merged[int(i)] = merged.get(int(i), 0.0) + float(v)
+            self.row_index += list(merged)
+            self.row_value += list(merged.values())
         self.row_start.append(len(self.row_index))
         self.row_lower.append(float(lower))
         self.row_upper.append(float(upper))
@@ -111,7 +129,36 @@ def _new_highs():
     return h
 
 
+#: How far from an integer a value of the LP relaxation may be and still count as one
+#: (HiGHS's own ``mip_feasibility_tolerance`` is 1e-6).
+INTEGRALITY_TOLERANCE = 1e-6
+
+
 def _solve_highs(model: Milp, time_limit: float):
+    """The LP relaxation first: when its optimum is integral it is the MILP's optimum too
+    (the relaxation's feasible set holds the MILP's, so nothing integral is cheaper), and
+    HiGHS's MIP root (cuts, heuristics) is skipped. The auto-sharding ILPs mostly have
+    integral relaxations: 95 of GPT-39B's 100 stage-cost ILPs, whose HiGHS time falls
+    from 10.1 s to 5.6 s with the same objectives (``docs/auto_sharding.md``). Otherwise
+    the MILP is solved in full, in the time left."""
+    start = time.perf_counter()
+    relaxed = any(model.integer)
+    values, status = _run_highs(model, time_limit, integral=not relaxed)
+    if not relaxed or status == "infeasible":
+        return values, status
+    if status == "optimal":
+        integer = np.asarray(model.integer)
+        rounded = np.round(values[integer])
+        if np.all(np.abs(values[integer] - rounded) <= INTEGRALITY_TOLERANCE):
+            values = values.copy()
+            values[integer] = rounded
+            return values, "optimal"
+    left = max(time_limit - (time.perf_counter() - start), 0.0)
+    return _run_highs(model, left, integral=True)
+
+
+def _run_highs(model: Milp, time_limit: float, integral: bool):
+    """One HiGHS run of ``model`` (its integrality dropped unless ``integral``)."""
     import highspy
 
     h = _new_highs()
@@ -131,8 +178,9 @@ def _solve_highs(model: Milp, time_limit: float):
     lp.a_matrix_.start_ = np.asarray(model.row_start, dtype=np.int32)
     lp.a_matrix_.index_ = np.asarray(model.row_index, dtype=np.int32)
     lp.a_matrix_.value_ = np.asarray(model.row_value, dtype=np.float64)
-    kinds = highspy.HighsVarType
-    lp.integrality_ = [kinds.kInteger if i else kinds.kContinuous for i in model.integer]
+    if integral:
+        kinds = highspy.HighsVarType
+        lp.integrality_ = [kinds.kInteger if i else kinds.kContinuous for i in model.integer]
     h.passModel(lp)
     h.run()
     status = h.getModelStatus()
@@ -141,7 +189,7 @@ def _solve_highs(model: Milp, time_limit: float):
         return np.asarray(h.getSolution().col_value), "optimal"
     if status == highspy.HighsModelStatus.kInfeasible:
         return None, "infeasible"
-    if feasible:
+    if feasible and integral:
         return np.asarray(h.getSolution().col_value), "feasible (time limit)"
     return None, f"no solution ({h.modelStatusToString(status)})"
 

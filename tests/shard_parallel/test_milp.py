@@ -1,0 +1,126 @@
+"""The MILP holder and its HiGHS solve: the LP relaxation first, the MILP only when the
+relaxation's optimum is fractional. Oracles: exhaustive enumeration, hand-solved cases."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from alpa.shard_parallel import milp
+
+
+def _count_runs(monkeypatch) -> list[bool]:
+    """Record the ``integral`` flag of every HiGHS run."""
+    runs: list[bool] = []
+    original = milp._run_highs
+
+    def counted(model, time_limit, integral):
+        runs.append(integral)
+        return original(model, time_limit, integral)
+
+    monkeypatch.setattr(milp, "_run_highs", counted)
+    return runs
+
+
+def _one_hot_model(node_costs, edge_costs, edges):
+    """The auto-sharding ILP's shape: one-hot ``s_v`` per node, one-hot ``e_uv`` per edge
+    tied to both ends (``sum_b e[a, b] = s_u[a]``, ``sum_a e[a, b] = s_v[b]``)."""
+    model = milp.Milp()
+    s = [model.add_binaries(c) for c in node_costs]
+    for x in s:
+        model.add_row(x, [1.0] * len(x), 1.0, 1.0)
+    for (u, v), cost in zip(edges, edge_costs, strict=True):
+        e = [[model.add_var(cost[a, b], 0.0, 1.0, True) for b in range(len(s[v]))]
+             for a in range(len(s[u]))]  # fmt: skip
+        for a in range(len(s[u])):
+            model.add_row(e[a] + [s[u][a]], [1.0] * len(e[a]) + [-1.0], 0.0, 0.0)
+        for b in range(len(s[v])):
+            col = [e[a][b] for a in range(len(s[u]))]
+            model.add_row(col + [s[v][b]], [1.0] * len(col) + [-1.0], 0.0, 0.0)
+    return model, s
+
+
+def _brute_force(node_costs, edge_costs, edges) -> float:
+    best = np.inf
+    for choice in itertools.product(*(range(len(c)) for c in node_costs)):
+        total = sum(c[k] for c, k in zip(node_costs, choice, strict=True))
+        total += sum(edge_costs[k][choice[u], choice[v]] for k, (u, v) in enumerate(edges))
+        best = min(best, total)
+    return best
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_one_hot_models_reach_the_exhaustive_optimum(seed):
+    rng = np.random.default_rng(seed)
+    num_nodes = int(rng.integers(3, 6))
+    node_costs = [rng.uniform(0, 10, int(rng.integers(2, 4))) for _ in range(num_nodes)]
+    edges = [
+        (u, v) for u in range(num_nodes) for v in range(u + 1, num_nodes) if rng.random() < 0.6
+    ]
+    edge_costs = [rng.uniform(0, 10, (len(node_costs[u]), len(node_costs[v]))) for u, v in edges]
+    model, s = _one_hot_model(node_costs, edge_costs, edges)
+    values, status = model.solve("highs", 60.0)
+    assert status == "optimal"
+    assert np.all(values == np.round(values))  # integral, whichever run produced them
+    objective = float(np.dot(model.cost, values))
+    assert objective == pytest.approx(_brute_force(node_costs, edge_costs, edges), rel=1e-9)
+    for x in s:
+        assert sum(values[i] for i in x) == 1
+
+
+def test_an_integral_relaxation_needs_one_run(monkeypatch):
+    runs = _count_runs(monkeypatch)
+    # Two nodes that prefer different strategies, and an edge that makes them agree: the
+    # relaxation's optimum is a vertex of the one-hot polytope (integral).
+    model, s = _one_hot_model(
+        [[1.0, 4.0], [3.0, 1.0]], [np.array([[0.0, 5.0], [5.0, 0.0]])], [(0, 1)]
+    )
+    values, status = model.solve("highs", 60.0)
+    assert status == "optimal"
+    assert runs == [False]
+    assert [values[i] for i in s[0]] == [1.0, 0.0]
+    assert [values[i] for i in s[1]] == [1.0, 0.0]  # 1 + 3 beats 4 + 1 and 1 + 1 + 5
+
+
+def test_a_fractional_relaxation_is_solved_as_a_milp(monkeypatch):
+    runs = _count_runs(monkeypatch)
+    # A knapsack: three items of value 10 and weight 6, capacity 10. The relaxation takes
+    # 10/6 of an item (value 16.67); one whole item (value 10) is the integral optimum.
+    model = milp.Milp()
+    x = model.add_binaries([-10.0, -10.0, -10.0])
+    model.add_row(x, [6.0, 6.0, 6.0], -np.inf, 10.0)
+    values, status = model.solve("highs", 60.0)
+    assert status == "optimal"
+    assert runs == [False, True]
+    assert sorted(values[i] for i in x) == [0.0, 0.0, 1.0]
+
+
+def test_integer_infeasible_with_a_feasible_relaxation(monkeypatch):
+    runs = _count_runs(monkeypatch)
+    model = milp.Milp()
+    x = model.add_binaries([1.0, 1.0])
+    model.add_row(x, [2.0, 2.0], 1.0, 1.0)  # x0 + x1 = 1/2
+    values, status = model.solve("highs", 60.0)
+    assert (values, status) == (None, "infeasible")
+    assert runs == [False, True]
+
+
+def test_infeasible_relaxation_stops_at_once(monkeypatch):
+    runs = _count_runs(monkeypatch)
+    model = milp.Milp()
+    x = model.add_binaries([1.0])
+    model.add_row(x, [1.0], 2.0, 3.0)
+    assert model.solve("highs", 60.0) == (None, "infeasible")
+    assert runs == [False]
+
+
+def test_a_continuous_model_runs_once(monkeypatch):
+    runs = _count_runs(monkeypatch)
+    model = milp.Milp()
+    x = model.add_var(1.0, 0.0, 10.0)
+    model.add_row([x], [1.0], 2.5, np.inf)
+    values, status = model.solve("highs", 60.0)
+    assert status == "optimal" and values[x] == pytest.approx(2.5)
+    assert runs == [True]  # no integrality to drop
