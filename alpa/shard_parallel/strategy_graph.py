@@ -251,7 +251,7 @@ def _whole(var) -> Strategy:
 SHARED_CACHE_LIMIT = 64
 _shared: OrderedDict = OrderedDict()
 _shared_lock = threading.Lock()
-_CACHE_NAMES = ("priced", "cost", "matrix", "rule", "shards", "bytes")
+_CACHE_NAMES = ("priced", "cost", "matrix", "rule", "shards", "bytes", "outputs", "operands")
 
 
 def _shared_caches(mesh: LogicalDeviceMesh, options: GraphOptions) -> dict[str, dict]:
@@ -299,24 +299,37 @@ class _Builder:
         self._rule_cache: dict = caches["rule"]
         self._shards_cache: dict = caches["shards"]
         self._bytes_cache: dict = caches["bytes"]
+        self._outputs_cache: dict = caches["outputs"]
+        self._operands_cache: dict = caches["operands"]
+        # This graph's resharding matrices by the identity of their spec tuples (pinned).
+        self._edge_matrices: dict = {}
         # How often the jaxpr (not a remat2 body) reads each value; the add sites found.
         self.reads: Counter = Counter()
         self.partial_sums: list[PartialSumSite] = []
         self.node_eqn: dict[int, JaxprEqn] = {}
 
-    def add_node(self, label, outvars, strategies, follow, combined=False) -> int:
+    def add_node(self, label, outvars, strategies, follow, combined=False, shared=False) -> int:
+        """``shared``: ``strategies`` is an entry of the shared pricing cache, which keeps
+        it alive, so its outputs' specs and bytes are looked up by its identity instead
+        of by hashing every spec again (most of a stack's equations)."""
         node_id = len(self.nodes)
         out_bytes = []
         out_specs = []
         for k, var in enumerate(outvars):
             aval = var.aval
             size = nbytes(getattr(aval, "shape", ()), itemsize(aval))
-            specs = tuple(s.out_specs[k] for s in strategies)
+            known = self._outputs_cache.get((id(strategies), k, size)) if shared else None
+            if known is not None and known[0] is strategies:
+                specs, sizes = known[1], known[2]
+            else:
+                specs = tuple(s.out_specs[k] for s in strategies)
+                sizes = self._bytes_cache.get((specs, size))
+                if sizes is None:
+                    sizes = tuple(size / self._num_shards(spec) for spec in specs)
+                    self._bytes_cache[(specs, size)] = sizes
+                if shared:
+                    self._outputs_cache[(id(strategies), k, size)] = (strategies, specs, sizes)
             out_specs.append(specs)
-            sizes = self._bytes_cache.get((specs, size))
-            if sizes is None:
-                sizes = tuple(size / self._num_shards(spec) for spec in specs)
-                self._bytes_cache[(specs, size)] = sizes
             out_bytes.append(sizes)
         self.nodes.append(
             Node(
@@ -385,19 +398,27 @@ class _Builder:
                     self._rule_cache[key] = result
         combined = t in self.combinable
         strategies = self._priced(eqn, result.strategies, combined, key)
+        shared = key is not None
         if self.batch_axis is not None:
             strategies = force_batch_axis(eqn, strategies, *self.batch_axis)
+            shared = False
         follow = None
         if result.follow is not None:
             follow = self.sources[eqn.invars[result.follow]][0]
         node_id = self.add_node(
-            f"eqn {t} {eqn.primitive.name}", tuple(eqn.outvars), strategies, follow, combined
+            f"eqn {t} {eqn.primitive.name}",
+            tuple(eqn.outvars),
+            strategies,
+            follow,
+            combined,
+            shared,
         )
         self.eqns.append(eqn)
         self.eqn_sources.append([(node_id, k) for k in range(len(eqn.outvars))])
         self.node_eqn[node_id] = eqn
         site = self._partial_sum_site(t, eqn, node_id, result)
-        self._add_edges(eqn, node_id, result, site)
+        # ``result`` is the rule cache's own entry only when a rule made it under a key.
+        self._add_edges(eqn, node_id, result, site, key is not None and rule is not None)
 
     def _partial_sum_site(self, t, eqn: JaxprEqn, node_id: int, result) -> PartialSumSite | None:
         if not self.options.carry_partial_sums or not isinstance(t, int):
@@ -449,15 +470,35 @@ class _Builder:
         node_id, k = source
         return self._out_specs[node_id][k]
 
-    def _add_edges(self, eqn: JaxprEqn, node_id: int, result: NodeStrategies, site) -> None:
+    def _add_edges(
+        self, eqn: JaxprEqn, node_id: int, result: NodeStrategies, site, shared: bool
+    ) -> None:
+        """``shared``: ``result`` is an entry of the shared rule cache (kept alive there),
+        so its operand specs are looked up by identity, as in :meth:`add_node`."""
         for j, var in enumerate(eqn.invars):
             if isinstance(var, Literal):
                 continue
             src_id, k = self.sources[var]
-            dst_specs = tuple(s.in_specs[j] for s in result.strategies)
+            known = self._operands_cache.get((id(result), j)) if shared else None
+            if known is not None and known[0] is result:
+                dst_specs = known[1]
+            else:
+                dst_specs = tuple(s.in_specs[j] for s in result.strategies)
+                if shared:
+                    self._operands_cache[(id(result), j)] = (result, dst_specs)
             total = nbytes(var.aval.shape, itemsize(var.aval))
             src_specs = self._specs_of((src_id, k))
-            cost = self._matrix(src_specs, dst_specs, total)
+            # The same two spec tuples meet again in every repeated block of the graph.
+            seen = self._edge_matrices.get((id(src_specs), id(dst_specs), total))
+            if seen is not None and seen[0] is src_specs and seen[1] is dst_specs:
+                cost = seen[2]
+            else:
+                cost = self._matrix(src_specs, dst_specs, total)
+                self._edge_matrices[(id(src_specs), id(dst_specs), total)] = (
+                    src_specs,
+                    dst_specs,
+                    cost,
+                )
             if site is not None and j == site.other_index:
                 cost = cost + partial_sum_discount(self.nodes, site)
             self.edges.append(Edge(src_id, node_id, cost, src_specs, dst_specs, total))
