@@ -308,21 +308,26 @@ def split_computations(
                 if _is_var(v):
                     readers.setdefault(v, set()).add(key)
 
+    position = {id(e): i for i, e in enumerate(eqns)}
     computations = []
     for key in sorted(groups, key=lambda k: (k[1] != "forward", k[1] != "backward", k[2], k[0])):
         group = groups[key]
         produced = {v for e in group for v in e.outvars if _is_var(v)}
         needed_consts: set[Var] = set()
-        invars: list[Var] = []
+        invars: dict[Var, None] = {}  # ordered set
         for eqn in group:
             for v in eqn.invars:
                 if not _is_var(v) or v in produced:
                     continue
                 if v in const_eqns:
                     _collect_consts(v, const_eqns, needed_consts)
-                elif v not in consts and v not in invars:
-                    invars.append(v)
-        const_part = [e for e in eqns if any(o in needed_consts for o in e.outvars)]
+                elif v not in consts:
+                    invars[v] = None
+        # The equations that make the needed constants, in the jaxpr's order.
+        const_part = sorted(
+            {id(const_eqns[v]): const_eqns[v] for v in needed_consts}.values(),
+            key=lambda e: position[id(e)],
+        )
         outvars = [
             v
             for e in group
@@ -334,7 +339,7 @@ def split_computations(
                 stage=key[0],
                 kind=key[1],
                 level=key[2],
-                eqns=tuple(_dedup(const_part) + group),
+                eqns=tuple(const_part + group),
                 invars=tuple(invars),
                 outvars=tuple(outvars),
             )
@@ -435,15 +440,6 @@ def _collect_consts(v, const_eqns, out: set) -> None:
     for u in const_eqns[v].invars:
         if _is_var(u):
             _collect_consts(u, const_eqns, out)
-
-
-def _dedup(eqns: list) -> list:
-    seen, out = set(), []
-    for e in eqns:
-        if id(e) not in seen:
-            seen.add(id(e))
-            out.append(e)
-    return out
 
 
 def _batch_dependent(eqns, batch_set) -> set:
