@@ -362,15 +362,20 @@ class ParallelizedFunc:
 
     def _trace(self, args, static, batch, donate, names, k: int) -> TracedStep:
         cuts: dict = {}  # the layer clustering's cuts, shared with the retraces
+        traces: dict = {}  # divisor -> its trace: every pass asking for one shares it
 
         def trace_at(divisor: int) -> TracedStep:
+            if divisor in traces:
+                return traces[divisor]
             abstract = traced_args(args, batch, divisor)
             # The method's options that act while tracing (PipeshardParallel's layer
             # option, read by alpa.grad's layer rewrite) hold for every (re)trace, and
             # a retrace cuts the layers where the first trace did.
             with self.method.trace_context(), reuse_cuts(cuts), timed("tracing"):
                 traced = trace_step(self.fun, abstract, static, batch, donate, names)
-            return dataclasses.replace(traced, retrace=lambda d: trace_at(divisor * d))
+            traced = dataclasses.replace(traced, retrace=lambda d: trace_at(divisor * d))
+            traces[divisor] = traced
+            return traced
 
         traced = trace_at(k)
         check_batch_is_not_differentiated(traced, batch_argnums_phrase(self.batch_argnums))

@@ -47,7 +47,7 @@ from jax.sharding import PartitionSpec
 
 from alpa.pipeline_parallel.computation import PipelineProgram, StageComputation, _is_var
 from alpa.shard_parallel.data_parallel import is_opt_state, zero_spec
-from alpa.shard_parallel.micro_batches import batch_dims, deferrable, partial_spec
+from alpa.shard_parallel.micro_batches import batch_dims_for, deferrable, partial_spec
 from alpa.tracing import TracedStep, new_jaxpr
 
 
@@ -157,7 +157,15 @@ def defer_gradient_sums(
         for a, b in zip(traced.in_avals, traced.batch_invars, strict=True)
         if b
     ]
-    dims_of: dict[int, dict | None] = {}
+    # Every count's batch dimensions, read off as few retraces as possible when first
+    # needed (a step with nothing to defer is not retraced).
+    counts = [
+        num_data(c.stage)
+        for c in program.computations
+        if c.kind != "apply" and c.eqns and batch_sizes
+        and not any(b % num_data(c.stage) for b in batch_sizes)
+    ]  # fmt: skip
+    dims_of: dict[int, dict | None] | None = None
     values: set[Var] = set()
     row_dims: dict = {}
     partials: dict[Var, Var] = {}
@@ -183,8 +191,8 @@ def defer_gradient_sums(
         }
         if not marked:
             continue
-        if n not in dims_of:
-            dims_of[n] = batch_dims(traced, n)
+        if dims_of is None:
+            dims_of = batch_dims_for(traced, counts)
         dims = dims_of[n]
         if dims is None:
             continue

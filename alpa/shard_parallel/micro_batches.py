@@ -40,7 +40,9 @@ deferred; the step is still exact, with its all-reduces inside the loop.
 
 from __future__ import annotations
 
+import functools
 import logging
+import math
 from collections.abc import Callable, Collection, Iterable, Mapping
 
 import jax
@@ -132,6 +134,30 @@ def batch_dims(traced: TracedStep, num_data: int) -> dict[Var, tuple[int, ...] |
         for v, u in zip(g.outvars, p.outvars, strict=True)
     ]
     return {v: dims_of(v.aval, u.aval) for v, u in pairs}
+
+
+def batch_dims_for(traced: TracedStep, counts: Iterable[int]) -> dict[int, dict | None]:
+    """:func:`batch_dims` for each of ``counts`` (data-parallel device counts), from one
+    retrace where one suffices: at the least common multiple ``L`` of the counts, when
+    ``L`` divides every batch leaf. A dimension that holds rows of the batch is ``L``
+    times smaller there and ``n`` times smaller at ``n``, so the dimensions found are
+    those of every count (a stage of 8 and one of 4 data-parallel devices cost one
+    retrace of the step, not two). Counted one by one when that retrace fails or
+    differs in structure."""
+    counts = sorted({int(n) for n in counts if n > 1})
+    if not counts:
+        return {}
+    common = functools.reduce(math.lcm, counts)
+    sizes = [
+        a.shape[0] if a.shape else 0
+        for a, b in zip(traced.in_avals, traced.batch_invars, strict=True)
+        if b
+    ]
+    if len(counts) > 1 and sizes and all(a and a % common == 0 for a in sizes):
+        dims = batch_dims(traced, common)
+        if dims is not None:
+            return dict.fromkeys(counts, dims)
+    return {n: batch_dims(traced, n) for n in counts}
 
 
 # ----------------------------------------------------------------------------- deferral

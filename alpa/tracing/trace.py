@@ -51,6 +51,8 @@ class TracedStep:
       retrace: ``retrace(d)`` traces the same step again with every batch leaf's dim 0
         divided by ``d`` (set by ``parallelize``; used for per-device micro-batches);
         ``d`` may be a ``fractions.Fraction`` (``Fraction(1, 2)`` doubles the batch).
+        ``parallelize``'s retraces are kept: a second call with the same ``d`` returns
+        the first one's trace.
       grad_invars: per leaf, whether ``alpa.grad`` differentiates with respect to it as
         it is (module docstring); empty when unknown.
       has_backward_pass: whether reverse-mode AD (``alpa.grad`` or ``jax.grad``) ran

@@ -279,3 +279,41 @@ def test_objective_prices_the_layout_change(masked):
     assert cost == pytest.approx(expected)
     assert layout_change_cost(executable.traced, executable.plan, 1) == 0.0
     assert executable.auto_sharding_objective > cost > 0
+
+
+def test_batch_dims_of_several_counts_come_from_one_retrace():
+    """``batch_dims_for`` reads the batch dimensions of every data-parallel count off one
+    retrace at their least common multiple; they equal each count's own
+    ``batch_dims``, and a second request for a divisor reuses its trace."""
+    from alpa.shard_parallel.micro_batches import batch_dims, batch_dims_for
+
+    traced_shapes = []
+
+    def step(w, x):
+        traced_shapes.append(x.shape)
+
+        def loss(w):
+            h = jnp.tanh(x @ w)  # [rows, 8]
+            return jnp.mean(h.reshape(-1, 2, 4) ** 2)  # rows x 2 groups of 4
+
+        return w - LR * alpa.grad(loss)(w)
+
+    w, x = jnp.ones((4, 8)), jnp.ones((16, 4))
+    traced = alpa.parallelize(step, method=alpa.ShardParallel()).get_executable(w, x).traced
+    traced_shapes.clear()
+    together = batch_dims_for(traced, [2, 4, 1])
+    assert traced_shapes == [(4, 4)]  # one retrace, at lcm(2, 4) = 4
+    assert set(together) == {2, 4}
+    assert together[2] == together[4] == batch_dims(traced, 4)
+    assert traced_shapes == [(4, 4)]  # the retrace at 4 was kept
+    assert batch_dims(traced, 2) == together[2]  # counted alone: the same dimensions
+    assert traced_shapes == [(4, 4), (8, 4)]
+    dims = together[2]
+    x_var, w_var = traced.jaxpr.invars[1], traced.jaxpr.invars[0]
+    assert dims[x_var] == (0,) and dims[w_var] == ()
+    reshaped = [e for e in traced.jaxpr.eqns if e.primitive.name == "reshape"]
+    assert reshaped and all(dims[e.outvars[0]] == (0,) for e in reshaped)
+    # Down to one row per device: still one retrace, at 16.
+    traced_shapes.clear()
+    assert batch_dims_for(traced, [8, 16]) == {8: together[2], 16: together[2]}
+    assert traced_shapes == [(1, 4)]
