@@ -255,7 +255,7 @@ def zero2_specs(
     # split too, so that no computation gathers them. The step's outputs are not: a
     # donated one takes its input's spec afterwards (``tie_donated_outputs``: the state
     # split, the parameters replicated), the others stay replicated, as in ``Zero2Parallel``.
-    outputs = set(jaxpr.outvars)
+    outputs = {v for v in jaxpr.outvars if _is_var(v)}
     values = list(program.accumulated)
     values += [v for c in program.computations if c.kind == "apply" for v in c.outvars]
     for v in values:

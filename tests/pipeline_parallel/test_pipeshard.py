@@ -9,6 +9,7 @@ import numpy as np
 import optax
 import pytest
 from conftest import devices_or_skip
+from jax.extend.core import Literal
 
 import alpa
 from alpa.parallel_method import PipeshardParallel
@@ -143,6 +144,28 @@ def test_inference_schedule():
     ref = infer(params, x)
     for a, b in zip(out, ref, strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)
+
+
+def test_inference_outputs_may_be_constants():
+    """An output that is a constant of the program (a literal in its jaxpr, as a Python
+    number returned as it is) comes back as that constant (Alpa's inference tests return
+    such values; it failed with ``unhashable type: 'Literal'``)."""
+    devices_or_skip(8)
+    params, (x, _) = _mlp(2)
+
+    def infer(params, x):
+        h = jnp.tanh(x @ params["w0"] + params["b0"])
+        alpa.mark_pipeline_boundary()
+        return jnp.tanh(h @ params["w1"] + params["b1"]), 1.5, jnp.int32(3)
+
+    method = PipeshardParallel(num_micro_batches=4, pipeline_schedule="inference")
+    f = alpa.parallelize(infer, method=method, batch_argnums=(1,))
+    assert any(isinstance(v, Literal) for v in f.get_executable(params, x).traced.jaxpr.outvars)
+    out, constant, count = f(params, x)
+    np.testing.assert_allclose(
+        np.asarray(out), np.asarray(infer(params, x)[0]), rtol=1e-4, atol=1e-4
+    )
+    assert float(constant) == 1.5 and int(count) == 3
 
 
 def _executable(schedule, num_micro_batches, num_layers=2):
