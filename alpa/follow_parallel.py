@@ -28,7 +28,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 from collections.abc import Sequence
+from fractions import Fraction
 from typing import Any
 
 import jax
@@ -42,6 +44,7 @@ from alpa.pipeline_parallel.layer_construction import ManualLayerOption
 from alpa.pipeline_parallel.pipeshard_executable import PipeshardDriverExecutable
 from alpa.pipeline_parallel.pipeshard_ray_executable import PipeshardRayExecutable
 from alpa.pipeline_parallel.resharding import worker_transfer_plan
+from alpa.pipeline_parallel.schedules import check_schedule_name
 from alpa.pipeline_parallel.user_shardings import stage_inputs
 from alpa.pipeshard_method import PipeshardParallel
 from alpa.shard_parallel.auto_sharding import AutoShardingOption, plan_auto_sharding
@@ -257,6 +260,10 @@ class PerMeshOutputsExecutable(Executable):
 # ----------------------------------------------------------------------------- follow
 
 
+def _is_spec(x) -> bool:
+    return isinstance(x, PlacementSpec)
+
+
 class FollowParallel(ParallelMethod):
     """Parallelize a step as ``src_func`` is: on its mesh (or stages), with the first
     argument in the sharding ``src_func`` reads its first argument in.
@@ -270,6 +277,14 @@ class FollowParallel(ParallelMethod):
         first argument (default: those of ``src_func``'s last executable).
       pipeline_schedule: for a pipelined ``src_func``: the schedule of this step
         (``"inference"`` for an evaluation step).
+      layer_option: for a pipelined ``src_func``: how this step's layers are cut
+        (default: at its ``mark_pipeline_boundary`` calls; ``"follow"``: with the
+        source's layer option).
+
+    The first argument is this step's first argument as ``src_func`` takes it, or (Alpa's
+    convention for an evaluation step) the ``params`` of the state ``src_func`` takes.
+    ``num_micro_batches`` on an evaluation step that follows a one-mesh step is ignored
+    with a warning, as in Alpa.
     """
 
     def __init__(
@@ -286,6 +301,7 @@ class FollowParallel(ParallelMethod):
                 "get_input_placement_specs must be a callable returning placement specs, "
                 f"got {type(get_input_placement_specs).__name__}"
             )
+        check_schedule_name(pipeline_schedule)
         self.src_func = src_func
         self.num_micro_batches = _check_num_micro_batches(num_micro_batches)
         self.get_input_placement_specs = get_input_placement_specs
@@ -307,7 +323,13 @@ class FollowParallel(ParallelMethod):
         else:
             specs = source.get_input_placement_specs()[0]
         first = traced.in_tree.children()[0]
-        leaves, tree = jax.tree.flatten(specs, is_leaf=lambda x: isinstance(x, PlacementSpec))
+        leaves, tree = jax.tree.flatten(specs, is_leaf=_is_spec)
+        if tree != first and hasattr(specs, "params"):
+            # Alpa's convention: the evaluation step takes ``state.params`` of the state
+            # the source takes.
+            params_leaves, params_tree = jax.tree.flatten(specs.params, is_leaf=_is_spec)
+            if params_tree == first:
+                leaves, tree = params_leaves, params_tree
         if tree != first:
             raise ValueError(
                 f"the first argument of {traced.name} has the pytree structure {first}, but "
@@ -350,6 +372,10 @@ class FollowParallel(ParallelMethod):
         layers as the step marks them), each stage reading the followed argument's leaves
         it shares with the source's same stage in the source's sharding."""
 
+        layer_option = self.layer_option or ManualLayerOption()
+        if layer_option == "follow":  # Alpa's: layers as the source made them
+            layer_option = source.plan.layer_option
+
         def method(stage_input_shardings=None) -> PipeshardParallel:
             return PipeshardParallel(
                 # A Ray pipeline runs on the global cluster, whose meshes are cached per
@@ -357,7 +383,7 @@ class FollowParallel(ParallelMethod):
                 devices=getattr(source, "devices", None),
                 num_micro_batches=self.num_micro_batches or 1,
                 pipeline_schedule=self.pipeline_schedule,
-                layer_option=self.layer_option or ManualLayerOption(),
+                layer_option=layer_option,
                 stage_option=source.plan.stage_option(),
                 stage_input_shardings=stage_input_shardings,
             )
@@ -387,10 +413,23 @@ class FollowParallel(ParallelMethod):
                 pipeline = self._pipeline(traced, args, source)
             return pipeline.compile_executable(traced, args)
         self._check_one_mesh(source)
+        num_micro_batches = self.num_micro_batches
+        if num_micro_batches and num_micro_batches > 1 and traced.grad_marker() is None:
+            # As Alpa: an evaluation step on one mesh runs its batch whole.
+            warnings.warn(
+                f"FollowParallel(num_micro_batches={num_micro_batches}) is ignored for "
+                f"{traced.name}: it has no alpa.grad, and on one mesh an evaluation step "
+                "runs its batch whole",
+                UserWarning,
+                stacklevel=2,
+            )
+            num_micro_batches = None
+            # parallelize traced it at the micro-batch size: the whole batch instead.
+            traced = traced.retrace(Fraction(1, self.num_micro_batches))
         with timed("planning"):
             plan = self.plan(traced, args)
         with timed("compile"):
-            return _compile(traced, plan, _ray_mesh(source), self.num_micro_batches)
+            return _compile(traced, plan, _ray_mesh(source), num_micro_batches)
 
     def __repr__(self) -> str:
         return f"FollowParallel(src_func={self.src_func.__name__})"

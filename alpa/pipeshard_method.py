@@ -32,7 +32,7 @@ from alpa.pipeline_parallel.layer_construction import (
 from alpa.pipeline_parallel.pipeshard_executable import PipeshardDriverExecutable
 from alpa.pipeline_parallel.pipeshard_plan import PipeshardPlan, plan_pipeshard
 from alpa.pipeline_parallel.pipeshard_ray_executable import PipeshardRayExecutable
-from alpa.pipeline_parallel.schedules import schedules
+from alpa.pipeline_parallel.schedules import check_schedule_name
 from alpa.pipeline_parallel.stage_construction import (
     ManualStageOption,
     resolve_stage_option,
@@ -92,11 +92,7 @@ class PipeshardParallel(ParallelMethod):
             or num_micro_batches < 1
         ):
             raise ValueError(f"num_micro_batches must be a positive int, got {num_micro_batches!r}")
-        if pipeline_schedule not in schedules:
-            raise ValueError(
-                f"unknown pipeline_schedule {pipeline_schedule!r}; expected one of "
-                f"{sorted(schedules)}"
-            )
+        check_schedule_name(pipeline_schedule)
         if manual_sharding_option is not None:
             manual_sharding_option = check_manual_sharding_option(manual_sharding_option)
         if stage_input_shardings is not None:
@@ -251,8 +247,11 @@ def get_3d_parallel_method(
     it is ``ShardParallel`` on that logical mesh of the global mesh.
 
     ``num_devices_per_host``: devices per host of a stage's submesh (default: the global
-    cluster's); a stage of more devices spans whole hosts.
+    cluster's); a stage of more devices spans whole hosts. ``data_parallel=-1`` (Alpa's
+    convention) takes every device the other two degrees leave.
     """
+    if data_parallel == -1 and not isinstance(data_parallel, bool):
+        data_parallel = _rest_of_devices(operator_parallel, pipeline_parallel)
     for name, value in (
         ("data_parallel", data_parallel),
         ("operator_parallel", operator_parallel),
@@ -290,3 +289,22 @@ def get_3d_parallel_method(
             submesh_autosharding_option_dicts=[{}] * pipeline_parallel,
         ),
     )
+
+
+def _rest_of_devices(operator_parallel, pipeline_parallel) -> int:
+    """``data_parallel`` for ``-1``: the global mesh's devices over the other degrees."""
+    total = get_global_virtual_physical_mesh().num_devices
+    for name, value in (
+        ("operator_parallel", operator_parallel),
+        ("pipeline_parallel", pipeline_parallel),
+    ):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    used = operator_parallel * pipeline_parallel
+    if total % used:
+        raise ValueError(
+            f"data_parallel=-1 takes the devices left by operator_parallel * "
+            f"pipeline_parallel = {used}, but the global mesh's {total} devices do not divide "
+            "by it"
+        )
+    return total // used

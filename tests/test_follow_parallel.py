@@ -213,8 +213,79 @@ def test_follow_parallel_errors():
         alpa.FollowParallel(train_step)
     with pytest.raises(TypeError, match="train_step must be a function returned by"):
         alpa.CreateStateParallel(train_step, ())
+    with pytest.raises(ValueError, match=r"unknown pipeline_schedule '1F1B'; expected one of"):
+        alpa.FollowParallel(p_train, pipeline_schedule="1F1B")
     p_eval = alpa.parallelize(eval_step, method=alpa.FollowParallel(p_train))
     create_state = _functions()[0]
     state = jax.jit(create_state)(jax.random.key(0))
     with pytest.raises(RuntimeError, match="has not been called or compiled yet"):
         p_eval(state, _batch(0))
+
+
+def _params_eval_step(params, batch):
+    """Alpa's evaluation steps take ``state.params``, not the state."""
+    model = _MLP()
+    return jnp.mean((model.apply(params, batch["x"]) - batch["y"]) ** 2)
+
+
+def test_follow_parallel_follows_the_params_of_the_state():
+    create_state, train_step, eval_step = _functions()
+    state = jax.jit(create_state)(jax.random.key(4))
+    p_train = alpa.parallelize(train_step, method=alpa.Zero3Parallel())
+    state = p_train(state, _batch(0))
+    # Zero3: the parameters are split, so following them is visible in the plan.
+    p_eval = alpa.parallelize(
+        _params_eval_step, method=alpa.FollowParallel(p_train), donate_argnums=()
+    )
+    loss = p_eval(state.params, _batch(1))
+    np.testing.assert_allclose(loss, jax.jit(eval_step)(state, _batch(1)), rtol=1e-5)
+    train_specs = p_train.get_last_executable().get_input_placement_specs()[0].params
+    eval_specs = p_eval.get_last_executable().get_input_placement_specs()[0]
+    leaves = jax.tree.leaves(eval_specs)
+    assert leaves == jax.tree.leaves(train_specs)
+    assert any(spec.sharding_specs[0] != jax.sharding.PartitionSpec() for spec in leaves)
+    for leaf, sharding in zip(
+        jax.tree.leaves(state.params),
+        p_eval.get_last_executable().flat_input_shardings(),
+        strict=False,
+    ):
+        assert is_placed(leaf, sharding)
+
+
+def test_follow_parallel_ignores_micro_batches_of_a_one_mesh_eval_step():
+    create_state, train_step, eval_step = _functions()
+    state = jax.jit(create_state)(jax.random.key(5))
+    p_train = alpa.parallelize(train_step, method=alpa.ShardParallel(num_micro_batches=2))
+    state = p_train(state, _batch(0))
+    p_eval = alpa.parallelize(
+        eval_step, method=alpa.FollowParallel(p_train, num_micro_batches=2), donate_argnums=()
+    )
+    with pytest.warns(UserWarning, match=r"FollowParallel\(num_micro_batches=2\) is ignored for "
+                      r"eval_step: it has no alpa.grad"):  # fmt: skip
+        loss = p_eval(state, _batch(1))
+    np.testing.assert_allclose(loss, jax.jit(eval_step)(state, _batch(1)), rtol=1e-5)
+
+
+def test_follow_parallel_layer_option_follow():
+    create_state, train_step, eval_step = _functions(marked=True)
+    state = jax.jit(create_state)(jax.random.key(6))
+    source_layers = alpa.ManualLayerOption(remat_layer=True)
+    p_train = alpa.parallelize(
+        train_step,
+        method=alpa.PipeshardParallel(
+            num_micro_batches=2, layer_option=source_layers, stage_option="uniform"
+        ),
+    )
+    state = p_train(state, _batch(0))
+    p_eval = alpa.parallelize(
+        eval_step,
+        method=alpa.FollowParallel(p_train, num_micro_batches=2, layer_option="follow"),
+        donate_argnums=(),
+    )
+    loss = p_eval(state, _batch(1))
+    on_host = jax.tree.map(np.asarray, state)  # the state lives on the two stages' meshes
+    np.testing.assert_allclose(loss, jax.jit(eval_step)(on_host, _batch(1)), rtol=1e-5)
+    evaluate, train = p_eval.get_last_executable(), p_train.get_last_executable()
+    assert evaluate.plan.layer_option == source_layers  # the default has remat_layer=False
+    assert evaluate.plan.layers.num_layers == 2
+    assert evaluate.stage_plan.device_ranges == train.stage_plan.device_ranges

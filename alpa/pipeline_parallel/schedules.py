@@ -193,10 +193,15 @@ schedules: dict[str, Callable[[int, int], PipelineSchedule]] = {
 }
 
 
+def check_schedule_name(name) -> None:
+    """Raise ``ValueError`` unless ``name`` is a key of :data:`schedules`."""
+    if not isinstance(name, str) or name not in schedules:
+        raise ValueError(f"unknown pipeline_schedule {name!r}; expected one of {sorted(schedules)}")
+
+
 def make_schedule(name: str, num_stages: int, num_micro_batches: int) -> PipelineSchedule:
     """The schedule called ``name`` (a key of :data:`schedules`)."""
-    if name not in schedules:
-        raise ValueError(f"unknown pipeline_schedule {name!r}; expected one of {sorted(schedules)}")
+    check_schedule_name(name)
     return schedules[name](num_stages, num_micro_batches)
 
 
