@@ -467,6 +467,25 @@ class DistributedArray:
         value = self._value
         return value if dtype is None else value.astype(dtype)
 
+    def __float__(self) -> float:
+        return float(self._scalar("float"))
+
+    def __int__(self) -> int:
+        return int(self._scalar("int"))
+
+    def __format__(self, spec: str) -> str:
+        value = self._value
+        return format(value[()] if value.ndim == 0 else value, spec)
+
+    def _scalar(self, kind: str):
+        """The one element (Alpa's ``float(loss)``, ``'%.4f' % loss``)."""
+        if self.size != 1:
+            raise TypeError(
+                f"only a DistributedArray of one element converts to {kind}; this one has "
+                f"shape {self.shape} (use np.asarray(x) for its values)"
+            )
+        return self._value.reshape(())
+
     def block_until_ready(self) -> DistributedArray:
         """The array itself: a step returns only once its workers finished it (and
         ``put`` once the data is placed), so a handle's value is always ready."""
@@ -520,12 +539,15 @@ def shut_down_error(what: str, mesh: DistributedPhysicalDeviceMesh) -> RuntimeEr
     )
 
 
-def prefetch(arrays: Sequence[Any]) -> None:
-    """Fetch many ``DistributedArray`` s to the driver in one round per worker (other
-    values are ignored); ``np.asarray`` of each is then free."""
+def prefetch(arrays: Any) -> None:
+    """Fetch the ``DistributedArray`` s among the leaves of ``arrays`` (a list, or any
+    pytree: a state, a dict of metrics) to the driver in one round per worker (other
+    leaves are ignored); ``np.asarray`` of each is then free."""
+    import jax
+
     by_mesh: dict[int, list[DistributedArray]] = {}
     meshes = {}
-    for x in arrays:
+    for x in jax.tree.leaves(arrays):
         if isinstance(x, DistributedArray) and x._fetched is None:
             x._check()
             by_mesh.setdefault(x.mesh.mesh_id, []).append(x)

@@ -257,6 +257,18 @@ def test_distributed_array_fetch_and_feed_back(ray_cluster):
     y = mesh.put(value + 1, Layout((2, 1), ("x", "y"), P("x")))
     alpa.prefetch([x, y, 3.0])
     np.testing.assert_array_equal(y._value, value + 1)
+    # Any pytree (Alpa's scripts prefetch states and metric dicts); scalars as Python numbers.
+    loss = mesh.put(np.float32(2.5), Layout((1, 2), ("x", "y"), P()))
+    count = mesh.put(np.int32(7), Layout((1, 2), ("x", "y"), P()))
+    w = mesh.put(value * 2, Layout((1, 2), ("x", "y"), P("y")))
+    alpa.prefetch({"metrics": (loss, count), "params": {"w": w}, "step": 3})
+    assert loss._fetched is not None and w._fetched is not None
+    assert float(loss) == 2.5 and int(count) == 7
+    assert "%.4f" % loss == "2.5000"  # noqa: UP031 (the form Alpa's scripts log with)
+    assert f"{loss:.2f}" == "2.50"
+    assert np.mean([loss, loss]) == 2.5
+    with pytest.raises(TypeError, match=r"one element converts to float; this one has shape"):
+        float(w)
     assert x.block_until_ready() is x
     # A value that spans both nodes is fetched shard by shard from its two workers.
     big = alpa.get_global_physical_mesh()
