@@ -149,6 +149,14 @@ def test_get_3d_parallel_method():
         alpa.get_3d_parallel_method(1, 2, 2, 1)
     with pytest.raises(ValueError, match="pipeline_parallel must be a positive int, got 0"):
         alpa.get_3d_parallel_method(1, 2, 2, 0)
+    # data_parallel=-1: the rest of the 8 devices.
+    rest = alpa.get_3d_parallel_method(2, -1, 2, 2)
+    assert tuple(rest.stage_option.submesh_logical_shapes) == ((2, 2), (2, 2))
+    assert alpa.get_3d_parallel_method(1, -1, 4, 1).devices.shape == (2, 4)
+    with pytest.raises(ValueError, match=r"operator_parallel \* pipeline_parallel = 3, but the"):
+        alpa.get_3d_parallel_method(1, -1, 3, 1)
+    with pytest.raises(ValueError, match="data_parallel must be a positive int, got -2"):
+        alpa.get_3d_parallel_method(1, -2, 2, 2)
 
 
 def test_test_install_runs_and_passes():
