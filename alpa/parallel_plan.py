@@ -202,6 +202,9 @@ class ParallelPlan:
       pipeline_plan: for a pipeline, its :class:`PipelinePlan`.
       input_placement_specs: per input leaf (full batch), the meshes and specs it is
         placed on.
+      batch_inputs, donated_inputs: per input leaf, whether it is split as the batch
+        (``batch_argnums``) and whether it is donated (``donate_argnums``): said when a
+        step differs from the plan's only there (``None`` in plans saved before them).
     """
 
     method: str
@@ -214,6 +217,8 @@ class ParallelPlan:
     sharding_plan: ShardingPlan | None = None
     pipeline_plan: PipelinePlan | None = None
     input_placement_specs: tuple[PlacementSpec, ...] = ()
+    batch_inputs: tuple[bool, ...] | None = None
+    donated_inputs: tuple[bool, ...] | None = None
 
     def __post_init__(self):
         if (self.sharding_plan is None) == (self.pipeline_plan is None):
@@ -314,9 +319,12 @@ class ParallelPlan:
                 for name, mine, theirs in zip(self.input_names, self.input_avals, here, strict=True)
                 if mine != theirs
             ]
+            flags = _flag_difference(self, traced)
             if diffs:
                 name, mine, theirs = diffs[0]
                 detail = f"{name} was {mine} there and is {theirs} here"
+            elif flags is not None:
+                detail = f"{traced.name} has the same inputs, but {flags}"
             else:
                 detail = (
                     f"{traced.name} has the same inputs but computes something else "
@@ -344,6 +352,8 @@ class ParallelPlan:
             "sharding_plan": None,
             "pipeline_plan": None,
             "input_placement_specs": [placement_to_json(p) for p in self.input_placement_specs],
+            "batch_inputs": _flags(self.batch_inputs),
+            "donated_inputs": _flags(self.donated_inputs),
         }
         if self.sharding_plan is not None:
             data["sharding_plan"] = sharding_plan_to_json(self.sharding_plan)
@@ -375,14 +385,34 @@ class ParallelPlan:
             input_placement_specs=tuple(
                 placement_from_json(p) for p in data["input_placement_specs"]
             ),
+            batch_inputs=_flags(data.get("batch_inputs")),
+            donated_inputs=_flags(data.get("donated_inputs")),
         )
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=1)
 
     @classmethod
-    def from_json(cls, text: str) -> ParallelPlan:
-        return cls.from_dict(json.loads(text))
+    def from_json(cls, text: str, source: str = "the text") -> ParallelPlan:
+        """The plan in ``text`` (:meth:`to_json`'s); ``source`` names where it came from
+        in the errors for a text that is not a whole plan."""
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            ends = e.pos >= len(text.rstrip()) or e.msg.startswith("Unterminated string")
+            cut = " (it ends there: a truncated file?)" if ends else ""
+            raise ValueError(
+                f"{source} is not a ParallelPlan: its JSON is invalid at line {e.lineno} "
+                f"column {e.colno} ({e.msg}){cut}"
+            ) from None
+        if not isinstance(data, dict):
+            raise ValueError(f"{source} is not a ParallelPlan: it holds a {type(data).__name__}")
+        try:
+            return cls.from_dict(data)
+        except KeyError as e:
+            raise ValueError(
+                f"{source} is not a whole ParallelPlan: it has no field {e.args[0]!r}"
+            ) from None
 
     def save(self, path: str) -> None:
         """Write the plan to ``path`` as JSON."""
@@ -393,7 +423,7 @@ class ParallelPlan:
     def load(cls, path: str) -> ParallelPlan:
         """The plan :meth:`save` wrote to ``path``."""
         with open(path) as f:
-            return cls.from_json(f.read())
+            return cls.from_json(f.read(), source=repr(str(path)))
 
     # -- reading
 
@@ -444,7 +474,32 @@ def _step_fields(traced: TracedStep, num_micro_batches: int | None) -> dict:
         "fingerprint": step_fingerprint(traced),
         "input_names": tuple(traced.leaf_names),
         "input_avals": tuple(_aval_text(a) for a in avals),
+        "batch_inputs": _flags(traced.batch_invars),
+        "donated_inputs": _flags(traced.donated_invars),
     }
+
+
+def _flags(values) -> tuple[bool, ...] | None:
+    return None if values is None else tuple(bool(v) for v in values)
+
+
+def _flag_difference(plan: ParallelPlan, traced: TracedStep) -> str | None:
+    """How ``traced``'s batch or donated inputs differ from ``plan``'s, in the user's
+    terms (``None``: they do not, or the plan did not record them)."""
+    for recorded, here, what, argnums in (
+        (plan.donated_inputs, traced.donated_invars, "donated", "donate_argnums"),
+        (plan.batch_inputs, traced.batch_invars, "split as the batch", "batch_argnums"),
+    ):
+        if recorded is None or len(recorded) != len(here):
+            continue
+        for name, was, now in zip(plan.input_names, recorded, here, strict=True):
+            if bool(was) != bool(now):
+                now_text, was_text = (what if f else f"not {what}" for f in (now, was))
+                return (
+                    f"{name} is {now_text} here and was {was_text} when the plan was "
+                    f"made ({argnums} differ)"
+                )
+    return None
 
 
 # ----------------------------------------------------------------------------- methods

@@ -229,6 +229,42 @@ def test_plan_json_round_trips(recorded):
         assert ParallelPlan.from_json(text).to_json() == text
 
 
+def test_damaged_plan_files_name_the_file(recorded, tmp_path):
+    with open(recorded["pipeshard_auto"][1]) as f:
+        text = f.read()
+    cut = tmp_path / "cut.json"
+    cut.write_text(text[: text.index(",\n", len(text) // 2) + 1])  # at a line's end
+    with pytest.raises(
+        ValueError,
+        match=r"'.*cut\.json' is not a ParallelPlan: its JSON is "
+        r"invalid at line \d+ column \d+ \(.*\) \(it ends there: a truncated",
+    ):
+        ParallelPlan.load(cut)
+    cut.write_text(text[: text.index('"', len(text) // 2) + 2])  # inside a string
+    with pytest.raises(ValueError, match=r"cut\.json' is not a ParallelPlan: .*a truncated"):
+        ParallelPlan.load(cut)
+    garbled = tmp_path / "garbled.json"
+    garbled.write_text(text.replace(":", ";", 1))
+    with pytest.raises(
+        ValueError,
+        match=r"'.*garbled\.json' is not a ParallelPlan: its JSON is "
+        r"invalid at line 2",
+    ):
+        ParallelPlan.load(garbled)
+    partial = tmp_path / "partial.json"
+    data = json.loads(text)
+    del data["pipeline_plan"]
+    partial.write_text(json.dumps(data))
+    with pytest.raises(
+        ValueError,
+        match=r"partial\.json' is not a whole ParallelPlan: it has "
+        r"no field 'pipeline_plan'",
+    ):
+        ParallelPlan.load(partial)
+    with pytest.raises(ValueError, match=r"the text is not a ParallelPlan: it holds a list"):
+        ParallelPlan.from_json("[1, 2]")
+
+
 def test_pipeshard_plan_records_stages(recorded):
     plan = ParallelPlan.load(recorded["pipeshard_auto"][1])
     pipeline = plan.pipeline_plan
@@ -288,6 +324,23 @@ def test_plan_for_another_function_is_refused(recorded):
         ValueError, match=re.escape("it has 2 input leaves, train_step is called with 16")
     ):
         alpa.parallelize(step, method=method).get_executable(state, batch)
+
+
+def test_plan_for_other_donations_or_batch_says_which(recorded):
+    state, batch, step = get_mlp_train_state_and_step(32, 16, num_layers=2)
+    method = alpa.plan_to_method(ParallelPlan.load(recorded["zero3"][1]))
+    with pytest.raises(
+        ValueError,
+        match=r"\(train_step\): train_step has the same inputs, but argument 0\S* is not "
+        r"donated here and was donated when the plan was made \(donate_argnums differ\)",
+    ):
+        alpa.parallelize(step, method=method, donate_argnums=()).get_executable(state, batch)
+    with pytest.raises(
+        ValueError,
+        match=r"argument 1\['x'\] is not split as the batch here and was split as the batch "
+        r"when the plan was made \(batch_argnums differ\)",
+    ):
+        alpa.parallelize(step, method=method, batch_argnums=()).get_executable(state, batch)
 
 
 def test_plan_on_other_devices_is_refused(recorded):
