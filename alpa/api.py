@@ -377,9 +377,34 @@ class ParallelizedFunc:
             traces[divisor] = traced
             return traced
 
-        traced = trace_at(k)
+        try:
+            traced = trace_at(k)
+        except Exception as e:
+            if batch:
+                e.add_note(self._batch_note(args, batch, k))
+            raise
         check_batch_is_not_differentiated(traced, batch_argnums_phrase(self.batch_argnums))
         return traced
+
+    def _batch_note(self, args, batch, k: int) -> str:
+        """What alpa split as the batch, for an error raised while tracing: a call whose
+        arguments are in another order than ``batch_argnums`` says shows there."""
+        split = []
+        for pos in batch:
+            leaves = jax.tree_util.tree_flatten_with_path(args[pos])[0]
+            if not leaves:
+                continue
+            path, leaf = leaves[0]
+            rows = np.shape(leaf)[0]
+            where = f"argument {pos}{jax.tree_util.keystr(path)}"
+            more = f" and {len(leaves) - 1} more leaves" if len(leaves) > 1 else ""
+            per = f" ({rows // k} rows per micro-batch)" if k > 1 else ""
+            split.append(f"{where} (dim 0 of {rows}){more}{per}")
+        return (
+            f"alpa traced {self.name} with {', '.join(split)} as the batch "
+            f"({batch_argnums_phrase(self.batch_argnums)}); if the arguments are in another "
+            "order, pass the batch's position as batch_argnums"
+        )
 
     # -- public
 

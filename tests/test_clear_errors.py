@@ -352,3 +352,30 @@ def test_auto_sharding_option_with_manual_sharding_option_warns():
         auto_sharding_option=alpa.AutoShardingOption(logical_mesh_shape=(2, 4)),
         manual_sharding_option=manual,
     )
+
+
+def test_arguments_in_another_order_say_what_was_split_as_the_batch():
+    """``eval_step(batch, params)`` called in place of ``eval_step(params, batch)``: the
+    error the step raises while traced keeps its type, with a note naming what alpa split
+    as the batch."""
+    import flax.linen as nn
+
+    model = nn.Dense(8)
+    params = model.init(jax.random.key(0), jnp.ones((B, H)))
+    batch = {"x": jnp.ones((B, H)), "y": jnp.ones((B, 8))}
+
+    def eval_step(params, batch):
+        return jnp.mean((model.apply(params, batch["x"]) - batch["y"]) ** 2)
+
+    f = alpa.parallelize(eval_step, method=alpa.ShardParallel(), donate_argnums=())
+    with pytest.raises(KeyError) as info:  # the step's own error: params["x"]
+        f(batch, params)
+    notes = "\n".join(getattr(info.value, "__notes__", []))
+    assert (
+        "alpa traced eval_step with argument 1['params']['bias'] (dim 0 of 8) and 1 more "
+        "leaves as the batch (batch_argnums=(1,), the default for a call with two or more "
+        "arguments); if the arguments are in another order, pass the batch's position as "
+        "batch_argnums"
+    ) in notes
+    # The right order runs and matches serial.
+    np.testing.assert_allclose(f(params, batch), eval_step(params, batch), rtol=1e-6)
