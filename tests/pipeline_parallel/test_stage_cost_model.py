@@ -88,8 +88,9 @@ def test_ilp_gradient_reductions_are_split_from_the_per_micro_batch_collectives(
     """The ILP on a logical ``(n, 1)`` mesh with the batch forced on axis 0
     (``submesh_logical_shape_space="data_parallel_only"``), micro-batches of 256 rows
     (gathering a layer's f32[256, 64] input would cost more than reducing its f32[64, 64]
-    gradient), plans a Dense layer data parallel: its only collectives are the gradient all-reduces over axis 0, which
-    the model moves to ``gradient_sync`` (``AR_n(P)``, once per step), leaving nothing per
+    gradient), plans a Dense layer data parallel: its only collectives are the gradient
+    all-reduces over axis 0, which the model moves to ``gradient_sync`` (``AR_n(P)``, once
+    per step), leaving nothing per
     micro-batch."""
     seen = {}
 
