@@ -374,6 +374,7 @@ class ParallelizedFunc:
             with self.method.trace_context(), reuse_cuts(cuts), timed("tracing"):
                 traced = trace_step(self.fun, abstract, static, batch, donate, names)
             traced = dataclasses.replace(traced, retrace=lambda d: trace_at(divisor * d))
+            traced = self.method.finish_trace(traced)
             traces[divisor] = traced
             return traced
 

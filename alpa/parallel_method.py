@@ -68,6 +68,11 @@ class ParallelMethod(abc.ABC):
         tracing (none by default)."""
         return contextlib.nullcontext()
 
+    def finish_trace(self, traced: TracedStep) -> TracedStep:
+        """The step as this method plans it, from ``parallelize``'s trace (and each
+        retrace) of it: ``traced`` itself by default."""
+        return traced
+
 
 def _check_num_micro_batches(value) -> int | None:
     if value is None:

@@ -46,7 +46,7 @@ from alpa.pipeline_parallel.user_shardings import (
 from alpa.runtime.ray_mesh import DeviceCluster
 from alpa.shard_parallel.auto_sharding import AutoShardingOption, snapshot_for_compile
 from alpa.timer import timed
-from alpa.tracing import TracedStep
+from alpa.tracing import TracedStep, mark_outputs_as_gradients
 
 
 class PipeshardParallel(ParallelMethod):
@@ -192,6 +192,21 @@ class PipeshardParallel(ParallelMethod):
     def trace_context(self) -> contextlib.AbstractContextManager:
         """The layer option: ``alpa.grad`` cuts the loss function as it says."""
         return layer_option_context(self.layer_option)
+
+    def finish_trace(self, traced: TracedStep) -> TracedStep:
+        """A training step that returns ``jax.grad``'s gradients (no ``alpa.grad``), with
+        one micro-batch: its outputs marked as ``alpa.grad`` would mark them
+        (``tracing.mark_outputs_as_gradients``), as Alpa's pipelines accept it. With more
+        micro-batches it is refused when planned (what to average is ``alpa.grad``'s to
+        say)."""
+        if (
+            self.pipeline_schedule != "inference"
+            and (self.num_micro_batches or 1) == 1
+            and traced.has_backward_pass
+            and traced.grad_marker() is None
+        ):
+            return mark_outputs_as_gradients(traced)
+        return traced
 
     def compile_executable(self, traced: TracedStep, args: Sequence[Any]) -> Executable:
         with timed("planning"):

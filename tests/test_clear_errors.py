@@ -268,7 +268,8 @@ def test_jax_grad_in_a_pipelined_step_says_use_alpa_grad():
     with pytest.raises(
         ValueError,
         match=r"train_step differentiates with jax.grad \(or jax.value_and_grad / jax.vjp\), "
-        r"so PipeshardParallel cannot find its gradients: use alpa.grad / "
+        r"so with num_micro_batches=2 PipeshardParallel cannot tell its gradients \(to "
+        r"average over micro-batches\) from its other outputs: use alpa.grad / "
         r"alpa.value_and_grad in place of jax.grad / jax.value_and_grad",
     ):
         f(state, batch)

@@ -477,8 +477,10 @@ def plan_pipeshard(
             # Said before any layer or stage is planned.
             raise ValueError(
                 f"{traced.name} differentiates with jax.grad (or jax.value_and_grad / "
-                "jax.vjp), so PipeshardParallel cannot find its gradients: use alpa.grad / "
-                "alpa.value_and_grad in place of jax.grad / jax.value_and_grad"
+                f"jax.vjp), so with num_micro_batches={num_micro_batches} PipeshardParallel "
+                "cannot tell its gradients (to average over micro-batches) from its other "
+                "outputs: use alpa.grad / alpa.value_and_grad in place of jax.grad / "
+                "jax.value_and_grad"
             )
     layer_option = resolve_layer_option(layer_option)
     names = _name_vars(traced.closed_jaxpr)

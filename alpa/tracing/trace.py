@@ -23,13 +23,23 @@ there otherwise surfaces far from its cause:
 from __future__ import annotations
 
 import contextvars
+import dataclasses
 from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import jax
 import numpy as np
-from jax.extend.core import ClosedJaxpr, DropVar, Jaxpr, JaxprEqn, Literal, Var, jaxprs_in_params
+from jax.extend.core import (
+    ClosedJaxpr,
+    DropVar,
+    Jaxpr,
+    JaxprEqn,
+    Literal,
+    Var,
+    jaxprs_in_params,
+    new_jaxpr_eqn,
+)
 
 from alpa.tracing.primitive_def import pipeline_p
 
@@ -89,6 +99,37 @@ class TracedStep:
                 "a training step may compute its gradients only once"
             )
         return markers[0] if markers else None
+
+
+def mark_outputs_as_gradients(traced: TracedStep) -> TracedStep:
+    """``traced`` (differentiated with ``jax.grad``, no ``alpa.grad``) with the
+    ``alpa.grad`` marker on the outputs its equations compute, as if it returned
+    ``alpa.grad``'s gradients: Alpa's pipelines accept such a step (its tests return
+    ``jax.grad``'s gradients), all of it the compute part, with no apply part. Its
+    retraces are marked alike."""
+    jaxpr = traced.jaxpr
+    produced = {v for e in jaxpr.eqns for v in e.outvars}
+    marked = list(dict.fromkeys(v for v in jaxpr.outvars if isinstance(v, Var) and v in produced))
+    if not marked:
+        return traced
+    renamed = {v: Var(v.aval) for v in marked}
+    marker = new_jaxpr_eqn(
+        marked,
+        [renamed[v] for v in marked],
+        pipeline_p,
+        {"name": "grad", "mark_type": "grad"},
+        set(),
+    )
+    outvars = [renamed.get(v, v) if isinstance(v, Var) else v for v in jaxpr.outvars]
+    closed = ClosedJaxpr(
+        jaxpr.replace(eqns=[*jaxpr.eqns, marker], outvars=outvars), traced.closed_jaxpr.consts
+    )
+    retrace = traced.retrace
+    return dataclasses.replace(
+        traced,
+        closed_jaxpr=closed,
+        retrace=None if retrace is None else lambda d: mark_outputs_as_gradients(retrace(d)),
+    )
 
 
 def trace_step(

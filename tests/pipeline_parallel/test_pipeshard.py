@@ -168,6 +168,40 @@ def test_inference_outputs_may_be_constants():
     assert float(constant) == 1.5 and int(count) == 3
 
 
+@pytest.mark.parametrize("stage_option", ["uniform", "auto"])
+def test_a_step_returning_jax_grad_gradients_is_pipelined(stage_option):
+    """Alpa's pipeline tests return ``jax.grad``'s gradients (no ``alpa.grad``): with one
+    micro-batch the whole step is the compute part, cut at the model's markers."""
+    devices_or_skip(8)
+    from alpa.model.mlp import MLPModel
+
+    model = MLPModel(hidden_size=32, num_layers=4, add_manual_pipeline_markers=True)
+    x = jax.random.normal(jax.random.key(0), (BATCH, 32))
+    y = jax.random.normal(jax.random.key(1), (BATCH, 32))
+    params = model.init(jax.random.key(2), x)
+
+    def grads_step(params, batch):
+        def loss(p):
+            out = model.apply(p, batch["x"]) + jnp.arange(BATCH).reshape(-1, 1)  # a constant
+            return jnp.mean((out - batch["y"]) ** 2)
+
+        return jax.value_and_grad(loss)(params)
+
+    method = PipeshardParallel(layer_option="manual", stage_option=stage_option)
+    f = alpa.parallelize(grads_step, method=method, donate_argnums=())
+    loss, grads = f(params, {"x": x, "y": y})
+    ref_loss, ref_grads = jax.jit(grads_step)(params, {"x": x, "y": y})
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
+    executable = f.get_last_executable()
+    assert executable.plan.program.is_training
+    if stage_option == "uniform":  # one stage per marked layer
+        assert executable.stage_plan.num_stages == 4
+    kinds = {(c.stage, c.kind) for c in executable.program.computations if c.eqns}
+    assert (0, "backward") in kinds and not any(k == "apply" for _, k in kinds)
+
+
 def _executable(schedule, num_micro_batches, num_layers=2):
     params, batch = _mlp(num_layers)
     tx = optax.sgd(0.1)
