@@ -93,6 +93,7 @@ def sharding_plan_to_json(plan: ShardingPlan) -> dict:
         if plan.grad_specs is None
         else [spec_to_json(s) for s in plan.grad_specs],
         "objective": plan.objective,
+        "compute_cost": plan.compute_cost,
     }
 
 
@@ -118,6 +119,7 @@ def sharding_plan_from_json(data: Mapping) -> ShardingPlan:
         grad_specs=None if grad_specs is None else tuple(spec_from_json(s) for s in grad_specs),
         objective=data["objective"],
         method=data["method"],
+        compute_cost=data.get("compute_cost"),
     )
 
 

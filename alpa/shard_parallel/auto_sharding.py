@@ -289,7 +289,13 @@ class AutoShardingSolution:
 
     @property
     def objective(self) -> float:
+        """The ILP's objective: communication plus :attr:`compute`."""
         return self.solution.objective
+
+    @property
+    def compute(self) -> float:
+        """The compute term of :attr:`objective`."""
+        return self.solution.compute
 
     @property
     def mesh(self) -> LogicalDeviceMesh:
@@ -350,6 +356,7 @@ class AutoShardingSolution:
             grad_specs=grad_specs,
             objective=self.objective,
             method="auto-sharding ILP",
+            compute_cost=self.solution.compute,
         )
 
     def _partial_sums(self) -> dict:
@@ -464,18 +471,19 @@ def plan_auto_sharding(
     return solution.to_sharding_plan()
 
 
-def plan_objective(traced, plan: ShardingPlan) -> float:
-    """The objective of ``plan`` under the ILP's cost model, so that plans of any method
-    compare: its own for a plan the ILP made; for any other (data parallel, ZeRO, manual
-    specs) the objective of the cheapest plan that takes the step's inputs in ``plan``'s
-    shardings, which is what the fixed plan pins (the rest it leaves to XLA, priced here
-    at its best)."""
+def plan_objective(traced, plan: ShardingPlan) -> tuple[float, float]:
+    """``(communication, compute)``: the two terms of ``plan``'s objective under the
+    ILP's cost model, so that plans of any method compare: its own for a plan the ILP
+    made; for any other (data parallel, ZeRO, manual specs) those of the cheapest plan
+    that takes the step's inputs in ``plan``'s shardings, which is what the fixed plan
+    pins (the rest it leaves to XLA, priced here at its best)."""
     if plan.objective is not None:
-        return plan.objective
+        compute = plan.compute_cost or 0.0
+        return plan.objective - compute, compute
     solution = solve_auto_sharding(
         traced, plan.logical_mesh, AutoShardingOption(), fixed_in_specs=plan.in_specs
     )
-    return float(solution.objective)
+    return float(solution.objective - solution.compute), float(solution.compute)
 
 
 def solve_auto_sharding(

@@ -95,14 +95,27 @@ class PricedPlan:
     num_micro_batches: int | None
 
     @functools.cached_property
+    def _objective_terms(self) -> tuple[float, float]:
+        return plan_objective(self.traced, self.plan)
+
+    @functools.cached_property
     def auto_sharding_objective(self) -> float:
-        """The plan's objective under the auto-sharding cost model: the ILP's own, or for a
-        plan the ILP did not make (``DataParallel``, ZeRO, manual) the cost of the cheapest
-        plan with its input shardings (``auto_sharding.plan_objective``, solved on first
-        access), so that methods compare. With micro-batches, plus the step's one change of
-        the batch's layout into micro-batches (``micro_batches.layout_change_cost``)."""
+        """The plan's communication cost under the auto-sharding cost model (Alpa's
+        convention: the collectives and reshardings, in seconds of the alpha-beta model):
+        the ILP's own plan's, or for a plan the ILP did not make (``DataParallel``, ZeRO,
+        manual) that of the cheapest plan with its input shardings
+        (``auto_sharding.plan_objective``, solved on first access), so that methods
+        compare. With micro-batches, plus the step's one change of the batch's layout into
+        micro-batches (``micro_batches.layout_change_cost``). The ILP minimises this plus
+        :attr:`auto_sharding_compute_cost`."""
         layout = layout_change_cost(self.traced, self.plan, self.num_micro_batches)
-        return plan_objective(self.traced, self.plan) + layout
+        return self._objective_terms[0] + layout
+
+    @property
+    def auto_sharding_compute_cost(self) -> float:
+        """The compute term the ILP adds to :attr:`auto_sharding_objective`: seconds of
+        work on one device (contraction FLOPs and bytes written at the mesh's rates)."""
+        return self._objective_terms[1]
 
 
 class MeshExecutable(PricedPlan, Executable):

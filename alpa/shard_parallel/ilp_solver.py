@@ -76,6 +76,9 @@ class Solution:
     mean_strategies: float
     solve_time: float
     peak_memory: float | None = None
+    #: The compute term of ``objective`` (:func:`compute_cost`); the rest is
+    #: communication (:func:`communication_cost`).
+    compute: float = 0.0
 
 
 def evaluate(graph: StrategyGraph, choice) -> float:
@@ -188,6 +191,7 @@ def solve(
     return Solution(
         choice=choice,
         objective=evaluate(graph, choice),
+        compute=compute_cost(graph, choice),
         status=status,
         num_groups=len(groups.roots),
         num_ilp_nodes=len(core),

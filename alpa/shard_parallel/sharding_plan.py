@@ -56,7 +56,9 @@ class ShardingPlan:
         gradient accumulation reduces gradients over these axes once per step.
       grad_specs: specs for the gradients that ``alpa.grad`` marks, in the marker's operand
         order, or ``None`` to leave them to XLA (ZeRO shards them like the optimizer state).
-      objective: the ILP objective when the plan came from the ILP, else ``None``.
+      objective: the ILP objective when the plan came from the ILP, else ``None``:
+        communication (collectives and reshardings) plus ``compute_cost``.
+      compute_cost: the compute term of ``objective`` (seconds of work on one device).
       method: a short name of what produced the plan, for messages.
     """
 
@@ -70,3 +72,4 @@ class ShardingPlan:
     grad_specs: tuple[PartitionSpec | None, ...] | None = None
     objective: float | None = None
     method: str = ""
+    compute_cost: float | None = None
