@@ -12,6 +12,7 @@ import socket
 import time
 import warnings
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import jax
@@ -175,8 +176,60 @@ def shutdown() -> None:
 
 
 def get_global_cluster():
-    """The ``DeviceCluster`` of ``alpa.init("ray")`` (``None`` under ``"local"``)."""
+    """The cluster of ``alpa.init``: the ``DeviceCluster`` of ``"ray"``, or under
+    ``"local"`` a :class:`LocalDeviceCluster` of this process's devices (Alpa's programs
+    slice meshes from it either way); ``None`` before ``init``."""
+    if _global_cluster is not None:
+        return _global_cluster
+    if _global_physical_mesh is not None:
+        return LocalDeviceCluster(_global_physical_mesh)
+    return None
+
+
+def get_ray_cluster():
+    """The ``DeviceCluster`` of ``alpa.init("ray")``, else ``None``."""
     return _global_cluster
+
+
+class LocalDeviceCluster:
+    """The devices of ``alpa.init("local")`` with the cluster API of a Ray
+    ``DeviceCluster``: one host of ``num_devices_per_host`` devices."""
+
+    def __init__(self, mesh: LocalPhysicalDeviceMesh):
+        self._mesh = mesh
+        self.num_hosts = 1
+        self.num_devices_per_host = mesh.num_devices
+        self.spec = mesh.cluster
+
+    @property
+    def num_devices(self) -> int:
+        return self.num_devices_per_host
+
+    def _checked(self, host_ids, num_devices_per_host) -> int:
+        if host_ids is not None and list(host_ids) != [0]:
+            raise ValueError(
+                f"host_ids must be [0] (alpa.init('local') has one host), got {list(host_ids)}"
+            )
+        per_host = num_devices_per_host or self.num_devices_per_host
+        if isinstance(per_host, bool) or not 1 <= per_host <= self.num_devices_per_host:
+            raise ValueError(
+                f"num_devices_per_host must be in [1, {self.num_devices_per_host}], "
+                f"got {num_devices_per_host!r}"
+            )
+        return per_host
+
+    def get_physical_mesh(self, host_ids=None, num_devices_per_host=None):
+        """The first ``num_devices_per_host`` local devices (default all)."""
+        per_host = self._checked(host_ids, num_devices_per_host)
+        return self._mesh.slice_1d(0, per_host) if per_host < self.num_devices else self._mesh
+
+    def get_virtual_physical_mesh(self, host_ids=None, num_devices_per_host=None):
+        """The first ``num_devices_per_host`` local devices as a mesh not yet sliced."""
+        per_host = self._checked(host_ids, num_devices_per_host)
+        return VirtualPhysicalMesh(1, per_host, replace(self.spec, num_devices_per_node=per_host))
+
+    def __repr__(self) -> str:
+        return f"LocalDeviceCluster(1 host x {self.num_devices_per_host} devices)"
 
 
 def get_global_physical_mesh(create_if_not_exist: bool = True):

@@ -16,9 +16,9 @@ from dataclasses import replace
 from typing import Any
 
 from alpa.cluster import (
-    get_global_cluster,
     get_global_physical_mesh,
     get_global_virtual_physical_mesh,
+    get_ray_cluster,
     global_virtual_mesh_if_set,
 )
 from alpa.device_mesh import ClusterSpec, LocalPhysicalDeviceMesh, VirtualPhysicalMesh
@@ -151,7 +151,7 @@ class PipeshardParallel(ParallelMethod):
         is ``None`` (or that cluster itself)."""
         if isinstance(self.devices, DeviceCluster):
             return self.devices
-        return get_global_cluster() if self.devices is None else None
+        return get_ray_cluster() if self.devices is None else None
 
     def _plan(self, traced: TracedStep, args: Sequence[Any], require_devices: bool):
         num_hosts, per_host, cluster, devices = self._cluster()

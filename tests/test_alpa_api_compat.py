@@ -62,6 +62,47 @@ def test_init_local_with_fewer_devices_and_the_cluster_api():
         alpa.init("local", num_devices_per_node=9)
 
 
+def test_local_cluster_slices_meshes_as_alpa_programs_do():
+    alpa.shutdown()
+    assert alpa.get_global_cluster() is None  # before init, as Alpa
+    alpa.init("local")
+    cluster = alpa.get_global_cluster()
+    assert (cluster.num_hosts, cluster.num_devices_per_host, cluster.num_devices) == (1, 8, 8)
+    assert cluster.get_physical_mesh([0], 2).devices == tuple(jax.devices()[:2])
+    assert cluster.get_physical_mesh().num_devices == 8
+    virtual = cluster.get_virtual_physical_mesh([0], 4)
+    assert virtual.shape == (1, 4) and virtual.cluster.num_devices_per_node == 4
+    with pytest.raises(ValueError, match=r"host_ids must be \[0\] \(alpa.init\('local'\) has one"):
+        cluster.get_virtual_physical_mesh([1], 4)
+    with pytest.raises(ValueError, match=r"num_devices_per_host must be in \[1, 8\], got 9"):
+        cluster.get_physical_mesh([0], 9)
+    # Alpa's test_manual_sharding: a pipeline on the first 4 devices, sliced from the cluster.
+    alpa.set_global_virtual_physical_mesh(virtual)
+    rng = np.random.default_rng(1)
+    params = {f"w{i}": rng.standard_normal((8, 8), dtype=np.float32) for i in range(2)}
+    x = rng.standard_normal((16, 8), dtype=np.float32)
+
+    def infer(params, x):
+        h = jnp.tanh(x @ params["w0"])
+        alpa.mark_pipeline_boundary()
+        return jnp.tanh(h @ params["w1"])
+
+    method = alpa.PipeshardParallel(num_micro_batches=2, pipeline_schedule="inference")
+    f = alpa.parallelize(infer, method=method)
+    assert_allclose(f(params, x), infer(params, x))
+    used = {d for m in f.get_last_executable().meshes for d in m.devices.flat}
+    assert used == set(jax.devices()[:4])
+    alpa.shutdown()
+
+
+def test_auto_stage_option_takes_alpa_layer_profile_mode():
+    for mode in ("composite", "individual"):
+        assert alpa.AutoStageOption(layer_profile_mode=mode).layer_profile_mode == mode
+    with pytest.raises(ValueError, match=r"layer_profile_mode must be 'composite' or "
+                       r"'individual', got 'each'"):  # fmt: skip
+        alpa.AutoStageOption(layer_profile_mode="each")
+
+
 def test_global_virtual_mesh_decides_where_pipelines_run():
     alpa.init("local")
     alpa.set_global_virtual_physical_mesh(alpa.VirtualPhysicalMesh(1, 4))

@@ -153,6 +153,10 @@ class AutoStageOption:
       memory_budget_per_device: bytes a stage may use per device (default: the
         ``AutoShardingOption``'s ``memory_budget_per_device``, else the cluster's device
         memory).
+      layer_profile_mode: Alpa's ``"composite"`` (default) or ``"individual"``, accepted
+        for Alpa's programs: the analytic model always prices a stage as the sum of its
+        layers (Alpa's ``"individual"``), the measured one always times whole candidate
+        stages (``"composite"``).
     """
 
     submesh_physical_shape_space: str = "power_of_two"
@@ -164,9 +168,16 @@ class AutoStageOption:
     cached_profile_result: str | None = None
     cost_model: Any = "analytic"
     memory_budget_per_device: float | None = None
+    layer_profile_mode: str = "composite"
 
     def __post_init__(self):
         from alpa.pipeline_parallel.stage_cost import LOGICAL_SHAPE_SPACES
+
+        if self.layer_profile_mode not in ("composite", "individual"):
+            raise ValueError(
+                "AutoStageOption.layer_profile_mode must be 'composite' or 'individual', got "
+                f"{self.layer_profile_mode!r}"
+            )
 
         if self.submesh_physical_shape_space not in SUBMESH_SPACES:
             raise ValueError(
