@@ -371,6 +371,12 @@ class PipeshardDriverExecutable(Executable):
         shardings = tuple(self._sharding(var, m) for m in meshes)
         return PlacementSpec(var.aval, tuple(meshes), tuple(s.spec for s in shardings), shardings)
 
+    @property
+    def stage_input_shard_specs(self) -> list[list]:
+        """Alpa's name: per stage, the ``PartitionSpec`` of each input
+        (``PipeshardPlan.stage_input_specs``)."""
+        return self.plan.stage_input_specs()
+
     def get_stage_input_names(self) -> list[list[str]]:
         """Per stage, its inputs (what its forward and backward read from outside), in the
         order ``PipeshardParallel(stage_input_shardings=...)`` takes their specs."""

@@ -75,7 +75,7 @@ from alpa.pipeline_parallel.stage_sharding import (
     uses_ilp,
     value_spec,
 )
-from alpa.pipeline_parallel.user_shardings import pinned_specs
+from alpa.pipeline_parallel.user_shardings import pinned_specs, stage_inputs
 from alpa.runtime.worker_program import Layout, TransferPlan
 from alpa.shard_parallel.auto_sharding import AutoShardingOption
 from alpa.tracing import TracedStep
@@ -221,6 +221,19 @@ class PipeshardPlan:
         if self.stage_plan.predicted_cost is not None:
             return self.stage_plan.predicted_cost
         return self.cost.step_seconds
+
+    def stage_input_specs(self) -> list[list[Any]]:
+        """Per stage, the ``PartitionSpec`` of each of its inputs (``stage_inputs``
+        order): what ``PipeshardParallel(stage_input_shardings=...)`` takes, to compile
+        the step again (another batch size) with its stages reading their inputs alike
+        (Alpa's ``executable.stage_input_shard_specs``)."""
+        return [
+            [
+                value_spec(v, s, self.program, self.stage_specs, mesh.num_devices)
+                for v in stage_inputs(self.program, s)
+            ]
+            for s, mesh in enumerate(self.logical_meshes)
+        ]
 
     def decisions(self) -> PipeshardDecisions:
         """What :func:`plan_pipeshard` needs to make this plan again without searching."""

@@ -313,6 +313,12 @@ class PipeshardRayExecutable(Executable):
             ),
         )
 
+    @property
+    def stage_input_shard_specs(self) -> list[list]:
+        """Alpa's name: per stage, the ``PartitionSpec`` of each input
+        (``PipeshardPlan.stage_input_specs``)."""
+        return self.plan.stage_input_specs()
+
     def flat_input_placement_specs(self) -> list[PlacementSpec]:
         return input_placement_specs(
             self.traced, self.program.input_stages, self.num_micro_batches, self._placement

@@ -35,20 +35,23 @@ class ManualShardingOption:
     """User-given shardings.
 
     Attributes:
-      mesh_axis_names: one name per logical mesh axis (1 or 2 names).
+      mesh_axis_names: one name per logical mesh axis (1 or 2 names); ``None`` when
+        ``submesh_axis_names`` names every pipeline stage's axes.
       submesh_axis_names: per pipeline stage, the axis names of its submesh (pipeshard).
       in_axis_resources: a tuple with one entry per positional argument: a PartitionSpec,
         ``None`` (replicated), or a pytree prefix of that argument with such leaves.
       out_axis_resources: the same for the output pytree, or ``None``.
     """
 
-    mesh_axis_names: tuple[str, ...]
+    mesh_axis_names: tuple[str, ...] | None
     submesh_axis_names: tuple[tuple[str, ...], ...] | None = None
     in_axis_resources: Any = None
     out_axis_resources: Any = None
 
     def __post_init__(self):
         names = self.mesh_axis_names
+        if names is None and self.submesh_axis_names is not None:
+            return  # a pipeline's: every stage names its own axes (as in Alpa)
         if (
             not isinstance(names, tuple | list)
             or not 1 <= len(names) <= 2
@@ -143,6 +146,11 @@ def manual_sharding_plan(
     args: Sequence[Any],
 ) -> ShardingPlan:
     names = option.mesh_axis_names
+    if names is None:
+        raise ValueError(
+            "ManualShardingOption.mesh_axis_names is None, which only a pipeline's option "
+            "may be (with submesh_axis_names); a one-mesh method needs the mesh's axis names"
+        )
     if len(names) == 1:
         mesh = replace(
             logical_mesh,

@@ -104,10 +104,12 @@ def test_manual_sharding_option_pins_step_inputs_and_outputs():
     assert len(params["w0"].sharding.device_set) == 4
 
 
-def test_manual_sharding_option_with_axis_names_per_submesh():
+@pytest.mark.parametrize("mesh_axis_names", [("unused",), None], ids=str)
+def test_manual_sharding_option_with_axis_names_per_submesh(mesh_axis_names):
+    """Alpa's pipelines pass ``mesh_axis_names=None`` when every stage names its axes."""
     devices_or_skip(8)
     option = alpa.ManualShardingOption(
-        ("unused",),
+        mesh_axis_names,
         submesh_axis_names=(("data", "model"), ("model",)),
         in_axis_resources=(
             {"w0": P(None, "model"), "b0": P(), "w1": P("model"), "b1": P()},
@@ -229,3 +231,46 @@ def test_bad_lengths_and_splits_fail_when_the_step_compiles():
         r"dimension 0 of size 16 into 6 parts on stage 1's submesh, which does not divide it",
     ):
         _compile(PipeshardParallel(stage_option=stage_option, manual_sharding_option=option))
+
+
+def test_mesh_axis_names_none_needs_a_pipeline():
+    with pytest.raises(ValueError, match=r"mesh_axis_names must be a tuple of 1 or 2 axis"):
+        alpa.ManualShardingOption(None)
+    option = alpa.ManualShardingOption(None, submesh_axis_names=(("a",),))
+    w, x = jnp.ones((4, 4)), jnp.ones((8, 4))
+    method = alpa.ShardParallel(manual_sharding_option=option)
+    with pytest.raises(ValueError, match=r"mesh_axis_names is None, which only a pipeline"):
+        alpa.parallelize(lambda w, x: jnp.sum(x @ w), method=method)(w, x)
+
+
+def test_stage_input_shard_specs_replay_at_another_batch_size():
+    """``executable.stage_input_shard_specs`` (Alpa's name) is what
+    ``stage_input_shardings`` takes: a step compiled again at another batch size with
+    them reads its stage inputs alike."""
+    devices_or_skip(8)
+    rng = np.random.default_rng(0)
+    params = {f"w{i}": rng.standard_normal((16, 16), dtype=np.float32) for i in range(2)}
+
+    def infer(params, x):
+        h = jnp.tanh(x @ params["w0"])
+        alpa.mark_pipeline_boundary()
+        return jnp.tanh(h @ params["w1"])
+
+    def compiled(batch, shardings=None):
+        method = PipeshardParallel(
+            num_micro_batches=1,
+            pipeline_schedule="inference",
+            layer_option="manual",
+            stage_input_shardings=shardings,
+        )
+        x = jax.ShapeDtypeStruct((batch, 16), jnp.float32)
+        return alpa.parallelize(infer, method=method).get_executable(params, x)
+
+    small = compiled(2)  # 2 rows: the batch cannot be split over 4 devices
+    specs = small.stage_input_shard_specs
+    assert [len(s) for s in specs] == [len(stage_inputs(small.program, s)) for s in (0, 1)]
+    assert all(isinstance(p, P) for stage in specs for p in stage)
+    free = compiled(64)
+    pinned = compiled(64, specs)
+    assert pinned.stage_input_shard_specs == specs
+    assert free.stage_input_shard_specs != specs  # 64 rows: the ILP splits them

@@ -161,6 +161,7 @@ def test_prefer_reduce_scatter_shards_the_update_of_data_parallel_gradients():
     moments = _param_specs((out.opt_state[0].mu, out.opt_state[0].nu))
     kernels = {k: s for k, s in moments.items() if "kernel" in k}
     assert len(kernels) == 2 * num_kernels and all(s == P(None, "x") for s in kernels.values())
+
     # Reduce-scatter + all-gather move what one all-reduce does, plus a latency; what pays
     # is the update computed on 1/n of each gradient (the ILP's objective is both terms).
     def total(executable):
