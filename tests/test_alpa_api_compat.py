@@ -62,6 +62,25 @@ def test_init_local_with_fewer_devices_and_the_cluster_api():
         alpa.init("local", num_devices_per_node=9)
 
 
+def _check_pipeline_runs_on_the_first_four_devices():
+    """A 2-stage inference pipeline under a global virtual mesh of the first 4 devices:
+    it matches serial and uses exactly those devices."""
+    rng = np.random.default_rng(0)
+    params = {f"w{i}": rng.standard_normal((8, 8), dtype=np.float32) for i in range(2)}
+    x = rng.standard_normal((16, 8), dtype=np.float32)
+
+    def infer(params, x):
+        h = jnp.tanh(x @ params["w0"])
+        alpa.mark_pipeline_boundary()
+        return jnp.tanh(h @ params["w1"])
+
+    method = alpa.PipeshardParallel(num_micro_batches=2, pipeline_schedule="inference")
+    f = alpa.parallelize(infer, method=method)
+    assert_allclose(f(params, x), infer(params, x))
+    used = {d for m in f.get_last_executable().meshes for d in m.devices.flat}
+    assert used == set(jax.devices()[:4])
+
+
 def test_local_cluster_slices_meshes_as_alpa_programs_do():
     alpa.shutdown()
     assert alpa.get_global_cluster() is None  # before init, as Alpa
@@ -78,20 +97,7 @@ def test_local_cluster_slices_meshes_as_alpa_programs_do():
         cluster.get_physical_mesh([0], 9)
     # Alpa's test_manual_sharding: a pipeline on the first 4 devices, sliced from the cluster.
     alpa.set_global_virtual_physical_mesh(virtual)
-    rng = np.random.default_rng(1)
-    params = {f"w{i}": rng.standard_normal((8, 8), dtype=np.float32) for i in range(2)}
-    x = rng.standard_normal((16, 8), dtype=np.float32)
-
-    def infer(params, x):
-        h = jnp.tanh(x @ params["w0"])
-        alpa.mark_pipeline_boundary()
-        return jnp.tanh(h @ params["w1"])
-
-    method = alpa.PipeshardParallel(num_micro_batches=2, pipeline_schedule="inference")
-    f = alpa.parallelize(infer, method=method)
-    assert_allclose(f(params, x), infer(params, x))
-    used = {d for m in f.get_last_executable().meshes for d in m.devices.flat}
-    assert used == set(jax.devices()[:4])
+    _check_pipeline_runs_on_the_first_four_devices()
     alpa.shutdown()
 
 
@@ -107,20 +113,7 @@ def test_global_virtual_mesh_decides_where_pipelines_run():
     alpa.init("local")
     alpa.set_global_virtual_physical_mesh(alpa.VirtualPhysicalMesh(1, 4))
     assert alpa.get_global_virtual_physical_mesh().shape == (1, 4)
-    rng = np.random.default_rng(0)
-    params = {f"w{i}": rng.standard_normal((8, 8), dtype=np.float32) for i in range(2)}
-    x = rng.standard_normal((16, 8), dtype=np.float32)
-
-    def infer(params, x):
-        h = jnp.tanh(x @ params["w0"])
-        alpa.mark_pipeline_boundary()
-        return jnp.tanh(h @ params["w1"])
-
-    method = alpa.PipeshardParallel(num_micro_batches=2, pipeline_schedule="inference")
-    f = alpa.parallelize(infer, method=method)
-    assert_allclose(f(params, x), infer(params, x))
-    used = {d for m in f.get_last_executable().meshes for d in m.devices.flat}
-    assert used == set(jax.devices()[:4])
+    _check_pipeline_runs_on_the_first_four_devices()
     with pytest.raises(TypeError, match="mesh must be a VirtualPhysicalMesh or None"):
         alpa.set_global_virtual_physical_mesh((1, 4))
     alpa.shutdown()
