@@ -105,8 +105,11 @@ def mark_outputs_as_gradients(traced: TracedStep) -> TracedStep:
     """``traced`` (differentiated with ``jax.grad``, no ``alpa.grad``) with the
     ``alpa.grad`` marker on the outputs its equations compute, as if it returned
     ``alpa.grad``'s gradients: Alpa's pipelines accept such a step (its tests return
-    ``jax.grad``'s gradients), all of it the compute part, with no apply part. Its
-    retraces are marked alike."""
+    ``jax.grad``'s gradients), all of it the compute part, with no apply part.
+    ``traced.retrace`` is kept as it is: ``parallelize`` marks each retrace itself (the
+    method's ``finish_trace``). A step already marked is returned as it is."""
+    if traced.grad_marker() is not None:
+        return traced
     jaxpr = traced.jaxpr
     produced = {v for e in jaxpr.eqns for v in e.outvars}
     marked = list(dict.fromkeys(v for v in jaxpr.outvars if isinstance(v, Var) and v in produced))
@@ -124,12 +127,7 @@ def mark_outputs_as_gradients(traced: TracedStep) -> TracedStep:
     closed = ClosedJaxpr(
         jaxpr.replace(eqns=[*jaxpr.eqns, marker], outvars=outvars), traced.closed_jaxpr.consts
     )
-    retrace = traced.retrace
-    return dataclasses.replace(
-        traced,
-        closed_jaxpr=closed,
-        retrace=None if retrace is None else lambda d: mark_outputs_as_gradients(retrace(d)),
-    )
+    return dataclasses.replace(traced, closed_jaxpr=closed)
 
 
 def trace_step(

@@ -182,7 +182,8 @@ def test_a_step_returning_jax_grad_gradients_is_pipelined(stage_option):
 
     def grads_step(params, batch):
         def loss(p):
-            out = model.apply(p, batch["x"]) + jnp.arange(BATCH).reshape(-1, 1)  # a constant
+            rows = batch["x"].shape[0]
+            out = model.apply(p, batch["x"]) + jnp.arange(rows).reshape(-1, 1)  # a constant
             return jnp.mean((out - batch["y"]) ** 2)
 
         return jax.value_and_grad(loss)(params)
@@ -200,6 +201,11 @@ def test_a_step_returning_jax_grad_gradients_is_pipelined(stage_option):
         assert executable.stage_plan.num_stages == 4
     kinds = {(c.stage, c.kind) for c in executable.program.computations if c.eqns}
     assert (0, "backward") in kinds and not any(k == "apply" for _, k in kinds)
+    # A retrace (the deferred sums' batch dimensions) is marked once, like the trace.
+    traced = executable.traced
+    retraced = traced.retrace(2)
+    assert retraced.grad_marker() is not None
+    assert [e.primitive for e in retraced.jaxpr.eqns] == [e.primitive for e in traced.jaxpr.eqns]
 
 
 def _executable(schedule, num_micro_batches, num_layers=2):
