@@ -105,10 +105,15 @@ def batch_dims(traced: TracedStep, num_data: int) -> dict[Var, tuple[int, ...] |
     """Per variable of ``traced``'s jaxpr, the dimensions that hold rows of the batch:
     those whose size is ``num_data`` times smaller in a trace at the per-device batch size
     (``None`` for a variable whose sizes changed otherwise). ``None`` when there is no
-    second trace or it differs from the first in structure."""
+    second trace (none, or it fails: a step written for one batch size) or it differs
+    from the first in structure."""
     if traced.retrace is None or num_data == 1:
         return None
-    local = traced.retrace(num_data)
+    try:
+        local = traced.retrace(num_data)
+    except Exception as e:  # e.g. a step whose shapes assume its batch size
+        logger.info("%s: no per-device trace (%s); no row sum is deferred", traced.name, e)
+        return None
     glob_eqns, local_eqns = traced.jaxpr.eqns, local.jaxpr.eqns
     if len(glob_eqns) != len(local_eqns) or any(
         g.primitive is not p.primitive or len(g.outvars) != len(p.outvars)

@@ -317,3 +317,35 @@ def test_batch_dims_of_several_counts_come_from_one_retrace():
     traced_shapes.clear()
     assert batch_dims_for(traced, [8, 16]) == {8: together[2], 16: together[2]}
     assert traced_shapes == [(1, 4)]
+
+
+def test_a_step_written_for_one_batch_size_still_runs_with_micro_batches():
+    """A step whose shapes assume its (micro-)batch size cannot be traced at the
+    per-device size: nothing is deferred (``batch_dims`` is ``None``), and the step still
+    matches the serial accumulation."""
+    from alpa.shard_parallel.micro_batches import batch_dims
+
+    k = 2
+    rows = BATCH // k
+
+    def step(w, x):
+        def loss(w):
+            offset = jnp.arange(rows, dtype=jnp.float32).reshape(rows, 1)  # fixed size
+            return jnp.mean((x @ w + offset) ** 2)
+
+        return w - LR * alpa.grad(loss)(w)
+
+    rng = np.random.default_rng(3)
+    w = jnp.asarray(rng.standard_normal((8, 4)), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((BATCH, 8)), jnp.float32)
+    f = alpa.parallelize(step, method=alpa.DataParallel(num_micro_batches=k))
+    out = f(w, x)
+    traced = f.get_last_executable().traced
+    assert batch_dims(traced, 8) is None
+
+    def serial_grad(w, chunk):
+        offset = jnp.arange(rows, dtype=jnp.float32).reshape(rows, 1)
+        return jax.grad(lambda w: jnp.mean((chunk @ w + offset) ** 2))(w)
+
+    grads = [jax.jit(serial_grad)(w, x[j * rows : (j + 1) * rows]) for j in range(k)]
+    np.testing.assert_allclose(out, w - LR * sum(grads) / k, rtol=1e-5, atol=1e-6)
