@@ -414,7 +414,12 @@ class FollowParallel(ParallelMethod):
             return pipeline.compile_executable(traced, args)
         self._check_one_mesh(source)
         num_micro_batches = self.num_micro_batches
-        if num_micro_batches and num_micro_batches > 1 and traced.grad_marker() is None:
+        if (
+            num_micro_batches
+            and num_micro_batches > 1
+            and traced.grad_marker() is None
+            and traced.retrace is not None
+        ):
             # As Alpa: an evaluation step on one mesh runs its batch whole.
             warnings.warn(
                 f"FollowParallel(num_micro_batches={num_micro_batches}) is ignored for "
