@@ -263,6 +263,10 @@ class ParallelizedFunc:
         if batch_argnums is None:  # the default: Alpa's (1,), when there is an argument 1
             # that the user did not make static
             batch_argnums = (1,) if n >= 2 and 1 not in (static or ()) else ()
+        elif tuple(batch_argnums) == (1,) and n == 1:
+            # Alpa's default written out (its programs pass it to one-argument functions
+            # too): no batch argument, as in Alpa.
+            batch_argnums = ()
         for pos in batch_argnums:
             if not -n <= pos < n:
                 raise ValueError(

@@ -156,6 +156,12 @@ def test_argnums_types():
         alpa.parallelize(lambda x: x, batch_argnums=1)
 
 
+def test_alpa_default_batch_argnums_on_one_argument_means_no_batch():
+    f = alpa.parallelize(lambda w: w * 2, batch_argnums=(1,), method=alpa.ShardParallel())
+    np.testing.assert_allclose(f(jnp.ones((8, 4))), 2 * np.ones((8, 4)))
+    assert not any(f.get_last_executable().traced.batch_invars)
+
+
 def test_batch_argnums_out_of_range():
     f = alpa.parallelize(lambda w, b: w * b, batch_argnums=(2,))
     with pytest.raises(
