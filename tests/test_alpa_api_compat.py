@@ -29,9 +29,12 @@ def test_default_batch_argnums_follows_the_number_of_arguments():
     # One argument: there is no argument 1, so nothing is a batch (no error).
     one = alpa.parallelize(lambda w: jnp.sum(w * 2.0), method=alpa.DataParallel())
     assert_allclose(one(w), jnp.sum(w * 2.0))
-    # An explicit out-of-range position stays an error.
-    bad = alpa.parallelize(lambda w: w * 2.0, method=alpa.DataParallel(), batch_argnums=(1,))
-    with pytest.raises(ValueError, match=r"batch_argnums=\(1,\) is out of range"):
+    # Alpa's default written out means the same (its programs pass it to one-argument
+    # functions); any other out-of-range position stays an error.
+    same = alpa.parallelize(lambda w: w * 2.0, method=alpa.DataParallel(), batch_argnums=(1,))
+    assert_allclose(same(w), w * 2.0)
+    bad = alpa.parallelize(lambda w: w * 2.0, method=alpa.DataParallel(), batch_argnums=(2,))
+    with pytest.raises(ValueError, match=r"batch_argnums=\(2,\) is out of range"):
         bad(w)
 
 
