@@ -12,8 +12,8 @@ saves ``state(SEED)`` as step ``STEP`` and kills itself:
 * ``MODE=time``: ``AT`` seconds after the save started;
 * ``MODE=none``: not at all.
 
-It prints ``ops=<n>`` (the operations the save made) and exits 0 when the save finished
-before the kill.
+It prints ``ops=<n>`` (the operations the save made) and ``seconds=<s>`` (how long the
+save took) and exits 0 when the save finished before the kill.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 
 import numpy as np
 
@@ -53,6 +54,17 @@ def run(ckpt, step: int, seed: int, mode: str, at: float, *extra) -> int:
     )
     assert result.returncode in (0, -signal.SIGKILL), result.stderr
     return result.returncode
+
+
+def save_seconds(ckpt, step: int, seed: int) -> float:
+    """Seconds a save like the killed ones takes here when nothing kills it (run the
+    same way), to time kills as fractions of it on a machine of any speed."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    args = [sys.executable, __file__, str(ckpt), str(step), str(seed), "none", "0"]
+    result = subprocess.run(args, capture_output=True, text=True, env=env, timeout=180)
+    assert result.returncode == 0, result.stderr
+    line = next(x for x in result.stdout.splitlines() if x.startswith("seconds="))
+    return float(line.split("=", 1)[1])
 
 
 def restored_seed(ckpt, step: int, seeds) -> int:
@@ -134,8 +146,10 @@ def main() -> None:
         count = _kill_after_ops(-1)
         if args.mode == "time":
             threading.Timer(args.at, _kill).start()
+    start = time.perf_counter()
     alpa.save_checkpoint(args.ckpt_dir, target, args.step, keep=args.keep)
     print(f"ops={count[0]}", flush=True)
+    print(f"seconds={time.perf_counter() - start:.4f}", flush=True)
     os._exit(0)  # no Ray or thread teardown: the save is what was measured
 
 

@@ -230,14 +230,19 @@ def test_restore_into_plain_shardings(tmp_path):
 # rename of its own files (1), after the checksums (2), between the commit's two renames
 # (3), after the commit (4), after deleting the old copy (5).
 _RESAVE_OPS = [1, 2, 3, 4, 5]
-# Seconds after the save started: a re-save of the 16 MiB state takes ~0.3 s here.
-_RESAVE_TIMES = [0.03, 0.1, 0.2, 0.35]
+# Timed kills, as fractions of how long an unkilled re-save of the 16 MiB state takes on
+# this machine at this moment (~0.3 s on an idle 2-core machine; fixed offsets missed
+# the save when a parallel test slowed or sped it).
+_RESAVE_FRACTIONS = [0.1, 0.3, 0.5, 0.7]
 
 
 def test_a_resave_killed_anywhere_leaves_the_old_or_the_new_step(tmp_path):
     ckpt = tmp_path / "ckpt"
     outcomes, in_window = [], 0
-    kills = [("op", at) for at in _RESAVE_OPS] + [("time", t) for t in _RESAVE_TIMES]
+    alpa.save_checkpoint(ckpt, killed_save.state(99), 1)
+    seconds = killed_save.save_seconds(ckpt, 1, 98)
+    times = [round(f * seconds, 4) for f in _RESAVE_FRACTIONS]
+    kills = [("op", at) for at in _RESAVE_OPS] + [("time", t) for t in times]
     for seed, (mode, at) in enumerate(kills, start=1):
         # Each kill starts from a committed step 1 (this save also cleans what the last
         # kill left), so that the op counts of the save are the same every time.
