@@ -318,17 +318,15 @@ class _Builder:
         for k, var in enumerate(outvars):
             aval = var.aval
             size = nbytes(getattr(aval, "shape", ()), itemsize(aval))
-            known = self._outputs_cache.get((id(strategies), k, size)) if shared else None
-            if known is not None and known[0] is strategies:
-                specs, sizes = known[1], known[2]
+            if shared:
+                specs, sizes = _by_identity(
+                    self._outputs_cache,
+                    (strategies,),
+                    (k, size),
+                    lambda k=k, size=size: self._output_specs(strategies, k, size),
+                )
             else:
-                specs = tuple(s.out_specs[k] for s in strategies)
-                sizes = self._bytes_cache.get((specs, size))
-                if sizes is None:
-                    sizes = tuple(size / self._num_shards(spec) for spec in specs)
-                    self._bytes_cache[(specs, size)] = sizes
-                if shared:
-                    self._outputs_cache[(id(strategies), k, size)] = (strategies, specs, sizes)
+                specs, sizes = self._output_specs(strategies, k, size)
             out_specs.append(specs)
             out_bytes.append(sizes)
         self.nodes.append(
@@ -347,6 +345,15 @@ class _Builder:
             if not isinstance(var, DropVar):
                 self.sources[var] = (node_id, k)
         return node_id
+
+    def _output_specs(self, strategies, k: int, size: float):
+        """Output ``k``'s spec and bytes per device under each of ``strategies``."""
+        specs = tuple(s.out_specs[k] for s in strategies)
+        sizes = self._bytes_cache.get((specs, size))
+        if sizes is None:
+            sizes = tuple(size / self._num_shards(spec) for spec in specs)
+            self._bytes_cache[(specs, size)] = sizes
+        return specs, sizes
 
     def _num_shards(self, spec: Spec) -> int:
         shards = self._shards_cache.get(spec)
@@ -479,26 +486,23 @@ class _Builder:
             if isinstance(var, Literal):
                 continue
             src_id, k = self.sources[var]
-            known = self._operands_cache.get((id(result), j)) if shared else None
-            if known is not None and known[0] is result:
-                dst_specs = known[1]
+
+            def operand_specs(j=j):
+                return tuple(s.in_specs[j] for s in result.strategies)
+
+            if shared:
+                dst_specs = _by_identity(self._operands_cache, (result,), (j,), operand_specs)
             else:
-                dst_specs = tuple(s.in_specs[j] for s in result.strategies)
-                if shared:
-                    self._operands_cache[(id(result), j)] = (result, dst_specs)
+                dst_specs = operand_specs()
             total = nbytes(var.aval.shape, itemsize(var.aval))
             src_specs = self._specs_of((src_id, k))
             # The same two spec tuples meet again in every repeated block of the graph.
-            seen = self._edge_matrices.get((id(src_specs), id(dst_specs), total))
-            if seen is not None and seen[0] is src_specs and seen[1] is dst_specs:
-                cost = seen[2]
-            else:
-                cost = self._matrix(src_specs, dst_specs, total)
-                self._edge_matrices[(id(src_specs), id(dst_specs), total)] = (
-                    src_specs,
-                    dst_specs,
-                    cost,
-                )
+            cost = _by_identity(
+                self._edge_matrices,
+                (src_specs, dst_specs),
+                (total,),
+                lambda src=src_specs, dst=dst_specs, total=total: self._matrix(src, dst, total),
+            )
             if site is not None and j == site.other_index:
                 cost = cost + partial_sum_discount(self.nodes, site)
             self.edges.append(Edge(src_id, node_id, cost, src_specs, dst_specs, total))
@@ -540,6 +544,19 @@ class _Builder:
             )  # fmt: skip
             self._cost_cache[key] = cost
         return cost
+
+
+def _by_identity(cache: dict, objects: tuple, extra: tuple, make: Callable):
+    """``make()``, kept in ``cache`` under the identities of ``objects`` (and ``extra``)
+    rather than their hashes: spec tuples and strategy lists are costly to hash and recur
+    as the very same objects. Each entry holds ``objects``, so their ids stay theirs."""
+    key = (*map(id, objects), *extra)
+    hit = cache.get(key)
+    if hit is not None and all(a is b for a, b in zip(hit[0], objects, strict=True)):
+        return hit[1]
+    value = make()
+    cache[key] = (objects, value)
+    return value
 
 
 def _rule_key(eqn: JaxprEqn, operand_specs) -> tuple | None:
