@@ -55,6 +55,12 @@ from alpa.timer import timed
 from alpa.tracing import TracedStep, leaf_signature, new_jaxpr
 
 REPLICATED = PartitionSpec()
+
+
+def _is_spec(x) -> bool:
+    return isinstance(x, PlacementSpec)
+
+
 _PIPELINES = (PipeshardDriverExecutable, PipeshardRayExecutable)
 
 
@@ -79,7 +85,7 @@ def _first_argument_specs(target: Executable, tree, what: str) -> list[Placement
     """The placement specs of ``target``'s first dynamic argument, flat, checked to have
     the pytree structure ``tree``."""
     specs = target.get_input_placement_specs()[0]
-    leaves, spec_tree = jax.tree.flatten(specs, is_leaf=lambda x: isinstance(x, PlacementSpec))
+    leaves, spec_tree = jax.tree.flatten(specs, is_leaf=_is_spec)
     if spec_tree != tree:
         raise ValueError(
             f"{what} has the pytree structure {tree}, but the first argument of "
@@ -258,10 +264,6 @@ class PerMeshOutputsExecutable(Executable):
 
 
 # ----------------------------------------------------------------------------- follow
-
-
-def _is_spec(x) -> bool:
-    return isinstance(x, PlacementSpec)
 
 
 class FollowParallel(ParallelMethod):

@@ -265,15 +265,11 @@ def get_3d_parallel_method(
     cluster's); a stage of more devices spans whole hosts. ``data_parallel=-1`` (Alpa's
     convention) takes every device the other two degrees leave.
     """
+    _check_degree("operator_parallel", operator_parallel)
+    _check_degree("pipeline_parallel", pipeline_parallel)
     if data_parallel == -1 and not isinstance(data_parallel, bool):
-        data_parallel = _rest_of_devices(operator_parallel, pipeline_parallel)
-    for name, value in (
-        ("data_parallel", data_parallel),
-        ("operator_parallel", operator_parallel),
-        ("pipeline_parallel", pipeline_parallel),
-    ):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
+        data_parallel = _rest_of_devices(operator_parallel * pipeline_parallel)
+    _check_degree("data_parallel", data_parallel)
     option = AutoShardingOption(prefer_reduce_scatter=True, force_batch_dim_to_mesh_dim=0)
     stage_devices = data_parallel * operator_parallel
     if pipeline_parallel == 1 and allow_degenerate_into_shard_parallel:
@@ -306,16 +302,15 @@ def get_3d_parallel_method(
     )
 
 
-def _rest_of_devices(operator_parallel, pipeline_parallel) -> int:
-    """``data_parallel`` for ``-1``: the global mesh's devices over the other degrees."""
+def _check_degree(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+def _rest_of_devices(used: int) -> int:
+    """``data_parallel`` for ``-1``: the global mesh's devices over ``used``, the product
+    of the other two degrees."""
     total = get_global_virtual_physical_mesh().num_devices
-    for name, value in (
-        ("operator_parallel", operator_parallel),
-        ("pipeline_parallel", pipeline_parallel),
-    ):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
-    used = operator_parallel * pipeline_parallel
     if total % used:
         raise ValueError(
             f"data_parallel=-1 takes the devices left by operator_parallel * "

@@ -142,9 +142,9 @@ def _solve_highs(model: Milp, time_limit: float):
     from 10.1 s to 5.6 s with the same objectives (``docs/auto_sharding.md``). Otherwise
     the MILP is solved in full, in the time left."""
     start = time.perf_counter()
-    relaxed = any(model.integer)
-    values, status = _run_highs(model, time_limit, integral=not relaxed)
-    if not relaxed or status == "infeasible":
+    has_integers = any(model.integer)
+    values, status = _run_highs(model, time_limit, integral=not has_integers)
+    if not has_integers or status == "infeasible":
         return values, status
     if status == "optimal":
         integer = np.asarray(model.integer)
