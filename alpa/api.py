@@ -13,7 +13,7 @@ the first call returns are the same key, and the step compiles once.
 
 A call that looks like the last one (same number of arguments, same static values, no new
 Python scalar among the dynamic ones) is a **cache hit**: the dynamic arguments go straight
-to the last executable's :meth:`~alpa.executable.Executable.dispatch`, for a one-mesh
+to the last executable's :meth:`~alpa.executables.base.Executable.dispatch`, for a one-mesh
 executable XLA's compiled program and its C++ fast path, so alpa adds one Python frame to
 what ``jax.jit`` costs. If the dispatch refuses the arguments (other shapes, an input
 committed to another sharding) the call takes the slow path: the full key, compilation if
@@ -50,7 +50,7 @@ from alpa.cluster import (  # noqa: F401 (alpa.api.init etc., as in Alpa)
     init,
     shutdown,
 )
-from alpa.executable import Executable
+from alpa.executables.base import Executable
 from alpa.parallel_method import ParallelMethod, ShardParallel
 from alpa.pipeline_parallel.layer_construction import mark_layers
 from alpa.pipeline_parallel.segments import reuse_cuts

@@ -5,7 +5,7 @@ A parallelized step reads each batch leaf in the sharding its plan chose
 placed by the step itself, on its critical path. A loader places it before the step asks:
 
 * :class:`DataLoader` reads whole batches from an iterator on the driver and places each
-  leaf with :func:`alpa.executable.place`, so the step's cache hit takes it as it is.
+  leaf with :func:`alpa.executables.base.place`, so the step's cache hit takes it as it is.
 * :class:`MeshDriverDataLoader` reads only rows: each host calls
   ``input_iter_func(start, end, batch_size)`` for the rows its devices hold, and every
   device receives only its own rows (its shard), never the whole batch.
@@ -58,7 +58,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from alpa.executable import PlacementSpec, place
+from alpa.runtime.placement import PlacementSpec, place
 
 __all__ = ["DataLoader", "MeshDriverDataLoader"]
 
@@ -118,7 +118,7 @@ def _spec_leaves(placement_specs: Any) -> tuple[list[str], list[PlacementSpec], 
         if not isinstance(spec, PlacementSpec):
             raise TypeError(
                 f"placement_specs leaf {name} is a {type(spec).__name__}, expected an "
-                "alpa.executable.PlacementSpec (executable.get_input_placement_specs() "
+                "alpa.executables.base.PlacementSpec (executable.get_input_placement_specs() "
                 "gives them, one per argument leaf)"
             )
         if not spec.placements:
@@ -185,7 +185,7 @@ class DataLoader:
       prefetch_size: batches placed beyond the one returned (0: none).
 
     Iterating yields the batches, with every leaf placed on its first mesh
-    (:func:`alpa.executable.place`). The loader is its own iterator: iterating it again
+    (:func:`alpa.executables.base.place`). The loader is its own iterator: iterating it again
     continues where it stopped. ``close()`` drops the prefetched batches.
     """
 

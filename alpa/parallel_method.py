@@ -1,7 +1,7 @@
 """Parallel methods: how ``alpa.parallelize`` splits a step over devices.
 
 A method turns a :class:`~alpa.tracing.TracedStep` into an
-:class:`~alpa.executable.Executable`. ``ShardParallel`` runs the whole step on one mesh
+:class:`~alpa.executables.base.Executable`. ``ShardParallel`` runs the whole step on one mesh
 (intra-operator parallelism); ``DataParallel``, ``Zero2Parallel`` and ``Zero3Parallel`` are
 ``ShardParallel`` with fixed plans. ``PipeshardParallel``, which cuts the step into
 pipeline stages each sharded on its own submesh, is in :mod:`alpa.pipeshard_method`
@@ -26,17 +26,17 @@ from alpa.device_mesh import (
     LogicalDeviceMesh,
     VirtualPhysicalMesh,
 )
-from alpa.executable import Executable
-from alpa.pipeline_parallel.resharding import worker_transfer_plan
+from alpa.executables.base import Executable
+from alpa.executables.distributed import DistributedMeshExecutable
+from alpa.executables.mesh import compile_shard_executable
 from alpa.runtime.ray_mesh import DistributedPhysicalDeviceMesh
+from alpa.runtime.resharding import worker_transfer_plan
 from alpa.shard_parallel.auto_sharding import (
     AutoShardingOption,
     plan_auto_sharding,
     snapshot_for_compile,
 )
 from alpa.shard_parallel.data_parallel import data_parallel_plan
-from alpa.shard_parallel.distributed_executable import DistributedMeshExecutable
-from alpa.shard_parallel.executable import compile_shard_executable
 from alpa.shard_parallel.ilp_solver import InfeasibleMemoryBudgetError
 from alpa.shard_parallel.manual_sharding import (
     ManualShardingOption,

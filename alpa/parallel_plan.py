@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from jax.extend.core import DropVar, Jaxpr, JaxprEqn, Var
 
-from alpa.executable import Executable, PlacementSpec
+from alpa.executables.base import Executable
 from alpa.pipeline_parallel.layer_construction import (
     AutoLayerOption,
     LayerAssignment,
@@ -73,8 +73,9 @@ from alpa.plan_json import (
     stage_plan_from_json,
     stage_plan_to_json,
 )
+from alpa.runtime.placement import PlacementSpec
 from alpa.shard_parallel.auto_sharding import AutoShardingOption
-from alpa.shard_parallel.executable import full_batch_avals
+from alpa.shard_parallel.compile import full_batch_avals
 from alpa.shard_parallel.sharding_plan import ShardingPlan
 from alpa.tracing import TracedStep
 from alpa.tracing.trace import REMAT_PRIMITIVES

@@ -22,16 +22,16 @@ from alpa.cluster import (
     global_virtual_mesh_if_set,
 )
 from alpa.device_mesh import ClusterSpec, LocalPhysicalDeviceMesh, VirtualPhysicalMesh
-from alpa.executable import Executable
+from alpa.executables.base import Executable
+from alpa.executables.pipeshard import PipeshardDriverExecutable
+from alpa.executables.pipeshard_ray import PipeshardRayExecutable
 from alpa.parallel_method import ParallelMethod, ShardParallel
 from alpa.pipeline_parallel.layer_construction import (
     AutoLayerOption,
     layer_option_context,
     resolve_layer_option,
 )
-from alpa.pipeline_parallel.pipeshard_executable import PipeshardDriverExecutable
 from alpa.pipeline_parallel.pipeshard_plan import PipeshardPlan, plan_pipeshard
-from alpa.pipeline_parallel.pipeshard_ray_executable import PipeshardRayExecutable
 from alpa.pipeline_parallel.schedules import check_schedule_name
 from alpa.pipeline_parallel.stage_construction import (
     ManualStageOption,

@@ -18,9 +18,9 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from alpa.device_mesh import LogicalDeviceMesh
-from alpa.executable import PlacementSpec
 from alpa.pipeline_parallel.layer_construction import AutoLayerOption, ManualLayerOption
 from alpa.pipeline_parallel.stage_construction import StagePlan
+from alpa.runtime.placement import PlacementSpec
 from alpa.shard_parallel.auto_sharding import AutoShardingOption
 from alpa.shard_parallel.sharding_plan import PartialSum, ShardingPlan
 

@@ -18,7 +18,7 @@ from typing import Any
 from jax.extend.core import Jaxpr, Var
 
 from alpa.device_mesh import LogicalDeviceMesh
-from alpa.executable import Executable
+from alpa.executables.base import Executable
 from alpa.parallel_method import ParallelMethod, _compile_one_mesh, resolve_logical_mesh
 from alpa.parallel_plan import ParallelPlan, eqn_refs, value_refs
 from alpa.pipeline_parallel.pipeshard_plan import plan_pipeshard

@@ -25,7 +25,7 @@ written by orbax-checkpoint, the maintained checkpoint library of JAX:
   :func:`restore_checkpoint` checks them first (``verify=True``, the default), so a damaged
   file is an error that names the step, the part and the file, never different values.
 * **Restoring reads each shard where it goes.** Every leaf of ``placement_specs`` (a
-  :class:`~alpa.executable.PlacementSpec`, as ``executable.get_input_placement_specs()``
+  :class:`~alpa.executables.base.PlacementSpec`, as ``executable.get_input_placement_specs()``
   returns them) names the sharding the step reads the leaf in, on its first mesh; orbax
   gets that sharding (``ArrayRestoreArgs(sharding=...)``) and each device reads only its
   own slice of the stored array. The saved sharding does not matter: a state saved from
@@ -61,8 +61,8 @@ from flax import serialization as flax_serialization
 
 from alpa import checkpoint_files as files
 from alpa.checkpoint_files import DamagedCheckpointError
-from alpa.executable import PlacementSpec, place
 from alpa.runtime.checkpoint_parts import read_part, write_part
+from alpa.runtime.placement import PlacementSpec, place
 
 PyTree = Any
 

@@ -215,7 +215,7 @@ def _opt_state_specs(p_step, state, batch):
 
 
 def _is_spec(x):
-    return isinstance(x, alpa.executable.PlacementSpec)
+    return isinstance(x, alpa.executables.base.PlacementSpec)
 
 
 def test_as_option_assignment_takes_effect_and_is_validated():

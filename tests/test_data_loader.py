@@ -9,7 +9,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 import alpa
 from alpa.device_mesh import make_jax_mesh
-from alpa.executable import PlacementSpec, is_placed
+from alpa.runtime.placement import PlacementSpec, is_placed
 from alpa.runtime.worker_program import Layout
 from alpa.testing import assert_allclose, get_mlp_train_state_and_step
 

@@ -12,7 +12,7 @@ import pytest
 from flax.training.train_state import TrainState
 
 import alpa
-from alpa.executable import is_placed
+from alpa.runtime.placement import is_placed
 from alpa.testing import assert_allclose
 
 BATCH, HIDDEN = 32, 64
@@ -67,7 +67,7 @@ def _check_created_in_place(state, executable):
     first step copies nothing), and each device holds only its shard."""
     specs = jax.tree.leaves(
         executable.get_input_placement_specs()[0],
-        is_leaf=lambda x: isinstance(x, alpa.executable.PlacementSpec),
+        is_leaf=lambda x: isinstance(x, alpa.executables.base.PlacementSpec),
     )
     leaves = jax.tree.leaves(state)
     assert len(specs) == len(leaves)
@@ -196,11 +196,11 @@ def test_follow_parallel_pipeshard_uses_the_training_stages():
     assert evaluate.stage_plan.device_ranges == train.stage_plan.device_ranges
     train_specs = jax.tree.leaves(
         train.get_input_placement_specs()[0].params,
-        is_leaf=lambda x: isinstance(x, alpa.executable.PlacementSpec),
+        is_leaf=lambda x: isinstance(x, alpa.executables.base.PlacementSpec),
     )
     eval_specs = jax.tree.leaves(
         evaluate.get_input_placement_specs()[0].params,
-        is_leaf=lambda x: isinstance(x, alpa.executable.PlacementSpec),
+        is_leaf=lambda x: isinstance(x, alpa.executables.base.PlacementSpec),
     )
     for t, e in zip(train_specs, eval_specs, strict=True):
         assert (t.mesh_ids, t.sharding_specs) == (e.mesh_ids, e.sharding_specs)

@@ -15,7 +15,7 @@ from conftest import devices_or_skip
 from flax.training.train_state import TrainState
 
 import alpa
-from alpa.executable import PlacementSpec
+from alpa.runtime.placement import PlacementSpec
 from alpa.serialization import DamagedCheckpointError, checkpoint_steps
 from alpa.testing import assert_allclose, get_mlp_train_state_and_step
 

@@ -54,8 +54,7 @@ from alpa.pipeline_parallel.layer_construction import (
     construct_layers,
     resolve_layer_option,
 )
-from alpa.pipeline_parallel.resharding import worker_transfer_plan
-from alpa.pipeline_parallel.runtime_emitter import Op, PipelineInstructions, emit_instructions
+from alpa.pipeline_parallel.runtime_emitter import emit_instructions
 from alpa.pipeline_parallel.schedules import PipelineSchedule, make_schedule
 from alpa.pipeline_parallel.stage_construction import (
     AutoStageOption,
@@ -76,6 +75,8 @@ from alpa.pipeline_parallel.stage_sharding import (
     value_spec,
 )
 from alpa.pipeline_parallel.user_shardings import pinned_specs, stage_inputs
+from alpa.runtime.instructions import Op, PipelineInstructions
+from alpa.runtime.resharding import worker_transfer_plan
 from alpa.runtime.worker_program import Layout, TransferPlan
 from alpa.shard_parallel.auto_sharding import AutoShardingOption
 from alpa.tracing import TracedStep

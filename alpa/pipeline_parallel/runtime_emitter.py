@@ -20,139 +20,27 @@ state: the caller's arrays) and outputs survive a step. The opcodes:
 * ``RESHARD``: a value from the mesh that holds it to the mesh that needs it.
 
 A buffer is named by a :data:`BufferKey` ``(value name, micro-batch or None, mesh)``.
-:func:`simulate_memory` replays the instructions and reports the peak of live bytes each
-mesh holds, which is how the 1F1B and GPipe schedules are compared.
+``runtime.instructions.simulate_memory`` replays the instructions and reports the peak of
+live bytes each mesh holds, which is how the 1F1B and GPipe schedules are compared.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import enum
-from dataclasses import dataclass
 
 import jax
 import numpy as np
 
 from alpa.pipeline_parallel.computation import PipelineProgram, _is_var, _nbytes
 from alpa.pipeline_parallel.schedules import PipelineSchedule
-
-BufferKey = tuple[str, int | None, int]
-
-
-class Op(str, enum.Enum):
-    """Instruction opcodes (a ``str`` enum: ``Op.RUN == "RUN"``)."""
-
-    LOAD = "LOAD"
-    RUN = "RUN"
-    ALLOC = "ALLOC"
-    RESHARD = "RESHARD"
-
-    def __str__(self) -> str:
-        return self.value
-
-
-@dataclass(frozen=True)
-class Accumulation:
-    """A value a kernel accumulates: ``program.accumulated[marker_out] == operand``, where
-    the operand is the computation's output ``outvar_index`` (for a deferred gradient,
-    ``marker_out`` is its accumulator of partial sums, ``program.deferred.partials``).
-    ``scale`` multiplies each micro-batch's value (``1/k`` for floats, ``None``: none);
-    with ``reads_sum`` the running sum is an input (donated) and the output is
-    ``sum + scale * value``, without it the output is ``scale * value`` (one micro-batch)."""
-
-    outvar_index: int
-    marker_out: object
-    scale: float | None
-    reads_sum: bool
-
-
-@dataclass(frozen=True)
-class Kernel:
-    """What a ``RUN`` calls: computation ``computation`` of the program, returning its
-    outputs ``kept`` (indices into its ``outvars``), then its inputs ``publishes``, then
-    the ``accumulate``d values; its inputs are its ``invars`` followed by the running sums
-    that are read.
-
-    ``reduces`` (indices into ``invars``): gradients that arrive as per-device partial
-    sums (``deferred_sums``), their ``[n, ...]`` accumulators in place of the gradient,
-    and are summed on entry; those in ``publishes`` are also written, reduced, for the
-    apply computations that read them later."""
-
-    computation: int
-    kept: tuple[int, ...]
-    accumulate: tuple[Accumulation, ...]
-    reduces: tuple[int, ...] = ()
-    publishes: tuple[int, ...] = ()
-
-
-@dataclass(frozen=True)
-class Instruction:
-    """One step of a mesh's program.
-
-    * ``LOAD``: ``outputs`` = the micro-batches of step input ``leaf``, in order.
-    * ``RUN``: ``outputs`` = kernel ``computation``(``inputs``).
-    * ``ALLOC``: ``outputs`` = zeros (the running sums of a kernel).
-    * ``RESHARD``: ``outputs[0]`` (on ``mesh``) = ``inputs[0]`` (on another mesh).
-
-    After it runs, the buffers ``free`` are dropped (their last use).
-    """
-
-    op: Op
-    mesh: int
-    inputs: tuple[BufferKey, ...] = ()
-    outputs: tuple[BufferKey, ...] = ()
-    computation: int | None = None
-    micro_batch: int | None = None
-    leaf: int | None = None
-    free: tuple[BufferKey, ...] = ()
-
-    def __str__(self) -> str:
-        def keys(ks):
-            return ", ".join(f"{n}@{m if m is not None else '*'}" for n, m, _ in ks)
-
-        extra = f" k{self.computation}" if self.computation is not None else ""
-        mb = f" mb{self.micro_batch}" if self.micro_batch is not None else ""
-        freed = f" free({keys(self.free)})" if self.free else ""
-        return (
-            f"[mesh {self.mesh}] {self.op}{extra}{mb} ({keys(self.inputs)}) -> "
-            f"({keys(self.outputs)}){freed}"
-        )
-
-
-@dataclass(frozen=True)
-class PipelineInstructions:
-    """The emitted program: one global order, and per-mesh views of it."""
-
-    instructions: tuple[Instruction, ...]
-    kernels: tuple[Kernel, ...]
-    num_meshes: int
-    persistent: frozenset  # input buffers the caller owns
-    outputs: tuple  # per step output: a key, a tuple of per-micro-batch keys, or a literal
-    nbytes: dict  # BufferKey -> bytes
-
-    def output_keys(self) -> set[BufferKey]:
-        """The buffers the step's outputs are read from."""
-        keys: set[BufferKey] = set()
-        for kind, value in self.outputs:
-            if kind == "key":
-                keys.add(value)
-            elif kind in ("concat", "mean"):
-                keys.update(value)
-        return keys
-
-    def buffer_keys(self) -> set[BufferKey]:
-        """Every buffer of a step: what the instructions read and write, the inputs the
-        caller gives and the buffers the outputs are read from."""
-        keys = {key for ins in self.instructions for key in ins.inputs + ins.outputs}
-        return keys | set(self.persistent) | self.output_keys()
-
-    def for_mesh(self, mesh: int) -> list[Instruction]:
-        return [ins for ins in self.instructions if ins.mesh == mesh]
-
-    def count(self, op: Op | str) -> int:
-        """How many instructions have opcode ``op``."""
-        op = Op(op)
-        return sum(ins.op is op for ins in self.instructions)
+from alpa.runtime.instructions import (
+    Accumulation,
+    BufferKey,
+    Instruction,
+    Kernel,
+    Op,
+    PipelineInstructions,
+)
 
 
 def emit_instructions(
@@ -371,22 +259,3 @@ def _attach_frees(instructions, keep) -> list[Instruction]:
         dataclasses.replace(ins, free=tuple(sorted(frees[i], key=str))) if i in frees else ins
         for i, ins in enumerate(instructions)
     ]
-
-
-def simulate_memory(program: PipelineInstructions) -> list[int]:
-    """Peak bytes per mesh of the buffers a step creates (inputs it is given excluded)."""
-    live = [0] * program.num_meshes
-    peak = [0] * program.num_meshes
-    alive: set = set()
-    for ins in program.instructions:
-        for key in ins.outputs:
-            if key not in alive and key not in program.persistent:
-                alive.add(key)
-                live[key[2]] += program.nbytes[key]
-        for mesh in {key[2] for key in ins.outputs} | {ins.mesh}:
-            peak[mesh] = max(peak[mesh], live[mesh])
-        for key in ins.free:
-            if key in alive:
-                alive.remove(key)
-                live[key[2]] -= program.nbytes[key]
-    return peak

@@ -824,17 +824,23 @@ class MeasuredStageCost:
         import jax
         import jax.numpy as jnp
 
-        from alpa.shard_parallel.executable import compile_shard_executable
+        from alpa.shard_parallel.compile import compile_plan
 
         plan = plan_auto_sharding(step, mesh, option, partial_sums=False)  # as the stages run
-        executable = compile_shard_executable(step, plan, None)
-        args = [jnp.zeros(a.shape, a.dtype) for a in step.in_avals]
-        args = executable.preshard_flat_args(args)
-        jax.block_until_ready(executable.launch(args))
+        compiled, in_shardings = compile_plan(step, plan, None)
+        args = [
+            jax.device_put(jnp.zeros(a.shape, a.dtype), s)
+            for a, s in zip(step.in_avals, in_shardings, strict=True)
+        ]
+
+        def launch():
+            return compiled(*jax.tree.unflatten(step.in_tree, args))
+
+        jax.block_until_ready(launch())
         times = []
         for _ in range(self.repeat):
             start = time.perf_counter()
-            jax.block_until_ready(executable.launch(args))
+            jax.block_until_ready(launch())
             times.append(time.perf_counter() - start)
         return float(np.median(times))
 

@@ -29,13 +29,13 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from alpa.executable import leaf_placer
-from alpa.pipeline_parallel.runtime_emitter import (
+from alpa.runtime.instructions import (
     BufferKey,
     Instruction,
     Op,
     PipelineInstructions,
 )
+from alpa.runtime.placement import leaf_placer
 from alpa.runtime.ray_worker import jitted_concat, jitted_mean
 
 

@@ -1,6 +1,6 @@
 """The GPU transport of cross-mesh resharding: NCCL send/recv between mesh-host workers.
 
-A :class:`~alpa.pipeline_parallel.resharding.ReshardingPlan` says which box of the array
+A :class:`~alpa.runtime.resharding.ReshardingPlan` says which box of the array
 each source device sends to each destination host, and which devices of that host keep a
 copy (DESIGN §5). Between Ray workers on GPUs (one worker per (mesh, host), DESIGN §6) the
 boxes travel by NCCL point-to-point calls through ``cupy.cuda.nccl``, reading and writing
@@ -47,15 +47,13 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import numpy as np
 
+from alpa.runtime.resharding import ReshardingPlan
 from alpa.runtime.worker_program import Box, local_slices
-
-if TYPE_CHECKING:  # the runtime imports no compiler pass (DESIGN §2)
-    from alpa.pipeline_parallel.resharding import ReshardingPlan
 
 # numpy dtype name -> name of the cupy.cuda.nccl constant for it. Any other dtype travels as
 # raw bytes; so does bfloat16 where cupy's NCCL wrapper lacks NCCL_BFLOAT16.

@@ -64,8 +64,8 @@ def main():
     from jax.sharding import PartitionSpec as P
 
     import alpa
-    from alpa.pipeline_parallel.resharding import worker_transfer_plan
     from alpa.runtime.ray_launch import ensure_nccl_group, reshard_array
+    from alpa.runtime.resharding import worker_transfer_plan
     from alpa.runtime.worker_program import Layout
 
     alpa.init("ray", num_devices_per_node=args.num_devices)

@@ -149,7 +149,7 @@ def run(model: str, mesh_shape, batch_size: int, num_layers: int | None, compile
     if compile_:
         if devices is None:
             raise RuntimeError("--compile needs 8 devices; XLA_FLAGS was set before this run")
-        from alpa.shard_parallel.executable import compile_shard_executable
+        from alpa.executables.mesh import compile_shard_executable
 
         tic = time.perf_counter()
         compile_shard_executable(traced, solution.to_sharding_plan(), None)

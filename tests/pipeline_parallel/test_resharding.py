@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from alpa.pipeline_parallel.resharding import (
+from alpa.runtime.resharding import (
     MeshSharding,
     apply_plan,
     plan_resharding,

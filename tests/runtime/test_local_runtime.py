@@ -14,7 +14,7 @@ import pytest
 from conftest import devices_or_skip
 from jax.sharding import NamedSharding, PartitionSpec
 
-from alpa.pipeline_parallel.runtime_emitter import Instruction, Op
+from alpa.runtime.instructions import Instruction, Op
 from alpa.runtime.local_runtime import HANDLERS, RuntimeContext
 from alpa.util import count_communication_primitives
 

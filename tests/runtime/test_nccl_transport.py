@@ -23,7 +23,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from alpa.pipeline_parallel.resharding import MeshSharding, plan_resharding, shard_array
 from alpa.runtime.nccl_transport import (
     HostRole,
     NcclGroup,
@@ -32,6 +31,7 @@ from alpa.runtime.nccl_transport import (
     nccl_available,
     new_unique_id,
 )
+from alpa.runtime.resharding import MeshSharding, plan_resharding, shard_array
 
 SHAPE = (8, 12)
 MESHES = [(1, 2), (2, 1), (1, 4), (2, 2)]
@@ -529,8 +529,8 @@ def test_mesh_workers_move_values_over_nccl(fake, src_n, dst_n):
     """Two MeshHostWorkers (in this process, on CPU devices standing in for GPUs) with an
     open NCCL group move every (replicated, row, column, 2-D) pair through NcclGroup: the
     value arrives exactly on every device, and the bytes each side counts are the plan's."""
-    from alpa.pipeline_parallel.resharding import worker_transfer_plan
     from alpa.runtime.ray_worker import MeshHostWorker
+    from alpa.runtime.resharding import worker_transfer_plan
 
     devices = jax.devices()
     src = MeshHostWorker(0, 0, 1, src_n, devices=devices[:src_n])

@@ -21,8 +21,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import alpa
-from alpa.pipeline_parallel.resharding import worker_transfer_plan
 from alpa.runtime.ray_launch import reshard_array
+from alpa.runtime.resharding import worker_transfer_plan
 from alpa.runtime.worker_program import Layout
 from alpa.testing import assert_allclose, get_mlp_train_state_and_step
 
@@ -296,7 +296,7 @@ _LAYOUTS = {
 
 def _distinct_tile_elements(layout: Layout, shape) -> int:
     """Elements a one-host destination must receive: each distinct tile once."""
-    from alpa.pipeline_parallel.resharding import MeshSharding
+    from alpa.runtime.resharding import MeshSharding
 
     sharding = MeshSharding.from_partition_spec(layout.mesh_shape, layout.spec, len(shape))
     boxes = set(sharding.device_boxes(shape))
@@ -572,7 +572,7 @@ def test_create_state_and_follow_a_pipeline_on_ray(ray_cluster):
 
 
 def _is_placement(x):
-    return isinstance(x, alpa.executable.PlacementSpec)
+    return isinstance(x, alpa.executables.base.PlacementSpec)
 
 
 # ----------------------------------------------------------------------------- data loaders

@@ -18,7 +18,9 @@ from typing import Any
 import jax
 from jax.sharding import AbstractMesh, AxisType, NamedSharding
 
-from alpa.executable import Executable, PlacementSpec, check_dispatch_args
+from alpa.executables.base import Executable, check_dispatch_args
+from alpa.executables.mesh import PricedPlan
+from alpa.runtime.placement import PlacementSpec
 from alpa.runtime.ray_launch import MeshOutput, RayStepLauncher, TransferPlanner
 from alpa.runtime.ray_mesh import DistributedPhysicalDeviceMesh
 from alpa.runtime.worker_program import (
@@ -28,7 +30,7 @@ from alpa.runtime.worker_program import (
     WorkerOp,
     WorkerProgram,
 )
-from alpa.shard_parallel.executable import PricedPlan, full_batch_avals
+from alpa.shard_parallel.compile import full_batch_avals
 from alpa.shard_parallel.lowering import build_step_function
 from alpa.shard_parallel.sharding_plan import ShardingPlan
 from alpa.tracing import TracedStep, leaf_signature

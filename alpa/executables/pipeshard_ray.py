@@ -28,15 +28,17 @@ from typing import Any
 
 import jax
 
-from alpa.executable import Executable, PlacementSpec, check_dispatch_args
+from alpa.executables.base import Executable, check_dispatch_args
+from alpa.executables.distributed import abstract_mesh, serialize_jitted
+from alpa.executables.pipeshard import StagePrograms, input_placement_specs
 from alpa.pipeline_parallel.computation import step_arguments
-from alpa.pipeline_parallel.pipeshard_executable import StagePrograms, input_placement_specs
 from alpa.pipeline_parallel.pipeshard_plan import PipeshardPlan
-from alpa.pipeline_parallel.resharding import worker_transfer_plan
-from alpa.pipeline_parallel.runtime_emitter import Op
 from alpa.pipeline_parallel.stage_sharding import DATA_AXES
+from alpa.runtime.instructions import Op
+from alpa.runtime.placement import PlacementSpec
 from alpa.runtime.ray_launch import MeshOutput, RayStepLauncher
 from alpa.runtime.ray_mesh import DistributedPhysicalDeviceMesh
+from alpa.runtime.resharding import worker_transfer_plan
 from alpa.runtime.worker_program import (
     ExportedFn,
     Layout,
@@ -44,8 +46,7 @@ from alpa.runtime.worker_program import (
     WorkerOp,
     WorkerProgram,
 )
-from alpa.shard_parallel.distributed_executable import abstract_mesh, serialize_jitted
-from alpa.shard_parallel.executable import full_batch_avals
+from alpa.shard_parallel.compile import full_batch_avals
 from alpa.tracing import leaf_signature
 
 

@@ -23,7 +23,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from alpa.device_mesh import make_jax_mesh
-from alpa.executable import Executable, PlacementSpec, check_dispatch_args, is_placed
+from alpa.executables.base import Executable, check_dispatch_args
 from alpa.pipeline_parallel.computation import (
     StageComputation,
     _collect_consts,
@@ -31,15 +31,16 @@ from alpa.pipeline_parallel.computation import (
     step_arguments,
 )
 from alpa.pipeline_parallel.pipeshard_plan import PipeshardPlan
-from alpa.pipeline_parallel.runtime_emitter import (
+from alpa.pipeline_parallel.stage_sharding import DATA_AXES, value_spec
+from alpa.pipeline_parallel.user_shardings import input_names
+from alpa.runtime.instructions import (
     Kernel,
     simulate_memory,
 )
-from alpa.pipeline_parallel.stage_sharding import DATA_AXES, value_spec
-from alpa.pipeline_parallel.user_shardings import input_names
 from alpa.runtime.local_runtime import LocalPipelineRuntime, RuntimeContext
 from alpa.runtime.memory import allocation_bytes, device_peak_bytes
-from alpa.shard_parallel.executable import full_batch_avals
+from alpa.runtime.placement import PlacementSpec, is_placed
+from alpa.shard_parallel.compile import full_batch_avals
 from alpa.shard_parallel.micro_batches import deferred_rules, sum_partials
 from alpa.tracing import leaf_signature
 from alpa.tracing.primitive_def import pipeline_p

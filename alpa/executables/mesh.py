@@ -1,12 +1,13 @@
 """MeshExecutable: one compiled XLA program on one device mesh.
 
-``compile_shard_executable`` lowers a :class:`ShardingPlan` (``lowering.py``) with
-``jax.jit`` and compiles it for the full-batch input shapes. The program takes the dynamic
-arguments as the user's pytrees, with the plan's shardings as ``in_shardings`` and the
-donated arguments as ``donate_argnums``, so that a cache hit is one call of XLA's compiled
-program: its C++ fast path checks the arguments, places host arrays and runs, at
-``jax.jit``'s own dispatch cost. The executable also exposes what XLA compiled: its HLO,
-its per-device memory, and where every input and output lives.
+``compile_shard_executable`` lowers a :class:`ShardingPlan` (``shard_parallel/lowering.py``)
+with ``jax.jit`` and compiles it for the full-batch input shapes
+(``shard_parallel/compile.py``). The program takes the dynamic arguments as the user's
+pytrees, with the plan's shardings as ``in_shardings`` and the donated arguments as
+``donate_argnums``, so that a cache hit is one call of XLA's compiled program: its C++
+fast path checks the arguments, places host arrays and runs, at ``jax.jit``'s own
+dispatch cost. The executable also exposes what XLA compiled: its HLO, its per-device
+memory, and where every input and output lives.
 """
 
 from __future__ import annotations
@@ -14,18 +15,17 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import time
 from collections.abc import Sequence
 from typing import Any
 
 import jax
 from jax.sharding import NamedSharding
 
-from alpa.executable import Executable, PlacementSpec, is_placed
-from alpa.global_env import global_config
+from alpa.executables.base import Executable
 from alpa.runtime.memory import allocation_bytes, device_peak_bytes
+from alpa.runtime.placement import PlacementSpec, is_placed
 from alpa.shard_parallel.auto_sharding import plan_objective
-from alpa.shard_parallel.lowering import build_step_function
+from alpa.shard_parallel.compile import compile_plan, full_batch_avals
 from alpa.shard_parallel.micro_batches import layout_change_cost
 from alpa.shard_parallel.sharding_plan import ShardingPlan
 from alpa.tracing import TracedStep
@@ -33,56 +33,10 @@ from alpa.tracing import TracedStep
 logger = logging.getLogger(__name__)
 
 
-def full_batch_avals(traced: TracedStep, num_micro_batches: int | None):
-    """Input avals at the size the caller passes: batch leaves times ``k`` on dim 0."""
-    k = num_micro_batches or 1
-    avals = []
-    for aval, is_batch in zip(traced.in_avals, traced.batch_invars, strict=True):
-        shape = aval.shape
-        if is_batch and k > 1:
-            shape = (shape[0] * k,) + tuple(shape[1:])
-        avals.append(jax.ShapeDtypeStruct(shape, aval.dtype, weak_type=aval.weak_type))
-    return avals
-
-
-def donated_argnums(traced: TracedStep) -> tuple[int, ...]:
-    """Positions, among the dynamic arguments, of those whose buffers are donated (a
-    dynamic argument is donated as a whole, so its first leaf says)."""
-    donated, start = [], 0
-    for position, subtree in enumerate(traced.in_tree.children()):
-        if subtree.num_leaves and traced.donated_invars[start]:
-            donated.append(position)
-        start += subtree.num_leaves
-    return tuple(donated)
-
-
 def compile_shard_executable(
     traced: TracedStep, plan: ShardingPlan, num_micro_batches: int | None
 ) -> MeshExecutable:
-    mesh = plan.logical_mesh.get_jax_mesh()
-    in_shardings = tuple(NamedSharding(mesh, s) for s in plan.in_specs)
-    out_shardings = tuple(None if s is None else NamedSharding(mesh, s) for s in plan.out_specs)
-    inner = build_step_function(traced, plan, mesh, num_micro_batches)
-    in_tree, out_tree = traced.in_tree, traced.out_tree
-
-    def step(*dynamic_args):
-        return jax.tree.unflatten(out_tree, inner(*jax.tree.leaves(dynamic_args)))
-
-    jitted = jax.jit(
-        step,
-        in_shardings=jax.tree.unflatten(in_tree, in_shardings),
-        out_shardings=jax.tree.unflatten(out_tree, out_shardings),
-        donate_argnums=donated_argnums(traced),
-    )
-    tic = time.perf_counter()
-    lowered = jitted.lower(
-        *jax.tree.unflatten(in_tree, full_batch_avals(traced, num_micro_batches))
-    )
-    compiled = lowered.compile()
-    if global_config.print_compilation_time:
-        logger.warning(
-            "compiled %s (%s) in %.2f s", traced.name, plan.method, time.perf_counter() - tic
-        )
+    compiled, in_shardings = compile_plan(traced, plan, num_micro_batches)
     return MeshExecutable(traced, plan, compiled, in_shardings, num_micro_batches)
 
 

@@ -1,0 +1,81 @@
+"""Where a step's leaves live: a :class:`PlacementSpec` per leaf, and putting an array
+there (locally a ``jax.sharding.Sharding``, on Ray a mesh and a ``Layout``). Used by the
+executables and by the local runtime."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import numpy as np
+
+
+@dataclass(frozen=True)
+class PlacementSpec:
+    """Where one leaf lives: its abstract value, the meshes and the sharding on each.
+
+    Attributes:
+      aval: the leaf's abstract value (full batch).
+      mesh_ids: the meshes that hold it (index of the stage mesh; a Ray mesh's id).
+      sharding_specs: per mesh, its ``PartitionSpec`` over that mesh's logical axes.
+      placements: per mesh, what puts a value there: a ``jax.sharding.Sharding`` on the
+        local runtime, a ``(DistributedPhysicalDeviceMesh, Layout)`` pair on Ray. Empty
+        for an output that no mesh holds (a value computed on the driver).
+    """
+
+    aval: Any
+    mesh_ids: tuple[int, ...]
+    sharding_specs: tuple[Any, ...]
+    placements: tuple[Any, ...] = field(default=(), compare=False)
+
+
+def place(value: Any, spec: PlacementSpec) -> Any:
+    """``value`` (a host or device array) placed where ``spec`` says the step reads it: on
+    its first mesh, which is where the executable takes it from (a leaf read by several
+    stages is copied to the others by the step). Local: a ``jax.Array`` in the planned
+    sharding (not copied when it already is, :func:`is_placed`); Ray: a
+    ``DistributedArray`` on the mesh's workers."""
+    if not spec.placements:
+        raise ValueError(f"no mesh holds a leaf of {spec.aval}: there is nowhere to place it")
+    target = spec.placements[0]
+    if isinstance(target, tuple):  # Ray: (mesh, Layout)
+        mesh, layout = target
+        if getattr(value, "is_distributed_array", False) and value.mesh is mesh:
+            if value.layout == layout:
+                return value
+        return mesh.put(np.asarray(value), layout)
+    if is_placed(value, target):
+        return value
+    return jax.device_put(value, target)
+
+
+def is_placed(x: Any, sharding: Any) -> bool:
+    """Whether ``x`` is an array already laid out as ``sharding`` asks: the same sharding,
+    or an equivalent one (``P()`` and ``P(None, None)``; a 1-device mesh and that device).
+    Such an input is used as it is, never copied."""
+    if not isinstance(x, jax.Array):
+        return False
+    current = x.sharding
+    return current == sharding or current.is_equivalent_to(sharding, x.ndim)
+
+
+def leaf_placer(shardings: Sequence[Any]) -> Callable[[list], list]:
+    """``place(leaves)``: each leaf in its sharding (``leaves[i]`` in ``shardings[i]``),
+    moved with ``jax.device_put`` only when it is not already placed (:func:`is_placed`).
+    The sharding an array was last accepted in is remembered per position, so a leaf that
+    keeps arriving the same way costs an identity check."""
+    accepted: list[Any] = [None] * len(shardings)
+
+    def place(leaves: list) -> list:
+        for i, (x, sharding) in enumerate(zip(leaves, shardings, strict=True)):
+            if isinstance(x, jax.Array) and x.sharding is accepted[i]:
+                continue
+            if is_placed(x, sharding):
+                accepted[i] = x.sharding
+            else:
+                leaves[i] = jax.device_put(x, sharding)
+        return leaves
+
+    return place
