@@ -298,8 +298,8 @@ def test_stage_shardings_do_not_depend_on_the_threads(monkeypatch):
 
 def test_identical_stages_share_their_ilps(monkeypatch):
     """4 stages of a 4-block GPT on (1, 2) submeshes: stages 1 and 2 are the same
-    equations (a block, its backward and Adam's apply levels), so stage 2 takes stage 1's
-    ILP plans position by position instead of solving its own; the plan is the one each
+    equations (a block, its backward and Adam's apply levels), so each ILP of the two is
+    solved once and the other stage takes its plan position by position; the plan is the one each
     stage solving its own ILPs gives, JSON for JSON."""
     from alpa.pipeline_parallel import stage_sharding
 
@@ -322,7 +322,10 @@ def test_identical_stages_share_their_ilps(monkeypatch):
         texts.append(plan.to_json())
         counts.append({name: solved.count(name) for name in set(solved)})
     shared, alone = counts
-    assert "stage2" not in shared and shared["stage1"] == alone["stage2"] >= 2, counts
+    # Stages 1 and 2 together solve each of their ILPs once; which of the two threads
+    # solves one (and the other waits for it) is whichever gets there first.
+    together = shared.get("stage1", 0) + shared.get("stage2", 0)
+    assert together == alone["stage1"] == alone["stage2"] >= 2, counts
     assert texts[0] == texts[1]
 
 
