@@ -44,18 +44,18 @@ _EXPORTS = {
     "VirtualPhysicalMesh": "alpa.device_mesh",
     "global_config": "alpa.global_env",
     "set_seed": "alpa.global_env",
-    "DataParallel": "alpa.parallel_method",
+    "DataParallel": "alpa.shard_method",
     "get_3d_parallel_method": "alpa.pipeshard_method",
-    "ParallelMethod": "alpa.parallel_method",
+    "ParallelMethod": "alpa.shard_method",
     "CreateStateParallel": "alpa.follow_parallel",
     "FollowParallel": "alpa.follow_parallel",
     "PipeshardParallel": "alpa.pipeshard_method",
-    "ShardParallel": "alpa.parallel_method",
-    "Zero2Parallel": "alpa.parallel_method",
-    "Zero3Parallel": "alpa.parallel_method",
+    "ShardParallel": "alpa.shard_method",
+    "Zero2Parallel": "alpa.shard_method",
+    "Zero3Parallel": "alpa.shard_method",
     "ParallelPlan": "alpa.parallel_plan",
     "PlannedParallel": "alpa.planned_parallel",
-    "plan_to_method": "alpa.parallel_plan",
+    "plan_to_method": "alpa.planned_parallel",
     "AutoLayerOption": "alpa.pipeline_parallel.layer_construction",
     "ManualLayerOption": "alpa.pipeline_parallel.layer_construction",
     "automatic_remat": "alpa.pipeline_parallel.remat",
@@ -140,14 +140,7 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and editors
     )
     from alpa.follow_parallel import CreateStateParallel, FollowParallel  # noqa: F401
     from alpa.global_env import global_config, set_seed  # noqa: F401
-    from alpa.parallel_method import (  # noqa: F401
-        DataParallel,
-        ParallelMethod,
-        ShardParallel,
-        Zero2Parallel,
-        Zero3Parallel,
-    )
-    from alpa.parallel_plan import ParallelPlan, plan_to_method  # noqa: F401
+    from alpa.parallel_plan import ParallelPlan  # noqa: F401
     from alpa.pipeline_parallel.layer_construction import (  # noqa: F401
         AutoLayerOption,
         ManualLayerOption,
@@ -159,7 +152,7 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and editors
         UniformStageOption,
     )
     from alpa.pipeshard_method import PipeshardParallel, get_3d_parallel_method  # noqa: F401
-    from alpa.planned_parallel import PlannedParallel  # noqa: F401
+    from alpa.planned_parallel import PlannedParallel, plan_to_method  # noqa: F401
     from alpa.runtime.ray_mesh import (  # noqa: F401
         DeviceCluster,
         DistributedArray,
@@ -167,6 +160,13 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and editors
         prefetch,
     )
     from alpa.serialization import restore_checkpoint, save_checkpoint  # noqa: F401
+    from alpa.shard_method import (  # noqa: F401
+        DataParallel,
+        ParallelMethod,
+        ShardParallel,
+        Zero2Parallel,
+        Zero3Parallel,
+    )
     from alpa.shard_parallel.auto_sharding import AutoShardingOption  # noqa: F401
     from alpa.shard_parallel.manual_sharding import ManualShardingOption  # noqa: F401
     from alpa.timer import timers  # noqa: F401

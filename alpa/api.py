@@ -51,9 +51,9 @@ from alpa.cluster import (  # noqa: F401 (alpa.api.init etc., as in Alpa)
     shutdown,
 )
 from alpa.executables.base import Executable
-from alpa.parallel_method import ParallelMethod, ShardParallel
 from alpa.pipeline_parallel.layer_construction import mark_layers
 from alpa.pipeline_parallel.segments import reuse_cuts
+from alpa.shard_method import ParallelMethod, ShardParallel
 from alpa.timer import timed
 from alpa.tracing import TracedStep, abstractify, leaf_signature, note_grad_inputs, trace_step
 from alpa.tracing.primitive_def import mark_pipeline_jaxpreqn

@@ -265,6 +265,13 @@ def make_jax_mesh(devices: Sequence[Any], shape: Sequence[int], axis_names: Sequ
     return Mesh(device_array, tuple(axis_names), axis_types=(AxisType.Auto,) * len(shape))
 
 
+def entry_names(entry) -> tuple[str, ...]:
+    """The mesh axis names of one ``PartitionSpec`` entry (``None``, a name, or a tuple)."""
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
 # ----------------------------------------------------------------------------- physical meshes
 
 

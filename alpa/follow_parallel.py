@@ -43,13 +43,13 @@ from alpa.executables.distributed import DistributedMeshExecutable
 from alpa.executables.mesh import MeshExecutable, compile_shard_executable
 from alpa.executables.pipeshard import PipeshardDriverExecutable
 from alpa.executables.pipeshard_ray import PipeshardRayExecutable
-from alpa.parallel_method import ParallelMethod, _check_num_micro_batches
 from alpa.pipeline_parallel.layer_construction import ManualLayerOption
 from alpa.pipeline_parallel.schedules import check_schedule_name
 from alpa.pipeline_parallel.user_shardings import stage_inputs
 from alpa.pipeshard_method import PipeshardParallel
 from alpa.runtime.placement import PlacementSpec
 from alpa.runtime.resharding import worker_transfer_plan
+from alpa.shard_method import ParallelMethod, _check_num_micro_batches
 from alpa.shard_parallel.auto_sharding import AutoShardingOption, plan_auto_sharding
 from alpa.shard_parallel.sharding_plan import ShardingPlan
 from alpa.timer import timed

@@ -48,7 +48,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from jax.extend.core import DropVar, Jaxpr, JaxprEqn, Var
 
-from alpa.executables.base import Executable
 from alpa.pipeline_parallel.layer_construction import (
     AutoLayerOption,
     LayerAssignment,
@@ -80,8 +79,8 @@ from alpa.shard_parallel.sharding_plan import ShardingPlan
 from alpa.tracing import TracedStep
 from alpa.tracing.trace import REMAT_PRIMITIVES
 
-if TYPE_CHECKING:
-    from alpa.planned_parallel import PlannedParallel
+if TYPE_CHECKING:  # the executables import this record; it knows only their interface
+    from alpa.executables.base import Executable
 
 #: Version of the JSON layout ``ParallelPlan.to_json`` writes.
 PLAN_FORMAT = 1
@@ -504,20 +503,6 @@ def _flag_difference(plan: ParallelPlan, traced: TracedStep) -> str | None:
 
 
 # ----------------------------------------------------------------------------- methods
-
-
-def plan_to_method(plan: ParallelPlan, devices=None) -> PlannedParallel:
-    """A parallel method that compiles the step ``plan`` was recorded for exactly as
-    recorded, without searching (no ILP, no stage DP). ``devices``: as a method's
-    (default: the global mesh); it must have the plan's number of devices."""
-    if not isinstance(plan, ParallelPlan):
-        raise TypeError(
-            "plan_to_method expects a ParallelPlan (executable.get_parallel_plan() or "
-            f"ParallelPlan.load(path)), got {type(plan).__name__}"
-        )
-    from alpa.planned_parallel import PlannedParallel  # the method sits above the record
-
-    return PlannedParallel(plan, devices)
 
 
 # ----------------------------------------------------------------------------- one mesh

@@ -25,7 +25,6 @@ from alpa.device_mesh import ClusterSpec, LocalPhysicalDeviceMesh, VirtualPhysic
 from alpa.executables.base import Executable
 from alpa.executables.pipeshard import PipeshardDriverExecutable
 from alpa.executables.pipeshard_ray import PipeshardRayExecutable
-from alpa.parallel_method import ParallelMethod, ShardParallel
 from alpa.pipeline_parallel.layer_construction import (
     AutoLayerOption,
     layer_option_context,
@@ -44,6 +43,7 @@ from alpa.pipeline_parallel.user_shardings import (
     check_stage_input_shardings,
 )
 from alpa.runtime.ray_mesh import DeviceCluster
+from alpa.shard_method import ParallelMethod, ShardParallel
 from alpa.shard_parallel.auto_sharding import AutoShardingOption, snapshot_for_compile
 from alpa.timer import timed
 from alpa.tracing import TracedStep, mark_outputs_as_gradients

@@ -19,10 +19,10 @@ from jax.extend.core import Jaxpr, Var
 
 from alpa.device_mesh import LogicalDeviceMesh
 from alpa.executables.base import Executable
-from alpa.parallel_method import ParallelMethod, _compile_one_mesh, resolve_logical_mesh
 from alpa.parallel_plan import ParallelPlan, eqn_refs, value_refs
 from alpa.pipeline_parallel.pipeshard_plan import plan_pipeshard
 from alpa.pipeshard_method import PipeshardParallel
+from alpa.shard_method import ParallelMethod, _compile_one_mesh, resolve_logical_mesh
 from alpa.shard_parallel.sharding_plan import ShardingPlan
 from alpa.tracing import TracedStep
 
@@ -171,3 +171,15 @@ def _bound_sharding_plan(
         operand_specs={find(eqns_by_ref, r): s for r, s in plan.operand_specs.items()},
         partial_sums={find(eqns_by_ref, r): p for r, p in plan.partial_sums.items()},
     )
+
+
+def plan_to_method(plan: ParallelPlan, devices=None) -> PlannedParallel:
+    """A parallel method that compiles the step ``plan`` was recorded for exactly as
+    recorded, without searching (no ILP, no stage DP). ``devices``: as a method's
+    (default: the global mesh); it must have the plan's number of devices."""
+    if not isinstance(plan, ParallelPlan):
+        raise TypeError(
+            "plan_to_method expects a ParallelPlan (executable.get_parallel_plan() or "
+            f"ParallelPlan.load(path)), got {type(plan).__name__}"
+        )
+    return PlannedParallel(plan, devices)

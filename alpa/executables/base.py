@@ -25,6 +25,7 @@ from typing import Any
 
 import jax
 
+from alpa.parallel_plan import ParallelPlan
 from alpa.runtime.placement import PlacementSpec, leaf_placer
 from alpa.tracing import TracedStep, leaf_signature
 
@@ -94,8 +95,6 @@ class Executable(abc.ABC):
         """Every decision of this compile (mesh, shardings; for a pipeline its layers and
         stages) as a serializable ``alpa.ParallelPlan``; ``alpa.plan_to_method(plan)``
         compiles it again without the ILP or the stage DP."""
-        from alpa.parallel_plan import ParallelPlan  # the record sits above the passes
-
         return ParallelPlan.of(self)
 
     def get_input_placement_specs(self):

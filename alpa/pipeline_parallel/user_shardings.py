@@ -37,6 +37,7 @@ import jax
 from jax.extend.core import Var
 from jax.sharding import PartitionSpec
 
+from alpa.device_mesh import entry_names
 from alpa.pipeline_parallel.computation import PipelineProgram, _is_var
 from alpa.pipeline_parallel.stage_sharding import DATA_AXES
 from alpa.shard_parallel.manual_sharding import (
@@ -45,7 +46,6 @@ from alpa.shard_parallel.manual_sharding import (
     repeated_axis_names,
     unknown_axis_names,
 )
-from alpa.shard_parallel.sharding_spec import entry_names
 from alpa.tracing import TracedStep
 
 Key = tuple[Var, int]

@@ -32,8 +32,8 @@ from typing import Any
 
 import numpy as np
 
+from alpa.device_mesh import entry_names
 from alpa.runtime.worker_program import Layout, Piece, TransferPlan
-from alpa.shard_parallel.sharding_spec import entry_names
 
 Box = tuple[tuple[int, int], ...]  # (start, stop) per array dimension
 

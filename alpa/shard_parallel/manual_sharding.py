@@ -24,9 +24,8 @@ from typing import Any
 import jax
 from jax.sharding import PartitionSpec
 
-from alpa.device_mesh import LogicalDeviceMesh
+from alpa.device_mesh import LogicalDeviceMesh, entry_names
 from alpa.shard_parallel.sharding_plan import ShardingPlan
-from alpa.shard_parallel.sharding_spec import entry_names
 from alpa.tracing import TracedStep
 
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from jax.sharding import PartitionSpec
 
-from alpa.device_mesh import LogicalDeviceMesh
+from alpa.device_mesh import LogicalDeviceMesh, entry_names
 
 #: Per tensor dimension, the mesh axes that split it.
 Spec = tuple[tuple[int, ...], ...]
@@ -102,13 +102,6 @@ def to_partition_spec(spec: Spec, mesh: LogicalDeviceMesh) -> PartitionSpec:
     while entries and entries[-1] is None:
         entries.pop()
     return PartitionSpec(*entries)
-
-
-def entry_names(entry) -> tuple[str, ...]:
-    """The mesh axis names of one ``PartitionSpec`` entry (``None``, a name, or a tuple)."""
-    if entry is None:
-        return ()
-    return (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 def from_partition_spec(pspec: PartitionSpec, rank: int, mesh: LogicalDeviceMesh) -> Spec:
