@@ -30,7 +30,7 @@ from alpa.pipeline_parallel.layer_construction import (
     layer_option_context,
     resolve_layer_option,
 )
-from alpa.pipeline_parallel.pipeshard_plan import PipeshardPlan, plan_pipeshard
+from alpa.pipeline_parallel.pipeshard_plan import PipeshardOptions, PipeshardPlan, plan_pipeshard
 from alpa.pipeline_parallel.schedules import check_schedule_name
 from alpa.pipeline_parallel.stage_construction import (
     ManualStageOption,
@@ -160,8 +160,7 @@ class PipeshardParallel(ParallelMethod):
                 f"devices is {type(self.devices).__name__} (a cluster that is not here, no "
                 "devices): it can be planned for with parallelize(...).plan(*args), not run"
             )
-        plan = plan_pipeshard(
-            traced,
+        options = PipeshardOptions(
             num_hosts,
             per_host,
             cluster,
@@ -173,9 +172,8 @@ class PipeshardParallel(ParallelMethod):
             default_auto_sharding_option=self._option_snapshot(),
             manual_sharding_option=self.manual_sharding_option,
             stage_input_shardings=self.stage_input_shardings,
-            args=args,
-            devices=devices,
         )
+        plan = plan_pipeshard(traced, options, args=args, devices=devices)
         return plan, devices
 
     def _option_snapshot(self) -> AutoShardingOption | None:

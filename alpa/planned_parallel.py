@@ -20,7 +20,7 @@ from jax.extend.core import Jaxpr, Var
 from alpa.device_mesh import LogicalDeviceMesh
 from alpa.executables.base import Executable
 from alpa.parallel_plan import ParallelPlan, eqn_refs, value_refs
-from alpa.pipeline_parallel.pipeshard_plan import plan_pipeshard
+from alpa.pipeline_parallel.pipeshard_plan import PipeshardOptions, plan_pipeshard
 from alpa.pipeshard_method import PipeshardParallel
 from alpa.shard_method import ParallelMethod, _compile_one_mesh, resolve_logical_mesh
 from alpa.shard_parallel.sharding_plan import ShardingPlan
@@ -110,18 +110,15 @@ class PlannedParallel(ParallelMethod):
                 for (ref, s), spec in recorded.stage_specs.items()
             },
         )
-        plan = plan_pipeshard(
-            traced,
+        options = PipeshardOptions(
             num_hosts,
             per_host,
             cluster,
             inner.num_micro_batches,
             pipeline_schedule=pipeline.pipeline_schedule,
             layer_option=pipeline.layer_option,
-            args=args,
-            devices=devices,
-            decisions=decisions,
         )
+        plan = plan_pipeshard(traced, options, args=args, devices=devices, decisions=decisions)
         return plan, devices
 
     def __repr__(self) -> str:

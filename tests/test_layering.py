@@ -252,3 +252,15 @@ def test_architecture_md_lists_every_module():
     assert sorted(on_disk - rows) == [], "modules missing from docs/architecture.md"
     assert sorted(rows - on_disk) == [], "docs/architecture.md lists modules that do not exist"
 
+
+def test_no_function_of_alpa_is_over_120_lines():
+    long = []
+    for module, path in _modules(_ALPA).items():
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read(), path)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > 120:
+                    long.append(f"{module}.{node.name}: {lines} lines")
+    assert long == []

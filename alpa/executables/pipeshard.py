@@ -34,6 +34,7 @@ from alpa.pipeline_parallel.pipeshard_plan import PipeshardPlan
 from alpa.pipeline_parallel.stage_sharding import DATA_AXES, value_spec
 from alpa.pipeline_parallel.user_shardings import input_names
 from alpa.runtime.instructions import (
+    ConstOutput,
     Kernel,
     simulate_memory,
 )
@@ -270,7 +271,7 @@ class PipeshardDriverExecutable(Executable):
         reshard_bytes = {i: p.nbytes() for i, p in plan.reshards.items()}
         self.runtime = LocalPipelineRuntime(instructions, context, leaf_index, reshard_bytes)
         self._const_outputs = self.stage_programs.const_outputs(
-            {name for kind, name in instructions.outputs if kind == "const"}
+            {o.name for o in instructions.outputs if isinstance(o, ConstOutput)}
         )
         self.collect_trace = False
         self._last_outputs: list = []
@@ -359,11 +360,9 @@ class PipeshardDriverExecutable(Executable):
     def flat_output_placement_specs(self) -> list[PlacementSpec]:
         specs = []
         jaxpr = self.traced.closed_jaxpr.jaxpr
-        for v, (kind, value) in zip(jaxpr.outvars, self.instructions.outputs, strict=True):
-            if kind == "key":
-                specs.append(self._placement(v, (value[2],)))
-            elif kind in ("concat", "mean"):
-                specs.append(self._placement(v, (value[0][2],)))
+        for v, output in zip(jaxpr.outvars, self.instructions.outputs, strict=True):
+            if output.keys:  # the mesh of the buffer(s) it is read from
+                specs.append(self._placement(v, (output.keys[0][2],)))
             else:
                 specs.append(PlacementSpec(getattr(v, "aval", None), (), ()))
         return specs

@@ -34,7 +34,7 @@ from alpa.executables.pipeshard import StagePrograms, input_placement_specs
 from alpa.pipeline_parallel.computation import step_arguments
 from alpa.pipeline_parallel.pipeshard_plan import PipeshardPlan
 from alpa.pipeline_parallel.stage_sharding import DATA_AXES
-from alpa.runtime.instructions import Op
+from alpa.runtime.instructions import ConstOutput, MicroBatchOutput, Op
 from alpa.runtime.placement import PlacementSpec
 from alpa.runtime.ray_launch import MeshOutput, RayStepLauncher
 from alpa.runtime.ray_mesh import DistributedPhysicalDeviceMesh
@@ -93,7 +93,7 @@ class PipeshardRayExecutable(Executable):
         self.instructions = plan.instructions
         self.num_micro_batches = plan.num_micro_batches
         self.meshes = list(meshes)
-        platform = self.meshes[0].cluster.platform
+        self._platform = self.meshes[0].cluster.platform
         self._logical_shapes = [tuple(m.shape) for m in plan.logical_meshes]
         stages = StagePrograms(
             plan, [abstract_mesh(shape, DATA_AXES) for shape in self._logical_shapes]
@@ -104,37 +104,64 @@ class PipeshardRayExecutable(Executable):
         # The program's inputs: the step's leaves, then the row ids of its random draws.
         inputs = plan.program.closed_jaxpr.jaxpr.invars
         leaf_index = {plan.names[v]: i for i, v in enumerate(inputs)}
-        builders = [_MeshProgramBuilder() for _ in self.meshes]
+        self._check_meshes()
+        builders = self._project_instructions(stages, leaf_index)
+        outputs, const_names = self._project_outputs(builders, var_of)
+        self._const_outputs = stages.const_outputs(const_names)
+        self._programs = [b.build() for b in builders]
+        self.launcher = RayStepLauncher(
+            self.meshes,
+            self._programs,
+            [b.args for b in builders],
+            outputs,
+            frozenset(),
+            worker_transfer_plan,
+        )
+        full = full_batch_avals(traced, plan.num_micro_batches)
+        self._signatures = [leaf_signature(a) for a in full]
+        self._last_outputs: list = []
 
-        layout = plan.buffer_layout
+    def _check_meshes(self) -> None:
+        """Each mesh has as many devices per host as its stage's submesh."""
         for m, mesh in enumerate(self.meshes):
-            planned = int(plan.stage_plan.submesh_shapes[m][1])
+            planned = int(self.plan.stage_plan.submesh_shapes[m][1])
             if mesh.num_devices_per_host != planned:
                 raise ValueError(
                     f"mesh {m} has {mesh.num_devices_per_host} devices per host but the plan's "
                     f"stage {m} submesh has {planned}: its tile plans would name other hosts"
                 )
 
-        def exported(builder, mesh, key, name, jitted, structs, out_shardings, donate=()) -> int:
-            if key not in builder.fn_index:
-                in_layouts = [
-                    Layout(self._logical_shapes[mesh], DATA_AXES, s.sharding.spec) for s in structs
-                ]
-                out_layouts = [
-                    Layout(self._logical_shapes[mesh], DATA_AXES, s.spec) for s in out_shardings
-                ]
-                builder.fn_index[key] = len(builder.fns)
-                builder.fns.append(
-                    ExportedFn(
-                        name,
-                        serialize_jitted(jitted, structs, platform),
-                        tuple(in_layouts),
-                        tuple(out_layouts),
-                        tuple(donate),
-                    )
+    def _exported(self, builder, mesh, key, name, jitted, structs, out_shardings, donate=()) -> int:
+        """The index in ``builder``'s functions of ``jitted`` exported for ``mesh``'s
+        platform (exported once per ``key``)."""
+        if key not in builder.fn_index:
+            in_layouts = [
+                Layout(self._logical_shapes[mesh], DATA_AXES, s.sharding.spec) for s in structs
+            ]
+            out_layouts = [
+                Layout(self._logical_shapes[mesh], DATA_AXES, s.spec) for s in out_shardings
+            ]
+            builder.fn_index[key] = len(builder.fns)
+            builder.fns.append(
+                ExportedFn(
+                    name,
+                    serialize_jitted(jitted, structs, self._platform),
+                    tuple(in_layouts),
+                    tuple(out_layouts),
+                    tuple(donate),
                 )
-            return builder.fn_index[key]
+            )
+        return builder.fn_index[key]
 
+    def _project_instructions(self, stages, leaf_index) -> list[_MeshProgramBuilder]:
+        """Per mesh, the worker program of the plan's instructions: ``INPUT`` of each
+        persistent buffer, then each instruction's ops (a ``RESHARD`` is a ``SEND`` on its
+        source mesh and a ``RECV`` on its destination), with the buffers it frees."""
+        plan = self.plan
+        inputs = plan.program.closed_jaxpr.jaxpr.invars
+        layout = plan.buffer_layout
+        exported = self._exported
+        builders = [_MeshProgramBuilder() for _ in self.meshes]
         for key in sorted(plan.instructions.persistent, key=str):
             b = builders[key[2]]
             b.emit(
@@ -203,52 +230,48 @@ class PipeshardRayExecutable(Executable):
                 raise NotImplementedError(f"no Ray projection of opcode {ins.op}")
             for key in ins.free:
                 builders[key[2]].ops[-1]["free"].append(builders[key[2]].slot(key))
+        return builders
 
+    def _project_outputs(self, builders, var_of):
+        """Per mesh, what its workers return (a micro-batched output combined there
+        first); ``self._output_sources`` says, per step output, where it comes from."""
+        plan = self.plan
+        layout = plan.buffer_layout
         # Outputs: per step output, where it comes from.
         self._output_sources: list[tuple[str, Any]] = []
         outputs: list[list[MeshOutput]] = [[] for _ in self.meshes]
         const_names = set()
-        for kind, value in plan.instructions.outputs:
-            if kind in ("key", "concat", "mean"):
-                keys = (value,) if kind == "key" else value
+        for output in plan.instructions.outputs:
+            if output.keys:
+                keys = output.keys
                 m = keys[0][2]
                 b = builders[m]
                 aval = var_of[keys[0][0]].aval
                 shape = tuple(aval.shape)
-                if kind in ("concat", "mean"):
-                    slot = b.slot((kind, keys))
+                if isinstance(output, MicroBatchOutput):
+                    concat = output.combine == "concat"
+                    slot = b.slot((output.combine, keys))
                     b.emit(
-                        WorkerOp.CONCAT if kind == "concat" else WorkerOp.MEAN,
+                        WorkerOp.CONCAT if concat else WorkerOp.MEAN,
                         in_slots=tuple(b.slot(k) for k in keys),
                         out_slots=(slot,),
                         layout=layout(keys[0]),
                     )
-                    if kind == "concat":
+                    if concat:
                         shape = (shape[0] * len(keys),) + shape[1:]
                 else:
-                    slot = b.slot(value)
+                    slot = b.slot(keys[0])
                 self._output_sources.append(("mesh", (m, len(b.outputs))))
                 b.outputs.append(slot)
                 outputs[m].append(
                     MeshOutput(shape, aval.dtype, bool(aval.weak_type), layout(keys[0]))
                 )
+            elif isinstance(output, ConstOutput):
+                self._output_sources.append(("const", output.name))
+                const_names.add(output.name)
             else:
-                self._output_sources.append((kind, value))
-                if kind == "const":
-                    const_names.add(value)
-        self._const_outputs = stages.const_outputs(const_names)
-        self._programs = [b.build() for b in builders]
-        self.launcher = RayStepLauncher(
-            self.meshes,
-            self._programs,
-            [b.args for b in builders],
-            outputs,
-            frozenset(),
-            worker_transfer_plan,
-        )
-        full = full_batch_avals(traced, plan.num_micro_batches)
-        self._signatures = [leaf_signature(a) for a in full]
-        self._last_outputs: list = []
+                self._output_sources.append(("literal", output.value))
+        return outputs, const_names
 
     # -- running
 

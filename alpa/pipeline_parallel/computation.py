@@ -152,7 +152,6 @@ def split_computations(
     jaxpr = closed_jaxpr.jaxpr
     eqns = list(jaxpr.eqns)
     num_stages = max(layer_to_stage) + 1
-    S_last = num_stages - 1
     grad_index = next(
         (
             i
@@ -163,141 +162,215 @@ def split_computations(
     )
     is_training = grad_index is not None
     compute_end = grad_index if is_training else len(eqns)
+    const_eqns = _constant_equations(jaxpr)
+    global_invars = list(jaxpr.invars)
+    batch_set = {v for v, b in zip(global_invars, batch_invars, strict=True) if b}
 
-    # Constant-only equations: recomputed wherever needed.
+    where = _Placement(jaxpr, const_eqns, num_stages)
+    where.place_compute(eqns[:compute_end], eqn_layers, layer_to_stage, eqn_kinds, is_training)
+    accumulated: dict[Var, Var] = {}
+    aliases: dict[Var, Any] = {}
+    apply_level: dict[JaxprEqn, int] = {}
+    if is_training:
+        accumulated, aliases = where.grad_marker_values(eqns[grad_index])
+        apply_level = where.place_apply(eqns, compute_end, accumulated)
+
+    groups = _groups(eqns, where, apply_level, num_stages, is_training)
+    computations = _computations(jaxpr, eqns, groups, const_eqns, accumulated)
+    per_micro_batch = frozenset(v for e in eqns[:compute_end] for v in e.outvars if _is_var(v))
+    readers_of_input: dict[Var, set[int]] = {v: set() for v in global_invars}
+    for comp in computations:
+        for v in comp.invars:
+            if v in readers_of_input:
+                readers_of_input[v].add(comp.stage)
+    input_stages = {
+        v: tuple(sorted(readers_of_input[v] or where.avail.get(v) or {0})) for v in global_invars
+    }
+    return PipelineProgram(
+        closed_jaxpr=closed_jaxpr,
+        num_stages=num_stages,
+        computations=tuple(computations),
+        home=where.home,
+        input_stages=input_stages,
+        per_micro_batch=per_micro_batch,
+        batch_dependent=frozenset(_batch_dependent(eqns, batch_set)),
+        accumulated=accumulated,
+        aliases=aliases,
+        is_training=is_training,
+        const_eqns=const_eqns,
+    )
+
+
+def _constant_equations(jaxpr) -> dict[Var, JaxprEqn]:
+    """Per value computed from constants alone, its equation: recomputed wherever needed."""
     const_eqns: dict[Var, JaxprEqn] = {}
     consts = set(jaxpr.constvars)
-    for eqn in eqns:
+    for eqn in jaxpr.eqns:
         if eqn.primitive is pipeline_p or eqn.effects:
             continue
         if all(not _is_var(v) or v in consts or v in const_eqns for v in eqn.invars):
             for v in eqn.outvars:
                 if _is_var(v):
                     const_eqns[v] = eqn
+    return const_eqns
 
-    def is_const(v) -> bool:
-        return not _is_var(v) or v in consts or v in const_eqns
 
-    global_invars = list(jaxpr.invars)
-    batch_set = {v for v, b in zip(global_invars, batch_invars, strict=True) if b}
-    invar_set = set(global_invars)
+def _makes_only_constants(eqn, const_eqns) -> bool:
+    return all(v in const_eqns for v in eqn.outvars if _is_var(v)) and any(
+        _is_var(v) for v in eqn.outvars
+    )
 
-    # ---- forward and backward placement
-    stage_of: dict[JaxprEqn, int] = {}
-    kind_of: dict[JaxprEqn, str] = {}
-    home: dict[Var, int] = {}
-    avail: dict[Var, set[int]] = {v: set() for v in global_invars}
-    forward_vars: set[Var] = set(global_invars)
-    last_layer = len(layer_to_stage) - 1
-    for i in range(compute_end):
-        eqn = eqns[i]
-        if eqn.primitive is pipeline_p and not eqn.outvars:
-            continue
-        hint = eqn_kinds[i] if eqn_kinds is not None else None
-        if (
-            eqn.outvars
-            and all(v in const_eqns for v in eqn.outvars if _is_var(v))
-            and any(_is_var(v) for v in eqn.outvars)
-        ):
-            # A constant of the forward part counts as a forward value; without layer
-            # markers, one of the last layer's region may be the cotangent seed, which
-            # starts the backward.
-            if eqn_kinds is not None:
-                is_forward = hint == "forward"
+
+class _Placement:
+    """The stage and kind of every equation, the stage that computes (``home``) and the
+    stages that hold (``avail``) every value, filled pass by pass."""
+
+    def __init__(self, jaxpr, const_eqns: dict, num_stages: int):
+        self.consts = set(jaxpr.constvars)
+        self.const_eqns = const_eqns
+        self.num_stages = num_stages
+        self.invars = list(jaxpr.invars)
+        self.stage_of: dict[JaxprEqn, int] = {}
+        self.kind_of: dict[JaxprEqn, str] = {}
+        self.home: dict[Var, int] = {}
+        self.avail: dict[Var, set[int]] = {v: set() for v in self.invars}
+        self.forward_vars: set[Var] = set(self.invars)
+
+    def is_const(self, v) -> bool:
+        return not _is_var(v) or v in self.consts or v in self.const_eqns
+
+    def place_compute(self, eqns, eqn_layers, layer_to_stage, eqn_kinds, is_training) -> None:
+        """The forward and backward equations (those before the ``alpa.grad`` marker)."""
+        S_last = self.num_stages - 1
+        home, avail, forward_vars = self.home, self.avail, self.forward_vars
+        last_layer = len(layer_to_stage) - 1
+        for i, eqn in enumerate(eqns):
+            if eqn.primitive is pipeline_p and not eqn.outvars:
+                continue
+            hint = eqn_kinds[i] if eqn_kinds is not None else None
+            if eqn.outvars and _makes_only_constants(eqn, self.const_eqns):
+                # A constant of the forward part counts as a forward value; without layer
+                # markers, one of the last layer's region may be the cotangent seed, which
+                # starts the backward.
+                if eqn_kinds is not None:
+                    is_forward = hint == "forward"
+                else:
+                    is_forward = not (is_training and eqn_layers[i] in (None, last_layer))
+                if is_forward:
+                    forward_vars.update(v for v in eqn.outvars if _is_var(v))
+                continue
+            layer = eqn_layers[i]
+            reads = [v for v in eqn.invars if _is_var(v) and not self.is_const(v)]
+            in_tail = is_training and (layer is None or layer == last_layer)
+            if hint is not None:
+                stage, kind = layer_to_stage[layer], hint
+            elif eqn_kinds is not None:
+                # A backward equation outside every layer's markers.
+                stage = _backward_stage(reads, forward_vars, home, avail, S_last)
+                kind = "backward"
+            elif not in_tail:
+                stage = layer_to_stage[layer if layer is not None else last_layer]
+                kind = "forward"
+            elif reads and all(
+                v in forward_vars for v in eqn.invars if _is_var(v) and v not in self.consts
+            ):
+                stage, kind = S_last, "forward"
             else:
-                is_forward = not (is_training and eqn_layers[i] in (None, last_layer))
-            if is_forward:
-                forward_vars.update(v for v in eqn.outvars if _is_var(v))
-            continue
-        layer = eqn_layers[i]
-        reads = [v for v in eqn.invars if _is_var(v) and not is_const(v)]
-        in_tail = is_training and (layer is None or layer == last_layer)
-        if hint is not None:
-            stage, kind = layer_to_stage[layer], hint
-        elif eqn_kinds is not None:
-            # A backward equation outside every layer's markers.
-            stage, kind = _backward_stage(reads, forward_vars, home, avail, S_last), "backward"
-        elif not in_tail:
-            stage, kind = layer_to_stage[layer if layer is not None else last_layer], "forward"
-        elif reads and all(v in forward_vars for v in eqn.invars if _is_var(v) and v not in consts):
-            stage, kind = S_last, "forward"
-        else:
-            stage, kind = _backward_stage(reads, forward_vars, home, avail, S_last), "backward"
-        stage_of[eqn], kind_of[eqn] = stage, kind
-        for v in reads:
-            if v in forward_vars and kind == "forward":
-                avail.setdefault(v, set()).add(stage)
-        for v in eqn.outvars:
-            if _is_var(v):
-                home[v] = stage
-                avail[v] = {stage}
-                if kind == "forward":
-                    forward_vars.add(v)
+                stage = _backward_stage(reads, forward_vars, home, avail, S_last)
+                kind = "backward"
+            self.stage_of[eqn], self.kind_of[eqn] = stage, kind
+            for v in reads:
+                if v in forward_vars and kind == "forward":
+                    avail.setdefault(v, set()).add(stage)
+            for v in eqn.outvars:
+                if _is_var(v):
+                    home[v] = stage
+                    avail[v] = {stage}
+                    if kind == "forward":
+                        forward_vars.add(v)
 
-    # ---- the alpa.grad marker: accumulated values
-    accumulated: dict[Var, Var] = {}
-    aliases: dict[Var, Any] = {}
-    if is_training:
-        marker = eqns[grad_index]
+    def grad_marker_values(self, marker) -> tuple[dict, dict]:
+        """``(accumulated, aliases)`` of the ``alpa.grad`` marker: each output whose
+        operand a computation makes (summed over micro-batches), and each that is a
+        literal or a step input."""
+        accumulated: dict[Var, Var] = {}
+        aliases: dict[Var, Any] = {}
+        invar_set = set(self.invars)
         for operand, out in zip(marker.invars, marker.outvars, strict=True):
             if not _is_var(out):
                 continue
-            if _is_var(operand) and operand in home:
+            if _is_var(operand) and operand in self.home:
                 accumulated[out] = operand
-                home[out] = home[operand]
+                self.home[out] = self.home[operand]
             else:
                 aliases[out] = operand
                 if _is_var(operand) and operand in invar_set:
-                    home[out] = min(avail[operand], default=0)
+                    self.home[out] = min(self.avail[operand], default=0)
+        return accumulated, aliases
 
-    # ---- apply placement
-    apply_eqns = []
-    produced_in_compute = {v for e in eqns[:compute_end] for v in e.outvars if _is_var(v)}
-    for eqn in eqns[compute_end + 1 :] if is_training else ():
-        if eqn.primitive is pipeline_p and not eqn.outvars:
-            continue
-        if all(v in const_eqns for v in eqn.outvars if _is_var(v)) and any(
-            _is_var(v) for v in eqn.outvars
-        ):
-            continue
-        for v in eqn.invars:
-            if _is_var(v) and v in produced_in_compute and v not in const_eqns:
-                raise ValueError(
-                    "a value computed from the batch before alpa.grad is read after it "
-                    "without passing through alpa.grad / alpa.value_and_grad; return it "
-                    "from the loss function as auxiliary output (has_aux=True) instead"
-                )
-        apply_eqns.append(eqn)
-    _place_apply(
-        apply_eqns, is_const, avail, home, accumulated, invar_set, num_stages, stage_of, kind_of
-    )
-    level_of: dict[Var, int] = {}
-    apply_level: dict[JaxprEqn, int] = {}
-    for eqn in apply_eqns:
-        stage = stage_of[eqn]
-        level = 0
-        for v in eqn.invars:
-            if _is_var(v) and v in level_of:
-                level = max(level, level_of[v] + (home[v] != stage))
-        apply_level[eqn] = level
-        for v in eqn.outvars:
-            if _is_var(v):
-                level_of[v] = level
+    def place_apply(self, eqns, compute_end: int, accumulated) -> dict[JaxprEqn, int]:
+        """The apply-grad equations (those after the marker): their stages, and per
+        equation its level (how many changes of stage its operands went through)."""
+        apply_eqns = []
+        produced_in_compute = {v for e in eqns[:compute_end] for v in e.outvars if _is_var(v)}
+        for eqn in eqns[compute_end + 1 :]:
+            if eqn.primitive is pipeline_p and not eqn.outvars:
+                continue
+            if _makes_only_constants(eqn, self.const_eqns):
+                continue
+            for v in eqn.invars:
+                if _is_var(v) and v in produced_in_compute and v not in self.const_eqns:
+                    raise ValueError(
+                        "a value computed from the batch before alpa.grad is read after it "
+                        "without passing through alpa.grad / alpa.value_and_grad; return it "
+                        "from the loss function as auxiliary output (has_aux=True) instead"
+                    )
+            apply_eqns.append(eqn)
+        _place_apply(
+            apply_eqns,
+            self.is_const,
+            self.avail,
+            self.home,
+            accumulated,
+            set(self.invars),
+            self.num_stages,
+            self.stage_of,
+            self.kind_of,
+        )
+        level_of: dict[Var, int] = {}
+        apply_level: dict[JaxprEqn, int] = {}
+        for eqn in apply_eqns:
+            stage = self.stage_of[eqn]
+            level = 0
+            for v in eqn.invars:
+                if _is_var(v) and v in level_of:
+                    level = max(level, level_of[v] + (self.home[v] != stage))
+            apply_level[eqn] = level
+            for v in eqn.outvars:
+                if _is_var(v):
+                    level_of[v] = level
+        return apply_level
 
-    # ---- group equations into computations
+
+def _groups(eqns, where: _Placement, apply_level, num_stages: int, is_training: bool) -> dict:
+    """``(stage, kind, level) -> equations``, in the jaxpr's order; every stage has a
+    forward (and, training, a backward) group, perhaps empty."""
     groups: dict[tuple[int, str, int], list[JaxprEqn]] = {}
     for eqn in eqns:
-        if eqn in stage_of:
-            key = (stage_of[eqn], kind_of[eqn], apply_level.get(eqn, 0))
+        if eqn in where.stage_of:
+            key = (where.stage_of[eqn], where.kind_of[eqn], apply_level.get(eqn, 0))
             groups.setdefault(key, []).append(eqn)
-    if not is_training:
-        for s in range(num_stages):
-            groups.setdefault((s, "forward", 0), [])
-    else:
-        for s in range(num_stages):
-            groups.setdefault((s, "forward", 0), [])
+    for s in range(num_stages):
+        groups.setdefault((s, "forward", 0), [])
+        if is_training:
             groups.setdefault((s, "backward", 0), [])
+    return groups
 
+
+def _computations(jaxpr, eqns, groups, const_eqns, accumulated) -> list[StageComputation]:
+    """One computation per group, with the constants it needs recomputed in it, its
+    inputs (what it reads from outside) and its outputs (what others read)."""
+    consts = set(jaxpr.constvars)
     # Values read outside the computation that produces them.
     outputs_needed: set[Var] = {v for v in jaxpr.outvars if _is_var(v)}
     outputs_needed |= set(accumulated.values())
@@ -344,29 +417,7 @@ def split_computations(
                 outvars=tuple(outvars),
             )
         )
-
-    per_micro_batch = frozenset(v for e in eqns[:compute_end] for v in e.outvars if _is_var(v))
-    readers_of_input: dict[Var, set[int]] = {v: set() for v in global_invars}
-    for comp in computations:
-        for v in comp.invars:
-            if v in readers_of_input:
-                readers_of_input[v].add(comp.stage)
-    input_stages = {
-        v: tuple(sorted(readers_of_input[v] or avail.get(v) or {0})) for v in global_invars
-    }
-    return PipelineProgram(
-        closed_jaxpr=closed_jaxpr,
-        num_stages=num_stages,
-        computations=tuple(computations),
-        home=home,
-        input_stages=input_stages,
-        per_micro_batch=per_micro_batch,
-        batch_dependent=frozenset(_batch_dependent(eqns, batch_set)),
-        accumulated=accumulated,
-        aliases=aliases,
-        is_training=is_training,
-        const_eqns=const_eqns,
-    )
+    return computations
 
 
 def _place_apply(

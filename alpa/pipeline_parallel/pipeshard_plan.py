@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -456,24 +457,33 @@ def _name_vars(closed_jaxpr) -> dict:
     return names
 
 
+@dataclass(frozen=True)
+class PipeshardOptions:
+    """What ``plan_pipeshard`` plans for: a cluster of ``num_hosts`` x
+    ``num_devices_per_host`` devices of kind ``cluster``, ``num_micro_batches`` per step
+    under ``pipeline_schedule``, and ``PipeshardParallel``'s options (layers, stages, the
+    default ``AutoShardingOption``, the user's pins)."""
+
+    num_hosts: int
+    num_devices_per_host: int
+    cluster: ClusterSpec
+    num_micro_batches: int
+    pipeline_schedule: str = "1f1b"
+    layer_option: Any = None
+    stage_option: Any = None
+    default_auto_sharding_option: Any = None
+    manual_sharding_option: Any = None
+    stage_input_shardings: Any = None
+
+
 def plan_pipeshard(
     traced: TracedStep,
-    num_hosts: int,
-    num_devices_per_host: int,
-    cluster: ClusterSpec,
-    num_micro_batches: int,
-    pipeline_schedule: str = "1f1b",
-    layer_option: Any = None,
-    stage_option: Any = None,
-    default_auto_sharding_option: Any = None,
-    manual_sharding_option: Any = None,
-    stage_input_shardings: Any = None,
+    options: PipeshardOptions,
     args: Sequence[Any] = (),
     devices: Sequence[Any] | None = None,
     decisions: PipeshardDecisions | None = None,
 ) -> PipeshardPlan:
-    """Plan ``traced`` (traced at micro-batch size) for a cluster of ``num_hosts`` x
-    ``num_devices_per_host`` devices of kind ``cluster`` (module docstring).
+    """Plan ``traced`` (traced at micro-batch size) as ``options`` say (module docstring).
 
     ``devices`` are the real devices, when there are any (only a measured stage cost model
     uses them). ``args`` are the step's positional arguments (abstract or not), which
@@ -484,39 +494,22 @@ def plan_pipeshard(
     layer clustering, stage DP or ILP); the stage and sharding options are then not read,
     and what follows from the decisions (split, schedule, instructions) is derived again.
     """
-    if traced.grad_marker() is None and traced.has_backward_pass:
-        if pipeline_schedule != "inference":
-            # Differentiated, but not by alpa.grad: no marker says where the gradients are
-            # complete, so the step cannot be cut into forward, backward and apply-grad.
-            # Said before any layer or stage is planned.
-            raise ValueError(
-                f"{traced.name} differentiates with jax.grad (or jax.value_and_grad / "
-                f"jax.vjp), so with num_micro_batches={num_micro_batches} PipeshardParallel "
-                "cannot tell its gradients (to average over micro-batches) from its other "
-                "outputs: use alpa.grad / alpa.value_and_grad in place of jax.grad / "
-                "jax.value_and_grad"
-            )
-    layer_option = resolve_layer_option(layer_option)
+    _check_differentiated_by_alpa(traced, options)
+    layer_option = resolve_layer_option(options.layer_option)
     names = _name_vars(traced.closed_jaxpr)
     if decisions is None:
         layers = construct_layers(traced.closed_jaxpr, layer_option)
         stage_plan = _search_stages(
-            traced,
-            layers,
-            names,
-            num_hosts,
-            num_devices_per_host,
-            cluster,
-            num_micro_batches,
-            stage_option,
-            default_auto_sharding_option,
-            devices,
-            layer_option.remat_layer,
+            traced, layers, names, options, devices, layer_option.remat_layer
         )
-        options = stage_options(default_auto_sharding_option, stage_plan.autosharding_option_dicts)
+        stage_opts = stage_options(
+            options.default_auto_sharding_option, stage_plan.autosharding_option_dicts
+        )
+        logical_meshes = _logical_meshes(stage_plan, stage_opts, options.cluster)
     else:
-        check_decisions(decisions, traced, names, num_hosts * num_devices_per_host)
-        layers, stage_plan, options = decisions.layers, decisions.stage_plan, decisions.options
+        check_decisions(decisions, traced, names, options.num_hosts * options.num_devices_per_host)
+        layers, stage_plan = decisions.layers, decisions.stage_plan
+        stage_opts, logical_meshes = decisions.options, list(decisions.logical_meshes)
     program = split_computations(
         traced.closed_jaxpr,
         layers.layers,
@@ -526,54 +519,20 @@ def plan_pipeshard(
     )
     if layer_option.remat_layer and program.is_training:
         program = rematerialize(program)
-    if pipeline_schedule == "inference" and program.is_training:
-        raise ValueError(
-            "pipeline_schedule='inference' cannot run a training step (it calls alpa.grad); "
-            "use 'gpipe' or '1f1b'"
-        )
-    schedule = make_schedule(pipeline_schedule, stage_plan.num_stages, num_micro_batches)
-    if not program.is_training and pipeline_schedule != "inference":
-        raise ValueError(
-            f"the step has no alpa.grad, so it is an inference step; pass "
-            f"pipeline_schedule='inference' instead of {pipeline_schedule!r}"
-        )
-    if decisions is None:
-        logical_meshes = _logical_meshes(stage_plan, options, cluster)
-    else:
-        logical_meshes = list(decisions.logical_meshes)
+    schedule = _schedule(program, options, stage_plan.num_stages)
     mesh_sizes = [m.num_devices for m in logical_meshes]
     mesh_shapes = [tuple(m.shape) for m in logical_meshes]
-    data_parallel = [not uses_ilp(o, n) for o, n in zip(options, mesh_sizes, strict=True)]
+    data_parallel = [not uses_ilp(o, n) for o, n in zip(stage_opts, mesh_sizes, strict=True)]
     if decisions is None:
-        pinned = pinned_specs(
-            traced, program, args, mesh_shapes, manual_sharding_option, stage_input_shardings, names
+        stage_specs, objectives = _stage_shardings(
+            traced, program, args, options, logical_meshes, stage_opts, data_parallel, names
         )
-        stage_specs, objectives = plan_stage_shardings(
-            traced, program, logical_meshes, options, names, pinned
-        )
-        zero2 = [
-            o.prefer_reduce_scatter and dp for o, dp in zip(options, data_parallel, strict=True)
-        ]
-        zero2_specs(traced, program, stage_specs, mesh_sizes, zero2, DATA_AXES)
-        tie_donated_outputs(traced, program, stage_specs, mesh_sizes)
     else:
         stage_specs = dict(decisions.stage_specs)
         objectives = {s: list(v) for s, v in decisions.objectives.items()}
-    if num_micro_batches > 1:
-        # Micro-batch j draws its rows of the full batch's random numbers (batch_draws).
-        draws = micro_batch_draws(traced)
-        if draws:
-            rows = num_micro_batches * batch_size(traced)
-            program = draw_rows_of_full_batch(program, draws, rows)
-            names[program.row_ids] = f"v{len(names)}"
-    # Every stage's gradients: reduced once per step over its data axes, in apply-grad.
-    data_axes = stage_data_axes(traced, program, stage_specs, mesh_shapes, data_parallel, DATA_AXES)
-    axis_sizes = [dict(zip(DATA_AXES, shape, strict=True)) for shape in mesh_shapes]
-    deferred = defer_gradient_sums(program, traced, mesh_sizes, data_axes, axis_sizes, stage_specs)
-    if deferred is not None:
-        program = dataclasses.replace(program, deferred=deferred)
-        for v in deferred.partials.values():
-            names[v] = f"v{len(names)}"
+    program = _draw_and_defer(
+        traced, program, options, stage_specs, mesh_shapes, data_parallel, names
+    )
     instructions = emit_instructions(program, schedule, names)
     buffer_specs, reshards = resolve_buffers(
         program, instructions, stage_specs, logical_meshes, stage_plan.submesh_shapes, names
@@ -581,12 +540,12 @@ def plan_pipeshard(
     return PipeshardPlan(
         traced=traced,
         names=names,
-        cluster=cluster,
-        num_hosts=num_hosts,
-        num_devices_per_host=num_devices_per_host,
+        cluster=options.cluster,
+        num_hosts=options.num_hosts,
+        num_devices_per_host=options.num_devices_per_host,
         layers=layers,
         stage_plan=stage_plan,
-        options=tuple(options),
+        options=tuple(stage_opts),
         logical_meshes=tuple(logical_meshes),
         program=program,
         stage_specs=stage_specs,
@@ -595,26 +554,114 @@ def plan_pipeshard(
         instructions=instructions,
         buffer_specs=buffer_specs,
         reshards=reshards,
-        num_micro_batches=num_micro_batches,
+        num_micro_batches=options.num_micro_batches,
         layer_option=layer_option,
     )
+
+
+def _check_differentiated_by_alpa(traced: TracedStep, options: PipeshardOptions) -> None:
+    """A training step must differentiate with ``alpa.grad``: said before any layer or
+    stage is planned."""
+    if traced.grad_marker() is None and traced.has_backward_pass:
+        if options.pipeline_schedule != "inference":
+            # Differentiated, but not by alpa.grad: no marker says where the gradients are
+            # complete, so the step cannot be cut into forward, backward and apply-grad.
+            raise ValueError(
+                f"{traced.name} differentiates with jax.grad (or jax.value_and_grad / "
+                f"jax.vjp), so with num_micro_batches={options.num_micro_batches} "
+                "PipeshardParallel cannot tell its gradients (to average over micro-batches) "
+                "from its other outputs: use alpa.grad / alpa.value_and_grad in place of "
+                "jax.grad / jax.value_and_grad"
+            )
+
+
+def _schedule(program: PipelineProgram, options: PipeshardOptions, num_stages: int):
+    """The schedule ``options.pipeline_schedule`` names, checked against the step's kind."""
+    name = options.pipeline_schedule
+    if name == "inference" and program.is_training:
+        raise ValueError(
+            "pipeline_schedule='inference' cannot run a training step (it calls alpa.grad); "
+            "use 'gpipe' or '1f1b'"
+        )
+    schedule = make_schedule(name, num_stages, options.num_micro_batches)
+    if not program.is_training and name != "inference":
+        raise ValueError(
+            f"the step has no alpa.grad, so it is an inference step; pass "
+            f"pipeline_schedule='inference' instead of {name!r}"
+        )
+    return schedule
+
+
+def _stage_shardings(
+    traced,
+    program,
+    args,
+    options: PipeshardOptions,
+    logical_meshes,
+    stage_opts,
+    data_parallel,
+    names,
+):
+    """``(stage_specs, objectives)``: the user's pins, each stage's ILP, ZeRO-2 in the
+    data-parallel stages that prefer reduce-scatter, and donated outputs tied to their
+    inputs."""
+    mesh_sizes = [m.num_devices for m in logical_meshes]
+    mesh_shapes = [tuple(m.shape) for m in logical_meshes]
+    pinned = pinned_specs(
+        traced,
+        program,
+        args,
+        mesh_shapes,
+        options.manual_sharding_option,
+        options.stage_input_shardings,
+        names,
+    )
+    stage_specs, objectives = plan_stage_shardings(
+        traced, program, logical_meshes, stage_opts, names, pinned
+    )
+    zero2 = [
+        o.prefer_reduce_scatter and dp for o, dp in zip(stage_opts, data_parallel, strict=True)
+    ]
+    zero2_specs(traced, program, stage_specs, mesh_sizes, zero2, DATA_AXES)
+    tie_donated_outputs(traced, program, stage_specs, mesh_sizes)
+    return stage_specs, objectives
+
+
+def _draw_and_defer(
+    traced, program, options: PipeshardOptions, stage_specs, mesh_shapes, data_parallel, names
+) -> PipelineProgram:
+    """``program`` with each micro-batch drawing its rows of the full batch's random
+    numbers, and every stage's gradients reduced once per step (``names`` gains the new
+    values)."""
+    if options.num_micro_batches > 1:
+        # Micro-batch j draws its rows of the full batch's random numbers (batch_draws).
+        draws = micro_batch_draws(traced)
+        if draws:
+            rows = options.num_micro_batches * batch_size(traced)
+            program = draw_rows_of_full_batch(program, draws, rows)
+            names[program.row_ids] = f"v{len(names)}"
+    # Every stage's gradients: reduced once per step over its data axes, in apply-grad.
+    data_axes = stage_data_axes(traced, program, stage_specs, mesh_shapes, data_parallel, DATA_AXES)
+    axis_sizes = [dict(zip(DATA_AXES, shape, strict=True)) for shape in mesh_shapes]
+    mesh_sizes = [math.prod(shape) for shape in mesh_shapes]
+    deferred = defer_gradient_sums(program, traced, mesh_sizes, data_axes, axis_sizes, stage_specs)
+    if deferred is not None:
+        program = dataclasses.replace(program, deferred=deferred)
+        for v in deferred.partials.values():
+            names[v] = f"v{len(names)}"
+    return program
 
 
 def _search_stages(
     traced: TracedStep,
     layers: LayerAssignment,
     names: dict,
-    num_hosts: int,
-    num_devices_per_host: int,
-    cluster: ClusterSpec,
-    num_micro_batches: int,
-    stage_option: Any,
-    default_auto_sharding_option: Any,
+    options: PipeshardOptions,
     devices: Sequence[Any] | None,
     remat: bool = False,
 ) -> StagePlan:
     """The stages ``stage_option`` picks for ``layers`` (the stage DP for ``"auto"``)."""
-    stage_option = resolve_stage_option(stage_option)
+    stage_option = resolve_stage_option(options.stage_option)
     if isinstance(stage_option, AutoStageOption) and layers.num_layers == 1:
         raise ValueError(
             "stage_option='auto' needs layers to group into stages, but the step has one "
@@ -623,15 +670,15 @@ def _search_stages(
         )
     context = StageContext(
         num_layers=layers.num_layers,
-        num_hosts=num_hosts,
-        num_devices_per_host=num_devices_per_host,
-        cluster=cluster,
+        num_hosts=options.num_hosts,
+        num_devices_per_host=options.num_devices_per_host,
+        cluster=options.cluster,
         devices=devices,
         traced=traced,
         layers=layers,
         names=names,
-        num_micro_batches=num_micro_batches,
-        option=default_auto_sharding_option,
+        num_micro_batches=options.num_micro_batches,
+        option=options.default_auto_sharding_option,
         remat=remat,
     )
     return plan_stages(stage_option, context)

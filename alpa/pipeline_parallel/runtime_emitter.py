@@ -36,10 +36,15 @@ from alpa.pipeline_parallel.schedules import PipelineSchedule
 from alpa.runtime.instructions import (
     Accumulation,
     BufferKey,
+    BufferOutput,
+    ConstOutput,
     Instruction,
     Kernel,
+    LiteralOutput,
+    MicroBatchOutput,
     Op,
     PipelineInstructions,
+    StepOutput,
 )
 
 
@@ -52,137 +57,7 @@ def emit_instructions(
 
     ``names`` maps every jaxpr variable to a stable string name.
     """
-    jaxpr = program.closed_jaxpr.jaxpr
-    invars = list(jaxpr.invars)
-    leaf_of = {v: i for i, v in enumerate(invars)}
-    batch_dependent = program.batch_dependent
-    batch_inputs = {v for v in invars if v in batch_dependent}  # split into micro-batches
-    k = schedule.num_micro_batches
-    comps = {c: i for i, c in enumerate(program.computations)}
-    instructions: list[Instruction] = []
-    present: set[BufferKey] = set()
-    nbytes: dict[BufferKey, int] = {}
-
-    persistent = set()
-    for v in invars:
-        if v in leaf_of and v not in batch_inputs:
-            for s in program.input_stages[v]:
-                key = (names[v], None, s)
-                persistent.add(key)
-                present.add(key)
-                nbytes[key] = _nbytes(v)
-
-    def mb_of(v, mb):
-        return mb if v in program.per_micro_batch or v in batch_inputs else None
-
-    def ensure(v, mb, mesh) -> BufferKey:
-        key = (names[v], mb_of(v, mb), mesh)
-        if key in present:
-            return key
-        if v in batch_inputs:
-            keys = tuple((names[v], m, mesh) for m in range(k))
-            instructions.append(Instruction(Op.LOAD, mesh, (), keys, leaf=leaf_of[v]))
-            for each in keys:
-                nbytes[each] = _nbytes(v)
-            present.update(keys)
-            return key
-        nbytes[key] = _nbytes(v)
-        sources = [program.home[v]] if v in program.home else list(program.input_stages[v])
-        src = next(
-            ((names[v], key[1], s) for s in sources if (names[v], key[1], s) in present), None
-        )
-        if src is None:
-            raise AssertionError(
-                f"value {names[v]} (micro-batch {mb}) is not computed before mesh {mesh} needs it"
-            )
-        instructions.append(Instruction(Op.RESHARD, mesh, (src,), (key,)))
-        present.add(key)
-        return key
-
-    # Which outputs of each computation are read by anything but the accumulation.
-    accumulated_by_operand = {op: out for out, op in program.accumulated.items()}
-    read_elsewhere = {v for c in program.computations for v in c.invars}
-    read_elsewhere |= {v for v in jaxpr.outvars if _is_var(v)}
-    # Deferred gradients: accumulated as partial sums, reduced by their first reader
-    # (apply computations of one stage, lowest level first), which writes the sum for
-    # the others.
-    partials = program.deferred.partials if program.deferred is not None else {}
-    readers: dict = {}
-    for comp in sorted(program.computations, key=lambda c: c.level):
-        for v in comp.invars:
-            if v in partials:
-                readers.setdefault(v, []).append(comp)
-    kernels: list[Kernel] = []
-    kernel_of: dict[int, int] = {}
-
-    def kernel_for(comp) -> int:
-        index = comps[comp]
-        if index not in kernel_of:
-            kept, accumulate = [], []
-            for i, v in enumerate(comp.outvars):
-                out = accumulated_by_operand.get(v)
-                if out is not None and out not in read_elsewhere:
-                    out = None  # a marked value nothing reads (alpa.grad's loss): not summed
-                if out is None or v in read_elsewhere:
-                    kept.append(i)
-                if out is not None:
-                    scale = 1.0 / k if k > 1 and _is_float(out) else None
-                    sum_var = partials.get(out, out)
-                    accumulate.append(Accumulation(i, sum_var, scale, reads_sum=k > 1))
-            reduces = tuple(
-                i for i, v in enumerate(comp.invars) if v in partials and readers[v][0] is comp
-            )
-            publishes = tuple(i for i in reduces if len(readers[comp.invars[i]]) > 1)
-            kernel_of[index] = len(kernels)
-            kernels.append(Kernel(index, tuple(kept), tuple(accumulate), reduces, publishes))
-        return kernel_of[index]
-
-    def run(comp, mb):
-        if not comp.eqns:
-            present.update((names[v], mb_of(v, mb), comp.stage) for v in comp.outvars)
-            return
-        kernel = kernels[kernel_for(comp)]
-        ins = [
-            (names[partials[v]], None, comp.stage)
-            if i in kernel.reduces
-            else ensure(v, mb, comp.stage)
-            for i, v in enumerate(comp.invars)
-        ]
-        outs = [
-            (names[comp.outvars[i]], mb_of(comp.outvars[i], mb), comp.stage) for i in kernel.kept
-        ]
-        outs += [(names[comp.invars[i]], None, comp.stage) for i in kernel.publishes]
-        sums = [(names[a.marker_out], None, comp.stage) for a in kernel.accumulate]
-        for key, a in zip(sums, kernel.accumulate, strict=True):
-            nbytes[key] = _nbytes(a.marker_out)
-        missing = tuple(
-            key
-            for key, a in zip(sums, kernel.accumulate, strict=True)
-            if a.reads_sum and key not in present
-        )
-        if missing:
-            instructions.append(
-                Instruction(Op.ALLOC, comp.stage, (), missing, computation=kernel_of[comps[comp]])
-            )
-            present.update(missing)
-        ins += [key for key, a in zip(sums, kernel.accumulate, strict=True) if a.reads_sum]
-        written = [comp.outvars[i] for i in kernel.kept] + [
-            comp.invars[i] for i in kernel.publishes
-        ]
-        for key, v in zip(outs, written, strict=True):
-            nbytes[key] = _nbytes(v)
-        instructions.append(
-            Instruction(
-                Op.RUN,
-                comp.stage,
-                tuple(ins),
-                tuple(outs + sums),
-                computation=kernel_of[comps[comp]],
-                micro_batch=mb,
-            )
-        )
-        present.update(outs + sums)
-
+    emitter = _Emitter(program, schedule.num_micro_batches, names)
     for tick in schedule.ticks:
         apply_stages = [t.stage for t in tick if t.kind == "apply"]
         for task in tick:
@@ -190,54 +65,184 @@ def emit_instructions(
                 continue
             comp = program.computation(task.stage, task.kind)
             if comp is not None:
-                run(comp, task.micro_batch)
+                emitter.run(comp, task.micro_batch)
         for level in range(program.apply_levels()):
             for stage in apply_stages:
                 comp = program.computation(stage, "apply", level)
                 if comp is not None:
-                    run(comp, None)
+                    emitter.run(comp, None)
+    outputs = tuple(emitter.output(v) for v in program.closed_jaxpr.jaxpr.outvars)
+    final_keys = {key for output in outputs for key in output.keys}
+    return PipelineInstructions(
+        instructions=tuple(_attach_frees(emitter.instructions, emitter.persistent | final_keys)),
+        kernels=tuple(emitter.kernels),
+        num_meshes=program.num_stages,
+        persistent=frozenset(emitter.persistent),
+        outputs=outputs,
+        nbytes=emitter.nbytes,
+    )
 
-    # Outputs.
-    outputs = []
-    for v in jaxpr.outvars:
+
+class _Emitter:
+    """The state of one emission: the instructions so far, the buffers present, the
+    kernels made; :meth:`run` emits one computation of one micro-batch."""
+
+    def __init__(self, program: PipelineProgram, k: int, names: dict):
+        self.program, self.k, self.names = program, k, names
+        jaxpr = program.closed_jaxpr.jaxpr
+        invars = list(jaxpr.invars)
+        self.leaf_of = {v: i for i, v in enumerate(invars)}
+        # The batch arguments: split into micro-batches.
+        self.batch_inputs = {v for v in invars if v in program.batch_dependent}
+        self.comps = {c: i for i, c in enumerate(program.computations)}
+        self.instructions: list[Instruction] = []
+        self.present: set[BufferKey] = set()
+        self.nbytes: dict[BufferKey, int] = {}
+        self.persistent: set[BufferKey] = set()
+        for v in invars:
+            if v not in self.batch_inputs:
+                for s in program.input_stages[v]:
+                    key = (names[v], None, s)
+                    self.persistent.add(key)
+                    self.present.add(key)
+                    self.nbytes[key] = _nbytes(v)
+        # Which outputs of each computation are read by anything but the accumulation.
+        self.accumulated_by_operand = {op: out for out, op in program.accumulated.items()}
+        self.read_elsewhere = {v for c in program.computations for v in c.invars}
+        self.read_elsewhere |= {v for v in jaxpr.outvars if _is_var(v)}
+        # Deferred gradients: accumulated as partial sums, reduced by their first reader
+        # (apply computations of one stage, lowest level first), which writes the sum for
+        # the others.
+        self.partials = program.deferred.partials if program.deferred is not None else {}
+        self.readers: dict = {}
+        for comp in sorted(program.computations, key=lambda c: c.level):
+            for v in comp.invars:
+                if v in self.partials:
+                    self.readers.setdefault(v, []).append(comp)
+        self.kernels: list[Kernel] = []
+        self.kernel_of: dict[int, int] = {}
+
+    def mb_of(self, v, mb):
+        program = self.program
+        return mb if v in program.per_micro_batch or v in self.batch_inputs else None
+
+    def ensure(self, v, mb, mesh) -> BufferKey:
+        """The buffer of ``v`` (micro-batch ``mb``) on ``mesh``, loaded or resharded there
+        first if it is not."""
+        program, names = self.program, self.names
+        key = (names[v], self.mb_of(v, mb), mesh)
+        if key in self.present:
+            return key
+        if v in self.batch_inputs:
+            keys = tuple((names[v], m, mesh) for m in range(self.k))
+            self.instructions.append(Instruction(Op.LOAD, mesh, (), keys, leaf=self.leaf_of[v]))
+            for each in keys:
+                self.nbytes[each] = _nbytes(v)
+            self.present.update(keys)
+            return key
+        self.nbytes[key] = _nbytes(v)
+        sources = [program.home[v]] if v in program.home else list(program.input_stages[v])
+        src = next(
+            ((names[v], key[1], s) for s in sources if (names[v], key[1], s) in self.present),
+            None,
+        )
+        if src is None:
+            raise AssertionError(
+                f"value {names[v]} (micro-batch {mb}) is not computed before mesh {mesh} needs it"
+            )
+        self.instructions.append(Instruction(Op.RESHARD, mesh, (src,), (key,)))
+        self.present.add(key)
+        return key
+
+    def kernel_for(self, comp) -> int:
+        index = self.comps[comp]
+        if index in self.kernel_of:
+            return self.kernel_of[index]
+        k, partials, readers = self.k, self.partials, self.readers
+        kept, accumulate = [], []
+        for i, v in enumerate(comp.outvars):
+            out = self.accumulated_by_operand.get(v)
+            if out is not None and out not in self.read_elsewhere:
+                out = None  # a marked value nothing reads (alpa.grad's loss): not summed
+            if out is None or v in self.read_elsewhere:
+                kept.append(i)
+            if out is not None:
+                scale = 1.0 / k if k > 1 and _is_float(out) else None
+                sum_var = partials.get(out, out)
+                accumulate.append(Accumulation(i, sum_var, scale, reads_sum=k > 1))
+        reduces = tuple(
+            i for i, v in enumerate(comp.invars) if v in partials and readers[v][0] is comp
+        )
+        publishes = tuple(i for i in reduces if len(readers[comp.invars[i]]) > 1)
+        self.kernel_of[index] = len(self.kernels)
+        self.kernels.append(Kernel(index, tuple(kept), tuple(accumulate), reduces, publishes))
+        return self.kernel_of[index]
+
+    def run(self, comp, mb) -> None:
+        names, stage = self.names, comp.stage
+        if not comp.eqns:
+            self.present.update((names[v], self.mb_of(v, mb), stage) for v in comp.outvars)
+            return
+        index = self.kernel_for(comp)
+        kernel = self.kernels[index]
+        ins = [
+            (names[self.partials[v]], None, stage)
+            if i in kernel.reduces
+            else self.ensure(v, mb, stage)
+            for i, v in enumerate(comp.invars)
+        ]
+        outs = [
+            (names[comp.outvars[i]], self.mb_of(comp.outvars[i], mb), stage) for i in kernel.kept
+        ]
+        outs += [(names[comp.invars[i]], None, stage) for i in kernel.publishes]
+        sums = [(names[a.marker_out], None, stage) for a in kernel.accumulate]
+        for key, a in zip(sums, kernel.accumulate, strict=True):
+            self.nbytes[key] = _nbytes(a.marker_out)
+        missing = tuple(
+            key
+            for key, a in zip(sums, kernel.accumulate, strict=True)
+            if a.reads_sum and key not in self.present
+        )
+        if missing:
+            self.instructions.append(Instruction(Op.ALLOC, stage, (), missing, computation=index))
+            self.present.update(missing)
+        ins += [key for key, a in zip(sums, kernel.accumulate, strict=True) if a.reads_sum]
+        written = [comp.outvars[i] for i in kernel.kept]
+        written += [comp.invars[i] for i in kernel.publishes]
+        for key, v in zip(outs, written, strict=True):
+            self.nbytes[key] = _nbytes(v)
+        self.instructions.append(
+            Instruction(
+                Op.RUN, stage, tuple(ins), tuple(outs + sums), computation=index, micro_batch=mb
+            )
+        )
+        self.present.update(outs + sums)
+
+    def output(self, v) -> StepOutput:
+        """Where step output ``v`` is read from, once every computation has run."""
+        program, names, k = self.program, self.names, self.k
         if not _is_var(v):
-            outputs.append(("literal", v.val))
-        elif v in program.aliases and not _is_var(program.aliases[v]):
-            outputs.append(("literal", program.aliases[v].val))
-        elif v in program.aliases:
+            return LiteralOutput(v.val)
+        if v in program.aliases and not _is_var(program.aliases[v]):
+            return LiteralOutput(program.aliases[v].val)
+        if v in program.aliases:
             src = program.aliases[v]
-            outputs.append(("key", ensure(src, None, program.input_stages[src][0])))
-        elif v in program.const_eqns:
-            outputs.append(("const", names[v]))
-        elif v in program.per_micro_batch:
+            return BufferOutput(self.ensure(src, None, program.input_stages[src][0]))
+        if v in program.const_eqns:
+            return ConstOutput(names[v])
+        if v in program.per_micro_batch:
             keys = tuple((names[v], m, program.home[v]) for m in range(k))
-            if v in batch_dependent and v.aval.ndim == 0 and k > 1 and _is_float(v):
+            batch_dependent = v in program.batch_dependent
+            if batch_dependent and v.aval.ndim == 0 and k > 1 and _is_float(v):
                 # A scalar computed from the batch (a loss): the mean over micro-batches,
                 # which is the full batch's value for a mean over equal micro-batches.
-                outputs.append(("mean", keys))
-            elif v in batch_dependent and v.aval.ndim > 0:
-                outputs.append(("concat", keys))
-            else:  # the same every micro-batch, or a non-float scalar: the last one
-                outputs.append(("key", keys[-1]))
-        elif v in leaf_of:
-            outputs.append(("key", ensure(v, None, program.input_stages[v][0])))
-        else:
-            outputs.append(("key", (names[v], None, program.home[v])))
-    final_keys = set()
-    for kind, value in outputs:
-        if kind == "key":
-            final_keys.add(value)
-        elif kind in ("concat", "mean"):
-            final_keys.update(value)
-
-    return PipelineInstructions(
-        instructions=tuple(_attach_frees(instructions, persistent | final_keys)),
-        kernels=tuple(kernels),
-        num_meshes=program.num_stages,
-        persistent=frozenset(persistent),
-        outputs=tuple(outputs),
-        nbytes=nbytes,
-    )
+                return MicroBatchOutput(keys, "mean")
+            if batch_dependent and v.aval.ndim > 0:
+                return MicroBatchOutput(keys, "concat")
+            return BufferOutput(keys[-1])  # the same every micro-batch, or a non-float scalar
+        if v in self.leaf_of:
+            return BufferOutput(self.ensure(v, None, program.input_stages[v][0]))
+        return BufferOutput((names[v], None, program.home[v]))
 
 
 def _is_float(v) -> bool:

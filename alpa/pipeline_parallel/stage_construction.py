@@ -19,13 +19,14 @@ re-exported here at Alpa's path; ``get_last_dp_result()`` says what the last DP 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 import os
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -247,6 +248,8 @@ class StagePlan:
       latencies: per stage, the cost model's latency per micro-batch (auto stages only).
       memory: per stage, the cost model's bytes per device (auto stages only).
       predicted_cost: the DP's pipeline latency of one step (auto stages only).
+      dp_result: what the stage DP chose from (auto stages only; not part of the plan's
+        identity or its JSON): ``get_last_dp_result()`` reads the last one.
     """
 
     layer_to_stage: tuple[int, ...]
@@ -257,6 +260,7 @@ class StagePlan:
     latencies: tuple[float, ...] | None = None
     memory: tuple[float, ...] | None = None
     predicted_cost: float | None = None
+    dp_result: DPResult | None = field(default=None, compare=False, repr=False)
 
     @property
     def num_stages(self) -> int:
@@ -449,18 +453,59 @@ def place_submeshes(
 
 # ----------------------------------------------------------------------------- auto stages
 
-_LAST_DP_RESULT: tuple | None = None
+
+@dataclass(frozen=True, eq=False)
+class DPResult:
+    """What one stage DP chose, with the stage cost tables it chose from (``costs``:
+    ``compute_cost``, ``max_n_succ_stages``, ``memory``, before any
+    ``stage_imbalance_tolerance`` is applied, so they serve any tolerance)."""
+
+    costs: Any
+    forward_stage_layer_ids: tuple[tuple[int, ...], ...]
+    submesh_shapes: tuple[tuple[int, int], ...]
+    logical_mesh_shapes: tuple[tuple[int, int], ...]
+    autosharding_option_dicts: tuple[dict, ...]
+    _saved: list = field(default_factory=list, repr=False)
+
+    def save(self, path: str | None = None) -> str:
+        """The tables as an ``.npz`` file (``AutoStageOption(cached_profile_result=...)``
+        reads it): written to ``path``, or once to a new file in the temporary directory
+        when ``path`` is ``None`` (later calls return that file)."""
+        if path is None and self._saved:
+            return self._saved[0]
+        if path is None:
+            path = os.path.join(tempfile.gettempdir(), f"alpa-compute-cost-{time.time_ns()}.npz")
+            self._saved.append(path)
+        np.savez(
+            path,
+            compute_cost=self.costs.compute_cost,
+            max_n_succ_stages=self.costs.max_n_succ_stages,
+            memory=self.costs.memory,
+        )
+        return path
+
+
+# The plan of the last stage DP: Alpa's get_last_dp_result() takes no argument.
+_last_auto_plan: StagePlan | None = None
 
 
 def get_last_dp_result() -> tuple:
     """What the last stage DP chose, as in Alpa: ``(compute_cost_file_name,
     forward_stage_layer_ids, submesh_shapes, logical_mesh_shapes,
-    autosharding_option_dicts)``; the file (``.npz``) holds the stage cost tables
-    (``compute_cost``, ``max_n_succ_stages``, ``memory``), before any
-    ``stage_imbalance_tolerance`` is applied. All ``None`` before any DP ran."""
-    if _LAST_DP_RESULT is None:
+    autosharding_option_dicts)``, read from its plan's ``dp_result``. The file (``.npz``)
+    holds the stage cost tables (``compute_cost``, ``max_n_succ_stages``, ``memory``),
+    before any ``stage_imbalance_tolerance`` is applied; it is written on the first call
+    (:meth:`DPResult.save`), not by the DP. All ``None`` before any DP ran."""
+    result = None if _last_auto_plan is None else _last_auto_plan.dp_result
+    if result is None:
         return (None, None, None, None, None)
-    return _LAST_DP_RESULT
+    return (
+        result.save(),
+        [list(ids) for ids in result.forward_stage_layer_ids],
+        [list(s) for s in result.submesh_shapes],
+        [list(s) for s in result.logical_mesh_shapes],
+        [dict(d) for d in result.autosharding_option_dicts],
+    )
 
 
 def layer_problem(context: StageContext, choices, configs, option, budget):
@@ -528,7 +573,7 @@ def stage_problem(option: AutoStageOption, context: StageContext):
 
 def plan_auto_stages(option: AutoStageOption, context: StageContext) -> StagePlan:
     """Cost every candidate stage, run the DP, and resolve its solution."""
-    global _LAST_DP_RESULT
+    global _last_auto_plan
     from alpa.pipeline_parallel.stage_cost import StageCosts, layer_flops
 
     problem = stage_problem(option, context)
@@ -598,13 +643,6 @@ def plan_auto_stages(option: AutoStageOption, context: StageContext) -> StagePla
         dicts.append(config.option_dict or None)
         latencies.append(float(costs.compute_cost[start, end - 1, m, c]))
         memory.append(float(costs.memory[start, end - 1, m, c]))
-    path = os.path.join(tempfile.gettempdir(), f"alpa-compute-cost-{time.time_ns()}.npz")
-    np.savez(
-        path,
-        compute_cost=costs.compute_cost,
-        max_n_succ_stages=costs.max_n_succ_stages,
-        memory=costs.memory,
-    )
     plan = _finish(
         context,
         layer_to_stage,
@@ -615,11 +653,14 @@ def plan_auto_stages(option: AutoStageOption, context: StageContext) -> StagePla
         memory=tuple(memory),
         predicted_cost=float(total),
     )
-    _LAST_DP_RESULT = (
-        path,
-        plan.stage_layers(),
-        [list(s) for s in shapes],
-        [list(s) for s in logical],
-        [d or {} for d in dicts],
+    _last_auto_plan = plan = dataclasses.replace(
+        plan,
+        dp_result=DPResult(
+            costs,
+            tuple(tuple(ids) for ids in plan.stage_layers()),
+            plan.submesh_shapes,
+            plan.logical_shapes,
+            tuple(d or {} for d in dicts),
+        ),
     )
     return plan

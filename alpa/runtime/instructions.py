@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import Any
 
 BufferKey = tuple[str, int | None, int]
 
@@ -95,6 +96,51 @@ class Instruction:
 
 
 @dataclass(frozen=True)
+class BufferOutput:
+    """A step output read from one buffer."""
+
+    key: BufferKey
+
+    @property
+    def keys(self) -> tuple[BufferKey, ...]:
+        return (self.key,)
+
+
+@dataclass(frozen=True)
+class MicroBatchOutput:
+    """A step output made of every micro-batch's buffer of one value, in order, combined:
+    ``"mean"`` (a scalar computed from the batch, such as the loss: the full batch's value
+    for a mean over equal micro-batches) or ``"concat"`` (rows, along dimension 0)."""
+
+    keys: tuple[BufferKey, ...]
+    combine: str
+
+    def __post_init__(self):
+        if self.combine not in ("mean", "concat"):
+            raise ValueError(f"combine must be 'mean' or 'concat', got {self.combine!r}")
+
+
+@dataclass(frozen=True)
+class ConstOutput:
+    """A step output computed from constants alone, on the driver: ``name`` is its value's
+    name among the stage programs' constant outputs."""
+
+    name: str
+    keys: tuple[BufferKey, ...] = ()
+
+
+@dataclass(frozen=True)
+class LiteralOutput:
+    """A step output that is a literal of the program (``value``)."""
+
+    value: Any
+    keys: tuple[BufferKey, ...] = ()
+
+
+StepOutput = BufferOutput | MicroBatchOutput | ConstOutput | LiteralOutput
+
+
+@dataclass(frozen=True)
 class PipelineInstructions:
     """The emitted program: one global order, and per-mesh views of it."""
 
@@ -102,18 +148,12 @@ class PipelineInstructions:
     kernels: tuple[Kernel, ...]
     num_meshes: int
     persistent: frozenset  # input buffers the caller owns
-    outputs: tuple  # per step output: a key, a tuple of per-micro-batch keys, or a literal
+    outputs: tuple[StepOutput, ...]  # per step output, where it is read from
     nbytes: dict  # BufferKey -> bytes
 
     def output_keys(self) -> set[BufferKey]:
         """The buffers the step's outputs are read from."""
-        keys: set[BufferKey] = set()
-        for kind, value in self.outputs:
-            if kind == "key":
-                keys.add(value)
-            elif kind in ("concat", "mean"):
-                keys.update(value)
-        return keys
+        return {key for output in self.outputs for key in output.keys}
 
     def buffer_keys(self) -> set[BufferKey]:
         """Every buffer of a step: what the instructions read and write, the inputs the

@@ -31,7 +31,10 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from alpa.runtime.instructions import (
     BufferKey,
+    BufferOutput,
+    ConstOutput,
     Instruction,
+    LiteralOutput,
     Op,
     PipelineInstructions,
 )
@@ -259,9 +262,7 @@ class LocalPipelineRuntime:
             self._steps.append((fn, name, args, out_slots))
             self._frees.append(tuple(self._slot[key] for key in ins.free))
         self._meshes = [ins.mesh for ins in program.instructions]
-        self._outputs = [
-            (kind, self._slot[value] if kind == "key" else value) for kind, value in program.outputs
-        ]
+        self._outputs = list(program.outputs)
         self._times: list[float] = []
         self._returned: list[float | None] = []
         self._last_env: list = []
@@ -288,17 +289,17 @@ class LocalPipelineRuntime:
         self._returned = returned or [None] * len(self._steps)
         self._last_env = env
         outputs = []
-        for kind, value in self._outputs:
-            if kind == "literal":
-                outputs.append(jax.numpy.asarray(value))
-            elif kind == "const":
-                outputs.append(consts[value])
-            elif kind == "key":
-                outputs.append(env[value])
-            elif kind == "mean":
-                outputs.append(_mean([env[self._slot[k]] for k in value]))
+        for output in self._outputs:
+            if isinstance(output, LiteralOutput):
+                outputs.append(jax.numpy.asarray(output.value))
+            elif isinstance(output, ConstOutput):
+                outputs.append(consts[output.name])
+            elif isinstance(output, BufferOutput):
+                outputs.append(env[self._slot[output.key]])
+            elif output.combine == "mean":
+                outputs.append(_mean([env[self._slot[k]] for k in output.keys]))
             else:
-                outputs.append(_concat([env[self._slot[k]] for k in value]))
+                outputs.append(_concat([env[self._slot[k]] for k in output.keys]))
         return outputs
 
     @property

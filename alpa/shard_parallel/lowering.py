@@ -263,7 +263,6 @@ def build_step_function(
 ):
     """The Python function that ``jax.jit`` compiles for ``plan``: flat leaves in, flat
     leaves out, batch leaves at full batch size."""
-    closed = traced.closed_jaxpr
     var_shardings = {v: NamedSharding(mesh, s) for v, s in plan.var_specs.items()}
     operand_shardings = {
         eqn: tuple(None if s is None else NamedSharding(mesh, s) for s in specs)
@@ -280,20 +279,35 @@ def build_step_function(
         var_shardings, operand_shardings = {}, {}
 
     if not num_micro_batches:
-        overrides = _reduce_at_marker(traced, plan, mesh, var_shardings)
-        if mesh.size > 1:
-            overrides |= partial_sum_overrides(
-                closed.jaxpr, plan.partial_sums, plan.var_specs, mesh, skip=set(overrides)
-            )
+        return _one_batch_step(traced, plan, mesh, var_shardings, operand_shardings)
+    return _micro_batched_step(
+        traced, plan, mesh, num_micro_batches, var_shardings, operand_shardings
+    )
 
-        def step(*leaves):
-            return eval_jaxpr_with_constraints(
-                closed.jaxpr, closed.consts, leaves, var_shardings, operand_shardings, overrides
-            )
 
-        return step
+def _one_batch_step(traced: TracedStep, plan: ShardingPlan, mesh, var_shardings, operand_shardings):
+    """The step on the whole batch at once, its gradients reduced at the marker."""
+    closed = traced.closed_jaxpr
+    overrides = _reduce_at_marker(traced, plan, mesh, var_shardings)
+    if mesh.size > 1:
+        overrides |= partial_sum_overrides(
+            closed.jaxpr, plan.partial_sums, plan.var_specs, mesh, skip=set(overrides)
+        )
 
-    k = num_micro_batches
+    def step(*leaves):
+        return eval_jaxpr_with_constraints(
+            closed.jaxpr, closed.consts, leaves, var_shardings, operand_shardings, overrides
+        )
+
+    return step
+
+
+def _micro_batched_step(
+    traced: TracedStep, plan: ShardingPlan, mesh, k: int, var_shardings, operand_shardings
+):
+    """The step over ``k`` micro-batches: a loop of the compute part accumulating the
+    gradients (row sums kept per device where they can be), then the apply part once."""
+    closed = traced.closed_jaxpr
     split = split_at_grad_marker(traced)
     jaxpr = closed.jaxpr
     is_batch = traced.batch_invars

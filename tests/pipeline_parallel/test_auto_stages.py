@@ -1,11 +1,14 @@
 """Automatic stages (``stage_option="auto"``): numerics, plans with known answers, plans
 for clusters that are not here, and errors."""
 
+import dataclasses
 import json
 import math
+import os
 import re
 import subprocess
 import sys
+import tempfile
 import textwrap
 
 import jax
@@ -555,6 +558,27 @@ def test_stage_imbalance_tolerance_applies_to_cached_tables_which_stay_unbounded
         plan = _plan((64,) * 4, ClusterSpec.preset("cpu"), option)
         assert plan.stage_plan.stage_layers() == expected.stage_plan.stage_layers()
         assert plan.stage_plan.submesh_shapes == expected.stage_plan.submesh_shapes
+
+
+def test_the_dp_result_lives_on_the_plan_and_its_file_is_written_only_when_asked(
+    tmp_path, monkeypatch
+):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    plan, _ = _planned_with_flops({}, [1.0, 1.0, 4.0, 1.0], 0.05)
+    result = plan.stage_plan.dp_result
+    assert result is not None and result.costs.compute_cost.shape[:2] == (4, 4)
+    assert list(tmp_path.iterdir()) == []  # the DP wrote nothing
+    path, layer_ids, shapes, logical, dicts = get_last_dp_result()
+    assert [p.name for p in tmp_path.iterdir()] == [os.path.basename(path)]
+    assert layer_ids == plan.stage_plan.stage_layers()
+    assert [tuple(s) for s in shapes] == list(plan.stage_plan.submesh_shapes)
+    assert [tuple(s) for s in logical] == list(plan.stage_plan.logical_shapes)
+    with np.load(path) as saved:
+        np.testing.assert_array_equal(saved["compute_cost"], result.costs.compute_cost)
+    assert get_last_dp_result()[0] == path  # written once
+    assert len(list(tmp_path.iterdir())) == 1
+    # Not part of the plan's identity.
+    assert dataclasses.replace(plan.stage_plan, dp_result=None) == plan.stage_plan
 
 
 # ----------------------------------------------------------------------------- plans

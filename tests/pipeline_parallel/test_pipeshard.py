@@ -356,7 +356,7 @@ def test_gradients_stay_on_their_stage_and_buffers_die_after_last_use():
         for key in ins.free:
             assert key not in freed and last_use[key] == i
             freed.add(key)
-    output_keys = {v for kind, v in instructions.outputs if kind == "key"}
+    output_keys = instructions.output_keys()
     assert set(last_use) - freed == (set(last_use) & (instructions.persistent | output_keys))
 
 
