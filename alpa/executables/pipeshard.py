@@ -27,7 +27,6 @@ from alpa.executables.base import Executable, check_dispatch_args
 from alpa.pipeline_parallel.computation import (
     StageComputation,
     _collect_consts,
-    _is_var,
     step_arguments,
 )
 from alpa.pipeline_parallel.pipeshard_plan import PipeshardPlan
@@ -44,6 +43,7 @@ from alpa.runtime.placement import PlacementSpec, is_placed
 from alpa.shard_parallel.compile import full_batch_avals
 from alpa.shard_parallel.micro_batches import deferred_rules, sum_partials
 from alpa.tracing import leaf_signature
+from alpa.tracing.jaxpr_util import is_var
 from alpa.tracing.primitive_def import pipeline_p
 
 
@@ -57,7 +57,7 @@ def _eval_eqns(
     overrides = overrides or {}
 
     def read(v):
-        return v.val if not _is_var(v) else env[v]
+        return v.val if not is_var(v) else env[v]
 
     for eqn in eqns:
         if eqn.primitive is pipeline_p and not eqn.outvars:
@@ -71,7 +71,7 @@ def _eval_eqns(
         if not eqn.primitive.multiple_results:
             outs = [outs]
         for v, out in zip(eqn.outvars, outs, strict=True):
-            if _is_var(v):
+            if is_var(v):
                 sharding = constraints.get(v)
                 if sharding is not None:
                     out = jax.lax.with_sharding_constraint(out, sharding)
@@ -154,7 +154,7 @@ class StagePrograms:
             v: self.sharding(v, comp.stage)
             for e in comp.eqns
             for v in e.outvars
-            if _is_var(v) and (v, comp.stage) in self.stage_specs
+            if is_var(v) and (v, comp.stage) in self.stage_specs
         }
         kept = list(range(len(comp.outvars))) if kernel is None else list(kernel.kept)
         accumulate = () if kernel is None else kernel.accumulate

@@ -38,17 +38,16 @@ as the serial step over the full batch does for a mean loss.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
-from jax.extend.core import ClosedJaxpr, DropVar, JaxprEqn, Var
-from jax.extend.core import Literal as JaxLiteral
+from jax.extend.core import ClosedJaxpr, JaxprEqn, Var
 
 from alpa.tracing import new_jaxpr
 from alpa.tracing.batch_draws import new_row_ids, reads_draws, row_id_rewriter
+from alpa.tracing.jaxpr_util import grad_marker_index, is_var, nbytes
 from alpa.tracing.primitive_def import passes_through, pipeline_p
 
 if TYPE_CHECKING:
@@ -126,15 +125,6 @@ class PipelineProgram:
         return 1 + max((c.level for c in self.computations if c.kind == "apply"), default=-1)
 
 
-def _is_var(v) -> bool:
-    return isinstance(v, Var) and not isinstance(v, DropVar | JaxLiteral)
-
-
-def _nbytes(v) -> int:
-    aval = v.aval
-    return math.prod(aval.shape) * aval.dtype.itemsize  # keys too; exact Python ints
-
-
 def split_computations(
     closed_jaxpr: ClosedJaxpr,
     eqn_layers: Sequence[int | None],
@@ -152,14 +142,7 @@ def split_computations(
     jaxpr = closed_jaxpr.jaxpr
     eqns = list(jaxpr.eqns)
     num_stages = max(layer_to_stage) + 1
-    grad_index = next(
-        (
-            i
-            for i, e in enumerate(eqns)
-            if e.primitive is pipeline_p and e.params["mark_type"] == "grad"
-        ),
-        None,
-    )
+    grad_index = grad_marker_index(eqns)
     is_training = grad_index is not None
     compute_end = grad_index if is_training else len(eqns)
     const_eqns = _constant_equations(jaxpr)
@@ -177,7 +160,7 @@ def split_computations(
 
     groups = _groups(eqns, where, apply_level, num_stages, is_training)
     computations = _computations(jaxpr, eqns, groups, const_eqns, accumulated)
-    per_micro_batch = frozenset(v for e in eqns[:compute_end] for v in e.outvars if _is_var(v))
+    per_micro_batch = frozenset(v for e in eqns[:compute_end] for v in e.outvars if is_var(v))
     readers_of_input: dict[Var, set[int]] = {v: set() for v in global_invars}
     for comp in computations:
         for v in comp.invars:
@@ -208,16 +191,16 @@ def _constant_equations(jaxpr) -> dict[Var, JaxprEqn]:
     for eqn in jaxpr.eqns:
         if eqn.primitive is pipeline_p or eqn.effects:
             continue
-        if all(not _is_var(v) or v in consts or v in const_eqns for v in eqn.invars):
+        if all(not is_var(v) or v in consts or v in const_eqns for v in eqn.invars):
             for v in eqn.outvars:
-                if _is_var(v):
+                if is_var(v):
                     const_eqns[v] = eqn
     return const_eqns
 
 
 def _makes_only_constants(eqn, const_eqns) -> bool:
-    return all(v in const_eqns for v in eqn.outvars if _is_var(v)) and any(
-        _is_var(v) for v in eqn.outvars
+    return all(v in const_eqns for v in eqn.outvars if is_var(v)) and any(
+        is_var(v) for v in eqn.outvars
     )
 
 
@@ -237,7 +220,7 @@ class _Placement:
         self.forward_vars: set[Var] = set(self.invars)
 
     def is_const(self, v) -> bool:
-        return not _is_var(v) or v in self.consts or v in self.const_eqns
+        return not is_var(v) or v in self.consts or v in self.const_eqns
 
     def place_compute(self, eqns, eqn_layers, layer_to_stage, eqn_kinds, is_training) -> None:
         """The forward and backward equations (those before the ``alpa.grad`` marker)."""
@@ -257,10 +240,10 @@ class _Placement:
                 else:
                     is_forward = not (is_training and eqn_layers[i] in (None, last_layer))
                 if is_forward:
-                    forward_vars.update(v for v in eqn.outvars if _is_var(v))
+                    forward_vars.update(v for v in eqn.outvars if is_var(v))
                 continue
             layer = eqn_layers[i]
-            reads = [v for v in eqn.invars if _is_var(v) and not self.is_const(v)]
+            reads = [v for v in eqn.invars if is_var(v) and not self.is_const(v)]
             in_tail = is_training and (layer is None or layer == last_layer)
             if hint is not None:
                 stage, kind = layer_to_stage[layer], hint
@@ -272,7 +255,7 @@ class _Placement:
                 stage = layer_to_stage[layer if layer is not None else last_layer]
                 kind = "forward"
             elif reads and all(
-                v in forward_vars for v in eqn.invars if _is_var(v) and v not in self.consts
+                v in forward_vars for v in eqn.invars if is_var(v) and v not in self.consts
             ):
                 stage, kind = S_last, "forward"
             else:
@@ -283,7 +266,7 @@ class _Placement:
                 if v in forward_vars and kind == "forward":
                     avail.setdefault(v, set()).add(stage)
             for v in eqn.outvars:
-                if _is_var(v):
+                if is_var(v):
                     home[v] = stage
                     avail[v] = {stage}
                     if kind == "forward":
@@ -297,14 +280,14 @@ class _Placement:
         aliases: dict[Var, Any] = {}
         invar_set = set(self.invars)
         for operand, out in zip(marker.invars, marker.outvars, strict=True):
-            if not _is_var(out):
+            if not is_var(out):
                 continue
-            if _is_var(operand) and operand in self.home:
+            if is_var(operand) and operand in self.home:
                 accumulated[out] = operand
                 self.home[out] = self.home[operand]
             else:
                 aliases[out] = operand
-                if _is_var(operand) and operand in invar_set:
+                if is_var(operand) and operand in invar_set:
                     self.home[out] = min(self.avail[operand], default=0)
         return accumulated, aliases
 
@@ -312,14 +295,14 @@ class _Placement:
         """The apply-grad equations (those after the marker): their stages, and per
         equation its level (how many changes of stage its operands went through)."""
         apply_eqns = []
-        produced_in_compute = {v for e in eqns[:compute_end] for v in e.outvars if _is_var(v)}
+        produced_in_compute = {v for e in eqns[:compute_end] for v in e.outvars if is_var(v)}
         for eqn in eqns[compute_end + 1 :]:
             if eqn.primitive is pipeline_p and not eqn.outvars:
                 continue
             if _makes_only_constants(eqn, self.const_eqns):
                 continue
             for v in eqn.invars:
-                if _is_var(v) and v in produced_in_compute and v not in self.const_eqns:
+                if is_var(v) and v in produced_in_compute and v not in self.const_eqns:
                     raise ValueError(
                         "a value computed from the batch before alpa.grad is read after it "
                         "without passing through alpa.grad / alpa.value_and_grad; return it "
@@ -343,11 +326,11 @@ class _Placement:
             stage = self.stage_of[eqn]
             level = 0
             for v in eqn.invars:
-                if _is_var(v) and v in level_of:
+                if is_var(v) and v in level_of:
                     level = max(level, level_of[v] + (self.home[v] != stage))
             apply_level[eqn] = level
             for v in eqn.outvars:
-                if _is_var(v):
+                if is_var(v):
                     level_of[v] = level
         return apply_level
 
@@ -372,25 +355,25 @@ def _computations(jaxpr, eqns, groups, const_eqns, accumulated) -> list[StageCom
     inputs (what it reads from outside) and its outputs (what others read)."""
     consts = set(jaxpr.constvars)
     # Values read outside the computation that produces them.
-    outputs_needed: set[Var] = {v for v in jaxpr.outvars if _is_var(v)}
+    outputs_needed: set[Var] = {v for v in jaxpr.outvars if is_var(v)}
     outputs_needed |= set(accumulated.values())
     readers: dict[Var, set[tuple]] = {}
     for key, group in groups.items():
         for eqn in group:
             for v in eqn.invars:
-                if _is_var(v):
+                if is_var(v):
                     readers.setdefault(v, set()).add(key)
 
     position = {id(e): i for i, e in enumerate(eqns)}
     computations = []
     for key in sorted(groups, key=lambda k: (k[1] != "forward", k[1] != "backward", k[2], k[0])):
         group = groups[key]
-        produced = {v for e in group for v in e.outvars if _is_var(v)}
+        produced = {v for e in group for v in e.outvars if is_var(v)}
         needed_consts: set[Var] = set()
         invars: dict[Var, None] = {}  # ordered set
         for eqn in group:
             for v in eqn.invars:
-                if not _is_var(v) or v in produced:
+                if not is_var(v) or v in produced:
                     continue
                 if v in const_eqns:
                     _collect_consts(v, const_eqns, needed_consts)
@@ -405,7 +388,7 @@ def _computations(jaxpr, eqns, groups, const_eqns, accumulated) -> list[StageCom
             v
             for e in group
             for v in e.outvars
-            if _is_var(v) and (v in outputs_needed or readers.get(v, set()) - {key})
+            if is_var(v) and (v in outputs_needed or readers.get(v, set()) - {key})
         ]
         computations.append(
             StageComputation(
@@ -436,9 +419,9 @@ def _place_apply(
     for eqn in apply_eqns:
         score = np.zeros(num_stages)
         for v in eqn.invars:
-            if _is_var(v) and not is_const(v):
+            if is_var(v) and not is_const(v):
                 for s in where.get(v, ()):
-                    score[s] += _nbytes(v)
+                    score[s] += nbytes(v)
         if not score.any():
             deferred.append(eqn)
             continue
@@ -448,14 +431,14 @@ def _place_apply(
     consumers: dict[Var, list] = {}
     for eqn in apply_eqns:
         for v in eqn.invars:
-            if _is_var(v):
+            if is_var(v):
                 consumers.setdefault(v, []).append(eqn)
     for eqn in reversed(deferred):
         score = np.zeros(num_stages)
         for v in eqn.outvars:
-            for c in consumers.get(v, ()) if _is_var(v) else ():
+            for c in consumers.get(v, ()) if is_var(v) else ():
                 if c in stage_of:
-                    score[stage_of[c]] += _nbytes(v)
+                    score[stage_of[c]] += nbytes(v)
         _set_apply_stage(
             eqn, int(np.argmax(score)), where, avail, home, invar_set, stage_of, kind_of
         )
@@ -464,11 +447,11 @@ def _place_apply(
 def _set_apply_stage(eqn, stage, where, avail, home, invar_set, stage_of, kind_of) -> None:
     stage_of[eqn], kind_of[eqn] = stage, "apply"
     for v in eqn.invars:
-        if _is_var(v) and v in invar_set:
+        if is_var(v) and v in invar_set:
             where.setdefault(v, set()).add(stage)
             avail.setdefault(v, set()).add(stage)
     for v in eqn.outvars:
-        if _is_var(v):
+        if is_var(v):
             home[v] = stage
             where[v] = {stage}
 
@@ -489,7 +472,7 @@ def _collect_consts(v, const_eqns, out: set) -> None:
         return
     out.add(v)
     for u in const_eqns[v].invars:
-        if _is_var(u):
+        if is_var(u):
             _collect_consts(u, const_eqns, out)
 
 
@@ -503,10 +486,10 @@ def _batch_dependent(eqns, batch_set) -> set:
             dependent.update(
                 o
                 for i, o in zip(eqn.invars, eqn.outvars, strict=True)
-                if _is_var(i) and i in dependent and _is_var(o)
+                if is_var(i) and i in dependent and is_var(o)
             )
-        elif any(_is_var(v) and v in dependent for v in eqn.invars):
-            dependent.update(v for v in eqn.outvars if _is_var(v))
+        elif any(is_var(v) and v in dependent for v in eqn.invars):
+            dependent.update(v for v in eqn.outvars if is_var(v))
     return dependent
 
 
@@ -521,14 +504,14 @@ def rematerialize(program: PipelineProgram) -> PipelineProgram:
     """
     jaxpr = program.closed_jaxpr.jaxpr
     comps = list(program.computations)
-    kept_outside: set[Var] = {v for v in jaxpr.outvars if _is_var(v)}
+    kept_outside: set[Var] = {v for v in jaxpr.outvars if is_var(v)}
     kept_outside |= set(program.accumulated.values())
     new_comps = {}
     for s in range(program.num_stages):
         fwd, bwd = program.computation(s, "forward"), program.computation(s, "backward")
         if fwd is None or bwd is None or not fwd.eqns or not bwd.eqns:
             continue
-        producer = {v: e for e in fwd.eqns for v in e.outvars if _is_var(v)}
+        producer = {v: e for e in fwd.eqns for v in e.outvars if is_var(v)}
         residuals = [v for v in bwd.invars if v in producer]
         if not residuals or any(producer[v].effects for v in residuals):
             continue
@@ -539,15 +522,15 @@ def rematerialize(program: PipelineProgram) -> PipelineProgram:
             if eqn is None or id(eqn) in needed:
                 continue
             needed.add(id(eqn))
-            stack += [u for u in eqn.invars if _is_var(u)]
+            stack += [u for u in eqn.invars if is_var(u)]
         recompute = [e for e in fwd.eqns if id(e) in needed]
         if any(e.effects for e in recompute):
             continue
-        produced = {v for e in recompute for v in e.outvars if _is_var(v)}
+        produced = {v for e in recompute for v in e.outvars if is_var(v)}
         invars = [v for v in bwd.invars if v not in producer]
         for eqn in recompute:
             for v in eqn.invars:
-                if _is_var(v) and v not in produced and v in fwd.invars and v not in invars:
+                if is_var(v) and v not in produced and v in fwd.invars and v not in invars:
                     invars.append(v)
         others = {v for c in comps if c is not fwd and c is not bwd for v in c.invars}
         new_comps[fwd] = dataclasses.replace(

@@ -45,10 +45,11 @@ from jax.core import ShapedArray
 from jax.extend.core import Var
 from jax.sharding import PartitionSpec
 
-from alpa.pipeline_parallel.computation import PipelineProgram, StageComputation, _is_var
+from alpa.pipeline_parallel.computation import PipelineProgram, StageComputation
 from alpa.shard_parallel.data_parallel import is_opt_state, zero_spec
 from alpa.shard_parallel.micro_batches import batch_dims_for, deferrable, partial_spec
 from alpa.tracing import TracedStep, new_jaxpr
+from alpa.tracing.jaxpr_util import is_var
 
 
 @dataclass(frozen=True, eq=False)
@@ -106,7 +107,7 @@ def stage_data_axes(
             out.append(tuple(axis_names) if np.prod(shape) > 1 else ())
             continue
         forward = program.computation(s, "forward")
-        reads = [] if forward is None else [v for v in forward.invars if _is_var(v)]
+        reads = [] if forward is None else [v for v in forward.invars if is_var(v)]
         candidates = [v for v in reads if v in batch_args]
         candidates += [v for v in reads if v not in batch_args and v in program.batch_dependent]
         axes: tuple[str, ...] = ()
@@ -147,7 +148,7 @@ def defer_gradient_sums(
         return int(np.prod([axis_sizes[s][a] for a in data_axes[s]]))
 
     jaxpr = program.closed_jaxpr.jaxpr
-    step_outputs = {v for v in jaxpr.outvars if _is_var(v)}
+    step_outputs = {v for v in jaxpr.outvars if is_var(v)}
     readers: dict[Var, list[StageComputation]] = {}
     for comp in program.computations:
         for v in comp.invars:
@@ -255,7 +256,7 @@ def zero2_specs(
     # split too, so that no computation gathers them. The step's outputs are not: a
     # donated one takes its input's spec afterwards (``tie_donated_outputs``: the state
     # split, the parameters replicated), the others stay replicated, as in ``Zero2Parallel``.
-    outputs = {v for v in jaxpr.outvars if _is_var(v)}
+    outputs = {v for v in jaxpr.outvars if is_var(v)}
     values = list(program.accumulated)
     values += [v for c in program.computations if c.kind == "apply" for v in c.outvars]
     for v in values:

@@ -71,6 +71,7 @@ from alpa.pipeline_parallel.segments import (
     rewrite_traced,
     segment_interface,
 )
+from alpa.tracing.jaxpr_util import grad_marker_index, is_grad_marker
 from alpa.tracing.primitive_def import mark_pipeline_jaxpreqn, pipeline_p
 
 LAYER_PREFIX = "layer_"
@@ -211,10 +212,7 @@ class AutoLayerOption:
         """The layer of every equation of a traced step: from the markers ``alpa.grad``
         left (a training step), else by clustering the step's equations (inference)."""
         eqns = closed_jaxpr.jaxpr.eqns
-        if any(
-            is_layer_marker(e) or (e.primitive is pipeline_p and e.params["mark_type"] == "grad")
-            for e in eqns
-        ):
+        if any(is_layer_marker(e) or is_grad_marker(e) for e in eqns):
             return manual_layers(closed_jaxpr)
         body = [e for e in eqns if e.primitive is not pipeline_p]
         segments = clustered_segments(
@@ -430,14 +428,8 @@ def manual_layers(closed_jaxpr: ClosedJaxpr) -> LayerAssignment:
     the marker are an error: they cannot cut a forward pass.
     """
     eqns = closed_jaxpr.jaxpr.eqns
-    grad_index = next(
-        (
-            i
-            for i, e in enumerate(eqns)
-            if e.primitive is pipeline_p and e.params["mark_type"] == "grad"
-        ),
-        len(eqns),
-    )
+    grad_index = grad_marker_index(eqns)
+    grad_index = len(eqns) if grad_index is None else grad_index
     for eqn in eqns[grad_index:]:
         if is_boundary(eqn):
             raise ValueError(

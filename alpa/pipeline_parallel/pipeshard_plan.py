@@ -40,7 +40,6 @@ from typing import Any
 from alpa.device_mesh import ClusterSpec, LogicalDeviceMesh, VirtualPhysicalMesh
 from alpa.pipeline_parallel.computation import (
     PipelineProgram,
-    _is_var,
     draw_rows_of_full_batch,
     rematerialize,
     split_computations,
@@ -82,6 +81,7 @@ from alpa.runtime.worker_program import Layout, TransferPlan
 from alpa.shard_parallel.auto_sharding import AutoShardingOption
 from alpa.tracing import TracedStep
 from alpa.tracing.batch_draws import batch_size, micro_batch_draws
+from alpa.tracing.jaxpr_util import is_var
 
 
 @dataclass(frozen=True, eq=False)
@@ -446,7 +446,7 @@ def _name_vars(closed_jaxpr) -> dict:
     jaxpr = closed_jaxpr.jaxpr
 
     def add(v):
-        if _is_var(v) and v not in names:
+        if is_var(v) and v not in names:
             names[v] = f"v{len(names)}"
 
     for v in list(jaxpr.constvars) + list(jaxpr.invars):

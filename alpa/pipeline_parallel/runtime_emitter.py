@@ -31,7 +31,7 @@ import dataclasses
 import jax
 import numpy as np
 
-from alpa.pipeline_parallel.computation import PipelineProgram, _is_var, _nbytes
+from alpa.pipeline_parallel.computation import PipelineProgram
 from alpa.pipeline_parallel.schedules import PipelineSchedule
 from alpa.runtime.instructions import (
     Accumulation,
@@ -46,6 +46,7 @@ from alpa.runtime.instructions import (
     PipelineInstructions,
     StepOutput,
 )
+from alpa.tracing.jaxpr_util import is_var, nbytes
 
 
 def emit_instructions(
@@ -105,11 +106,11 @@ class _Emitter:
                     key = (names[v], None, s)
                     self.persistent.add(key)
                     self.present.add(key)
-                    self.nbytes[key] = _nbytes(v)
+                    self.nbytes[key] = nbytes(v)
         # Which outputs of each computation are read by anything but the accumulation.
         self.accumulated_by_operand = {op: out for out, op in program.accumulated.items()}
         self.read_elsewhere = {v for c in program.computations for v in c.invars}
-        self.read_elsewhere |= {v for v in jaxpr.outvars if _is_var(v)}
+        self.read_elsewhere |= {v for v in jaxpr.outvars if is_var(v)}
         # Deferred gradients: accumulated as partial sums, reduced by their first reader
         # (apply computations of one stage, lowest level first), which writes the sum for
         # the others.
@@ -137,10 +138,10 @@ class _Emitter:
             keys = tuple((names[v], m, mesh) for m in range(self.k))
             self.instructions.append(Instruction(Op.LOAD, mesh, (), keys, leaf=self.leaf_of[v]))
             for each in keys:
-                self.nbytes[each] = _nbytes(v)
+                self.nbytes[each] = nbytes(v)
             self.present.update(keys)
             return key
-        self.nbytes[key] = _nbytes(v)
+        self.nbytes[key] = nbytes(v)
         sources = [program.home[v]] if v in program.home else list(program.input_stages[v])
         src = next(
             ((names[v], key[1], s) for s in sources if (names[v], key[1], s) in self.present),
@@ -197,7 +198,7 @@ class _Emitter:
         outs += [(names[comp.invars[i]], None, stage) for i in kernel.publishes]
         sums = [(names[a.marker_out], None, stage) for a in kernel.accumulate]
         for key, a in zip(sums, kernel.accumulate, strict=True):
-            self.nbytes[key] = _nbytes(a.marker_out)
+            self.nbytes[key] = nbytes(a.marker_out)
         missing = tuple(
             key
             for key, a in zip(sums, kernel.accumulate, strict=True)
@@ -210,7 +211,7 @@ class _Emitter:
         written = [comp.outvars[i] for i in kernel.kept]
         written += [comp.invars[i] for i in kernel.publishes]
         for key, v in zip(outs, written, strict=True):
-            self.nbytes[key] = _nbytes(v)
+            self.nbytes[key] = nbytes(v)
         self.instructions.append(
             Instruction(
                 Op.RUN, stage, tuple(ins), tuple(outs + sums), computation=index, micro_batch=mb
@@ -221,9 +222,9 @@ class _Emitter:
     def output(self, v) -> StepOutput:
         """Where step output ``v`` is read from, once every computation has run."""
         program, names, k = self.program, self.names, self.k
-        if not _is_var(v):
+        if not is_var(v):
             return LiteralOutput(v.val)
-        if v in program.aliases and not _is_var(program.aliases[v]):
+        if v in program.aliases and not is_var(program.aliases[v]):
             return LiteralOutput(program.aliases[v].val)
         if v in program.aliases:
             src = program.aliases[v]

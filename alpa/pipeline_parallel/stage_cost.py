@@ -69,7 +69,7 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from alpa.device_mesh import ClusterSpec, VirtualPhysicalMesh
-from alpa.pipeline_parallel.computation import PipelineProgram, _is_var, _nbytes
+from alpa.pipeline_parallel.computation import PipelineProgram
 from alpa.pipeline_parallel.stage_sharding import (
     equations_key,
     merged_step,
@@ -85,6 +85,7 @@ from alpa.shard_parallel.auto_sharding import (
 from alpa.shard_parallel.sharding_spec import Collective
 from alpa.tracing import TracedStep
 from alpa.tracing.flops import jaxpr_flops
+from alpa.tracing.jaxpr_util import is_var, nbytes
 from alpa.util import map_on_threads
 
 LOGICAL_SHAPE_SPACES = (
@@ -321,7 +322,7 @@ def _gradient_row_sums(program: PipelineProgram, comps) -> frozenset:
         if name in _ROW_SUM_PRIMITIVES:
             found.add(v)
         elif name in _PASS_TO_GRADIENT:
-            stack.extend(x for x in eqn.invars if _is_var(x))
+            stack.extend(x for x in eqn.invars if is_var(x))
     return frozenset(found)
 
 
@@ -335,13 +336,13 @@ def _layer_facts(problem: StageProblem, layer: int) -> _LayerFacts:
     forward_flops = jaxpr_flops(forward.eqns) if forward is not None else 0.0
     read = {v for c in comps for v in c.invars}
     params = [v for v in read if v in invars and v not in program.batch_dependent]
-    param_bytes = float(sum(_nbytes(v) for v in params))
+    param_bytes = float(sum(nbytes(v) for v in params))
     state = [
         v
         for v in invars
         if v not in program.batch_dependent and layer in program.input_stages.get(v, ())
     ]
-    state_bytes = float(sum(_nbytes(v) for v in state)) + param_bytes  # + gradient sums
+    state_bytes = float(sum(nbytes(v) for v in state)) + param_bytes  # + gradient sums
     kept: set = set()
     if forward is not None and backward is not None:
         # Per micro-batch: what depends on the batch. Weights the forward hands on to the
@@ -351,13 +352,13 @@ def _layer_facts(problem: StageProblem, layer: int) -> _LayerFacts:
     batch_args: list = []
     if forward is not None:
         for v in forward.invars:
-            if not _is_var(v) or v not in program.batch_dependent:
+            if not is_var(v) or v not in program.batch_dependent:
                 continue
             if v in invars:
                 batch_args.append(v)
             elif program.home.get(v, layer) < layer:
                 entering.append(v)
-    total = lambda vs: float(sum(_nbytes(v) for v in vs))  # noqa: E731
+    total = lambda vs: float(sum(nbytes(v) for v in vs))  # noqa: E731
     return _LayerFacts(
         flops=flops,
         forward_flops=forward_flops,
@@ -484,7 +485,7 @@ def _ilp_layer(
         # A value the plan does not name is counted split over the submesh.
         return float(
             sum(
-                _per_device_bytes(v.aval, specs[v], shape, names) if v in specs else _nbytes(v) / n
+                _per_device_bytes(v.aval, specs[v], shape, names) if v in specs else nbytes(v) / n
                 for v in values
             )
         )
@@ -493,7 +494,7 @@ def _ilp_layer(
     whole = local_params = 0.0
     for v, spec in zip(step.jaxpr.invars, plan.in_specs, strict=True):
         if v in program_inputs and v not in problem.program.batch_dependent:
-            whole += _nbytes(v)
+            whole += nbytes(v)
             local_params += _per_device_bytes(v.aval, spec, shape, names)
     return LayerPlanCost(
         communication=float(communication) - sync,

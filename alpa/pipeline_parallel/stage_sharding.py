@@ -42,13 +42,14 @@ from jax.extend.core import ClosedJaxpr, Jaxpr
 from jax.sharding import PartitionSpec
 
 from alpa.device_mesh import LogicalDeviceMesh
-from alpa.pipeline_parallel.computation import PipelineProgram, StageComputation, _is_var
+from alpa.pipeline_parallel.computation import PipelineProgram, StageComputation
 from alpa.shard_parallel.auto_sharding import (
     AutoShardingOption,
     donated_state_pairs,
     plan_auto_sharding,
 )
 from alpa.tracing import TracedStep, new_jaxpr
+from alpa.tracing.jaxpr_util import is_var
 from alpa.tracing.primitive_def import pipeline_p
 from alpa.util import map_on_threads
 
@@ -224,7 +225,7 @@ def _plan_into(
     for v, spec in zip(invars, plan.in_specs, strict=True):
         table.setdefault((v, s), spec)
     for v, spec in var_specs.items():
-        if _is_var(v) and v in produced:
+        if is_var(v) and v in produced:
             table.setdefault((v, s), spec)
     for v, spec in zip(outvars, plan.out_specs, strict=True):
         if spec is not None:
@@ -254,7 +255,7 @@ def equations_key(step: TracedStep) -> str:
     named: dict = {}  # var -> its text (each var's type is printed once)
 
     def name(v) -> str:
-        if not _is_var(v):
+        if not is_var(v):
             return f"lit:{v.val!r}:{v.aval.str_short()}"
         text = named.get(v)
         if text is None:
@@ -307,7 +308,7 @@ def merged_step(
             if id(eqn) not in seen:
                 seen.add(id(eqn))
                 eqns.append(eqn)
-    produced = {v for e in eqns for v in e.outvars if _is_var(v)}
+    produced = {v for e in eqns for v in e.outvars if is_var(v)}
     invars, outvars = [], []
     for comp in comps:
         invars += [v for v in comp.invars if v not in produced and v not in invars]
@@ -341,7 +342,7 @@ def tie_donated_outputs(
     jaxpr = traced.closed_jaxpr.jaxpr
     for i, o in donated_state_pairs(traced):
         var_in, var_out = jaxpr.invars[i], jaxpr.outvars[o]
-        if not _is_var(var_out) or var_out not in program.home:
+        if not is_var(var_out) or var_out not in program.home:
             continue
         mesh = program.home[var_out]
         if mesh not in program.input_stages[var_in]:

@@ -38,7 +38,7 @@ from jax.extend.core import Var
 from jax.sharding import PartitionSpec
 
 from alpa.device_mesh import entry_names
-from alpa.pipeline_parallel.computation import PipelineProgram, _is_var
+from alpa.pipeline_parallel.computation import PipelineProgram
 from alpa.pipeline_parallel.stage_sharding import DATA_AXES
 from alpa.shard_parallel.manual_sharding import (
     ManualShardingOption,
@@ -47,6 +47,7 @@ from alpa.shard_parallel.manual_sharding import (
     unknown_axis_names,
 )
 from alpa.tracing import TracedStep
+from alpa.tracing.jaxpr_util import is_var
 
 Key = tuple[Var, int]
 
@@ -168,7 +169,7 @@ def stage_inputs(program: PipelineProgram, stage: int) -> list[Var]:
     in order (the inputs ``stage_input_shardings[stage]`` describes)."""
     comps = [program.computation(stage, "forward"), program.computation(stage, "backward")]
     comps = [c for c in comps if c is not None and c.eqns]
-    produced = {v for c in comps for e in c.eqns for v in e.outvars if _is_var(v)}
+    produced = {v for c in comps for e in c.eqns for v in e.outvars if is_var(v)}
     inputs: list[Var] = []
     for comp in comps:
         inputs += [v for v in comp.invars if v not in produced and v not in inputs]
@@ -214,7 +215,7 @@ def pinned_specs(
         dummy = _unflatten(traced.out_tree, len(jaxpr.outvars))
         specs = broadcast_prefix_specs(option.out_axis_resources, dummy, "out_axis_resources")
         for i, (v, spec) in enumerate(zip(jaxpr.outvars, specs, strict=True)):
-            if spec is None or not _is_var(v) or v in program.aliases or v not in program.home:
+            if spec is None or not is_var(v) or v in program.aliases or v not in program.home:
                 continue
             if v in program.const_eqns:
                 continue

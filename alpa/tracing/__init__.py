@@ -1,5 +1,6 @@
 """Tracing pass: user function -> flat ClosedJaxpr (see ``trace.py``)."""
 
+from alpa.tracing.jaxpr_util import grad_marker_index, is_grad_marker, is_var, nbytes
 from alpa.tracing.trace import (
     TracedStep,
     abstractify,
@@ -13,6 +14,10 @@ from alpa.tracing.trace import (
 
 __all__ = [
     "TracedStep",
+    "grad_marker_index",
+    "is_grad_marker",
+    "is_var",
+    "nbytes",
     "abstractify",
     "inline_calls",
     "leaf_signature",

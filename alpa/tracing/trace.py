@@ -41,6 +41,7 @@ from jax.extend.core import (
     new_jaxpr_eqn,
 )
 
+from alpa.tracing.jaxpr_util import is_grad_marker
 from alpa.tracing.primitive_def import pipeline_p
 
 
@@ -88,11 +89,7 @@ class TracedStep:
 
     def grad_marker(self) -> JaxprEqn | None:
         """The equation of the ``alpa.grad`` marker, if the step has one."""
-        markers = [
-            e
-            for e in self.jaxpr.eqns
-            if e.primitive is pipeline_p and e.params["mark_type"] == "grad"
-        ]
+        markers = [e for e in self.jaxpr.eqns if is_grad_marker(e)]
         if len(markers) > 1:
             raise ValueError(
                 f"{self.name} calls alpa.grad / alpa.value_and_grad {len(markers)} times; "

@@ -1,0 +1,32 @@
+"""The jaxpr helpers every pass shares: what a value is, its size, where the ``alpa.grad``
+marker is."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from jax.extend.core import DropVar, JaxprEqn, Literal, Var
+
+from alpa.tracing.primitive_def import pipeline_p
+
+
+def is_var(v) -> bool:
+    """``v`` is a variable that holds a value: not a literal, not a dropped output."""
+    return isinstance(v, Var) and not isinstance(v, DropVar | Literal)
+
+
+def nbytes(v) -> int:
+    """Bytes of ``v``'s value (exact Python ints; PRNG keys too)."""
+    aval = v.aval
+    return math.prod(aval.shape) * aval.dtype.itemsize
+
+
+def is_grad_marker(eqn: JaxprEqn) -> bool:
+    """``eqn`` is the marker ``alpa.grad`` leaves where the gradients are complete."""
+    return eqn.primitive is pipeline_p and eqn.params["mark_type"] == "grad"
+
+
+def grad_marker_index(eqns: Sequence[JaxprEqn]) -> int | None:
+    """The position of the first ``alpa.grad`` marker among ``eqns``, if there is one."""
+    return next((i for i, e in enumerate(eqns) if is_grad_marker(e)), None)
