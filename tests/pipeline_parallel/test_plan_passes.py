@@ -1,0 +1,158 @@
+"""The middle passes of the pipeshard compile (computation split, instruction emission,
+buffer lifetimes) read off ``.plan()``, with no device touched, against closed forms.
+
+The step: the 4-layer MLP (Dense(64) x 4, Adam), 4 layers cut by ``AutoLayerOption``,
+``UniformStageOption(S)`` on the 8-device CPU ``ClusterSpec``, ``M`` micro-batches."""
+
+import dataclasses
+import re
+
+import pytest
+
+import alpa
+from alpa.device_mesh import ClusterSpec
+from alpa.model.mlp import MLPModel, get_mlp_train_state_and_step
+from alpa.runtime.instructions import Op
+
+WIDTH, LAYERS = 64, 4
+
+
+def _plan(num_stages: int, num_micro_batches: int, schedule: str = "1f1b"):
+    model = MLPModel(hidden_size=WIDTH, num_layers=LAYERS - 1, output_dim=WIDTH)
+    state, batch, step = get_mlp_train_state_and_step(
+        model, 8 * num_micro_batches, WIDTH, grad_func=alpa.value_and_grad, abstract=True
+    )
+    method = alpa.PipeshardParallel(
+        devices=ClusterSpec.preset("cpu"),
+        num_micro_batches=num_micro_batches,
+        layer_option=alpa.AutoLayerOption(layer_num=LAYERS),
+        stage_option=alpa.UniformStageOption(num_stages=num_stages),
+        pipeline_schedule=schedule,
+    )
+    return alpa.parallelize(step, method=method).plan(state, batch)
+
+
+CASES = [(2, 4), (4, 4), (4, 8), (2, 1)]
+
+
+@pytest.mark.parametrize("S, M", CASES)
+def test_split_gives_each_stage_its_layers_parameters(S, M):
+    plan = _plan(S, M)
+    program, traced = plan.program, plan.traced
+    kinds = sorted((c.stage, c.kind) for c in program.computations if c.kind != "apply")
+    assert kinds == sorted((s, k) for s in range(S) for k in ("forward", "backward"))
+    # Dense_l's kernel and bias: read by layer l's stage alone (layers split evenly).
+    params = {
+        name: v
+        for name, v in zip(traced.leaf_names, traced.closed_jaxpr.jaxpr.invars, strict=True)
+        if name.startswith("argument 0.params[")
+    }
+    assert len(params) == 2 * LAYERS
+    for name, v in params.items():
+        layer = int(re.search(r"Dense_(\d+)", name).group(1))
+        assert program.input_stages[v] == (layer * S // LAYERS,), name
+
+
+@pytest.mark.parametrize("S, M", CASES)
+def test_emitted_instructions_per_mesh(S, M):
+    plan = _plan(S, M)
+    program, instructions = plan.program, plan.instructions
+    for mesh in range(S):
+        runs = [i for i in instructions.for_mesh(mesh) if i.op is Op.RUN]
+        kernels = [instructions.kernels[i.computation] for i in runs]
+        kinds = [program.computations[k.computation].kind for k in kernels]
+        applies = sum(
+            c.kind == "apply" and c.stage == mesh and bool(c.eqns) for c in program.computations
+        )
+        # M forwards, M backwards, and each apply computation once per step.
+        assert kinds.count("forward") == M and kinds.count("backward") == M, mesh
+        assert kinds.count("apply") == applies >= 1, mesh
+        # Each micro-batch's forward once, in order, before its backward.
+        forward = [i.micro_batch for i, k in zip(runs, kinds, strict=True) if k == "forward"]
+        backward = [i.micro_batch for i, k in zip(runs, kinds, strict=True) if k == "backward"]
+        assert sorted(forward) == list(range(M)) and sorted(backward) == list(range(M))
+    # One activation forward and one cotangent back across each of the S - 1 boundaries,
+    # per micro-batch; once per step, only Adam's two scalars that stage 0's apply-grad
+    # computes from the step count (4 bytes each), sent to every other stage.
+    reshards = [i for i in instructions.instructions if i.op is Op.RESHARD]
+    per_micro_batch = [i for i in reshards if i.inputs[0][1] is not None]
+    per_step = [i for i in reshards if i.inputs[0][1] is None]
+    assert len(per_micro_batch) == 2 * (S - 1) * M
+    assert len(per_step) == 2 * (S - 1)
+    assert all(instructions.nbytes[i.inputs[0]] == 4 for i in per_step)
+
+
+def _live_micro_batches(instructions, mesh: int) -> int:
+    """The most micro-batches that have a buffer computed on ``mesh`` alive at once
+    (buffers a ``RUN`` wrote for one micro-batch; the loaded batch is not counted)."""
+    alive: dict = {}
+    peak = 0
+    for ins in instructions.instructions:
+        if ins.op is Op.RUN and ins.mesh == mesh:
+            for key in ins.outputs:
+                if key[1] is not None and key[2] == mesh:
+                    alive[key] = key[1]
+        peak = max(peak, len(set(alive.values())))
+        for key in ins.free:
+            alive.pop(key, None)
+    return peak
+
+
+@pytest.mark.parametrize("S, M", CASES)
+def test_1f1b_keeps_min_s_minus_i_m_micro_batches_in_flight(S, M):
+    instructions = _plan(S, M, "1f1b").instructions
+    assert [_live_micro_batches(instructions, i) for i in range(S)] == [
+        min(S - i, M) for i in range(S)
+    ]
+
+
+@pytest.mark.parametrize("S, M", [(2, 4), (4, 8)])
+def test_gpipe_keeps_every_micro_batch_in_flight(S, M):
+    instructions = _plan(S, M, "gpipe").instructions
+    assert [_live_micro_batches(instructions, i) for i in range(S)] == [M] * S
+
+
+def _lifetime_errors(instructions) -> list[str]:
+    """Buffers used after they were freed, freed before their last use, or never freed
+    though neither the caller's (persistent) nor a step output."""
+    errors = []
+    last_use: dict = {}
+    freed: dict = {}
+    for i, ins in enumerate(instructions.instructions):
+        for key in ins.inputs + ins.outputs:
+            if key in freed:
+                errors.append(f"{key} used at {i} after it was freed at {freed[key]}")
+            last_use[key] = i
+        for key in ins.free:
+            if key in freed or last_use.get(key) != i:
+                errors.append(f"{key} freed at {i}, not at its last use {last_use.get(key)}")
+            freed[key] = i
+    kept = set(last_use) - set(freed)
+    allowed = instructions.persistent | instructions.output_keys()
+    errors += [f"{key} never freed" for key in sorted(kept - allowed, key=str)]
+    return errors
+
+
+@pytest.mark.parametrize("S, M", CASES)
+def test_every_buffer_is_freed_by_its_last_use(S, M):
+    instructions = _plan(S, M).instructions
+    assert _lifetime_errors(instructions) == []
+
+
+def test_the_oracles_can_fail():
+    # GPipe's in-flight counts are not 1F1B's closed form.
+    gpipe = _plan(4, 8, "gpipe").instructions
+    assert [_live_micro_batches(gpipe, i) for i in range(4)] != [4, 3, 2, 1]
+    # A free dropped, or moved one instruction early, is found.
+    instructions = _plan(4, 8).instructions
+    i = next(i for i, ins in enumerate(instructions.instructions) if ins.free and i > 0)
+    steps = list(instructions.instructions)
+    dropped = steps[:i] + [dataclasses.replace(steps[i], free=())] + steps[i + 1 :]
+    assert _lifetime_errors(dataclasses.replace(instructions, instructions=tuple(dropped)))
+    early = (
+        steps[: i - 1]
+        + [dataclasses.replace(steps[i - 1], free=steps[i - 1].free + steps[i].free)]
+        + [dataclasses.replace(steps[i], free=())]
+        + steps[i + 1 :]
+    )
+    assert _lifetime_errors(dataclasses.replace(instructions, instructions=tuple(early)))
