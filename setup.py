@@ -31,6 +31,9 @@ setup(
     ],
     extras_require={
         "gpu": ["cupy-cuda12x>=13"],
-        "test": ["pytest>=8", "pytest-xdist>=3", "ruff>=0.5"],
+        # Pictures of plans (plan.draw, python -m alpa.plan_view): the plotting library
+        # every scientific Python user already has, rather than an SVG writer of our own.
+        "plot": ["matplotlib>=3.8"],
+        "test": ["pytest>=8", "pytest-xdist>=3", "ruff>=0.5", "matplotlib>=3.8"],
     },
 )

@@ -4,7 +4,8 @@ Runs on the GPUs of this machine, or on 8 virtual CPU devices when there are non
 
 1. the auto-sharding ILP's plan for the step on a 2x4 mesh (every parameter's sharding),
 2. an automatic pipeline (layers clustered, stages and submeshes by the stage DP), and
-   the plan of GPT-2.6B for a cluster that is not here (2 nodes x 8 A100s),
+   the plan of GPT-2.6B for a cluster that is not here (2 nodes x 8 A100s), drawn into
+   gpt_2.6b_plan.png (with matplotlib: pip install -e ".[plot]"),
 3. the fixed methods (data parallel, ZeRO-2/3, gradient accumulation),
 
 and for each whether the result matches the serial step, the collectives in the compiled
@@ -79,6 +80,15 @@ def plan_for_a_cluster_that_is_not_here():
     print(f"\n   GPT-2.6B for 2 x 8 A100s, planned here in {seconds:.0f} s (no GPU needed):")
     for line in lines[: 2 + plan.stage_plan.num_stages]:  # the stage table
         print("  ", line)
+    try:
+        drawing = plan.draw("gpt_2.6b_plan.png")
+    except ImportError as e:  # matplotlib: pip install -e ".[plot]"
+        print(f"   (no picture: {e})")
+    else:
+        print(
+            f"   drawn into {drawing.path}: {drawing.devices} devices by stage, the schedule's "
+            f"{sum(drawing.blocks.values())} tasks over {drawing.makespan:.2f} s"
+        )
 
 
 def main():

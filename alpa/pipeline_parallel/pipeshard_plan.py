@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from alpa.device_mesh import ClusterSpec, LogicalDeviceMesh, VirtualPhysicalMesh
+from alpa.pipeline_parallel import plan_view
 from alpa.pipeline_parallel.computation import (
     PipelineProgram,
     draw_rows_of_full_batch,
@@ -223,6 +224,28 @@ class PipeshardPlan:
         if self.stage_plan.predicted_cost is not None:
             return self.stage_plan.predicted_cost
         return self.cost.step_seconds
+
+    def draw(self, path: str, dpi: int = 100):
+        """Write a picture of this plan to ``path`` (``.png`` or ``.svg``; needs
+        matplotlib): the cluster's devices coloured by stage, and the schedule as a
+        timeline at the predicted latencies, bubbles visible (``plan_view``). Returns a
+        ``plan_view.Drawing`` (the size and the blocks drawn)."""
+        latencies = self.stage_plan.latencies or self.cost.latencies
+        title = (
+            f"{self.traced.name} on {self.num_hosts}x{self.num_devices_per_host} "
+            f"{self.cluster.name}: predicted {self.predicted_cost:.4g} s/step"
+        )
+        return plan_view.draw(
+            path,
+            self.schedule,
+            latencies,
+            self.stage_plan.device_ranges,
+            self.num_hosts,
+            self.num_devices_per_host,
+            title=title,
+            logical_shapes=[tuple(m.shape) for m in self.logical_meshes],
+            dpi=dpi,
+        )
 
     def stage_input_specs(self) -> list[list[Any]]:
         """Per stage, the ``PartitionSpec`` of each of its inputs (``stage_inputs``

@@ -33,7 +33,7 @@ profiling, 1.65 s DP); the target here is under 60 s per case on a 2-core machin
 
 Usage: python benchmark/pipeline/bench_auto_pipeline.py [--cases 1.3B:8 39B:64 ...]
        [--out benchmark/pipeline/results.json] [--batch 1024] [--micro-batches 64]
-       [--remat coarse_grained_remat|none] [--no-hand]
+       [--remat coarse_grained_remat|none] [--no-hand] [--draw DIR]
 """
 
 from __future__ import annotations
@@ -98,6 +98,7 @@ def run_case(
     layer_num: int | None = None,
     remat: str = "coarse_grained_remat",
     hand: bool = True,
+    draw_dir: str | None = None,
 ) -> dict:
     config = dataclasses.replace(MODELS[model], dtype=jnp.float16)  # as Alpa's runs
     per_node = min(num_gpus, 8)
@@ -118,6 +119,8 @@ def run_case(
     plan = parallel.plan(state, data)
     total = time.perf_counter() - start
     split = dict(timers.seconds)
+    if draw_dir is not None:  # after the timing
+        plan.draw(f"{draw_dir}/gpt{model.lower()}_{num_gpus}_plan.png")
     trace = split.get("trace", 0.0) - split.get("layer_clustering", 0.0)
     known = trace + sum(split.get(k, 0.0) for k in ("layer_clustering", "stage_cost", "dp"))
     stages = plan.summary()["stages"]
@@ -210,6 +213,12 @@ def main() -> None:
         help="AutoLayerOption.remat_mode (Alpa's GPT benchmark: coarse_grained_remat)",
     )
     parser.add_argument("--no-hand", action="store_true", help="skip the hand plan")
+    parser.add_argument(
+        "--draw",
+        default=None,
+        metavar="DIR",
+        help="also draw each case's plan into DIR/gpt<model>_<gpus>_plan.png (matplotlib)",
+    )
     args = parser.parse_args()
     alpa.util.disable_tqdm_globally()
     # Only trace-time work is timed; nothing here compiles or touches a device.
@@ -233,6 +242,7 @@ def main() -> None:
             args.layer_num,
             args.remat,
             not args.no_hand,
+            args.draw,
         )
         results.append(result)
         print("\n".join(result["plan"] + (result["hand_plan"] or [])), flush=True)
