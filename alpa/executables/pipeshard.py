@@ -24,6 +24,7 @@ from jax.sharding import NamedSharding
 
 from alpa.device_mesh import make_jax_mesh
 from alpa.executables.base import Executable, check_dispatch_args
+from alpa.pipeline_parallel import plan_view
 from alpa.pipeline_parallel.computation import (
     StageComputation,
     _collect_consts,
@@ -35,6 +36,7 @@ from alpa.pipeline_parallel.user_shardings import input_names
 from alpa.runtime.instructions import (
     ConstOutput,
     Kernel,
+    Op,
     simulate_memory,
 )
 from alpa.runtime.local_runtime import LocalPipelineRuntime, RuntimeContext
@@ -428,6 +430,46 @@ class PipeshardDriverExecutable(Executable):
         """Bytes the last step moved between meshes (``RESHARD``), counted by the tile
         planner: each piece of a value once per destination host."""
         return self.runtime.resharded_bytes
+
+    def draw_last_step(self, path: str, dpi: int = 100):
+        """The last step as it ran, in the picture ``self.plan.draw`` makes of the plan
+        (``plan_view``), so the two lie side by side: each instruction a block on its
+        mesh from the runtime's events (dispatch times, or with ``collect_trace`` set
+        before the step each instruction waited for), a ``RUN`` by its computation's kind
+        (forward, backward, apply), ``LOAD`` / ``RESHARD`` / ``ALLOC`` as transfers."""
+        events = self.runtime.events
+        if not events:
+            raise RuntimeError(f"{self.traced.name}: no step has run yet; nothing to draw")
+        base = events[0].start
+        blocks = []
+        instructions = self.instructions
+        for ins, event in zip(instructions.instructions, events, strict=True):
+            kind = "transfer"
+            if ins.op is Op.RUN:
+                kernel = instructions.kernels[ins.computation]
+                kind = self.program.computations[kernel.computation].kind
+            blocks.append(
+                plan_view.Block(
+                    ins.mesh, kind, ins.micro_batch, event.start - base, event.end - base
+                )
+            )
+        waited = all(e.returned is not None for e in events)
+        plan = self.plan
+        return plan_view.draw_blocks(
+            path,
+            blocks,
+            plan.stage_plan.num_stages,
+            plan.stage_plan.device_ranges,
+            plan.num_hosts,
+            plan.num_devices_per_host,
+            title=f"{self.traced.name}: the last step as run",
+            heading=(
+                f"{plan.schedule.name}, {len(instructions.instructions)} instructions "
+                f"({'each waited for' if waited else 'dispatch times'})"
+            ),
+            logical_shapes=[tuple(m.shape) for m in plan.logical_meshes],
+            dpi=dpi,
+        )
 
     def dump_stage_execution_trace(self, path: str) -> None:
         """Write the last step as a Chrome trace (opens in Perfetto or chrome://tracing).

@@ -82,7 +82,12 @@ def timeline(
     return blocks
 
 
-_KIND_COLOURS = {"forward": "#4c8bd6", "backward": "#e0823d", "apply": "#5aa469"}
+_KIND_COLOURS = {
+    "forward": "#4c8bd6",
+    "backward": "#e0823d",
+    "apply": "#5aa469",
+    "transfer": "#9a9a9a",
+}
 
 
 def draw(
@@ -101,6 +106,44 @@ def draw(
     ``num_hosts x num_devices_per_host`` devices, each coloured by the stage whose
     ``device_ranges[s] = [start, stop)`` holds it; right, :func:`timeline`. ``unit`` names
     the time axis (``"s"``; ``"latency units"`` where no latency was recorded)."""
+    blocks = timeline(schedule, latencies)
+    heading = (
+        f"{schedule.name}: {schedule.num_stages} stages x "
+        f"{schedule.num_micro_batches} micro-batches"
+    )
+    return draw_blocks(
+        path,
+        blocks,
+        schedule.num_stages,
+        device_ranges,
+        num_hosts,
+        num_devices_per_host,
+        title=title,
+        heading=heading,
+        unit=unit,
+        logical_shapes=logical_shapes,
+        dpi=dpi,
+        label_micro_batches=schedule.num_stages * schedule.num_micro_batches <= 256,
+    )
+
+
+def draw_blocks(
+    path: str,
+    blocks: Sequence[Block],
+    num_stages: int,
+    device_ranges: Sequence[Sequence[int]],
+    num_hosts: int,
+    num_devices_per_host: int,
+    title: str = "",
+    heading: str = "",
+    unit: str = "s",
+    logical_shapes: Sequence[Sequence[int]] = (),
+    dpi: int = 100,
+    label_micro_batches: bool = True,
+) -> Drawing:
+    """:func:`draw` of any ``blocks`` (a planned :func:`timeline` or a measured run's):
+    kinds ``forward``, ``backward``, ``apply`` and, for a run, ``transfer`` (loads,
+    reshards, allocations)."""
     try:
         import matplotlib
 
@@ -113,9 +156,8 @@ def draw(
         ) from e
     if not str(path).lower().endswith((".png", ".svg")):
         raise ValueError(f"path must end in .png or .svg, got {path!r}")
-    blocks = timeline(schedule, latencies)
     makespan = max((b.end for b in blocks), default=0.0)
-    S = schedule.num_stages
+    S = num_stages
     stage_colours = plt.get_cmap("tab20")
     fig, (devices_ax, time_ax) = plt.subplots(
         1,
@@ -160,7 +202,7 @@ def draw(
         )
         time_ax.add_patch(rect)
         drawn[b.kind] = drawn.get(b.kind, 0) + 1
-        if b.micro_batch is not None and S * schedule.num_micro_batches <= 256:
+        if b.micro_batch is not None and label_micro_batches and b.kind != "transfer":
             time_ax.text(
                 (b.start + b.end) / 2,
                 S - 1 - b.stage + 0.5,
@@ -173,12 +215,11 @@ def draw(
     time_ax.set_xlim(0, makespan * 1.01 or 1.0)
     time_ax.set_ylim(0, S)
     time_ax.set_yticks([S - 1 - s + 0.5 for s in range(S)], [f"stage {s}" for s in range(S)])
-    time_ax.set_xlabel(f"time ({unit}); predicted step {makespan:.4g} {unit}")
+    time_ax.set_xlabel(f"time ({unit}); step {makespan:.4g} {unit}")
     busy = sum(b.end - b.start for b in blocks)
     bubble = 1 - busy / (S * makespan) if makespan else 0.0
     time_ax.set_title(
-        f"{schedule.name}: {S} stages x {schedule.num_micro_batches} micro-batches, "
-        f"bubble {bubble:.0%} (F blue, B orange, apply green)",
+        f"{heading}, bubble {bubble:.0%} (F blue, B orange, apply green, transfers grey)",
         fontsize=9,
     )
     if title:

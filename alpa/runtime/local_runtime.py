@@ -304,8 +304,10 @@ class LocalPipelineRuntime:
 
     @property
     def events(self) -> list[TraceEvent]:
-        """The last step, one event per instruction."""
+        """The last step, one event per instruction (none before the first step)."""
         times = self._times
+        if not times:
+            return []
         return [
             TraceEvent(name, mesh, times[i], times[i + 1], dict(args), self._returned[i])
             for i, ((_, name, args, _), mesh) in enumerate(

@@ -116,3 +116,49 @@ def test_a_saved_plan_draws_from_the_command_line(tmp_path):
         timeout=120,
     )
     assert bad.returncode == 2 and "plan_view:" in bad.stderr
+
+
+def test_the_last_step_draws_as_it_ran_next_to_the_plan(tmp_path):
+    # A real run on the 8 CPU devices: each instruction of the step one block on its mesh,
+    # in the order the local runtime ran them (each waited for, so none overlaps the next).
+    import jax
+
+    S, M = 2, 4
+    model = MLPModel(hidden_size=64, num_layers=3, output_dim=64)
+    state, batch, step = get_mlp_train_state_and_step(
+        model, 8 * M, 64, grad_func=alpa.value_and_grad
+    )
+    method = alpa.PipeshardParallel(
+        num_micro_batches=M,
+        layer_option=alpa.AutoLayerOption(layer_num=4),
+        stage_option=alpa.UniformStageOption(num_stages=S),
+    )
+    parallel = alpa.parallelize(step, method=method)
+    executable = parallel.get_executable(state, batch)
+    with pytest.raises(RuntimeError, match="no step has run yet"):
+        executable.draw_last_step(str(tmp_path / "none.png"))
+    jax.block_until_ready(parallel(state, batch))
+    assert parallel.get_last_executable() is executable
+    executable.collect_trace = True
+    jax.block_until_ready(parallel(state, batch))
+    planned = executable.plan.draw(str(tmp_path / "planned.png"), dpi=50)
+    ran = executable.draw_last_step(str(tmp_path / "ran.png"), dpi=50)
+    assert _png_size(tmp_path / "ran.png") == (ran.width_px, ran.height_px)
+    instructions = executable.instructions.instructions
+    runs = [i for i in instructions if i.op == "RUN"]
+    kinds = [
+        executable.program.computations[
+            executable.instructions.kernels[i.computation].computation
+        ].kind
+        for i in runs
+    ]
+    assert ran.blocks == {
+        "forward": kinds.count("forward"),
+        "backward": kinds.count("backward"),
+        "apply": kinds.count("apply"),
+        "transfer": len(instructions) - len(runs),
+    }
+    assert ran.blocks["forward"] == ran.blocks["backward"] == S * M == planned.blocks["forward"]
+    events = executable.runtime.events
+    assert ran.makespan == pytest.approx(max(e.end for e in events) - events[0].start)
+    assert all(a.end <= b.start for a, b in zip(events, events[1:], strict=False))
