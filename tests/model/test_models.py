@@ -75,6 +75,28 @@ def _run(factory, config, batch_size: int, **kwargs) -> Run:
     return Run(state, batch, new_state, (float(loss_0), float(loss_1)))
 
 
+def _check_one_step(run: Run, reference_loss) -> None:
+    """The step is one optimizer step on ``reference_loss(params)`` (written here from the
+    model's public pieces): its loss at the old parameters, and the parameters
+    ``TrainState.apply_gradients`` makes of that loss's gradient."""
+    params = run.state.params
+    loss, grads = jax.value_and_grad(reference_loss)(params)
+    assert run.losses[0] == pytest.approx(float(loss), rel=1e-5)
+    expected = run.state.apply_gradients(grads=grads).params
+    leaves = jax.tree.leaves(
+        jax.tree.map(
+            lambda a, b: np.abs(np.asarray(a) - np.asarray(b)).max(), run.new_state.params, expected
+        )
+    )
+    assert max(leaves) < 1e-5
+    # Control: the parameters did move (a step that returned its input would fail above
+    # only if the gradient were zero).
+    moved = jax.tree.leaves(
+        jax.tree.map(lambda a, b: np.abs(np.asarray(a) - np.asarray(b)).max(), params, expected)
+    )
+    assert max(moved) > 1e-4
+
+
 @pytest.fixture(scope="module")
 def gpt_run() -> Run:
     return _run(get_gpt_train_state_and_step, GPT_TINY, 4)
@@ -111,9 +133,15 @@ def test_mlp_shapes_and_markers():
     assert _count_markers(unmarked.apply, params, x) == 0
 
 
-def test_mlp_train_step_decreases_loss():
+def test_mlp_train_step_is_one_adam_step_on_the_mse():
     model = MLPModel(hidden_size=16, num_layers=2, output_dim=4)
-    loss_0, loss_1 = _run(get_mlp_train_state_and_step, model, 8, input_dim=8).losses
+    run = _run(get_mlp_train_state_and_step, model, 8, input_dim=8)
+
+    def mse(params):
+        return jnp.mean((model.apply({"params": params}, run.batch["x"]) - run.batch["y"]) ** 2)
+
+    _check_one_step(run, mse)
+    loss_0, loss_1 = run.losses
     assert loss_1 < loss_0
 
 
@@ -175,7 +203,17 @@ def test_gpt_lm_loss_is_token_cross_entropy():
         gpt_lm_loss(logits, labels[:, :4])
 
 
-def test_gpt_train_step_decreases_loss(gpt_run):
+def test_gpt_train_step_is_one_adam_step_on_the_lm_loss(gpt_run):
+    batch = gpt_run.batch
+    model = FlaxGPTForLMModule(GPT_TINY)
+
+    def lm_loss(params):
+        logits = model.apply({"params": params}, batch["input_ids"], batch["position_ids"])
+        log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+        picked = jnp.take_along_axis(log_probs, batch["labels"][..., None], axis=-1)
+        return -jnp.mean(picked)
+
+    _check_one_step(gpt_run, lm_loss)
     loss_0, loss_1 = gpt_run.losses
     assert loss_0 == pytest.approx(np.log(64), rel=0.05)  # near-uniform at initialization
     assert loss_1 < loss_0

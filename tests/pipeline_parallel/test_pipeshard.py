@@ -2,6 +2,7 @@
 executable helpers and bad input."""
 
 import json
+import math
 
 import jax
 import jax.numpy as jnp
@@ -248,7 +249,17 @@ def test_executable_helpers(tmp_path):
     assert all(n.startswith(("stage0_apply", "stage1_apply")) for n in names[4:])
     hlo = executable.get_hlo_text()
     assert isinstance(hlo, list) and len(hlo) == len(names) and "HloModule" in hlo[0]
-    assert all(size > 0 for size in executable.get_stage_allocation_size())
+    # Each computation allocates at least its arguments, each as its stage holds it.
+    programs = executable.stage_programs
+    for comp, size in zip(
+        executable.program.computations, executable.get_stage_allocation_size(), strict=True
+    ):
+        arguments = sum(
+            math.prod(programs.sharding(v, comp.stage).shard_shape(v.aval.shape))
+            * v.aval.dtype.itemsize
+            for v in comp.invars
+        )
+        assert size >= arguments > 0, comp.name
     path = tmp_path / "trace.json"
     executable.dump_stage_execution_trace(str(path))
     events = json.loads(path.read_text())["traceEvents"]
