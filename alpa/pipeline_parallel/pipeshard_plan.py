@@ -32,7 +32,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -544,7 +543,6 @@ def plan_pipeshard(
         program = rematerialize(program)
     schedule = _schedule(program, options, stage_plan.num_stages)
     mesh_sizes = [m.num_devices for m in logical_meshes]
-    mesh_shapes = [tuple(m.shape) for m in logical_meshes]
     data_parallel = [not uses_ilp(o, n) for o, n in zip(stage_opts, mesh_sizes, strict=True)]
     if decisions is None:
         stage_specs, objectives = _stage_shardings(
@@ -554,7 +552,7 @@ def plan_pipeshard(
         stage_specs = dict(decisions.stage_specs)
         objectives = {s: list(v) for s, v in decisions.objectives.items()}
     program = _draw_and_defer(
-        traced, program, options, stage_specs, mesh_shapes, data_parallel, names
+        traced, program, options, stage_specs, logical_meshes, data_parallel, names
     )
     instructions = emit_instructions(program, schedule, names)
     buffer_specs, reshards = resolve_buffers(
@@ -580,6 +578,11 @@ def plan_pipeshard(
         num_micro_batches=options.num_micro_batches,
         layer_option=layer_option,
     )
+
+
+def _mesh_sizes_and_shapes(logical_meshes) -> tuple[list[int], list[tuple[int, ...]]]:
+    """Per stage, its logical mesh's number of devices and its shape."""
+    return [m.num_devices for m in logical_meshes], [tuple(m.shape) for m in logical_meshes]
 
 
 def _check_differentiated_by_alpa(traced: TracedStep, options: PipeshardOptions) -> None:
@@ -628,8 +631,7 @@ def _stage_shardings(
     """``(stage_specs, objectives)``: the user's pins, each stage's ILP, ZeRO-2 in the
     data-parallel stages that prefer reduce-scatter, and donated outputs tied to their
     inputs."""
-    mesh_sizes = [m.num_devices for m in logical_meshes]
-    mesh_shapes = [tuple(m.shape) for m in logical_meshes]
+    mesh_sizes, mesh_shapes = _mesh_sizes_and_shapes(logical_meshes)
     pinned = pinned_specs(
         traced,
         program,
@@ -651,7 +653,7 @@ def _stage_shardings(
 
 
 def _draw_and_defer(
-    traced, program, options: PipeshardOptions, stage_specs, mesh_shapes, data_parallel, names
+    traced, program, options: PipeshardOptions, stage_specs, logical_meshes, data_parallel, names
 ) -> PipelineProgram:
     """``program`` with each micro-batch drawing its rows of the full batch's random
     numbers, and every stage's gradients reduced once per step (``names`` gains the new
@@ -664,9 +666,9 @@ def _draw_and_defer(
             program = draw_rows_of_full_batch(program, draws, rows)
             names[program.row_ids] = f"v{len(names)}"
     # Every stage's gradients: reduced once per step over its data axes, in apply-grad.
+    mesh_sizes, mesh_shapes = _mesh_sizes_and_shapes(logical_meshes)
     data_axes = stage_data_axes(traced, program, stage_specs, mesh_shapes, data_parallel, DATA_AXES)
     axis_sizes = [dict(zip(DATA_AXES, shape, strict=True)) for shape in mesh_shapes]
-    mesh_sizes = [math.prod(shape) for shape in mesh_shapes]
     deferred = defer_gradient_sums(program, traced, mesh_sizes, data_axes, axis_sizes, stage_specs)
     if deferred is not None:
         program = dataclasses.replace(program, deferred=deferred)

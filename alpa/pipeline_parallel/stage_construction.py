@@ -456,15 +456,11 @@ def place_submeshes(
 
 @dataclass(frozen=True, eq=False)
 class DPResult:
-    """What one stage DP chose, with the stage cost tables it chose from (``costs``:
-    ``compute_cost``, ``max_n_succ_stages``, ``memory``, before any
-    ``stage_imbalance_tolerance`` is applied, so they serve any tolerance)."""
+    """The stage cost tables one stage DP chose from (``costs``: ``compute_cost``,
+    ``max_n_succ_stages``, ``memory``, before any ``stage_imbalance_tolerance`` is
+    applied, so they serve any tolerance); what it chose is the plan that holds this."""
 
     costs: Any
-    forward_stage_layer_ids: tuple[tuple[int, ...], ...]
-    submesh_shapes: tuple[tuple[int, int], ...]
-    logical_mesh_shapes: tuple[tuple[int, int], ...]
-    autosharding_option_dicts: tuple[dict, ...]
     _saved: list = field(default_factory=list, repr=False)
 
     def save(self, path: str | None = None) -> str:
@@ -496,15 +492,15 @@ def get_last_dp_result() -> tuple:
     holds the stage cost tables (``compute_cost``, ``max_n_succ_stages``, ``memory``),
     before any ``stage_imbalance_tolerance`` is applied; it is written on the first call
     (:meth:`DPResult.save`), not by the DP. All ``None`` before any DP ran."""
-    result = None if _last_auto_plan is None else _last_auto_plan.dp_result
-    if result is None:
+    plan = _last_auto_plan
+    if plan is None or plan.dp_result is None:
         return (None, None, None, None, None)
     return (
-        result.save(),
-        [list(ids) for ids in result.forward_stage_layer_ids],
-        [list(s) for s in result.submesh_shapes],
-        [list(s) for s in result.logical_mesh_shapes],
-        [dict(d) for d in result.autosharding_option_dicts],
+        plan.dp_result.save(),
+        plan.stage_layers(),
+        [list(s) for s in plan.submesh_shapes],
+        [list(s) for s in plan.logical_shapes],
+        [dict(d or {}) for d in plan.autosharding_option_dicts],
     )
 
 
@@ -653,14 +649,5 @@ def plan_auto_stages(option: AutoStageOption, context: StageContext) -> StagePla
         memory=tuple(memory),
         predicted_cost=float(total),
     )
-    _last_auto_plan = plan = dataclasses.replace(
-        plan,
-        dp_result=DPResult(
-            costs,
-            tuple(tuple(ids) for ids in plan.stage_layers()),
-            plan.submesh_shapes,
-            plan.logical_shapes,
-            tuple(d or {} for d in dicts),
-        ),
-    )
+    _last_auto_plan = plan = dataclasses.replace(plan, dp_result=DPResult(costs))
     return plan
