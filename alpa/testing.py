@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import unittest
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -450,3 +451,15 @@ def run_auto_sharded(step: Callable, state: Any, batch: Any, shape: tuple[int, i
     p_step = alpa.parallelize(step, method=method, donate_argnums=())
     out = p_step(state, batch)
     return out, p_step.get_last_executable()
+
+
+_DEBUG_SECTIONS = ("FileNames", "FunctionNames", "FileLocations", "StackFrames")
+
+
+def program_text(hlo: str | list[str]) -> str | list[str]:
+    """The HLO (or each of a list) without its debug information: the source lines the step
+    was traced from, which differ between two traces that compile the same program."""
+    if isinstance(hlo, list):
+        return [program_text(h) for h in hlo]
+    blocks = [b for b in hlo.split("\n\n") if not b.startswith(_DEBUG_SECTIONS)]
+    return re.sub(r", metadata=\{[^}]*\}", "", "\n\n".join(blocks))

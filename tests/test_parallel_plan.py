@@ -25,6 +25,7 @@ from alpa.testing import (
     assert_allclose,
     get_mlp_train_state_and_step,
     get_tied_embedding_step,
+    program_text,
     unit_cost_mesh,
 )
 
@@ -90,17 +91,6 @@ CASES = (
     "pipeshard_uniform",
     "pipeshard_auto",
 )
-
-_DEBUG_SECTIONS = ("FileNames", "FunctionNames", "FileLocations", "StackFrames")
-
-
-def program_text(hlo):
-    """The HLO without its debug information (the source lines the step was traced from,
-    which differ between two processes that compile the same program)."""
-    if isinstance(hlo, list):
-        return [program_text(h) for h in hlo]
-    blocks = [b for b in hlo.split("\n\n") if not b.startswith(_DEBUG_SECTIONS)]
-    return re.sub(r", metadata=\{[^}]*\}", "", "\n\n".join(blocks))
 
 
 def replay_hlo(name: str, plan_path: str):
