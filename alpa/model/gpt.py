@@ -14,7 +14,10 @@ the embeddings :math:`(V + S)H`, the final LayerNorm :math:`2H`; with the refere
 (``GPT_PRESETS``) the "1.3B" model has 1.316e9 parameters.
 
 With ``add_manual_pipeline_markers=True`` a pipeline boundary is marked after every block
-but the last.
+but the last. With ``scan_layers=True`` the blocks are one ``nn.scan`` over ``num_layers``
+iterations (parameters stacked on a leading axis of that size, under ``params["blocks"]``),
+as MaxText-style models are written; ``remat_layers=True`` checkpoints each block
+(``nn.remat``).
 """
 
 from __future__ import annotations
@@ -63,6 +66,8 @@ class GPTConfig:
     dtype: DType = jnp.float32
     add_manual_pipeline_markers: bool = False
     layer_norm_epsilon: float = 1e-5
+    scan_layers: bool = False
+    remat_layers: bool = False
 
     def __post_init__(self) -> None:
         check_positive(
@@ -75,6 +80,11 @@ class GPTConfig:
         if self.hidden_size % self.num_heads:
             raise ValueError(
                 f"hidden_size={self.hidden_size} is not divisible by num_heads={self.num_heads}"
+            )
+        if self.scan_layers and self.add_manual_pipeline_markers:
+            raise ValueError(
+                "scan_layers=True and add_manual_pipeline_markers=True: a pipeline marker "
+                "cannot sit between the iterations of one scan; use AutoLayerOption instead"
             )
 
 
@@ -109,6 +119,17 @@ class GPTBlock(nn.Module):
         return x + FeedForward(4 * cfg.hidden_size, dtype=cfg.dtype, name="mlp")(h)
 
 
+class _ScannedBlock(nn.Module):
+    """A ``GPTBlock`` in ``nn.scan``'s calling convention: ``(carry, x) -> (carry, y)``."""
+
+    config: GPTConfig
+
+    @nn.compact
+    def __call__(self, x: jax.Array, _: None) -> tuple[jax.Array, None]:
+        block = nn.remat(GPTBlock) if self.config.remat_layers else GPTBlock
+        return block(self.config, name="block")(x), None
+
+
 class FlaxGPTForLMModule(nn.Module):
     """GPT language model: ``input_ids[batch, seq] -> logits[batch, seq, vocab]``."""
 
@@ -132,8 +153,17 @@ class FlaxGPTForLMModule(nn.Module):
             input_ids, position_ids, cfg.vocab_size, cfg.seq_len, cfg.hidden_size, cfg.dtype
         )
 
-        for i in range(cfg.num_layers):
-            x = GPTBlock(cfg, name=f"block_{i}")(x)
+        if cfg.scan_layers:
+            blocks = nn.scan(
+                _ScannedBlock,
+                variable_axes={"params": 0},
+                split_rngs={"params": True},
+                length=cfg.num_layers,
+            )
+            x, _ = blocks(cfg, name="blocks")(x, None)
+        block = nn.remat(GPTBlock) if cfg.remat_layers else GPTBlock
+        for i in range(0 if cfg.scan_layers else cfg.num_layers):
+            x = block(cfg, name=f"block_{i}")(x)
             if cfg.add_manual_pipeline_markers and i < cfg.num_layers - 1:
                 mark_pipeline_boundary()
 

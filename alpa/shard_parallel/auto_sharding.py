@@ -326,6 +326,8 @@ class AutoShardingSolution:
             for v in eqn.outvars:
                 if v in graph.sources:
                     var_specs[v] = to_partition_spec(self.spec_of(v), mesh)
+        for v in graph.loop_inputs:  # a scan's carries and rows, inside its body
+            var_specs[v] = to_partition_spec(self.spec_of(v), mesh)
         operand_specs = {}
         for eqn, needs in zip(jaxpr.eqns, self._operand_needs(), strict=True):
             if any(n is not None for n in needs):
@@ -385,9 +387,12 @@ class AutoShardingSolution:
         """Per equation, per operand: the spec the chosen strategy reads it in, where that
         differs from the spec its producer holds it in (a resharding edge), else ``None``."""
         graph, choice = self.graph, self.solution.choice
+        loops = {id(e) for e in graph.loops}
         result = []
         for eqn, sources in zip(graph.jaxpr.eqns, graph.eqn_sources, strict=True):
-            if not sources:  # an alias (marker, barrier): no node, nothing to reshard
+            # An alias (marker, barrier): no node, nothing to reshard. A planned scan: its
+            # operands are read as its body's carries and rows are pinned (the lowering).
+            if not sources or id(eqn) in loops:
                 result.append((None,) * len(eqn.invars))
                 continue
             node_id = sources[0][0]

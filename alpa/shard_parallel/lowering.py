@@ -25,7 +25,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend.core import Jaxpr, Literal, Var
+from jax import lax
+from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, Var
 from jax.sharding import NamedSharding, PartitionSpec
 
 from alpa.shard_parallel.micro_batches import (
@@ -39,7 +40,8 @@ from alpa.shard_parallel.partial_sums import partial_sum_overrides
 from alpa.shard_parallel.sharding_plan import ShardingPlan
 from alpa.tracing import TracedStep, new_jaxpr
 from alpa.tracing.batch_draws import batch_size, micro_batch_draws, with_row_ids
-from alpa.tracing.trace import REMAT_PRIMITIVES, remat_params
+from alpa.tracing.jaxpr_util import REMAT_PRIMITIVES
+from alpa.tracing.trace import remat_params
 
 # ----------------------------------------------------------------------------- evaluation
 
@@ -61,7 +63,8 @@ def eval_jaxpr_with_constraints(
 
     A ``remat2`` (checkpoint) equation is bound again around its body evaluated with the
     same constraints (:func:`_checkpoint_with_constraints`): the plan pins the body's values,
-    and the recomputation stays in the program.
+    and the recomputation stays in the program. So is a ``scan``
+    (:func:`_scan_with_constraints`): the loop stays a loop.
 
     ``overrides[eqn]``, where given, computes ``eqn``'s outputs from its operands as read,
     and they are stored as returned, unconstrained: gradient accumulation's deferred row
@@ -105,6 +108,10 @@ def eval_jaxpr_with_constraints(
         if eqn.primitive.name in REMAT_PRIMITIVES and (constraints or operand_constraints):
             params, extra = _checkpoint_with_constraints(params, constraints, operand_constraints)
             operands += extra
+        elif eqn.primitive is lax.scan_p and (constraints or operand_constraints):
+            params, operands = _scan_with_constraints(
+                params, operands, constraints, operand_constraints
+            )
         with eqn.ctx.manager:
             outs = eqn.primitive.bind(*operands, **params)
         if not eqn.primitive.multiple_results:
@@ -139,6 +146,54 @@ def _checkpoint_with_constraints(
     traced = closed.jaxpr
     new_body = new_jaxpr(body, (), [*traced.invars, *traced.constvars], traced.outvars, traced.eqns)
     return remat_params(params, new_body, len(closed.consts)), list(closed.consts)
+
+
+def _scan_with_constraints(
+    params: dict, operands: list, constraints: dict, operand_constraints: dict
+) -> tuple[dict, list]:
+    """The parameters and operands that bind a ``scan`` (of parameters ``params`` and
+    operands ``operands``) with its body's values pinned as the plan says.
+
+    The plan pins each carry and each row of a stacked input inside the body (the body's
+    inputs in ``constraints``): the initial carries are resharded to the carries' specs
+    before the loop, the stacked inputs to their rows' specs (the scanned axis whole), and
+    each iteration's new carries back to the carries' specs, so that the loop's state has
+    one sharding throughout. The loop stays a loop: the body is traced once, with its
+    constraints, and bound with the scan's own parameters.
+    """
+    closed = params["jaxpr"]
+    body: Jaxpr = closed.jaxpr
+    n_consts, n_carry = params["num_consts"], params["num_carry"]
+    carry_specs = [constraints.get(v) for v in body.invars[n_consts : n_consts + n_carry]]
+
+    def constrained(*args):
+        outs = eval_jaxpr_with_constraints(
+            body, closed.consts, args, constraints, operand_constraints
+        )
+        carries = [_pinned(x, s) for x, s in zip(outs[:n_carry], carry_specs, strict=True)]
+        return carries + outs[n_carry:]
+
+    avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, weak_type=v.aval.weak_type)
+             for v in body.invars]  # fmt: skip
+    traced = jax.make_jaxpr(constrained)(*avals)
+    inner = traced.jaxpr
+    new_body = new_jaxpr(body, (), [*inner.constvars, *inner.invars], inner.outvars, inner.eqns)
+    operands = list(operands)
+    for j, v in enumerate(body.invars[n_consts:], start=n_consts):
+        sharding = constraints.get(v)
+        if j >= n_consts + n_carry and sharding is not None:  # a row: the whole stack
+            sharding = NamedSharding(sharding.mesh, PartitionSpec(None, *sharding.spec))
+        operands[j] = _pinned(operands[j], sharding)
+    params = {
+        **params,
+        "jaxpr": ClosedJaxpr(new_body, ()),
+        "num_consts": n_consts + len(traced.consts),
+    }
+    return params, [*traced.consts, *operands]
+
+
+def _pinned(x, sharding):
+    return x if sharding is None else jax.lax.with_sharding_constraint(x, sharding)
 
 
 # ----------------------------------------------------------------------------- grad split
@@ -362,8 +417,7 @@ def _micro_batched_step(
         return jax.lax.with_sharding_constraint(zeros, partial)
 
     def constrained(x, v):
-        sharding = var_shardings.get(v)
-        return x if sharding is None else jax.lax.with_sharding_constraint(x, sharding)
+        return _pinned(x, var_shardings.get(v))
 
     def spec_of(i, v):
         return plan.var_specs.get(v, plan.in_specs[i])

@@ -41,9 +41,10 @@ class ShardingPlan:
       in_specs: one spec per jaxpr input (flat).
       out_specs: one per jaxpr output; ``None`` lets XLA choose.
       var_specs: intermediate values (``jax.extend.core.Var`` of the jaxpr, or of the body
-        of one of its ``remat2`` equations) to pin with a sharding constraint.
+        of one of its ``remat2`` or ``scan`` equations, a scan body's carries and rows
+        included) to pin with a sharding constraint.
       operand_specs: per equation (the ``JaxprEqn`` object of the jaxpr or of a ``remat2``
-        body), the spec each
+        or ``scan`` body), the spec each
         operand must be resharded to before the equation reads it, ``None`` where it is read
         as produced. Only equations that read some operand in another spec than its
         producer's are listed: these are the plan's resharding edges, made explicit so that

@@ -18,6 +18,13 @@ in program order: the step's, each ``remat2`` preceded by its body's (recursivel
 liveness sees the body's values come and go. Its ``eqns`` are those the plan names (the
 ``remat2`` itself and aliases have no node); it is a view, not a jaxpr to evaluate.
 
+A ``scan`` is planned the same way, as one iteration of its loop (:meth:`_Builder._add_scan`):
+its body's equations are nodes whose costs count ``length`` times; each carry and each row
+of a stacked input is a node of its own (``StrategyGraph.loop_inputs``), the carry tied to
+one spec across iterations by an edge from the body's new value; each stacked output follows
+the body value it stacks. ``StrategyGraph.loops`` lists the scans planned; the lowering keeps
+each one a loop.
+
 A node that *follows* an operand (``Node.follow``) has strategies in one-to-one
 correspondence with the producer's; the solver gives both one decision variable.
 The graph also records liveness: for each program point, the values alive there, so that a
@@ -36,7 +43,7 @@ import threading
 import warnings
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 from jax import lax
@@ -69,8 +76,8 @@ from alpa.shard_parallel.strategy_rules import (
     lookup_rule,
     replicated_strategy,
 )
+from alpa.tracing.jaxpr_util import REMAT_PRIMITIVES
 from alpa.tracing.primitive_def import pipeline_p
-from alpa.tracing.trace import REMAT_PRIMITIVES
 
 # Equations whose outputs are their operands, unchanged.
 ALIAS_PRIMITIVES = {pipeline_p, lax.optimization_barrier_p, lax.sharding_constraint_p}
@@ -130,6 +137,10 @@ class StrategyGraph:
     unknown_primitives: tuple[str, ...]
     partial_sums: tuple[PartialSumSite, ...] = ()
     options: GraphOptions | None = None
+    # The scans whose bodies are planned (their equations in ``jaxpr``), and the body
+    # inputs that are nodes of their own: each carry and each slice of a stacked input.
+    loops: tuple[JaxprEqn, ...] = ()
+    loop_inputs: tuple[Var, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -240,6 +251,8 @@ def build_strategy_graph(
         unknown_primitives=tuple(sorted(builder.unknown)),
         partial_sums=tuple(builder.partial_sums),
         options=options,
+        loops=tuple(builder.loops),
+        loop_inputs=tuple(builder.loop_inputs),
     )
 
 
@@ -307,6 +320,11 @@ class _Builder:
         self.reads: Counter = Counter()
         self.partial_sums: list[PartialSumSite] = []
         self.node_eqn: dict[int, JaxprEqn] = {}
+        # How many times the equations being added run per step: the product of the trip
+        # counts of the scans around them. Their strategies' and edges' costs are scaled.
+        self.scale = 1
+        self.loops: list[JaxprEqn] = []
+        self.loop_inputs: list[Var] = []
 
     def add_node(self, label, outvars, strategies, follow, combined=False, shared=False) -> int:
         """``shared``: ``strategies`` is an entry of the shared pricing cache, which keeps
@@ -380,6 +398,11 @@ class _Builder:
                 self.eqns.append(eqn)
                 self.eqn_sources.append([])
                 return
+        if eqn.primitive is lax.scan_p:
+            body = eqn.params["jaxpr"]
+            if not body.consts and id(body.jaxpr) not in self.expanded:
+                self._add_scan(t, eqn)
+                return
         operand_specs = tuple(
             None if isinstance(v, Literal) else self._specs_of(self.sources[v]) for v in eqn.invars
         )
@@ -427,6 +450,95 @@ class _Builder:
         # ``result`` is the rule cache's own entry only when a rule made it under a key.
         self._add_edges(eqn, node_id, result, site, key is not None and rule is not None)
 
+    def _add_scan(self, t: int | str, eqn: JaxprEqn) -> None:
+        """Plan the body of the scan ``eqn`` once, as one iteration of the loop.
+
+        The body's equations are nodes (path ``t/u``) whose costs count ``length`` times.
+        Its constants are the scan's operands (read whole every iteration). Each carry is
+        a node of its own that fixes the carry's spec for every iteration: an edge from
+        the initial value prices resharding it once before the loop, and one from the
+        body's new value back to it prices resharding that value every iteration. Each
+        stacked input's slice is a node whose spec is the stacked operand's on the
+        non-scanned axes (the scanned axis whole: each iteration reads its own row), fed
+        by an edge from the operand priced once. Each stacked output follows the body's
+        value it stacks. The scan's final carries are the carry nodes' values.
+        """
+        params = eqn.params
+        body = params["jaxpr"].jaxpr
+        self.expanded.add(id(body))
+        n_consts, n_carry, length = params["num_consts"], params["num_carry"], params["length"]
+        self._alias(t, eqn.invars[:n_consts], body.invars[:n_consts])
+        carry_nodes = []
+        for init, var in zip(
+            eqn.invars[n_consts : n_consts + n_carry],
+            body.invars[n_consts : n_consts + n_carry],
+            strict=True,
+        ):
+            carry_nodes.append(self._loop_input(f"carry of eqn {t}", init, var, stacked=False))
+        for x, var in zip(
+            eqn.invars[n_consts + n_carry :], body.invars[n_consts + n_carry :], strict=True
+        ):
+            self._loop_input(f"row of eqn {t}", x, var, stacked=True)
+        outer = self.scale
+        self.scale = outer * length
+        try:
+            for u, inner in enumerate(body.eqns):
+                self.add_eqn(f"{t}/{u}", inner)
+            for node, new in zip(carry_nodes, body.outvars[:n_carry], strict=True):
+                if isinstance(new, Literal) or self.sources[new][0] == node:
+                    continue
+                self._loop_edge(self.sources[new], node, new)
+        finally:
+            self.scale = outer
+        out_sources: list[Source] = []
+        for node, var in zip(carry_nodes, eqn.outvars[:n_carry], strict=True):
+            if not isinstance(var, DropVar):
+                self.sources[var] = (node, 0)
+                out_sources.append((node, 0))
+        for y, var in zip(body.outvars[n_carry:], eqn.outvars[n_carry:], strict=True):
+            if isinstance(var, DropVar):
+                continue
+            if isinstance(y, Literal):
+                node = self.add_node(f"stacked literal of eqn {t}", (var,), (_whole(var),), None)
+            else:
+                source = self.sources[y]
+                stacked = tuple(
+                    Strategy("stack", (((),) + spec,), (spec,)) for spec in self._specs_of(source)
+                )
+                node = self.add_node(f"stacked output of eqn {t}", (var,), stacked, source[0])
+            out_sources.append((node, 0))
+        self.eqns.append(eqn)
+        self.eqn_sources.append(out_sources)
+        self.loops.append(eqn)
+
+    def _loop_input(self, label: str, outer, var: Var, stacked: bool) -> int:
+        """The node of a scan body's carry or row ``var``, fed by ``outer`` (the initial
+        carry, or the stacked operand: read with its scanned axis whole)."""
+        shape = tuple(var.aval.shape)
+        name = "row" if stacked else "carry"
+        strategies = tuple(
+            Strategy(name, (spec,), ((((),) + spec) if stacked else spec,))
+            for spec in enumerate_specs(shape, self.mesh, self.options.allow_mixed_mesh_shape)
+        )
+        node = self.add_node(label, (var,), strategies, None)
+        self.loop_inputs.append(var)
+        if not isinstance(outer, Literal):
+            self._loop_edge(self.sources[outer], node, outer, operand=True)
+        return node
+
+    def _loop_edge(self, source: Source, node: int, var, operand: bool = False) -> None:
+        """An edge from ``source`` to the loop input ``node``: resharding ``var`` into the
+        spec that ``node``'s strategy reads (``operand``: its operand spec, the stacked one
+        for a row) or holds (a carry's new value), ``self.scale`` times."""
+        total = nbytes(var.aval.shape, itemsize(var.aval))
+        strategies = self.nodes[node].strategies
+        dst_specs = tuple(s.in_specs[0] if operand else s.out_specs[0] for s in strategies)
+        src_specs = self._specs_of(source)
+        cost = self._matrix(src_specs, dst_specs, total)
+        if self.scale != 1:
+            cost = cost * self.scale
+        self.edges.append(Edge(source[0], node, cost, src_specs, dst_specs, total))
+
     def _partial_sum_site(self, t, eqn: JaxprEqn, node_id: int, result) -> PartialSumSite | None:
         if not self.options.carry_partial_sums or not isinstance(t, int):
             return None
@@ -465,10 +577,16 @@ class _Builder:
                 self.sources[alias] = self.sources[value]
 
     def _priced(self, eqn, strategies, combined: bool, key) -> tuple[Strategy, ...]:
-        cache_key = None if key is None else (key, combined)
+        scale = self.scale
+        cache_key = None if key is None else (key, combined, scale)
         priced = None if cache_key is None else self._priced_cache.get(cache_key)
         if priced is None:
             priced = priced_strategies(self.mesh, eqn, strategies, combined)
+            if scale != 1:
+                priced = tuple(
+                    replace(s, comm_cost=s.comm_cost * scale, compute_cost=s.compute_cost * scale)
+                    for s in priced
+                )
             if cache_key is not None:
                 self._priced_cache[cache_key] = priced
         return priced
@@ -505,6 +623,8 @@ class _Builder:
             )
             if site is not None and j == site.other_index:
                 cost = cost + partial_sum_discount(self.nodes, site)
+            if self.scale != 1:
+                cost = cost * self.scale
             self.edges.append(Edge(src_id, node_id, cost, src_specs, dst_specs, total))
 
     def add_state_edge(self, source: Source, input_node: int, var) -> None:

@@ -251,9 +251,9 @@ def iota_rule(eqn: JaxprEqn, ctx: RuleContext) -> NodeStrategies:
 def opaque_rule(eqn: JaxprEqn, ctx: RuleContext) -> NodeStrategies:
     """Control flow and ``rng_bit_generator`` (whose numbers depend on the shape it is run
     at) run replicated; their bodies are XLA's. The threefry random primitives have rules in
-    ``strategy_rules_random``. A ``remat2`` body is planned by the strategy graph; this
-    rule serves only a body the graph cannot expand (one body object shared by two
-    equations outside ``trace_step``)."""
+    ``strategy_rules_random``. ``remat2`` and ``scan`` bodies are planned by the strategy
+    graph; this rule serves only a body the graph cannot expand (one body object shared by
+    two equations outside ``trace_step``)."""
     return replicated_strategy(eqn, name="opaque")
 
 

@@ -54,7 +54,8 @@ from jax import lax
 from jax.extend.core import Jaxpr, JaxprEqn, Var, jaxprs_in_params
 from jax.extend.random import threefry2x32_p
 
-from alpa.tracing.trace import REMAT_PRIMITIVES, TracedStep, new_jaxpr
+from alpa.tracing.jaxpr_util import REMAT_PRIMITIVES
+from alpa.tracing.trace import TracedStep, new_jaxpr
 
 #: Primitives that draw random numbers of a shape given by a parameter.
 DRAW_PRIMITIVES = frozenset({"random_bits", "random_split"})

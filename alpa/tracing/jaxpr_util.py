@@ -30,3 +30,18 @@ def is_grad_marker(eqn: JaxprEqn) -> bool:
 def grad_marker_index(eqns: Sequence[JaxprEqn]) -> int | None:
     """The position of the first ``alpa.grad`` marker among ``eqns``, if there is one."""
     return next((i for i, e in enumerate(eqns) if is_grad_marker(e)), None)
+
+
+#: Names of the checkpoint primitive (``jax.checkpoint`` / ``flax.linen.remat``).
+REMAT_PRIMITIVES = frozenset({"remat2", "checkpoint"})
+
+
+def planned_body(eqn: JaxprEqn):
+    """The body the auto-sharding plan reaches into: that of a checkpoint (``remat2``) or
+    of a ``scan`` equation (a ``Jaxpr``), else ``None``. ``trace_step`` gives each such
+    body variables of its own, so the plan can name the body's values."""
+    if eqn.primitive.name in REMAT_PRIMITIVES:
+        return eqn.params["jaxpr"]
+    if eqn.primitive.name == "scan":
+        return eqn.params["jaxpr"].jaxpr
+    return None

@@ -41,7 +41,7 @@ from jax.extend.core import (
     new_jaxpr_eqn,
 )
 
-from alpa.tracing.jaxpr_util import is_grad_marker
+from alpa.tracing.jaxpr_util import REMAT_PRIMITIVES, is_grad_marker
 from alpa.tracing.primitive_def import pipeline_p
 
 
@@ -289,10 +289,6 @@ _INLINE_PARAMS = {
 }
 
 
-#: Names of the checkpoint primitive (``jax.checkpoint`` / ``flax.linen.remat``).
-REMAT_PRIMITIVES = frozenset({"remat2", "checkpoint"})
-
-
 def inline_calls(closed: ClosedJaxpr, primitives: Collection[str] | None = None) -> ClosedJaxpr:
     """Inline every call-like equation, recursively, keeping the program's meaning.
 
@@ -303,11 +299,12 @@ def inline_calls(closed: ClosedJaxpr, primitives: Collection[str] | None = None)
     primitive). A function still to be differentiated must keep its ``custom_jvp_call`` /
     ``custom_vjp_call`` equations, whose derivative rules are not those of their bodies.
 
-    A ``remat2`` equation keeps its place, but its body is rewritten the same way (calls
-    inlined) with fresh variables of its own: JAX may hand two checkpoint equations one
+    A ``remat2`` or ``scan`` equation keeps its place, but its body is rewritten the same
+    way (calls inlined) with fresh variables of its own: JAX may hand two equations one
     body object, and the auto-sharding pass plans each body's values (its variables must
-    name one value each). A constant of a call inlined into a body enters the body as an
-    extra last operand.
+    name one value each). A constant of a call inlined into a body, or of a scan's closed
+    body, enters the body as an extra operand: the last of a ``remat2``, one more of a
+    scan's leading constants.
     """
     constvars: list[Var] = list(closed.jaxpr.constvars)
     consts: list[Any] = list(closed.consts)
@@ -346,15 +343,18 @@ def inline_calls(closed: ClosedJaxpr, primitives: Collection[str] | None = None)
                 continue
             if name in REMAT_PRIMITIVES and not eqn.params["jaxpr"].constvars:
                 eqn = copy_remat(eqn, add_const)
+            elif name == "scan":
+                eqn = copy_scan(eqn, add_const)
             outvars = list(eqn.outvars)
             if not top:
                 outvars = [v if isinstance(v, DropVar) else Var(v.aval) for v in outvars]
                 env.update(zip(eqn.outvars, outvars, strict=True))
             eqns.append(eqn.replace(invars=[read(v) for v in eqn.invars], outvars=outvars))
 
-    def copy_remat(eqn: JaxprEqn, add_const) -> JaxprEqn:
-        """``eqn`` with its body's calls inlined and every body variable fresh."""
-        body: Jaxpr = eqn.params["jaxpr"]
+    def copy_body(body: Jaxpr, body_consts, add_const):
+        """``body`` with its calls inlined and every variable fresh, its constants (those
+        of ``body_consts`` and of the calls inlined) turned into extra operands: the new
+        body, its extra invars, and the outer values that feed them."""
         extra_inner: list[Var] = []
         extra_outer: list[Var] = []
 
@@ -365,14 +365,37 @@ def inline_calls(closed: ClosedJaxpr, primitives: Collection[str] | None = None)
 
         invars = [Var(v.aval) for v in body.invars]
         body_env: dict = dict(zip(body.invars, invars, strict=True))
+        for cv, c in zip(body.constvars, body_consts, strict=True):
+            body_env[cv] = body_const(cv.aval, c)
         body_eqns: list[JaxprEqn] = []
         emit(body, body_env, False, body_eqns, body_const)
         outvars = [v if isinstance(v, Literal) else body_env.get(v, v) for v in body.outvars]
-        new_body = new_jaxpr(body, [], [*invars, *extra_inner], outvars, body_eqns)
+        return (invars, outvars, body_eqns), extra_inner, extra_outer
+
+    def copy_remat(eqn: JaxprEqn, add_const) -> JaxprEqn:
+        """``eqn`` with its body's calls inlined and every body variable fresh."""
+        body: Jaxpr = eqn.params["jaxpr"]
+        (invars, outvars, eqns), extra_inner, extra_outer = copy_body(body, (), add_const)
+        new_body = new_jaxpr(body, [], [*invars, *extra_inner], outvars, eqns)
         return eqn.replace(
             invars=[*eqn.invars, *extra_outer],
             params=remat_params(eqn.params, new_body, len(extra_outer)),
         )
+
+    def copy_scan(eqn: JaxprEqn, add_const) -> JaxprEqn:
+        """The same for a ``scan``: new constants lead its operands."""
+        closed: ClosedJaxpr = eqn.params["jaxpr"]
+        body = closed.jaxpr
+        (invars, outvars, eqns), extra_inner, extra_outer = copy_body(
+            body, closed.consts, add_const
+        )
+        new_body = new_jaxpr(body, [], [*extra_inner, *invars], outvars, eqns)
+        params = {
+            **eqn.params,
+            "jaxpr": ClosedJaxpr(new_body, []),
+            "num_consts": eqn.params["num_consts"] + len(extra_outer),
+        }
+        return eqn.replace(invars=[*extra_outer, *eqn.invars], params=params)
 
     eqns: list[JaxprEqn] = []
     env: dict = {}

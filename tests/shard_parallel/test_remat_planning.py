@@ -22,8 +22,6 @@ recomputation is therefore counted in the same program compiled with that one pa
 
 from __future__ import annotations
 
-import re
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -39,7 +37,7 @@ from alpa.parallel_plan import ParallelPlan
 from alpa.shard_parallel.auto_sharding import solve_auto_sharding
 from alpa.shard_parallel.lowering import build_step_function, eval_jaxpr_with_constraints
 from alpa.shard_parallel.strategy_graph import GraphOptions, build_strategy_graph, live_points
-from alpa.testing import assert_allclose
+from alpa.testing import assert_allclose, program_text
 from alpa.testing import run_auto_sharded as _compile
 from alpa.testing import unit_cost_mesh as _mesh
 from alpa.tracing import inline_calls
@@ -62,13 +60,6 @@ def _hlo_keeping_checkpoints(executable) -> str:
         compiler_options={"xla_disable_hlo_passes": "cse_barrier_expander"}
     )
     return compiled.as_text()
-
-
-def _program_text(hlo: str) -> str:
-    """The HLO without its debug information (source lines differ between two traces)."""
-    debug = ("FileNames", "FunctionNames", "FileLocations", "StackFrames")
-    blocks = [b for b in hlo.split("\n\n") if not b.startswith(debug)]
-    return re.sub(r", metadata=\{[^}]*\}", "", "\n\n".join(blocks))
 
 
 def _num_dots(hlo: str) -> int:
@@ -199,7 +190,7 @@ def test_checkpointed_mlp_plan_round_trips_through_a_parallel_plan():
     method = alpa.plan_to_method(ParallelPlan.from_json(text), devices=_mesh((1, 4)))
     p_step = alpa.parallelize(step, method=method, donate_argnums=())
     replayed = p_step.get_executable(params, batch)
-    assert _program_text(replayed.get_hlo_text()) == _program_text(executable.get_hlo_text())
+    assert program_text(replayed.get_hlo_text()) == program_text(executable.get_hlo_text())
     assert replayed.get_parallel_plan().to_json() == text
     assert_allclose(p_step(params, batch), jax.jit(step)(params, batch), rtol=1e-4, atol=1e-4)
 
