@@ -77,7 +77,7 @@ from alpa.shard_parallel.auto_sharding import AutoShardingOption
 from alpa.shard_parallel.compile import full_batch_avals
 from alpa.shard_parallel.sharding_plan import ShardingPlan
 from alpa.tracing import TracedStep
-from alpa.tracing.jaxpr_util import planned_body
+from alpa.tracing.jaxpr_util import planned_bodies
 
 if TYPE_CHECKING:  # the executables import this record; it knows only their interface
     from alpa.executables.base import Executable
@@ -91,9 +91,9 @@ PLAN_FORMAT = 1
 def value_refs(jaxpr: Jaxpr) -> dict[Var, str]:
     """A name for every value of ``jaxpr`` by its position: ``const{i}``, ``in{i}``,
     ``eqn{t}.{k}`` (output ``k`` of equation ``t``). The auto-sharding plan also pins the
-    values inside checkpoint (``remat2``) and ``scan`` bodies: in the body of equation
-    ``t``, ``eqn{t}/`` followed by the body's own names (``eqn3/in0``, ``eqn3/eqn5.0``),
-    recursively."""
+    values inside checkpoint (``remat2``) and ``scan`` bodies and ``cond`` branches: in the
+    body of equation ``t``, ``eqn{t}/`` followed by the body's own names (``eqn3/in0``,
+    ``eqn3/eqn5.0``), in branch ``i`` ``eqn{t}/b{i}/`` (``eqn3/b1/eqn0.0``), recursively."""
     refs: dict[Var, str] = {}
     for i, v in enumerate(jaxpr.constvars):
         refs[v] = f"const{i}"
@@ -105,9 +105,8 @@ def value_refs(jaxpr: Jaxpr) -> dict[Var, str]:
             for k, v in enumerate(eqn.outvars):
                 if isinstance(v, Var) and not isinstance(v, DropVar):
                     refs.setdefault(v, f"{prefix}eqn{t}.{k}")
-            body = planned_body(eqn)
-            if body is not None:
-                name(body, f"{prefix}eqn{t}/")
+            for suffix, body in planned_bodies(eqn):
+                name(body, f"{prefix}eqn{t}/{suffix}")
 
     name(jaxpr, "")
     return refs
@@ -115,15 +114,15 @@ def value_refs(jaxpr: Jaxpr) -> dict[Var, str]:
 
 def eqn_refs(jaxpr: Jaxpr) -> dict[str, JaxprEqn]:
     """Every equation of ``jaxpr`` by a name of its position: ``eqn{t}``, and in the body of
-    a checkpoint or scan equation ``t``, ``eqn{t}/eqn{u}`` (as :func:`value_refs`)."""
+    a checkpoint or scan equation ``t``, ``eqn{t}/eqn{u}`` (``eqn{t}/b{i}/eqn{u}`` in a
+    ``cond``'s branch ``i``) (as :func:`value_refs`)."""
     refs: dict[str, JaxprEqn] = {}
 
     def name(jaxpr: Jaxpr, prefix: str) -> None:
         for t, eqn in enumerate(jaxpr.eqns):
             refs[f"{prefix}eqn{t}"] = eqn
-            body = planned_body(eqn)
-            if body is not None:
-                name(body, f"{prefix}eqn{t}/")
+            for suffix, body in planned_bodies(eqn):
+                name(body, f"{prefix}eqn{t}/{suffix}")
 
     name(jaxpr, "")
     return refs

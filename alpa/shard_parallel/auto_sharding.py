@@ -326,7 +326,7 @@ class AutoShardingSolution:
             for v in eqn.outvars:
                 if v in graph.sources:
                     var_specs[v] = to_partition_spec(self.spec_of(v), mesh)
-        for v in graph.loop_inputs:  # a scan's carries and rows, inside its body
+        for v in graph.body_inputs:  # a scan's carries and rows, inside its body
             var_specs[v] = to_partition_spec(self.spec_of(v), mesh)
         operand_specs = {}
         for eqn, needs in zip(jaxpr.eqns, self._operand_needs(), strict=True):
@@ -387,7 +387,7 @@ class AutoShardingSolution:
         """Per equation, per operand: the spec the chosen strategy reads it in, where that
         differs from the spec its producer holds it in (a resharding edge), else ``None``."""
         graph, choice = self.graph, self.solution.choice
-        loops = {id(e) for e in graph.loops}
+        loops = {id(e) for e in graph.control_flow}
         result = []
         for eqn, sources in zip(graph.jaxpr.eqns, graph.eqn_sources, strict=True):
             # An alias (marker, barrier): no node, nothing to reshard. A planned scan: its

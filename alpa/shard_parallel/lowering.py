@@ -112,6 +112,11 @@ def eval_jaxpr_with_constraints(
             params, operands = _scan_with_constraints(
                 params, operands, constraints, operand_constraints
             )
+        elif eqn.primitive is lax.cond_p and (constraints or operand_constraints):
+            results = [constraints.get(v) for v in eqn.outvars]
+            params, operands = _cond_with_constraints(
+                params, operands, results, constraints, operand_constraints
+            )
         with eqn.ctx.manager:
             outs = eqn.primitive.bind(*operands, **params)
         if not eqn.primitive.multiple_results:
@@ -140,9 +145,7 @@ def _checkpoint_with_constraints(
     def constrained(*args):
         return eval_jaxpr_with_constraints(body, (), args, constraints, operand_constraints)
 
-    avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, weak_type=v.aval.weak_type)
-             for v in body.invars]  # fmt: skip
-    closed = jax.make_jaxpr(constrained)(*avals)
+    closed = jax.make_jaxpr(constrained)(*_avals(body.invars))
     traced = closed.jaxpr
     new_body = new_jaxpr(body, (), [*traced.invars, *traced.constvars], traced.outvars, traced.eqns)
     return remat_params(params, new_body, len(closed.consts)), list(closed.consts)
@@ -173,9 +176,7 @@ def _scan_with_constraints(
         carries = [_pinned(x, s) for x, s in zip(outs[:n_carry], carry_specs, strict=True)]
         return carries + outs[n_carry:]
 
-    avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, weak_type=v.aval.weak_type)
-             for v in body.invars]  # fmt: skip
-    traced = jax.make_jaxpr(constrained)(*avals)
+    traced = jax.make_jaxpr(constrained)(*_avals(body.invars))
     inner = traced.jaxpr
     new_body = new_jaxpr(body, (), [*inner.constvars, *inner.invars], inner.outvars, inner.eqns)
     operands = list(operands)
@@ -190,6 +191,45 @@ def _scan_with_constraints(
         "num_consts": n_consts + len(traced.consts),
     }
     return params, [*traced.consts, *operands]
+
+
+def _cond_with_constraints(
+    params: dict, operands: list, results: list, constraints: dict, operand_constraints: dict
+) -> tuple[dict, list]:
+    """The parameters and operands that bind a ``cond`` with its branches' values pinned as
+    the plan says and every branch's results pinned to ``results`` (the shardings of the
+    ``cond``'s results), so that the branches agree. Each branch is traced once with its
+    constraints; constants its trace captures become extra last operands."""
+    branches, traced = params["branches"], []
+    for branch in branches:
+
+        def constrained(*args, branch=branch):
+            outs = eval_jaxpr_with_constraints(
+                branch.jaxpr, branch.consts, args, constraints, operand_constraints
+            )
+            return [_pinned(x, s) for x, s in zip(outs, results, strict=True)]
+
+        traced.append(jax.make_jaxpr(constrained)(*_avals(branch.jaxpr.invars)))
+    new_branches = []
+    for i, closed in enumerate(traced):
+        inner = closed.jaxpr
+        slots = [
+            list(inner.constvars) if j == i else [Var(v.aval) for v in other.jaxpr.constvars]
+            for j, other in enumerate(traced)
+        ]
+        invars = [*inner.invars, *(v for vs in slots for v in vs)]
+        template = branches[i].jaxpr
+        new_branches.append(
+            ClosedJaxpr(new_jaxpr(template, (), invars, inner.outvars, inner.eqns), ())
+        )
+    consts = [c for closed in traced for c in closed.consts]
+    return {**params, "branches": tuple(new_branches)}, [*operands, *consts]
+
+
+def _avals(invars) -> list:
+    return [
+        jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, weak_type=v.aval.weak_type) for v in invars
+    ]
 
 
 def _pinned(x, sharding):

@@ -20,10 +20,13 @@ liveness sees the body's values come and go. Its ``eqns`` are those the plan nam
 
 A ``scan`` is planned the same way, as one iteration of its loop (:meth:`_Builder._add_scan`):
 its body's equations are nodes whose costs count ``length`` times; each carry and each row
-of a stacked input is a node of its own (``StrategyGraph.loop_inputs``), the carry tied to
+of a stacked input is a node of its own (``StrategyGraph.body_inputs``), the carry tied to
 one spec across iterations by an edge from the body's new value; each stacked output follows
-the body value it stacks. ``StrategyGraph.loops`` lists the scans planned; the lowering keeps
-each one a loop.
+the body value it stacks. The branches of a ``cond`` are planned together
+(:meth:`_Builder._add_cond`): each branch's equations are nodes, and each result is a node
+that every branch's value is resharded into, so that the branches return one sharding.
+``StrategyGraph.control_flow`` lists the scans and conds planned; the lowering keeps each
+one a loop or a branch.
 
 A node that *follows* an operand (``Node.follow``) has strategies in one-to-one
 correspondence with the producer's; the solver gives both one decision variable.
@@ -137,10 +140,10 @@ class StrategyGraph:
     unknown_primitives: tuple[str, ...]
     partial_sums: tuple[PartialSumSite, ...] = ()
     options: GraphOptions | None = None
-    # The scans whose bodies are planned (their equations in ``jaxpr``), and the body
-    # inputs that are nodes of their own: each carry and each slice of a stacked input.
-    loops: tuple[JaxprEqn, ...] = ()
-    loop_inputs: tuple[Var, ...] = ()
+    # The scans and conds whose bodies are planned (their equations in ``jaxpr``), and the
+    # body inputs that are nodes of their own: each carry and each row of a stacked input.
+    control_flow: tuple[JaxprEqn, ...] = ()
+    body_inputs: tuple[Var, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -251,8 +254,8 @@ def build_strategy_graph(
         unknown_primitives=tuple(sorted(builder.unknown)),
         partial_sums=tuple(builder.partial_sums),
         options=options,
-        loops=tuple(builder.loops),
-        loop_inputs=tuple(builder.loop_inputs),
+        control_flow=tuple(builder.control_flow),
+        body_inputs=tuple(builder.body_inputs),
     )
 
 
@@ -323,8 +326,8 @@ class _Builder:
         # How many times the equations being added run per step: the product of the trip
         # counts of the scans around them. Their strategies' and edges' costs are scaled.
         self.scale = 1
-        self.loops: list[JaxprEqn] = []
-        self.loop_inputs: list[Var] = []
+        self.control_flow: list[JaxprEqn] = []
+        self.body_inputs: list[Var] = []
 
     def add_node(self, label, outvars, strategies, follow, combined=False, shared=False) -> int:
         """``shared``: ``strategies`` is an entry of the shared pricing cache, which keeps
@@ -402,6 +405,15 @@ class _Builder:
             body = eqn.params["jaxpr"]
             if not body.consts and id(body.jaxpr) not in self.expanded:
                 self._add_scan(t, eqn)
+                return
+        if eqn.primitive is lax.cond_p:
+            bodies = {id(b.jaxpr) for b in eqn.params["branches"]}
+            if (
+                not any(b.consts for b in eqn.params["branches"])
+                and len(bodies) == len(eqn.params["branches"])
+                and not bodies & self.expanded
+            ):
+                self._add_cond(t, eqn)
                 return
         operand_specs = tuple(
             None if isinstance(v, Literal) else self._specs_of(self.sources[v]) for v in eqn.invars
@@ -487,7 +499,7 @@ class _Builder:
             for node, new in zip(carry_nodes, body.outvars[:n_carry], strict=True):
                 if isinstance(new, Literal) or self.sources[new][0] == node:
                     continue
-                self._loop_edge(self.sources[new], node, new)
+                self._body_edge(self.sources[new], node, new)
         finally:
             self.scale = outer
         out_sources: list[Source] = []
@@ -509,27 +521,63 @@ class _Builder:
             out_sources.append((node, 0))
         self.eqns.append(eqn)
         self.eqn_sources.append(out_sources)
-        self.loops.append(eqn)
+        self.control_flow.append(eqn)
+
+    def _add_cond(self, t: int | str, eqn: JaxprEqn) -> None:
+        """Plan the branches of the ``cond`` ``eqn`` together.
+
+        Each branch reads the operands as they are (its inputs alias them) and its
+        equations are nodes (path ``t/b{i}/u``), priced as if every branch ran: an upper
+        bound of the step, as only one runs. Each result of the ``cond`` is a node of its
+        own, with any spec; an edge from each branch's value prices resharding it into
+        that spec, so that every branch returns the result in one sharding (as the
+        lowering pins it).
+        """
+        branches = eqn.params["branches"]
+        for i, branch in enumerate(branches):
+            body = branch.jaxpr
+            self.expanded.add(id(body))
+            self._alias(t, eqn.invars[1:], body.invars)
+            for u, inner in enumerate(body.eqns):
+                self.add_eqn(f"{t}/b{i}/{u}", inner)
+        out_sources: list[Source] = []
+        for k, var in enumerate(eqn.outvars):
+            strategies = self._any_spec("result", var)
+            node = self.add_node(f"result of eqn {t}", (var,), strategies, None)
+            for branch in branches:
+                value = branch.jaxpr.outvars[k]
+                if not isinstance(value, Literal):
+                    self._body_edge(self.sources[value], node, value)
+            out_sources.append((node, 0))
+        self.eqns.append(eqn)
+        self.eqn_sources.append(out_sources)
+        self.control_flow.append(eqn)
+
+    def _any_spec(self, name: str, var, stacked: bool = False) -> tuple[Strategy, ...]:
+        """One strategy per spec of ``var``, reading its operand in that spec (with a
+        leading scanned axis whole, ``stacked``)."""
+        return tuple(
+            Strategy(name, (spec,), ((((),) + spec) if stacked else spec,))
+            for spec in enumerate_specs(
+                tuple(var.aval.shape), self.mesh, self.options.allow_mixed_mesh_shape
+            )
+        )
 
     def _loop_input(self, label: str, outer, var: Var, stacked: bool) -> int:
         """The node of a scan body's carry or row ``var``, fed by ``outer`` (the initial
         carry, or the stacked operand: read with its scanned axis whole)."""
-        shape = tuple(var.aval.shape)
-        name = "row" if stacked else "carry"
-        strategies = tuple(
-            Strategy(name, (spec,), ((((),) + spec) if stacked else spec,))
-            for spec in enumerate_specs(shape, self.mesh, self.options.allow_mixed_mesh_shape)
-        )
+        strategies = self._any_spec("row" if stacked else "carry", var, stacked)
         node = self.add_node(label, (var,), strategies, None)
-        self.loop_inputs.append(var)
+        self.body_inputs.append(var)
         if not isinstance(outer, Literal):
-            self._loop_edge(self.sources[outer], node, outer, operand=True)
+            self._body_edge(self.sources[outer], node, outer, operand=True)
         return node
 
-    def _loop_edge(self, source: Source, node: int, var, operand: bool = False) -> None:
-        """An edge from ``source`` to the loop input ``node``: resharding ``var`` into the
-        spec that ``node``'s strategy reads (``operand``: its operand spec, the stacked one
-        for a row) or holds (a carry's new value), ``self.scale`` times."""
+    def _body_edge(self, source: Source, node: int, var, operand: bool = False) -> None:
+        """An edge from ``source`` to ``node``, a scan's carry or row or a cond's result:
+        resharding ``var`` into the spec that ``node``'s strategy reads (``operand``: its
+        operand spec, the stacked one for a row) or holds (a carry's new value, a branch's
+        result), ``self.scale`` times."""
         total = nbytes(var.aval.shape, itemsize(var.aval))
         strategies = self.nodes[node].strategies
         dst_specs = tuple(s.in_specs[0] if operand else s.out_specs[0] for s in strategies)

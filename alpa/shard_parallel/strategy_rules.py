@@ -237,8 +237,10 @@ def elementwise_rule(eqn: JaxprEqn, ctx: RuleContext) -> NodeStrategies:
     )
 
 
-@register(lax.iota_p, lax.rng_uniform_p)
+@register(lax.iota_p, lax.rng_uniform_p, "empty2")
 def iota_rule(eqn: JaxprEqn, ctx: RuleContext) -> NodeStrategies:
+    """``iota`` and ``empty2`` (the uninitialized scalar a ``cond``'s transpose broadcasts
+    into the residuals a branch does not compute) are generators."""
     if eqn.primitive is lax.rng_uniform_p:
         return replicated_strategy(eqn)
     return generator_strategies(eqn, ctx)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from jax.extend.core import DropVar, JaxprEqn, Literal, Var
+from jax.extend.core import DropVar, Jaxpr, JaxprEqn, Literal, Var
 
 from alpa.tracing.primitive_def import pipeline_p
 
@@ -36,12 +36,17 @@ def grad_marker_index(eqns: Sequence[JaxprEqn]) -> int | None:
 REMAT_PRIMITIVES = frozenset({"remat2", "checkpoint"})
 
 
-def planned_body(eqn: JaxprEqn):
-    """The body the auto-sharding plan reaches into: that of a checkpoint (``remat2``) or
-    of a ``scan`` equation (a ``Jaxpr``), else ``None``. ``trace_step`` gives each such
-    body variables of its own, so the plan can name the body's values."""
-    if eqn.primitive.name in REMAT_PRIMITIVES:
-        return eqn.params["jaxpr"]
-    if eqn.primitive.name == "scan":
-        return eqn.params["jaxpr"].jaxpr
-    return None
+def planned_bodies(eqn: JaxprEqn) -> tuple[tuple[str, Jaxpr], ...]:
+    """The bodies the auto-sharding plan reaches into, each with the name its values take
+    after the equation's (``parallel_plan.value_refs``): that of a checkpoint (``remat2``)
+    or of a ``scan`` (``""``), the branches of a ``cond`` (``"b0/"``, ``"b1/"``, ...); none
+    for any other equation. ``trace_step`` gives each such body variables of its own, so
+    the plan can name the body's values."""
+    name = eqn.primitive.name
+    if name in REMAT_PRIMITIVES:
+        return (("", eqn.params["jaxpr"]),)
+    if name == "scan":
+        return (("", eqn.params["jaxpr"].jaxpr),)
+    if name == "cond":
+        return tuple((f"b{i}/", b.jaxpr) for i, b in enumerate(eqn.params["branches"]))
+    return ()

@@ -299,59 +299,81 @@ def inline_calls(closed: ClosedJaxpr, primitives: Collection[str] | None = None)
     primitive). A function still to be differentiated must keep its ``custom_jvp_call`` /
     ``custom_vjp_call`` equations, whose derivative rules are not those of their bodies.
 
-    A ``remat2`` or ``scan`` equation keeps its place, but its body is rewritten the same
-    way (calls inlined) with fresh variables of its own: JAX may hand two equations one
-    body object, and the auto-sharding pass plans each body's values (its variables must
-    name one value each). A constant of a call inlined into a body, or of a scan's closed
-    body, enters the body as an extra operand: the last of a ``remat2``, one more of a
-    scan's leading constants.
+    A ``remat2``, ``scan`` or ``cond`` equation keeps its place, but its bodies are
+    rewritten the same way (calls inlined) with fresh variables of their own: JAX may hand
+    two equations one body object, and the auto-sharding pass plans each body's values
+    (its variables must name one value each). A constant of a call inlined into a body, or
+    of a closed body, enters the body as an extra operand: the last of a ``remat2`` or a
+    ``cond``, one more of a scan's leading constants.
     """
-    constvars: list[Var] = list(closed.jaxpr.constvars)
-    consts: list[Any] = list(closed.consts)
+    inliner = _Inliner(closed, primitives)
+    eqns: list[JaxprEqn] = []
+    env: dict = {}
+    inliner.emit(closed.jaxpr, env, True, eqns, inliner.top_const)
+    outvars = [v if isinstance(v, Literal) else env.get(v, v) for v in closed.jaxpr.outvars]
+    jaxpr = new_jaxpr(closed.jaxpr, inliner.constvars, closed.jaxpr.invars, outvars, eqns)
+    return ClosedJaxpr(jaxpr, inliner.consts)
 
-    def top_const(aval, value) -> Var:
+
+class _Inliner:
+    """:func:`inline_calls`'s walk: the step's constants (new ones appended) and how each
+    equation is copied. ``add_const(aval, value)`` turns a constant met inside a body
+    into a variable of the jaxpr being written (a new top-level constant, or a new operand
+    of the body being copied)."""
+
+    def __init__(self, closed: ClosedJaxpr, primitives: Collection[str] | None):
+        self.primitives = primitives
+        self.constvars: list[Var] = list(closed.jaxpr.constvars)
+        self.consts: list[Any] = list(closed.consts)
+
+    def top_const(self, aval, value) -> Var:
         var = Var(aval)
-        constvars.append(var)
-        consts.append(value)
+        self.constvars.append(var)
+        self.consts.append(value)
         return var
 
-    def emit(jaxpr: Jaxpr, env: dict, top: bool, eqns: list, add_const) -> None:
+    def emit(self, jaxpr: Jaxpr, env: dict, top: bool, eqns: list, add_const) -> None:
+        """Append ``jaxpr``'s equations to ``eqns``, its calls inlined, reading its
+        variables through ``env`` (and, below the top, writing fresh ones into it)."""
+
         def read(v):
             return v if isinstance(v, Literal) else env.get(v, v)
 
         for eqn in jaxpr.eqns:
             name = eqn.primitive.name
-            body_param = (
-                _INLINE_PARAMS.get(name) if primitives is None or name in primitives else None
-            )
+            inlined = self.primitives is None or name in self.primitives
+            body_param = _INLINE_PARAMS.get(name) if inlined else None
             body = eqn.params.get(body_param) if body_param else None
             if body is not None:
-                inner = body.jaxpr if isinstance(body, ClosedJaxpr) else body
-                inner_consts = body.consts if isinstance(body, ClosedJaxpr) else ()
-                inner_env: dict = {}
-                for cv, c in zip(inner.constvars, inner_consts, strict=True):
-                    inner_env[cv] = add_const(cv.aval, c)
-                for iv, arg in zip(inner.invars, eqn.invars, strict=True):
-                    inner_env[iv] = read(arg)
-                emit(inner, inner_env, False, eqns, add_const)
-                for ov, inner_out in zip(eqn.outvars, inner.outvars, strict=True):
-                    env[ov] = (
-                        inner_out
-                        if isinstance(inner_out, Literal)
-                        else inner_env.get(inner_out, inner_out)
-                    )
+                self._inline(eqn, body, read, env, eqns, add_const)
                 continue
             if name in REMAT_PRIMITIVES and not eqn.params["jaxpr"].constvars:
-                eqn = copy_remat(eqn, add_const)
+                eqn = self.copy_remat(eqn, add_const)
             elif name == "scan":
-                eqn = copy_scan(eqn, add_const)
+                eqn = self.copy_scan(eqn, add_const)
+            elif name == "cond":
+                eqn = self.copy_cond(eqn, add_const)
             outvars = list(eqn.outvars)
             if not top:
                 outvars = [v if isinstance(v, DropVar) else Var(v.aval) for v in outvars]
                 env.update(zip(eqn.outvars, outvars, strict=True))
             eqns.append(eqn.replace(invars=[read(v) for v in eqn.invars], outvars=outvars))
 
-    def copy_body(body: Jaxpr, body_consts, add_const):
+    def _inline(self, eqn: JaxprEqn, body, read, env: dict, eqns: list, add_const) -> None:
+        inner = body.jaxpr if isinstance(body, ClosedJaxpr) else body
+        inner_consts = body.consts if isinstance(body, ClosedJaxpr) else ()
+        inner_env: dict = {}
+        for cv, c in zip(inner.constvars, inner_consts, strict=True):
+            inner_env[cv] = add_const(cv.aval, c)
+        for iv, arg in zip(inner.invars, eqn.invars, strict=True):
+            inner_env[iv] = read(arg)
+        self.emit(inner, inner_env, False, eqns, add_const)
+        for ov, inner_out in zip(eqn.outvars, inner.outvars, strict=True):
+            env[ov] = (
+                inner_out if isinstance(inner_out, Literal) else inner_env.get(inner_out, inner_out)
+            )
+
+    def copy_body(self, body: Jaxpr, body_consts, add_const):
         """``body`` with its calls inlined and every variable fresh, its constants (those
         of ``body_consts`` and of the calls inlined) turned into extra operands: the new
         body, its extra invars, and the outer values that feed them."""
@@ -368,25 +390,25 @@ def inline_calls(closed: ClosedJaxpr, primitives: Collection[str] | None = None)
         for cv, c in zip(body.constvars, body_consts, strict=True):
             body_env[cv] = body_const(cv.aval, c)
         body_eqns: list[JaxprEqn] = []
-        emit(body, body_env, False, body_eqns, body_const)
+        self.emit(body, body_env, False, body_eqns, body_const)
         outvars = [v if isinstance(v, Literal) else body_env.get(v, v) for v in body.outvars]
         return (invars, outvars, body_eqns), extra_inner, extra_outer
 
-    def copy_remat(eqn: JaxprEqn, add_const) -> JaxprEqn:
+    def copy_remat(self, eqn: JaxprEqn, add_const) -> JaxprEqn:
         """``eqn`` with its body's calls inlined and every body variable fresh."""
         body: Jaxpr = eqn.params["jaxpr"]
-        (invars, outvars, eqns), extra_inner, extra_outer = copy_body(body, (), add_const)
+        (invars, outvars, eqns), extra_inner, extra_outer = self.copy_body(body, (), add_const)
         new_body = new_jaxpr(body, [], [*invars, *extra_inner], outvars, eqns)
         return eqn.replace(
             invars=[*eqn.invars, *extra_outer],
             params=remat_params(eqn.params, new_body, len(extra_outer)),
         )
 
-    def copy_scan(eqn: JaxprEqn, add_const) -> JaxprEqn:
+    def copy_scan(self, eqn: JaxprEqn, add_const) -> JaxprEqn:
         """The same for a ``scan``: new constants lead its operands."""
         closed: ClosedJaxpr = eqn.params["jaxpr"]
         body = closed.jaxpr
-        (invars, outvars, eqns), extra_inner, extra_outer = copy_body(
+        (invars, outvars, eqns), extra_inner, extra_outer = self.copy_body(
             body, closed.consts, add_const
         )
         new_body = new_jaxpr(body, [], [*extra_inner, *invars], outvars, eqns)
@@ -397,13 +419,21 @@ def inline_calls(closed: ClosedJaxpr, primitives: Collection[str] | None = None)
         }
         return eqn.replace(invars=[*extra_outer, *eqn.invars], params=params)
 
-    eqns: list[JaxprEqn] = []
-    env: dict = {}
-    emit(closed.jaxpr, env, True, eqns, top_const)
-    outvars = [v if isinstance(v, Literal) else env.get(v, v) for v in closed.jaxpr.outvars]
-    return ClosedJaxpr(
-        new_jaxpr(closed.jaxpr, constvars, closed.jaxpr.invars, outvars, eqns), consts
-    )
+    def copy_cond(self, eqn: JaxprEqn, add_const) -> JaxprEqn:
+        """The same for each branch of a ``cond``: the branches' new constants are extra
+        last operands, each branch reading its own."""
+        copies = [self.copy_body(b.jaxpr, b.consts, add_const) for b in eqn.params["branches"]]
+        branches = []
+        for i, ((invars, outvars, eqns), extra_inner, _) in enumerate(copies):
+            others = [[Var(v.aval) for v in c[1]] for c in copies]
+            others[i] = extra_inner
+            slots = [v for vs in others for v in vs]
+            body = eqn.params["branches"][i].jaxpr
+            branches.append(ClosedJaxpr(new_jaxpr(body, [], [*invars, *slots], outvars, eqns), []))
+        outer = [v for c in copies for v in c[2]]
+        return eqn.replace(
+            invars=[*eqn.invars, *outer], params={**eqn.params, "branches": tuple(branches)}
+        )
 
 
 def remat_params(params: dict, body: Jaxpr, num_extra: int) -> dict:

@@ -203,9 +203,9 @@ def test_model_steps_have_a_rule_for_every_primitive(name, factory, optimizer):
 def test_control_flow_matches_serial():
     """``lax.scan`` over stacked layers with ``jax.checkpoint`` inside, and a ``lax.cond``:
     the scan's body is planned (its carry, rows and stacked outputs are nodes; the forward
-    and the transposed scan alike), the ``cond`` is an opaque equation (replicated; XLA
-    partitions its branches), the planner neither crashes nor warns, and the step's numbers
-    equal the serial step's."""
+    and the transposed scan alike), so are the ``cond``'s branches (its result is a node;
+    forward and transposed), nothing is opaque, the planner neither crashes nor warns, and
+    the step's numbers equal the serial step's."""
 
     def step(params, batch):
         def loss_fn(p):
@@ -230,12 +230,13 @@ def test_control_flow_matches_serial():
     traced = trace_step(step, (params, batch), (), (1,), (), ("params", "batch"))
     solution = solve_auto_sharding(traced, _mesh((8, 1)))
     opaque = {row[0].split()[-1] for row in solution.rows() if row[2] == "opaque"}
-    assert opaque == {"cond"}, opaque
+    assert not opaque, opaque
     kinds = Counter(row[0].rsplit(" of ", 1)[0] for row in solution.rows() if " of eqn" in row[0])
     # Two scans (forward, transposed), one carry each; rows: the stacked weights forward,
     # the weights and the saved carries backward; stacked outputs: the saved carries and
     # the weights' gradient.
     assert kinds["carry"] == 2 and kinds["row"] == 3 and kinds["stacked output"] == 2, kinds
+    assert kinds["result"] == 2, kinds  # the cond's one result, forward and transposed
 
 
 # ----------------------------------------------------------------------------- conv rules
