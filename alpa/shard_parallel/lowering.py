@@ -112,6 +112,10 @@ def eval_jaxpr_with_constraints(
             params, operands = _scan_with_constraints(
                 params, operands, constraints, operand_constraints
             )
+        elif eqn.primitive is lax.while_p and (constraints or operand_constraints):
+            params, operands = _while_with_constraints(
+                params, operands, constraints, operand_constraints
+            )
         elif eqn.primitive is lax.cond_p and (constraints or operand_constraints):
             results = [constraints.get(v) for v in eqn.outvars]
             params, operands = _cond_with_constraints(
@@ -191,6 +195,48 @@ def _scan_with_constraints(
         "num_consts": n_consts + len(traced.consts),
     }
     return params, [*traced.consts, *operands]
+
+
+def _while_with_constraints(
+    params: dict, operands: list, constraints: dict, operand_constraints: dict
+) -> tuple[dict, list]:
+    """The parameters and operands that bind a ``while`` with its condition's and body's
+    values pinned, the initial carries resharded to the carries' specs and each
+    iteration's new carries back to them (as :func:`_scan_with_constraints`)."""
+    cond, body = params["cond_jaxpr"], params["body_jaxpr"]
+    n_cond, n_body = params["cond_nconsts"], params["body_nconsts"]
+    carry_specs = [constraints.get(v) for v in body.jaxpr.invars[n_body:]]
+
+    def run_cond(*args):
+        return eval_jaxpr_with_constraints(
+            cond.jaxpr, cond.consts, args, constraints, operand_constraints
+        )
+
+    def run_body(*args):
+        outs = eval_jaxpr_with_constraints(
+            body.jaxpr, body.consts, args, constraints, operand_constraints
+        )
+        return [_pinned(x, s) for x, s in zip(outs, carry_specs, strict=True)]
+
+    new_params, consts = dict(params), {}
+    for part, fun, closed in (("cond", run_cond, cond), ("body", run_body, body)):
+        traced = jax.make_jaxpr(fun)(*_avals(closed.jaxpr.invars))
+        inner = traced.jaxpr
+        jaxpr = new_jaxpr(
+            closed.jaxpr, (), [*inner.constvars, *inner.invars], inner.outvars, inner.eqns
+        )
+        new_params[f"{part}_jaxpr"] = ClosedJaxpr(jaxpr, ())
+        new_params[f"{part}_nconsts"] = params[f"{part}_nconsts"] + len(traced.consts)
+        consts[part] = list(traced.consts)
+    inits = [_pinned(x, s) for x, s in zip(operands[n_cond + n_body :], carry_specs, strict=True)]
+    operands = [
+        *consts["cond"],
+        *operands[:n_cond],
+        *consts["body"],
+        *operands[n_cond : n_cond + n_body],
+        *inits,
+    ]
+    return new_params, operands
 
 
 def _cond_with_constraints(

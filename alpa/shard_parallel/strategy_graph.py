@@ -85,6 +85,11 @@ from alpa.tracing.primitive_def import pipeline_p
 # Equations whose outputs are their operands, unchanged.
 ALIAS_PRIMITIVES = {pipeline_p, lax.optimization_barrier_p, lax.sharding_constraint_p}
 
+#: How many iterations a ``while`` loop's condition and body are priced at: its trip count
+#: is known only when it runs (a ``fori_loop`` with static bounds is a ``scan``, priced at
+#: its own count).
+WHILE_TRIP_COUNT = 1
+
 #: Source of a value: (node id, output index).
 Source = tuple[int, int]
 
@@ -406,6 +411,12 @@ class _Builder:
             if not body.consts and id(body.jaxpr) not in self.expanded:
                 self._add_scan(t, eqn)
                 return
+        if eqn.primitive is lax.while_p:
+            parts = (eqn.params["cond_jaxpr"], eqn.params["body_jaxpr"])
+            bodies = {id(p.jaxpr) for p in parts}
+            if not any(p.consts for p in parts) and len(bodies) == 2 and not bodies & self.expanded:
+                self._add_while(t, eqn)
+                return
         if eqn.primitive is lax.cond_p:
             bodies = {id(b.jaxpr) for b in eqn.params["branches"]}
             if (
@@ -480,13 +491,14 @@ class _Builder:
         self.expanded.add(id(body))
         n_consts, n_carry, length = params["num_consts"], params["num_carry"], params["length"]
         self._alias(t, eqn.invars[:n_consts], body.invars[:n_consts])
-        carry_nodes = []
-        for init, var in zip(
-            eqn.invars[n_consts : n_consts + n_carry],
-            body.invars[n_consts : n_consts + n_carry],
-            strict=True,
-        ):
-            carry_nodes.append(self._loop_input(f"carry of eqn {t}", init, var, stacked=False))
+        carry_nodes = [
+            self._loop_input(f"carry of eqn {t}", init, var, stacked=False)
+            for init, var in zip(
+                eqn.invars[n_consts : n_consts + n_carry],
+                body.invars[n_consts : n_consts + n_carry],
+                strict=True,
+            )
+        ]
         for x, var in zip(
             eqn.invars[n_consts + n_carry :], body.invars[n_consts + n_carry :], strict=True
         ):
@@ -496,17 +508,10 @@ class _Builder:
         try:
             for u, inner in enumerate(body.eqns):
                 self.add_eqn(f"{t}/{u}", inner)
-            for node, new in zip(carry_nodes, body.outvars[:n_carry], strict=True):
-                if isinstance(new, Literal) or self.sources[new][0] == node:
-                    continue
-                self._body_edge(self.sources[new], node, new)
+            self._close_carries(carry_nodes, body.outvars[:n_carry])
         finally:
             self.scale = outer
-        out_sources: list[Source] = []
-        for node, var in zip(carry_nodes, eqn.outvars[:n_carry], strict=True):
-            if not isinstance(var, DropVar):
-                self.sources[var] = (node, 0)
-                out_sources.append((node, 0))
+        out_sources = self._final_carries(carry_nodes, eqn.outvars[:n_carry])
         for y, var in zip(body.outvars[n_carry:], eqn.outvars[n_carry:], strict=True):
             if isinstance(var, DropVar):
                 continue
@@ -522,6 +527,54 @@ class _Builder:
         self.eqns.append(eqn)
         self.eqn_sources.append(out_sources)
         self.control_flow.append(eqn)
+
+    def _add_while(self, t: int | str, eqn: JaxprEqn) -> None:
+        """Plan a ``while`` loop as a scan without rows: each carry a node tied to one
+        spec across iterations, the condition's and the body's equations nodes (paths
+        ``t/cond/u``, ``t/body/u``) whose costs count :data:`WHILE_TRIP_COUNT` times (the
+        real count is known only when the loop runs)."""
+        params = eqn.params
+        cond, body = params["cond_jaxpr"].jaxpr, params["body_jaxpr"].jaxpr
+        n_cond, n_body = params["cond_nconsts"], params["body_nconsts"]
+        self.expanded |= {id(cond), id(body)}
+        inits = eqn.invars[n_cond + n_body :]
+        carry_nodes = [
+            self._loop_input(f"carry of eqn {t}", init, var, stacked=False)
+            for init, var in zip(inits, body.invars[n_body:], strict=True)
+        ]
+        self._alias(t, eqn.invars[:n_cond], cond.invars[:n_cond])
+        self._alias(t, eqn.invars[n_cond : n_cond + n_body], body.invars[:n_body])
+        for var, node in zip(cond.invars[n_cond:], carry_nodes, strict=True):
+            self.sources[var] = (node, 0)  # the condition reads the carries as they are
+            self.body_inputs.append(var)
+        outer = self.scale
+        self.scale = outer * WHILE_TRIP_COUNT
+        try:
+            for part, jaxpr in (("cond", cond), ("body", body)):
+                for u, inner in enumerate(jaxpr.eqns):
+                    self.add_eqn(f"{t}/{part}/{u}", inner)
+            self._close_carries(carry_nodes, body.outvars)
+        finally:
+            self.scale = outer
+        self.eqns.append(eqn)
+        self.eqn_sources.append(self._final_carries(carry_nodes, eqn.outvars))
+        self.control_flow.append(eqn)
+
+    def _close_carries(self, carry_nodes: list[int], new_values) -> None:
+        """Edges that reshard each iteration's new carry into its carry's spec."""
+        for node, new in zip(carry_nodes, new_values, strict=True):
+            if isinstance(new, Literal) or self.sources[new][0] == node:
+                continue
+            self._body_edge(self.sources[new], node, new)
+
+    def _final_carries(self, carry_nodes: list[int], outvars) -> list[Source]:
+        """A loop's final carries are its carry nodes' values."""
+        sources = []
+        for node, var in zip(carry_nodes, outvars, strict=True):
+            if not isinstance(var, DropVar):
+                self.sources[var] = (node, 0)
+                sources.append((node, 0))
+        return sources
 
     def _add_cond(self, t: int | str, eqn: JaxprEqn) -> None:
         """Plan the branches of the ``cond`` ``eqn`` together.

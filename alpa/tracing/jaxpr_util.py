@@ -39,8 +39,9 @@ REMAT_PRIMITIVES = frozenset({"remat2", "checkpoint"})
 def planned_bodies(eqn: JaxprEqn) -> tuple[tuple[str, Jaxpr], ...]:
     """The bodies the auto-sharding plan reaches into, each with the name its values take
     after the equation's (``parallel_plan.value_refs``): that of a checkpoint (``remat2``)
-    or of a ``scan`` (``""``), the branches of a ``cond`` (``"b0/"``, ``"b1/"``, ...); none
-    for any other equation. ``trace_step`` gives each such body variables of its own, so
+    or of a ``scan`` (``""``), the branches of a ``cond`` (``"b0/"``, ``"b1/"``, ...), the
+    condition and body of a ``while`` (``"cond/"``, ``"body/"``); none for any other
+    equation. ``trace_step`` gives each such body variables of its own, so
     the plan can name the body's values."""
     name = eqn.primitive.name
     if name in REMAT_PRIMITIVES:
@@ -49,4 +50,9 @@ def planned_bodies(eqn: JaxprEqn) -> tuple[tuple[str, Jaxpr], ...]:
         return (("", eqn.params["jaxpr"].jaxpr),)
     if name == "cond":
         return tuple((f"b{i}/", b.jaxpr) for i, b in enumerate(eqn.params["branches"]))
+    if name == "while":
+        return (
+            ("cond/", eqn.params["cond_jaxpr"].jaxpr),
+            ("body/", eqn.params["body_jaxpr"].jaxpr),
+        )
     return ()

@@ -299,12 +299,13 @@ def inline_calls(closed: ClosedJaxpr, primitives: Collection[str] | None = None)
     primitive). A function still to be differentiated must keep its ``custom_jvp_call`` /
     ``custom_vjp_call`` equations, whose derivative rules are not those of their bodies.
 
-    A ``remat2``, ``scan`` or ``cond`` equation keeps its place, but its bodies are
+    A ``remat2``, ``scan``, ``cond`` or ``while`` equation keeps its place, but its bodies are
     rewritten the same way (calls inlined) with fresh variables of their own: JAX may hand
     two equations one body object, and the auto-sharding pass plans each body's values
     (its variables must name one value each). A constant of a call inlined into a body, or
     of a closed body, enters the body as an extra operand: the last of a ``remat2`` or a
-    ``cond``, one more of a scan's leading constants.
+    ``cond``, one more of the leading constants of a ``scan`` or of a ``while``'s
+    condition or body.
     """
     inliner = _Inliner(closed, primitives)
     eqns: list[JaxprEqn] = []
@@ -353,6 +354,8 @@ class _Inliner:
                 eqn = self.copy_scan(eqn, add_const)
             elif name == "cond":
                 eqn = self.copy_cond(eqn, add_const)
+            elif name == "while":
+                eqn = self.copy_while(eqn, add_const)
             outvars = list(eqn.outvars)
             if not top:
                 outvars = [v if isinstance(v, DropVar) else Var(v.aval) for v in outvars]
@@ -434,6 +437,26 @@ class _Inliner:
         return eqn.replace(
             invars=[*eqn.invars, *outer], params={**eqn.params, "branches": tuple(branches)}
         )
+
+    def copy_while(self, eqn: JaxprEqn, add_const) -> JaxprEqn:
+        """The same for a ``while``'s condition and body: the new constants of each lead
+        its own constants."""
+        params, operands = dict(eqn.params), list(eqn.invars)
+        n_cond = params["cond_nconsts"]
+        starts = {"cond": 0, "body": n_cond}
+        extra = {}
+        for part in ("cond", "body"):
+            closed = params[f"{part}_jaxpr"]
+            (invars, outvars, eqns), inner, outer = self.copy_body(
+                closed.jaxpr, closed.consts, add_const
+            )
+            body = new_jaxpr(closed.jaxpr, [], [*inner, *invars], outvars, eqns)
+            params[f"{part}_jaxpr"] = ClosedJaxpr(body, [])
+            params[f"{part}_nconsts"] += len(outer)
+            extra[part] = outer
+        cond_consts, rest = operands[: starts["body"]], operands[starts["body"] :]
+        invars = [*extra["cond"], *cond_consts, *extra["body"], *rest]
+        return eqn.replace(invars=invars, params=params)
 
 
 def remat_params(params: dict, body: Jaxpr, num_extra: int) -> dict:

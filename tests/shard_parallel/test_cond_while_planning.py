@@ -1,4 +1,5 @@
-"""The branches of a ``lax.cond`` are planned together (issue 30, item 3).
+"""The branches of a ``lax.cond`` are planned together, and a ``while`` loop's body as a
+scan's (issue 30, item 3).
 
 Each branch's equations are nodes of the strategy graph, priced as if every branch ran, and
 each result of the ``cond`` is a node that every branch's value is resharded into, so the
@@ -10,6 +11,8 @@ Oracles, on the 8 virtual CPU devices:
   both copies: the same ILP optimum, the same weight split;
 * the numbers equal ``jax.jit``'s for either branch taken, differentiated through the
   ``cond`` too (its transpose is another ``cond``), and the program keeps its branches;
+* a ``while`` loop is priced at ``WHILE_TRIP_COUNT`` (1) iterations: its plan and optimum
+  are those of the step that runs its body once, and its numbers equal ``jax.jit``'s;
 * ``optax.MultiSteps`` (its update is one ``cond``) shards the GPT's parameters and
   optimizer state as the plain chain does: at most 1.15x its bytes per device, and two
   steps equal ``jax.jit``'s.
@@ -30,6 +33,7 @@ import alpa
 from alpa.model.gpt import FlaxGPTForLMModule, GPTConfig, get_gpt_train_state_and_step
 from alpa.model.model_util import create_train_state
 from alpa.shard_parallel.auto_sharding import solve_auto_sharding
+from alpa.shard_parallel.strategy_graph import WHILE_TRIP_COUNT
 from alpa.testing import assert_allclose
 from alpa.testing import run_auto_sharded as _compile
 from alpa.testing import unit_cost_mesh as _mesh
@@ -103,6 +107,32 @@ def test_cond_branches_agree_and_match_serial(flag):
     assert len(re.findall(r" conditional\(", hlo)) == 2  # forward and transposed
     plan = executable.plan
     assert plan.in_specs[0] != P()  # the weights are split inside the branches
+
+
+@pytest.mark.parametrize("shape", [(1, 8), (2, 4)])
+def test_a_while_loop_is_planned_as_one_iteration(shape):
+    assert WHILE_TRIP_COUNT == 1
+
+    def looped(w, batch):
+        def body(carry):
+            return _two_layers(carry[0], w), carry[1] + 1
+
+        return lax.while_loop(lambda c: c[1] < w["n"], body, (batch["x"], 0))[0]
+
+    def once(w, batch):
+        return _two_layers(batch["x"], w)
+
+    w, batch = _inputs()
+    w["n"] = jnp.array(3)
+    planned = _solve(looped, w, batch, shape)
+    reference = _solve(once, w, batch, shape)
+    assert planned.objective == pytest.approx(reference.objective, rel=1e-9)
+    specs = planned.to_sharding_plan().in_specs[:2]
+    assert specs == reference.to_sharding_plan().in_specs[:2]
+    assert not [row for row in planned.rows() if row[2] == "opaque"]
+    out, executable = _compile(looped, w, batch, shape)
+    assert_allclose(out, jax.jit(looped)(w, batch), rtol=1e-4, atol=1e-4)
+    assert len(re.findall(r" while\(", executable.get_hlo_text())) == 1
 
 
 # ----------------------------------------------------------------------------- MultiSteps
