@@ -34,6 +34,7 @@ from alpa.runtime.ray_mesh import DistributedPhysicalDeviceMesh
 from alpa.runtime.resharding import worker_transfer_plan
 from alpa.shard_parallel.auto_sharding import (
     AutoShardingOption,
+    placed_input_specs,
     plan_auto_sharding,
     snapshot_for_compile,
 )
@@ -156,7 +157,7 @@ BUDGET_ATTEMPTS = 4
 
 
 def _compile_within_budget(
-    method, traced: TracedStep, plan, option: AutoShardingOption, resolve: bool
+    method, traced: TracedStep, plan, option: AutoShardingOption, resolve: bool, placed=None
 ) -> Executable:
     """Compile ``plan``; with a ``memory_budget_per_device``, keep the budget's promise:
     the compiled program's allocation (``get_total_allocation_size``: arguments, outputs,
@@ -165,7 +166,8 @@ def _compile_within_budget(
     The ILP's memory model is an estimate (``memory_model``: no collective buffers or
     alignment). When XLA allocates more than the budget, the ILP solves again with its
     budget scaled down by the factor it missed by, up to :data:`BUDGET_ATTEMPTS` plans;
-    ``resolve=False`` (a fixed plan, which no budget changes) only checks.
+    ``resolve=False`` (a fixed plan, which no budget changes) only checks. ``placed``: the
+    input specs the ILP keeps (``placed_input_specs``).
     """
     budget = option.memory_budget_per_device
     with timed("compile"):
@@ -184,6 +186,7 @@ def _compile_within_budget(
                     traced,
                     plan.logical_mesh,
                     replace(option, memory_budget_per_device=model_budget),
+                    fixed_in_specs=placed,
                 )
         except InfeasibleMemoryBudgetError:
             break
@@ -275,7 +278,10 @@ class ShardParallel(_AutoShardingOptionHolder, ParallelMethod):
         )
         if self.manual_sharding_option is not None:
             return manual_sharding_plan(traced, logical_mesh, self.manual_sharding_option, args)
-        return plan_auto_sharding(traced, logical_mesh, option)
+        # Arguments the caller placed on this mesh keep their shardings: the ILP plans
+        # around them.
+        placed = placed_input_specs(traced, args, logical_mesh)
+        return plan_auto_sharding(traced, logical_mesh, option, fixed_in_specs=placed)
 
     def compile_executable(self, traced: TracedStep, args: Sequence[Any]) -> Executable:
         option = snapshot_for_compile(self.auto_sharding_option)
@@ -285,7 +291,8 @@ class ShardParallel(_AutoShardingOptionHolder, ParallelMethod):
             with timed("compile"):
                 executable = _compile_one_mesh(self.devices, traced, plan, self.num_micro_batches)
         else:
-            executable = _compile_within_budget(self, traced, plan, option, resolve=True)
+            placed = placed_input_specs(traced, args, plan.logical_mesh, warn=False)
+            executable = _compile_within_budget(self, traced, plan, option, True, placed)
         return _keep_option(executable, option)
 
     def __repr__(self) -> str:

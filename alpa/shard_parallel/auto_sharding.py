@@ -13,10 +13,12 @@ import math
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import FrozenInstanceError, dataclass, fields, replace
+from typing import Any
 from typing import Literal as TypingLiteral
 
+import jax
 from jax.extend.core import Literal
-from jax.sharding import PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 
 from alpa.device_mesh import LogicalDeviceMesh
 from alpa.global_env import global_config
@@ -32,6 +34,7 @@ from alpa.shard_parallel.sharding_spec import (
     num_shards,
     replicated,
     to_partition_spec,
+    user_partition_spec,
 )
 from alpa.shard_parallel.strategy_costs import sums_partials
 from alpa.shard_parallel.strategy_graph import (
@@ -474,6 +477,35 @@ def plan_auto_sharding(
     if global_config.print_auto_sharding_strategy:
         print(solution.format_table())
     return solution.to_sharding_plan()
+
+
+def placed_input_specs(
+    traced, args: Sequence[Any], mesh: LogicalDeviceMesh, warn: bool = True
+) -> tuple[PartitionSpec | None, ...] | None:
+    """The specs (over ``mesh.axis_names``) of the step's input leaves that the caller
+    already placed with a ``NamedSharding`` on ``mesh`` under other names
+    (``sharding_spec.user_partition_spec``), ``None`` for the others; ``None`` when no
+    leaf is so placed. The ILP plans around them (``fixed_in_specs``) rather than
+    re-placing them. A leaf placed on another mesh is re-placed, with a warning when that
+    mesh is the user's (axis names other than alpa's: alpa's own executables move state
+    between their meshes as a matter of course)."""
+    dynamic = tuple(args[i] for i in traced.dynamic_argnums)
+    specs, foreign = [], []
+    for name, leaf in zip(traced.leaf_names, jax.tree.leaves(dynamic), strict=True):
+        sharding = getattr(leaf, "sharding", None)
+        spec = user_partition_spec(sharding, mesh) if isinstance(sharding, NamedSharding) else None
+        if isinstance(sharding, NamedSharding) and spec is None:
+            if tuple(sharding.mesh.axis_names) != tuple(mesh.axis_names):
+                foreign.append(f"{name} (on {sharding.mesh})")
+        specs.append(spec)
+    if foreign and warn:
+        warnings.warn(
+            f"{len(foreign)} argument leaves are placed on another mesh than the plan's "
+            f"logical mesh {mesh.shape}, and are re-placed: {', '.join(foreign[:3])}"
+            f"{', ...' if len(foreign) > 3 else ''}",
+            stacklevel=3,
+        )
+    return tuple(specs) if any(s is not None for s in specs) else None
 
 
 def plan_objective(traced, plan: ShardingPlan) -> tuple[float, float]:

@@ -38,6 +38,7 @@ from alpa.shard_parallel.micro_batches import (
 )
 from alpa.shard_parallel.partial_sums import partial_sum_overrides
 from alpa.shard_parallel.sharding_plan import ShardingPlan
+from alpa.shard_parallel.strategy_graph import USER_SHARDINGS
 from alpa.tracing import TracedStep, new_jaxpr
 from alpa.tracing.batch_draws import batch_size, micro_batch_draws, with_row_ids
 from alpa.tracing.jaxpr_util import REMAT_PRIMITIVES
@@ -105,6 +106,10 @@ def eval_jaxpr_with_constraints(
         params = eqn.primitive.get_bind_params(eqn.params)
         needs = operand_constraints.get(eqn) or (None,) * len(eqn.invars)
         operands = [read_as(v, n) for v, n in zip(eqn.invars, needs, strict=True)]
+        if eqn.primitive.name in USER_SHARDINGS and eqn.outvars[0] in constraints:
+            # The user's sharding, which the plan pins on its own mesh: the same sharding.
+            write(eqn.outvars[0], operands[0])
+            continue
         if eqn.primitive.name in REMAT_PRIMITIVES and (constraints or operand_constraints):
             params, extra = _checkpoint_with_constraints(params, constraints, operand_constraints)
             operands += extra

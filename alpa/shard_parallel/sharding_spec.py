@@ -20,7 +20,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from jax.sharding import PartitionSpec
+from jax.sharding import Mesh, PartitionSpec
 
 from alpa.device_mesh import LogicalDeviceMesh, entry_names
 
@@ -123,6 +123,35 @@ def from_partition_spec(pspec: PartitionSpec, rank: int, mesh: LogicalDeviceMesh
                 axes.append(axis)
         spec.append(tuple(axes))
     return tuple(spec)
+
+
+def user_partition_spec(sharding, mesh: LogicalDeviceMesh) -> PartitionSpec | None:
+    """The ``PartitionSpec`` over ``mesh.axis_names`` of a user's ``NamedSharding`` on a
+    mesh that is ``mesh`` seen under other names, else ``None``.
+
+    The user's mesh is ``mesh`` when its axes of more than one device have the sizes of
+    ``mesh``'s, in order (a 1-D mesh of 8 devices is the logical mesh (1, 8)), and, when
+    both hold devices, the same devices in the same places; an abstract mesh (a
+    ``PartitionSpec`` under ``jax.set_mesh``) is matched by its sizes. Its axes are
+    ``mesh``'s by position. A spec with an unconstrained dimension is ``None`` too.
+    """
+    user = getattr(sharding, "mesh", None)
+    pspec = getattr(sharding, "spec", None)
+    if user is None or pspec is None or PartitionSpec.UNCONSTRAINED in tuple(pspec):
+        return None
+    user_axes = [n for n, size in zip(user.axis_names, user.axis_sizes, strict=True) if size > 1]
+    axes = [a for a in range(len(mesh.shape)) if mesh.shape[a] > 1]
+    if [user.shape[n] for n in user_axes] != [mesh.shape[a] for a in axes]:
+        return None
+    if isinstance(user, Mesh) and mesh.devices is not None:
+        if [d.id for d in user.devices.flat] != [d.id for d in mesh.devices]:
+            return None
+    names = dict(zip(user_axes, (mesh.axis_names[a] for a in axes), strict=True))
+    entries = []
+    for entry in pspec:
+        kept = tuple(names[n] for n in entry_names(entry) if n in names)
+        entries.append(None if not kept else kept[0] if len(kept) == 1 else kept)
+    return PartitionSpec(*entries)
 
 
 def format_spec(spec: Spec, mesh: LogicalDeviceMesh) -> str:

@@ -58,10 +58,12 @@ from alpa.device_mesh import LogicalDeviceMesh
 from alpa.shard_parallel.sharding_spec import (
     Spec,
     enumerate_specs,
+    from_partition_spec,
     nbytes,
     num_shards,
     replicated,
     resharding_cost,
+    user_partition_spec,
 )
 from alpa.shard_parallel.strategy_costs import (
     PARTIAL_SUM_ADDS,
@@ -83,7 +85,12 @@ from alpa.tracing.jaxpr_util import REMAT_PRIMITIVES
 from alpa.tracing.primitive_def import pipeline_p
 
 # Equations whose outputs are their operands, unchanged.
-ALIAS_PRIMITIVES = {pipeline_p, lax.optimization_barrier_p, lax.sharding_constraint_p}
+ALIAS_PRIMITIVES = {pipeline_p, lax.optimization_barrier_p, lax.sharding_constraint_p, "reshard"}
+
+#: The user's shardings in a step, and the parameter that holds each one's
+#: ``NamedSharding``: ``with_sharding_constraint`` (and its transpose) and ``reshard``
+#: (``jax.sharding.reshard``; JAX's own, of the scalar seed of a gradient).
+USER_SHARDINGS = {"sharding_constraint": "sharding", "reshard": "dst_sharding"}
 
 #: How many iterations a ``while`` loop's condition and body are priced at: its trip count
 #: is known only when it runs (a ``fori_loop`` with static bounds is a ``scan``, priced at
@@ -240,6 +247,21 @@ def build_strategy_graph(
     output_sources = tuple(
         None if isinstance(v, Literal) else builder.sources[v] for v in jaxpr.outvars
     )
+    if builder.foreign_constraints:
+        meshes = sorted(
+            {
+                str(e.params[USER_SHARDINGS[e.primitive.name]].mesh)
+                for e in builder.foreign_constraints
+            }
+        )
+        warnings.warn(
+            f"{len(builder.foreign_constraints)} with_sharding_constraint(s) name another mesh "
+            f"than the plan's logical mesh {mesh.shape} ({'; '.join(meshes)}): the planner "
+            "cannot pin them and leaves them in the program as given. Constrain with a "
+            "PartitionSpec under jax.set_mesh(mesh), or a NamedSharding, on a mesh of the "
+            "plan's devices and shape (its axes are the logical mesh's by position)",
+            stacklevel=3,
+        )
     if builder.unknown:
         names = ", ".join(sorted(builder.unknown))
         warnings.warn(
@@ -332,6 +354,8 @@ class _Builder:
         # counts of the scans around them. Their strategies' and edges' costs are scaled.
         self.scale = 1
         self.control_flow: list[JaxprEqn] = []
+        # The user's sharding constraints on another mesh than this one (not planned).
+        self.foreign_constraints: list[JaxprEqn] = []
         self.body_inputs: list[Var] = []
 
     def add_node(self, label, outvars, strategies, follow, combined=False, shared=False) -> int:
@@ -390,7 +414,9 @@ class _Builder:
     def add_eqn(self, t: int | str, eqn: JaxprEqn) -> None:
         """Add ``eqn``: equation ``t`` of the jaxpr, or at path ``t = "3/1"`` (equation 1 of
         the body of the remat2 equation 3; never a combinable reduction)."""
-        if eqn.primitive in ALIAS_PRIMITIVES:
+        if eqn.primitive.name in USER_SHARDINGS and self._add_user_constraint(t, eqn):
+            return
+        if eqn.primitive in ALIAS_PRIMITIVES or eqn.primitive.name in ALIAS_PRIMITIVES:
             self._alias(t, eqn.invars, eqn.outvars)
             self.eqns.append(eqn)
             self.eqn_sources.append([])
@@ -472,6 +498,28 @@ class _Builder:
         site = self._partial_sum_site(t, eqn, node_id, result)
         # ``result`` is the rule cache's own entry only when a rule made it under a key.
         self._add_edges(eqn, node_id, result, site, key is not None and rule is not None)
+
+    def _add_user_constraint(self, t: int | str, eqn: JaxprEqn) -> bool:
+        """Pin the value of the user's ``with_sharding_constraint`` ``eqn`` to its spec:
+        a node of one strategy that reads the operand in that spec (the edge prices the
+        resharding into it). ``False`` (the constraint stays an alias, planned around by
+        nothing) when its mesh is not this mesh under other names
+        (``sharding_spec.user_partition_spec``); the graph then warns."""
+        pspec = user_partition_spec(eqn.params[USER_SHARDINGS[eqn.primitive.name]], self.mesh)
+        if pspec is None:
+            self.foreign_constraints.append(eqn)
+            return False
+        rank = len(eqn.outvars[0].aval.shape)
+        spec = from_partition_spec(pspec, rank, self.mesh)
+        result = NodeStrategies((Strategy("user", (spec,), (spec,)),))
+        node_id = self.add_node(
+            f"eqn {t} sharding_constraint", tuple(eqn.outvars), result.strategies, None
+        )
+        self.eqns.append(eqn)
+        self.eqn_sources.append([(node_id, 0)])
+        self.node_eqn[node_id] = eqn
+        self._add_edges(eqn, node_id, result, None, False)
+        return True
 
     def _add_scan(self, t: int | str, eqn: JaxprEqn) -> None:
         """Plan the body of the scan ``eqn`` once, as one iteration of the loop.
