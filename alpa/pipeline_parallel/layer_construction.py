@@ -70,6 +70,7 @@ from alpa.pipeline_parallel.segments import (
     read,
     rewrite_traced,
     segment_interface,
+    unroll_layer_scans,
 )
 from alpa.tracing.jaxpr_util import grad_marker_index, is_grad_marker
 from alpa.tracing.primitive_def import mark_pipeline_jaxpreqn, pipeline_p
@@ -201,6 +202,7 @@ class AutoLayerOption:
             )
 
         def rewrite(closed: ClosedJaxpr, values: list) -> list:
+            closed = unroll_layer_scans(closed, self.layer_num)
             segments = clustered_segments(
                 closed.jaxpr.eqns, self.layer_num, self.layer_eps, self._what(), "the loss function"
             )
