@@ -84,8 +84,11 @@ from alpa.shard_parallel.strategy_rules import (
 from alpa.tracing.jaxpr_util import REMAT_PRIMITIVES
 from alpa.tracing.primitive_def import pipeline_p
 
-# Equations whose outputs are their operands, unchanged.
-ALIAS_PRIMITIVES = {pipeline_p, lax.optimization_barrier_p, lax.sharding_constraint_p, "reshard"}
+# Equations whose outputs are their operands, unchanged (``random_clone``: a key's copy,
+# as ``jax.random.clone`` and flax's scanned dropout write).
+ALIAS_PRIMITIVES = {
+    pipeline_p, lax.optimization_barrier_p, lax.sharding_constraint_p, "reshard", "random_clone",
+}  # fmt: skip
 
 #: The user's shardings in a step, and the parameter that holds each one's
 #: ``NamedSharding``: ``with_sharding_constraint`` (and its transpose) and ``reshard``
