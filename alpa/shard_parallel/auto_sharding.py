@@ -329,7 +329,7 @@ class AutoShardingSolution:
             for v in eqn.outvars:
                 if v in graph.sources:
                     var_specs[v] = to_partition_spec(self.spec_of(v), mesh)
-        for v in graph.body_inputs:  # a scan's carries and rows, inside its body
+        for v in graph.body_inputs:  # a loop's carries and a scan's rows, inside the body
             var_specs[v] = to_partition_spec(self.spec_of(v), mesh)
         operand_specs = {}
         for eqn, needs in zip(jaxpr.eqns, self._operand_needs(), strict=True):
@@ -393,8 +393,9 @@ class AutoShardingSolution:
         loops = {id(e) for e in graph.control_flow}
         result = []
         for eqn, sources in zip(graph.jaxpr.eqns, graph.eqn_sources, strict=True):
-            # An alias (marker, barrier): no node, nothing to reshard. A planned scan: its
-            # operands are read as its body's carries and rows are pinned (the lowering).
+            # An alias (marker, barrier): no node, nothing to reshard. A planned scan,
+            # while or cond: its operands are read as its bodies' inputs are pinned (the
+            # lowering reshards them there).
             if not sources or id(eqn) in loops:
                 result.append((None,) * len(eqn.invars))
                 continue

@@ -64,8 +64,11 @@ def eval_jaxpr_with_constraints(
 
     A ``remat2`` (checkpoint) equation is bound again around its body evaluated with the
     same constraints (:func:`_checkpoint_with_constraints`): the plan pins the body's values,
-    and the recomputation stays in the program. So is a ``scan``
-    (:func:`_scan_with_constraints`): the loop stays a loop.
+    and the recomputation stays in the program. So are a ``scan``, a ``while`` and a
+    ``cond`` (:func:`_scan_with_constraints`, :func:`_while_with_constraints`,
+    :func:`_cond_with_constraints`): loops stay loops, branches branches. The user's own
+    ``with_sharding_constraint`` (or ``reshard``) of a value the plan pins is replaced by
+    the plan's constraint, the same sharding on alpa's mesh.
 
     ``overrides[eqn]``, where given, computes ``eqn``'s outputs from its operands as read,
     and they are stored as returned, unconstrained: gradient accumulation's deferred row
