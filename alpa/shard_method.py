@@ -157,7 +157,7 @@ BUDGET_ATTEMPTS = 4
 
 
 def _compile_within_budget(
-    method, traced: TracedStep, plan, option: AutoShardingOption, resolve: bool, placed=None
+    method, traced: TracedStep, plan, option: AutoShardingOption, resolve: bool, args=None
 ) -> Executable:
     """Compile ``plan``; with a ``memory_budget_per_device``, keep the budget's promise:
     the compiled program's allocation (``get_total_allocation_size``: arguments, outputs,
@@ -166,8 +166,8 @@ def _compile_within_budget(
     The ILP's memory model is an estimate (``memory_model``: no collective buffers or
     alignment). When XLA allocates more than the budget, the ILP solves again with its
     budget scaled down by the factor it missed by, up to :data:`BUDGET_ATTEMPTS` plans;
-    ``resolve=False`` (a fixed plan, which no budget changes) only checks. ``placed``: the
-    input specs the ILP keeps (``placed_input_specs``).
+    ``resolve=False`` (a fixed plan, which no budget changes) only checks. ``args``: the
+    call's arguments, whose placed leaves each new plan keeps (``placed_input_specs``).
     """
     budget = option.memory_budget_per_device
     with timed("compile"):
@@ -177,6 +177,9 @@ def _compile_within_budget(
     allocated = executable.get_total_allocation_size()
     closest, model_budget = allocated, budget
     attempts = BUDGET_ATTEMPTS - 1 if resolve else 0
+    placed = None
+    if allocated > budget and attempts and args is not None:
+        placed = placed_input_specs(traced, args, plan.logical_mesh, warn=False)
     while allocated > budget and attempts:
         attempts -= 1
         model_budget *= budget / allocated  # the factor the model missed by
@@ -291,8 +294,7 @@ class ShardParallel(_AutoShardingOptionHolder, ParallelMethod):
             with timed("compile"):
                 executable = _compile_one_mesh(self.devices, traced, plan, self.num_micro_batches)
         else:
-            placed = placed_input_specs(traced, args, plan.logical_mesh, warn=False)
-            executable = _compile_within_budget(self, traced, plan, option, True, placed)
+            executable = _compile_within_budget(self, traced, plan, option, True, args)
         return _keep_option(executable, option)
 
     def __repr__(self) -> str:

@@ -494,9 +494,10 @@ def placed_input_specs(
     specs, foreign = [], []
     for name, leaf in zip(traced.leaf_names, jax.tree.leaves(dynamic), strict=True):
         sharding = getattr(leaf, "sharding", None)
-        spec = user_partition_spec(sharding, mesh) if isinstance(sharding, NamedSharding) else None
-        if isinstance(sharding, NamedSharding) and spec is None:
-            if tuple(sharding.mesh.axis_names) != tuple(mesh.axis_names):
+        spec = None
+        if isinstance(sharding, NamedSharding):
+            spec = user_partition_spec(sharding, mesh)
+            if spec is None and tuple(sharding.mesh.axis_names) != tuple(mesh.axis_names):
                 foreign.append(f"{name} (on {sharding.mesh})")
         specs.append(spec)
     if foreign and warn:

@@ -157,10 +157,8 @@ def _checkpoint_with_constraints(
     def constrained(*args):
         return eval_jaxpr_with_constraints(body, (), args, constraints, operand_constraints)
 
-    closed = jax.make_jaxpr(constrained)(*_avals(body.invars))
-    traced = closed.jaxpr
-    new_body = new_jaxpr(body, (), [*traced.invars, *traced.constvars], traced.outvars, traced.eqns)
-    return remat_params(params, new_body, len(closed.consts)), list(closed.consts)
+    new_body, consts = _retrace(body, constrained, consts_first=False)
+    return remat_params(params, new_body, len(consts)), consts
 
 
 def _scan_with_constraints(
@@ -188,9 +186,7 @@ def _scan_with_constraints(
         carries = [_pinned(x, s) for x, s in zip(outs[:n_carry], carry_specs, strict=True)]
         return carries + outs[n_carry:]
 
-    traced = jax.make_jaxpr(constrained)(*_avals(body.invars))
-    inner = traced.jaxpr
-    new_body = new_jaxpr(body, (), [*inner.constvars, *inner.invars], inner.outvars, inner.eqns)
+    new_body, consts = _retrace(body, constrained)
     operands = list(operands)
     for j, v in enumerate(body.invars[n_consts:], start=n_consts):
         sharding = constraints.get(v)
@@ -200,9 +196,9 @@ def _scan_with_constraints(
     params = {
         **params,
         "jaxpr": ClosedJaxpr(new_body, ()),
-        "num_consts": n_consts + len(traced.consts),
+        "num_consts": n_consts + len(consts),
     }
-    return params, [*traced.consts, *operands]
+    return params, [*consts, *operands]
 
 
 def _while_with_constraints(
@@ -228,14 +224,9 @@ def _while_with_constraints(
 
     new_params, consts = dict(params), {}
     for part, fun, closed in (("cond", run_cond, cond), ("body", run_body, body)):
-        traced = jax.make_jaxpr(fun)(*_avals(closed.jaxpr.invars))
-        inner = traced.jaxpr
-        jaxpr = new_jaxpr(
-            closed.jaxpr, (), [*inner.constvars, *inner.invars], inner.outvars, inner.eqns
-        )
+        jaxpr, consts[part] = _retrace(closed.jaxpr, fun)
         new_params[f"{part}_jaxpr"] = ClosedJaxpr(jaxpr, ())
-        new_params[f"{part}_nconsts"] = params[f"{part}_nconsts"] + len(traced.consts)
-        consts[part] = list(traced.consts)
+        new_params[f"{part}_nconsts"] = params[f"{part}_nconsts"] + len(consts[part])
     inits = [_pinned(x, s) for x, s in zip(operands[n_cond + n_body :], carry_specs, strict=True)]
     operands = [
         *consts["cond"],
@@ -278,6 +269,18 @@ def _cond_with_constraints(
         )
     consts = [c for closed in traced for c in closed.consts]
     return {**params, "branches": tuple(new_branches)}, [*operands, *consts]
+
+
+def _retrace(template: Jaxpr, fun, consts_first: bool = True) -> tuple[Jaxpr, list]:
+    """``fun``, which evaluates ``template`` with constraints, traced on ``template``'s
+    input types: a jaxpr whose captured constants are extra inputs (leading, or after
+    ``template``'s own), and those constants."""
+    traced = jax.make_jaxpr(fun)(*_avals(template.invars))
+    inner = traced.jaxpr
+    invars = (
+        [*inner.constvars, *inner.invars] if consts_first else [*inner.invars, *inner.constvars]
+    )
+    return new_jaxpr(template, (), invars, inner.outvars, inner.eqns), list(traced.consts)
 
 
 def _avals(invars) -> list:

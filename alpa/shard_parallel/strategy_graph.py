@@ -81,14 +81,14 @@ from alpa.shard_parallel.strategy_rules import (
     lookup_rule,
     replicated_strategy,
 )
-from alpa.tracing.jaxpr_util import REMAT_PRIMITIVES
+from alpa.tracing.jaxpr_util import REMAT_PRIMITIVES, planned_bodies
 from alpa.tracing.primitive_def import pipeline_p
 
 # Equations whose outputs are their operands, unchanged (``random_clone``: a key's copy,
 # as ``jax.random.clone`` and flax's scanned dropout write).
 ALIAS_PRIMITIVES = {
-    pipeline_p, lax.optimization_barrier_p, lax.sharding_constraint_p, "reshard", "random_clone",
-}  # fmt: skip
+    p.name for p in (pipeline_p, lax.optimization_barrier_p, lax.sharding_constraint_p)
+} | {"reshard", "random_clone"}
 
 #: The user's shardings in a step, and the parameter that holds each one's
 #: ``NamedSharding``: ``with_sharding_constraint`` (and its transpose) and ``reshard``
@@ -334,7 +334,8 @@ class _Builder:
         # each one produces.
         self.eqns: list[JaxprEqn] = []
         self.eqn_sources: list[list[Source]] = []
-        # ids of the remat2 bodies expanded: a body shared by two equations is planned once.
+        # ids of the bodies planned (checkpoint, scan, while, cond): a body shared by two
+        # equations is planned once.
         self.expanded: set[int] = set()
         self.unknown: set[str] = set()
         # Per node, per output: the output spec under each strategy (the operand specs of
@@ -419,42 +420,22 @@ class _Builder:
         the body of the remat2 equation 3; never a combinable reduction)."""
         if eqn.primitive.name in USER_SHARDINGS and self._add_user_constraint(t, eqn):
             return
-        if eqn.primitive in ALIAS_PRIMITIVES or eqn.primitive.name in ALIAS_PRIMITIVES:
+        if eqn.primitive.name in ALIAS_PRIMITIVES:
             self._alias(t, eqn.invars, eqn.outvars)
             self.eqns.append(eqn)
             self.eqn_sources.append([])
             return
-        if eqn.primitive.name in REMAT_PRIMITIVES:
-            body = eqn.params["jaxpr"]
-            if not body.constvars and id(body) not in self.expanded:
-                self.expanded.add(id(body))
-                self._alias(t, eqn.invars, body.invars)
-                for u, inner in enumerate(body.eqns):
-                    self.add_eqn(f"{t}/{u}", inner)
-                self._alias(t, body.outvars, eqn.outvars)
-                self.eqns.append(eqn)
-                self.eqn_sources.append([])
-                return
-        if eqn.primitive is lax.scan_p:
-            body = eqn.params["jaxpr"]
-            if not body.consts and id(body.jaxpr) not in self.expanded:
-                self._add_scan(t, eqn)
-                return
-        if eqn.primitive is lax.while_p:
-            parts = (eqn.params["cond_jaxpr"], eqn.params["body_jaxpr"])
-            bodies = {id(p.jaxpr) for p in parts}
-            if not any(p.consts for p in parts) and len(bodies) == 2 and not bodies & self.expanded:
-                self._add_while(t, eqn)
-                return
-        if eqn.primitive is lax.cond_p:
-            bodies = {id(b.jaxpr) for b in eqn.params["branches"]}
-            if (
-                not any(b.consts for b in eqn.params["branches"])
-                and len(bodies) == len(eqn.params["branches"])
-                and not bodies & self.expanded
-            ):
-                self._add_cond(t, eqn)
-                return
+        bodies = [body for _, body in planned_bodies(eqn)]
+        if bodies and self._expandable(bodies):
+            self.expanded.update(id(body) for body in bodies)
+            name = eqn.primitive.name
+            if name in REMAT_PRIMITIVES:
+                self._add_remat(t, eqn)
+            else:
+                {"scan": self._add_scan, "while": self._add_while, "cond": self._add_cond}[name](
+                    t, eqn
+                )
+            return
         operand_specs = tuple(
             None if isinstance(v, Literal) else self._specs_of(self.sources[v]) for v in eqn.invars
         )
@@ -502,6 +483,28 @@ class _Builder:
         # ``result`` is the rule cache's own entry only when a rule made it under a key.
         self._add_edges(eqn, node_id, result, site, key is not None and rule is not None)
 
+    def _expandable(self, bodies) -> bool:
+        """An equation's bodies can be planned in the graph: none closes over constants
+        and each is new to it (``trace_step`` gives every body variables of its own; a body
+        object shared by two equations is planned once, the other equation stays opaque)."""
+        ids = {id(body) for body in bodies}
+        return (
+            not any(body.constvars for body in bodies)
+            and len(ids) == len(bodies)
+            and not ids & self.expanded
+        )
+
+    def _add_remat(self, t: int | str, eqn: JaxprEqn) -> None:
+        """A checkpoint's body is planned in place: its inputs are the equation's operands,
+        its results the equation's (which has no node of its own)."""
+        body = eqn.params["jaxpr"]
+        self._alias(t, eqn.invars, body.invars)
+        for u, inner in enumerate(body.eqns):
+            self.add_eqn(f"{t}/{u}", inner)
+        self._alias(t, body.outvars, eqn.outvars)
+        self.eqns.append(eqn)
+        self.eqn_sources.append([])
+
     def _add_user_constraint(self, t: int | str, eqn: JaxprEqn) -> bool:
         """Pin the value of the user's ``with_sharding_constraint`` ``eqn`` to its spec:
         a node of one strategy that reads the operand in that spec (the edge prices the
@@ -539,7 +542,6 @@ class _Builder:
         """
         params = eqn.params
         body = params["jaxpr"].jaxpr
-        self.expanded.add(id(body))
         n_consts, n_carry, length = params["num_consts"], params["num_carry"], params["length"]
         self._alias(t, eqn.invars[:n_consts], body.invars[:n_consts])
         carry_nodes = [
@@ -587,7 +589,6 @@ class _Builder:
         params = eqn.params
         cond, body = params["cond_jaxpr"].jaxpr, params["body_jaxpr"].jaxpr
         n_cond, n_body = params["cond_nconsts"], params["body_nconsts"]
-        self.expanded |= {id(cond), id(body)}
         inits = eqn.invars[n_cond + n_body :]
         carry_nodes = [
             self._loop_input(f"carry of eqn {t}", init, var, stacked=False)
@@ -640,7 +641,6 @@ class _Builder:
         branches = eqn.params["branches"]
         for i, branch in enumerate(branches):
             body = branch.jaxpr
-            self.expanded.add(id(body))
             self._alias(t, eqn.invars[1:], body.invars)
             for u, inner in enumerate(body.eqns):
                 self.add_eqn(f"{t}/b{i}/{u}", inner)

@@ -443,7 +443,6 @@ class _Inliner:
         its own constants."""
         params, operands = dict(eqn.params), list(eqn.invars)
         n_cond = params["cond_nconsts"]
-        starts = {"cond": 0, "body": n_cond}
         extra = {}
         for part in ("cond", "body"):
             closed = params[f"{part}_jaxpr"]
@@ -454,8 +453,7 @@ class _Inliner:
             params[f"{part}_jaxpr"] = ClosedJaxpr(body, [])
             params[f"{part}_nconsts"] += len(outer)
             extra[part] = outer
-        cond_consts, rest = operands[: starts["body"]], operands[starts["body"] :]
-        invars = [*extra["cond"], *cond_consts, *extra["body"], *rest]
+        invars = [*extra["cond"], *operands[:n_cond], *extra["body"], *operands[n_cond:]]
         return eqn.replace(invars=invars, params=params)
 
 
