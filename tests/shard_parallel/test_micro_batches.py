@@ -281,11 +281,10 @@ def test_objective_prices_the_layout_change(masked):
     assert executable.auto_sharding_objective > cost > 0
 
 
-def test_batch_dims_of_several_counts_come_from_one_retrace():
-    """``batch_dims_for`` reads the batch dimensions of every data-parallel count off one
-    retrace at their least common multiple; they equal each count's own
-    ``batch_dims``, and a second request for a divisor reuses its trace."""
-    from alpa.shard_parallel.micro_batches import batch_dims, batch_dims_for
+def test_batch_dims_are_read_off_the_jaxpr_without_a_retrace():
+    """``batch_dims`` of a step whose every value the jaxpr rules follow: no retrace, and
+    the dimensions equal those a trace at each per-device size shows."""
+    from alpa.shard_parallel.micro_batches import batch_dims_for, retraced_batch_dims
 
     traced_shapes = []
 
@@ -300,6 +299,42 @@ def test_batch_dims_of_several_counts_come_from_one_retrace():
 
     w, x = jnp.ones((4, 8)), jnp.ones((16, 4))
     traced = alpa.parallelize(step, method=alpa.ShardParallel()).get_executable(w, x).traced
+    traced_shapes.clear()
+    together = batch_dims_for(traced, [2, 4, 1])
+    assert traced_shapes == []
+    assert set(together) == {2, 4}
+    for n in (2, 4):
+        assert together[n] == retraced_batch_dims(traced, n)
+    dims = together[2]
+    x_var, w_var = traced.jaxpr.invars[1], traced.jaxpr.invars[0]
+    assert dims[x_var] == (0,) and dims[w_var] == ()
+    reshaped = [e for e in traced.jaxpr.eqns if e.primitive.name == "reshape"]
+    assert reshaped and all(dims[e.outvars[0]] == (0,) for e in reshaped)
+
+
+@pytest.mark.filterwarnings("ignore:auto-sharding has no strategy rule for complex, fft")
+def test_batch_dims_of_several_counts_come_from_one_retrace():
+    """Where the jaxpr rules cannot follow the rows (here an ``fft``, which has none),
+    ``batch_dims_for`` reads the dimensions of every data-parallel count off one retrace
+    at their least common multiple; they equal each count's own, and a second request
+    for a divisor reuses its trace."""
+    from alpa.shard_parallel.micro_batches import batch_dims, batch_dims_for
+    from alpa.tracing.batch_dims import static_batch_dims
+
+    traced_shapes = []
+
+    def step(w, x):
+        traced_shapes.append(x.shape)
+
+        def loss(w):
+            h = jnp.fft.fft(jnp.tanh(x @ w)).real  # [rows, 8]
+            return jnp.mean(h.reshape(-1, 2, 4) ** 2)  # rows x 2 groups of 4
+
+        return w - LR * alpa.grad(loss)(w)
+
+    w, x = jnp.ones((4, 8)), jnp.ones((16, 4))
+    traced = alpa.parallelize(step, method=alpa.ShardParallel()).get_executable(w, x).traced
+    assert static_batch_dims(traced.jaxpr, traced.batch_invars, 2) is None
     traced_shapes.clear()
     together = batch_dims_for(traced, [2, 4, 1])
     assert traced_shapes == [(4, 4)]  # one retrace, at lcm(2, 4) = 4
@@ -321,9 +356,10 @@ def test_batch_dims_of_several_counts_come_from_one_retrace():
 
 def test_a_step_written_for_one_batch_size_still_runs_with_micro_batches():
     """A step whose shapes assume its (micro-)batch size cannot be traced at the
-    per-device size: nothing is deferred (``batch_dims`` is ``None``), and the step still
-    matches the serial accumulation."""
-    from alpa.shard_parallel.micro_batches import batch_dims
+    per-device size (``retraced_batch_dims`` is ``None``); the jaxpr rules tie its
+    fixed-size offset to the rows it is added to, so its row sums are deferred all the
+    same, and the step matches the serial accumulation."""
+    from alpa.shard_parallel.micro_batches import batch_dims, retraced_batch_dims
 
     k = 2
     rows = BATCH // k
@@ -341,7 +377,10 @@ def test_a_step_written_for_one_batch_size_still_runs_with_micro_batches():
     f = alpa.parallelize(step, method=alpa.DataParallel(num_micro_batches=k))
     out = f(w, x)
     traced = f.get_last_executable().traced
-    assert batch_dims(traced, 8) is None
+    assert retraced_batch_dims(traced, 8) is None
+    dims = batch_dims(traced, 8)
+    offset = next(e for e in traced.jaxpr.eqns if e.primitive.name == "iota").outvars[0]
+    assert dims[offset] == (0,)
 
     def serial_grad(w, chunk):
         offset = jnp.arange(rows, dtype=jnp.float32).reshape(rows, 1)
