@@ -11,14 +11,17 @@ import pytest
 from alpa.shard_parallel import milp
 
 
-def _count_runs(monkeypatch) -> list[bool]:
-    """Record the ``integral`` flag of every HiGHS run."""
+def _count_runs(monkeypatch, starts: list | None = None) -> list[bool]:
+    """Record the ``integral`` flag of every HiGHS run (and in ``starts``, the incumbent
+    each run was given)."""
     runs: list[bool] = []
     original = milp._run_highs
 
-    def counted(model, time_limit, integral):
+    def counted(model, time_limit, integral, incumbent=None):
         runs.append(integral)
-        return original(model, time_limit, integral)
+        if starts is not None:
+            starts.append(incumbent)
+        return original(model, time_limit, integral, incumbent)
 
     monkeypatch.setattr(milp, "_run_highs", counted)
     return runs
@@ -97,6 +100,30 @@ def test_a_fractional_relaxation_is_solved_as_a_milp(monkeypatch):
     assert sorted(values[i] for i in x) == [0.0, 0.0, 1.0]
 
 
+@pytest.mark.parametrize("start", [[1.0, 0.0, 0.0], [1.0, 1.0, 1.0]], ids=["feasible", "not"])
+def test_a_fractional_relaxation_starts_from_the_incumbent(monkeypatch, start):
+    """``Milp.incumbent`` builds a start from the relaxation's values; HiGHS gets it for
+    the MILP run, and the optimum is the same whether it is feasible (one item) or not
+    (all three, over capacity: HiGHS drops it)."""
+    starts: list = []
+    runs = _count_runs(monkeypatch, starts)
+    relaxed_seen = []
+    model = milp.Milp()
+    x = model.add_binaries([-10.0, -10.0, -10.0])
+    model.add_row(x, [6.0, 6.0, 6.0], -np.inf, 10.0)
+
+    def incumbent(relaxed):
+        relaxed_seen.append(np.asarray(relaxed))
+        return np.asarray(start)
+
+    model.incumbent = incumbent
+    values, status = model.solve("highs", 60.0)
+    assert status == "optimal" and runs == [False, True]
+    assert starts[0] is None and list(starts[1]) == start
+    assert sum(relaxed_seen[0]) == pytest.approx(10 / 6)  # the relaxation's values
+    assert sorted(values[i] for i in x) == [0.0, 0.0, 1.0]
+
+
 def test_integer_infeasible_with_a_feasible_relaxation(monkeypatch):
     runs = _count_runs(monkeypatch)
     model = milp.Milp()
@@ -124,3 +151,55 @@ def test_a_continuous_model_runs_once(monkeypatch):
     values, status = model.solve("highs", 60.0)
     assert status == "optimal" and values[x] == pytest.approx(2.5)
     assert runs == [True]  # no integrality to drop
+
+
+def test_the_auto_sharding_ilp_starts_from_a_local_optimum(monkeypatch):
+    """``ilp_solver._solve_ilp`` on three groups of two strategies whose every pair is
+    cheaper apart (a frustrated triangle): the relaxation is fractional (every strategy
+    at 1/2, objective 0.2), so HiGHS runs the MILP from the incumbent ``_incumbent`` builds
+    from it. That start satisfies every row, no group can lower the objective alone, and
+    the MILP's answer is the exhaustive optimum (1.1)."""
+    from types import SimpleNamespace
+
+    from alpa.shard_parallel import ilp_solver
+
+    unary = {0: np.array([0.0, 0.1]), 1: np.array([0.0, 0.1]), 2: np.array([0.0, 0.2])}
+    apart = np.array([[1.0, 0.0], [0.0, 1.0]])
+    adj = {g: {h: apart for h in unary if h != g} for g in unary}
+    groups = SimpleNamespace(unary=unary, tie={g: np.zeros(2) for g in unary}, adj=adj)
+    seen: list = []
+    original = milp._run_highs
+
+    def recorded(model, time_limit, integral, incumbent=None):
+        values, status = original(model, time_limit, integral, incumbent)
+        seen.append((model, integral, incumbent, values))
+        return values, status
+
+    monkeypatch.setattr(milp, "_run_highs", recorded)
+    picks, status, _ = ilp_solver._solve_ilp(None, groups, [0, 1, 2], None, 60.0)
+    assert status == "optimal" and [integral for _, integral, _, _ in seen] == [False, True]
+    model, _, start, _ = seen[1]
+    relaxed = seen[0][3]
+    assert float(np.dot(model.cost, relaxed)) == pytest.approx(0.2)
+    assert np.allclose(relaxed[:6], 0.5)
+
+    rows = np.zeros(len(model.row_lower))
+    for r in range(len(rows)):
+        lo, hi = model.row_start[r], model.row_start[r + 1]
+        rows[r] = np.dot(model.row_value[lo:hi], start[model.row_index[lo:hi]])
+    assert np.all(rows >= np.asarray(model.row_lower) - 1e-9)
+    assert np.all(rows <= np.asarray(model.row_upper) + 1e-9)
+
+    def total(choice) -> float:
+        cost = sum(unary[g][choice[g]] for g in unary)
+        return cost + sum(apart[choice[g], choice[h]] for g in unary for h in unary if g < h)
+
+    start_choice = [int(np.argmax(start[[2 * g, 2 * g + 1]])) for g in unary]
+    for g in unary:  # a local optimum: no group alone improves it
+        for k in range(2):
+            moved = list(start_choice)
+            moved[g] = k
+            assert total(moved) >= total(start_choice) - 1e-12
+    best = min(total(c) for c in itertools.product(range(2), repeat=3))
+    assert best == pytest.approx(1.1)
+    assert total([picks[g] for g in unary]) == pytest.approx(best)
