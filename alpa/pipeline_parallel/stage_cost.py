@@ -82,6 +82,7 @@ from alpa.shard_parallel.auto_sharding import (
     plan_auto_sharding,
     solve_auto_sharding,
 )
+from alpa.shard_parallel.milp import taking_turns
 from alpa.shard_parallel.sharding_spec import Collective
 from alpa.tracing import TracedStep
 from alpa.tracing.flops import jaxpr_flops
@@ -455,11 +456,10 @@ def _ilp_layer(
     # takes the plan's communication only: its compute is F_l / (n_m R) (module
     # docstring), and the ILP's objective holds its own compute estimate too.
     solution = solve_auto_sharding(step, mesh, option, partial_sums=False)
-    plan = solution.to_sharding_plan()
     graph, choice = solution.graph, solution.solution.choice
     communication = ilp_solver.communication_cost(graph, choice)
     # The gradient row sums reduced over the data axes: deferred to once per step.
-    data = {list(mesh.axis_names).index(a) for a in plan.data_axes}
+    data = {list(mesh.axis_names).index(a) for a in solution.data_axes()}
     # A gradient row sum reduced over data axes (and perhaps model axes too): its
     # reductions over the data axes are the ones deferred; over a model axis (a row sum
     # that also sums a dimension split there) it stays in the backward, per micro-batch.
@@ -476,26 +476,27 @@ def _ilp_layer(
                 sync -= mesh.mesh_alpha[collective.axis]  # paid once (combined_latency)
         else:
             per_micro.append(collective)
-    shape, names = plan.logical_mesh.shape, plan.logical_mesh.axis_names
-    specs = dict(zip(step.jaxpr.invars, plan.in_specs, strict=True))
-    specs.update(plan.var_specs)
+    plan_mesh = solution.mesh
+    shape, names = plan_mesh.shape, plan_mesh.axis_names
     n = mesh.num_devices
 
     def local(values) -> float:
         # A value the plan does not name is counted split over the submesh.
-        return float(
-            sum(
-                _per_device_bytes(v.aval, specs[v], shape, names) if v in specs else nbytes(v) / n
-                for v in values
-            )
-        )
+        total = 0.0
+        for v in values:
+            spec = solution.partition_spec(v)
+            if spec is None:
+                total += nbytes(v) / n
+            else:
+                total += _per_device_bytes(v.aval, spec, shape, names)
+        return total
 
     program_inputs = set(problem.program.closed_jaxpr.jaxpr.invars)
     whole = local_params = 0.0
-    for v, spec in zip(step.jaxpr.invars, plan.in_specs, strict=True):
+    for v in step.jaxpr.invars:
         if v in program_inputs and v not in problem.program.batch_dependent:
             whole += nbytes(v)
-            local_params += _per_device_bytes(v.aval, spec, shape, names)
+            local_params += _per_device_bytes(v.aval, solution.partition_spec(v), shape, names)
     return LayerPlanCost(
         communication=float(communication) - sync,
         gradient_sync=sync,
@@ -546,7 +547,7 @@ class _LayerPlans:
             for layer in range(problem.num_layers)
         }
         solved = map_on_threads(
-            lambda job: _ilp_layer(problem, facts[job[0]], *job[1:]),
+            taking_turns(lambda job: _ilp_layer(problem, facts[job[0]], *job[1:])),
             list(jobs.values()),
             workers,
             "alpa-stage-ilp",

@@ -48,6 +48,7 @@ from alpa.shard_parallel.auto_sharding import (
     donated_state_pairs,
     plan_auto_sharding,
 )
+from alpa.shard_parallel.milp import taking_turns, turn_given_up
 from alpa.tracing import TracedStep, new_jaxpr
 from alpa.tracing.jaxpr_util import is_var
 from alpa.tracing.primitive_def import pipeline_p
@@ -156,7 +157,7 @@ def plan_stage_shardings(
         return table, objectives
 
     stages = range(program.num_stages)
-    planned = map_on_threads(plan_stage, stages, workers, "alpa-stage-sharding")
+    planned = map_on_threads(taking_turns(plan_stage), stages, workers, "alpa-stage-sharding")
     table: dict = dict(pinned)
     objectives: dict[int, list[float]] = {}
     for s, (stage_table, stage_objectives) in zip(stages, planned, strict=True):
@@ -185,7 +186,8 @@ class _SharedPlans:
                 future.set_result(solve())
             except BaseException as e:
                 future.set_exception(e)
-        return future.result()
+        with turn_given_up():  # the owner may need the turn to finish
+            return future.result()
 
 
 def _plan_into(

@@ -310,6 +310,21 @@ class AutoShardingSolution:
         node_id, k = self.graph.sources[var]
         return self.graph.nodes[node_id].strategies[self.solution.choice[node_id]].out_specs[k]
 
+    def data_axes(self) -> tuple[str, ...]:
+        """The axes that split the batch: those of the first batch leaf the plan splits
+        (a leaf read whole, such as a mask whose sum normalizes the loss, says nothing)."""
+        for v, is_batch in zip(self.graph.jaxpr.invars, self.batch_invars, strict=True):
+            if is_batch and v.aval.shape and self.spec_of(v)[0]:
+                return tuple(self.mesh.axis_names[a] for a in self.spec_of(v)[0])
+        return ()
+
+    def partition_spec(self, var) -> PartitionSpec | None:
+        """``var``'s ``PartitionSpec`` in the plan (``None``: a value it does not name),
+        without building the whole :class:`ShardingPlan`."""
+        if isinstance(var, Literal) or var not in self.graph.sources:
+            return None
+        return to_partition_spec(self.spec_of(var), self.mesh)
+
     def to_sharding_plan(self) -> ShardingPlan:
         graph, mesh = self.graph, self.mesh
         jaxpr = graph.jaxpr
@@ -337,13 +352,6 @@ class AutoShardingSolution:
                 operand_specs[eqn] = tuple(
                     None if n is None else to_partition_spec(n, mesh) for n in needs
                 )
-        data_axes: tuple[str, ...] = ()
-        # The axes that split the batch: those of the first batch leaf the plan splits
-        # (a leaf read whole, such as a mask whose sum normalizes the loss, says nothing).
-        for v, is_batch in zip(jaxpr.invars, self.batch_invars, strict=True):
-            if is_batch and v.aval.shape and self.spec_of(v)[0]:
-                data_axes = tuple(mesh.axis_names[a] for a in self.spec_of(v)[0])
-                break
         grad_specs = None
         if self.grad_operands is not None:
             grad_specs = tuple(
@@ -357,7 +365,7 @@ class AutoShardingSolution:
             var_specs=var_specs,
             operand_specs=operand_specs,
             partial_sums=self._partial_sums(),
-            data_axes=data_axes,
+            data_axes=self.data_axes(),
             grad_specs=grad_specs,
             objective=self.objective,
             method="auto-sharding ILP",

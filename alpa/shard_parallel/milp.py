@@ -19,6 +19,7 @@ limit)"`` (stopped at the time limit with a plan: its values are returned), or
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -102,6 +103,46 @@ class Milp:
         if solver not in SOLVERS:
             raise ValueError(f"ILP solver must be one of {SOLVERS}, got {solver!r}")
         return _solve_highs(self, time_limit) if solver == "highs" else _solve_cbc(self, time_limit)
+
+
+# ----------------------------------------------------------------------------- turns
+
+_TURN = threading.local()  # .lock: the turn lock this thread holds, if any
+
+
+def taking_turns(fn: Callable) -> Callable:
+    """``fn`` for worker threads that build ILPs in Python and solve them with HiGHS
+    (which leaves the GIL while it runs): a call holds *the turn* while it runs Python
+    and gives it up only while HiGHS runs, so one thread's Python overlaps another's
+    solve instead of two threads slicing the GIL between them (then both often reach
+    HiGHS at once and the Python side sits idle). GPT-39B's stage-cost ILPs on 2 cores:
+    10.0 s on two threads without turns, 11.0 s on one (``docs/pipeline.md`` has the
+    figure with them)."""
+    lock = threading.Lock()
+
+    def in_turn(*args, **kwargs):
+        with lock:
+            _TURN.lock = lock
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                _TURN.lock = None
+
+    return in_turn
+
+
+@contextlib.contextmanager
+def turn_given_up():
+    """Within the block, this thread's turn (if it holds one) is free for another."""
+    lock = getattr(_TURN, "lock", None)
+    if lock is None:
+        yield
+        return
+    lock.release()
+    try:
+        yield
+    finally:
+        lock.acquire()
 
 
 # ----------------------------------------------------------------------------- HiGHS
@@ -194,7 +235,8 @@ def _run_highs(model: Milp, time_limit: float, integral: bool, incumbent=None):
         start.col_value = np.asarray(incumbent, dtype=np.float64).tolist()
         start.value_valid = True
         h.setSolution(start)
-    h.run()
+    with turn_given_up():
+        h.run()
     status = h.getModelStatus()
     feasible = h.getInfo().primal_solution_status == 2  # kSolutionStatusFeasible
     if status == highspy.HighsModelStatus.kOptimal:
@@ -254,7 +296,9 @@ def _solve_cbc(model: Milp, time_limit: float):
                 prob += expr >= lo, f"l{r}"
             if hi < np.inf:
                 prob += expr <= hi, f"u{r}"
-    prob.solve(_cbc(time_limit))
+    solver = _cbc(time_limit)
+    with turn_given_up():  # CBC runs in its own process
+        prob.solve(solver)
     values = np.array([v.value() or 0.0 for v in x])
     if prob.sol_status == pulp.LpSolutionOptimal:
         return values, "optimal"

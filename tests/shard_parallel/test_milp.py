@@ -203,3 +203,29 @@ def test_the_auto_sharding_ilp_starts_from_a_local_optimum(monkeypatch):
     best = min(total(c) for c in itertools.product(range(2), repeat=3))
     assert best == pytest.approx(1.1)
     assert total([picks[g] for g in unary]) == pytest.approx(best)
+
+
+def test_a_turn_is_given_up_only_while_the_solver_runs():
+    """``taking_turns``: a second thread waits for the turn while the first runs Python,
+    gets it while the first is inside ``turn_given_up`` (around HiGHS's run), and the
+    first takes it back afterwards."""
+    import threading
+
+    turns = milp.taking_turns(lambda f: f())
+    order: list[str] = []
+    second = threading.Thread(target=lambda: turns(lambda: order.append("second")))
+
+    def first():
+        second.start()
+        second.join(0.2)
+        assert second.is_alive() and order == []  # the turn is held
+        with milp.turn_given_up():
+            second.join(10.0)
+            assert not second.is_alive() and order == ["second"]
+        order.append("first")
+
+    turns(first)
+    assert order == ["second", "first"]
+    with milp.turn_given_up():  # outside a turn: nothing to give up
+        order.append("outside")
+    assert order[-1] == "outside"
