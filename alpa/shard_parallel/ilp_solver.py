@@ -277,17 +277,24 @@ class _Groups:
                 specs = hash(tuple(s.out_specs for s in node.strategies))
                 spec_hashes[id(node.strategies)] = specs
             colour[node.id] = hash((op, shapes, specs))
-        preds: dict[int, list[int]] = {n.id: [] for n in graph.nodes}
-        succs: dict[int, list[int]] = {n.id: [] for n in graph.nodes}
-        for edge in graph.edges:
-            preds[edge.dst].append(edge.src)
-            succs[edge.src].append(edge.dst)
+        # The rounds run on arrays: a node's new colour mixes its own, its operands' in
+        # order and its consumers' in any order (a sum), with 64-bit wrapping arithmetic.
+        colours = np.array([colour[n.id] for n in graph.nodes], dtype=np.int64).view(np.uint64)
+        src = np.array([e.src for e in graph.edges], dtype=np.int64)
+        dst = np.array([e.dst for e in graph.edges], dtype=np.int64)
+        # Position of each edge among its destination's operands (edges come in order).
+        position = np.zeros(len(dst), dtype=np.uint64)
+        seen: dict[int, int] = {}
+        for i, d in enumerate(dst.tolist()):
+            position[i] = seen.get(d, 0)
+            seen[d] = position[i] + 1
         for _ in range(TIE_ROUNDS):
-            colour = {
-                n: hash((c, tuple(colour[p] for p in preds[n]),
-                         tuple(sorted(colour[q] for q in succs[n]))))
-                for n, c in colour.items()
-            }  # fmt: skip
+            from_preds = np.zeros(len(colours), dtype=np.uint64)
+            np.add.at(from_preds, dst, _mix(colours[src] + position * _PRIME))
+            from_succs = np.zeros(len(colours), dtype=np.uint64)
+            np.add.at(from_succs, src, _mix(colours[dst]))
+            colours = _mix(_mix(colours) + _mix(from_preds ^ _SALT) * _PRIME + from_succs)
+        colour = dict(zip((n.id for n in graph.nodes), colours.tolist(), strict=True))
         by_colour: dict[int, list[int]] = {}
         for g in self.roots:
             by_colour.setdefault(colour[g], []).append(g)
@@ -445,6 +452,18 @@ def _solve_ilp(graph, groups: _Groups, core, memory_budget, time_limit):
         )
     picks = {g: int(np.argmax(values[s[g]])) for g in core}
     return picks, status, model.num_vars
+
+
+_PRIME = np.uint64(0x9E3779B97F4A7C15)
+_SALT = np.uint64(0x5851F42D4C957F2D)
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """A 64-bit integer hash (splitmix64's finaliser), element by element."""
+    with np.errstate(over="ignore"):
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return x ^ (x >> np.uint64(31))
 
 
 def _class_of(lines: list[list[int]]) -> dict[int, int]:

@@ -824,7 +824,9 @@ def _by_identity(cache: dict, objects: tuple, extra: tuple, make: Callable):
     as the very same objects. Each entry holds ``objects``, so their ids stay theirs."""
     key = (*map(id, objects), *extra)
     hit = cache.get(key)
-    if hit is not None and all(a is b for a, b in zip(hit[0], objects, strict=True)):
+    # Tuple equality tests each pair by identity first: the same objects compare in one
+    # step each; equal ones (an id reused after a collection) give the same value anyway.
+    if hit is not None and hit[0] == objects:
         return hit[1]
     value = make()
     cache[key] = (objects, value)
