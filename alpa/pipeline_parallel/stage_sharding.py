@@ -38,7 +38,8 @@ from concurrent.futures import Future
 from typing import Any
 
 import jax
-from jax.extend.core import ClosedJaxpr, Jaxpr
+import numpy as np
+from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
 from jax.sharding import PartitionSpec
 
 from alpa.device_mesh import LogicalDeviceMesh
@@ -255,13 +256,23 @@ def equations_key(step: TracedStep) -> str:
     stage-cost ILPs' keys on large models."""
     jaxpr = step.closed_jaxpr.jaxpr
     named: dict = {}  # var -> its text (each var's type is printed once)
+    types: dict = {}  # aval -> its text (a model has few distinct ones)
+
+    def type_text(aval) -> str:
+        text = types.get(aval)
+        if text is None:
+            text = types[aval] = aval.str_short()
+        return text
 
     def name(v) -> str:
-        if not is_var(v):
-            return f"lit:{v.val!r}:{v.aval.str_short()}"
+        if isinstance(v, Literal):
+            # A literal by its bytes: numpy's repr of a 0-d literal took 0.8 s of
+            # GPT-39B's keys.
+            value = np.asarray(v.val)
+            return f"lit:{value.dtype}:{value.tobytes().hex()}:{type_text(v.aval)}"
         text = named.get(v)
         if text is None:
-            text = named[v] = f"{len(named)}:{v.aval.str_short()}"
+            text = named[v] = f"{len(named)}:{type_text(v.aval)}"
         return text
 
     parts = [",".join(name(v) for v in jaxpr.constvars), ",".join(name(v) for v in jaxpr.invars)]

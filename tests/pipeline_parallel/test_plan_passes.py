@@ -156,3 +156,31 @@ def test_the_oracles_can_fail():
         + steps[i + 1 :]
     )
     assert _lifetime_errors(dataclasses.replace(instructions, instructions=tuple(early)))
+
+
+def test_equations_key_sees_structure_literals_and_types_not_names():
+    """``stage_sharding.equations_key`` (what lets identical layers and stages share one
+    ILP): equal for the same equations on other variables and under other marker names;
+    different when a literal's value, or a value's type, differs."""
+    from types import SimpleNamespace
+
+    import jax
+    import jax.numpy as jnp
+
+    from alpa.pipeline_parallel.stage_sharding import equations_key
+    from alpa.tracing.primitive_def import mark_pipeline_jaxpreqn
+
+    def layer(name, scale):
+        def f(x, w):
+            (x,) = mark_pipeline_jaxpreqn([x], name, "start")
+            return jnp.tanh(x @ w) * scale
+
+        return f
+
+    def key(fun, dtype=jnp.float32):
+        closed = jax.make_jaxpr(fun)(jnp.ones((4, 8), dtype), jnp.ones((8, 8), dtype))
+        return equations_key(SimpleNamespace(closed_jaxpr=closed))
+
+    assert key(layer("layer_3", 2.0)) == key(layer("layer_4", 2.0))
+    assert key(layer("layer_3", 2.0)) != key(layer("layer_3", 3.0))
+    assert key(layer("layer_3", 2.0)) != key(layer("layer_3", 2.0), jnp.bfloat16)
