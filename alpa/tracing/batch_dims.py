@@ -31,12 +31,15 @@ Wide-ResNet and MLP steps, scanned, checkpointed, with dropout and under a ``con
 from __future__ import annotations
 
 import functools
+import logging
 import math
 from collections.abc import Sequence
 
 from jax.extend.core import Jaxpr, JaxprEqn, Literal
 
 from alpa.tracing.primitive_def import pipeline_p
+
+logger = logging.getLogger(__name__)
 
 #: A dimension's batch factors: a ``frozenset`` of ``(inner, size)``; empty: no rows.
 NONE: frozenset = frozenset()
@@ -455,6 +458,9 @@ def static_batch_dims(jaxpr: Jaxpr, batch_invars: Sequence[bool], num_data: int)
             for slot, factors in s.derived:
                 changed |= s.set(slot, factors())
     except _Unknown:
+        return None
+    except Exception as e:  # a primitive's parameters not as a rule reads them
+        logger.debug("batch dims not read off the jaxpr: %r", e)
         return None
     read = {v for e in jaxpr.eqns for v in e.invars if not isinstance(v, Literal)}
     read.update(v for v in jaxpr.outvars if not isinstance(v, Literal))
