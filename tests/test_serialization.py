@@ -240,7 +240,9 @@ def test_a_resave_killed_anywhere_leaves_the_old_or_the_new_step(tmp_path):
     ckpt = tmp_path / "ckpt"
     outcomes, in_window = [], 0
     alpa.save_checkpoint(ckpt, killed_save.state(99), 1)
-    seconds = killed_save.save_seconds(ckpt, 1, 98)
+    # The fastest of three unkilled saves: timed from one slow save, the later kills
+    # missed a faster killed one on a CI run (6 of 9 kills landed; 7 are required).
+    seconds = min(killed_save.save_seconds(ckpt, 1, 98 - i) for i in range(3))
     times = [round(f * seconds, 4) for f in _RESAVE_FRACTIONS]
     kills = [("op", at) for at in _RESAVE_OPS] + [("time", t) for t in times]
     for seed, (mode, at) in enumerate(kills, start=1):
