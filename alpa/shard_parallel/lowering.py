@@ -42,7 +42,7 @@ from alpa.shard_parallel.strategy_graph import USER_SHARDINGS
 from alpa.tracing import TracedStep, new_jaxpr
 from alpa.tracing.batch_draws import batch_size, micro_batch_draws, with_row_ids
 from alpa.tracing.jaxpr_util import REMAT_PRIMITIVES
-from alpa.tracing.trace import remat_params
+from alpa.tracing.trace import branch_extra_invars, remat_params
 
 # ----------------------------------------------------------------------------- evaluation
 
@@ -258,11 +258,8 @@ def _cond_with_constraints(
     new_branches = []
     for i, closed in enumerate(traced):
         inner = closed.jaxpr
-        slots = [
-            list(inner.constvars) if j == i else [Var(v.aval) for v in other.jaxpr.constvars]
-            for j, other in enumerate(traced)
-        ]
-        invars = [*inner.invars, *(v for vs in slots for v in vs)]
+        slots = branch_extra_invars(i, [other.jaxpr.constvars for other in traced])
+        invars = [*inner.invars, *slots]
         template = branches[i].jaxpr
         new_branches.append(
             ClosedJaxpr(new_jaxpr(template, (), invars, inner.outvars, inner.eqns), ())

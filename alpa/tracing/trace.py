@@ -427,10 +427,8 @@ class _Inliner:
         last operands, each branch reading its own."""
         copies = [self.copy_body(b.jaxpr, b.consts, add_const) for b in eqn.params["branches"]]
         branches = []
-        for i, ((invars, outvars, eqns), extra_inner, _) in enumerate(copies):
-            others = [[Var(v.aval) for v in c[1]] for c in copies]
-            others[i] = extra_inner
-            slots = [v for vs in others for v in vs]
+        for i, ((invars, outvars, eqns), _, _) in enumerate(copies):
+            slots = branch_extra_invars(i, [c[1] for c in copies])
             body = eqn.params["branches"][i].jaxpr
             branches.append(ClosedJaxpr(new_jaxpr(body, [], [*invars, *slots], outvars, eqns), []))
         outer = [v for c in copies for v in c[2]]
@@ -455,6 +453,13 @@ class _Inliner:
             extra[part] = outer
         invars = [*extra["cond"], *operands[:n_cond], *extra["body"], *operands[n_cond:]]
         return eqn.replace(invars=invars, params=params)
+
+
+def branch_extra_invars(i: int, extras: Sequence[Sequence[Var]]) -> list[Var]:
+    """The extra inputs of branch ``i`` of a ``cond`` whose branches gained the inputs
+    ``extras[j]`` (their captured constants), all passed to every branch in branch order:
+    its own in its place, unused fresh variables in the other branches'."""
+    return [v for j, vs in enumerate(extras) for v in (vs if j == i else [Var(u.aval) for u in vs])]
 
 
 def remat_params(params: dict, body: Jaxpr, num_extra: int) -> dict:
