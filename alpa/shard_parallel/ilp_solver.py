@@ -265,7 +265,7 @@ class _Groups:
         size of one layer.
         """
         graph = self.graph
-        colour = {}
+        initial = []  # per node (node ids are positions in graph.nodes)
         spec_hashes: dict[int, int] = {}  # repeated layers share strategy tuples
         for node in graph.nodes:
             op = node.label.split(" ", 2)[-1] if node.label.startswith("eqn") else node.label
@@ -276,25 +276,27 @@ class _Groups:
             if specs is None:
                 specs = hash(tuple(s.out_specs for s in node.strategies))
                 spec_hashes[id(node.strategies)] = specs
-            colour[node.id] = hash((op, shapes, specs))
+            initial.append(hash((op, shapes, specs)))
         # The rounds run on arrays: a node's new colour mixes its own, its operands' in
         # order and its consumers' in any order (a sum), with 64-bit wrapping arithmetic.
-        colours = np.array([colour[n.id] for n in graph.nodes], dtype=np.int64).view(np.uint64)
+        colours = np.array(initial, dtype=np.int64).view(np.uint64)
         src = np.array([e.src for e in graph.edges], dtype=np.int64)
-        dst = np.array([e.dst for e in graph.edges], dtype=np.int64)
+        dst = [e.dst for e in graph.edges]
         # Position of each edge among its destination's operands (edges come in order).
-        position = np.zeros(len(dst), dtype=np.uint64)
         seen: dict[int, int] = {}
-        for i, d in enumerate(dst.tolist()):
-            position[i] = seen.get(d, 0)
-            seen[d] = position[i] + 1
+        order = []
+        for d in dst:
+            order.append(seen.get(d, 0))
+            seen[d] = order[-1] + 1
+        position = np.array(order, dtype=np.uint64)
+        dst = np.array(dst, dtype=np.int64)
         for _ in range(TIE_ROUNDS):
             from_preds = np.zeros(len(colours), dtype=np.uint64)
             np.add.at(from_preds, dst, _mix(colours[src] + position * _PRIME))
             from_succs = np.zeros(len(colours), dtype=np.uint64)
             np.add.at(from_succs, src, _mix(colours[dst]))
             colours = _mix(_mix(colours) + _mix(from_preds ^ _SALT) * _PRIME + from_succs)
-        colour = dict(zip((n.id for n in graph.nodes), colours.tolist(), strict=True))
+        colour = colours.tolist()
         by_colour: dict[int, list[int]] = {}
         for g in self.roots:
             by_colour.setdefault(colour[g], []).append(g)
