@@ -30,6 +30,11 @@ Equations whose operands are all constants (``iota``, ``broadcast 0.0``, the cot
 seed) are not placed: every computation that needs their value recomputes it, rather than
 receiving it from another mesh.
 
+A layer's ``start`` marker passes its parameters along with its activations; the split
+reads a parameter itself wherever its marker copy is read
+(:func:`read_step_inputs_through_markers`), so a backward that reads a weight reads the
+stage's one copy instead of a copy per micro-batch handed on by the forward.
+
 The values the ``alpa.grad`` marker receives are summed over micro-batches (gradient
 accumulation) and divided by the number of micro-batches, so the apply part sees the mean,
 as the serial step over the full batch does for a mean loss.
@@ -139,15 +144,18 @@ def split_computations(
     Without ``eqn_kinds`` (a step cut by boundaries alone), ``eqn_layers`` covers the
     forward pass and backward equations are placed by their data.
     """
+    global_invars = list(closed_jaxpr.jaxpr.invars)
+    batch_set = {v for v, b in zip(global_invars, batch_invars, strict=True) if b}
+    grad_index = grad_marker_index(closed_jaxpr.jaxpr.eqns)
+    is_training = grad_index is not None
+    compute_end = grad_index if is_training else len(closed_jaxpr.jaxpr.eqns)
+    closed_jaxpr = read_step_inputs_through_markers(
+        closed_jaxpr, compute_end, set(global_invars) - batch_set
+    )
     jaxpr = closed_jaxpr.jaxpr
     eqns = list(jaxpr.eqns)
     num_stages = max(layer_to_stage) + 1
-    grad_index = grad_marker_index(eqns)
-    is_training = grad_index is not None
-    compute_end = grad_index if is_training else len(eqns)
     const_eqns = _constant_equations(jaxpr)
-    global_invars = list(jaxpr.invars)
-    batch_set = {v for v, b in zip(global_invars, batch_invars, strict=True) if b}
 
     where = _Placement(jaxpr, const_eqns, num_stages)
     where.place_compute(eqns[:compute_end], eqn_layers, layer_to_stage, eqn_kinds, is_training)
@@ -182,6 +190,47 @@ def split_computations(
         is_training=is_training,
         const_eqns=const_eqns,
     )
+
+
+def read_step_inputs_through_markers(
+    closed_jaxpr: ClosedJaxpr, compute_end: int, step_inputs: set[Var]
+) -> ClosedJaxpr:
+    """``closed_jaxpr`` with every read of a marker's copy of a step input (a layer's
+    ``start`` marker passes its parameters along with its activations) made a read of the
+    input itself, and that pair dropped from the marker; markers after ``compute_end``
+    (the ``alpa.grad`` marker and apply-grad) are kept as they are.
+
+    A marker is the identity, so the values are equal; the difference is where they
+    live. A parameter's marker copy is made in the forward computation, and when the
+    backward reads it too (the weight of a matmul, to compute the cotangent of its
+    input), the forward would output a copy of the parameter per micro-batch and keep it
+    until that micro-batch's backward: up to as many copies of the stage's weights as
+    micro-batches in flight. Read from the input, the backward uses the stage's one copy.
+    Equation positions are unchanged (a marker left without pairs stays, operand-less).
+    """
+    jaxpr = closed_jaxpr.jaxpr
+    alias: dict[Var, Var] = {}
+    for eqn in jaxpr.eqns[:compute_end]:
+        if passes_through(eqn):
+            for i, o in zip(eqn.invars, eqn.outvars, strict=True):
+                if is_var(i) and is_var(o) and (i in step_inputs or i in alias):
+                    alias[o] = alias.get(i, i)
+    if not alias:
+        return closed_jaxpr
+
+    def read(v):
+        return alias.get(v, v) if is_var(v) else v
+
+    eqns = []
+    for eqn in jaxpr.eqns:
+        if passes_through(eqn) and any(is_var(o) and o in alias for o in eqn.outvars):
+            kept = [(i, o) for i, o in zip(eqn.invars, eqn.outvars, strict=True) if o not in alias]
+            eqn = eqn.replace(invars=[read(i) for i, _ in kept], outvars=[o for _, o in kept])
+        elif any(is_var(v) and v in alias for v in eqn.invars):
+            eqn = eqn.replace(invars=[read(v) for v in eqn.invars])
+        eqns.append(eqn)
+    outvars = [read(v) for v in jaxpr.outvars]
+    return ClosedJaxpr(jaxpr.replace(eqns=eqns, outvars=outvars), closed_jaxpr.consts)
 
 
 def _constant_equations(jaxpr) -> dict[Var, JaxprEqn]:

@@ -90,10 +90,13 @@ def test_stage_split_follows_the_mirrored_markers():
     method = PipeshardParallel(num_micro_batches=2, stage_option="uniform")
     step = alpa.parallelize(_step(alpa.value_and_grad), method=method, batch_argnums=(1,))
     executable = step.get_executable(params, batch)
-    jaxpr = executable.traced.closed_jaxpr.jaxpr
     layers = manual_layers(executable.traced.closed_jaxpr)
     assert layers.num_layers == 2
     program = executable.program
+    # The program's jaxpr: the traced one with parameters read past their markers
+    # (``read_step_inputs_through_markers``), equation for equation.
+    jaxpr = program.closed_jaxpr.jaxpr
+    assert len(jaxpr.eqns) == len(executable.traced.closed_jaxpr.jaxpr.eqns)
     eqn_home = {id(e): (c.stage, c.kind) for c in program.computations for e in c.eqns}
     # Every equation between the mirrored markers of layer l runs in stage l's backward.
     seen = {0: 0, 1: 0}

@@ -53,6 +53,29 @@ def test_split_gives_each_stage_its_layers_parameters(S, M):
         assert program.input_stages[v] == (layer * S // LAYERS,), name
 
 
+@pytest.mark.parametrize("S, M", [(2, 4), (4, 8)])
+def test_the_backward_reads_its_weights_from_the_stage_not_from_each_micro_batch(S, M):
+    """A layer's start marker passes its parameters along with its activations, and the
+    backward reads a layer's weights (a matmul's, for its input's cotangent). It reads
+    them as the step's inputs held on the stage, so what the forward hands the backward
+    (kept once per micro-batch in flight) is computed from the batch: no per-micro-batch
+    buffer holds a weight."""
+    plan = _plan(S, M)
+    program = plan.program
+    inputs = set(program.closed_jaxpr.jaxpr.invars)
+    var_of = {name: v for v, name in plan.names.items()}
+    for s in range(S):
+        forward, backward = program.computation(s, "forward"), program.computation(s, "backward")
+        handed = set(forward.outvars) & set(backward.invars)
+        assert handed and handed <= program.batch_dependent, s
+        weights = {v for v in backward.invars if v in inputs and v.aval.ndim == 2}
+        # The first layer computes no cotangent for the batch: it needs no weight.
+        assert (weights or s == 0) and not weights & program.batch_dependent, s
+    per_micro_batch = {key for key in plan.instructions.buffer_keys() if key[1] is not None}
+    assert per_micro_batch
+    assert all(var_of[key[0]] in program.batch_dependent for key in per_micro_batch)
+
+
 @pytest.mark.parametrize("S, M", CASES)
 def test_emitted_instructions_per_mesh(S, M):
     plan = _plan(S, M)
