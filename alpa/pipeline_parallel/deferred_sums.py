@@ -129,13 +129,22 @@ def defer_gradient_sums(
     data_axes: Sequence[tuple[str, ...]],
     axis_sizes: Sequence[dict[str, int]] | None = None,
     stage_specs: dict | None = None,
+    planned: Sequence[bool] | None = None,
 ) -> DeferredSums | None:
     """The deferred sums of ``program`` (module docstring): in stage ``s`` when its
     ``data_axes[s]`` (:func:`stage_data_axes`) hold more than one device
     (``axis_sizes[s]``: the logical mesh's size per axis; default, the data axes span the
     ``mesh_sizes[s]`` devices). ``stage_specs`` (the sharding table) gives each
     accumulator the split of its gradient over the other axes. ``None`` when nothing is
-    deferred."""
+    deferred.
+
+    In a stage the ILP plans (``planned[s]``), a gradient its plan splits over a data
+    axis (its parameter is split there, as ZeRO-3 splits it) is not deferred: its
+    partial sums would be whole over that axis, ``n`` times the gradient's share on
+    every device (the gradient sums of 2 layers of a 39B GPT on logical (1, 8), weights
+    and batch split over the 8: 18 GiB per device instead of 2.25). The backward
+    reduce-scatters it per micro-batch into its split instead, and it is accumulated
+    there, as ZeRO-3 does; the stage cost model prices it so (``stage_cost._ilp_layer``)."""
     if not program.is_training:
         return None
     stage_specs = stage_specs or {}
@@ -190,6 +199,12 @@ def defer_gradient_sums(
             and not readers.get(operand)
             and operand not in step_outputs
         }
+        if planned is not None and planned[s]:
+            marked = {
+                operand: out
+                for operand, out in marked.items()
+                if not splits_over(stage_specs.get((out, s)), data_axes[s])
+            }
         if not marked:
             continue
         if dims_of is None:
@@ -222,6 +237,14 @@ def defer_gradient_sums(
     if not partials:
         return None
     return DeferredSums(frozenset(values), row_dims, partials, stage_axes, partial_specs)
+
+
+def splits_over(spec: PartitionSpec | None, axes: Sequence[str]) -> bool:
+    """Whether ``spec`` splits a dimension over one of ``axes``."""
+    for entry in spec or ():
+        if any(a in axes for a in (entry if isinstance(entry, tuple) else (entry,))):
+            return True
+    return False
 
 
 def zero2_specs(

@@ -669,7 +669,10 @@ def _draw_and_defer(
     mesh_sizes, mesh_shapes = _mesh_sizes_and_shapes(logical_meshes)
     data_axes = stage_data_axes(traced, program, stage_specs, mesh_shapes, data_parallel, DATA_AXES)
     axis_sizes = [dict(zip(DATA_AXES, shape, strict=True)) for shape in mesh_shapes]
-    deferred = defer_gradient_sums(program, traced, mesh_sizes, data_axes, axis_sizes, stage_specs)
+    planned = [not dp for dp in data_parallel]
+    deferred = defer_gradient_sums(
+        program, traced, mesh_sizes, data_axes, axis_sizes, stage_specs, planned
+    )
     if deferred is not None:
         program = dataclasses.replace(program, deferred=deferred)
         for v in deferred.partials.values():

@@ -70,6 +70,7 @@ from jax.sharding import PartitionSpec
 
 from alpa.device_mesh import ClusterSpec, VirtualPhysicalMesh
 from alpa.pipeline_parallel.computation import PipelineProgram
+from alpa.pipeline_parallel.deferred_sums import splits_over
 from alpa.pipeline_parallel.stage_sharding import (
     equations_key,
     merged_step,
@@ -282,7 +283,7 @@ class _LayerFacts:
     kept: tuple  # the values counted in activation_bytes
     entering: tuple  # the values counted in entering_bytes
     batch_args: tuple  # the values counted in batch_arg_bytes
-    gradients: frozenset  # the row sums that make its parameters' gradients
+    gradients: dict  # the row sums that make its parameters' gradients -> those gradients
 
 
 #: Primitives through which a row sum reaches the gradient marker unchanged in kind: a
@@ -308,23 +309,41 @@ _ROW_SUM_PRIMITIVES = frozenset(
 )
 
 
-def _gradient_row_sums(program: PipelineProgram, comps) -> frozenset:
-    """The values of ``comps`` that are row sums making a gradient ``alpa.grad`` marks:
-    found from each marked operand back through :data:`_PASS_TO_GRADIENT` equations."""
+def _gradient_row_sums(program: PipelineProgram, comps) -> dict:
+    """The values of ``comps`` that are row sums making a gradient ``alpa.grad`` marks,
+    each with the marked operands it makes: found from each marked operand back through
+    :data:`_PASS_TO_GRADIENT` equations."""
     producer = {v: e for c in comps for e in c.eqns for v in e.outvars}
-    found, stack, seen = set(), list(program.accumulated.values()), set()
-    while stack:
-        v = stack.pop()
-        if v in seen or v not in producer:
-            continue
-        seen.add(v)
-        eqn = producer[v]
-        name = eqn.primitive.name
-        if name in _ROW_SUM_PRIMITIVES:
-            found.add(v)
-        elif name in _PASS_TO_GRADIENT:
-            stack.extend(x for x in eqn.invars if is_var(x))
-    return frozenset(found)
+    sums_of: dict = {}  # value -> the row sums it is made of, each value walked once
+
+    def row_sums(start) -> frozenset:
+        stack = [start]
+        while stack:
+            v = stack[-1]
+            if v in sums_of:
+                stack.pop()
+                continue
+            eqn = producer.get(v)
+            name = eqn.primitive.name if eqn is not None else None
+            if name in _ROW_SUM_PRIMITIVES:
+                sums_of[v] = frozenset((v,))
+            elif name not in _PASS_TO_GRADIENT:
+                sums_of[v] = frozenset()
+            else:
+                operands = [x for x in eqn.invars if is_var(x)]
+                pending = [x for x in operands if x not in sums_of]
+                if pending:  # their sums first (a jaxpr has no cycles)
+                    stack.extend(pending)
+                    continue
+                sums_of[v] = frozenset().union(*(sums_of[x] for x in operands))
+            stack.pop()
+        return sums_of[start]
+
+    found: dict = {}
+    for operand in program.accumulated.values():
+        for v in row_sums(operand):
+            found[v] = (*found.get(v, ()), operand)
+    return found
 
 
 def _layer_facts(problem: StageProblem, layer: int) -> _LayerFacts:
@@ -382,7 +401,7 @@ def layer_flops(problem: StageProblem) -> np.ndarray:
     return np.array([_layer_facts(problem, layer).flops for layer in range(problem.num_layers)])
 
 
-def _per_device_bytes(aval, spec: PartitionSpec | None, mesh_shape, axis_names) -> float:
+def per_device_bytes(aval, spec: PartitionSpec | None, mesh_shape, axis_names) -> float:
     total = float(np.prod(aval.shape, dtype=np.float64) * aval.dtype.itemsize)  # keys too
     if spec is None:
         return total
@@ -461,15 +480,28 @@ def _ilp_layer(
     # The gradient row sums reduced over the data axes: deferred to once per step.
     data = {list(mesh.axis_names).index(a) for a in solution.data_axes()}
     # A gradient row sum reduced over data axes (and perhaps model axes too): its
-    # reductions over the data axes are the ones deferred; over a model axis (a row sum
-    # that also sums a dimension split there) it stays in the backward, per micro-batch.
+    # reductions over the data axes are the ones deferred, unless they split it there;
+    # over a model axis (a row sum that also sums a dimension split there) it stays in
+    # the backward, per micro-batch.
     gradient_nodes = {
         node.id for node in graph.nodes if any(v in facts.gradients for v in node.outvars)
     }
     once, per_micro = [], []
     sync = 0.0
+    # A gradient the plan splits over a data axis is reduced in the backward, per
+    # micro-batch, into its split (``deferred_sums.defer_gradient_sums``, as ZeRO-3).
+    split_gradients = {
+        node.id
+        for node in graph.nodes
+        if any(
+            splits_over(solution.partition_spec(g), solution.data_axes())
+            for v in node.outvars
+            for g in facts.gradients.get(v, ())
+        )
+    }
     for node, reduces, collective in ilp_solver.collectives(graph, choice):
-        if reduces and node in gradient_nodes and collective.axis in data:
+        deferred = node in gradient_nodes and node not in split_gradients
+        if reduces and deferred and collective.axis in data:
             once.append(collective)
             sync += collective.cost(mesh)
             if graph.nodes[node].combined and collective.kind == "all-reduce":
@@ -488,7 +520,7 @@ def _ilp_layer(
             if spec is None:
                 total += nbytes(v) / n
             else:
-                total += _per_device_bytes(v.aval, spec, shape, names)
+                total += per_device_bytes(v.aval, spec, shape, names)
         return total
 
     program_inputs = set(problem.program.closed_jaxpr.jaxpr.invars)
@@ -496,7 +528,7 @@ def _ilp_layer(
     for v in step.jaxpr.invars:
         if v in program_inputs and v not in problem.program.batch_dependent:
             whole += nbytes(v)
-            local_params += _per_device_bytes(v.aval, solution.partition_spec(v), shape, names)
+            local_params += per_device_bytes(v.aval, solution.partition_spec(v), shape, names)
     return LayerPlanCost(
         communication=float(communication) - sync,
         gradient_sync=sync,

@@ -110,3 +110,76 @@ def test_ilp_stages_reduce_gradients_once_per_step(model):
         applies = [collectives(text) for name, text in hlo.items() if f"stage{stage}_apply" in name]
         reductions = [c for cs in applies for c in cs if c == ("all-reduce", X_GROUPS)]
         assert len(reductions) == 1, (stage, applies)
+
+
+def test_a_gradient_split_over_the_data_axis_is_reduced_per_micro_batch_into_its_split():
+    """ZeRO-3-like stages: logical (4, 1), the batch split over ``x`` and no parameter
+    replicated, so the ILP splits the weights over ``x`` too. A gradient the plan splits
+    over ``x`` is not carried as ``[4, ...]`` partial sums (each device would hold the
+    whole gradient, 4 times its share): the backward reduces it per micro-batch and the
+    accumulator holds the gradient's own split, so a stage's gradient sums take as many
+    bytes per device as its parameters. The stage cost model prices that reduction per
+    micro-batch: its bytes equal the compiled forward and backward's, and its once-per-step
+    bytes the apply-grad all-reduces. Numerics equal the serial step."""
+    devices_or_skip(8)
+    from alpa.model.mlp import MLPModel, get_mlp_train_state_and_step
+    from alpa.pipeline_parallel.stage_cost import per_device_bytes
+    from alpa.runtime.instructions import Op
+    from alpa.util import collective_bytes
+
+    mlp = MLPModel(hidden_size=64, num_layers=1, output_dim=16, add_manual_pipeline_markers=True)
+    state, batch, step = get_mlp_train_state_and_step(mlp, 32, 16, grad_func=alpa.value_and_grad)
+    _, _, ref_step = get_mlp_train_state_and_step(mlp, 32, 16, grad_func=jax.value_and_grad)
+    expected = jax.jit(ref_step)(state, batch)
+    option = {"force_batch_dim_to_mesh_dim": 0, "allow_replicated_parameters": False}
+    method = alpa.PipeshardParallel(
+        num_micro_batches=4,
+        stage_option=ManualStageOption(
+            [[0], [1]],
+            [(1, 4), (1, 4)],
+            submesh_logical_shapes=[(4, 1), (4, 1)],
+            submesh_autosharding_option_dicts=[option, option],
+        ),
+    )
+    parallel = alpa.parallelize(step, method=method, donate_argnums=())
+    out = parallel(state, batch)
+    alpa.testing.assert_allclose(out[0].params, expected[0].params)
+
+    executable = parallel.get_last_executable()
+    plan, program = executable.plan, executable.program
+    partials = program.deferred.partials if program.deferred else {}
+    split = [
+        out
+        for out in program.accumulated
+        if program.home[out] == 1 and "x" in str(plan.stage_specs[(out, 1)])
+    ]
+    assert split, "the ILP split no gradient of stage 1 over x"
+    assert not set(split) & set(partials)
+    # Gradient sums: as many bytes per device as the parameters.
+    var_of = {name: v for v, name in plan.names.items()}
+    mesh = plan.logical_meshes[1]
+    sums = sum(
+        per_device_bytes(
+            var_of[k[0]].aval, plan.buffer_specs[(k[0], 1)], mesh.shape, mesh.axis_names
+        )
+        for ins in plan.instructions.instructions
+        if ins.op is Op.ALLOC
+        for k in ins.outputs
+        if k[2] == 1
+    )
+    assert sums == pytest.approx(plan.cost.parameter_memory[1], rel=0.01)
+    # The model's collectives against the compiled stage 1.
+    texts = dict(
+        zip([c.name for c in program.computations], executable.get_hlo_text(), strict=True)
+    )
+    per_micro: dict = {}
+    for name in ("stage1_forward", "stage1_backward"):
+        for kind, nbytes in collective_bytes(texts[name]).items():
+            per_micro[kind] = per_micro.get(kind, 0) + nbytes
+    predicted = {k: v for k, v in plan.cost.collective_bytes[1].items() if v}
+    assert predicted["all-reduce"] > 0
+    assert predicted == pytest.approx({k: v for k, v in per_micro.items() if v}, rel=0.05)
+    applied = sum(
+        collective_bytes(t)["all-reduce"] for n, t in texts.items() if "stage1_apply" in n
+    )
+    assert plan.cost.gradient_sync_bytes[1]["all-reduce"] == pytest.approx(applied, abs=1)
