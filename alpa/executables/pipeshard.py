@@ -40,7 +40,7 @@ from alpa.runtime.instructions import (
     simulate_memory,
 )
 from alpa.runtime.local_runtime import LocalPipelineRuntime, RuntimeContext
-from alpa.runtime.memory import allocation_bytes, device_peak_bytes
+from alpa.runtime.memory import allocation_bytes, device_peak_bytes, step_peak_bytes
 from alpa.runtime.placement import PlacementSpec, is_placed
 from alpa.shard_parallel.compile import full_batch_avals
 from alpa.shard_parallel.micro_batches import deferred_rules, sum_partials
@@ -421,6 +421,21 @@ class PipeshardDriverExecutable(Executable):
             )
             peaks.append(measured or estimate)
         return peaks
+
+    def get_step_memory_per_mesh(self) -> list[int]:
+        """Per stage mesh, the most bytes a device of it holds at once during a step,
+        from XLA's memory analysis of each program it runs plus the buffers the step
+        holds around it (``runtime.memory.step_peak_bytes``); compare with
+        ``plan.cost.memory``, the cost model's prediction of the same."""
+
+        def buffer_bytes(key) -> int:
+            aval = self._var_of[key[0]].aval
+            shard = self._key_sharding(key).shard_shape(aval.shape)
+            return int(np.prod(shard)) * aval.dtype.itemsize
+
+        return step_peak_bytes(
+            self.instructions, buffer_bytes, lambda k: allocation_bytes(self._kernels[k])
+        )
 
     def get_peak_live_bytes(self) -> list[int]:
         """Per mesh, the peak bytes of buffers a step creates (the emitter's accounting)."""

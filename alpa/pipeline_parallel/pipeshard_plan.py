@@ -65,7 +65,12 @@ from alpa.pipeline_parallel.stage_construction import (
     plan_stages,
     resolve_stage_option,
 )
-from alpa.pipeline_parallel.stage_cost import LogicalConfig, StagePlanCost, predict_stage_plan
+from alpa.pipeline_parallel.stage_cost import (
+    LogicalConfig,
+    StagePlanCost,
+    per_device_bytes,
+    predict_stage_plan,
+)
 from alpa.pipeline_parallel.stage_sharding import (
     DATA_AXES,
     plan_stage_shardings,
@@ -183,7 +188,9 @@ class PipeshardPlan:
         """These stages priced by the analytic stage cost model
         (``stage_cost.predict_stage_plan``): the same model the stage DP minimises, for
         manual and uniform stages too, so that a hand plan and an automatic one compare
-        on equal terms. Solves the layer ILPs of the stages' configurations."""
+        on equal terms. Solves the layer ILPs of the stages' configurations. Its memory
+        counts each stage's state as this plan shards it (:meth:`_with_planned_state`);
+        ``executable.get_step_memory_per_mesh()`` is XLA's figure for the same."""
         plan = self.stage_plan
         context = StageContext(
             num_layers=self.layers.num_layers,
@@ -214,7 +221,39 @@ class PipeshardPlan:
             default=self.cluster.device_memory,
         )
         problem = layer_problem(context, (), (), default, budget)
-        return predict_stage_plan(problem, stages)
+        return self._with_planned_state(predict_stage_plan(problem, stages), budget)
+
+    def _with_planned_state(self, cost: StagePlanCost, budget: float) -> StagePlanCost:
+        """``cost`` with each stage's state as this plan shards it: one device's share
+        of the step's inputs on the stage's mesh that do not depend on the batch
+        (parameters, optimizer state) and of the gradient sums the step allocates there
+        (``ALLOC``). The stage search prices a layer's optimizer state at its parameters'
+        split; apply-grad's ILP, which runs after the search, may split it further (over
+        the data axis, as ZeRO-1 does), which only this plan's tables show."""
+        if not cost.state_memory:
+            return cost
+        var_of = {name: v for v, name in self.names.items()}
+        held = {k for k in self.instructions.persistent if k[1] is None}
+        held |= {
+            k for ins in self.instructions.instructions if ins.op is Op.ALLOC for k in ins.outputs
+        }
+        state = [0.0] * self.num_stages
+        for name, _, mesh in held:
+            v = var_of[name]
+            if v in self.program.batch_dependent:
+                continue
+            logical = self.logical_meshes[mesh]
+            spec = self.buffer_specs[(name, mesh)]
+            state[mesh] += per_device_bytes(v.aval, spec, logical.shape, logical.axis_names)
+        memory = tuple(
+            m - old + new for m, old, new in zip(cost.memory, cost.state_memory, state, strict=True)
+        )
+        return dataclasses.replace(
+            cost,
+            memory=memory,
+            fits=tuple(m <= budget for m in memory),
+            state_memory=tuple(state),
+        )
 
     @property
     def predicted_cost(self) -> float:

@@ -429,6 +429,9 @@ class LayerPlanCost:
       kept_bytes: per micro-batch, the activations its forward keeps for its backward.
       entering_bytes: per micro-batch, the batch values it reads from earlier layers.
       batch_arg_bytes: per micro-batch, the step's batch arguments it reads.
+      temporary_bytes: what its forward and backward hold only while they run: the
+        most bytes of the values they compute and free again (not its inputs, outputs
+        or kept activations) live at once (:func:`temporary_bytes`).
     """
 
     communication: float
@@ -439,14 +442,47 @@ class LayerPlanCost:
     kept_bytes: float
     entering_bytes: float
     batch_arg_bytes: float
+    temporary_bytes: float = 0.0
+
+
+def temporary_bytes(jaxpr, held, bytes_of) -> float:
+    """The most bytes per device of values ``jaxpr``'s equations compute and free again
+    that are live at once: each from the equation that computes it to its last read
+    (one never read: its own equation only), ``held`` values (inputs, outputs, what the
+    forward keeps for the backward, counted elsewhere) excepted. XLA's temporaries, as
+    far as the jaxpr shows them: its fusions make some values never exist and its
+    buffer reuse is this liveness (``docs/pipeline.md`` compares the two)."""
+    eqns = jaxpr.eqns
+    if not eqns:
+        return 0.0
+    last: dict = {}
+    for t, eqn in enumerate(eqns):
+        for v in eqn.invars:
+            if is_var(v):
+                last[v] = t
+    change = np.zeros(len(eqns) + 1)
+    for t, eqn in enumerate(eqns):
+        for v in eqn.outvars:
+            if is_var(v) and v not in held:
+                size = bytes_of(v)
+                change[t] += size
+                change[max(last.get(v, t), t) + 1] -= size
+    return float(max(np.cumsum(change).max(), 0.0))
+
+
+def _held(step: TracedStep, facts: _LayerFacts) -> set:
+    jaxpr = step.closed_jaxpr.jaxpr
+    return {*jaxpr.invars, *jaxpr.constvars, *jaxpr.outvars, *facts.kept}
 
 
 def _data_parallel_layer(
-    problem: StageProblem, facts: _LayerFacts, m: int, config
+    problem: StageProblem, facts: _LayerFacts, step: TracedStep, m: int, config
 ) -> LayerPlanCost:
-    """A layer with no ILP: everything batch-dependent split over the ``n`` devices,
-    parameters replicated, one all-reduce of its gradients per step."""
+    """A layer with no ILP (its ``step`` on the submesh): everything batch-dependent
+    split over the ``n`` devices, parameters replicated, one all-reduce of its gradients
+    per step."""
     n = int(np.prod(problem.submesh_choices[m]))
+    batch = problem.program.batch_dependent
     sync = 0.0
     reductions = []
     if n > 1:
@@ -462,6 +498,11 @@ def _data_parallel_layer(
         kept_bytes=facts.activation_bytes / n,
         entering_bytes=facts.entering_bytes / n,
         batch_arg_bytes=facts.batch_arg_bytes / n,
+        temporary_bytes=temporary_bytes(
+            step.closed_jaxpr.jaxpr,
+            _held(step, facts),
+            lambda v: nbytes(v) / n if v in batch else float(nbytes(v)),
+        ),
     )
 
 
@@ -523,6 +564,14 @@ def _ilp_layer(
                 total += per_device_bytes(v.aval, spec, shape, names)
         return total
 
+    def planned(v) -> float:
+        # Bytes per device as the ILP priced them (``local``'s, without building specs).
+        source = graph.sources.get(v)
+        if source is None:
+            return nbytes(v) / n
+        node, k = source
+        return graph.nodes[node].out_bytes[k][choice[node]]
+
     program_inputs = set(problem.program.closed_jaxpr.jaxpr.invars)
     whole = local_params = 0.0
     for v in step.jaxpr.invars:
@@ -538,6 +587,7 @@ def _ilp_layer(
         kept_bytes=local(facts.kept),
         entering_bytes=local(facts.entering),
         batch_arg_bytes=local(facts.batch_args),
+        temporary_bytes=temporary_bytes(step.closed_jaxpr.jaxpr, _held(step, facts), planned),
     )
 
 
@@ -585,25 +635,38 @@ class _LayerPlans:
             "alpa-stage-ilp",
         )
         self._solved = dict(zip(jobs, solved, strict=True))
+        self._steps = {key: step for key, (step, _) in steps.items()}
+        self._data_parallel: dict = {}
 
     def get(self, layer: int, m: int, config: LogicalConfig) -> LayerPlanCost:
         key = self._keys[layer, m, config]
         if key is None:
-            return _data_parallel_layer(self._problem, self._facts[layer], m, config)
+            if (layer, m, config) not in self._data_parallel:
+                n = int(np.prod(self._problem.submesh_choices[m]))
+                if (layer, n) not in self._steps:
+                    self._steps[layer, n] = self._problem.stage_step(layer, layer, n)[0]
+                step = self._steps[layer, n]
+                self._data_parallel[layer, m, config] = _data_parallel_layer(
+                    self._problem, self._facts[layer], step, m, config
+                )
+            return self._data_parallel[layer, m, config]
         return self._solved[key]
 
 
 def _stage_memory(problem: StageProblem, plans: _LayerPlans):
     """``memory(i, j, m, c, config) -> (state, per_micro_batch, once)`` bytes per device of
     a stage of layers ``i..j`` (module docstring): its state, the activations it keeps per
-    micro-batch in flight, and what it holds once (under remat, one micro-batch's
-    activations while its backward recomputes them)."""
+    micro-batch in flight, and what it holds once: the temporaries of its forward or
+    backward (its layers run one after another and reuse them: the largest layer's), the
+    cotangent its backward sends to the stage before and, under remat, one micro-batch's
+    activations while its backward recomputes them."""
 
     def memory(i, j, m, c, config):
-        state = per_micro = once = 0.0
+        state = per_micro = once = temporaries = 0.0
         facts = problem.layer_facts
         for layer in range(i, j + 1):
             cost = plans.get(layer, m, config)
+            temporaries = max(temporaries, cost.temporary_bytes)
             state += facts[layer].state_bytes * cost.param_fraction
             if problem.remat:
                 # Kept: what enters the stage (the first layer's inputs from earlier
@@ -612,7 +675,10 @@ def _stage_memory(problem: StageProblem, plans: _LayerPlans):
                 once += cost.kept_bytes
             else:
                 per_micro += cost.kept_bytes
-        return state, per_micro, once
+            if layer == i and problem.program.is_training:
+                # The cotangent of what entered the stage, which its backward sends back.
+                once += cost.entering_bytes
+        return state, per_micro, once + temporaries
 
     return memory
 

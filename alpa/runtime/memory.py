@@ -25,3 +25,37 @@ def device_peak_bytes(devices: Sequence[Any]) -> int | None:
     if all(s and "peak_bytes_in_use" in s for s in stats):
         return max(int(s["peak_bytes_in_use"]) for s in stats)
     return None
+
+
+def step_peak_bytes(instructions: Any, buffer_bytes: Any, run_bytes: Any) -> list[int]:
+    """Per mesh, the most bytes one device holds at once during a step, from XLA's figures.
+
+    At every ``RUN``, the device holds what XLA allocates for the program it runs
+    (``run_bytes(kernel index)``: arguments, outputs and temporaries, less aliased
+    outputs) plus every other buffer the step keeps on that mesh at that point: the
+    step's inputs placed there (parameters, optimizer state; the caller owns them for the
+    whole step) and what earlier instructions wrote and later ones still read (the
+    activations of micro-batches in flight, gradient sums, ...). ``buffer_bytes(key)``
+    is one device's share of buffer ``key``. Between ``RUN``s a device holds no more
+    than at the ``RUN`` before or after it, bar a transfer's received buffer.
+
+    ``instructions`` is a ``PipelineInstructions``; buffers are freed after their last
+    reading instruction (``Instruction.free``), as both runtimes free them.
+    """
+    from alpa.runtime.instructions import Op
+
+    live: list[set] = [set() for _ in range(instructions.num_meshes)]
+    for key in instructions.persistent:
+        live[key[2]].add(key)
+    peak = [0] * instructions.num_meshes
+    for ins in instructions.instructions:
+        if ins.op is Op.RUN:
+            reads_or_writes = set(ins.inputs) | set(ins.outputs)
+            held = sum(buffer_bytes(k) for k in live[ins.mesh] if k not in reads_or_writes)
+            peak[ins.mesh] = max(peak[ins.mesh], int(held + run_bytes(ins.computation)))
+        for key in ins.outputs:
+            live[key[2]].add(key)
+        for key in ins.free:
+            if key not in instructions.persistent:
+                live[key[2]].discard(key)
+    return peak

@@ -15,9 +15,11 @@ splits the batch over ``x`` and the model over ``y``:
 * **memory**: the activations the model keeps per micro-batch in flight
   (``activation_memory``) equal the bytes per device of the batch-dependent values the
   compiled forward hands its backward, as XLA lays them out (the executable's output
-  shardings). XLA's memory analysis of the forward (``output_size_in_bytes``) holds
-  these, the values sent to the next stage, and copies of weights the forward hands the
-  backward through its pipeline marker, which the model does not count (docs/pipeline.md).
+  shardings).
+* **memory per device**: ``plan.cost.memory`` (state as the plan splits it, the largest
+  layer's temporaries, the cotangent sent back, activations per micro-batch in flight)
+  against the most a device holds during the step by XLA's memory analysis of each
+  program plus the buffers the step holds around it (``get_step_memory_per_mesh``).
 
 Each stage holds one layer: a stage of several layers is priced as the sum of per-layer
 ILPs, which do not see a resharding between two layers of the stage (docs/pipeline.md).
@@ -54,7 +56,7 @@ def _step(model: str):
     return get_mlp_train_state_and_step(mlp, 32, 16, grad_func=alpa.value_and_grad)
 
 
-def _compiled_stages(model: str):
+def _compiled_stages(model: str, donate=()):
     """The executable of ``model`` in two one-layer stages on logical (2, 2) submeshes."""
     devices_or_skip(8)
     state, batch, step = _step(model)
@@ -68,7 +70,7 @@ def _compiled_stages(model: str):
             submesh_autosharding_option_dicts=[forced, forced],
         ),
     )
-    return alpa.parallelize(step, method=method, donate_argnums=()).get_executable(state, batch)
+    return alpa.parallelize(step, method=method, donate_argnums=donate).get_executable(state, batch)
 
 
 def _nonzero(counts: dict) -> dict:
@@ -123,3 +125,19 @@ def test_collective_bytes_and_activations_match_the_compiled_stages(model):
         backward = next(c for c in comps if c.name == f"stage{stage}_backward")
         kept = _kept_bytes(executable, forward, backward)
         assert cost.activation_memory[stage] == pytest.approx(kept, rel=0.10), (model, stage)
+
+
+@pytest.mark.parametrize("model", ["gpt", "mlp"])
+def test_predicted_memory_per_device_matches_xla(model):
+    """``plan.cost.memory`` (state + temporaries + activations per micro-batch in flight
+    under 1F1B) against the most a device of the stage's mesh holds during the step by
+    XLA's figures: at each ``RUN``, its program's allocation (``memory_analysis``:
+    arguments + outputs + temporaries - aliases) plus the buffers the step holds on the
+    mesh around it (``get_step_memory_per_mesh``). The state is donated, as a training
+    loop donates it."""
+    executable = _compiled_stages(model, donate=(0,))
+    predicted = executable.plan.cost.memory
+    measured = executable.get_step_memory_per_mesh()
+    assert len(measured) == executable.plan.num_stages == 2
+    for stage, (p, m) in enumerate(zip(predicted, measured, strict=True)):
+        assert p == pytest.approx(m, rel=0.10), (model, stage, p, m)
