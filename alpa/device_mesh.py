@@ -261,7 +261,14 @@ def make_jax_mesh(devices: Sequence[Any], shape: Sequence[int], axis_names: Sequ
     """A ``jax.sharding.Mesh`` with ``Auto`` axes (JAX >= 0.9 defaults to Explicit)."""
     from jax.sharding import AxisType, Mesh
 
-    device_array = np.asarray(list(devices), dtype=object).reshape(tuple(shape))
+    devices = list(devices)
+    if len(set(devices)) != len(devices):
+        raise ValueError(
+            f"a mesh of shape {tuple(shape)} cannot hold a device twice, got devices="
+            f"{devices}; a device listed twice in devices= can host two pipeline stages "
+            "(each on a submesh of its own), not two positions of one mesh"
+        )
+    device_array = np.asarray(devices, dtype=object).reshape(tuple(shape))
     return Mesh(device_array, tuple(axis_names), axis_types=(AxisType.Auto,) * len(shape))
 
 
@@ -421,7 +428,13 @@ class PhysicalDeviceMesh(abc.ABC):
 
 
 class LocalPhysicalDeviceMesh(PhysicalDeviceMesh):
-    """Devices of this process, seen as one host."""
+    """Devices of this process, seen as one host.
+
+    A device may be listed more than once: each position is a slot that a pipeline stage's
+    submesh can take, so ``PipeshardParallel(devices=[gpu, gpu])`` runs two stages of
+    one device each on one GPU (a pipeline tried on one accelerator). One mesh cannot
+    hold a device twice (:func:`make_jax_mesh` says which).
+    """
 
     def __init__(self, devices: Sequence[Any] | None = None, cluster: ClusterSpec | None = None):
         import jax
@@ -440,8 +453,6 @@ class LocalPhysicalDeviceMesh(PhysicalDeviceMesh):
                     f"devices must be jax devices (from jax.devices()), got "
                     f"{type(device).__name__} {device!r}"
                 )
-        if len(set(devices)) != len(devices):
-            raise ValueError(f"LocalPhysicalDeviceMesh got repeated devices: {devices}")
         self.devices = tuple(devices)
         self.cluster = cluster or ClusterSpec.local()
 

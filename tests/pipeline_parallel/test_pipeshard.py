@@ -81,6 +81,29 @@ def test_mlp_two_stages(schedule, num_micro_batches):
     assert [m.devices.size for m in executable.meshes] == [4, 4]
 
 
+def test_two_stages_share_one_device_when_it_is_listed_twice():
+    """``devices=[d, d]``: each stage takes one slot, so both run on ``d`` (a pipeline
+    tried on one accelerator), with numerics equal to serial over two steps; one stage's
+    mesh cannot take ``d`` twice, and the error says why."""
+    device = jax.devices()[0]
+    params, batch = _mlp(2)
+    method = PipeshardParallel(
+        devices=[device, device],
+        num_micro_batches=2,
+        stage_option=ManualStageOption([[0], [1]], [(1, 1), (1, 1)]),
+    )
+    executable = _check_against_serial(_mlp_loss(2), params, batch, method)
+    assert [list(m.devices.flat) for m in executable.meshes] == [[device], [device]]
+    assert executable.live_buffers_after_step() == []
+    one_mesh = PipeshardParallel(
+        devices=[device, device],
+        num_micro_batches=2,
+        stage_option=ManualStageOption([[0, 1]], [(1, 2)]),
+    )
+    with pytest.raises(ValueError, match="cannot hold a device twice"):
+        _check_against_serial(_mlp_loss(2), params, batch, one_mesh, steps=1)
+
+
 def test_mlp_four_stages_uniform_option():
     devices_or_skip(8)
     params, batch = _mlp(4)
