@@ -1,0 +1,141 @@
+"""A pipelined GPT step, measured, against what the stage cost model predicts for it.
+
+Two stages (the GPT's blocks split in halves by its pipeline markers), each on one device:
+two devices when there are two, else the one device listed twice
+(``PipeshardParallel(devices=[d, d])``: both stages on one accelerator, one after the
+other). It runs ``--warmup`` steps, then times ``--steps`` steps (each to
+``block_until_ready``) and reports the median, next to:
+
+* ``plan.cost.step_seconds``: the model's ``sum + (B - 1) * max`` of the stage
+  latencies, which assumes each stage has its device to itself;
+* where both stages share one device, ``B * sum`` of the latencies: the stages cannot
+  overlap there, so this is the model's figure for that run;
+* per stage, the predicted memory per device (``plan.cost.memory``), XLA's figure for the
+  same (``get_step_memory_per_mesh``) and the allocator's peak where the platform keeps
+  one (GPU).
+
+The cluster the model prices is this machine's (``ClusterSpec.local()``: on a GPU the
+preset of its kind, on CPU the virtual-device figures), so on CPU the seconds mean little;
+the script is written for a GPU and runs anywhere. Results go to ``--out`` (JSON) and a
+summary is printed.
+
+    python benchmark/pipeline/bench_step_vs_prediction.py            # GPT-350M shape, 4 blocks
+    python benchmark/pipeline/bench_step_vs_prediction.py --tiny     # a quick run on CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+
+import alpa
+from alpa.model.gpt import GPT_PRESETS, GPTConfig, get_gpt_train_state_and_step
+from alpa.pipeline_parallel.stage_construction import ManualStageOption
+from alpa.runtime.memory import device_peak_bytes
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _config(tiny: bool, blocks: int) -> GPTConfig:
+    if tiny:
+        return GPTConfig(
+            seq_len=64, vocab_size=512, hidden_size=128, num_layers=blocks, num_heads=4
+        )
+    return dataclasses.replace(GPT_PRESETS["350M"], num_layers=blocks, dtype=jnp.float16)
+
+
+def run(args) -> dict:
+    config = dataclasses.replace(_config(args.tiny, args.blocks), add_manual_pipeline_markers=True)
+    state, batch, step = get_gpt_train_state_and_step(
+        config, args.batch, grad_func=alpa.value_and_grad
+    )
+    devices = jax.devices()
+    shared = len(devices) < 2
+    stage_devices = [devices[0], devices[0]] if shared else devices[:2]
+    half = args.blocks // 2
+    method = alpa.PipeshardParallel(
+        devices=stage_devices,
+        num_micro_batches=args.micro_batches,
+        stage_option=ManualStageOption(
+            [list(range(half)), list(range(half, args.blocks))], [(1, 1), (1, 1)]
+        ),
+    )
+    parallel = alpa.parallelize(step, method=method)
+    for _ in range(args.warmup):
+        state, loss = parallel(state, batch)
+    jax.block_until_ready(state)
+    seconds = []
+    for _ in range(args.steps):
+        start = time.perf_counter()
+        state, loss = parallel(state, batch)
+        jax.block_until_ready((state, loss))
+        seconds.append(time.perf_counter() - start)
+    executable = parallel.get_last_executable()
+    cost = executable.plan.cost
+    k = args.micro_batches
+    return {
+        "device": f"{devices[0].platform} {devices[0].device_kind}",
+        "stages_share_one_device": shared,
+        "config": {
+            "hidden": config.hidden_size,
+            "blocks": config.num_layers,
+            "seq_len": config.seq_len,
+            "vocab": config.vocab_size,
+            "dtype": str(jnp.dtype(config.dtype)),
+            "batch": args.batch,
+            "micro_batches": k,
+        },
+        "cluster": executable.plan.cluster.name,
+        "measured_s": statistics.median(seconds),
+        "measured_runs_s": seconds,
+        "predicted_s": cost.step_seconds,
+        "predicted_one_device_s": k * sum(cost.latencies),
+        "stage_latencies_s": list(cost.latencies),
+        "predicted_memory": list(cost.memory),
+        "xla_memory": executable.get_step_memory_per_mesh(),
+        "allocator_peak": device_peak_bytes(devices[:1] if shared else devices[:2]),
+        "loss": float(loss),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tiny", action="store_true", help="a small GPT (for CPU)")
+    parser.add_argument("--blocks", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--micro-batches", type=int, default=4)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--out", default=os.path.join(HERE, "step_vs_prediction.json"))
+    args = parser.parse_args()
+    alpa.util.disable_tqdm_globally()
+    result = run(args)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    shared = result["stages_share_one_device"]
+    model = result["predicted_one_device_s"] if shared else result["predicted_s"]
+    print(
+        f"{result['device']}, 2 stages{' on one device' if shared else ''}, "
+        f"{result['config']['micro_batches']} micro-batches, cluster {result['cluster']}"
+    )
+    print(
+        f"measured {result['measured_s'] * 1e3:.2f} ms/step (median of {args.steps}); "
+        f"predicted {model * 1e3:.2f} ms ({'B x sum' if shared else 'sum + (B-1) max'}); "
+        f"measured / predicted {result['measured_s'] / model:.2f}"
+    )
+    for s, (p, x) in enumerate(zip(result["predicted_memory"], result["xla_memory"], strict=True)):
+        print(f"stage {s}: memory predicted {p / 2**20:.1f} MiB, XLA {x / 2**20:.1f} MiB")
+    if result["allocator_peak"] is not None:
+        print(f"allocator peak {result['allocator_peak'] / 2**20:.1f} MiB")
+    print(f"results: {args.out}")
+
+
+if __name__ == "__main__":
+    main()
