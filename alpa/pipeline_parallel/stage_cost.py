@@ -35,7 +35,9 @@ Two models:
   values that depend on the batch, each at the bytes per device of the ILP's sharding of
   it; split over the submesh in a data-parallel configuration), or under ``r = 1`` only
   the batch values entering the stage, plus, once, one micro-batch's activations while
-  its backward recomputes them. Under 1F1B a stage followed by ``k`` stages holds
+  its backward recomputes them; and once, the temporaries of its largest layer
+  (:func:`temporary_bytes`) and the cotangent its backward sends to the stage before.
+  Under 1F1B a stage followed by ``k`` stages holds
   ``k + 1`` micro-batches, so ``max_n_succ_stages = floor((budget - state - once) /
   per_micro_batch) - 1`` (``-1``, and an ``inf`` latency, when not even one fits). The
   layer ILPs run without the budget; on a submesh where the replicated state of an
