@@ -45,6 +45,7 @@ from jax.core import ShapedArray
 from jax.extend.core import Var
 from jax.sharding import PartitionSpec
 
+from alpa.device_mesh import entry_names
 from alpa.pipeline_parallel.computation import PipelineProgram, StageComputation
 from alpa.shard_parallel.data_parallel import is_opt_state, zero_spec
 from alpa.shard_parallel.micro_batches import batch_dims_for, deferrable, partial_spec
@@ -241,10 +242,7 @@ def defer_gradient_sums(
 
 def splits_over(spec: PartitionSpec | None, axes: Sequence[str]) -> bool:
     """Whether ``spec`` splits a dimension over one of ``axes``."""
-    for entry in spec or ():
-        if any(a in axes for a in (entry if isinstance(entry, tuple) else (entry,))):
-            return True
-    return False
+    return any(a in axes for entry in spec or () for a in entry_names(entry))
 
 
 def zero2_specs(

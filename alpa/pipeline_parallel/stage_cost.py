@@ -70,7 +70,7 @@ from typing import Any, Protocol
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from alpa.device_mesh import ClusterSpec, VirtualPhysicalMesh
+from alpa.device_mesh import ClusterSpec, VirtualPhysicalMesh, entry_names
 from alpa.pipeline_parallel.computation import PipelineProgram
 from alpa.pipeline_parallel.deferred_sums import splits_over
 from alpa.pipeline_parallel.stage_sharding import (
@@ -409,9 +409,8 @@ def per_device_bytes(aval, spec: PartitionSpec | None, mesh_shape, axis_names) -
         return total
     split = 1
     for entry in spec:
-        for axis in entry if isinstance(entry, tuple) else (entry,):
-            if axis is not None:
-                split *= mesh_shape[list(axis_names).index(axis)]
+        for axis in entry_names(entry):
+            split *= mesh_shape[list(axis_names).index(axis)]
     return total / split
 
 
@@ -521,7 +520,8 @@ def _ilp_layer(
     graph, choice = solution.graph, solution.solution.choice
     communication = ilp_solver.communication_cost(graph, choice)
     # The gradient row sums reduced over the data axes: deferred to once per step.
-    data = {list(mesh.axis_names).index(a) for a in solution.data_axes()}
+    data_axes = solution.data_axes()
+    data = {list(mesh.axis_names).index(a) for a in data_axes}
     # A gradient row sum reduced over data axes (and perhaps model axes too): its
     # reductions over the data axes are the ones deferred, unless they split it there;
     # over a model axis (a row sum that also sums a dimension split there) it stays in
@@ -534,11 +534,11 @@ def _ilp_layer(
     # A gradient the plan splits over a data axis is reduced in the backward, per
     # micro-batch, into its split (``deferred_sums.defer_gradient_sums``, as ZeRO-3).
     split_gradients = {
-        node.id
-        for node in graph.nodes
+        node
+        for node in gradient_nodes
         if any(
-            splits_over(solution.partition_spec(g), solution.data_axes())
-            for v in node.outvars
+            splits_over(solution.partition_spec(g), data_axes)
+            for v in graph.nodes[node].outvars
             for g in facts.gradients.get(v, ())
         )
     }
@@ -555,24 +555,17 @@ def _ilp_layer(
     shape, names = plan_mesh.shape, plan_mesh.axis_names
     n = mesh.num_devices
 
-    def local(values) -> float:
-        # A value the plan does not name is counted split over the submesh.
-        total = 0.0
-        for v in values:
-            spec = solution.partition_spec(v)
-            if spec is None:
-                total += nbytes(v) / n
-            else:
-                total += per_device_bytes(v.aval, spec, shape, names)
-        return total
-
     def planned(v) -> float:
-        # Bytes per device as the ILP priced them (``local``'s, without building specs).
+        # Bytes per device as the ILP priced them; a value the plan does not name is
+        # counted split over the submesh.
         source = graph.sources.get(v)
         if source is None:
             return nbytes(v) / n
         node, k = source
         return graph.nodes[node].out_bytes[k][choice[node]]
+
+    def local(values) -> float:
+        return sum(planned(v) for v in values)
 
     program_inputs = set(problem.program.closed_jaxpr.jaxpr.invars)
     whole = local_params = 0.0
