@@ -437,6 +437,28 @@ class PipeshardDriverExecutable(Executable):
             self.instructions, buffer_bytes, lambda k: allocation_bytes(self._kernels[k])
         )
 
+    def get_kernel_memory(self) -> list[dict]:
+        """Per compiled program a ``RUN`` calls, XLA's memory analysis on one device:
+        ``name`` (its computation's), ``stage``, ``kind`` (forward, backward, apply) and the
+        bytes of its ``arguments``, ``outputs``, ``temporaries`` and ``aliased`` outputs:
+        the terms :meth:`get_step_memory_per_mesh` adds up."""
+        rows = []
+        for kernel, compiled in zip(self.instructions.kernels, self._kernels, strict=True):
+            stats = compiled.memory_analysis()
+            computation = self.program.computations[kernel.computation]
+            rows.append(
+                {
+                    "name": computation.name,
+                    "stage": computation.stage,
+                    "kind": computation.kind,
+                    "arguments": int(stats.argument_size_in_bytes),
+                    "outputs": int(stats.output_size_in_bytes),
+                    "temporaries": int(stats.temp_size_in_bytes),
+                    "aliased": int(stats.alias_size_in_bytes),
+                }
+            )
+        return rows
+
     def get_peak_live_bytes(self) -> list[int]:
         """Per mesh, the peak bytes of buffers a step creates (the emitter's accounting)."""
         return simulate_memory(self.instructions)
@@ -446,15 +468,15 @@ class PipeshardDriverExecutable(Executable):
         planner: each piece of a value once per destination host."""
         return self.runtime.resharded_bytes
 
-    def draw_last_step(self, path: str, dpi: int = 100):
-        """The last step as it ran, in the picture ``self.plan.draw`` makes of the plan
-        (``plan_view``), so the two lie side by side: each instruction a block on its
-        mesh from the runtime's events (dispatch times, or with ``collect_trace`` set
-        before the step each instruction waited for), a ``RUN`` by its computation's kind
-        (forward, backward, apply), ``LOAD`` / ``RESHARD`` / ``ALLOC`` as transfers."""
+    def last_step_blocks(self) -> list:
+        """The last step as it ran: per instruction a ``plan_view.Block`` on its mesh
+        (``stage`` is the mesh), from the runtime's events (dispatch times, or with
+        ``collect_trace`` set before the step each instruction waited for), seconds from
+        the step's start; a ``RUN`` by its computation's kind (forward, backward, apply),
+        ``LOAD`` / ``RESHARD`` / ``ALLOC`` as ``"transfer"``."""
         events = self.runtime.events
         if not events:
-            raise RuntimeError(f"{self.traced.name}: no step has run yet; nothing to draw")
+            raise RuntimeError(f"{self.traced.name}: no step has run yet; nothing to show")
         base = events[0].start
         blocks = []
         instructions = self.instructions
@@ -468,6 +490,14 @@ class PipeshardDriverExecutable(Executable):
                     ins.mesh, kind, ins.micro_batch, event.start - base, event.end - base
                 )
             )
+        return blocks
+
+    def draw_last_step(self, path: str, dpi: int = 100):
+        """The last step as it ran (:meth:`last_step_blocks`), in the picture
+        ``self.plan.draw`` makes of the plan (``plan_view``), so the two lie side by side."""
+        blocks = self.last_step_blocks()
+        events = self.runtime.events
+        instructions = self.instructions
         waited = all(e.returned is not None for e in events)
         plan = self.plan
         return plan_view.draw_blocks(

@@ -10,8 +10,14 @@ other). It runs ``--warmup`` steps, then times ``--steps`` steps (each to
   latencies, which assumes each stage has its device to itself;
 * where both stages share one device, ``B * sum`` of the latencies: the stages cannot
   overlap there, so this is the model's figure for that run;
-* per stage, the predicted memory per device (``plan.cost.memory``), XLA's figure for the
-  same (``get_step_memory_per_mesh``) and the allocator's peak where the platform keeps
+* the same step under ``jax.jit`` on one device and the whole batch (no pipeline): what
+  XLA makes of the model's FLOPs, against the peak rate the model prices them at;
+* one step with every instruction waited for (``collect_trace``): per stage, its forward
+  and backward time per micro-batch next to its predicted latency, its apply-grad and
+  its transfers (``last_step_blocks``);
+* per stage, the predicted memory per device (``plan.cost.memory``, and its state and
+  per-micro-batch terms), XLA's figure for the same (``get_step_memory_per_mesh``, and
+  per program, ``get_kernel_memory``) and the allocator's peak where the platform keeps
   one (GPU).
 
 The cluster the model prices is this machine's (``ClusterSpec.local()``: on a GPU the
@@ -80,6 +86,34 @@ def run(args) -> dict:
     executable = parallel.get_last_executable()
     cost = executable.plan.cost
     k = args.micro_batches
+    # One more step with every instruction waited for: the device time of each stage's
+    # forward and backward programs, next to the latency the model gives the stage.
+    executable.collect_trace = True
+    state, loss = parallel(state, batch)
+    jax.block_until_ready((state, loss))
+    traced_s = sum(b.end - b.start for b in executable.last_step_blocks())
+    per_stage = [
+        {
+            kind: sum(
+                b.end - b.start
+                for b in executable.last_step_blocks()
+                if b.stage == s and b.kind == kind
+            )
+            for kind in ("forward", "backward", "apply", "transfer")
+        }
+        for s in range(len(cost.latencies))
+    ]
+    executable.collect_trace = False
+    # The same step under jax.jit on one device, whole batch: what XLA makes of the model
+    # without a pipeline, the yardstick for the model's compute rate.
+    serial = jax.jit(step)
+    serial_state, _ = serial(state, batch)
+    jax.block_until_ready(serial_state)
+    serial_seconds = []
+    for _ in range(args.steps):
+        start = time.perf_counter()
+        jax.block_until_ready(serial(state, batch))
+        serial_seconds.append(time.perf_counter() - start)
     return {
         "device": f"{devices[0].platform} {devices[0].device_kind}",
         "stages_share_one_device": shared,
@@ -98,8 +132,16 @@ def run(args) -> dict:
         "predicted_s": cost.step_seconds,
         "predicted_one_device_s": k * sum(cost.latencies),
         "stage_latencies_s": list(cost.latencies),
+        "traced_step_s": traced_s,
+        "traced_per_stage_s": per_stage,
+        "serial_jit_s": statistics.median(serial_seconds),
         "predicted_memory": list(cost.memory),
         "xla_memory": executable.get_step_memory_per_mesh(),
+        # The prediction's terms (state; activations per micro-batch in flight; the rest,
+        # held once: temporaries and the cotangent sent back) and XLA's per program.
+        "predicted_state_memory": list(cost.state_memory),
+        "predicted_activation_memory": list(cost.activation_memory),
+        "xla_kernel_memory": executable.get_kernel_memory(),
         "allocator_peak": device_peak_bytes(devices[:1] if shared else devices[:2]),
         "loss": float(loss),
     }
@@ -120,6 +162,7 @@ def main() -> None:
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     shared = result["stages_share_one_device"]
+    k = result["config"]["micro_batches"]
     model = result["predicted_one_device_s"] if shared else result["predicted_s"]
     print(
         f"{result['device']}, 2 stages{' on one device' if shared else ''}, "
@@ -130,8 +173,20 @@ def main() -> None:
         f"predicted {model * 1e3:.2f} ms ({'B x sum' if shared else 'sum + (B-1) max'}); "
         f"measured / predicted {result['measured_s'] / model:.2f}"
     )
+    print(
+        f"jax.jit of the same step (whole batch, one device): {result['serial_jit_s'] * 1e3:.2f} "
+        f"ms; one step with each instruction waited for: {result['traced_step_s'] * 1e3:.2f} ms"
+    )
     for s, (p, x) in enumerate(zip(result["predicted_memory"], result["xla_memory"], strict=True)):
-        print(f"stage {s}: memory predicted {p / 2**20:.1f} MiB, XLA {x / 2**20:.1f} MiB")
+        t = result["traced_per_stage_s"][s]
+        run_ms = (t["forward"] + t["backward"]) / k * 1e3
+        predicted_ms = result["stage_latencies_s"][s] * 1e3
+        print(
+            f"stage {s}: per micro-batch forward + backward {run_ms:.2f} ms run, "
+            f"{predicted_ms:.2f} ms predicted; apply "
+            f"{t['apply'] * 1e3:.2f} ms, transfers {t['transfer'] * 1e3:.2f} ms; "
+            f"memory predicted {p / 2**20:.1f} MiB, XLA {x / 2**20:.1f} MiB"
+        )
     if result["allocator_peak"] is not None:
         print(f"allocator peak {result['allocator_peak'] / 2**20:.1f} MiB")
     print(f"results: {args.out}")

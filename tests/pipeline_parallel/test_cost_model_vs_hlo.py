@@ -141,3 +141,11 @@ def test_predicted_memory_per_device_matches_xla(model):
     assert len(measured) == executable.plan.num_stages == 2
     for stage, (p, m) in enumerate(zip(predicted, measured, strict=True)):
         assert p == pytest.approx(m, rel=0.10), (model, stage, p, m)
+    # Per program (what the step's figure adds up): one row per compiled program, and no
+    # program allocates more than its mesh's peak, which holds it and what is around it.
+    rows = executable.get_kernel_memory()
+    assert len(rows) == len(executable.instructions.kernels)
+    assert {r["kind"] for r in rows} == {"forward", "backward", "apply"}
+    for row in rows:
+        alone = row["arguments"] + row["outputs"] + row["temporaries"] - row["aliased"]
+        assert 0 < alone <= measured[row["stage"]], (model, row)
