@@ -226,22 +226,31 @@ class PipeshardPlan:
     def _with_planned_state(self, cost: StagePlanCost, budget: float) -> StagePlanCost:
         """``cost`` with each stage's state as this plan shards it: one device's share
         of the step's inputs on the stage's mesh that do not depend on the batch
-        (parameters, optimizer state) and of the gradient sums the step allocates there
-        (``ALLOC``). The stage search prices a layer's optimizer state at its parameters'
-        split; apply-grad's ILP, which runs after the search, may split it further (over
-        the data axis, as ZeRO-1 does), which only this plan's tables show."""
+        (parameters, optimizer state) and of the gradient sums the step keeps there
+        (made by an ``ALLOC`` or written by the first micro-batch's backward). The stage
+        search prices a layer's optimizer state at its parameters' split; apply-grad's
+        ILP, which runs after the search, may split it further (over the data axis, as
+        ZeRO-1 does), which only this plan's tables show."""
         if not cost.state_memory:
             return cost
         var_of = {name: v for v, name in self.names.items()}
-        held = {k for k in self.instructions.persistent if k[1] is None}
-        held |= {
-            k for ins in self.instructions.instructions if ins.op is Op.ALLOC for k in ins.outputs
+        instructions = self.instructions
+        held = {
+            k
+            for k in instructions.persistent
+            if k[1] is None and var_of[k[0]] not in self.program.batch_dependent
         }
+        # Gradient sums (batch-dependent, but held from the first micro-batch's backward to
+        # apply-grad): zeros an ALLOC makes, or the first micro-batch's RUN writes them.
+        for ins in instructions.instructions:
+            if ins.op is Op.ALLOC:
+                held.update(ins.outputs)
+            elif ins.op is Op.RUN:
+                sums = len(instructions.kernels[ins.computation].accumulate)
+                held.update(ins.outputs[len(ins.outputs) - sums :])
         state = [0.0] * self.num_stages
         for name, _, mesh in held:
             v = var_of[name]
-            if v in self.program.batch_dependent:
-                continue
             logical = self.logical_meshes[mesh]
             spec = self.buffer_specs[(name, mesh)]
             state[mesh] += per_device_bytes(v.aval, spec, logical.shape, logical.axis_names)

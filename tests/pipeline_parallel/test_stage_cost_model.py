@@ -178,6 +178,19 @@ def test_a_hand_plan_over_the_budget_says_so():
     assert all(m > 1000 for m in cost.memory)
 
 
+def test_a_plans_state_counts_its_gradient_sums():
+    """Two stages of two layers on one device each: a stage holds its parameters, Adam's
+    two moments and the gradient sums its backward accumulates over the micro-batches,
+    four times its parameters' bytes (plus Adam's step counters, a few bytes). The sums
+    depend on the batch, yet live from the first backward to apply-grad: the state read
+    off the plan once left them out (three times the parameters)."""
+    cluster = dataclasses.replace(CLUSTER, num_devices_per_node=2)
+    option = alpa.ManualStageOption([[0, 1], [2, 3]], [(1, 1), (1, 1)])
+    _, _, plan = _recorded(cluster=cluster, stage_option=option)
+    for state in plan.cost.state_memory:
+        assert state == pytest.approx(4 * 2 * PARAM_BYTES, abs=16)
+
+
 def test_temporaries_are_the_fullest_point_of_the_liveness_of_what_is_not_held():
     """``a = x @ w; b = tanh(a); c = 2 b; d = c + a`` on f32[4, 8] (128 bytes each),
     ``x, w, d`` held (inputs, output): ``a`` lives from its equation to ``d``'s, ``b``
