@@ -47,6 +47,10 @@ class ClusterSpec:
     Bandwidths are in bytes/s per device, latencies in seconds, FLOP/s are the dense peak
     of one device for the training dtype; ``memory_bandwidth`` is one device's own memory
     (HBM, or DRAM for CPU devices), which prices the bytes an operation writes.
+    ``fuses_elementwise``: whether the device's XLA backend leaves chains of elementwise
+    operations unwritten, computed inside the kernel that reads them (XLA:GPU does; the
+    virtual CPU devices' figures match a model without it): the stage cost model's
+    temporaries follow it (``stage_cost.temporary_bytes``).
     """
 
     num_nodes: int
@@ -59,6 +63,7 @@ class ClusterSpec:
     inter_node_latency: float = 2e-5
     name: str = "custom"
     memory_bandwidth: float = 2e12
+    fuses_elementwise: bool = True
 
     def __post_init__(self):
         for attr in ("num_nodes", "num_devices_per_node"):
@@ -132,7 +137,17 @@ CLUSTER_PRESETS: dict[str, ClusterSpec] = {
     ),
     # Virtual CPU devices in one process: copies run at about 10 GB/s (DESIGN §5).
     "cpu": ClusterSpec(
-        1, 8, 5e10, 2 * _GB, 10e9, 10e9, 1e-5, 1e-5, name="cpu", memory_bandwidth=20e9
+        1,
+        8,
+        5e10,
+        2 * _GB,
+        10e9,
+        10e9,
+        1e-5,
+        1e-5,
+        name="cpu",
+        memory_bandwidth=20e9,
+        fuses_elementwise=False,
     ),
 }
 

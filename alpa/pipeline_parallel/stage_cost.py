@@ -36,7 +36,9 @@ Two models:
   it; split over the submesh in a data-parallel configuration), or under ``r = 1`` only
   the batch values entering the stage, plus, once, one micro-batch's activations while
   its backward recomputes them; and once, the temporaries of its largest layer
-  (:func:`temporary_bytes`) and the cotangent its backward sends to the stage before.
+  (:func:`temporary_bytes`: the jaxpr's liveness, leaving out the elementwise values XLA
+  fuses away where the cluster's backend fuses, ``ClusterSpec.fuses_elementwise``) and
+  the cotangent its backward sends to the stage before.
   Under 1F1B a stage followed by ``k`` stages holds
   ``k + 1`` micro-batches, so ``max_n_succ_stages = floor((budget - state - once) /
   per_micro_batch) - 1`` (``-1``, and an ``inf`` latency, when not even one fits). The
@@ -87,6 +89,7 @@ from alpa.shard_parallel.auto_sharding import (
 )
 from alpa.shard_parallel.milp import taking_turns
 from alpa.shard_parallel.sharding_spec import Collective
+from alpa.shard_parallel.strategy_rules import ELEMENTWISE, REDUCTIONS
 from alpa.tracing import TracedStep
 from alpa.tracing.flops import jaxpr_flops
 from alpa.tracing.jaxpr_util import is_var, nbytes
@@ -446,28 +449,49 @@ class LayerPlanCost:
     temporary_bytes: float = 0.0
 
 
-def temporary_bytes(jaxpr, held, bytes_of) -> float:
+# Equations whose results XLA's fusion can leave unmaterialised: elementwise arithmetic and
+# the layout changes it folds into the reading kernel's indexing.
+_FUSIBLE = frozenset(
+    {p if isinstance(p, str) else p.name for p in ELEMENTWISE}
+    | {"broadcast_in_dim", "reshape", "squeeze", "expand_dims", "iota"}
+)
+# Readers into which such a value fuses: the fusible equations and the reductions (XLA's
+# input fusion computes a reduction's operand inside the reduction).
+_FUSES_INTO = _FUSIBLE | {p.name for p in REDUCTIONS}
+
+
+def temporary_bytes(jaxpr, held, bytes_of, fused: bool = True) -> float:
     """The most bytes per device of values ``jaxpr``'s equations compute and free again
     that are live at once: each from the equation that computes it to its last read
     (one never read: its own equation only), ``held`` values (inputs, outputs, what the
-    forward keeps for the backward, counted elsewhere) excepted. XLA's temporaries, as
-    far as the jaxpr shows them: its fusions make some values never exist and its
-    buffer reuse is this liveness (``docs/pipeline.md`` compares the two)."""
+    forward keeps for the backward, counted elsewhere) excepted. XLA's buffer reuse is
+    this liveness. With ``fused``, a value that XLA's fusion never writes to memory is
+    left out: one computed by a fusible equation (elementwise, broadcast, reshape) and
+    read only by fusible equations or reductions (``docs/pipeline.md`` compares the
+    figure with XLA's on GPU: without fusion the cross-entropy of a 51200-word vocabulary
+    counts three fp32 copies of the logits that XLA:GPU never writes)."""
     eqns = jaxpr.eqns
     if not eqns:
         return 0.0
     last: dict = {}
+    fuses: dict = {}
     for t, eqn in enumerate(eqns):
+        reader_fuses = eqn.primitive.name in _FUSES_INTO
         for v in eqn.invars:
             if is_var(v):
                 last[v] = t
+                fuses[v] = fuses.get(v, True) and reader_fuses
     change = np.zeros(len(eqns) + 1)
     for t, eqn in enumerate(eqns):
+        computed_in_fusion = fused and eqn.primitive.name in _FUSIBLE
         for v in eqn.outvars:
-            if is_var(v) and v not in held:
-                size = bytes_of(v)
-                change[t] += size
-                change[max(last.get(v, t), t) + 1] -= size
+            if not is_var(v) or v in held:
+                continue
+            if computed_in_fusion and fuses.get(v, True):
+                continue
+            size = bytes_of(v)
+            change[t] += size
+            change[max(last.get(v, t), t) + 1] -= size
     return float(max(np.cumsum(change).max(), 0.0))
 
 
@@ -503,6 +527,7 @@ def _data_parallel_layer(
             step.closed_jaxpr.jaxpr,
             _held(step, facts),
             lambda v: nbytes(v) / n if v in batch else float(nbytes(v)),
+            fused=problem.cluster.fuses_elementwise,
         ),
     )
 
@@ -582,7 +607,12 @@ def _ilp_layer(
         kept_bytes=local(facts.kept),
         entering_bytes=local(facts.entering),
         batch_arg_bytes=local(facts.batch_args),
-        temporary_bytes=temporary_bytes(step.closed_jaxpr.jaxpr, _held(step, facts), planned),
+        temporary_bytes=temporary_bytes(
+            step.closed_jaxpr.jaxpr,
+            _held(step, facts),
+            planned,
+            fused=problem.cluster.fuses_elementwise,
+        ),
     )
 
 

@@ -438,10 +438,13 @@ def top_k_rule(eqn: JaxprEqn, ctx: RuleContext) -> NodeStrategies:
 # ----------------------------------------------------------------------------- reductions
 
 
-@register(
+REDUCTIONS = [
     lax.reduce_sum_p, lax.reduce_max_p, lax.reduce_min_p, lax.reduce_prod_p,
     lax.reduce_and_p, lax.reduce_or_p, lax.reduce_xor_p, lax.argmax_p, lax.argmin_p,
-)  # fmt: skip
+]  # fmt: skip
+
+
+@register(*REDUCTIONS)
 def reduce_rule(eqn: JaxprEqn, ctx: RuleContext) -> NodeStrategies:
     """A reduction over a split dimension ends in an all-reduce of the result; ``argmax``
     and ``argmin`` keep their reduced dimension whole instead."""

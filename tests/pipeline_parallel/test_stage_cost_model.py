@@ -13,6 +13,7 @@ The step: 4 Dense(64) layers with Adam, micro-batches of 4 rows (batch 64, ``B =
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import numpy as np
 import pytest
@@ -196,7 +197,9 @@ def test_temporaries_are_the_fullest_point_of_the_liveness_of_what_is_not_held()
     ``x, w, d`` held (inputs, output): ``a`` lives from its equation to ``d``'s, ``b``
     to ``c``'s, ``c`` to ``d``'s, so all three are live at ``c``'s equation: 384 bytes;
     with ``a`` held too (kept for a backward), ``b`` and ``c``: 256; split over 4
-    devices, a quarter."""
+    devices, a quarter. With fusion, ``b`` and ``c`` (elementwise, read only by
+    elementwise equations) are never written: ``a`` alone, 128, and with ``a`` held
+    nothing."""
     import jax
     import jax.numpy as jnp
 
@@ -208,6 +211,39 @@ def test_temporaries_are_the_fullest_point_of_the_liveness_of_what_is_not_held()
     a = jaxpr.eqns[0].outvars[0]
     held = {*jaxpr.invars, *jaxpr.outvars}
     size = lambda v: float(np.prod(v.aval.shape) * v.aval.dtype.itemsize)  # noqa: E731
+    unfused = functools.partial(stage_cost.temporary_bytes, fused=False)
+    assert unfused(jaxpr, held, size) == 384
+    assert unfused(jaxpr, held | {a}, size) == 256
+    assert unfused(jaxpr, held, lambda v: size(v) / 4) == 96
+    assert stage_cost.temporary_bytes(jaxpr, held, size) == 128
+    assert stage_cost.temporary_bytes(jaxpr, held | {a}, size) == 0
+
+
+def test_fused_temporaries_keep_what_a_matmul_or_a_non_fusible_reader_needs():
+    """``a = x @ w; b = tanh(a); c = 2 b; e = c @ v; d = e + a`` (f32[4, 8], 128 bytes
+    each): with fusion ``b`` is never written, but ``c`` is, since a matmul reads it
+    (XLA does not compute a matmul's operand inside the matmul): ``a``, ``c`` and ``e``
+    are live at ``e``'s equation, 384 bytes (256 if ``c`` were left out). A reduction
+    reads its operand inside its fusion: ``sum(2 tanh(x @ w))`` writes ``x @ w`` and the
+    result only."""
+    import jax
+    import jax.numpy as jnp
+
+    def f(x, w, v):
+        a = x @ w
+        return (2.0 * jnp.tanh(a)) @ v + a
+
+    def g(x, w):
+        return jnp.sum(2.0 * jnp.tanh(x @ w), axis=1)
+
+    size = lambda v: float(np.prod(v.aval.shape) * v.aval.dtype.itemsize)  # noqa: E731
+    x, w = jnp.ones((4, 16)), jnp.ones((16, 8))
+    jaxpr = jax.make_jaxpr(f)(x, w, jnp.ones((8, 8))).jaxpr
+    held = {*jaxpr.invars, *jaxpr.outvars}
     assert stage_cost.temporary_bytes(jaxpr, held, size) == 384
-    assert stage_cost.temporary_bytes(jaxpr, held | {a}, size) == 256
-    assert stage_cost.temporary_bytes(jaxpr, held, lambda v: size(v) / 4) == 96
+    jaxpr = jax.make_jaxpr(g)(x, w).jaxpr
+    held = {*jaxpr.invars, *jaxpr.outvars}
+    assert [e.primitive.name for e in jaxpr.eqns] == ["dot_general", "tanh", "mul", "reduce_sum"]
+    assert stage_cost.temporary_bytes(jaxpr, held, size) == 128  # x @ w alone
+    # Unfused, each of the three lives until the next reads it: two at a time.
+    assert stage_cost.temporary_bytes(jaxpr, held, size, fused=False) == 256
