@@ -43,41 +43,19 @@ from alpa.runtime.local_runtime import LocalPipelineRuntime, RuntimeContext
 from alpa.runtime.memory import allocation_bytes, device_peak_bytes, step_peak_bytes
 from alpa.runtime.placement import PlacementSpec, is_placed
 from alpa.shard_parallel.compile import full_batch_avals
+from alpa.shard_parallel.lowering import eval_jaxpr_with_constraints
 from alpa.shard_parallel.micro_batches import deferred_rules, sum_partials
-from alpa.tracing import leaf_signature
+from alpa.tracing import leaf_signature, new_jaxpr
 from alpa.tracing.jaxpr_util import is_var
 from alpa.tracing.primitive_def import pipeline_p
 
 
-def _eval_eqns(
-    eqns, env: dict, constraints: dict | None = None, overrides: dict | None = None
-) -> None:
-    """Evaluate ``eqns`` into ``env``, pinning the values in ``constraints``;
-    ``overrides[eqn]`` computes an equation's outputs in its place (deferred row sums,
-    stored as returned)."""
-    constraints = constraints or {}
-    overrides = overrides or {}
-
-    def read(v):
-        return v.val if not is_var(v) else env[v]
-
-    for eqn in eqns:
-        if eqn.primitive is pipeline_p and not eqn.outvars:
-            continue
-        if eqn in overrides:
-            env.update(zip(eqn.outvars, overrides[eqn]([read(v) for v in eqn.invars]), strict=True))
-            continue
-        outs = eqn.primitive.bind(
-            *[read(v) for v in eqn.invars], **eqn.primitive.get_bind_params(eqn.params)
-        )
-        if not eqn.primitive.multiple_results:
-            outs = [outs]
-        for v, out in zip(eqn.outvars, outs, strict=True):
-            if is_var(v):
-                sharding = constraints.get(v)
-                if sharding is not None:
-                    out = jax.lax.with_sharding_constraint(out, sharding)
-                env[v] = out
+def _sub_jaxpr(template, eqns, invars, outvars):
+    """``eqns`` of the step's jaxpr ``template`` as a jaxpr of its own (the step's
+    constants as its constvars; markers that only order the program, with no outputs,
+    left out), to be evaluated by ``shard_parallel``'s lowering."""
+    eqns = [e for e in eqns if not (e.primitive is pipeline_p and not e.outvars)]
+    return new_jaxpr(template, template.constvars, invars, outvars, eqns)
 
 
 class StagePrograms:
@@ -91,20 +69,20 @@ class StagePrograms:
         self.meshes = list(meshes)
         self.stage_specs = plan.stage_specs
         self.var_of = {name: v for v, name in plan.names.items()}
-        jaxpr = plan.traced.closed_jaxpr.jaxpr
-        self.consts_env = dict(zip(jaxpr.constvars, plan.traced.closed_jaxpr.consts, strict=True))
 
     def const_outputs(self, names) -> dict:
         """The step outputs ``names`` that depend on no input, computed here once."""
         if not names:
             return {}
-        jaxpr = self.plan.traced.closed_jaxpr.jaxpr
-        env = dict(self.consts_env)
+        closed = self.plan.traced.closed_jaxpr
         needed: set = set()
         for n in names:
             _collect_consts(self.var_of[n], self.program.const_eqns, needed)
-        _eval_eqns([e for e in jaxpr.eqns if any(o in needed for o in e.outvars)], env)
-        return {n: env[self.var_of[n]] for n in names}
+        eqns = [e for e in closed.jaxpr.eqns if any(o in needed for o in e.outvars)]
+        outvars = [self.var_of[n] for n in names]
+        sub = _sub_jaxpr(closed.jaxpr, eqns, [], outvars)
+        values = eval_jaxpr_with_constraints(sub, closed.consts, [], {})
+        return dict(zip(names, values, strict=True))
 
     def sharding(self, var, mesh: int) -> NamedSharding:
         jax_mesh = self.meshes[mesh]
@@ -150,7 +128,8 @@ class StagePrograms:
         return self.computation(comp, kernel, sums)
 
     def computation(self, comp: StageComputation, kernel: Kernel | None = None, sums=()):
-        consts = dict(self.consts_env)
+        closed = self.plan.traced.closed_jaxpr
+        sub = _sub_jaxpr(closed.jaxpr, comp.eqns, comp.invars, comp.outvars)
         # The intermediate values the stage's plan names are pinned to their sharding.
         constraints = {
             v: self.sharding(v, comp.stage)
@@ -169,17 +148,17 @@ class StagePrograms:
         data_axes = self.program.deferred.stage_axes[comp.stage] if reduces else ()
 
         def fn(*args):
-            env = dict(consts)
             inputs = list(args[:num_in])
             for i, sharding in reduced_specs.items():  # the step's one gradient reduction
                 total = sum_partials(inputs[i], mesh, data_axes, sharding.spec)
                 inputs[i] = jax.lax.with_sharding_constraint(total, sharding)
-            env.update(zip(comp.invars, inputs, strict=True))
-            _eval_eqns(comp.eqns, env, constraints, overrides)
-            outs = [env[comp.outvars[i]] for i in kept] + [inputs[i] for i in publishes]
+            results = eval_jaxpr_with_constraints(
+                sub, closed.consts, inputs, constraints, overrides=overrides
+            )
+            outs = [results[i] for i in kept] + [inputs[i] for i in publishes]
             running = iter(args[num_in:])
             for a in accumulate:
-                value = env[comp.outvars[a.outvar_index]]
+                value = results[a.outvar_index]
                 if a.scale is not None:
                     value = value * np.asarray(a.scale, value.dtype)
                 outs.append(next(running) + value if a.reads_sum else value)
