@@ -64,15 +64,18 @@ from alpa.pipeline_parallel.segments import (
     check_layer_num,
     check_static_argnums,
     clustered_segments,
-    eval_eqns,
-    initial_env,
     is_boundary,
-    read,
     rewrite_traced,
     segment_interface,
     unroll_layer_scans,
 )
-from alpa.tracing.jaxpr_util import grad_marker_index, is_grad_marker
+from alpa.tracing.jaxpr_util import (
+    eval_eqns,
+    grad_marker_index,
+    initial_env,
+    is_grad_marker,
+    read,
+)
 from alpa.tracing.primitive_def import mark_pipeline_jaxpreqn, pipeline_p
 
 LAYER_PREFIX = "layer_"

@@ -36,12 +36,10 @@ from alpa.pipeline_parallel.segments import (
     check_layer_num,
     check_static_argnums,
     clustered_segments,
-    eval_eqns,
-    initial_env,
-    read,
     rewrite_traced,
     segment_interface,
 )
+from alpa.tracing.jaxpr_util import eval_eqns, initial_env, read
 from alpa.tracing.primitive_def import mark_pipeline_boundary
 
 

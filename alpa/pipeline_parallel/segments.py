@@ -30,10 +30,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.extend.core import ClosedJaxpr, JaxprEqn, Var
-from jax.extend.core import Literal as JaxLiteral
 
 from alpa.pipeline_parallel.layer_clustering import cluster_layers, layer_input_bytes
 from alpa.tracing.flops import eqn_flops
+from alpa.tracing.jaxpr_util import eval_eqns, initial_env, is_var, read
 from alpa.tracing.primitive_def import pipeline_p
 from alpa.tracing.trace import inline_calls
 
@@ -48,10 +48,6 @@ _TRANSPARENT_CALLS = ("jit", "pjit", "closed_call", "core_call")
 
 def is_boundary(eqn: JaxprEqn) -> bool:
     return eqn.primitive is pipeline_p and eqn.params["mark_type"] == "boundary"
-
-
-def is_var(v) -> bool:
-    return isinstance(v, Var) and not isinstance(v, JaxLiteral)
 
 
 # ----------------------------------------------------------------------------- tracing
@@ -296,30 +292,8 @@ def segment_interface(closed: ClosedJaxpr, segments: Segments) -> list[tuple[lis
     return interface
 
 
-def initial_env(closed: ClosedJaxpr, args: Sequence) -> dict:
-    env: dict = dict(zip(closed.jaxpr.invars, args, strict=True))
-    env.update(zip(closed.jaxpr.constvars, closed.consts, strict=True))
-    return env
-
-
 def unique(values) -> list:
     return list(dict.fromkeys(values))
-
-
-def read(env: dict, v):
-    return v.val if isinstance(v, JaxLiteral) else env[v]
-
-
-def eval_eqns(eqns: Sequence[JaxprEqn], env: dict) -> None:
-    """Bind every equation's primitive on the values in ``env``; store the results."""
-    for eqn in eqns:
-        with eqn.ctx.manager:
-            outs = eqn.primitive.bind(
-                *[read(env, v) for v in eqn.invars], **eqn.primitive.get_bind_params(eqn.params)
-            )
-        if not eqn.primitive.multiple_results:
-            outs = [outs]
-        env.update(zip(eqn.outvars, outs, strict=True))
 
 
 # ----------------------------------------------------------------------------- checks

@@ -53,7 +53,7 @@ import numpy as np
 from jax.extend.core import Jaxpr, JaxprEqn, Var
 from jax.sharding import NamedSharding, PartitionSpec
 
-from alpa.tracing import TracedStep
+from alpa.tracing import TracedStep, jaxpr_util
 from alpa.tracing.batch_dims import static_batch_dims
 from alpa.tracing.primitive_def import passes_through
 
@@ -408,9 +408,8 @@ def partial_spec(spec: PartitionSpec | None, data_axes: tuple[str, ...]) -> Part
 
 
 def bind_eqn(eqn: JaxprEqn, *operands):
-    params = eqn.primitive.get_bind_params(eqn.params)
-    with eqn.ctx.manager:
-        out = eqn.primitive.bind(*operands, **params)
+    """``eqn`` bound on ``operands``: its result, the first where it has several."""
+    out = jaxpr_util.bind_eqn(eqn, *operands)
     return out[0] if eqn.primitive.multiple_results else out
 
 

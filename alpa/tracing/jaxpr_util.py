@@ -1,12 +1,14 @@
 """The jaxpr helpers every pass shares: what a value is, its size, where the ``alpa.grad``
-marker is."""
+marker is, and evaluating equations by binding their primitives (the passes that rewrite
+a function evaluate its equations inside the caller's trace; ``shard_parallel.lowering``
+adds the plan's sharding constraints on top)."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
 
-from jax.extend.core import DropVar, Jaxpr, JaxprEqn, Literal, Var
+from jax.extend.core import ClosedJaxpr, DropVar, Jaxpr, JaxprEqn, Literal, Var
 
 from alpa.tracing.primitive_def import pipeline_p
 
@@ -20,6 +22,35 @@ def nbytes(v) -> int:
     """Bytes of ``v``'s value (exact Python ints; PRNG keys too)."""
     aval = v.aval
     return math.prod(aval.shape) * aval.dtype.itemsize
+
+
+def read(env: dict, v):
+    """``v``'s value: a literal's own, else ``env[v]``."""
+    return v.val if isinstance(v, Literal) else env[v]
+
+
+def initial_env(closed: ClosedJaxpr, args: Sequence) -> dict:
+    """The environment of ``closed`` called on ``args``: its inputs and constants."""
+    env: dict = dict(zip(closed.jaxpr.invars, args, strict=True))
+    env.update(zip(closed.jaxpr.constvars, closed.consts, strict=True))
+    return env
+
+
+def bind_eqn(eqn: JaxprEqn, *operands):
+    """``eqn``'s primitive bound on ``operands`` under the equation's context (one
+    result, or the list of several)."""
+    params = eqn.primitive.get_bind_params(eqn.params)
+    with eqn.ctx.manager:
+        return eqn.primitive.bind(*operands, **params)
+
+
+def eval_eqns(eqns: Sequence[JaxprEqn], env: dict) -> None:
+    """Bind every equation's primitive on the values in ``env``; store the results."""
+    for eqn in eqns:
+        outs = bind_eqn(eqn, *[read(env, v) for v in eqn.invars])
+        if not eqn.primitive.multiple_results:
+            outs = [outs]
+        env.update(zip(eqn.outvars, outs, strict=True))
 
 
 def is_grad_marker(eqn: JaxprEqn) -> bool:
