@@ -11,7 +11,9 @@ other). It runs ``--warmup`` steps, then times ``--steps`` steps (each to
 * where both stages share one device, ``B * sum`` of the latencies: the stages cannot
   overlap there, so this is the model's figure for that run;
 * the same step under ``jax.jit`` on one device and the whole batch (no pipeline): what
-  XLA makes of the model's FLOPs, against the peak rate the model prices them at;
+  XLA makes of the model's FLOPs, against the peak rate the model prices them at; and
+  XLA's cost analysis of both (FLOPs and bytes accessed of one step, pipelined with each
+  program counted as often as it runs, ``get_kernel_costs``, and under ``jax.jit``);
 * one step with every instruction waited for (``collect_trace``): per stage, its forward
   and backward time per micro-batch next to its predicted latency, its apply-grad and
   its transfers (``last_step_blocks``);
@@ -107,6 +109,9 @@ def run(args) -> dict:
     # without a pipeline, the yardstick for the model's compute rate.
     serial = jax.jit(step)
     jax.block_until_ready(serial(state, batch))  # compiled and run once, not timed
+    serial_cost = serial.lower(state, batch).compile().cost_analysis()
+    serial_cost = serial_cost[0] if isinstance(serial_cost, list) else serial_cost
+    kernel_costs = executable.get_kernel_costs()
     serial_seconds = []
     for _ in range(args.steps):
         start = time.perf_counter()
@@ -133,6 +138,13 @@ def run(args) -> dict:
         "traced_step_s": traced_s,
         "traced_per_stage_s": per_stage,
         "serial_jit_s": statistics.median(serial_seconds),
+        # XLA's cost analysis: the step's FLOPs and bytes accessed, pipelined (each program
+        # as often as it runs) and under jax.jit; per program in xla_kernel_costs.
+        "xla_step_flops": sum(r["runs"] * r["flops"] for r in kernel_costs),
+        "xla_step_bytes_accessed": sum(r["runs"] * r["bytes_accessed"] for r in kernel_costs),
+        "serial_flops": float(serial_cost.get("flops", 0.0)),
+        "serial_bytes_accessed": float(serial_cost.get("bytes accessed", 0.0)),
+        "xla_kernel_costs": kernel_costs,
         "predicted_memory": list(cost.memory),
         "xla_memory": executable.get_step_memory_per_mesh(),
         # The prediction's terms (state; activations per micro-batch in flight; the rest,
@@ -174,6 +186,11 @@ def main() -> None:
     print(
         f"jax.jit of the same step (whole batch, one device): {result['serial_jit_s'] * 1e3:.2f} "
         f"ms; one step with each instruction waited for: {result['traced_step_s'] * 1e3:.2f} ms"
+    )
+    print(
+        f"XLA's cost analysis, pipelined / jax.jit: FLOPs "
+        f"{result['xla_step_flops'] / result['serial_flops']:.3f}, bytes accessed "
+        f"{result['xla_step_bytes_accessed'] / result['serial_bytes_accessed']:.2f}"
     )
     for s, (p, x) in enumerate(zip(result["predicted_memory"], result["xla_memory"], strict=True)):
         t = result["traced_per_stage_s"][s]
