@@ -268,7 +268,10 @@ def abstractify(x) -> jax.ShapeDtypeStruct:
 
 def leaf_signature(x) -> tuple:
     """The part of a leaf that an executable is compiled for (a cache-key entry)."""
-    aval = abstractify(x)
+    if isinstance(x, jax.Array) and not getattr(x, "is_distributed_array", False):
+        aval = x.aval  # what abstractify reads, without building a ShapeDtypeStruct per call
+    else:
+        aval = abstractify(x)
     dtype = aval.dtype
     if not jax.dtypes.issubdtype(dtype, jax.dtypes.extended):  # a typed PRNG key stays as is
         dtype = np.dtype(dtype)
