@@ -416,53 +416,60 @@ class PipeshardDriverExecutable(Executable):
             self.instructions, buffer_bytes, lambda k: allocation_bytes(self._kernels[k])
         )
 
-    def get_kernel_memory(self) -> list[dict]:
-        """Per compiled program a ``RUN`` calls, XLA's memory analysis on one device:
-        ``name`` (its computation's), ``stage``, ``kind`` (forward, backward, apply) and the
-        bytes of its ``arguments``, ``outputs``, ``temporaries`` and ``aliased`` outputs:
-        the terms :meth:`get_step_memory_per_mesh` adds up."""
+    def _kernel_rows(self, figures) -> list[dict]:
+        """Per compiled program a ``RUN`` calls: its computation's ``name``, ``stage`` and
+        ``kind`` (forward, backward, apply), and ``figures(kernel index, compiled)``."""
         rows = []
-        for kernel, compiled in zip(self.instructions.kernels, self._kernels, strict=True):
-            stats = compiled.memory_analysis()
+        for k, (kernel, compiled) in enumerate(
+            zip(self.instructions.kernels, self._kernels, strict=True)
+        ):
             computation = self.program.computations[kernel.computation]
             rows.append(
                 {
                     "name": computation.name,
                     "stage": computation.stage,
                     "kind": computation.kind,
-                    "arguments": int(stats.argument_size_in_bytes),
-                    "outputs": int(stats.output_size_in_bytes),
-                    "temporaries": int(stats.temp_size_in_bytes),
-                    "aliased": int(stats.alias_size_in_bytes),
+                    **figures(k, compiled),
                 }
             )
         return rows
 
+    def get_kernel_memory(self) -> list[dict]:
+        """Per compiled program a ``RUN`` calls, XLA's memory analysis on one device
+        (:meth:`_kernel_rows`): the bytes of its ``arguments``, ``outputs``,
+        ``temporaries`` and ``aliased`` outputs, the terms
+        :meth:`get_step_memory_per_mesh` adds up."""
+
+        def figures(_, compiled) -> dict:
+            stats = compiled.memory_analysis()
+            return {
+                "arguments": int(stats.argument_size_in_bytes),
+                "outputs": int(stats.output_size_in_bytes),
+                "temporaries": int(stats.temp_size_in_bytes),
+                "aliased": int(stats.alias_size_in_bytes),
+            }
+
+        return self._kernel_rows(figures)
+
     def get_kernel_costs(self) -> list[dict]:
-        """Per compiled program a ``RUN`` calls, XLA's cost analysis on one device:
-        ``name``, ``stage``, ``kind``, ``runs`` (how many ``RUN`` s of one step call it),
+        """Per compiled program a ``RUN`` calls, XLA's cost analysis on one device
+        (:meth:`_kernel_rows`): ``runs`` (how many ``RUN`` s of one step call it),
         ``flops`` and ``bytes_accessed`` per run. ``sum(runs * flops)`` over the programs
         is the step's work per device, to set beside the same step under ``jax.jit``."""
         runs = [0] * len(self._kernels)
         for ins in self.instructions.instructions:
             if ins.op is Op.RUN:
                 runs[ins.computation] += 1
-        rows = []
-        for kernel, compiled, n in zip(self.instructions.kernels, self._kernels, runs, strict=True):
+
+        def figures(k, compiled) -> dict:
             stats = compiled.cost_analysis()
-            stats = stats[0] if isinstance(stats, list) else stats
-            computation = self.program.computations[kernel.computation]
-            rows.append(
-                {
-                    "name": computation.name,
-                    "stage": computation.stage,
-                    "kind": computation.kind,
-                    "runs": n,
-                    "flops": float(stats.get("flops", 0.0)),
-                    "bytes_accessed": float(stats.get("bytes accessed", 0.0)),
-                }
-            )
-        return rows
+            return {
+                "runs": runs[k],
+                "flops": float(stats.get("flops", 0.0)),
+                "bytes_accessed": float(stats.get("bytes accessed", 0.0)),
+            }
+
+        return self._kernel_rows(figures)
 
     def get_peak_live_bytes(self) -> list[int]:
         """Per mesh, the peak bytes of buffers a step creates (the emitter's accounting)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -44,6 +45,8 @@ def step_peak_bytes(instructions: Any, buffer_bytes: Any, run_bytes: Any) -> lis
     """
     from alpa.runtime.instructions import Op
 
+    bytes_of = functools.cache(buffer_bytes)  # each buffer's bytes, asked once per step
+
     live: list[set] = [set() for _ in range(instructions.num_meshes)]
     for key in instructions.persistent:
         live[key[2]].add(key)
@@ -51,7 +54,7 @@ def step_peak_bytes(instructions: Any, buffer_bytes: Any, run_bytes: Any) -> lis
     for ins in instructions.instructions:
         if ins.op is Op.RUN:
             reads_or_writes = set(ins.inputs) | set(ins.outputs)
-            held = sum(buffer_bytes(k) for k in live[ins.mesh] if k not in reads_or_writes)
+            held = sum(bytes_of(k) for k in live[ins.mesh] if k not in reads_or_writes)
             peak[ins.mesh] = max(peak[ins.mesh], int(held + run_bytes(ins.computation)))
         for key in ins.outputs:
             live[key[2]].add(key)

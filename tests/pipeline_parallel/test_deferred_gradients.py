@@ -76,22 +76,27 @@ def _model(name: str, grad):
     return state, batch, step
 
 
+def _two_stages(logical_shape, option: dict) -> alpa.PipeshardParallel:
+    """Two one-layer stages of 4 devices each, on ``logical_shape`` with ``option``, and
+    4 micro-batches."""
+    return alpa.PipeshardParallel(
+        num_micro_batches=4,
+        stage_option=ManualStageOption(
+            [[0], [1]],
+            [(1, 4), (1, 4)],
+            submesh_logical_shapes=[logical_shape, logical_shape],
+            submesh_autosharding_option_dicts=[option, option],
+        ),
+    )
+
+
 @pytest.mark.parametrize("model", ["gpt", "bert"])
 def test_ilp_stages_reduce_gradients_once_per_step(model):
     devices_or_skip(8)
     state, batch, step = _model(model, alpa.value_and_grad)
     ref_state, _, ref_step = _model(model, jax.value_and_grad)
     expected = jax.jit(ref_step)(ref_state, batch)
-    forced = {"force_batch_dim_to_mesh_dim": 0}
-    method = alpa.PipeshardParallel(
-        num_micro_batches=4,
-        stage_option=ManualStageOption(
-            [[0], [1]],
-            [(1, 4), (1, 4)],
-            submesh_logical_shapes=[(2, 2), (2, 2)],
-            submesh_autosharding_option_dicts=[forced, forced],
-        ),
-    )
+    method = _two_stages((2, 2), {"force_batch_dim_to_mesh_dim": 0})
     parallel = alpa.parallelize(step, method=method, donate_argnums=())
     out = parallel(state, batch)
     alpa.testing.assert_allclose(out[0].params, expected[0].params)
@@ -132,15 +137,7 @@ def test_a_gradient_split_over_the_data_axis_is_reduced_per_micro_batch_into_its
     _, _, ref_step = get_mlp_train_state_and_step(mlp, 32, 16, grad_func=jax.value_and_grad)
     expected = jax.jit(ref_step)(state, batch)
     option = {"force_batch_dim_to_mesh_dim": 0, "allow_replicated_parameters": False}
-    method = alpa.PipeshardParallel(
-        num_micro_batches=4,
-        stage_option=ManualStageOption(
-            [[0], [1]],
-            [(1, 4), (1, 4)],
-            submesh_logical_shapes=[(4, 1), (4, 1)],
-            submesh_autosharding_option_dicts=[option, option],
-        ),
-    )
+    method = _two_stages((4, 1), option)
     parallel = alpa.parallelize(step, method=method, donate_argnums=())
     out = parallel(state, batch)
     alpa.testing.assert_allclose(out[0].params, expected[0].params)
