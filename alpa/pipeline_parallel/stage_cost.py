@@ -541,7 +541,7 @@ def _ilp_layer(
     # Priced as the stages run (no partial sums carried through adds). The latency
     # takes the plan's communication only: its compute is F_l / (n_m R) (module
     # docstring), and the ILP's objective holds its own compute estimate too.
-    solution = solve_auto_sharding(step, mesh, option, partial_sums=False)
+    solution = solve_auto_sharding(step, mesh, option, partial_sums=False, comm_first=False)
     graph, choice = solution.graph, solution.solution.choice
     communication = ilp_solver.communication_cost(graph, choice)
     # The gradient row sums reduced over the data axes: deferred to once per step.
@@ -951,7 +951,9 @@ class MeasuredStageCost:
 
         from alpa.shard_parallel.compile import compile_plan
 
-        plan = plan_auto_sharding(step, mesh, option, partial_sums=False)  # as the stages run
+        plan = plan_auto_sharding(
+            step, mesh, option, partial_sums=False, comm_first=False
+        )  # as the stages run
         compiled, in_shardings = compile_plan(step, plan, None)
         args = [
             jax.device_put(jnp.zeros(a.shape, a.dtype), s)

@@ -214,7 +214,9 @@ def _plan_into(
     def solve():
         # The stages' lowering reduces each partial result where it is computed (the
         # ``ShardingPlan.partial_sums`` rewrite is not applied there yet): price it so.
-        plan = plan_auto_sharding(sub, mesh, option, fixed_in_specs=fixed, partial_sums=False)
+        plan = plan_auto_sharding(
+            sub, mesh, option, fixed_in_specs=fixed, partial_sums=False, comm_first=False
+        )
         return sub, plan
 
     key = (structure_key(sub), repr(mesh), repr(option), tuple(map(repr, fixed)))

@@ -457,6 +457,7 @@ def plan_auto_sharding(
     option: AutoShardingOption,
     fixed_in_specs: Sequence[PartitionSpec | None] | None = None,
     partial_sums: bool = True,
+    comm_first: bool = True,
 ) -> ShardingPlan:
     """The ShardingPlan of a traced step on ``logical_mesh`` chosen by the ILP.
 
@@ -468,6 +469,8 @@ def plan_auto_sharding(
     ``logical_mesh.axis_names``): the ILP plans around it instead of choosing it.
     ``partial_sums=False`` prices every reduction on its own, for a lowering that does not
     add partial results before reducing them (``strategy_graph.PartialSumSite``).
+    ``comm_first=False`` solves the full objective, communication plus compute, from the
+    start (``ilp_solver.solve``).
     """
     if option.force_data_parallel or option.force_zero_stage_3:
         from alpa.shard_parallel.data_parallel import data_parallel_plan
@@ -482,7 +485,9 @@ def plan_auto_sharding(
             out_specs=(None,) * len(jaxpr.outvars),
             method="replicated (auto-sharding disabled)",
         )
-    solution = solve_auto_sharding(traced, logical_mesh, option, fixed_in_specs, partial_sums)
+    solution = solve_auto_sharding(
+        traced, logical_mesh, option, fixed_in_specs, partial_sums, comm_first
+    )
     if global_config.print_auto_sharding_strategy:
         print(solution.format_table())
     return solution.to_sharding_plan()
@@ -539,6 +544,7 @@ def solve_auto_sharding(
     option: AutoShardingOption | None = None,
     fixed_in_specs: Sequence[PartitionSpec | None] | None = None,
     partial_sums: bool = True,
+    comm_first: bool = True,
 ) -> AutoShardingSolution:
     """Build the strategy graph of a traced step, solve the ILP, return the decision."""
     marker = traced.grad_marker()
@@ -553,6 +559,7 @@ def solve_auto_sharding(
         fixed_in_specs=fixed_in_specs,
         batch_dims=_forced_batch_dims(traced, logical_mesh, option),
         partial_sums=partial_sums,
+        comm_first=comm_first,
     )
 
 
@@ -606,6 +613,7 @@ def solve_jaxpr(
     fixed_in_specs: Sequence[PartitionSpec | None] | None = None,
     batch_dims: Mapping | None = None,
     partial_sums: bool = True,
+    comm_first: bool = True,
 ) -> AutoShardingSolution:
     """The auto-sharding decision for a flat ``ClosedJaxpr``.
 
@@ -621,6 +629,9 @@ def solve_jaxpr(
     batch arguments'.
     ``partial_sums`` prices an add of two partial results reduced alike as one reduction
     (the lowering must then add before reducing; ``partial_sums.py``).
+    ``comm_first`` picks the solve (``ilp_solver.solve``): the least communication, compute
+    breaking ties, unless a contraction would then run on fewer devices than it can; with
+    ``False``, the least communication plus compute.
     """
     if memory_model not in ("jaxpr", "xla"):
         raise ValueError(f"memory_model must be 'jaxpr' or 'xla', got {memory_model!r}")
@@ -670,9 +681,9 @@ def solve_jaxpr(
     time_limit = option.solver_time_limit or global_config.ilp_time_limit
     budget = option.memory_budget_per_device
     if budget is None or memory_model == "jaxpr":
-        solution = ilp_solver.solve(graph, budget, time_limit)
+        solution = ilp_solver.solve(graph, budget, time_limit, comm_first)
     else:
-        solution = solve_within_budget(graph, budget, time_limit, state_pairs)
+        solution = solve_within_budget(graph, budget, time_limit, state_pairs, comm_first)
     return AutoShardingSolution(
         graph, solution, batch_invars, grad_operands, tuple(tuple(p) for p in state_pairs)
     )

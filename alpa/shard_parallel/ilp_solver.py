@@ -43,7 +43,7 @@ a feasible plan is reported as such, not as optimal.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -51,10 +51,11 @@ from alpa.global_env import global_config
 from alpa.shard_parallel.milp import Milp
 from alpa.shard_parallel.sharding_spec import (
     COLLECTIVE_KINDS,
+    FORBIDDEN_COST,
     Collective,
     resharding_collectives,
 )
-from alpa.shard_parallel.strategy_costs import combined_latency, sums_partials
+from alpa.shard_parallel.strategy_costs import combined_latency, sums_partials, work_shards
 from alpa.shard_parallel.strategy_graph import StrategyGraph, live_points
 
 
@@ -79,6 +80,9 @@ class Solution:
     #: The compute term of ``objective`` (:func:`compute_cost`); the rest is
     #: communication (:func:`communication_cost`).
     compute: float = 0.0
+    #: Whether the plan is the communication-first solve's (:func:`solve`), or the full
+    #: objective's (a contraction would otherwise run on fewer devices than it can).
+    comm_first: bool = True
 
 
 def evaluate(graph: StrategyGraph, choice) -> float:
@@ -167,11 +171,62 @@ TIE_ROUNDS = 3
 
 
 def solve(
-    graph: StrategyGraph, memory_budget: float | None = None, time_limit: float = 60.0
+    graph: StrategyGraph,
+    memory_budget: float | None = None,
+    time_limit: float = 60.0,
+    comm_first: bool = True,
 ) -> Solution:
-    """The cheapest choice of strategies (module docstring)."""
+    """The cheapest choice of strategies (module docstring), communication first.
+
+    The first solve weighs compute only as a tie-breaker (:data:`COMPUTE_TIE_WEIGHT`): the
+    least communication, and among such plans the least compute. When that plan splits
+    every contraction over as many devices as its strategies allow
+    (:func:`splits_contractions_evenly`), it is the plan: trading communication for the
+    rest of the compute term (memory-bound work: elementwise ops, the optimizer update)
+    would rest on the cost model's weakest estimates, and Alpa's plans (data parallel as
+    one all-reduce, Megatron's alternating layers) are the communication-optimal ones.
+    Otherwise (a contraction would run replicated: ``allow_recompute_heavy_op``) the full
+    objective, communication plus compute, is solved again and its plan taken.
+
+    With ``prefer_reduce_scatter`` only the full objective is solved: the option asks for
+    ZeRO-2's trade, a reduce-scatter and an all-gather (one latency more than the combined
+    all-reduce) for the optimizer update on a shard of each gradient. So it is with
+    ``comm_first=False`` (the pipeline's stages: see ``docs/auto_sharding.md``)."""
     start = time.perf_counter()
-    groups = _Groups(graph)
+    if not comm_first or (graph.options is not None and graph.options.prefer_reduce_scatter):
+        return _solve(graph, memory_budget, time_limit, comm_first=False)
+    first = _solve(graph, memory_budget, time_limit, comm_first=True)
+    if splits_contractions_evenly(graph, first.choice):
+        return replace(first, solve_time=time.perf_counter() - start)
+    left = max(time_limit - (time.perf_counter() - start), 0.0)
+    full = _solve(graph, memory_budget, left, comm_first=False)
+    return replace(full, comm_first=False, solve_time=time.perf_counter() - start)
+
+
+#: In the communication-first solve, the compute of any one node weighs at most this
+#: fraction of the cheapest priced communication event: it breaks ties.
+COMPUTE_TIE_WEIGHT = 1e-3
+
+
+def splits_contractions_evenly(graph: StrategyGraph, choice) -> bool:
+    """Whether every contraction node of ``graph`` takes, under ``choice``, a strategy that
+    splits its work over as many devices as the most any of its affordable strategies do
+    (``strategy_costs.work_shards``)."""
+    mesh = graph.mesh
+    for n in graph.contractions:
+        node = graph.nodes[n]
+        most = max(
+            (work_shards(mesh, s) for s in node.strategies if s.comm_cost < FORBIDDEN_COST),
+            default=1,
+        )
+        if work_shards(mesh, node.strategies[choice[n]]) < most:
+            return False
+    return True
+
+
+def _solve(graph: StrategyGraph, memory_budget, time_limit, comm_first: bool) -> Solution:
+    start = time.perf_counter()
+    groups = _Groups(graph, comm_first)
     if len(groups.roots) > TIE_LAYERS_ABOVE_GROUPS:
         groups.tie_repeated_structure()
     groups.eliminate_edges()
@@ -200,6 +255,7 @@ def solve(
         mean_strategies=float(np.mean(ks)) if ks else 0.0,
         solve_time=time.perf_counter() - start,
         peak_memory=None if memory_budget is None else peak_memory(graph, choice),
+        comm_first=comm_first,
     )
 
 
@@ -209,7 +265,7 @@ def solve(
 class _Groups:
     """Decision groups (followers merged), their unary costs and pairwise matrices."""
 
-    def __init__(self, graph: StrategyGraph):
+    def __init__(self, graph: StrategyGraph, comm_first: bool = False):
         self.graph = graph
         n = len(graph.nodes)
         self.parent = list(range(n))
@@ -236,13 +292,23 @@ class _Groups:
         # Ties between equal-cost plans go to the one with less memory; the weight keeps the
         # whole tie-breaking term below 1e-4 of the cheapest priced event.
         weight = 1e-4 * (min(positive) if positive else 1.0) / total_bytes
+        compute_weight = 1.0
+        if comm_first and positive:
+            # The widest compute range of one node: a node's choice weighs at most the
+            # tie fraction of the cheapest collective (a tie-break HiGHS still resolves).
+            ranges = [[s.compute_cost for s in n.strategies] for n in graph.nodes if n.strategies]
+            most = max((max(r) - min(r) for r in ranges), default=0.0)
+            if most > 0:
+                compute_weight = COMPUTE_TIE_WEIGHT * min(positive) / most
         costs: dict[int, np.ndarray] = {}
         sizes: dict[tuple, np.ndarray] = {}
         for node in graph.nodes:
             g = self.find(node.id)
             key = id(node.strategies)
             if key not in costs:
-                costs[key] = np.array([s.comm_cost + s.compute_cost for s in node.strategies])
+                costs[key] = np.array(
+                    [s.comm_cost + compute_weight * s.compute_cost for s in node.strategies]
+                )
             self.unary[g] += costs[key]
             if node.out_bytes:
                 if node.out_bytes not in sizes:

@@ -114,12 +114,12 @@ def xla_peak_memory(
 
 
 def solve_within_budget(
-    graph: StrategyGraph, budget: float, time_limit: float, state_pairs
+    graph: StrategyGraph, budget: float, time_limit: float, state_pairs, comm_first: bool = True
 ) -> ilp_solver.Solution:
     """The cheapest plan whose peak bytes per device, as XLA allocates them
-    (:func:`xla_memory_graph`), fit ``budget``."""
+    (:func:`xla_memory_graph`), fit ``budget`` (``comm_first``: as ``ilp_solver.solve``)."""
     memory_graph = xla_memory_graph(graph, state_pairs)
-    solution = ilp_solver.solve(memory_graph, budget, time_limit)
+    solution = ilp_solver.solve(memory_graph, budget, time_limit, comm_first)
     solution = replace(solution, choice=solution.choice[: len(graph.nodes)])
     # Without a pairwise term the solver may pick per group without an ILP; the budget must
     # hold all the same.

@@ -45,6 +45,17 @@ def contraction_flops(eqn: JaxprEqn) -> float:
     return 0.0
 
 
+def work_shards(mesh: LogicalDeviceMesh, strategy: Strategy) -> int:
+    """Over how many devices ``strategy`` splits its equation's work: the product of the
+    mesh axes that split some operand or result (an unused axis repeats the work)."""
+    used = set()
+    for spec in (*strategy.out_specs, *strategy.in_specs):
+        if spec is not None:
+            for axes in spec:
+                used.update(axes)
+    return math.prod(mesh.shape[a] for a in used)
+
+
 def work_cost(
     mesh: LogicalDeviceMesh, strategy: Strategy, flops: float, out_sizes: Sequence[float]
 ) -> float:
@@ -55,12 +66,7 @@ def work_cost(
     the strategy leaves unused repeats the work on each of its devices, so replicated work
     is priced at full size on every device. Each device writes its shard of each result.
     """
-    used = set()
-    for spec in (*strategy.out_specs, *strategy.in_specs):
-        if spec is not None:
-            for axes in spec:
-                used.update(axes)
-    shards = math.prod(mesh.shape[a] for a in used)
+    shards = work_shards(mesh, strategy)
     written = sum(
         size / num_shards(spec, mesh)
         for size, spec in zip(out_sizes, strategy.out_specs, strict=True)

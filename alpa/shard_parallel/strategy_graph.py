@@ -68,6 +68,7 @@ from alpa.shard_parallel.sharding_spec import (
 from alpa.shard_parallel.strategy_costs import (
     PARTIAL_SUM_ADDS,
     combinable_reductions,
+    contraction_flops,
     force_batch_axis,
     itemsize,
     partial_chain,
@@ -81,7 +82,7 @@ from alpa.shard_parallel.strategy_rules import (
     lookup_rule,
     replicated_strategy,
 )
-from alpa.tracing.jaxpr_util import REMAT_PRIMITIVES, planned_bodies
+from alpa.tracing.jaxpr_util import REMAT_PRIMITIVES, live_eqns, planned_bodies
 from alpa.tracing.primitive_def import pipeline_p
 
 # Equations whose outputs are their operands, unchanged (``random_clone``: a key's copy,
@@ -159,6 +160,9 @@ class StrategyGraph:
     # body inputs that are nodes of their own: each carry and each row of a stacked input.
     control_flow: tuple[JaxprEqn, ...] = ()
     body_inputs: tuple[Var, ...] = ()
+    # The nodes whose work is priced at the FLOP rate (``strategy_costs.contraction_flops``):
+    # contractions, and opaque equations that may hold some.
+    contractions: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -223,7 +227,16 @@ def build_strategy_graph(
     jaxpr = closed_jaxpr.jaxpr
     builder = _Builder(mesh, options, combinable_reductions(jaxpr))
     builder.batch_axis = batch_axis
-    builder.reads = Counter(v for e in jaxpr.eqns for v in e.invars if isinstance(v, Var))
+    # Dead equations (the forward pass of an init function, whose outputs it drops) are
+    # left out: XLA removes them, and priced they would steer the plan.
+    live = live_eqns(jaxpr)
+    builder.reads = Counter(
+        v
+        for e, keep in zip(jaxpr.eqns, live, strict=True)
+        if keep
+        for v in e.invars
+        if isinstance(v, Var)
+    )
     builder.reads.update(v for v in jaxpr.outvars if isinstance(v, Var))
     for var in jaxpr.constvars:
         builder.add_node(f"constant {var}", (var,), (_whole(var),), None)
@@ -242,7 +255,8 @@ def build_strategy_graph(
             input_strategies[specs] = tuple(Strategy("input", (s,), ()) for s in specs)
         input_nodes.append(builder.add_node(f"input {i}", (var,), input_strategies[specs], None))
     for t, eqn in enumerate(jaxpr.eqns):
-        builder.add_eqn(t, eqn)
+        if live[t]:
+            builder.add_eqn(t, eqn)
     for i, o in state_pairs:
         out = jaxpr.outvars[o]
         if not isinstance(out, Literal):
@@ -278,7 +292,7 @@ def build_strategy_graph(
         sources=builder.sources,
         input_nodes=tuple(input_nodes),
         output_sources=output_sources,
-        jaxpr=jaxpr.replace(eqns=builder.eqns) if builder.expanded else jaxpr,
+        jaxpr=jaxpr.replace(eqns=builder.eqns) if builder.expanded or not all(live) else jaxpr,
         eqn_sources=tuple(tuple(x) for x in builder.eqn_sources),
         num_eqns=len(builder.eqns),
         unknown_primitives=tuple(sorted(builder.unknown)),
@@ -286,6 +300,9 @@ def build_strategy_graph(
         options=options,
         control_flow=tuple(builder.control_flow),
         body_inputs=tuple(builder.body_inputs),
+        contractions=tuple(
+            n for n, eqn in sorted(builder.node_eqn.items()) if contraction_flops(eqn) > 0
+        ),
     )
 
 

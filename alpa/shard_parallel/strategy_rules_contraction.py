@@ -5,7 +5,8 @@ strategies are all combinations (paper §4.1, Table 2). For ``dot_general`` the 
 batch dimension (split both operands and the result), a free dimension of either operand
 (split it and the matching result dimension), or a contracting dimension (split both operands;
 each device holds a partial sum, so the result is all-reduced over that axis; with
-``prefer_reduce_scatter`` a variant reduce-scatters it into a split result dimension instead).
+``prefer_reduce_scatter`` a variant reduce-scatters it into a split result dimension instead,
+priced as the all-reduce less the all-gather that restores the result, as Alpa does).
 Convolutions have the same three roles through their dimension numbers. For gather and
 scatter the roles are an index (batch) dimension, a dimension the slices keep whole, and the
 indexed dimension of the table (Megatron's vocabulary-parallel embedding).
@@ -99,8 +100,12 @@ def _contraction_strategies(eqn, ctx, roles, ranks, shapes, partial_roles, in_co
                 scattered = tuple((*a, axis) if i == d else a for i, a in enumerate(out))
                 if out[d] or not divides(out_shape, scattered, ctx.mesh):
                     continue
+                # Priced as Alpa prices it: the all-reduce it replaces less the all-gather
+                # that restores the whole result (its bandwidth term, no latency).
                 per_device = ctx.out_bytes(eqn, 0, out)
-                cost = ctx.mesh.reduce_scatter_cost(per_device, axis)
+                cost = ctx.mesh.all_reduce_cost(per_device, axis) - ctx.mesh.all_gather_cost(
+                    per_device, axis
+                )
                 rs_name = name.replace(" AR", " RS") + f"->{format_spec(scattered, ctx.mesh)}"
                 rs = Strategy(rs_name, (scattered,), ins, cost, reduce_axes=(axis,))
                 strategies.append((full, rs))

@@ -53,6 +53,20 @@ def eval_eqns(eqns: Sequence[JaxprEqn], env: dict) -> None:
         env.update(zip(eqn.outvars, outs, strict=True))
 
 
+def live_eqns(jaxpr: Jaxpr) -> list[bool]:
+    """Whether each equation of ``jaxpr`` contributes to its results or has an effect: the
+    others are dead code, which XLA removes. Unlike ``pe.dce_jaxpr`` this keeps every
+    equation as it is (bodies are not pruned), so plans keyed by equation still apply."""
+    needed = {v for v in jaxpr.outvars if is_var(v)}
+    live = [False] * len(jaxpr.eqns)
+    for t in range(len(jaxpr.eqns) - 1, -1, -1):
+        eqn = jaxpr.eqns[t]
+        if eqn.effects or any(v in needed for v in eqn.outvars if is_var(v)):
+            live[t] = True
+            needed.update(v for v in eqn.invars if is_var(v))
+    return live
+
+
 def is_grad_marker(eqn: JaxprEqn) -> bool:
     """``eqn`` is the marker ``alpa.grad`` leaves where the gradients are complete."""
     return eqn.primitive is pipeline_p and eqn.params["mark_type"] == "grad"

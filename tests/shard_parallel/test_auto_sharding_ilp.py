@@ -74,8 +74,9 @@ def cost_mesh(shape, alpha=(1, 1), beta=(1, 1)) -> LogicalDeviceMesh:
 
 
 def data_parallel_cost(mesh, hidden, num_layers, axes):
-    """One combined all-reduce per axis of every gradient and the loss."""
-    total = (hidden * hidden * F32 + hidden * F32) * num_layers + F32
+    """One combined all-reduce per axis of every gradient (the step returns no loss: its
+    reduction is dead code, which neither XLA nor the plan computes)."""
+    total = (hidden * hidden * F32 + hidden * F32) * num_layers
     return sum(mesh.all_reduce_cost(total, a) for a in axes)
 
 
@@ -185,8 +186,7 @@ def test_2d_mesh_is_data_parallel_plus_megatron(shape):
     gradients = (
         2 * hidden * hidden * F32 / n1  # split kernels' gradients
         + hidden * F32 / n1  # first bias, split by columns
-        + hidden * F32  # second bias, whole
-        + F32  # the loss
+        + hidden * F32  # second bias, whole (the loss is not returned: dead code)
     )
     expected = (
         mesh.all_reduce_cost(gradients, 0)  # combined: one latency
@@ -341,6 +341,27 @@ def test_memory_term_in_closed_form():
     assert pinned.objective == pytest.approx(2 * written / mesh.memory_bandwidth)
 
 
+def test_dead_equations_are_not_planned():
+    """An init function runs the model's forward pass and drops its result; XLA removes
+    it. Priced, that pass would pick the kernel's sharding (batch-split matmuls read it
+    whole); left out, the kernel is written sharded (a quarter per device) at no
+    communication."""
+    mesh = LogicalDeviceMesh((1, 4))
+
+    def init(w, x):
+        kernel = 2.0 * w
+        _ = x @ kernel  # the dead forward pass
+        return kernel
+
+    closed = jax.make_jaxpr(init)(
+        jax.ShapeDtypeStruct((32, 32), jnp.float32), jax.ShapeDtypeStruct((8, 32), jnp.float32)
+    )
+    solution = solve_jaxpr(closed, mesh)
+    assert solution.graph.jaxpr.eqns == [closed.jaxpr.eqns[0]]
+    assert solution.objective == pytest.approx(32 * 32 * F32 / 4 / mesh.memory_bandwidth)
+    assert solution.to_sharding_plan().out_specs[0] != P()
+
+
 def test_replicated_matmul_is_priced():
     """With ``allow_recompute_heavy_op`` a matmul may run whole on every device. It used to
     cost nothing (no collective) and tie with the split plans; its FLOPs now cost the
@@ -384,9 +405,9 @@ def test_combined_reductions_pay_one_latency():
     mesh = cost_mesh((1, 4), alpha=(100.0, 100.0))
     closed, batch = mlp_step_jaxpr(batch=1024, hidden=16, num_layers=3)
     solution = solve_mlp(closed, mesh, batch_invars=batch)
-    total = (16 * 16 * F32 + 16 * F32) * 3 + F32
+    total = (16 * 16 * F32 + 16 * F32) * 3
     expected = mesh.all_reduce_cost(total, 1) + matmul_cost(mesh, 1024, 16, 3, 4)
     assert solution.objective == pytest.approx(expected)
     combined = [n for n in solution.graph.nodes if n.combined]
     reducing = [n for n in combined if n.strategies[solution.solution.choice[n.id]].reduce_axes]
-    assert len(reducing) == 7  # 3 kernels, 3 biases, the loss
+    assert len(reducing) == 6  # 3 kernels, 3 biases (the loss is not returned)

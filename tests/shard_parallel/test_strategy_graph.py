@@ -58,7 +58,7 @@ def test_shared_rules_and_matrices_equal_fresh_ones(options):
         if sources:
             node_of_eqn[t] = sources[0][0]
     checked = 0
-    for t, eqn in enumerate(closed.jaxpr.eqns):
+    for t, eqn in enumerate(graph.jaxpr.eqns):  # the live equations (the loss is dead)
         if t not in node_of_eqn:
             continue
         operand_specs = tuple(
@@ -90,7 +90,7 @@ def test_shared_rules_and_matrices_equal_fresh_ones(options):
     num_edges = 0
     for dst, edges in by_dst.items():
         if dst in eqn_of_node:
-            eqn = closed.jaxpr.eqns[eqn_of_node[dst]]
+            eqn = graph.jaxpr.eqns[eqn_of_node[dst]]
             operands = [(j, v) for j, v in enumerate(eqn.invars) if not isinstance(v, Literal)]
             reads = [
                 (specs_of(graph.sources[v]),
