@@ -59,14 +59,15 @@ def _config(tiny: bool, blocks: int) -> GPTConfig:
     return dataclasses.replace(GPT_PRESETS["350M"], num_layers=blocks, dtype=jnp.float16)
 
 
-def run(args) -> dict:
+def two_stage_gpt(args):
+    """``(config, state, batch, step, method)``: the GPT of ``args``, its blocks in two halves, one
+    stage on each of two devices, or both on the one device there is."""
     config = dataclasses.replace(_config(args.tiny, args.blocks), add_manual_pipeline_markers=True)
     state, batch, step = get_gpt_train_state_and_step(
         config, args.batch, grad_func=alpa.value_and_grad
     )
     devices = jax.devices()
-    shared = len(devices) < 2
-    stage_devices = [devices[0], devices[0]] if shared else devices[:2]
+    stage_devices = [devices[0], devices[0]] if len(devices) < 2 else devices[:2]
     half = args.blocks // 2
     method = alpa.PipeshardParallel(
         devices=stage_devices,
@@ -75,6 +76,23 @@ def run(args) -> dict:
             [list(range(half)), list(range(half, args.blocks))], [(1, 1), (1, 1)]
         ),
     )
+    return config, state, batch, step, method
+
+
+def add_arguments(parser: argparse.ArgumentParser, steps: int) -> None:
+    """The model and run arguments both GPU scripts take."""
+    parser.add_argument("--tiny", action="store_true", help="a small GPT (for CPU)")
+    parser.add_argument("--blocks", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--micro-batches", type=int, default=4)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=steps)
+
+
+def run(args) -> dict:
+    config, state, batch, step, method = two_stage_gpt(args)
+    devices = jax.devices()
+    shared = len(devices) < 2
     parallel = alpa.parallelize(step, method=method)
     for _ in range(args.warmup):
         state, loss = parallel(state, batch)
@@ -158,12 +176,7 @@ def run(args) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--tiny", action="store_true", help="a small GPT (for CPU)")
-    parser.add_argument("--blocks", type=int, default=4)
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--micro-batches", type=int, default=4)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=5)
+    add_arguments(parser, steps=5)
     parser.add_argument("--out", default=os.path.join(HERE, "step_vs_prediction.json"))
     args = parser.parse_args()
     alpa.util.disable_tqdm_globally()

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import dataclasses
 import glob
 import importlib.util
 import json
@@ -32,8 +31,6 @@ import warnings
 import jax
 
 import alpa
-from alpa.model.gpt import get_gpt_train_state_and_step
-from alpa.pipeline_parallel.stage_construction import ManualStageOption
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -97,23 +94,8 @@ def _profiled(fn, steps: int) -> tuple[dict, float]:
 
 
 def run(args) -> dict:
-    bench = _bench_module()
-    config = dataclasses.replace(
-        bench._config(args.tiny, args.blocks), add_manual_pipeline_markers=True
-    )
-    state, batch, step = get_gpt_train_state_and_step(
-        config, args.batch, grad_func=alpa.value_and_grad
-    )
+    _, state, batch, step, method = _bench_module().two_stage_gpt(args)
     devices = jax.devices()
-    stage_devices = [devices[0], devices[0]] if len(devices) < 2 else devices[:2]
-    half = args.blocks // 2
-    method = alpa.PipeshardParallel(
-        devices=stage_devices,
-        num_micro_batches=args.micro_batches,
-        stage_option=ManualStageOption(
-            [list(range(half)), list(range(half, args.blocks))], [(1, 1), (1, 1)]
-        ),
-    )
     parallel = alpa.parallelize(step, method=method, donate_argnums=())
     jitted = jax.jit(step)
     micro = args.batch // args.micro_batches
@@ -167,12 +149,7 @@ def summary(result: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--tiny", action="store_true", help="a small GPT (for CPU)")
-    parser.add_argument("--blocks", type=int, default=4)
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--micro-batches", type=int, default=4)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=3)
+    _bench_module().add_arguments(parser, steps=3)
     parser.add_argument("--out", default=os.path.join(HERE, "stage_programs_profile.json"))
     args = parser.parse_args()
     result = run(args)
