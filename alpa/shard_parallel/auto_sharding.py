@@ -444,7 +444,10 @@ class AutoShardingSolution:
         widths = [max(len(c[i]) for c in cells) for i in range(5)]
         lines = [
             f"auto-sharding plan on logical mesh {self.mesh.shape}: objective "
-            f"{self.objective:.6g}, {self.solution.status}"
+            f"{self.objective:.6g} (communication {self.objective - self.compute:.6g}, compute "
+            f"{self.compute:.6g}; "
+            f"{'communication first' if self.solution.comm_first else 'their sum'} "
+            f"minimized), {self.solution.status}"
         ]
         for c in cells:
             lines.append("  ".join(x.ljust(w) for x, w in zip(c, widths, strict=True)))

@@ -289,6 +289,9 @@ def test_format_table_lists_every_value():
     table = solution.format_table()
     assert "dot_general" in table and "objective" in table
     assert len(table.splitlines()) == len(solution.graph.nodes) + 2
+    communication = solution.objective - solution.compute
+    assert f"communication {communication:.6g}, compute {solution.compute:.6g}" in table
+    assert "communication first minimized" in table  # the matmuls split 4 ways
 
 
 @pytest.mark.parametrize(
