@@ -60,8 +60,8 @@ def _config(tiny: bool, blocks: int) -> GPTConfig:
 
 
 def two_stage_gpt(args):
-    """``(config, state, batch, step, method)``: the GPT of ``args``, its blocks in two halves, one
-    stage on each of two devices, or both on the one device there is."""
+    """``(config, state, batch, step, method)``: the GPT of ``args``, its blocks in two
+    halves, one stage on each of two devices, or both on the one device there is."""
     config = dataclasses.replace(_config(args.tiny, args.blocks), add_manual_pipeline_markers=True)
     state, batch, step = get_gpt_train_state_and_step(
         config, args.batch, grad_func=alpa.value_and_grad

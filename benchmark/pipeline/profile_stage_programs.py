@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import glob
 import importlib.util
 import json
@@ -35,7 +36,9 @@ import alpa
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
+@functools.cache
 def _bench_module():
+    """``bench_step_vs_prediction.py`` (its setup and arguments), loaded once."""
     spec = importlib.util.spec_from_file_location(
         "bench_step_vs_prediction", os.path.join(HERE, "bench_step_vs_prediction.py")
     )
@@ -49,26 +52,31 @@ def device_time_by_module(path: str) -> dict:
     "kernels": count, "ops": {hlo_op: ms}}}``. Device planes (``/device:...``) where the
     trace has them, else the host's XLA threads (CPU)."""
     data = jax.profiler.ProfileData.from_file(path)
-    warnings.filterwarnings("ignore", "builtin type event_stats", DeprecationWarning)
     planes = [p for p in data.planes if p.name.startswith("/device:")]
     if not planes:
         planes = [p for p in data.planes if p.name.startswith("/host:CPU")]
     out: dict = collections.defaultdict(
         lambda: {"ms": 0.0, "kernels": 0, "ops": collections.Counter()}
     )
-    for plane in planes:
-        for line in plane.lines:
-            for event in line.events:
-                stats = dict(event.stats)
-                module = stats.get("hlo_module")
-                if module is None:
-                    continue
-                ms = event.duration_ns / 1e6
-                entry = out[module]
-                entry["ms"] += ms
-                entry["kernels"] += 1
-                entry["ops"][stats.get("hlo_op", event.name)] += ms
+    with warnings.catch_warnings():  # jaxlib 0.11's event stats warn when read
+        warnings.filterwarnings("ignore", "builtin type event_stats", DeprecationWarning)
+        for plane in planes:
+            _add_events(plane, out)
     return out
+
+
+def _add_events(plane, out: dict) -> None:
+    for line in plane.lines:
+        for event in line.events:
+            stats = dict(event.stats)
+            module = stats.get("hlo_module")
+            if module is None:
+                continue
+            ms = event.duration_ns / 1e6
+            entry = out[module]
+            entry["ms"] += ms
+            entry["kernels"] += 1
+            entry["ops"][stats.get("hlo_op", event.name)] += ms
 
 
 def _profiled(fn, steps: int) -> tuple[dict, float]:
