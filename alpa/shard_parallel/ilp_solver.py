@@ -16,19 +16,9 @@ equal rows and ``J`` one of equal columns, ``sum_J e_uv[I, J] = sum_(i in I) s_u
 ``sum_I e_uv[I, J] = sum_(j in J) s_v[j]``. For integral ``s`` this prices exactly the
 chosen pair, and the LP relaxation is the same (split ``e_uv[I, J]`` in proportion to ``s``).
 
-The graph is shrunk before the solve, exactly (the optimum does not change):
-
-1. *followers*: a node whose strategies mirror an operand's shares its variable; edges
-   inside such a group become unary costs on the diagonal;
-2. a group with one strategy is a constant; an edge to it is a unary cost of the other end;
-   an edge matrix of the form ``a_i + b_j`` is two unary costs;
-3. without a memory budget, *variable elimination*: a group with one neighbour is folded
-   into it (``c_u[i] += min_j R[i, j] + c_v[j]``), and a group with two neighbours ``a``,
-   ``b`` becomes an edge ``R_ab[i, k] = min_j R_a[i, j] + c_v[j] + R_b[j, k]``.
-
-Before these, a graph of more than ``TIE_LAYERS_ABOVE_GROUPS`` groups has its repeated
-structure tied (step 4, :meth:`_Groups.tie_repeated_structure`): a restriction, not an exact
-step, that keeps the ILP of an ``L``-layer model the size of one layer's.
+The graph is shrunk before the solve (``ilp_shrink``): followers share a variable,
+constants and separable edges become unary costs, groups of one or two neighbours are
+eliminated exactly, and a deep model's repeated layers are tied.
 
 The latency of the reductions XLA combines (``Node.combined``) is not in ``c_v``: it is
 paid once per mesh axis that any of them uses (``combined_latency``), which the reported
@@ -48,6 +38,10 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from alpa.global_env import global_config
+from alpa.shard_parallel.ilp_shrink import (
+    TIE_LAYERS_ABOVE_GROUPS,
+    Groups,
+)
 from alpa.shard_parallel.milp import Milp
 from alpa.shard_parallel.sharding_spec import (
     COLLECTIVE_KINDS,
@@ -164,12 +158,6 @@ def peak_memory(graph: StrategyGraph, choice) -> float:
     return best
 
 
-#: Graphs with more decision groups than this get repeated structure tied (step 4).
-TIE_LAYERS_ABOVE_GROUPS = 150
-#: Rounds of colour refinement that decide which groups are "the same" across layers.
-TIE_ROUNDS = 3
-
-
 def solve(
     graph: StrategyGraph,
     memory_budget: float | None = None,
@@ -178,7 +166,7 @@ def solve(
 ) -> Solution:
     """The cheapest choice of strategies (module docstring), communication first.
 
-    The first solve weighs compute only as a tie-breaker (:data:`COMPUTE_TIE_WEIGHT`): the
+    The first solve weighs compute only as a tie-breaker (``ilp_shrink.COMPUTE_TIE_WEIGHT``): the
     least communication, and among such plans the least compute. When that plan splits
     every contraction over as many devices as its strategies allow
     (:func:`splits_contractions_evenly`), it is the plan: trading communication for the
@@ -200,12 +188,7 @@ def solve(
         return replace(first, solve_time=time.perf_counter() - start)
     left = max(time_limit - (time.perf_counter() - start), 0.0)
     full = _solve(graph, memory_budget, left, comm_first=False)
-    return replace(full, comm_first=False, solve_time=time.perf_counter() - start)
-
-
-#: In the communication-first solve, the compute of any one node weighs at most this
-#: fraction of the cheapest priced communication event: it breaks ties.
-COMPUTE_TIE_WEIGHT = 1e-3
+    return replace(full, solve_time=time.perf_counter() - start)
 
 
 def splits_contractions_evenly(graph: StrategyGraph, choice) -> bool:
@@ -226,7 +209,7 @@ def splits_contractions_evenly(graph: StrategyGraph, choice) -> bool:
 
 def _solve(graph: StrategyGraph, memory_budget, time_limit, comm_first: bool) -> Solution:
     start = time.perf_counter()
-    groups = _Groups(graph, comm_first)
+    groups = Groups(graph, comm_first)
     if len(groups.roots) > TIE_LAYERS_ABOVE_GROUPS:
         groups.tie_repeated_structure()
     groups.eliminate_edges()
@@ -259,218 +242,10 @@ def _solve(graph: StrategyGraph, memory_budget, time_limit, comm_first: bool) ->
     )
 
 
-# ----------------------------------------------------------------------------- shrinking
-
-
-class _Groups:
-    """Decision groups (followers merged), their unary costs and pairwise matrices."""
-
-    def __init__(self, graph: StrategyGraph, comm_first: bool = False):
-        self.graph = graph
-        n = len(graph.nodes)
-        self.parent = list(range(n))
-        for node in graph.nodes:
-            if node.follow is not None:
-                root = self.find(node.follow)
-                if len(graph.nodes[root].strategies) == node.num_strategies:
-                    self.parent[node.id] = root
-        self.roots = sorted({self.find(i) for i in range(n)})
-        self.k = {g: graph.nodes[g].num_strategies for g in self.roots}
-        self.unary = {g: np.zeros(self.k[g]) for g in self.roots}
-        self.tie = {g: np.zeros(self.k[g]) for g in self.roots}
-        total_bytes = (
-            sum(max(max(b) for b in node.out_bytes) if node.out_bytes else 0.0
-                for node in graph.nodes)
-            or 1.0
-        )  # fmt: skip
-        # Repeated layers share strategy tuples and edge matrices: each is read once.
-        matrices = {id(e.cost): e.cost for e in graph.edges}
-        positive = [m[m > 0].min() for m in matrices.values() if (m > 0).any()]
-        positive += [
-            s.comm_cost for node in graph.nodes for s in node.strategies if s.comm_cost > 0
-        ]
-        # Ties between equal-cost plans go to the one with less memory; the weight keeps the
-        # whole tie-breaking term below 1e-4 of the cheapest priced event.
-        weight = 1e-4 * (min(positive) if positive else 1.0) / total_bytes
-        compute_weight = 1.0
-        if comm_first and positive:
-            # The widest compute range of one node: a node's choice weighs at most the
-            # tie fraction of the cheapest collective (a tie-break HiGHS still resolves).
-            ranges = [[s.compute_cost for s in n.strategies] for n in graph.nodes if n.strategies]
-            most = max((max(r) - min(r) for r in ranges), default=0.0)
-            if most > 0:
-                compute_weight = COMPUTE_TIE_WEIGHT * min(positive) / most
-        costs: dict[int, np.ndarray] = {}
-        sizes: dict[tuple, np.ndarray] = {}
-        for node in graph.nodes:
-            g = self.find(node.id)
-            key = id(node.strategies)
-            if key not in costs:
-                costs[key] = np.array(
-                    [s.comm_cost + compute_weight * s.compute_cost for s in node.strategies]
-                )
-            self.unary[g] += costs[key]
-            if node.out_bytes:
-                if node.out_bytes not in sizes:
-                    sizes[node.out_bytes] = np.sum(node.out_bytes, axis=0)
-                self.tie[g] += weight * sizes[node.out_bytes]
-        self.adj: dict[int, dict[int, np.ndarray]] = {g: {} for g in self.roots}
-        self.alive = set(self.roots)
-        self.constant = 0.0
-        self.eliminated: list[tuple] = []
-
-    def tie_repeated_structure(self) -> None:
-        """Give groups that look the same from ``TIE_ROUNDS`` edges away one variable.
-
-        Colour refinement (Weisfeiler-Lehman) over the node graph: a node's colour starts as
-        its primitive, shapes and strategies, and is refined by the colours of its operands
-        and consumers. Groups whose roots end with equal colours and equal strategy lists
-        are merged: in a stack of identical layers, layer ``i``'s matmul and layer ``j``'s
-        take the same strategy. This only restricts the plan (the objective stays the exact
-        cost of the chosen plan); it is applied to large graphs, where it keeps the ILP the
-        size of one layer.
-        """
-        graph = self.graph
-        initial = []  # per node (node ids are positions in graph.nodes)
-        spec_hashes: dict[int, int] = {}  # repeated layers share strategy tuples
-        for node in graph.nodes:
-            op = node.label.split(" ", 2)[-1] if node.label.startswith("eqn") else node.label
-            if node.label.startswith("input"):
-                op = "input"
-            shapes = tuple(tuple(v.aval.shape) for v in node.outvars)
-            specs = spec_hashes.get(id(node.strategies))
-            if specs is None:
-                specs = hash(tuple(s.out_specs for s in node.strategies))
-                spec_hashes[id(node.strategies)] = specs
-            initial.append(hash((op, shapes, specs)))
-        # The rounds run on arrays: a node's new colour mixes its own, its operands' in
-        # order and its consumers' in any order (a sum), with 64-bit wrapping arithmetic.
-        colours = np.array(initial, dtype=np.int64).view(np.uint64)
-        src = np.array([e.src for e in graph.edges], dtype=np.int64)
-        dst = [e.dst for e in graph.edges]
-        # Position of each edge among its destination's operands (edges come in order).
-        seen: dict[int, int] = {}
-        order = []
-        for d in dst:
-            order.append(seen.get(d, 0))
-            seen[d] = order[-1] + 1
-        position = np.array(order, dtype=np.uint64)
-        dst = np.array(dst, dtype=np.int64)
-        for _ in range(TIE_ROUNDS):
-            from_preds = np.zeros(len(colours), dtype=np.uint64)
-            np.add.at(from_preds, dst, _mix(colours[src] + position * _PRIME))
-            from_succs = np.zeros(len(colours), dtype=np.uint64)
-            np.add.at(from_succs, src, _mix(colours[dst]))
-            colours = _mix(_mix(colours) + _mix(from_preds ^ _SALT) * _PRIME + from_succs)
-        colour = colours.tolist()
-        by_colour: dict[int, list[int]] = {}
-        for g in self.roots:
-            by_colour.setdefault(colour[g], []).append(g)
-        merged = set()
-        for members in by_colour.values():
-            head = members[0]
-            for g in members[1:]:
-                if self.k[g] == self.k[head]:
-                    self.parent[g] = head
-                    self.unary[head] += self.unary.pop(g)
-                    self.tie[head] += self.tie.pop(g)
-                    merged.add(g)
-        self.roots = [g for g in self.roots if g not in merged]
-        self.adj = {g: {} for g in self.roots}
-        self.alive = set(self.roots)
-
-    def find(self, i: int) -> int:
-        while self.parent[i] != i:
-            self.parent[i] = self.parent[self.parent[i]]
-            i = self.parent[i]
-        return i
-
-    def add_pair(self, g: int, h: int, matrix: np.ndarray) -> None:
-        if h in self.adj[g]:
-            self.adj[g][h] = self.adj[g][h] + matrix
-        else:
-            self.adj[g][h] = matrix
-        self.adj[h][g] = self.adj[g][h].T
-
-    def remove_pair(self, g: int, h: int) -> None:
-        del self.adj[g][h]
-        del self.adj[h][g]
-
-    def eliminate_edges(self) -> None:
-        for edge in self.graph.edges:
-            g, h = self.find(edge.src), self.find(edge.dst)
-            if g == h:
-                self.unary[g] += np.diagonal(edge.cost)
-            elif self.k[g] == 1:
-                self.unary[h] += edge.cost[0]
-            elif self.k[h] == 1:
-                self.unary[g] += edge.cost[:, 0]
-            else:
-                self.add_pair(g, h, edge.cost)
-        for g in self.roots:
-            for h in sorted(self.adj[g]):
-                if g < h:
-                    self._split_if_separable(g, h)
-
-    def _split_if_separable(self, g: int, h: int) -> None:
-        m = self.adj[g][h]
-        a, b = m[:, 0], m[0, :] - m[0, 0]
-        if np.allclose(m, a[:, None] + b[None, :], rtol=1e-12, atol=1e-9):
-            self.unary[g] += a
-            self.unary[h] += b
-            self.remove_pair(g, h)
-
-    def eliminate_variables(self) -> None:
-        """Fold groups of degree <= 2 into their neighbours (module docstring, step 3)."""
-        queue = sorted(g for g in self.alive if self.k[g] > 1 and len(self.adj[g]) <= 2)
-        while queue:
-            next_queue = set()
-            for v in queue:
-                if v not in self.alive or not 0 < len(self.adj[v]) <= 2 or self.k[v] == 1:
-                    continue
-                neighbours = sorted(self.adj[v])
-                cost_v = self.unary[v] + self.tie[v]
-                if len(neighbours) == 1:
-                    (a,) = neighbours
-                    m = self.adj[v][a].T  # [a, v]
-                    total = m + cost_v[None, :]
-                    self.unary[a] += total.min(axis=1)
-                    self.eliminated.append(("leaf", v, a, total))
-                    self.remove_pair(v, a)
-                    next_queue.add(a)
-                elif len(neighbours) == 2:
-                    a, b = neighbours
-                    ma, mb = self.adj[a][v], self.adj[v][b]  # [a, v], [v, b]
-                    total = ma[:, :, None] + cost_v[None, :, None] + mb[None, :, :]
-                    self.eliminated.append(("series", v, (a, b), total))
-                    self.remove_pair(v, a)
-                    self.remove_pair(v, b)
-                    self.add_pair(a, b, total.min(axis=1))
-                    self._split_if_separable(a, b)
-                    next_queue.update((a, b))
-                self.alive.discard(v)
-            queue = sorted(
-                g for g in next_queue if g in self.alive and self.k[g] > 1 and len(self.adj[g]) <= 2
-            )
-
-    def back_substitute(self, picks: dict[int, int]) -> dict[int, int]:
-        choice = dict(picks)
-        for g in self.roots:
-            if g in self.alive and g not in choice:
-                choice[g] = int(np.argmin(self.unary[g] + self.tie[g]))
-        for kind, v, nb, total in reversed(self.eliminated):
-            if kind == "leaf":
-                choice[v] = int(np.argmin(total[choice[nb]]))
-            else:
-                a, b = nb
-                choice[v] = int(np.argmin(total[choice[a], :, choice[b]]))
-        return choice
-
-
 # ----------------------------------------------------------------------------- ILP
 
 
-def _solve_ilp(graph, groups: _Groups, core, memory_budget, time_limit):
+def _solve_ilp(graph, groups: Groups, core, memory_budget, time_limit):
     model = Milp()
     s = {g: model.add_binaries(groups.unary[g] + groups.tie[g]) for g in core}
     pairs = []  # (g, h, the class of each row and column, the e variables)
@@ -522,23 +297,11 @@ def _solve_ilp(graph, groups: _Groups, core, memory_budget, time_limit):
     return picks, status, model.num_vars
 
 
-_PRIME = np.uint64(0x9E3779B97F4A7C15)
-_SALT = np.uint64(0x5851F42D4C957F2D)
-
-
-def _mix(x: np.ndarray) -> np.ndarray:
-    """A 64-bit integer hash (splitmix64's finaliser), element by element."""
-    with np.errstate(over="ignore"):
-        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        return x ^ (x >> np.uint64(31))
-
-
 def _class_of(lines: list[list[int]]) -> dict[int, int]:
     return {i: c for c, members in enumerate(lines) for i in members}
 
 
-def _incumbent(groups: _Groups, core, s, pairs, relaxed: np.ndarray) -> np.ndarray:
+def _incumbent(groups: Groups, core, s, pairs, relaxed: np.ndarray) -> np.ndarray:
     """A plan to start the MILP from, when its LP relaxation is fractional: each group's
     largest value in ``relaxed``, then improved one group at a time (each takes its
     cheapest strategy given its neighbours', until none changes: a local optimum). Handed
@@ -617,7 +380,7 @@ def _infeasible_message(graph, budget, time_limit) -> str:
 
 def smallest_peak_memory(graph, time_limit) -> float:
     """The least peak memory of any plan (min over plans of max over liveness points)."""
-    groups = _Groups(graph)
+    groups = Groups(graph)
     core = [g for g in groups.roots if groups.k[g] > 1]
     model = Milp()
     s = {g: model.add_binaries([0.0] * groups.k[g]) for g in core}
