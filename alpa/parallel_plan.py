@@ -285,11 +285,24 @@ class ParallelPlan:
         """The record of a pipeshard compile made from ``plan``."""
         traced = plan.traced
         refs = value_refs(traced.jaxpr)
+        # The stage programs' equations: the step's, some with their operands rewritten
+        # (``computation.read_step_inputs_through_markers``), at the same positions.
+        eqns = {
+            id(e): ref
+            for jaxpr in (plan.program.closed_jaxpr.jaxpr, traced.jaxpr)
+            for ref, e in eqn_refs(jaxpr).items()
+        }
         decisions = plan.decisions()
         decisions = replace(
             decisions,
             logical_meshes=tuple(replace(m, devices=None) for m in decisions.logical_meshes),
             stage_specs={(refs[v], s): spec for (v, s), spec in decisions.stage_specs.items()},
+            body_specs={(refs[v], s): spec for (v, s), spec in decisions.body_specs.items()},
+            operand_specs={  # less those of random draws rewritten after the planning
+                (eqns[id(e)], s): specs
+                for (e, s), specs in decisions.operand_specs.items()
+                if id(e) in eqns
+            },
         )
         layer_option = plan.layer_option or ManualLayerOption()
         return cls(
@@ -560,6 +573,17 @@ def _pipeline_plan_to_json(plan: PipelinePlan) -> dict:
             key=lambda row: (row[1], row[0]),
         ),
         "objectives": [[s, list(v)] for s, v in sorted(d.objectives.items())],
+        "body_specs": sorted(
+            ([ref, s, spec_to_json(spec)] for (ref, s), spec in d.body_specs.items()),
+            key=lambda row: (row[1], row[0]),
+        ),
+        "operand_specs": sorted(
+            (
+                [ref, s, [spec_to_json(spec) for spec in specs]]
+                for (ref, s), specs in d.operand_specs.items()
+            ),
+            key=lambda row: (row[1], row[0]),
+        ),
     }
 
 
@@ -576,6 +600,12 @@ def _pipeline_plan_from_json(data: Mapping) -> PipelinePlan:
         logical_meshes=tuple(mesh_from_json(m) for m in data["logical_meshes"]),
         stage_specs={(ref, s): spec_from_json(spec) for ref, s, spec in data["stage_specs"]},
         objectives={s: list(v) for s, v in data["objectives"]},
+        # Absent from plans saved before the stages' lowering took them.
+        body_specs={(ref, s): spec_from_json(spec) for ref, s, spec in data.get("body_specs", [])},
+        operand_specs={
+            (ref, s): tuple(spec_from_json(spec) for spec in specs)
+            for ref, s, specs in data.get("operand_specs", [])
+        },
     )
     return PipelinePlan(
         data["pipeline_schedule"], layer_option_from_json(data["layer_option"]), decisions

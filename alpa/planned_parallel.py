@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
-from jax.extend.core import Jaxpr, Var
+from jax.extend.core import Jaxpr
 
 from alpa.device_mesh import LogicalDeviceMesh
 from alpa.executables.base import Executable
@@ -103,11 +103,20 @@ class PlannedParallel(ParallelMethod):
         pipeline = self.parallel_plan.pipeline_plan
         recorded = pipeline.decisions
         vars_by_ref = {ref: v for v, ref in value_refs(traced.jaxpr).items()}
+        eqns_by_ref = eqn_refs(traced.jaxpr)
         decisions = replace(
             recorded,
             stage_specs={
                 (_lookup(vars_by_ref, ref, traced), s): spec
                 for (ref, s), spec in recorded.stage_specs.items()
+            },
+            body_specs={
+                (_lookup(vars_by_ref, ref, traced), s): spec
+                for (ref, s), spec in recorded.body_specs.items()
+            },
+            operand_specs={
+                (_lookup(eqns_by_ref, ref, traced, "an equation"), s): specs
+                for (ref, s), specs in recorded.operand_specs.items()
             },
         )
         options = PipeshardOptions(
@@ -129,14 +138,15 @@ class PlannedParallel(ParallelMethod):
         )
 
 
-def _lookup(vars_by_ref: dict, ref: str, traced: TracedStep) -> Var:
-    var = vars_by_ref.get(ref)
-    if var is None:
+def _lookup(by_ref: dict, ref: str, traced: TracedStep, kind: str = "a value"):
+    """The value (or equation: ``kind``) ``ref`` names in ``traced``."""
+    found = by_ref.get(ref)
+    if found is None:
         raise ValueError(
-            f"the ParallelPlan names a value {ref!r} that {traced.name} does not have: it "
+            f"the ParallelPlan names {kind} {ref!r} that {traced.name} does not have: it "
             "was made for another step"
         )
-    return var
+    return found
 
 
 def _bound_sharding_plan(

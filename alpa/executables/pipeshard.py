@@ -46,7 +46,7 @@ from alpa.shard_parallel.compile import full_batch_avals
 from alpa.shard_parallel.lowering import eval_jaxpr_with_constraints
 from alpa.shard_parallel.micro_batches import deferred_rules, sum_partials
 from alpa.tracing import leaf_signature, new_jaxpr
-from alpa.tracing.jaxpr_util import is_var
+from alpa.tracing.jaxpr_util import is_var, planned_bodies
 from alpa.tracing.primitive_def import pipeline_p
 
 
@@ -105,6 +105,36 @@ class StagePrograms:
             comp.eqns, deferred.row_dims, values, self.meshes[s], deferred.stage_axes[s], var_specs
         )
 
+    def _constraints(self, comp: StageComputation) -> tuple[dict, dict]:
+        """``eval_jaxpr_with_constraints``'s ``constraints`` and ``operand_constraints``
+        for ``comp``: the values its equations produce that the sharding table names, the
+        values inside their bodies and the operand reshardings the stage's ILP plan pins
+        (``plan.body_specs``, ``plan.operand_specs``)."""
+        s, mesh = comp.stage, self.meshes[comp.stage]
+        constraints, operand_constraints = {}, {}
+
+        def named(spec):
+            return None if spec is None else NamedSharding(mesh, spec)
+
+        def visit(eqns) -> None:
+            for e in eqns:
+                for v in e.outvars:
+                    if is_var(v) and (v, s) in self.stage_specs:
+                        constraints[v] = self.sharding(v, s)
+                    elif is_var(v) and (v, s) in self.plan.body_specs:
+                        constraints[v] = named(self.plan.body_specs[(v, s)])
+                specs = self.plan.operand_specs.get((e, s))
+                if specs is not None:
+                    operand_constraints[e] = tuple(named(spec) for spec in specs)
+                for _, body in planned_bodies(e):
+                    for v in body.invars:
+                        if (v, s) in self.plan.body_specs:
+                            constraints[v] = named(self.plan.body_specs[(v, s)])
+                    visit(body.eqns)
+
+        visit(comp.eqns)
+        return constraints, operand_constraints
+
     def key_sharding(self, key) -> NamedSharding:
         """The sharding the plan recorded for buffer ``key``."""
         return NamedSharding(self.meshes[key[2]], self.plan.buffer_specs[(key[0], key[2])])
@@ -130,13 +160,9 @@ class StagePrograms:
     def computation(self, comp: StageComputation, kernel: Kernel | None = None, sums=()):
         closed = self.plan.traced.closed_jaxpr
         sub = _sub_jaxpr(closed.jaxpr, comp.eqns, comp.invars, comp.outvars)
-        # The intermediate values the stage's plan names are pinned to their sharding.
-        constraints = {
-            v: self.sharding(v, comp.stage)
-            for e in comp.eqns
-            for v in e.outvars
-            if is_var(v) and (v, comp.stage) in self.stage_specs
-        }
+        # The intermediate values the stage's plan names are pinned to their sharding, and
+        # the operands it reads in another spec resharded to it, as ShardParallel lowers.
+        constraints, operand_constraints = self._constraints(comp)
         kept = list(range(len(comp.outvars))) if kernel is None else list(kernel.kept)
         accumulate = () if kernel is None else kernel.accumulate
         reduces = () if kernel is None else kernel.reduces
@@ -153,7 +179,7 @@ class StagePrograms:
                 total = sum_partials(inputs[i], mesh, data_axes, sharding.spec)
                 inputs[i] = jax.lax.with_sharding_constraint(total, sharding)
             results = eval_jaxpr_with_constraints(
-                sub, closed.consts, inputs, constraints, overrides=overrides
+                sub, closed.consts, inputs, constraints, operand_constraints, overrides
             )
             outs = [results[i] for i in kept] + [inputs[i] for i in publishes]
             running = iter(args[num_in:])

@@ -33,7 +33,7 @@ import dataclasses
 import functools
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from alpa.device_mesh import ClusterSpec, LogicalDeviceMesh, VirtualPhysicalMesh
@@ -73,6 +73,7 @@ from alpa.pipeline_parallel.stage_cost import (
 )
 from alpa.pipeline_parallel.stage_sharding import (
     DATA_AXES,
+    InnerSpecs,
     plan_stage_shardings,
     stage_options,
     tie_donated_outputs,
@@ -86,7 +87,7 @@ from alpa.runtime.worker_program import Layout, TransferPlan
 from alpa.shard_parallel.auto_sharding import AutoShardingOption
 from alpa.tracing import TracedStep
 from alpa.tracing.batch_draws import batch_size, micro_batch_draws
-from alpa.tracing.jaxpr_util import is_var
+from alpa.tracing.jaxpr_util import is_var, nested_eqns
 
 
 @dataclass(frozen=True, eq=False)
@@ -102,6 +103,8 @@ class PipeshardDecisions:
       logical_meshes: per stage, the logical mesh (without devices) it was planned on.
       stage_specs: ``(value, stage) -> PartitionSpec``, the sharding table.
       objectives: per stage, the ILP objective(s) of its computations.
+      body_specs, operand_specs: what the stages' ILPs pin inside bodies and on operands
+        (``stage_sharding.InnerSpecs``).
     """
 
     layers: LayerAssignment
@@ -110,6 +113,8 @@ class PipeshardDecisions:
     logical_meshes: tuple[LogicalDeviceMesh, ...]
     stage_specs: dict
     objectives: dict
+    body_specs: dict = field(default_factory=dict)
+    operand_specs: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True, eq=False)
@@ -127,6 +132,12 @@ class PipeshardPlan:
       program: the stage computations and where every value lives.
       stage_specs: ``(value, stage) -> PartitionSpec`` for every value the plan places.
       objectives: per stage, the ILP objective(s) of its computations.
+      body_specs: ``(value, stage) -> PartitionSpec`` for values inside the checkpoint,
+        loop and branch bodies of a stage's equations that its ILP plan pins.
+      operand_specs: ``(equation, stage) -> specs``: the stage plan's resharding edges,
+        the spec each operand is resharded to before the equation reads it (``None``:
+        read as produced). The stage programs are lowered with both, as ``ShardParallel``
+        lowers its one plan, so they perform the collectives the ILP priced.
       schedule: the clock ticks of the pipeline.
       instructions: the typed instruction list of one step.
       buffer_specs: ``(value name, mesh) -> PartitionSpec`` of every buffer the
@@ -158,6 +169,8 @@ class PipeshardPlan:
     reshards: dict
     num_micro_batches: int
     layer_option: Any = None
+    body_specs: dict = field(default_factory=dict)
+    operand_specs: dict = field(default_factory=dict)
 
     @property
     def num_stages(self) -> int:
@@ -316,6 +329,8 @@ class PipeshardPlan:
             logical_meshes=self.logical_meshes,
             stage_specs=dict(self.stage_specs),
             objectives={s: list(v) for s, v in self.objectives.items()},
+            body_specs=dict(self.body_specs),
+            operand_specs=dict(self.operand_specs),
         )
 
     def summary(self) -> dict:
@@ -593,12 +608,15 @@ def plan_pipeshard(
     mesh_sizes = [m.num_devices for m in logical_meshes]
     data_parallel = [not uses_ilp(o, n) for o, n in zip(stage_opts, mesh_sizes, strict=True)]
     if decisions is None:
-        stage_specs, objectives = _stage_shardings(
+        stage_specs, objectives, inner = _stage_shardings(
             traced, program, args, options, logical_meshes, stage_opts, data_parallel, names
         )
     else:
         stage_specs = dict(decisions.stage_specs)
         objectives = {s: list(v) for s, v in decisions.objectives.items()}
+        inner = InnerSpecs(
+            dict(decisions.body_specs), _on_program(decisions.operand_specs, traced, program)
+        )
     program = _draw_and_defer(
         traced, program, options, stage_specs, logical_meshes, data_parallel, names
     )
@@ -625,6 +643,8 @@ def plan_pipeshard(
         reshards=reshards,
         num_micro_batches=options.num_micro_batches,
         layer_option=layer_option,
+        body_specs=inner.body_specs,
+        operand_specs=inner.operand_specs,
     )
 
 
@@ -676,9 +696,9 @@ def _stage_shardings(
     data_parallel,
     names,
 ):
-    """``(stage_specs, objectives)``: the user's pins, each stage's ILP, ZeRO-2 in the
-    data-parallel stages that prefer reduce-scatter, and donated outputs tied to their
-    inputs."""
+    """``(stage_specs, objectives, inner)``: the user's pins, each stage's ILP, ZeRO-2 in
+    the data-parallel stages that prefer reduce-scatter, and donated outputs tied to their
+    inputs; ``inner``: what the ILPs pin inside bodies and on operands."""
     mesh_sizes, mesh_shapes = _mesh_sizes_and_shapes(logical_meshes)
     pinned = pinned_specs(
         traced,
@@ -689,7 +709,7 @@ def _stage_shardings(
         options.stage_input_shardings,
         names,
     )
-    stage_specs, objectives = plan_stage_shardings(
+    stage_specs, objectives, inner = plan_stage_shardings(
         traced, program, logical_meshes, stage_opts, names, pinned
     )
     zero2 = [
@@ -697,7 +717,7 @@ def _stage_shardings(
     ]
     zero2_specs(traced, program, stage_specs, mesh_sizes, zero2, DATA_AXES)
     tie_donated_outputs(traced, program, stage_specs, mesh_sizes)
-    return stage_specs, objectives
+    return stage_specs, objectives, inner
 
 
 def _draw_and_defer(
@@ -758,6 +778,15 @@ def _search_stages(
         remat=remat,
     )
     return plan_stages(stage_option, context)
+
+
+def _on_program(operand_specs: dict, traced: TracedStep, program: PipelineProgram) -> dict:
+    """A replayed plan's ``operand_specs``, keyed by equations of ``traced``, keyed by the
+    program's equations at the same positions (``split_computations`` rewrites some
+    equations' operands, never their positions)."""
+    same = zip(nested_eqns(traced.jaxpr), nested_eqns(program.closed_jaxpr.jaxpr), strict=True)
+    program_eqn = {id(e): mine for e, mine in same}
+    return {(program_eqn[id(e)], s): specs for (e, s), specs in operand_specs.items()}
 
 
 def check_decisions(

@@ -51,7 +51,7 @@ from alpa.shard_parallel.auto_sharding import (
 )
 from alpa.shard_parallel.milp import taking_turns, turn_given_up
 from alpa.tracing import TracedStep, new_jaxpr
-from alpa.tracing.jaxpr_util import is_var
+from alpa.tracing.jaxpr_util import is_var, nested_eqns, planned_bodies
 from alpa.tracing.primitive_def import pipeline_p
 from alpa.util import map_on_threads
 
@@ -135,37 +135,56 @@ def plan_stage_shardings(
     pinned = dict(pinned or {})
     shared = _SharedPlans()
 
-    def plan_stage(s: int) -> tuple[dict, list[float]]:
+    def plan_stage(s: int) -> tuple[dict, list[float], InnerSpecs]:
         table = {key: spec for key, spec in pinned.items() if key[1] == s}
         objectives: list[float] = []
+        inner = InnerSpecs()
         mesh, option = logical_meshes[s], options[s]
         if not uses_ilp(option, mesh.num_devices):
-            return table, objectives
+            return table, objectives, inner
+        planning = _Planning(s, program, mesh, option, names, traced, shared)
         comps = [program.computation(s, "forward"), program.computation(s, "backward")]
         comps = [c for c in comps if c is not None and c.eqns]
         if comps:
-            objectives.append(
-                _plan_into(table, s, comps, program, mesh, option, names, traced, shared)
-            )
+            objectives.append(planning.plan_into(table, inner, comps))
         for out, operand in program.accumulated.items():
             if program.home[out] == s and (operand, s) in table:
                 table[(out, s)] = table[(operand, s)]
         for comp in program.computations:
             if comp.stage == s and comp.kind == "apply" and comp.eqns:
-                objectives.append(
-                    _plan_into(table, s, [comp], program, mesh, option, names, traced, shared)
-                )
-        return table, objectives
+                objectives.append(planning.plan_into(table, inner, [comp]))
+        return table, objectives, inner
 
     stages = range(program.num_stages)
     planned = map_on_threads(taking_turns(plan_stage), stages, workers, "alpa-stage-sharding")
     table: dict = dict(pinned)
     objectives: dict[int, list[float]] = {}
-    for s, (stage_table, stage_objectives) in zip(stages, planned, strict=True):
+    inner = InnerSpecs()
+    for s, (stage_table, stage_objectives, stage_inner) in zip(stages, planned, strict=True):
         table.update(stage_table)
+        inner.body_specs.update(stage_inner.body_specs)
+        inner.operand_specs.update(stage_inner.operand_specs)
         if stage_objectives:
             objectives[s] = stage_objectives
-    return table, objectives
+    return table, objectives, inner
+
+
+@dataclasses.dataclass
+class InnerSpecs:
+    """What the stages' ILP plans pin besides the sharding table, as
+    ``shard_parallel``'s lowering takes it (``ShardingPlan.var_specs`` inside bodies and
+    ``ShardingPlan.operand_specs``), keyed by stage like the table.
+
+    Attributes:
+      body_specs: ``(value, stage) -> PartitionSpec`` for the values inside the bodies of
+        checkpoint (``remat2``), ``scan``, ``while`` and ``cond`` equations.
+      operand_specs: ``(equation, stage) -> specs``: the spec each operand of the equation
+        (of the step or of such a body) is resharded to before the equation reads it,
+        ``None`` where it is read as produced: the plan's resharding edges.
+    """
+
+    body_specs: dict = dataclasses.field(default_factory=dict)
+    operand_specs: dict = dataclasses.field(default_factory=dict)
 
 
 class _SharedPlans:
@@ -191,56 +210,81 @@ class _SharedPlans:
             return future.result()
 
 
-def _plan_into(
-    table,
-    s,
-    comps: Sequence[StageComputation],
-    program,
-    mesh,
-    option,
-    names,
-    traced,
-    shared: _SharedPlans,
-) -> float | None:
-    """Plan ``comps`` (of stage ``s``) as one jaxpr; record the specs not yet in ``table``.
-    A computation of the same structure already planned (``shared``) lends its plan."""
-    sub, produced = merged_step(traced, program, comps, mesh.num_devices, names, f"stage{s}")
-    invars, outvars = sub.jaxpr.invars, sub.jaxpr.outvars
-    # Inputs that already have a sharding on this mesh (the user's pins, or parameters and
-    # gradients an earlier computation of the stage planned) arrive in it: the ILP plans
-    # around them instead of assuming a spec XLA would then have to reshard into.
-    fixed = [table.get((v, s)) for v in invars]
+@dataclasses.dataclass(frozen=True)
+class _Planning:
+    """The ILP planning of the computations of one stage ``s``."""
 
-    def solve():
-        # The stages' lowering reduces each partial result where it is computed (the
-        # ``ShardingPlan.partial_sums`` rewrite is not applied there yet): price it so.
-        plan = plan_auto_sharding(
-            sub, mesh, option, fixed_in_specs=fixed, partial_sums=False, comm_first=False
+    s: int
+    program: PipelineProgram
+    mesh: LogicalDeviceMesh
+    option: AutoShardingOption
+    names: dict
+    traced: TracedStep
+    shared: _SharedPlans
+
+    def plan_into(self, table: dict, inner: InnerSpecs, comps: Sequence[StageComputation]):
+        """Plan ``comps`` as one jaxpr; record the specs not yet in ``table`` (and what the
+        plan pins inside bodies and on operands in ``inner``); return the ILP objective.
+        A computation of the same structure already planned (``shared``) lends its plan."""
+        s, mesh, option = self.s, self.mesh, self.option
+        sub, produced = merged_step(
+            self.traced, self.program, comps, mesh.num_devices, self.names, f"stage{s}"
         )
-        return sub, plan
+        invars, outvars = sub.jaxpr.invars, sub.jaxpr.outvars
+        # Inputs that already have a sharding on this mesh (the user's pins, or parameters
+        # and gradients an earlier computation of the stage planned) arrive in it: the ILP
+        # plans around them instead of assuming a spec XLA would then have to reshard into.
+        fixed = [table.get((v, s)) for v in invars]
 
-    key = (structure_key(sub), repr(mesh), repr(option), tuple(map(repr, fixed)))
-    planned, plan = shared.get(key, solve)
-    if tuple(plan.logical_mesh.shape) != tuple(mesh.shape):
-        return plan.objective  # a fixed plan on another view of the mesh: data parallel
-    var_specs = plan.var_specs
-    if planned is not sub:  # the same equations: their values correspond by position
-        mine = dict(zip(_positional_vars(planned), _positional_vars(sub), strict=True))
-        var_specs = {mine[v]: spec for v, spec in var_specs.items() if v in mine}
-    for v, spec in zip(invars, plan.in_specs, strict=True):
-        table.setdefault((v, s), spec)
-    for v, spec in var_specs.items():
-        if is_var(v) and v in produced:
+        def solve():
+            # The stages' lowering reduces each partial result where it is computed (the
+            # ``ShardingPlan.partial_sums`` rewrite is not applied there yet): price it so.
+            plan = plan_auto_sharding(
+                sub, mesh, option, fixed_in_specs=fixed, partial_sums=False, comm_first=False
+            )
+            return sub, plan
+
+        key = (structure_key(sub), repr(mesh), repr(option), tuple(map(repr, fixed)))
+        planned, plan = self.shared.get(key, solve)
+        if tuple(plan.logical_mesh.shape) != tuple(mesh.shape):
+            return plan.objective  # a fixed plan on another view of the mesh: data parallel
+        var_specs, operand_specs = plan.var_specs, plan.operand_specs
+        if planned is not sub:  # the same equations: values and equations match by position
+            mine = dict(zip(_positional_vars(planned), _positional_vars(sub), strict=True))
+            var_specs = {mine[v]: spec for v, spec in var_specs.items() if v in mine}
+            pairs = zip(nested_eqns(planned.jaxpr), nested_eqns(sub.jaxpr), strict=True)
+            eqns = {id(theirs): e for theirs, e in pairs}
+            operand_specs = {eqns[id(e)]: specs for e, specs in operand_specs.items()}
+        for v, spec in zip(invars, plan.in_specs, strict=True):
             table.setdefault((v, s), spec)
-    for v, spec in zip(outvars, plan.out_specs, strict=True):
-        if spec is not None:
-            table.setdefault((v, s), spec)
-    return plan.objective
+        for v, spec in var_specs.items():
+            if is_var(v) and v in produced:
+                table.setdefault((v, s), spec)
+            elif is_var(v) and v not in invars:  # inside a checkpoint, loop or branch
+                inner.body_specs.setdefault((v, s), spec)
+        for eqn, specs in operand_specs.items():
+            inner.operand_specs.setdefault((eqn, s), specs)
+        for v, spec in zip(outvars, plan.out_specs, strict=True):
+            if spec is not None:
+                table.setdefault((v, s), spec)
+        return plan.objective
 
 
 def _positional_vars(step: TracedStep) -> list:
-    jaxpr = step.closed_jaxpr.jaxpr
-    return list(jaxpr.invars) + [v for e in jaxpr.eqns for v in e.outvars]
+    """The values of ``step``'s jaxpr in a fixed order: inputs, then each equation's
+    outputs followed by the values of its bodies (``planned_bodies``), recursively."""
+    out: list = []
+
+    def walk(jaxpr: Jaxpr) -> None:
+        for e in jaxpr.eqns:
+            out.extend(e.outvars)
+            for _, body in planned_bodies(e):
+                out.extend(body.invars)
+                walk(body)
+
+    out.extend(step.closed_jaxpr.jaxpr.invars)
+    walk(step.closed_jaxpr.jaxpr)
+    return out
 
 
 def structure_key(step: TracedStep) -> str:

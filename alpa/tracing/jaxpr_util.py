@@ -101,3 +101,15 @@ def planned_bodies(eqn: JaxprEqn) -> tuple[tuple[str, Jaxpr], ...]:
             ("body/", eqn.params["body_jaxpr"].jaxpr),
         )
     return ()
+
+
+def nested_eqns(jaxpr: Jaxpr) -> list[JaxprEqn]:
+    """The equations of ``jaxpr``, each followed by those of its :func:`planned_bodies`,
+    recursively: one order for two jaxprs of the same structure, so that their equations
+    correspond by position."""
+    out: list[JaxprEqn] = []
+    for eqn in jaxpr.eqns:
+        out.append(eqn)
+        for _, body in planned_bodies(eqn):
+            out += nested_eqns(body)
+    return out
