@@ -27,7 +27,6 @@ from alpa.executables.base import Executable, check_dispatch_args
 from alpa.pipeline_parallel import plan_view
 from alpa.pipeline_parallel.computation import (
     StageComputation,
-    _collect_consts,
     step_arguments,
 )
 from alpa.pipeline_parallel.pipeshard_plan import PipeshardPlan
@@ -46,7 +45,7 @@ from alpa.shard_parallel.compile import full_batch_avals
 from alpa.shard_parallel.lowering import eval_jaxpr_with_constraints
 from alpa.shard_parallel.micro_batches import deferred_rules, sum_partials
 from alpa.tracing import leaf_signature, new_jaxpr
-from alpa.tracing.jaxpr_util import is_var, planned_bodies
+from alpa.tracing.jaxpr_util import backward_slice, is_var, planned_bodies
 from alpa.tracing.primitive_def import pipeline_p
 
 
@@ -75,11 +74,10 @@ class StagePrograms:
         if not names:
             return {}
         closed = self.plan.traced.closed_jaxpr
-        needed: set = set()
-        for n in names:
-            _collect_consts(self.var_of[n], self.program.const_eqns, needed)
-        eqns = [e for e in closed.jaxpr.eqns if any(o in needed for o in e.outvars)]
         outvars = [self.var_of[n] for n in names]
+        makes_constant = self.program.const_eqns
+        constant = [e for e in closed.jaxpr.eqns if any(o in makes_constant for o in e.outvars)]
+        eqns = backward_slice(constant, outvars)
         sub = _sub_jaxpr(closed.jaxpr, eqns, [], outvars)
         values = eval_jaxpr_with_constraints(sub, closed.consts, [], {})
         return dict(zip(names, values, strict=True))

@@ -52,7 +52,7 @@ from jax.extend.core import ClosedJaxpr, JaxprEqn, Var
 
 from alpa.tracing import new_jaxpr
 from alpa.tracing.batch_draws import new_row_ids, reads_draws, row_id_rewriter
-from alpa.tracing.jaxpr_util import grad_marker_index, is_var, nbytes
+from alpa.tracing.jaxpr_util import backward_slice, grad_marker_index, is_var, nbytes
 from alpa.tracing.primitive_def import passes_through, pipeline_p
 
 if TYPE_CHECKING:
@@ -413,26 +413,24 @@ def _computations(jaxpr, eqns, groups, const_eqns, accumulated) -> list[StageCom
                 if is_var(v):
                     readers.setdefault(v, set()).add(key)
 
-    position = {id(e): i for i, e in enumerate(eqns)}
+    constant_ids = {id(e) for e in const_eqns.values()}
+    constant = [e for e in eqns if id(e) in constant_ids]
     computations = []
     for key in sorted(groups, key=lambda k: (k[1] != "forward", k[1] != "backward", k[2], k[0])):
         group = groups[key]
         produced = {v for e in group for v in e.outvars if is_var(v)}
-        needed_consts: set[Var] = set()
+        needed_consts: list[Var] = []
         invars: dict[Var, None] = {}  # ordered set
         for eqn in group:
             for v in eqn.invars:
                 if not is_var(v) or v in produced:
                     continue
                 if v in const_eqns:
-                    _collect_consts(v, const_eqns, needed_consts)
+                    needed_consts.append(v)
                 elif v not in consts:
                     invars[v] = None
         # The equations that make the needed constants, in the jaxpr's order.
-        const_part = sorted(
-            {id(const_eqns[v]): const_eqns[v] for v in needed_consts}.values(),
-            key=lambda e: position[id(e)],
-        )
+        const_part = backward_slice(constant, needed_consts)
         outvars = [
             v
             for e in group
@@ -516,15 +514,6 @@ def _backward_stage(reads, forward_vars, home, avail, last_stage) -> int:
     return stage
 
 
-def _collect_consts(v, const_eqns, out: set) -> None:
-    if v in out or v not in const_eqns:
-        return
-    out.add(v)
-    for u in const_eqns[v].invars:
-        if is_var(u):
-            _collect_consts(u, const_eqns, out)
-
-
 def _batch_dependent(eqns, batch_set) -> set:
     """The values computed from ``batch_set``. A pipeline marker is the identity of each
     operand on its own: the parameters a layer's start marker passes along with the
@@ -564,15 +553,7 @@ def rematerialize(program: PipelineProgram) -> PipelineProgram:
         residuals = [v for v in bwd.invars if v in producer]
         if not residuals or any(producer[v].effects for v in residuals):
             continue
-        needed: set[int] = set()
-        stack = list(residuals)
-        while stack:
-            eqn = producer.get(stack.pop())
-            if eqn is None or id(eqn) in needed:
-                continue
-            needed.add(id(eqn))
-            stack += [u for u in eqn.invars if is_var(u)]
-        recompute = [e for e in fwd.eqns if id(e) in needed]
+        recompute = backward_slice(fwd.eqns, residuals)
         if any(e.effects for e in recompute):
             continue
         produced = {v for e in recompute for v in e.outvars if is_var(v)}

@@ -42,7 +42,7 @@ import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
 from jax.sharding import PartitionSpec
 
-from alpa.device_mesh import LogicalDeviceMesh
+from alpa.device_mesh import MESH_AXIS_NAMES, LogicalDeviceMesh
 from alpa.pipeline_parallel.computation import PipelineProgram, StageComputation
 from alpa.shard_parallel.auto_sharding import (
     AutoShardingOption,
@@ -55,7 +55,7 @@ from alpa.tracing.jaxpr_util import is_var, nested_eqns, planned_bodies
 from alpa.tracing.primitive_def import pipeline_p
 from alpa.util import map_on_threads
 
-DATA_AXES = ("x", "y")
+DATA_AXES = MESH_AXIS_NAMES  # every logical submesh has these axes
 
 
 def stage_options(

@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from alpa.device_mesh import entry_names
+from alpa.device_mesh import MESH_AXIS_NAMES, entry_names
 from alpa.runtime.worker_program import Layout, Piece, TransferPlan
 
 Box = tuple[tuple[int, int], ...]  # (start, stop) per array dimension
@@ -62,7 +62,7 @@ class MeshSharding:
         object.__setattr__(self, "dim_axes", dim_axes)
 
     @classmethod
-    def from_partition_spec(cls, mesh_shape, spec, ndim: int, axis_names=("x", "y")):
+    def from_partition_spec(cls, mesh_shape, spec, ndim: int, axis_names=MESH_AXIS_NAMES):
         """From a ``jax.sharding.PartitionSpec`` over named mesh axes."""
         entries = list(spec) + [None] * (ndim - len(spec))
         dim_axes = []

@@ -41,7 +41,7 @@ from alpa.shard_parallel.sharding_plan import ShardingPlan
 from alpa.shard_parallel.strategy_graph import USER_SHARDINGS
 from alpa.tracing import TracedStep, new_jaxpr
 from alpa.tracing.batch_draws import batch_size, micro_batch_draws, with_row_ids
-from alpa.tracing.jaxpr_util import REMAT_PRIMITIVES
+from alpa.tracing.jaxpr_util import REMAT_PRIMITIVES, backward_slice
 from alpa.tracing.trace import branch_extra_invars, remat_params
 
 # ----------------------------------------------------------------------------- evaluation
@@ -322,7 +322,6 @@ def split_at_grad_marker(traced: TracedStep) -> GradSplit:
             "or alpa.value_and_grad): micro-batches accumulate gradients, so an inference "
             "step runs its batch whole; leave num_micro_batches unset"
         )
-    producer = {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
     batch_vars = {v for v, b in zip(jaxpr.invars, traced.batch_invars, strict=True) if b}
     for eqn in jaxpr.eqns:
         if eqn is marker:  # accumulated over micro-batches: no longer per-batch
@@ -330,20 +329,9 @@ def split_at_grad_marker(traced: TracedStep) -> GradSplit:
         if any(not isinstance(v, Literal) and v in batch_vars for v in eqn.invars):
             batch_vars.update(eqn.outvars)
 
-    def closure(roots, stop: set) -> list:
-        needed, stack = set(), [v for v in roots if not isinstance(v, Literal)]
-        while stack:
-            v = stack.pop()
-            eqn = producer.get(v)
-            if v in stop or eqn is None or id(eqn) in needed:
-                continue
-            needed.add(id(eqn))
-            stack += [u for u in eqn.invars if not isinstance(u, Literal)]
-        return [e for e in jaxpr.eqns if id(e) in needed]
-
     marked = set(marker.outvars)
-    compute_eqns = closure(marker.invars, stop=set())
-    apply_eqns = closure(jaxpr.outvars, stop=marked)
+    compute_eqns = backward_slice(jaxpr.eqns, marker.invars)
+    apply_eqns = backward_slice(jaxpr.eqns, jaxpr.outvars, stop=marked)
     leaking = [e for e in apply_eqns if e is not marker and set(e.outvars) & batch_vars]
     leaking_outs = [
         v

@@ -1,12 +1,13 @@
 """The jaxpr helpers every pass shares: what a value is, its size, where the ``alpa.grad``
-marker is, and evaluating equations by binding their primitives (the passes that rewrite
+marker is, which equations compute a value (the backward slice), and evaluating equations
+by binding their primitives (the passes that rewrite
 a function evaluate its equations inside the caller's trace; ``shard_parallel.lowering``
 adds the plan's sharding constraints on top)."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Iterable, Sequence
 
 from jax.extend.core import ClosedJaxpr, DropVar, Jaxpr, JaxprEqn, Literal, Var
 
@@ -65,6 +66,25 @@ def live_eqns(jaxpr: Jaxpr) -> list[bool]:
             live[t] = True
             needed.update(v for v in eqn.invars if is_var(v))
     return live
+
+
+def backward_slice(
+    eqns: Sequence[JaxprEqn], roots: Iterable, stop: Collection = ()
+) -> list[JaxprEqn]:
+    """The equations of ``eqns`` that compute the values ``roots``, in program order: the
+    producers of the roots, of their operands, and so on, not past a value in ``stop`` or
+    one that no equation of ``eqns`` produces (an input)."""
+    producer = {v: e for e in eqns for v in e.outvars if is_var(v)}
+    needed: set[int] = set()
+    stack = [v for v in roots if is_var(v)]
+    while stack:
+        v = stack.pop()
+        eqn = producer.get(v)
+        if v in stop or eqn is None or id(eqn) in needed:
+            continue
+        needed.add(id(eqn))
+        stack += [u for u in eqn.invars if is_var(u)]
+    return [e for e in eqns if id(e) in needed]
 
 
 def is_grad_marker(eqn: JaxprEqn) -> bool:
