@@ -12,9 +12,11 @@ ZeRO-3     sharded      sharded (1/n)    reduced then sharded; parameters are
                                          gathered before use
 =========  ===========  ===============  =====================================
 
-A leaf is optimizer state when its path holds ``opt_state`` (flax ``TrainState``, or any
-pytree that follows that name). A leaf is sharded along its first dimension that ``n``
-divides; leaves with none (scalars such as Adam's step count) stay replicated.
+A batch leaf that has no row per example (:func:`batch_rows`: a PRNG key among the
+batch's arrays) is replicated. A leaf is optimizer state when its path holds
+``opt_state`` (flax ``TrainState``, or any pytree that follows that name). A leaf is
+sharded along its first dimension that ``n`` divides; leaves with none (scalars such as
+Adam's step count) stay replicated.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ def data_parallel_plan(
         sharded = (zero_stage == 3) or (zero_stage == 2 and is_opt_state(name))
         return zero_spec(shape, n) if sharded else REPLICATED
 
+    rows = batch_rows(traced)
     in_specs = []
     for aval, is_batch, name in zip(
         traced.in_avals, traced.batch_invars, traced.leaf_names, strict=True
@@ -65,11 +68,13 @@ def data_parallel_plan(
         if not is_batch:
             in_specs.append(state_spec(name, aval.shape))
             continue
-        if aval.ndim == 0 or aval.shape[0] % n:
-            size = "a scalar" if aval.ndim == 0 else f"batch size {aval.shape[0]}"
+        if aval.ndim == 0 or aval.shape[0] != rows:  # no row per example: a PRNG key
+            in_specs.append(REPLICATED)
+            continue
+        if rows % n:
             raise ValueError(
-                f"{method}: {name} has {size}, which does not split over the {n} devices "
-                f"(dim 0 of every batch argument must be divisible by {n}; with "
+                f"{method}: {name} has batch size {rows}, which does not split over the {n} "
+                f"devices (dim 0 of every batch argument must be divisible by {n}; with "
                 "num_micro_batches, the micro-batch size must be)"
             )
         in_specs.append(PartitionSpec(DATA_AXIS))
@@ -99,6 +104,15 @@ def data_parallel_plan(
         grad_specs=grad_specs,
         method=method,
     )
+
+
+def batch_rows(traced: TracedStep) -> int | None:
+    """The batch size: the most common dim 0 of the batch leaves (the largest on a tie). A
+    batch leaf with another dim 0, or a scalar, holds no row per example (a PRNG
+    key, a step number in the batch dict): the fixed plans replicate it, as Alpa's did."""
+    pairs = zip(traced.in_avals, traced.batch_invars, strict=True)
+    sizes = [aval.shape[0] for aval, is_batch in pairs if is_batch and aval.ndim]
+    return max(sizes, key=lambda size: (sizes.count(size), size)) if sizes else None
 
 
 def output_leaf_names(traced: TracedStep) -> list[str]:

@@ -167,3 +167,29 @@ def test_tied_embedding_gradient_is_reduced_once(num_micro_batches):
         shapes = collective_shapes(hlo, collective)
         assert shapes.count(table) == 1, shapes
         assert len(shapes) == 2, shapes  # the table's and w's gradients
+
+
+@pytest.mark.parametrize("method_cls", [alpa.DataParallel, alpa.Zero2Parallel, alpa.Zero3Parallel])
+def test_a_key_in_the_batch_is_replicated(method_cls):
+    """A PRNG key among the batch's arrays (Alpa's BERT tests pass the dropout key so) has
+    no row per example: the fixed plans replicate it and split the rest, and the step
+    (dropout drawn from the key) equals the serial one. A batch whose rows do not split
+    over the devices is still an error."""
+
+    def loss(params, batch):
+        h = jnp.tanh(batch["x"] @ params["w"])
+        keep = jax.random.bernoulli(batch["rng"], 0.5, h.shape)
+        return jnp.mean(jnp.where(keep, h, 0.0) ** 2)
+
+    def step(params, batch):
+        grads = alpa.grad(loss)(params, batch)
+        return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+
+    params = {"w": jax.random.normal(jax.random.PRNGKey(0), (8, 8))}
+    batch = {"x": jnp.ones((16, 8)), "rng": jax.random.PRNGKey(1)}
+    p_step = alpa.parallelize(step, method=method_cls(), donate_argnums=())
+    assert_allclose(p_step(params, batch), jax.jit(step)(params, batch), rtol=1e-5, atol=1e-5)
+    specs = dict(zip(["rng", "x"], p_step.get_last_executable().plan.in_specs[-2:], strict=True))
+    assert specs == {"rng": P(), "x": P("x")}, specs
+    with pytest.raises(ValueError, match=r"batch size 6, which does not split over the 8"):
+        p_step(params, {"x": jnp.ones((6, 8)), "rng": jax.random.PRNGKey(1)})
