@@ -58,7 +58,7 @@ from alpa.tracing.primitive_def import passes_through, pipeline_p
 if TYPE_CHECKING:
     from alpa.pipeline_parallel.deferred_sums import DeferredSums
 
-ComputationKind = Literal["forward", "backward", "apply"]
+ComputationKind = Literal["forward", "backward", "weight", "apply"]
 
 
 @dataclass(frozen=True, eq=False)

@@ -81,6 +81,7 @@ from alpa.pipeline_parallel.stage_sharding import (
     value_spec,
 )
 from alpa.pipeline_parallel.user_shardings import pinned_specs, stage_inputs
+from alpa.pipeline_parallel.weight_split import split_weight_gradients
 from alpa.runtime.instructions import Op, PipelineInstructions
 from alpa.runtime.resharding import worker_transfer_plan
 from alpa.runtime.worker_program import Layout, TransferPlan
@@ -604,6 +605,8 @@ def plan_pipeshard(
     )
     if layer_option.remat_layer and program.is_training:
         program = rematerialize(program)
+    if options.pipeline_schedule == "zb-h1" and program.is_training:
+        program = split_weight_gradients(program)
     schedule = _schedule(program, options, stage_plan.num_stages)
     mesh_sizes = [m.num_devices for m in logical_meshes]
     data_parallel = [not uses_ilp(o, n) for o, n in zip(stage_opts, mesh_sizes, strict=True)]

@@ -5,7 +5,8 @@ The timeline is the schedule run with each stage's predicted latency per micro-b
 (``StagePlan.latencies`` for automatic stages, the analytic model's
 ``PipeshardPlan.cost.latencies`` for the others): the forward takes ``forward_share`` of
 it and the backward the rest (1/3 and 2/3, the FLOP ratio of a backward to a forward),
-and every task starts as soon as its stage is free and the tasks it reads from
+halved between ``B`` and ``W`` where a zero-bubble schedule splits it, and every task
+starts as soon as its stage is free and the tasks it reads from
 (``schedules.task_dependencies``) have ended, in the schedule's order. Apply-grad is not
 priced by the stage model; it is drawn as a narrow block after each stage's last
 backward, so that the picture shows where it runs, not how long.
@@ -66,13 +67,14 @@ def timeline(
     free = [0.0] * schedule.num_stages
     ends: dict[Task, float] = {}
     blocks = []
+    split = {t.stage for t in schedule.tasks() if t.kind == "weight"}  # B and W halves
     for task in schedule.tasks():
         s = task.stage
         latency = float(latencies[s])
         if task.kind == "forward":
             duration = forward_share * latency
-        elif task.kind == "backward":
-            duration = (1 - forward_share) * latency
+        elif task.kind in ("backward", "weight"):
+            duration = (1 - forward_share) * latency / (2 if s in split else 1)
         else:
             duration = APPLY_WIDTH * latency
         ready = max((ends[d] for d in task_dependencies(task, schedule.num_stages)), default=0.0)
@@ -85,6 +87,7 @@ def timeline(
 _KIND_COLOURS = {
     "forward": "#4c8bd6",
     "backward": "#e0823d",
+    "weight": "#c9a227",
     "apply": "#5aa469",
     "transfer": "#9a9a9a",
 }
@@ -142,8 +145,8 @@ def draw_blocks(
     label_micro_batches: bool = True,
 ) -> Drawing:
     """:func:`draw` of any ``blocks`` (a planned :func:`timeline` or a measured run's):
-    kinds ``forward``, ``backward``, ``apply`` and, for a run, ``transfer`` (loads,
-    reshards, allocations)."""
+    kinds ``forward``, ``backward``, ``weight``, ``apply`` and, for a run, ``transfer``
+    (loads, reshards, allocations)."""
     try:
         import matplotlib
 

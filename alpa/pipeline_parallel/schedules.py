@@ -17,6 +17,19 @@ With ``S`` stages and ``M`` micro-batches (DESIGN §5):
   runs at the first tick its inputs are ready. It takes the same ``2 (M + S - 1)`` compute
   ticks as GPipe, but stage ``i`` never holds more than ``S - i`` micro-batches of
   activations.
+* **ZB-H1** (zero bubble, Qi et al. 2023, "handcrafted 1"): the backward is split into
+  ``B``, the cotangents of the stage's inputs that the previous stage waits for, and ``W``,
+  the weight gradients nothing waits for (``weight_split.split_weight_gradients``). Stage
+  ``i`` runs 1F1B's ``S - i - 1`` warm-up forwards, then one forward and one ``B`` per
+  step, and its ``W`` of micro-batch ``m`` after the ``B`` of micro-batch ``m + i``: the
+  ``W`` s it holds back fill the ticks in which 1F1B's stage ``i`` waits for cotangents in
+  the drain. Every task is one tick (``F``, ``B`` and ``W`` taken as equally long), and for
+  ``M >= S`` the grid takes ``3 M + S - 1`` ticks: a bubble fraction of
+  ``(S - 1) / (3 M + S - 1)``, where 1F1B (with ``B`` and ``W`` as one backward of two
+  ticks) takes ``3 M + 3 (S - 1)``, ``3 (S - 1) / (3 M + 3 (S - 1))``. The price is
+  memory: a micro-batch's activations live until its ``W``, so every stage holds
+  ``min(S, M)`` micro-batches at its peak, 1F1B's stage 0 figure (1F1B's stage ``i``
+  holds ``min(S - i, M)``).
 * **inference** runs forwards only: ``M + S - 1`` ticks.
 
 A training schedule ends with one ``apply`` tick in which every stage applies its
@@ -31,12 +44,13 @@ from typing import Literal
 
 import numpy as np
 
-TaskKind = Literal["forward", "backward", "apply"]
+TaskKind = Literal["forward", "backward", "weight", "apply"]
 
 
 @dataclass(frozen=True)
 class Task:
-    """One unit of work: ``stage`` runs ``kind`` on ``micro_batch`` (``None`` for apply)."""
+    """One unit of work: ``stage`` runs ``kind`` on ``micro_batch`` (``None`` for apply).
+    ``weight`` is the weight-gradient half of a split backward (ZB-H1's ``W``)."""
 
     stage: int
     micro_batch: int | None
@@ -66,13 +80,15 @@ class PipelineSchedule:
         return [task for tick in self.ticks for task in tick]
 
     def max_in_flight(self) -> list[int]:
-        """Per stage, the most micro-batches whose forward ran but whose backward did not."""
+        """Per stage, the most micro-batches whose forward ran but whose backward (the
+        ``weight`` half, where the stage's backward is split) did not."""
+        split = {t.stage for t in self.tasks() if t.kind == "weight"}
         in_flight = [0] * self.num_stages
         peak = [0] * self.num_stages
         for task in self.tasks():
             if task.kind == "forward":
                 in_flight[task.stage] += 1
-            elif task.kind == "backward":
+            elif task.kind == ("weight" if task.stage in split else "backward"):
                 in_flight[task.stage] -= 1
             peak[task.stage] = max(peak[task.stage], in_flight[task.stage])
         return peak
@@ -124,21 +140,46 @@ def gpipe_schedule(num_stages: int, num_micro_batches: int) -> PipelineSchedule:
 def one_f_one_b_schedule(num_stages: int, num_micro_batches: int) -> PipelineSchedule:
     """1F1B (PipeDream-flush): warm-up forwards, alternate 1F/1B, drain, then apply."""
     _check_sizes(num_stages, num_micro_batches)
+    orders = [_one_f_one_b_order(s, num_stages, num_micro_batches) for s in range(num_stages)]
+    return _clocked("1f1b", orders, num_stages, num_micro_batches)
+
+
+def zb_h1_schedule(num_stages: int, num_micro_batches: int) -> PipelineSchedule:
+    """ZB-H1: 1F1B with each backward split into ``B`` and ``W``, stage ``i`` holding its
+    ``W`` s back by ``i`` micro-batches to fill the drain (module docstring)."""
+    _check_sizes(num_stages, num_micro_batches)
     S, M = num_stages, num_micro_batches
-    # The order of work on each stage.
-    orders: list[list[Task]] = []
+    orders = []
     for s in range(S):
-        warmup = min(S - s - 1, M)
-        order = [Task(s, m, "forward") for m in range(warmup)]
-        next_f, next_b = warmup, 0
-        while next_b < M:
-            if next_f < M:
-                order.append(Task(s, next_f, "forward"))
-                next_f += 1
-            order.append(Task(s, next_b, "backward"))
-            next_b += 1
+        order, next_w = [], 0
+        for task in _one_f_one_b_order(s, S, M):
+            order.append(task)
+            if task.kind == "backward" and task.micro_batch - next_w >= s:
+                order.append(Task(s, next_w, "weight"))
+                next_w += 1
+        order += [Task(s, m, "weight") for m in range(next_w, M)]
         orders.append(order)
-    # Clock it: each stage runs its next task at the first tick its inputs are ready.
+    return _clocked("zb-h1", orders, S, M)
+
+
+def _one_f_one_b_order(s: int, S: int, M: int) -> list[Task]:
+    """Stage ``s``'s work under 1F1B: ``S - s - 1`` warm-up forwards, then alternate one
+    forward and one backward, then the remaining backwards."""
+    warmup = min(S - s - 1, M)
+    order = [Task(s, m, "forward") for m in range(warmup)]
+    next_f, next_b = warmup, 0
+    while next_b < M:
+        if next_f < M:
+            order.append(Task(s, next_f, "forward"))
+            next_f += 1
+        order.append(Task(s, next_b, "backward"))
+        next_b += 1
+    return order
+
+
+def _clocked(name: str, orders: list[list[Task]], S: int, M: int) -> PipelineSchedule:
+    """The schedule in which each stage runs its next task of ``orders[stage]`` at the
+    first tick its inputs are ready, then the apply tick."""
     done_at: dict[Task, int] = {}
     positions = [0] * S
     ticks: list[tuple[Task, ...]] = []
@@ -151,12 +192,12 @@ def one_f_one_b_schedule(num_stages: int, num_micro_batches: int) -> PipelineSch
             if all(done_at.get(dep, len(ticks)) < len(ticks) for dep in _deps(task, S)):
                 tick.append(task)
         if not tick:
-            raise AssertionError("1F1B schedule deadlocked")  # a bug, not a user error
+            raise AssertionError(f"{name} schedule deadlocked")  # a bug, not a user error
         for task in tick:
             done_at[task] = len(ticks)
             positions[task.stage] += 1
         ticks.append(tuple(tick))
-    return PipelineSchedule("1f1b", S, M, tuple(ticks) + (_apply_tick(S),))
+    return PipelineSchedule(name, S, M, tuple(ticks) + (_apply_tick(S),))
 
 
 def inference_schedule(num_stages: int, num_micro_batches: int) -> PipelineSchedule:
@@ -180,6 +221,8 @@ def _deps(task: Task, num_stages: int) -> list[Task]:
         if s < num_stages - 1:
             deps.append(Task(s + 1, m, "backward"))
         return deps
+    if task.kind == "weight":
+        return [Task(s, m, "backward")]
     return []
 
 
@@ -189,6 +232,7 @@ task_dependencies = _deps
 schedules: dict[str, Callable[[int, int], PipelineSchedule]] = {
     "gpipe": gpipe_schedule,
     "1f1b": one_f_one_b_schedule,
+    "zb-h1": zb_h1_schedule,
     "inference": inference_schedule,
 }
 

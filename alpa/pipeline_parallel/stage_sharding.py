@@ -143,7 +143,7 @@ def plan_stage_shardings(
         if not uses_ilp(option, mesh.num_devices):
             return table, objectives, inner
         planning = _Planning(s, program, mesh, option, names, traced, shared)
-        comps = [program.computation(s, "forward"), program.computation(s, "backward")]
+        comps = [program.computation(s, kind) for kind in ("forward", "backward", "weight")]
         comps = [c for c in comps if c is not None and c.eqns]
         if comps:
             objectives.append(planning.plan_into(table, inner, comps))

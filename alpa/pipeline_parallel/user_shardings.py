@@ -167,7 +167,7 @@ def stage_axis_names(option: ManualShardingOption | None, num_stages: int) -> li
 def stage_inputs(program: PipelineProgram, stage: int) -> list[Var]:
     """The values stage ``stage``'s forward and backward computations read from outside,
     in order (the inputs ``stage_input_shardings[stage]`` describes)."""
-    comps = [program.computation(stage, "forward"), program.computation(stage, "backward")]
+    comps = [program.computation(stage, kind) for kind in ("forward", "backward", "weight")]
     comps = [c for c in comps if c is not None and c.eqns]
     produced = {v for c in comps for e in c.eqns for v in e.outvars if is_var(v)}
     inputs: list[Var] = []

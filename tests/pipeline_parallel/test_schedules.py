@@ -4,6 +4,7 @@ import itertools
 
 import pytest
 
+from alpa.pipeline_parallel.plan_view import timeline
 from alpa.pipeline_parallel.schedules import (
     Task,
     make_schedule,
@@ -73,12 +74,50 @@ def test_grid_prints_every_task():
     ]
 
 
+@pytest.mark.parametrize("S,M", SIZES)
+def test_zb_h1_runs_f_b_w_of_each_micro_batch_once_in_order(S, M):
+    schedule = make_schedule("zb-h1", S, M)
+    tick_of = _tick_of(schedule)
+    kinds = ("forward", "backward", "weight")
+    expected = {Task(s, m, k) for s in range(S) for m in range(M) for k in kinds}
+    assert set(tick_of) == expected | {Task(s, None, "apply") for s in range(S)}
+    for task, tick in tick_of.items():
+        for dep in task_dependencies(task, S):
+            assert tick_of[dep] < tick, f"{task} at tick {tick} before its input {dep}"
+    # Stage s runs the W of micro-batch m only after the B of micro-batch m + s.
+    for s, m in itertools.product(range(S), range(M)):
+        later = Task(s, min(m + s, M - 1), "backward")
+        assert tick_of[Task(s, m, "weight")] > tick_of[later]
+
+
+@pytest.mark.parametrize("S", [2, 4])
+@pytest.mark.parametrize("M", [4, 8, 16])
+def test_zb_h1_bubble_and_memory_are_the_closed_forms(S, M):
+    """The docstring's closed forms (every task one tick): 3 M + S - 1 compute ticks, a
+    bubble fraction of (S - 1) / (3 M + S - 1) counted on the grid, and min(S, M)
+    micro-batches in flight on every stage; in time units (a forward 1, a backward 2),
+    3 M + S - 1 against 1F1B's 3 M + 3 (S - 1)."""
+    schedule = make_schedule("zb-h1", S, M)
+    ticks = schedule.num_ticks - 1  # less the apply tick
+    assert ticks == 3 * M + S - 1
+    busy = sum(1 for tick in schedule.ticks[:-1] for _ in tick)
+    assert busy == 3 * M * S
+    assert (ticks * S - busy) / (ticks * S) == pytest.approx((S - 1) / (3 * M + S - 1))
+    assert schedule.max_in_flight() == [min(S, M)] * S
+    # The same in time, with a backward twice a forward (plan_view's timeline): ZB-H1's
+    # B and W one unit each, 1F1B's backward one task of two units.
+    for name, expected in (("zb-h1", 3 * M + S - 1), ("1f1b", 3 * M + 3 * (S - 1))):
+        blocks = timeline(make_schedule(name, S, M), [3.0] * S, forward_share=1 / 3)
+        makespan = max(b.end for b in blocks if b.kind != "apply")
+        assert makespan == pytest.approx(expected), name
+
+
 def test_registry_and_bad_names():
-    assert set(schedules) == {"gpipe", "1f1b", "inference"}
+    assert set(schedules) == {"gpipe", "1f1b", "zb-h1", "inference"}
     with pytest.raises(
         ValueError,
         match=r"unknown pipeline_schedule 'zero_bubble'; "
-        r"expected one of \['1f1b', 'gpipe', 'inference'\]",
+        r"expected one of \['1f1b', 'gpipe', 'inference', 'zb-h1'\]",
     ):
         make_schedule("zero_bubble", 2, 2)
     with pytest.raises(ValueError, match="num_micro_batches must be a positive int, got 0"):

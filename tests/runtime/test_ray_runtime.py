@@ -154,8 +154,10 @@ def _two_stages_one_per_node(num_micro_batches, schedule):
     )
 
 
-@pytest.mark.parametrize("num_micro_batches", [1, 4])
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize(
+    "num_micro_batches, schedule",
+    [(1, "gpipe"), (4, "gpipe"), (1, "1f1b"), (4, "1f1b"), (4, "zb-h1")],
+)
 def test_pipeshard_two_stages_one_per_node(ray_cluster, num_micro_batches, schedule):
     method = _two_stages_one_per_node(num_micro_batches, schedule)
     state, expected, executable = _run(method, markers=True)
@@ -171,6 +173,22 @@ def test_pipeshard_two_stages_one_per_node(ray_cluster, num_micro_batches, sched
     for mesh in executable.meshes:
         mesh.call("reset_counters")
     assert sent == received == 2 * executable.get_resharded_bytes() > 0
+
+
+def test_pipeshard_zero_bubble_four_stages(ray_cluster):
+    """ZB-H1 on four stages, two per node: the backward split into B and W on the three
+    stages that send a cotangent back; parameters and Adam's state equal serial."""
+    method = alpa.PipeshardParallel(
+        num_micro_batches=4,
+        pipeline_schedule="zb-h1",
+        layer_option="manual",
+        stage_option=alpa.ManualStageOption([[0], [1], [2], [3]], [(1, 2)] * 4),
+    )
+    state, expected, executable = _run(method, markers=True)
+    kinds = [(c.stage, c.kind) for c in executable.program.computations if c.kind == "weight"]
+    assert kinds == [(1, "weight"), (2, "weight"), (3, "weight")]
+    assert_allclose(state.params, expected.params)
+    assert_allclose(state.opt_state, expected.opt_state)
 
 
 def test_pipeshard_zero2_stages_reduce_once_per_step(ray_cluster):
