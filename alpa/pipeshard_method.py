@@ -60,7 +60,9 @@ class PipeshardParallel(ParallelMethod):
       default_auto_sharding_option: ``AutoShardingOption`` of every stage (default
         ``AutoShardingOption()``: the ILP shards each stage on its logical submesh); the
         stage option's per-stage dicts override its fields.
-      pipeline_schedule: ``"1f1b"``, ``"gpipe"``, ``"zb-h1"`` (zero bubble) or ``"inference"``.
+      pipeline_schedule: ``"1f1b"``, ``"gpipe"``, ``"zb-h1"`` (zero bubble),
+        ``"inference"``, or ``"auto"`` (each training schedule priced on the planned
+        stages, the fastest that fits memory taken; ``plan.schedule_candidates``).
       layer_option: ``"manual"``, ``ManualLayerOption`` or ``AutoLayerOption`` (layers by
         clustering the loss function's equations; ``layer_construction``).
       stage_option: ``"auto"`` or ``AutoStageOption`` (the stage DP picks stages,

@@ -55,7 +55,8 @@ from alpa.pipeline_parallel.layer_construction import (
     resolve_layer_option,
 )
 from alpa.pipeline_parallel.runtime_emitter import emit_instructions
-from alpa.pipeline_parallel.schedules import PipelineSchedule, make_schedule
+from alpa.pipeline_parallel.schedule_choice import choose, price_schedules
+from alpa.pipeline_parallel.schedules import AUTO, PipelineSchedule, make_schedule
 from alpa.pipeline_parallel.stage_construction import (
     AutoStageOption,
     ManualStageOption,
@@ -139,6 +140,9 @@ class PipeshardPlan:
         the spec each operand is resharded to before the equation reads it (``None``:
         read as produced). The stage programs are lowered with both, as ``ShardParallel``
         lowers its one plan, so they perform the collectives the ILP priced.
+      schedule_candidates: with ``pipeline_schedule="auto"``, each training schedule
+        priced on these stages (``schedule_choice.ScheduleCandidate``: seconds per step,
+        memory per stage, whether it fits); :attr:`schedule` is the one chosen.
       schedule: the clock ticks of the pipeline.
       instructions: the typed instruction list of one step.
       buffer_specs: ``(value name, mesh) -> PartitionSpec`` of every buffer the
@@ -172,6 +176,7 @@ class PipeshardPlan:
     layer_option: Any = None
     body_specs: dict = field(default_factory=dict)
     operand_specs: dict = field(default_factory=dict)
+    schedule_candidates: tuple = ()
 
     @property
     def num_stages(self) -> int:
@@ -230,12 +235,17 @@ class PipeshardPlan:
             shape = tuple(plan.submesh_shapes[s])
             stages.append((layers[0], layers[-1], shape, config))
             configs.append((shape, config))
-        budget = min(
+        budget = self.memory_budget()
+        problem = layer_problem(context, (), (), default, budget)
+        return self._with_planned_state(predict_stage_plan(problem, stages), budget)
+
+    def memory_budget(self) -> float:
+        """Bytes per device the stages were planned within: the smallest
+        ``memory_budget_per_device`` of the stages' options, else the cluster's memory."""
+        return min(
             (o.memory_budget_per_device for o in self.options if o.memory_budget_per_device),
             default=self.cluster.device_memory,
         )
-        problem = layer_problem(context, (), (), default, budget)
-        return self._with_planned_state(predict_stage_plan(problem, stages), budget)
 
     def _with_planned_state(self, cost: StagePlanCost, budget: float) -> StagePlanCost:
         """``cost`` with each stage's state as this plan shards it: one device's share
@@ -365,6 +375,10 @@ class PipeshardPlan:
             "num_layers": self.layers.num_layers,
             "num_micro_batches": self.num_micro_batches,
             "schedule": self.schedule.name,
+            "schedule_candidates": [
+                {"name": c.name, "seconds": c.seconds, "memory": list(c.memory), "fits": c.fits}
+                for c in self.schedule_candidates
+            ],
             "predicted_cost": plan.predicted_cost,  # automatic stages; cost: any plan
             "stages": stages,
             "ticks": [[str(task) for task in tick] for tick in self.schedule.ticks],
@@ -421,6 +435,12 @@ class PipeshardPlan:
             title += f", predicted {summary['predicted_cost'] * 1e3:.3f} ms/step"
         lines = [title]
         lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
+        if self.schedule_candidates:
+            lines.append(
+                f"pipeline_schedule='auto' chose {self.schedule.name}, the fastest that fits "
+                "(each schedule on these stages, at their predicted latencies):"
+            )
+            lines += [f"  {c.line()}" for c in self.schedule_candidates]
         if self.reshards:
             lines.append(
                 f"{len(self.reshards)} RESHARDs per step move "
@@ -570,6 +590,42 @@ def plan_pipeshard(
     decisions: PipeshardDecisions | None = None,
 ) -> PipeshardPlan:
     """Plan ``traced`` (traced at micro-batch size) as ``options`` say (module docstring).
+
+    With ``pipeline_schedule="auto"``, the stages are planned once (under 1F1B, as the
+    stage DP prices them), each training schedule is priced on them
+    (``schedule_choice``), and the plan is made again, from those decisions, under the
+    fastest that fits; an inference step takes the inference schedule.
+    """
+    if options.pipeline_schedule != AUTO:
+        return _plan_one_schedule(traced, options, args, devices, decisions)
+    if traced.grad_marker() is None:
+        options = dataclasses.replace(options, pipeline_schedule="inference")
+        return _plan_one_schedule(traced, options, args, devices, decisions)
+    first = dataclasses.replace(options, pipeline_schedule="1f1b")
+    plan = _plan_one_schedule(traced, first, args, devices, decisions)
+    cost = plan.cost
+    candidates = price_schedules(
+        plan.stage_plan.latencies or cost.latencies,
+        cost.memory,
+        cost.activation_memory,
+        plan.num_micro_batches,
+        plan.memory_budget(),
+    )
+    best = choose(candidates)
+    if best.name != "1f1b":
+        chosen = dataclasses.replace(options, pipeline_schedule=best.name)
+        plan = _plan_one_schedule(traced, chosen, args, devices, plan.decisions())
+    return dataclasses.replace(plan, schedule_candidates=tuple(candidates))
+
+
+def _plan_one_schedule(
+    traced: TracedStep,
+    options: PipeshardOptions,
+    args: Sequence[Any] = (),
+    devices: Sequence[Any] | None = None,
+    decisions: PipeshardDecisions | None = None,
+) -> PipeshardPlan:
+    """:func:`plan_pipeshard` under the one schedule ``options.pipeline_schedule``.
 
     ``devices`` are the real devices, when there are any (only a measured stage cost model
     uses them). ``args`` are the step's positional arguments (abstract or not), which

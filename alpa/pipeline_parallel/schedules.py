@@ -237,14 +237,23 @@ schedules: dict[str, Callable[[int, int], PipelineSchedule]] = {
 }
 
 
+#: ``pipeline_schedule="auto"``: the planner prices each training schedule on the plan's
+#: stages and takes the fastest that fits (``schedule_choice``).
+AUTO = "auto"
+
+
 def check_schedule_name(name) -> None:
-    """Raise ``ValueError`` unless ``name`` is a key of :data:`schedules`."""
-    if not isinstance(name, str) or name not in schedules:
-        raise ValueError(f"unknown pipeline_schedule {name!r}; expected one of {sorted(schedules)}")
+    """Raise ``ValueError`` unless ``name`` is a key of :data:`schedules` or ``"auto"``."""
+    if not isinstance(name, str) or (name not in schedules and name != AUTO):
+        raise ValueError(
+            f"unknown pipeline_schedule {name!r}; expected one of {sorted(schedules)} or 'auto'"
+        )
 
 
 def make_schedule(name: str, num_stages: int, num_micro_batches: int) -> PipelineSchedule:
     """The schedule called ``name`` (a key of :data:`schedules`)."""
+    if name == AUTO:
+        raise ValueError("pipeline_schedule='auto' is chosen by the planner (plan_pipeshard)")
     check_schedule_name(name)
     return schedules[name](num_stages, num_micro_batches)
 

@@ -68,7 +68,7 @@ def _check_against_serial(loss, params, batch, method, tx=None, steps=2):
     return parallel.get_last_executable()
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "zb-h1"])
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "zb-h1", "auto"])
 @pytest.mark.parametrize("num_micro_batches", [1, 2, 8])
 def test_mlp_two_stages(schedule, num_micro_batches):
     devices_or_skip(8)
@@ -154,7 +154,9 @@ def test_tied_embedding_across_stages():
     assert executable.get_input_placement_specs()[0]["embedding"].mesh_ids == (0, 1)
 
 
-def test_inference_schedule():
+@pytest.mark.parametrize("schedule", ["inference", "auto"])
+def test_inference_schedule(schedule):
+    """An inference step under "inference", or "auto", which takes it."""
     devices_or_skip(8)
     params, (x, _) = _mlp(2)
 
@@ -163,8 +165,10 @@ def test_inference_schedule():
         alpa.mark_pipeline_boundary()
         return jnp.tanh(h @ params["w1"] + params["b1"]), jnp.sum(params["b1"])
 
-    method = PipeshardParallel(num_micro_batches=4, pipeline_schedule="inference")
-    out = alpa.parallelize(infer, method=method, batch_argnums=(1,))(params, x)
+    method = PipeshardParallel(num_micro_batches=4, pipeline_schedule=schedule)
+    p_infer = alpa.parallelize(infer, method=method, batch_argnums=(1,))
+    out = p_infer(params, x)
+    assert p_infer.get_last_executable().plan.schedule.name == "inference"
     ref = infer(params, x)
     for a, b in zip(out, ref, strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)
@@ -351,7 +355,7 @@ def test_unknown_schedule():
     with pytest.raises(
         ValueError,
         match=r"unknown pipeline_schedule 'interleaved'; expected "
-        r"one of \['1f1b', 'gpipe', 'inference', 'zb-h1'\]",
+        r"one of \['1f1b', 'gpipe', 'inference', 'zb-h1'\] or 'auto'",
     ):
         PipeshardParallel(pipeline_schedule="interleaved")
     devices_or_skip(8)

@@ -117,7 +117,7 @@ def test_registry_and_bad_names():
     with pytest.raises(
         ValueError,
         match=r"unknown pipeline_schedule 'zero_bubble'; "
-        r"expected one of \['1f1b', 'gpipe', 'inference', 'zb-h1'\]",
+        r"expected one of \['1f1b', 'gpipe', 'inference', 'zb-h1'\] or 'auto'",
     ):
         make_schedule("zero_bubble", 2, 2)
     with pytest.raises(ValueError, match="num_micro_batches must be a positive int, got 0"):

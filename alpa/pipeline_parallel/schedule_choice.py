@@ -1,0 +1,89 @@
+"""``pipeline_schedule="auto"``: each training schedule priced on the plan's stages, the
+fastest that fits memory chosen.
+
+The schedules trade bubble against activation memory (``schedules`` states both in closed
+form): GPipe and 1F1B take the same time, GPipe holding every micro-batch's activations;
+ZB-H1 fills most of 1F1B's bubble with the weight-gradient halves of the backward and holds
+``min(S, M)`` micro-batches on every stage where 1F1B's stage ``i`` holds
+``min(S - i, M)``. Which one is fastest *within memory* depends on the plan, so it is
+decided on it:
+
+* **time**: the schedule run at the stages' predicted latencies per micro-batch
+  (``plan_view.timeline``: a forward a third of the latency, the backward the rest,
+  halved between ``B`` and ``W`` where the schedule splits it, each task as soon as its
+  stage and its inputs are ready), its makespan less the apply-grad blocks;
+* **memory**: per stage, the analytic model's bytes per device under 1F1B
+  (``StagePlanCost.memory``: state, temporaries, activations of its in-flight
+  micro-batches) with the in-flight count replaced by the schedule's
+  (``PipelineSchedule.max_in_flight``), against the budget the stages were planned for.
+
+The fastest candidate that fits is chosen (on a tie, the one that holds less); when none
+fits, the one that holds the least, and the plan says so. The stages themselves are the
+stage DP's, which prices every schedule as 1F1B: the candidates are compared on the same
+stages, so ``"auto"`` predicts no worse than any single schedule on them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from alpa.pipeline_parallel.plan_view import timeline
+from alpa.pipeline_parallel.schedules import make_schedule
+
+#: The training schedules ``"auto"`` chooses from.
+CANDIDATES = ("gpipe", "1f1b", "zb-h1")
+
+
+@dataclass(frozen=True)
+class ScheduleCandidate:
+    """One schedule priced on a plan's stages: ``seconds`` per step (the timeline's
+    makespan), ``memory`` per stage (bytes per device) and whether every stage ``fits``."""
+
+    name: str
+    seconds: float
+    memory: tuple[float, ...]
+    fits: bool
+
+    def line(self) -> str:
+        peak = max(self.memory) / 2**30 if self.memory else 0.0
+        fits = "fits" if self.fits else "does not fit"
+        return f"{self.name}: {self.seconds:.4g} s/step, peak {peak:.3g} GiB/device ({fits})"
+
+
+def price_schedules(
+    latencies: Sequence[float],
+    memory: Sequence[float],
+    activation_memory: Sequence[float],
+    num_micro_batches: int,
+    budget: float,
+    candidates: Sequence[str] = CANDIDATES,
+) -> list[ScheduleCandidate]:
+    """Each of ``candidates`` priced (module docstring) on stages of ``latencies`` (seconds
+    per micro-batch) whose 1F1B ``memory`` holds ``activation_memory`` bytes per
+    micro-batch in flight."""
+    num_stages = len(latencies)
+    one_f_one_b = make_schedule("1f1b", num_stages, num_micro_batches).max_in_flight()
+    priced = []
+    for name in candidates:
+        schedule = make_schedule(name, num_stages, num_micro_batches)
+        blocks = timeline(schedule, latencies)
+        seconds = max((b.end for b in blocks if b.kind != "apply"), default=0.0)
+        in_flight = schedule.max_in_flight()
+        held = tuple(
+            m + a * (n - n_1f1b)
+            for m, a, n, n_1f1b in zip(
+                memory, activation_memory, in_flight, one_f_one_b, strict=True
+            )
+        )
+        priced.append(ScheduleCandidate(name, seconds, held, all(m <= budget for m in held)))
+    return priced
+
+
+def choose(candidates: Sequence[ScheduleCandidate]) -> ScheduleCandidate:
+    """The fastest candidate that fits (on a tie, the one that holds less), else the one
+    that holds the least."""
+    fitting = [c for c in candidates if c.fits]
+    if fitting:
+        return min(fitting, key=lambda c: (c.seconds, max(c.memory, default=0.0)))
+    return min(candidates, key=lambda c: max(c.memory, default=0.0))
