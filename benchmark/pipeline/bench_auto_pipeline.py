@@ -35,6 +35,7 @@ GPT-175B/1024 under 120 s.
 Usage: python benchmark/pipeline/bench_auto_pipeline.py [--cases 1.3B:8 39B:64 ...]
        [--out benchmark/pipeline/results.json] [--batch 1024] [--micro-batches 64]
        [--remat coarse_grained_remat|none] [--no-hand] [--draw DIR] [--repeat N]
+       [--schedule 1f1b|gpipe|zb-h1|auto]
 """
 
 from __future__ import annotations
@@ -104,6 +105,7 @@ def run_case(
     remat: str = "coarse_grained_remat",
     hand: bool = True,
     draw_dir: str | None = None,
+    schedule: str = "1f1b",
 ) -> dict:
     config = dataclasses.replace(MODELS[model], dtype=jnp.float16)  # as Alpa's runs
     per_node = min(num_gpus, 8)
@@ -117,6 +119,7 @@ def run_case(
         num_micro_batches=micro_batches,
         layer_option=alpa.AutoLayerOption(layer_num=layer_num, remat_mode=remat),
         stage_option="auto",
+        pipeline_schedule=schedule,
     )
     timers.seconds.clear()
     parallel = alpa.parallelize(step, method=method)
@@ -165,7 +168,10 @@ def run_case(
             {k: s[k] for k in ("layers", "submesh", "logical_shape", "latency", "memory")}
             for s in stages
         ],
-        "plan": str(plan).splitlines()[: len(stages) + 2],
+        "plan": str(plan).splitlines()[: len(stages) + 2 + len(plan.schedule_candidates) + 1],
+        "schedule": plan.schedule.name,
+        # pipeline_schedule="auto": each schedule on the chosen stages (schedule_choice).
+        "schedule_candidates": plan.summary()["schedule_candidates"],
     }
 
 
@@ -212,7 +218,7 @@ def _median_of_runs(case: str, args) -> dict:
             out = os.path.join(folder, f"run{i}.json")
             command = [sys.executable, __file__, "--cases", case, "--out", out]
             command += ["--batch", str(args.batch), "--micro-batches", str(args.micro_batches)]
-            command += ["--remat", args.remat]
+            command += ["--remat", args.remat, "--schedule", args.schedule]
             if args.layer_num is not None:
                 command += ["--layer-num", str(args.layer_num)]
             if args.no_hand or i > 0:  # the hand plan's price is the same every run
@@ -245,6 +251,12 @@ def main() -> None:
         help="AutoLayerOption.remat_mode (Alpa's GPT benchmark: coarse_grained_remat)",
     )
     parser.add_argument("--no-hand", action="store_true", help="skip the hand plan")
+    parser.add_argument(
+        "--schedule",
+        default="1f1b",
+        help="pipeline_schedule of every case ('auto': each schedule priced on the chosen "
+        "stages, the fastest that fits taken; the candidates go to the results)",
+    )
     parser.add_argument(
         "--repeat",
         type=int,
@@ -286,6 +298,7 @@ def main() -> None:
                 args.remat,
                 not args.no_hand,
                 args.draw,
+                args.schedule,
             )
             result["total_s_runs"] = [result["total_s"]]
         results.append(result)
