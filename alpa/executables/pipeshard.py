@@ -595,6 +595,12 @@ class PipeshardDriverExecutable(Executable):
             with open(os.path.join(folder, f"{comp.name}.hlo"), "w") as f:
                 f.write(text)
 
+    def peak_live_micro_batches(self) -> list[int]:
+        """Per mesh, the most micro-batches whose activations (or cotangents) the last
+        step held on it at once, counted by the runtime as it ran: a schedule's in-flight
+        bound (``PipelineSchedule.max_in_flight``) as executed."""
+        return list(self.runtime.peak_live_micro_batches)
+
     def live_buffers_after_step(self) -> list:
         """Buffers of the last step still referenced besides inputs and outputs (none)."""
         return list(self.runtime.leftover)

@@ -232,6 +232,9 @@ class LocalPipelineRuntime:
       resharded_bytes: bytes a step's ``RESHARD`` instructions send between meshes, by the
         tile plan (each piece once per destination host).
       events: the last step's trace events.
+      peak_live_micro_batches: per mesh, the most micro-batches that had a buffer a
+        ``RUN`` wrote alive on it at once during the last step (activations, cotangents:
+        what a schedule's in-flight bound is about; the loaded batch is not counted).
     """
 
     def __init__(
@@ -254,6 +257,12 @@ class LocalPipelineRuntime:
         self._steps: list[_Built] = []
         self._frees: list[tuple[int, ...]] = []
         self.resharded_bytes = 0
+        # Per instruction, the (mesh, micro-batch) of each per-micro-batch buffer a RUN
+        # writes on its own mesh, and of each such buffer it frees: the in-flight count.
+        written = {key for ins in program.instructions if ins.op is Op.RUN for key in ins.outputs}
+        written = {key for key in written if key[1] is not None and key[2] is not None}
+        self._born: list[tuple] = []
+        self._dead: list[tuple] = []
         for i, ins in enumerate(program.instructions):
             fn, name, args, out_slots = HANDLERS[ins.op](ins, self._slot, context)
             if ins.op is Op.RESHARD:
@@ -261,6 +270,12 @@ class LocalPipelineRuntime:
                 self.resharded_bytes += args["bytes"]
             self._steps.append((fn, name, args, out_slots))
             self._frees.append(tuple(self._slot[key] for key in ins.free))
+            born = ins.outputs if ins.op is Op.RUN else ()
+            self._born.append(
+                tuple((k[2], k[1]) for k in born if k in written and k[2] == ins.mesh)
+            )
+            self._dead.append(tuple((k[2], k[1]) for k in ins.free if k in written))
+        self.peak_live_micro_batches: list[int] = [0] * program.num_meshes
         self._meshes = [ins.mesh for ins in program.instructions]
         self._outputs = list(program.outputs)
         self._times: list[float] = []
@@ -275,14 +290,26 @@ class LocalPipelineRuntime:
         clock = time.perf_counter
         times = [clock()]
         returned = []
-        for (fn, _, _, out_slots), free in zip(self._steps, self._frees, strict=True):
+        live: dict[tuple, int] = {}  # (mesh, micro-batch) -> its live written buffers
+        peak = [0] * len(self.peak_live_micro_batches)
+        steps = zip(self._steps, self._frees, self._born, self._dead, strict=True)
+        for (fn, _, _, out_slots), free, born, dead in steps:
             fn(env, flat_args)
             if blocking:
                 returned.append(clock())
                 jax.block_until_ready([env[i] for i in out_slots])
+            for mesh_mb in born:
+                live[mesh_mb] = live.get(mesh_mb, 0) + 1
+                mesh = mesh_mb[0]
+                peak[mesh] = max(peak[mesh], sum(1 for m, _ in live if m == mesh))
             for i in free:
                 env[i] = None
+            for mesh_mb in dead:
+                live[mesh_mb] -= 1
+                if not live[mesh_mb]:
+                    del live[mesh_mb]
             times.append(clock())
+        self.peak_live_micro_batches = peak
         for queued in self._context.in_flight.values():
             queued.clear()
         self._times = times

@@ -781,3 +781,27 @@ def test_remat_layer_on_attention_stacks(model, schedule):
     )
     out = alpa.parallelize(step, method=method, donate_argnums=())(state, batch)
     alpa.testing.assert_allclose(out[0].params, expected[0].params)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1", "gpipe"])
+def test_the_runtime_holds_the_schedules_micro_batches_in_flight(schedule):
+    """Four one-layer stages, 8 micro-batches: the most micro-batches whose activations a
+    mesh held at once during the step, counted by the local runtime as it ran the
+    instructions, is the schedule's bound: min(S - i, M) on stage i under 1F1B, min(S, M)
+    on every stage under ZB-H1, M under GPipe; numerics equal serial."""
+    devices_or_skip(8)
+    S, M = 4, 8
+    params, batch = _mlp(S)  # 16 rows: 2 per micro-batch, 1 per device of a stage
+    method = PipeshardParallel(
+        num_micro_batches=M,
+        pipeline_schedule=schedule,
+        stage_option=ManualStageOption([[i] for i in range(S)], [(1, 2)] * S),
+    )
+    executable = _check_against_serial(_mlp_loss(S), params, batch, method, steps=1)
+    bound = {
+        "1f1b": [min(S - i, M) for i in range(S)],
+        "zb-h1": [min(S, M)] * S,
+        "gpipe": [M] * S,
+    }[schedule]
+    assert executable.peak_live_micro_batches() == bound
+    assert executable.plan.schedule.max_in_flight() == bound
