@@ -18,7 +18,7 @@ all-reduces (the loss) are left out on both sides: XLA reduces a scalar split ov
 axes in two steps, one per axis, where the plan prices one reduction.
 
 Before the stages took ``body_specs`` and ``operand_specs``, the remat case failed: the
-last stage's forward all-gathered a [16, 16, 32] activation inside the checkpoint body
+last stage's forward all-gathered an activation (16 KiB per device) inside the checkpoint body
 where its plan priced an all-reduce of it.
 """
 
