@@ -306,6 +306,8 @@ class PipeshardPlan:
             f"{self.traced.name} on {self.num_hosts}x{self.num_devices_per_host} "
             f"{self.cluster.name}: predicted {self.predicted_cost:.4g} s/step"
         )
+        if self.schedule_candidates:  # the stage DP's figure is 1F1B's
+            title += f" as 1F1B; {self.schedule.name} chosen by pipeline_schedule='auto'"
         return plan_view.draw(
             path,
             self.schedule,

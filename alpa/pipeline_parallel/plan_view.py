@@ -221,8 +221,9 @@ def draw_blocks(
     time_ax.set_xlabel(f"time ({unit}); step {makespan:.4g} {unit}")
     busy = sum(b.end - b.start for b in blocks)
     bubble = 1 - busy / (S * makespan) if makespan else 0.0
+    weight = ", W gold" if any(b.kind == "weight" for b in blocks) else ""
     time_ax.set_title(
-        f"{heading}, bubble {bubble:.0%} (F blue, B orange, apply green, transfers grey)",
+        f"{heading}, bubble {bubble:.0%} (F blue, B orange{weight}, apply green, transfers grey)",
         fontsize=9,
     )
     if title:

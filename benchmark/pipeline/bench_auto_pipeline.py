@@ -128,7 +128,8 @@ def run_case(
     total = time.perf_counter() - start
     split = dict(timers.seconds)
     if draw_dir is not None:  # after the timing
-        plan.draw(f"{draw_dir}/gpt{model.lower()}_{num_gpus}_plan.png")
+        tag = "" if plan.schedule.name == "1f1b" else f"_{plan.schedule.name.replace('-', '_')}"
+        plan.draw(f"{draw_dir}/gpt{model.lower()}_{num_gpus}{tag}_plan.png")
     trace = split.get("trace", 0.0) - split.get("layer_clustering", 0.0)
     known = trace + sum(split.get(k, 0.0) for k in ("layer_clustering", "stage_cost", "dp"))
     stages = plan.summary()["stages"]
@@ -269,7 +270,8 @@ def main() -> None:
         "--draw",
         default=None,
         metavar="DIR",
-        help="also draw each case's plan into DIR/gpt<model>_<gpus>_plan.png (matplotlib)",
+        help="also draw each case's plan into DIR/gpt<model>_<gpus>[_<schedule>]_plan.png "
+        "(matplotlib; the schedule named unless 1f1b)",
     )
     args = parser.parse_args()
     alpa.util.disable_tqdm_globally()
