@@ -78,7 +78,22 @@ class _MeshProgramBuilder:
         instructions = tuple(
             WorkerInstruction(**{**op, "free": tuple(op["free"])}) for op in self.ops
         )
-        return WorkerProgram(tuple(self.fns), instructions, len(self.slots), tuple(self.outputs))
+        # A RUN's per-micro-batch outputs: the buffers the in-flight count is about.
+        micro_batch_of: list[int | None] = [None] * len(self.slots)
+        key_of = {slot: key for key, slot in self.slots.items()}
+        for op in self.ops:
+            if op["op"] is WorkerOp.RUN:
+                for slot in op.get("out_slots", ()):
+                    key = key_of[slot]
+                    if isinstance(key, tuple) and len(key) == 3 and key[1] is not None:
+                        micro_batch_of[slot] = key[1]
+        return WorkerProgram(
+            tuple(self.fns),
+            instructions,
+            len(self.slots),
+            tuple(self.outputs),
+            tuple(micro_batch_of),
+        )
 
 
 class PipeshardRayExecutable(Executable):
@@ -371,6 +386,12 @@ class PipeshardRayExecutable(Executable):
             for i in range(len(program.fns)):
                 texts.append(mesh.call("hlo_text", self.launcher.program_id, i)[0])
         return texts
+
+    def peak_live_micro_batches(self) -> list[int]:
+        """Per mesh, the most micro-batches whose activations (or cotangents) the last
+        step held on it at once, counted by its workers as they ran the step."""
+        program_id = self.launcher.program_id
+        return [max(mesh.call("peak_live_micro_batches", program_id)) for mesh in self.meshes]
 
     def get_peak_memory_per_mesh(self) -> list[int]:
         """Per stage mesh, the peak bytes a device of it allocated."""

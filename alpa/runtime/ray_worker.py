@@ -97,6 +97,7 @@ class MeshHostWorker:
         self._readers: dict[str, list] = {}  # data loaders: [iterator, batches read, call]
         self.bytes_sent = 0
         self.bytes_received = 0
+        self._peak_in_flight: dict[int, int] = {}  # program id -> last step's peak
 
     # -- setup
 
@@ -431,11 +432,24 @@ class MeshHostWorker:
         resolved = [self._get(a) if isinstance(a, str) else a for a in args]
         for name in consumed:
             self._buffers.pop(name, None)
+        counted = program.micro_batch_of
+        live: dict[int, int] = {}  # micro-batch -> its live buffers a RUN wrote
+        peak = 0
         try:
             for ins in program.instructions:
                 _HANDLERS[ins.op](self, loaded, ins, env, resolved, step_id)
+                if counted and ins.op is WorkerOp.RUN:
+                    for slot in ins.out_slots:
+                        if counted[slot] is not None:
+                            live[counted[slot]] = live.get(counted[slot], 0) + 1
+                    peak = max(peak, len(live))
                 for slot in ins.free:
                     env[slot] = None
+                    if counted and counted[slot] is not None and counted[slot] in live:
+                        live[counted[slot]] -= 1
+                        if not live[counted[slot]]:
+                            del live[counted[slot]]
+            self._peak_in_flight[program_id] = peak
         finally:
             self._aborted.pop(step_id, None)
             with self._cond:
@@ -448,6 +462,11 @@ class MeshHostWorker:
         for name, value in zip(output_names, outputs, strict=True):
             self._buffers[name] = value
         return time.perf_counter() - tic
+
+    def peak_live_micro_batches(self, program_id: int) -> int:
+        """The most micro-batches whose buffers (written by a ``RUN``) this worker held at
+        once during the last step of program ``program_id``."""
+        return self._peak_in_flight.get(program_id, 0)
 
     def abort(self, step_id: int, reason: str) -> None:
         """Make the step's waiting ``RECV`` (if any) raise: another worker failed."""

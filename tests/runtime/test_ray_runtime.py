@@ -166,6 +166,8 @@ def test_pipeshard_two_stages_one_per_node(ray_cluster, num_micro_batches, sched
     assert nodes == [h["NodeID"] for h in alpa.get_global_cluster().host_info]
     assert_allclose(state.params, expected.params)
     assert_allclose(state.opt_state, expected.opt_state)
+    # The workers held the schedule's micro-batches in flight, as they counted them.
+    assert executable.peak_live_micro_batches() == executable.plan.schedule.max_in_flight()
     # Workers counted exactly what the tile plans say (two steps).
     counters = executable.worker_counters()
     sent = sum(c["bytes_sent"] for mesh in counters for c in mesh)
@@ -177,7 +179,8 @@ def test_pipeshard_two_stages_one_per_node(ray_cluster, num_micro_batches, sched
 
 def test_pipeshard_zero_bubble_four_stages(ray_cluster):
     """ZB-H1 on four stages, two per node: the backward split into B and W on the three
-    stages that send a cotangent back; parameters and Adam's state equal serial."""
+    stages that send a cotangent back; parameters and Adam's state equal serial; the mesh
+    workers hold the schedule's min(S, M) micro-batches in flight."""
     method = alpa.PipeshardParallel(
         num_micro_batches=4,
         pipeline_schedule="zb-h1",
@@ -187,6 +190,8 @@ def test_pipeshard_zero_bubble_four_stages(ray_cluster):
     state, expected, executable = _run(method, markers=True)
     kinds = [(c.stage, c.kind) for c in executable.program.computations if c.kind == "weight"]
     assert kinds == [(1, "weight"), (2, "weight"), (3, "weight")]
+    # The workers counted min(S, M) = 4 micro-batches in flight on every mesh.
+    assert executable.peak_live_micro_batches() == [4] * 4
     assert_allclose(state.params, expected.params)
     assert_allclose(state.opt_state, expected.opt_state)
 
