@@ -617,7 +617,10 @@ def plan_pipeshard(
     if best.name != "1f1b":
         chosen = dataclasses.replace(options, pipeline_schedule=best.name)
         plan = _plan_one_schedule(traced, chosen, args, devices, plan.decisions())
-    return dataclasses.replace(plan, schedule_candidates=tuple(candidates))
+        return dataclasses.replace(plan, schedule_candidates=tuple(candidates))
+    result = dataclasses.replace(plan, schedule_candidates=tuple(candidates))
+    result.__dict__["cost"] = cost  # the same plan: its cost (layer ILPs) is not solved again
+    return result
 
 
 def _plan_one_schedule(

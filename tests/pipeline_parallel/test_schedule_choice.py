@@ -110,3 +110,6 @@ def test_auto_on_a_gpt_plan_is_no_worse_than_any_schedule_and_says_why():
     tight = _gpt_plan("auto", budget=(peaks["1f1b"] + peaks["zb-h1"]) / 2)
     fits = {c.name: c.fits for c in tight.schedule_candidates}
     assert tight.schedule.name == "1f1b" and fits == {"gpipe": False, "1f1b": True, "zb-h1": False}
+    # 1F1B's candidate memory is the plan's own model memory, as plan.cost says.
+    one_f_one_b = next(c for c in tight.schedule_candidates if c.name == "1f1b")
+    assert one_f_one_b.memory == tuple(tight.cost.memory)
