@@ -170,6 +170,28 @@ class PipelineInstructions:
         return sum(ins.op is op for ins in self.instructions)
 
 
+class InFlight:
+    """Counts, per mesh, the micro-batches that have a live buffer a ``RUN`` wrote (a
+    step's activations and cotangents) and the most at once, ``peak``: a schedule's
+    in-flight bound (``PipelineSchedule.max_in_flight``) as a runtime executes it. Both
+    runtimes count with it, the local one over all meshes, a Ray worker over its own."""
+
+    def __init__(self, num_meshes: int):
+        self._live: list[dict] = [{} for _ in range(num_meshes)]  # micro-batch -> buffers
+        self.peak = [0] * num_meshes
+
+    def written(self, mesh: int, micro_batch: int) -> None:
+        live = self._live[mesh]
+        live[micro_batch] = live.get(micro_batch, 0) + 1
+        self.peak[mesh] = max(self.peak[mesh], len(live))
+
+    def freed(self, mesh: int, micro_batch: int) -> None:
+        live = self._live[mesh]
+        live[micro_batch] -= 1
+        if not live[micro_batch]:
+            del live[micro_batch]
+
+
 def simulate_memory(program: PipelineInstructions) -> list[int]:
     """Peak bytes per mesh of the buffers a step creates (inputs it is given excluded)."""
     live = [0] * program.num_meshes

@@ -33,6 +33,7 @@ from alpa.runtime.instructions import (
     BufferKey,
     BufferOutput,
     ConstOutput,
+    InFlight,
     Instruction,
     LiteralOutput,
     Op,
@@ -290,26 +291,21 @@ class LocalPipelineRuntime:
         clock = time.perf_counter
         times = [clock()]
         returned = []
-        live: dict[tuple, int] = {}  # (mesh, micro-batch) -> its live written buffers
-        peak = [0] * len(self.peak_live_micro_batches)
+        in_flight = InFlight(len(self.peak_live_micro_batches))
         steps = zip(self._steps, self._frees, self._born, self._dead, strict=True)
         for (fn, _, _, out_slots), free, born, dead in steps:
             fn(env, flat_args)
             if blocking:
                 returned.append(clock())
                 jax.block_until_ready([env[i] for i in out_slots])
-            for mesh_mb in born:
-                live[mesh_mb] = live.get(mesh_mb, 0) + 1
-                mesh = mesh_mb[0]
-                peak[mesh] = max(peak[mesh], sum(1 for m, _ in live if m == mesh))
+            for mesh, micro_batch in born:
+                in_flight.written(mesh, micro_batch)
             for i in free:
                 env[i] = None
-            for mesh_mb in dead:
-                live[mesh_mb] -= 1
-                if not live[mesh_mb]:
-                    del live[mesh_mb]
+            for mesh, micro_batch in dead:
+                in_flight.freed(mesh, micro_batch)
             times.append(clock())
-        self.peak_live_micro_batches = peak
+        self.peak_live_micro_batches = in_flight.peak
         for queued in self._context.in_flight.values():
             queued.clear()
         self._times = times

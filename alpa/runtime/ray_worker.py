@@ -41,6 +41,7 @@ from typing import Any
 
 import numpy as np
 
+from alpa.runtime.instructions import InFlight
 from alpa.runtime.memory import allocation_bytes, device_peak_bytes
 from alpa.runtime.nccl_transport import (
     HostRole,
@@ -432,24 +433,17 @@ class MeshHostWorker:
         resolved = [self._get(a) if isinstance(a, str) else a for a in args]
         for name in consumed:
             self._buffers.pop(name, None)
-        counted = program.micro_batch_of
-        live: dict[int, int] = {}  # micro-batch -> its live buffers a RUN wrote
-        peak = 0
+        in_flight = InFlight(1)
         try:
-            for ins in program.instructions:
+            for ins, born, dead in zip(program.instructions, loaded.born, loaded.dead, strict=True):
                 _HANDLERS[ins.op](self, loaded, ins, env, resolved, step_id)
-                if counted and ins.op is WorkerOp.RUN:
-                    for slot in ins.out_slots:
-                        if counted[slot] is not None:
-                            live[counted[slot]] = live.get(counted[slot], 0) + 1
-                    peak = max(peak, len(live))
+                for micro_batch in born:
+                    in_flight.written(0, micro_batch)
                 for slot in ins.free:
                     env[slot] = None
-                    if counted and counted[slot] is not None and counted[slot] in live:
-                        live[counted[slot]] -= 1
-                        if not live[counted[slot]]:
-                            del live[counted[slot]]
-            self._peak_in_flight[program_id] = peak
+                for micro_batch in dead:
+                    in_flight.freed(0, micro_batch)
+            self._peak_in_flight[program_id] = in_flight.peak[0]
         finally:
             self._aborted.pop(step_id, None)
             with self._cond:
@@ -595,6 +589,18 @@ class _LoadedProgram:
         self.program = program
         self.fns = fns
         self.unstack: dict[tuple, Callable] = {}  # per LOAD: the compiled split
+        # Per instruction, the micro-batches of the buffers it writes (a RUN) and frees
+        # that the in-flight count is about (WorkerProgram.micro_batch_of).
+        tag = program.micro_batch_of or (None,) * program.num_slots
+        self.born = [
+            tuple(tag[s] for s in ins.out_slots if tag[s] is not None)
+            if ins.op is WorkerOp.RUN
+            else ()
+            for ins in program.instructions
+        ]
+        self.dead = [
+            tuple(tag[s] for s in ins.free if tag[s] is not None) for ins in program.instructions
+        ]
 
 
 # ----------------------------------------------------------------------------- handlers
