@@ -67,7 +67,7 @@ def timeline(
     free = [0.0] * schedule.num_stages
     ends: dict[Task, float] = {}
     blocks = []
-    split = {t.stage for t in schedule.tasks() if t.kind == "weight"}  # B and W halves
+    split = schedule.split_stages()  # the backward in B and W halves
     for task in schedule.tasks():
         s = task.stage
         latency = float(latencies[s])

@@ -79,10 +79,14 @@ class PipelineSchedule:
         """All tasks in execution order (tick by tick, stage by stage)."""
         return [task for tick in self.ticks for task in tick]
 
+    def split_stages(self) -> frozenset[int]:
+        """The stages whose backward runs as ``backward`` and ``weight`` tasks (ZB-H1)."""
+        return frozenset(t.stage for t in self.tasks() if t.kind == "weight")
+
     def max_in_flight(self) -> list[int]:
         """Per stage, the most micro-batches whose forward ran but whose backward (the
         ``weight`` half, where the stage's backward is split) did not."""
-        split = {t.stage for t in self.tasks() if t.kind == "weight"}
+        split = self.split_stages()
         in_flight = [0] * self.num_stages
         peak = [0] * self.num_stages
         for task in self.tasks():

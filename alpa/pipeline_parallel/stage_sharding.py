@@ -271,19 +271,13 @@ class _Planning:
 
 
 def _positional_vars(step: TracedStep) -> list:
-    """The values of ``step``'s jaxpr in a fixed order: inputs, then each equation's
-    outputs followed by the values of its bodies (``planned_bodies``), recursively."""
-    out: list = []
-
-    def walk(jaxpr: Jaxpr) -> None:
-        for e in jaxpr.eqns:
-            out.extend(e.outvars)
-            for _, body in planned_bodies(e):
-                out.extend(body.invars)
-                walk(body)
-
-    out.extend(step.closed_jaxpr.jaxpr.invars)
-    walk(step.closed_jaxpr.jaxpr)
+    """The values of ``step``'s jaxpr in a fixed order: inputs, then per equation (in
+    :func:`~alpa.tracing.jaxpr_util.nested_eqns`' order, bodies included) its outputs
+    and the inputs of its bodies."""
+    out = list(step.jaxpr.invars)
+    for e in nested_eqns(step.jaxpr):
+        out += e.outvars
+        out += [v for _, body in planned_bodies(e) for v in body.invars]
     return out
 
 

@@ -39,7 +39,7 @@ from alpa.shard_parallel import ilp_solver
 from alpa.shard_parallel.auto_sharding import solve_auto_sharding
 from alpa.shard_parallel.sharding_spec import resharding_collectives
 from alpa.testing import program_text
-from alpa.tracing.jaxpr_util import planned_bodies
+from alpa.tracing.jaxpr_util import nested_eqns, planned_bodies
 from alpa.util import collective_shapes
 
 _KINDS = ("all-reduce", "all-gather", "all-to-all", "reduce-scatter")
@@ -89,12 +89,9 @@ def _hlo_collectives(text: str) -> Counter:
 
 
 def _all_eqn_ids(eqns) -> set[int]:
-    ids = set()
-    for e in eqns:
-        ids.add(id(e))
-        for _, body in planned_bodies(e):
-            ids |= _all_eqn_ids(body.eqns)
-    return ids
+    """``eqns`` and the equations of their bodies, by ``id``."""
+    inside = [x for e in eqns for _, body in planned_bodies(e) for x in nested_eqns(body)]
+    return {id(e) for e in [*eqns, *inside]}
 
 
 def _ways(dims, mesh) -> int:
