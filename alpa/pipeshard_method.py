@@ -1,7 +1,7 @@
 """PipeshardParallel: pipeline stages between submeshes, each stage sharded on its own.
 
 ``PipeshardParallel`` resolves where its stages run (the local devices, a Ray cluster, or
-a cluster that is not here, for ``plan()`` only), has ``pipeline_parallel.pipeshard_plan``
+a cluster that is not here, for ``plan()`` only), has ``pipeline_parallel.pipeshard_passes``
 plan the step (layers, stages, per-stage shardings, the instructions of one step) and
 compiles the plan for the in-process runtime or for Ray mesh workers.
 ``get_3d_parallel_method`` is Alpa's hand-set data x operator x pipeline parallelism.
@@ -30,7 +30,8 @@ from alpa.pipeline_parallel.layer_construction import (
     layer_option_context,
     resolve_layer_option,
 )
-from alpa.pipeline_parallel.pipeshard_plan import PipeshardOptions, PipeshardPlan, plan_pipeshard
+from alpa.pipeline_parallel.pipeshard_passes import PipeshardOptions, plan_pipeshard
+from alpa.pipeline_parallel.pipeshard_plan import PipeshardPlan
 from alpa.pipeline_parallel.schedules import check_schedule_name
 from alpa.pipeline_parallel.stage_construction import (
     ManualStageOption,

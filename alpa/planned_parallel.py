@@ -20,7 +20,7 @@ from jax.extend.core import Jaxpr
 from alpa.device_mesh import LogicalDeviceMesh
 from alpa.executables.base import Executable
 from alpa.parallel_plan import ParallelPlan, eqn_refs, value_refs
-from alpa.pipeline_parallel.pipeshard_plan import PipeshardOptions, plan_pipeshard
+from alpa.pipeline_parallel.pipeshard_passes import PipeshardOptions, plan_pipeshard
 from alpa.pipeshard_method import PipeshardParallel
 from alpa.shard_method import ParallelMethod, _compile_one_mesh, resolve_logical_mesh
 from alpa.shard_parallel.sharding_plan import ShardingPlan

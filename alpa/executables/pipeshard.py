@@ -1,6 +1,6 @@
 """PipeshardDriverExecutable: a step compiled into pipeline stages on submeshes.
 
-``PipeshardParallel`` makes a ``PipeshardPlan`` (``pipeshard_plan.plan_pipeshard``: layers,
+``PipeshardParallel`` makes a ``PipeshardPlan`` (``pipeshard_passes.plan_pipeshard``: layers,
 stages, split, per-stage shardings, schedule, instructions; no device touched) and hands
 it to :class:`PipeshardDriverExecutable`, which compiles the plan's computations on the
 devices of each submesh and runs them with the local runtime.

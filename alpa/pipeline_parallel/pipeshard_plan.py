@@ -1,30 +1,18 @@
 """PipeshardPlan: every decision of a pipeshard compile, made without touching a device.
 
-:func:`plan_pipeshard` runs the inter-op passes in order (DESIGN.md §5)::
-
-    traced step --layers--> LayerAssignment --stages--> StagePlan --split--> PipelineProgram
-       --intra-op per stage--> sharding table --schedule--> PipelineSchedule
-       --emit--> PipelineInstructions --resolve--> buffer shardings, RESHARD tile plans
-       ==> PipeshardPlan
-
-Each stage is sharded by the same ``plan_auto_sharding`` that ``ShardParallel`` uses, on a
-logical view of its submesh built from the ``ClusterSpec`` (alpha-beta per axis), so the
-same plan is made whether the cluster is here (the executable then compiles it on the
-devices of each submesh) or not (``parallelize(...).plan(*args)`` on a
-``VirtualPhysicalMesh``). Only ``AutoStageOption(cost_model="measured")`` runs anything,
-and it needs the devices.
-
-The plan names the sharding of every buffer its instructions touch and the tile plan of
-every ``RESHARD`` (which piece of which source device goes to which destination host), so
-a runtime only executes it: the local runtime counts those bytes, the Ray runtime ships
-the same tile plans to its workers.
+``pipeshard_passes.plan_pipeshard`` makes it (the inter-op passes, in order); this module
+is the record and its views. The plan names the sharding of every buffer its instructions
+touch and the tile plan of every ``RESHARD`` (which piece of which source device goes to
+which destination host), so a runtime only executes it: the local runtime counts those
+bytes, the Ray runtime ships the same tile plans to its workers.
 
 A plan prints as a table (stage, layers, submesh, logical shape, latency, memory) with
 its schedule grid; :meth:`PipeshardPlan.summary` is its JSON-able record and
 :meth:`PipeshardPlan.stage_option` replays its stages as a ``ManualStageOption``.
 :meth:`PipeshardPlan.decisions` (layers, stages, the sharding table), given back to
 ``plan_pipeshard(decisions=...)``, makes the same plan without searching again: what
-``alpa.plan_to_method`` replays.
+``alpa.plan_to_method`` replays. :attr:`PipeshardPlan.cost` prices it with the analytic
+stage model; :meth:`PipeshardPlan.draw` pictures it (``plan_view``).
 """
 
 from __future__ import annotations
@@ -36,35 +24,20 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from alpa.device_mesh import ClusterSpec, LogicalDeviceMesh, VirtualPhysicalMesh
+from alpa.device_mesh import ClusterSpec, LogicalDeviceMesh
 from alpa.pipeline_parallel import plan_view
 from alpa.pipeline_parallel.computation import (
     PipelineProgram,
-    draw_rows_of_full_batch,
-    rematerialize,
-    split_computations,
-)
-from alpa.pipeline_parallel.deferred_sums import (
-    defer_gradient_sums,
-    stage_data_axes,
-    zero2_specs,
 )
 from alpa.pipeline_parallel.layer_construction import (
     LayerAssignment,
-    construct_layers,
-    resolve_layer_option,
 )
-from alpa.pipeline_parallel.runtime_emitter import emit_instructions
-from alpa.pipeline_parallel.schedule_choice import choose, price_schedules
-from alpa.pipeline_parallel.schedules import AUTO, PipelineSchedule, make_schedule
+from alpa.pipeline_parallel.schedules import PipelineSchedule
 from alpa.pipeline_parallel.stage_construction import (
-    AutoStageOption,
     ManualStageOption,
     StageContext,
     StagePlan,
     layer_problem,
-    plan_stages,
-    resolve_stage_option,
 )
 from alpa.pipeline_parallel.stage_cost import (
     LogicalConfig,
@@ -74,22 +47,13 @@ from alpa.pipeline_parallel.stage_cost import (
 )
 from alpa.pipeline_parallel.stage_sharding import (
     DATA_AXES,
-    InnerSpecs,
-    plan_stage_shardings,
-    stage_options,
-    tie_donated_outputs,
-    uses_ilp,
     value_spec,
 )
-from alpa.pipeline_parallel.user_shardings import pinned_specs, stage_inputs
-from alpa.pipeline_parallel.weight_split import split_weight_gradients
+from alpa.pipeline_parallel.user_shardings import stage_inputs
 from alpa.runtime.instructions import Op, PipelineInstructions
-from alpa.runtime.resharding import worker_transfer_plan
 from alpa.runtime.worker_program import Layout, TransferPlan
 from alpa.shard_parallel.auto_sharding import AutoShardingOption
 from alpa.tracing import TracedStep
-from alpa.tracing.batch_draws import batch_size, micro_batch_draws
-from alpa.tracing.jaxpr_util import is_var, nested_eqns
 
 
 @dataclass(frozen=True, eq=False)
@@ -185,7 +149,7 @@ class PipeshardPlan:
     def buffer_layout(self, key) -> Layout:
         """Where buffer ``key`` (``(value name, micro-batch, mesh)``) lives: its mesh's
         logical shape and axis names, and its spec."""
-        return _layout(self.logical_meshes, self.buffer_specs, key)
+        return layout_of(self.logical_meshes, self.buffer_specs, key)
 
     def resharded_bytes(self) -> int:
         """Bytes one step's ``RESHARD`` s move between meshes, by their tile plans (each
@@ -484,393 +448,7 @@ def _reshard_summary(index: int, ins, plan: TransferPlan) -> dict:
     }
 
 
-def resolve_buffers(
-    program: PipelineProgram,
-    instructions: PipelineInstructions,
-    stage_specs: dict,
-    logical_meshes: Sequence[LogicalDeviceMesh],
-    submesh_shapes: Sequence[Sequence[int]],
-    names: dict,
-) -> tuple[dict, dict]:
-    """The sharding of every buffer of ``instructions`` (``(value name, mesh) -> spec``,
-    :func:`stage_sharding.value_spec`) and the tile plan of every ``RESHARD``
-    (instruction index -> ``TransferPlan``). Mesh ``m``'s devices are host-major,
-    ``submesh_shapes[m][1]`` per host. Equal moves (same shape, dtype, layouts and devices
-    per host) share one plan."""
-    var_of = {name: v for v, name in names.items()}
-    specs = {}
-    for name, _, mesh in instructions.buffer_keys():
-        if (name, mesh) not in specs:
-            size = logical_meshes[mesh].num_devices
-            specs[(name, mesh)] = value_spec(var_of[name], mesh, program, stage_specs, size)
-    reshards: dict[int, TransferPlan] = {}
-    made: dict[tuple, TransferPlan] = {}
-    for i, ins in enumerate(instructions.instructions):
-        if ins.op is not Op.RESHARD:
-            continue
-        (src,), (dst,) = ins.inputs, ins.outputs
-        aval = var_of[src[0]].aval
-        move = (
-            tuple(aval.shape),
-            aval.dtype,
-            _layout(logical_meshes, specs, src),
-            int(submesh_shapes[src[2]][1]),
-            _layout(logical_meshes, specs, dst),
-            int(submesh_shapes[dst[2]][1]),
-        )
-        if move not in made:
-            made[move] = worker_transfer_plan(*move)
-        reshards[i] = made[move]
-    return specs, reshards
-
-
-def _layout(logical_meshes: Sequence[LogicalDeviceMesh], specs: dict, key) -> Layout:
+def layout_of(logical_meshes: Sequence[LogicalDeviceMesh], specs: dict, key) -> Layout:
     """Buffer ``key`` on its mesh's logical shape, with its spec in ``specs``."""
     mesh = key[2]
     return Layout(tuple(logical_meshes[mesh].shape), DATA_AXES, specs[(key[0], mesh)])
-
-
-def _logical_meshes(
-    stage_plan: StagePlan, options: Sequence[AutoShardingOption], cluster: ClusterSpec
-) -> list[LogicalDeviceMesh]:
-    """Per stage, the logical view of its submesh the ILP plans on: the option's
-    ``logical_mesh_shape`` or the stage plan's, with the option's alpha-beta (default:
-    the ``cluster``'s)."""
-    meshes = []
-    for submesh, shape, option in zip(
-        stage_plan.submesh_shapes, stage_plan.logical_shapes, options, strict=True
-    ):
-        virtual = VirtualPhysicalMesh(int(submesh[0]), int(submesh[1]), cluster=cluster)
-        meshes.append(
-            virtual.get_logical_mesh(
-                option.logical_mesh_shape or shape, option.mesh_alpha, option.mesh_beta
-            )
-        )
-    return meshes
-
-
-def _name_vars(closed_jaxpr) -> dict:
-    names: dict = {}
-    jaxpr = closed_jaxpr.jaxpr
-
-    def add(v):
-        if is_var(v) and v not in names:
-            names[v] = f"v{len(names)}"
-
-    for v in list(jaxpr.constvars) + list(jaxpr.invars):
-        add(v)
-    for eqn in jaxpr.eqns:
-        for v in eqn.outvars:
-            add(v)
-    return names
-
-
-@dataclass(frozen=True)
-class PipeshardOptions:
-    """What ``plan_pipeshard`` plans for: a cluster of ``num_hosts`` x
-    ``num_devices_per_host`` devices of kind ``cluster``, ``num_micro_batches`` per step
-    under ``pipeline_schedule``, and ``PipeshardParallel``'s options (layers, stages, the
-    default ``AutoShardingOption``, the user's pins)."""
-
-    num_hosts: int
-    num_devices_per_host: int
-    cluster: ClusterSpec
-    num_micro_batches: int
-    pipeline_schedule: str = "1f1b"
-    layer_option: Any = None
-    stage_option: Any = None
-    default_auto_sharding_option: Any = None
-    manual_sharding_option: Any = None
-    stage_input_shardings: Any = None
-
-
-def plan_pipeshard(
-    traced: TracedStep,
-    options: PipeshardOptions,
-    args: Sequence[Any] = (),
-    devices: Sequence[Any] | None = None,
-    decisions: PipeshardDecisions | None = None,
-) -> PipeshardPlan:
-    """Plan ``traced`` (traced at micro-batch size) as ``options`` say (module docstring).
-
-    With ``pipeline_schedule="auto"``, the stages are planned once (under 1F1B, as the
-    stage DP prices them), each training schedule is priced on them
-    (``schedule_choice``), and the plan is made again, from those decisions, under the
-    fastest that fits; an inference step takes the inference schedule.
-    """
-    if options.pipeline_schedule != AUTO:
-        return _plan_one_schedule(traced, options, args, devices, decisions)
-    if traced.grad_marker() is None:
-        options = dataclasses.replace(options, pipeline_schedule="inference")
-        return _plan_one_schedule(traced, options, args, devices, decisions)
-    first = dataclasses.replace(options, pipeline_schedule="1f1b")
-    plan = _plan_one_schedule(traced, first, args, devices, decisions)
-    cost = plan.cost
-    candidates = price_schedules(
-        plan.stage_plan.latencies or cost.latencies,
-        cost.memory,
-        cost.activation_memory,
-        plan.num_micro_batches,
-        plan.memory_budget(),
-    )
-    best = choose(candidates)
-    if best.name != "1f1b":
-        chosen = dataclasses.replace(options, pipeline_schedule=best.name)
-        plan = _plan_one_schedule(traced, chosen, args, devices, plan.decisions())
-        return dataclasses.replace(plan, schedule_candidates=tuple(candidates))
-    result = dataclasses.replace(plan, schedule_candidates=tuple(candidates))
-    result.__dict__["cost"] = cost  # the same plan: its cost (layer ILPs) is not solved again
-    return result
-
-
-def _plan_one_schedule(
-    traced: TracedStep,
-    options: PipeshardOptions,
-    args: Sequence[Any] = (),
-    devices: Sequence[Any] | None = None,
-    decisions: PipeshardDecisions | None = None,
-) -> PipeshardPlan:
-    """:func:`plan_pipeshard` under the one schedule ``options.pipeline_schedule``.
-
-    ``devices`` are the real devices, when there are any (only a measured stage cost model
-    uses them). ``args`` are the step's positional arguments (abstract or not), which
-    ``manual_sharding_option.in_axis_resources`` is matched against.
-
-    ``decisions`` (:meth:`PipeshardPlan.decisions` of a plan of this same step) replay
-    that plan's layers, stages and sharding table instead of searching for them (no
-    layer clustering, stage DP or ILP); the stage and sharding options are then not read,
-    and what follows from the decisions (split, schedule, instructions) is derived again.
-    """
-    _check_differentiated_by_alpa(traced, options)
-    layer_option = resolve_layer_option(options.layer_option)
-    names = _name_vars(traced.closed_jaxpr)
-    if decisions is None:
-        layers = construct_layers(traced.closed_jaxpr, layer_option)
-        stage_plan = _search_stages(
-            traced, layers, names, options, devices, layer_option.remat_layer
-        )
-        stage_opts = stage_options(
-            options.default_auto_sharding_option, stage_plan.autosharding_option_dicts
-        )
-        logical_meshes = _logical_meshes(stage_plan, stage_opts, options.cluster)
-    else:
-        check_decisions(decisions, traced, names, options.num_hosts * options.num_devices_per_host)
-        layers, stage_plan = decisions.layers, decisions.stage_plan
-        stage_opts, logical_meshes = decisions.options, list(decisions.logical_meshes)
-    program = split_computations(
-        traced.closed_jaxpr,
-        layers.layers,
-        stage_plan.layer_to_stage,
-        traced.batch_invars,
-        layers.kinds,
-    )
-    if layer_option.remat_layer and program.is_training:
-        program = rematerialize(program)
-    if options.pipeline_schedule == "zb-h1" and program.is_training:
-        program = split_weight_gradients(program)
-    schedule = _schedule(program, options, stage_plan.num_stages)
-    mesh_sizes = [m.num_devices for m in logical_meshes]
-    data_parallel = [not uses_ilp(o, n) for o, n in zip(stage_opts, mesh_sizes, strict=True)]
-    if decisions is None:
-        stage_specs, objectives, inner = _stage_shardings(
-            traced, program, args, options, logical_meshes, stage_opts, data_parallel, names
-        )
-    else:
-        stage_specs = dict(decisions.stage_specs)
-        objectives = {s: list(v) for s, v in decisions.objectives.items()}
-        inner = InnerSpecs(
-            dict(decisions.body_specs), _on_program(decisions.operand_specs, traced, program)
-        )
-    program = _draw_and_defer(
-        traced, program, options, stage_specs, logical_meshes, data_parallel, names
-    )
-    instructions = emit_instructions(program, schedule, names)
-    buffer_specs, reshards = resolve_buffers(
-        program, instructions, stage_specs, logical_meshes, stage_plan.submesh_shapes, names
-    )
-    return PipeshardPlan(
-        traced=traced,
-        names=names,
-        cluster=options.cluster,
-        num_hosts=options.num_hosts,
-        num_devices_per_host=options.num_devices_per_host,
-        layers=layers,
-        stage_plan=stage_plan,
-        options=tuple(stage_opts),
-        logical_meshes=tuple(logical_meshes),
-        program=program,
-        stage_specs=stage_specs,
-        objectives=objectives,
-        schedule=schedule,
-        instructions=instructions,
-        buffer_specs=buffer_specs,
-        reshards=reshards,
-        num_micro_batches=options.num_micro_batches,
-        layer_option=layer_option,
-        body_specs=inner.body_specs,
-        operand_specs=inner.operand_specs,
-    )
-
-
-def _mesh_sizes_and_shapes(logical_meshes) -> tuple[list[int], list[tuple[int, ...]]]:
-    """Per stage, its logical mesh's number of devices and its shape."""
-    return [m.num_devices for m in logical_meshes], [tuple(m.shape) for m in logical_meshes]
-
-
-def _check_differentiated_by_alpa(traced: TracedStep, options: PipeshardOptions) -> None:
-    """A training step must differentiate with ``alpa.grad``: said before any layer or
-    stage is planned."""
-    if traced.grad_marker() is None and traced.has_backward_pass:
-        if options.pipeline_schedule != "inference":
-            # Differentiated, but not by alpa.grad: no marker says where the gradients are
-            # complete, so the step cannot be cut into forward, backward and apply-grad.
-            raise ValueError(
-                f"{traced.name} differentiates with jax.grad (or jax.value_and_grad / "
-                f"jax.vjp), so with num_micro_batches={options.num_micro_batches} "
-                "PipeshardParallel cannot tell its gradients (to average over micro-batches) "
-                "from its other outputs: use alpa.grad / alpa.value_and_grad in place of "
-                "jax.grad / jax.value_and_grad"
-            )
-
-
-def _schedule(program: PipelineProgram, options: PipeshardOptions, num_stages: int):
-    """The schedule ``options.pipeline_schedule`` names, checked against the step's kind."""
-    name = options.pipeline_schedule
-    if name == "inference" and program.is_training:
-        raise ValueError(
-            "pipeline_schedule='inference' cannot run a training step (it calls alpa.grad); "
-            "use 'gpipe' or '1f1b'"
-        )
-    schedule = make_schedule(name, num_stages, options.num_micro_batches)
-    if not program.is_training and name != "inference":
-        raise ValueError(
-            f"the step has no alpa.grad, so it is an inference step; pass "
-            f"pipeline_schedule='inference' instead of {name!r}"
-        )
-    return schedule
-
-
-def _stage_shardings(
-    traced,
-    program,
-    args,
-    options: PipeshardOptions,
-    logical_meshes,
-    stage_opts,
-    data_parallel,
-    names,
-):
-    """``(stage_specs, objectives, inner)``: the user's pins, each stage's ILP, ZeRO-2 in
-    the data-parallel stages that prefer reduce-scatter, and donated outputs tied to their
-    inputs; ``inner``: what the ILPs pin inside bodies and on operands."""
-    mesh_sizes, mesh_shapes = _mesh_sizes_and_shapes(logical_meshes)
-    pinned = pinned_specs(
-        traced,
-        program,
-        args,
-        mesh_shapes,
-        options.manual_sharding_option,
-        options.stage_input_shardings,
-        names,
-    )
-    stage_specs, objectives, inner = plan_stage_shardings(
-        traced, program, logical_meshes, stage_opts, names, pinned
-    )
-    zero2 = [
-        o.prefer_reduce_scatter and dp for o, dp in zip(stage_opts, data_parallel, strict=True)
-    ]
-    zero2_specs(traced, program, stage_specs, mesh_sizes, zero2, DATA_AXES)
-    tie_donated_outputs(traced, program, stage_specs, mesh_sizes)
-    return stage_specs, objectives, inner
-
-
-def _draw_and_defer(
-    traced, program, options: PipeshardOptions, stage_specs, logical_meshes, data_parallel, names
-) -> PipelineProgram:
-    """``program`` with each micro-batch drawing its rows of the full batch's random
-    numbers, and every stage's gradients reduced once per step (``names`` gains the new
-    values)."""
-    if options.num_micro_batches > 1:
-        # Micro-batch j draws its rows of the full batch's random numbers (batch_draws).
-        draws = micro_batch_draws(traced)
-        if draws:
-            rows = options.num_micro_batches * batch_size(traced)
-            program = draw_rows_of_full_batch(program, draws, rows)
-            names[program.row_ids] = f"v{len(names)}"
-    # Every stage's gradients: reduced once per step over its data axes, in apply-grad.
-    mesh_sizes, mesh_shapes = _mesh_sizes_and_shapes(logical_meshes)
-    data_axes = stage_data_axes(traced, program, stage_specs, mesh_shapes, data_parallel, DATA_AXES)
-    axis_sizes = [dict(zip(DATA_AXES, shape, strict=True)) for shape in mesh_shapes]
-    planned = [not dp for dp in data_parallel]
-    deferred = defer_gradient_sums(
-        program, traced, mesh_sizes, data_axes, axis_sizes, stage_specs, planned
-    )
-    if deferred is not None:
-        program = dataclasses.replace(program, deferred=deferred)
-        for v in deferred.partials.values():
-            names[v] = f"v{len(names)}"
-    return program
-
-
-def _search_stages(
-    traced: TracedStep,
-    layers: LayerAssignment,
-    names: dict,
-    options: PipeshardOptions,
-    devices: Sequence[Any] | None,
-    remat: bool = False,
-) -> StagePlan:
-    """The stages ``stage_option`` picks for ``layers`` (the stage DP for ``"auto"``)."""
-    stage_option = resolve_stage_option(options.stage_option)
-    if isinstance(stage_option, AutoStageOption) and layers.num_layers == 1:
-        raise ValueError(
-            "stage_option='auto' needs layers to group into stages, but the step has one "
-            "layer (no mark_pipeline_boundary() call); pass layer_option="
-            "AutoLayerOption(layer_num=...) or mark the boundaries by hand"
-        )
-    context = StageContext(
-        num_layers=layers.num_layers,
-        num_hosts=options.num_hosts,
-        num_devices_per_host=options.num_devices_per_host,
-        cluster=options.cluster,
-        devices=devices,
-        traced=traced,
-        layers=layers,
-        names=names,
-        num_micro_batches=options.num_micro_batches,
-        option=options.default_auto_sharding_option,
-        remat=remat,
-    )
-    return plan_stages(stage_option, context)
-
-
-def _on_program(operand_specs: dict, traced: TracedStep, program: PipelineProgram) -> dict:
-    """A replayed plan's ``operand_specs``, keyed by equations of ``traced``, keyed by the
-    program's equations at the same positions (``split_computations`` rewrites some
-    equations' operands, never their positions)."""
-    same = zip(nested_eqns(traced.jaxpr), nested_eqns(program.closed_jaxpr.jaxpr), strict=True)
-    program_eqn = {id(e): mine for e, mine in same}
-    return {(program_eqn[id(e)], s): specs for (e, s), specs in operand_specs.items()}
-
-
-def check_decisions(
-    decisions: PipeshardDecisions, traced: TracedStep, names: dict, num_devices: int
-) -> None:
-    """Raise ``ValueError`` unless ``decisions`` fit ``traced`` on ``num_devices`` devices."""
-    num_eqns = len(traced.closed_jaxpr.jaxpr.eqns)
-    if len(decisions.layers.layers) != num_eqns:
-        raise ValueError(
-            f"the recorded pipeshard decisions place {len(decisions.layers.layers)} equations "
-            f"but {traced.name} has {num_eqns}: they were made for another step"
-        )
-    unknown = [v for v, _ in decisions.stage_specs if v not in names]
-    if unknown:
-        raise ValueError(
-            f"the recorded sharding table names {len(unknown)} values that {traced.name} "
-            "does not have: it was made for another step"
-        )
-    needed = max(stop for _, stop in decisions.stage_plan.device_ranges)
-    if needed > num_devices:
-        raise ValueError(
-            f"the recorded stages use {needed} devices but the cluster has {num_devices}"
-        )

@@ -281,14 +281,14 @@ def test_stage_shardings_do_not_depend_on_the_threads(monkeypatch):
     """The chosen stages' ILPs run on threads, a stage per thread; one thread and four give
     the same plan, JSON for JSON (4 stages of a 4-block GPT on (1, 2) submeshes, each
     planned by the ILP, with Adam's apply levels)."""
-    from alpa.pipeline_parallel import pipeshard_plan
+    from alpa.pipeline_parallel import pipeshard_passes
 
     state, batch, step = _gpt_4_blocks()
-    original = pipeshard_plan.plan_stage_shardings
+    original = pipeshard_passes.plan_stage_shardings
     texts, objectives = [], []
     for workers in (1, 4):
         monkeypatch.setattr(
-            pipeshard_plan,
+            pipeshard_passes,
             "plan_stage_shardings",
             lambda *args, workers=workers, **kwargs: original(*args, workers=workers, **kwargs),
         )
