@@ -220,8 +220,8 @@ class PipeshardParallel(ParallelMethod):
         if ray_cluster is None:
             return PipeshardDriverExecutable(plan, devices)
         per_host = self._cluster()[1]
-        meshes = []
-        for start, stop in plan.stage_plan.device_ranges:
+        meshes = []  # one per mesh of devices: stages may share one (interleaved 1F1B)
+        for start, stop in dict.fromkeys(plan.stage_plan.device_ranges):
             hosts = tuple(range(start // per_host, (stop - 1) // per_host + 1))
             meshes.append(
                 ray_cluster.get_physical_mesh(hosts, min(stop - start, per_host), start % per_host)

@@ -147,6 +147,14 @@ class StagePrograms:
 
         return jax.jit(zeros, out_shardings=shardings)
 
+    def relayout(self, src, dst):
+        """``jax.jit`` of the copy of buffer ``src`` into ``dst``'s sharding, for two stages
+        on one mesh (interleaved 1F1B): ``(jitted, input structs, output shardings)``."""
+        aval = self.var_of[src[0]].aval
+        out = self.key_sharding(dst)
+        struct = jax.ShapeDtypeStruct(aval.shape, aval.dtype, sharding=self.key_sharding(src))
+        return jax.jit(lambda x: (x,), out_shardings=(out,)), [struct], [out]
+
     def kernel(self, kernel: Kernel):
         """What a ``RUN`` of ``kernel`` calls: the stage computation, its kept outputs,
         then each accumulated value (``sum + scale * value``, the sums donated); returns
@@ -506,7 +514,8 @@ class PipeshardDriverExecutable(Executable):
 
     def last_step_blocks(self) -> list:
         """The last step as it ran: per instruction a ``plan_view.Block`` on its mesh
-        (``stage`` is the mesh), from the runtime's events (dispatch times, or with
+        (``stage`` is the stage's mesh, ``mesh`` its devices' where stages share them),
+        from the runtime's events (dispatch times, or with
         ``collect_trace`` set before the step each instruction waited for), seconds from
         the step's start; a ``RUN`` by its computation's kind (forward, backward, apply),
         ``LOAD`` / ``RESHARD`` / ``ALLOC`` as ``"transfer"``."""
@@ -521,9 +530,10 @@ class PipeshardDriverExecutable(Executable):
             if ins.op is Op.RUN:
                 kernel = instructions.kernels[ins.computation]
                 kind = self.program.computations[kernel.computation].kind
+            mesh = instructions.physical_mesh(ins.mesh) if instructions.stage_meshes else None
             blocks.append(
                 plan_view.Block(
-                    ins.mesh, kind, ins.micro_batch, event.start - base, event.end - base
+                    ins.mesh, kind, ins.micro_batch, event.start - base, event.end - base, mesh
                 )
             )
         return blocks
@@ -539,7 +549,7 @@ class PipeshardDriverExecutable(Executable):
         return plan_view.draw_blocks(
             path,
             blocks,
-            plan.stage_plan.num_stages,
+            instructions.num_physical_meshes,
             plan.stage_plan.device_ranges,
             plan.num_hosts,
             plan.num_devices_per_host,

@@ -78,15 +78,18 @@ class _MeshProgramBuilder:
         instructions = tuple(
             WorkerInstruction(**{**op, "free": tuple(op["free"])}) for op in self.ops
         )
-        # A RUN's per-micro-batch outputs: the buffers the in-flight count is about.
-        micro_batch_of: list[int | None] = [None] * len(self.slots)
+        # The activations a RUN writes for a later RUN (instructions.activation_keys):
+        # the buffers the in-flight count is about, named (stage's mesh, micro-batch).
+        micro_batch_of: list[tuple | None] = [None] * len(self.slots)
         key_of = {slot: key for key, slot in self.slots.items()}
-        for op in self.ops:
-            if op["op"] is WorkerOp.RUN:
-                for slot in op.get("out_slots", ()):
-                    key = key_of[slot]
-                    if isinstance(key, tuple) and len(key) == 3 and key[1] is not None:
-                        micro_batch_of[slot] = key[1]
+        runs = [op for op in self.ops if op["op"] is WorkerOp.RUN]
+        read = {slot for op in runs for slot in op.get("in_slots", ())}
+        for op in runs:
+            for slot in op.get("out_slots", ()):
+                key = key_of[slot]
+                if isinstance(key, tuple) and len(key) == 3 and key[1] is not None:
+                    if slot in read:
+                        micro_batch_of[slot] = (key[2], key[1])
         return WorkerProgram(
             tuple(self.fns),
             instructions,
@@ -97,7 +100,12 @@ class _MeshProgramBuilder:
 
 
 class PipeshardRayExecutable(Executable):
-    """Runs a pipelined step on Ray mesh workers, one mesh per stage."""
+    """Runs a pipelined step on Ray mesh workers: one mesh per stage, or, where the schedule
+    places several stages on one mesh (interleaved 1F1B), per group of devices, whose
+    workers run the instructions of all its stages.
+
+    ``meshes`` are those of the plan's meshes of devices
+    (``PipelineInstructions.physical_mesh``), in order."""
 
     def __init__(self, plan: PipeshardPlan, meshes: Sequence[DistributedPhysicalDeviceMesh]):
         self.plan = plan
@@ -108,6 +116,7 @@ class PipeshardRayExecutable(Executable):
         self.instructions = plan.instructions
         self.num_micro_batches = plan.num_micro_batches
         self.meshes = list(meshes)
+        self._mesh_of = plan.instructions.physical_mesh  # a stage's mesh -> its devices' mesh
         self._platform = self.meshes[0].cluster.platform
         self._logical_shapes = [tuple(m.shape) for m in plan.logical_meshes]
         stages = StagePrograms(
@@ -177,8 +186,9 @@ class PipeshardRayExecutable(Executable):
         layout = plan.buffer_layout
         exported = self._exported
         builders = [_MeshProgramBuilder() for _ in self.meshes]
+        mesh_of = self._mesh_of
         for key in sorted(plan.instructions.persistent, key=str):
-            b = builders[key[2]]
+            b = builders[mesh_of(key[2])]
             b.emit(
                 WorkerOp.INPUT,
                 out_slots=(b.slot(key),),
@@ -187,7 +197,7 @@ class PipeshardRayExecutable(Executable):
             )
         for tag, ins in enumerate(plan.instructions.instructions):
             m = ins.mesh
-            b = builders[m]
+            b = builders[mesh_of(m)]
             if ins.op is Op.LOAD:
                 b.emit(
                     WorkerOp.LOAD,
@@ -222,16 +232,23 @@ class PipeshardRayExecutable(Executable):
                 shardings = [stages.key_sharding(k) for k in ins.outputs]
                 fn = exported(b, m, ("zeros", ins.outputs), "zeros", zeros, [], shardings)
                 b.emit(WorkerOp.ZEROS, out_slots=tuple(b.slot(k) for k in ins.outputs), fn=fn)
+            elif ins.op is Op.RESHARD and mesh_of(ins.inputs[0][2]) == mesh_of(m):
+                # Between two stages on one mesh: a compiled relayout on its workers.
+                (src,), (dst,) = ins.inputs, ins.outputs
+                jitted, structs, outs = stages.relayout(src, dst)
+                key = ("relayout", src[0], src[2], m)
+                fn = exported(b, m, key, "relayout", jitted, structs, outs)
+                b.emit(WorkerOp.RUN, in_slots=(b.slot(src),), out_slots=(b.slot(dst),), fn=fn)
             elif ins.op is Op.RESHARD:
                 (src,), (dst,) = ins.inputs, ins.outputs
                 transfer = plan.reshards[tag]
-                s = builders[src[2]]
+                s = builders[mesh_of(src[2])]
                 s.emit(
                     WorkerOp.SEND,
                     in_slots=(s.slot(src),),
                     transfer=transfer,
                     tag=tag,
-                    peer_mesh=self.meshes[m].mesh_id,
+                    peer_mesh=self.meshes[mesh_of(m)].mesh_id,
                 )
                 b.emit(
                     WorkerOp.RECV,
@@ -239,12 +256,13 @@ class PipeshardRayExecutable(Executable):
                     layout=layout(dst),
                     transfer=transfer,
                     tag=tag,
-                    peer_mesh=self.meshes[src[2]].mesh_id,
+                    peer_mesh=self.meshes[mesh_of(src[2])].mesh_id,
                 )
             else:  # pragma: no cover - a new opcode needs a projection here
                 raise NotImplementedError(f"no Ray projection of opcode {ins.op}")
             for key in ins.free:
-                builders[key[2]].ops[-1]["free"].append(builders[key[2]].slot(key))
+                owner = builders[mesh_of(key[2])]
+                owner.ops[-1]["free"].append(owner.slot(key))
         return builders
 
     def _project_outputs(self, builders, var_of):
@@ -259,7 +277,7 @@ class PipeshardRayExecutable(Executable):
         for output in plan.instructions.outputs:
             if output.keys:
                 keys = output.keys
-                m = keys[0][2]
+                m = self._mesh_of(keys[0][2])
                 b = builders[m]
                 aval = var_of[keys[0][0]].aval
                 shape = tuple(aval.shape)
@@ -276,7 +294,7 @@ class PipeshardRayExecutable(Executable):
                         shape = (shape[0] * len(keys),) + shape[1:]
                 else:
                     slot = b.slot(keys[0])
-                self._output_sources.append(("mesh", (m, len(b.outputs))))
+                self._output_sources.append(("mesh", (m, len(b.outputs), keys[0][2])))
                 b.outputs.append(slot)
                 outputs[m].append(
                     MeshOutput(shape, aval.dtype, bool(aval.weak_type), layout(keys[0]))
@@ -344,10 +362,10 @@ class PipeshardRayExecutable(Executable):
         specs = tuple(self._stages.sharding(var, m).spec for m in meshes)
         return PlacementSpec(
             var.aval,
-            tuple(self.meshes[m].mesh_id for m in meshes),
+            tuple(self.meshes[self._mesh_of(m)].mesh_id for m in meshes),
             specs,
             tuple(
-                (self.meshes[m], Layout(self._logical_shapes[m], DATA_AXES, spec))
+                (self.meshes[self._mesh_of(m)], Layout(self._logical_shapes[m], DATA_AXES, spec))
                 for m, spec in zip(meshes, specs, strict=True)
             ),
         )
@@ -369,7 +387,7 @@ class PipeshardRayExecutable(Executable):
             self.traced.closed_jaxpr.jaxpr.outvars, self._output_sources, strict=True
         ):
             if kind == "mesh":
-                specs.append(self._placement(v, (value[0],)))
+                specs.append(self._placement(v, (value[2],)))
             else:
                 specs.append(PlacementSpec(getattr(v, "aval", None), (), ()))
         return specs

@@ -43,7 +43,7 @@ from alpa.pipeline_parallel.layer_construction import (
 from alpa.pipeline_parallel.pipeshard_plan import PipeshardDecisions, PipeshardPlan, layout_of
 from alpa.pipeline_parallel.runtime_emitter import emit_instructions
 from alpa.pipeline_parallel.schedule_choice import choose, price_schedules
-from alpa.pipeline_parallel.schedules import AUTO, make_schedule
+from alpa.pipeline_parallel.schedules import AUTO, make_schedule, stages_per_mesh
 from alpa.pipeline_parallel.stage_construction import (
     AutoStageOption,
     StageContext,
@@ -80,8 +80,9 @@ def resolve_buffers(
     names: dict,
 ) -> tuple[dict, dict]:
     """The sharding of every buffer of ``instructions`` (``(value name, mesh) -> spec``,
-    :func:`stage_sharding.value_spec`) and the tile plan of every ``RESHARD``
-    (instruction index -> ``TransferPlan``). Mesh ``m``'s devices are host-major,
+    :func:`stage_sharding.value_spec`) and the tile plan of every ``RESHARD`` between two
+    meshes of devices (instruction index -> ``TransferPlan``; one between two stages on
+    one mesh, under interleaved 1F1B, is a relayout there). Mesh ``m``'s devices are host-major,
     ``submesh_shapes[m][1]`` per host. Equal moves (same shape, dtype, layouts and devices
     per host) share one plan."""
     var_of = {name: v for v, name in names.items()}
@@ -96,6 +97,8 @@ def resolve_buffers(
         if ins.op is not Op.RESHARD:
             continue
         (src,), (dst,) = ins.inputs, ins.outputs
+        if instructions.physical_mesh(src[2]) == instructions.physical_mesh(dst[2]):
+            continue
         aval = var_of[src[0]].aval
         move = (
             tuple(aval.shape),
@@ -249,7 +252,7 @@ def _plan_one_schedule(
         program = rematerialize(program)
     if options.pipeline_schedule == "zb-h1" and program.is_training:
         program = split_weight_gradients(program)
-    schedule = _schedule(program, options, stage_plan.num_stages)
+    schedule = _schedule(program, options, stage_plan)
     mesh_sizes = [m.num_devices for m in logical_meshes]
     data_parallel = [not uses_ilp(o, n) for o, n in zip(stage_opts, mesh_sizes, strict=True)]
     if decisions is None:
@@ -314,15 +317,18 @@ def _check_differentiated_by_alpa(traced: TracedStep, options: PipeshardOptions)
             )
 
 
-def _schedule(program: PipelineProgram, options: PipeshardOptions, num_stages: int):
-    """The schedule ``options.pipeline_schedule`` names, checked against the step's kind."""
+def _schedule(program: PipelineProgram, options: PipeshardOptions, stage_plan: StagePlan):
+    """The schedule ``options.pipeline_schedule`` names for ``stage_plan``'s stages on its
+    meshes, checked against the step's kind."""
     name = options.pipeline_schedule
     if name == "inference" and program.is_training:
         raise ValueError(
             "pipeline_schedule='inference' cannot run a training step (it calls alpa.grad); "
             "use 'gpipe' or '1f1b'"
         )
-    schedule = make_schedule(name, num_stages, options.num_micro_batches)
+    schedule = make_schedule(
+        name, stage_plan.num_stages, options.num_micro_batches, stage_plan.num_meshes
+    )
     if not program.is_training and name != "inference":
         raise ValueError(
             f"the step has no alpa.grad, so it is an inference step; pass "
@@ -421,6 +427,7 @@ def _search_stages(
         num_micro_batches=options.num_micro_batches,
         option=options.default_auto_sharding_option,
         remat=remat,
+        stages_per_mesh=stages_per_mesh(options.pipeline_schedule),
     )
     return plan_stages(stage_option, context)
 

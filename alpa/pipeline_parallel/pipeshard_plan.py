@@ -32,6 +32,7 @@ from alpa.pipeline_parallel.computation import (
 from alpa.pipeline_parallel.layer_construction import (
     LayerAssignment,
 )
+from alpa.pipeline_parallel.schedule_choice import held_memory, makespan, without_activations
 from alpa.pipeline_parallel.schedules import PipelineSchedule
 from alpa.pipeline_parallel.stage_construction import (
     ManualStageOption,
@@ -201,7 +202,26 @@ class PipeshardPlan:
             configs.append((shape, config))
         budget = self.memory_budget()
         problem = layer_problem(context, (), (), default, budget)
-        return self._with_planned_state(predict_stage_plan(problem, stages), budget)
+        cost = self._with_planned_state(predict_stage_plan(problem, stages), budget)
+        return self._on_shared_meshes(cost, budget)
+
+    def _on_shared_meshes(self, cost: StagePlanCost, budget: float) -> StagePlanCost:
+        """``cost`` of stages that share meshes (interleaved 1F1B): each stage's memory is
+        its mesh's, all its stages' state and the activations they hold at once under the
+        schedule (``schedule_choice.held_memory``), and the step's time is the schedule's
+        timeline at the stages' latencies (the stage DP's formula prices one stage per
+        mesh under 1F1B)."""
+        schedule = self.schedule
+        if not schedule.stage_meshes:
+            return cost
+        base = without_activations(cost.memory, cost.activation_memory, self.num_micro_batches)
+        memory = held_memory(schedule, base, cost.activation_memory)
+        return dataclasses.replace(
+            cost,
+            step_seconds=makespan(schedule, cost.latencies),
+            memory=memory,
+            fits=tuple(m <= budget for m in memory),
+        )
 
     def memory_budget(self) -> float:
         """Bytes per device the stages were planned within: the smallest

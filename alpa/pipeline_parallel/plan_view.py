@@ -30,13 +30,20 @@ APPLY_WIDTH = 0.05
 @dataclass(frozen=True)
 class Block:
     """One task of the timeline: ``stage`` runs ``kind`` on ``micro_batch`` from ``start``
-    to ``end`` (seconds, or latency units)."""
+    to ``end`` (seconds, or latency units), on ``mesh`` (``None``: the stage's own, where
+    every mesh runs one stage)."""
 
     stage: int
     kind: str
     micro_batch: int | None
     start: float
     end: float
+    mesh: int | None = None
+
+    @property
+    def row(self) -> int:
+        """The timeline row it is drawn in: its mesh."""
+        return self.stage if self.mesh is None else self.mesh
 
 
 @dataclass(frozen=True)
@@ -64,7 +71,8 @@ def timeline(
         )
     if not 0 < forward_share < 1:
         raise ValueError(f"forward_share must be in (0, 1), got {forward_share!r}")
-    free = [0.0] * schedule.num_stages
+    several = bool(schedule.stage_meshes)
+    free = [0.0] * schedule.num_meshes  # a mesh runs one task at a time
     ends: dict[Task, float] = {}
     blocks = []
     split = schedule.split_stages()  # the backward in B and W halves
@@ -78,9 +86,11 @@ def timeline(
         else:
             duration = APPLY_WIDTH * latency
         ready = max((ends[d] for d in task_dependencies(task, schedule.num_stages)), default=0.0)
-        start = max(free[s], ready)
-        ends[task] = free[s] = start + duration
-        blocks.append(Block(s, task.kind, task.micro_batch, start, start + duration))
+        m = schedule.mesh_of(s)
+        start = max(free[m], ready)
+        ends[task] = free[m] = start + duration
+        mesh = m if several else None
+        blocks.append(Block(s, task.kind, task.micro_batch, start, start + duration, mesh))
     return blocks
 
 
@@ -114,10 +124,12 @@ def draw(
         f"{schedule.name}: {schedule.num_stages} stages x "
         f"{schedule.num_micro_batches} micro-batches"
     )
+    if schedule.stage_meshes:
+        heading += f" on {schedule.num_meshes} meshes"
     return draw_blocks(
         path,
         blocks,
-        schedule.num_stages,
+        schedule.num_meshes,
         device_ranges,
         num_hosts,
         num_devices_per_host,
@@ -133,7 +145,7 @@ def draw(
 def draw_blocks(
     path: str,
     blocks: Sequence[Block],
-    num_stages: int,
+    num_rows: int,
     device_ranges: Sequence[Sequence[int]],
     num_hosts: int,
     num_devices_per_host: int,
@@ -146,7 +158,8 @@ def draw_blocks(
 ) -> Drawing:
     """:func:`draw` of any ``blocks`` (a planned :func:`timeline` or a measured run's):
     kinds ``forward``, ``backward``, ``weight``, ``apply`` and, for a run, ``transfer``
-    (loads, reshards, allocations)."""
+    (loads, reshards, allocations), in ``num_rows`` rows (``Block.row``: a stage, or a
+    mesh where the schedule places several stages on one)."""
     try:
         import matplotlib
 
@@ -160,7 +173,8 @@ def draw_blocks(
     if not str(path).lower().endswith((".png", ".svg")):
         raise ValueError(f"path must end in .png or .svg, got {path!r}")
     makespan = max((b.end for b in blocks), default=0.0)
-    S = num_stages
+    S = num_rows
+    several = any(b.mesh is not None for b in blocks)
     stage_colours = plt.get_cmap("tab20")
     fig, (devices_ax, time_ax) = plt.subplots(
         1,
@@ -170,7 +184,8 @@ def draw_blocks(
     )
     drawn: dict[str, int] = {}
     devices = 0
-    for s, (start, stop) in enumerate(device_ranges):
+    # Coloured by mesh: stages that share one (interleaved 1F1B) share its devices.
+    for s, (start, stop) in enumerate(dict.fromkeys(tuple(r) for r in device_ranges)):
         for d in range(start, stop):
             host, local = divmod(d, num_devices_per_host)
             cell = Rectangle(
@@ -195,7 +210,7 @@ def draw_blocks(
         devices_ax.set_xlabel(shapes.strip(), fontsize=7)
     for b in blocks:
         rect = Rectangle(
-            (b.start, S - 1 - b.stage + 0.1),
+            (b.start, S - 1 - b.row + 0.1),
             b.end - b.start,
             0.8,
             facecolor=_KIND_COLOURS[b.kind],
@@ -208,8 +223,8 @@ def draw_blocks(
         if b.micro_batch is not None and label_micro_batches and b.kind != "transfer":
             time_ax.text(
                 (b.start + b.end) / 2,
-                S - 1 - b.stage + 0.5,
-                str(b.micro_batch),
+                S - 1 - b.row + 0.5,
+                f"{b.micro_batch}:{b.stage}" if several else str(b.micro_batch),
                 ha="center",
                 va="center",
                 fontsize=6,
@@ -217,7 +232,8 @@ def draw_blocks(
             )
     time_ax.set_xlim(0, makespan * 1.01 or 1.0)
     time_ax.set_ylim(0, S)
-    time_ax.set_yticks([S - 1 - s + 0.5 for s in range(S)], [f"stage {s}" for s in range(S)])
+    row_name = "mesh" if several else "stage"
+    time_ax.set_yticks([S - 1 - s + 0.5 for s in range(S)], [f"{row_name} {s}" for s in range(S)])
     time_ax.set_xlabel(f"time ({unit}); step {makespan:.4g} {unit}")
     busy = sum(b.end - b.start for b in blocks)
     bubble = 1 - busy / (S * makespan) if makespan else 0.0

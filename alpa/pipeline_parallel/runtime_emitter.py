@@ -81,6 +81,7 @@ def emit_instructions(
         persistent=frozenset(emitter.persistent),
         outputs=outputs,
         nbytes=emitter.nbytes,
+        stage_meshes=schedule.stage_meshes,
     )
 
 

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from alpa.pipeline_parallel.plan_view import timeline
-from alpa.pipeline_parallel.schedules import make_schedule
+from alpa.pipeline_parallel.schedules import PipelineSchedule, make_schedule
 
 #: The training schedules ``"auto"`` chooses from.
 CANDIDATES = ("gpipe", "1f1b", "zb-h1")
@@ -63,21 +63,57 @@ def price_schedules(
     per micro-batch) whose 1F1B ``memory`` holds ``activation_memory`` bytes per
     micro-batch in flight."""
     num_stages = len(latencies)
-    one_f_one_b = make_schedule("1f1b", num_stages, num_micro_batches).max_in_flight()
+    base = without_activations(memory, activation_memory, num_micro_batches)
     priced = []
     for name in candidates:
         schedule = make_schedule(name, num_stages, num_micro_batches)
-        blocks = timeline(schedule, latencies)
-        seconds = max((b.end for b in blocks if b.kind != "apply"), default=0.0)
-        in_flight = schedule.max_in_flight()
-        held = tuple(
-            m + a * (n - n_1f1b)
-            for m, a, n, n_1f1b in zip(
-                memory, activation_memory, in_flight, one_f_one_b, strict=True
-            )
-        )
+        seconds = makespan(schedule, latencies)
+        held = held_memory(schedule, base, activation_memory)
         priced.append(ScheduleCandidate(name, seconds, held, all(m <= budget for m in held)))
     return priced
+
+
+def makespan(schedule: PipelineSchedule, latencies: Sequence[float]) -> float:
+    """Seconds from the first task to the last backward of ``schedule`` run at
+    ``latencies`` (``plan_view.timeline``), apply-grad left out."""
+    return max((b.end for b in timeline(schedule, latencies) if b.kind != "apply"), default=0.0)
+
+
+def without_activations(
+    memory: Sequence[float], activation_memory: Sequence[float], num_micro_batches: int
+) -> tuple[float, ...]:
+    """Per stage, the analytic model's bytes per device (``StagePlanCost.memory``, 1F1B's
+    ``min(S - s, M)`` micro-batches in flight on stage ``s``) less its activations."""
+    S, M = len(memory), max(1, num_micro_batches)
+    pairs = enumerate(zip(memory, activation_memory, strict=True))
+    return tuple(m - a * min(S - s, M) for s, (m, a) in pairs)
+
+
+def held_memory(
+    schedule: PipelineSchedule, base: Sequence[float], activation_memory: Sequence[float]
+) -> tuple[float, ...]:
+    """Per stage, the peak bytes per device of its mesh under ``schedule``: each stage's
+    ``base`` bytes plus ``activation_memory`` per micro-batch it holds in flight, summed
+    over the stages of the mesh (several under interleaved 1F1B) at every step of the
+    schedule."""
+    split = schedule.split_stages()
+    in_flight = [0] * schedule.num_stages
+    stages_of: dict[int, list[int]] = {}
+    for s in range(schedule.num_stages):
+        stages_of.setdefault(schedule.mesh_of(s), []).append(s)
+    peak = {m: sum(base[s] for s in stages) for m, stages in stages_of.items()}
+    for task in schedule.tasks():
+        s = task.stage
+        if task.kind == "forward":
+            in_flight[s] += 1
+        elif task.kind == ("weight" if s in split else "backward"):
+            in_flight[s] -= 1
+        else:
+            continue
+        m = schedule.mesh_of(s)
+        held = sum(base[t] + activation_memory[t] * in_flight[t] for t in stages_of[m])
+        peak[m] = max(peak[m], held)
+    return tuple(peak[schedule.mesh_of(s)] for s in range(schedule.num_stages))
 
 
 def choose(candidates: Sequence[ScheduleCandidate]) -> ScheduleCandidate:

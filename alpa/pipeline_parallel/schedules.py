@@ -3,8 +3,10 @@
 A schedule says which stage runs which micro-batch, and whether it runs the forward, the
 backward or the apply-grad computation, on each clock tick. It is a plain value: a tuple of
 ticks, each a tuple of :class:`Task` ``(stage, micro_batch, kind)``, at most one task per
-stage per tick (stage ``i`` runs on mesh ``i``). The runtime emitter turns a schedule plus
-the compiled stages into instruction lists; nothing here touches devices.
+mesh per tick but in the apply tick (stage ``i`` runs on mesh ``i``, but where a schedule
+places several stages on one mesh: ``PipelineSchedule.stage_meshes``). The runtime
+emitter turns a schedule plus the compiled stages into instruction lists; nothing here
+touches devices.
 
 With ``S`` stages and ``M`` micro-batches (DESIGN §5):
 
@@ -30,6 +32,18 @@ With ``S`` stages and ``M`` micro-batches (DESIGN §5):
   memory: a micro-batch's activations live until its ``W``, so every stage holds
   ``min(S, M)`` micro-batches at its peak, 1F1B's stage 0 figure (1F1B's stage ``i``
   holds ``min(S - i, M)``).
+* **interleaved 1F1B** (Narayanan et al. 2021, Megatron-LM's virtual pipeline) places
+  ``S = v p`` stages on ``p`` meshes, stage ``i`` on mesh ``i mod p``: each mesh holds
+  ``v`` chunks of the model, each ``1/v`` of a 1F1B stage. Mesh ``d`` runs micro-batches in
+  groups of ``p`` (``M`` must be a multiple of ``p``), all of a group's chunk-0 forwards,
+  then its chunk-1 forwards, ...; it warms up with ``2 (p - d - 1) + (v - 1) p`` forwards,
+  alternates one forward and one backward (backwards visit the chunks in reverse), and
+  drains. With every chunk task one tick, the grid takes ``2 v M + 2 (p - 1)`` ticks: a
+  bubble fraction of ``(p - 1) / (v M + p - 1)``, against 1F1B's ``(p - 1) / (M + p - 1)``
+  on the same ``p`` meshes (``2 (M + p - 1)`` ticks of ``v`` times longer tasks). The
+  price is memory: mesh ``d`` holds at most ``min(2 (p - d - 1) + (v - 1) p + 1, v M)``
+  chunks' activations, ``1/v`` of a 1F1B stage's each (1F1B's mesh ``d``: ``p - d``
+  stages').
 * **inference** runs forwards only: ``M + S - 1`` ticks.
 
 A training schedule ends with one ``apply`` tick in which every stage applies its
@@ -70,10 +84,20 @@ class PipelineSchedule:
     num_stages: int
     num_micro_batches: int
     ticks: tuple[tuple[Task, ...], ...]
+    stage_meshes: tuple[int, ...] = ()
 
     @property
     def num_ticks(self) -> int:
         return len(self.ticks)
+
+    @property
+    def num_meshes(self) -> int:
+        return max(self.stage_meshes) + 1 if self.stage_meshes else self.num_stages
+
+    def mesh_of(self, stage: int) -> int:
+        """The mesh stage ``stage`` runs on (``stage`` itself unless the schedule places
+        several stages on one mesh: ``stage_meshes``)."""
+        return self.stage_meshes[stage] if self.stage_meshes else stage
 
     def tasks(self) -> list[Task]:
         """All tasks in execution order (tick by tick, stage by stage)."""
@@ -97,20 +121,49 @@ class PipelineSchedule:
             peak[task.stage] = max(peak[task.stage], in_flight[task.stage])
         return peak
 
+    def max_in_flight_per_mesh(self) -> list[int]:
+        """Per mesh, the most (stage, micro-batch) pairs of its stages whose forward ran
+        but whose backward (``weight`` half where split) did not: the activations the mesh
+        holds, counted in stage-sized units (:meth:`max_in_flight` where every mesh runs
+        one stage)."""
+        split = self.split_stages()
+        in_flight = [0] * self.num_meshes
+        peak = [0] * self.num_meshes
+        for task in self.tasks():
+            mesh = self.mesh_of(task.stage)
+            if task.kind == "forward":
+                in_flight[mesh] += 1
+            elif task.kind == ("weight" if task.stage in split else "backward"):
+                in_flight[mesh] -= 1
+            peak[mesh] = max(peak[mesh], in_flight[mesh])
+        return peak
+
     def grid(self) -> str:
-        """The schedule as a grid: one row per stage, one column per tick."""
+        """The schedule as a grid: one row per mesh (a stage, unless the schedule places
+        several stages on one mesh: then a cell names the stage, ``F3:2`` is micro-batch
+        3's forward of stage 2), one column per tick."""
+        several = bool(self.stage_meshes)
+
+        def label(task: Task) -> str:
+            if several and task.kind != "apply":
+                return f"{task.label()}:{task.stage}"
+            return task.label()
+
         width = max(3, len(str(self.num_micro_batches)) + 2)
-        header = "stage |" + "".join(f"{t:>{width}}" for t in range(self.num_ticks))
-        rows = [
-            f"{self.name}: {self.num_stages} stages x {self.num_micro_batches} micro-batches",
-            header,
-        ]
-        for stage in range(self.num_stages):
+        if several:
+            width += len(str(self.num_stages)) + 1
+        rows_name = "mesh " if several else "stage"
+        header = f"{rows_name} |" + "".join(f"{t:>{width}}" for t in range(self.num_ticks))
+        title = f"{self.name}: {self.num_stages} stages x {self.num_micro_batches} micro-batches"
+        if several:
+            title += f" on {self.num_meshes} meshes"
+        rows = [title, header]
+        for mesh in range(self.num_meshes):
             cells = []
             for tick in self.ticks:
-                task = next((t for t in tick if t.stage == stage), None)
-                cells.append(f"{task.label() if task else '.':>{width}}")
-            rows.append(f"{stage:>5} |" + "".join(cells))
+                task = next((t for t in tick if self.mesh_of(t.stage) == mesh), None)
+                cells.append(f"{label(task) if task else '.':>{width}}")
+            rows.append(f"{mesh:>5} |" + "".join(cells))
         return "\n".join(rows)
 
     def __str__(self) -> str:
@@ -166,6 +219,45 @@ def zb_h1_schedule(num_stages: int, num_micro_batches: int) -> PipelineSchedule:
     return _clocked("zb-h1", orders, S, M)
 
 
+def interleaved_1f1b_schedule(
+    num_stages: int, num_micro_batches: int, num_meshes: int | None = None
+) -> PipelineSchedule:
+    """Interleaved 1F1B (Narayanan et al. 2021): ``num_stages = v p`` stages on
+    ``p = num_meshes`` meshes, stage ``i`` on mesh ``i mod p``, so that each mesh holds
+    ``v`` chunks of the model (module docstring). ``num_meshes`` defaults to half the
+    stages (``v = 2``); ``num_micro_batches`` must be a multiple of ``p``."""
+    _check_sizes(num_stages, num_micro_batches)
+    p = num_stages // 2 if num_meshes is None else num_meshes
+    if not isinstance(p, int) or p < 1 or num_stages % p:
+        raise ValueError(
+            f"interleaved 1F1B places stage i on mesh i mod num_meshes: num_stages "
+            f"({num_stages}) must be a multiple of num_meshes, got num_meshes={p!r}"
+        )
+    v, M = num_stages // p, num_micro_batches
+    if M % p:
+        raise ValueError(
+            f"interleaved 1F1B runs micro-batches in groups of one per mesh: "
+            f"num_micro_batches ({M}) must be a multiple of the number of meshes ({p})"
+        )
+
+    def task(k: int, d: int, kind: TaskKind) -> Task:
+        chunk = (k // p) % v
+        if kind == "backward":
+            chunk = v - 1 - chunk
+        return Task(chunk * p + d, (k // (p * v)) * p + k % p, kind)
+
+    total, orders = v * M, []
+    for d in range(p):
+        warmup = min((p - d - 1) * 2 + (v - 1) * p, total)
+        order = [task(k, d, "forward") for k in range(warmup)]
+        for i in range(total - warmup):
+            order += [task(warmup + i, d, "forward"), task(i, d, "backward")]
+        order += [task(k, d, "backward") for k in range(total - warmup, total)]
+        orders.append(order)
+    meshes = tuple(i % p for i in range(num_stages))
+    return _clocked("interleaved-1f1b", orders, num_stages, M, meshes)
+
+
 def _one_f_one_b_order(s: int, S: int, M: int) -> list[Task]:
     """Stage ``s``'s work under 1F1B: ``S - s - 1`` warm-up forwards, then alternate one
     forward and one backward, then the remaining backwards."""
@@ -181,27 +273,30 @@ def _one_f_one_b_order(s: int, S: int, M: int) -> list[Task]:
     return order
 
 
-def _clocked(name: str, orders: list[list[Task]], S: int, M: int) -> PipelineSchedule:
-    """The schedule in which each stage runs its next task of ``orders[stage]`` at the
-    first tick its inputs are ready, then the apply tick."""
+def _clocked(
+    name: str, orders: list[list[Task]], S: int, M: int, stage_meshes: tuple[int, ...] = ()
+) -> PipelineSchedule:
+    """The schedule in which each mesh runs its next task of ``orders[mesh]`` at the first
+    tick its inputs are ready, then the apply tick. ``S`` counts stages; ``orders`` has one
+    list per mesh (one per stage unless ``stage_meshes`` places several on one mesh)."""
     done_at: dict[Task, int] = {}
-    positions = [0] * S
+    positions = [0] * len(orders)
     ticks: list[tuple[Task, ...]] = []
-    while any(positions[s] < len(orders[s]) for s in range(S)):
+    while any(positions[m] < len(orders[m]) for m in range(len(orders))):
         tick = []
-        for s in range(S):
-            if positions[s] == len(orders[s]):
+        for m, order in enumerate(orders):
+            if positions[m] == len(order):
                 continue
-            task = orders[s][positions[s]]
+            task = order[positions[m]]
             if all(done_at.get(dep, len(ticks)) < len(ticks) for dep in _deps(task, S)):
-                tick.append(task)
+                tick.append((m, task))
         if not tick:
             raise AssertionError(f"{name} schedule deadlocked")  # a bug, not a user error
-        for task in tick:
+        for m, task in tick:
             done_at[task] = len(ticks)
-            positions[task.stage] += 1
-        ticks.append(tuple(tick))
-    return PipelineSchedule(name, S, M, tuple(ticks) + (_apply_tick(S),))
+            positions[m] += 1
+        ticks.append(tuple(task for _, task in tick))
+    return PipelineSchedule(name, S, M, tuple(ticks) + (_apply_tick(S),), stage_meshes)
 
 
 def inference_schedule(num_stages: int, num_micro_batches: int) -> PipelineSchedule:
@@ -237,8 +332,19 @@ schedules: dict[str, Callable[[int, int], PipelineSchedule]] = {
     "gpipe": gpipe_schedule,
     "1f1b": one_f_one_b_schedule,
     "zb-h1": zb_h1_schedule,
+    "interleaved-1f1b": interleaved_1f1b_schedule,
     "inference": inference_schedule,
 }
+
+#: The schedules that place several stages on one mesh, and how many (``v``) when
+#: ``PipeshardParallel`` plans the stages: they take the number of meshes.
+SEVERAL_STAGES_PER_MESH = {"interleaved-1f1b": 2}
+
+
+def stages_per_mesh(name: str) -> int:
+    """How many stages the schedule ``name`` places on each mesh when the stages are
+    planned for it (1 for all but :data:`SEVERAL_STAGES_PER_MESH`)."""
+    return SEVERAL_STAGES_PER_MESH.get(name, 1)
 
 
 #: ``pipeline_schedule="auto"``: the planner prices each training schedule on the plan's
@@ -254,11 +360,23 @@ def check_schedule_name(name) -> None:
         )
 
 
-def make_schedule(name: str, num_stages: int, num_micro_batches: int) -> PipelineSchedule:
-    """The schedule called ``name`` (a key of :data:`schedules`)."""
+def make_schedule(
+    name: str, num_stages: int, num_micro_batches: int, num_meshes: int | None = None
+) -> PipelineSchedule:
+    """The schedule called ``name`` (a key of :data:`schedules`) of ``num_stages`` stages on
+    ``num_meshes`` meshes (``None``: the schedule's default; one stage per mesh for all but
+    :data:`SEVERAL_STAGES_PER_MESH`)."""
     if name == AUTO:
         raise ValueError("pipeline_schedule='auto' is chosen by the planner (plan_pipeshard)")
     check_schedule_name(name)
+    if name in SEVERAL_STAGES_PER_MESH:
+        return schedules[name](num_stages, num_micro_batches, num_meshes)
+    if num_meshes is not None and num_meshes != num_stages:
+        raise ValueError(
+            f"pipeline_schedule {name!r} runs one stage per mesh, but {num_stages} stages "
+            f"were placed on {num_meshes} meshes; a schedule of "
+            f"{sorted(SEVERAL_STAGES_PER_MESH)} places several stages on one mesh"
+        )
     return schedules[name](num_stages, num_micro_batches)
 
 

@@ -266,6 +266,17 @@ class StagePlan:
     def num_stages(self) -> int:
         return len(self.device_ranges)
 
+    @property
+    def stage_meshes(self) -> tuple[int, ...]:
+        """Per stage, its mesh: stages with the same devices share one (interleaved
+        schedules); meshes are numbered in the order of their first stage."""
+        first: dict[tuple[int, int], int] = {}
+        return tuple(first.setdefault(tuple(r), len(first)) for r in self.device_ranges)
+
+    @property
+    def num_meshes(self) -> int:
+        return len(set(self.device_ranges))
+
     def stage_layers(self) -> list[list[int]]:
         out: list[list[int]] = [[] for _ in range(self.num_stages)]
         for layer, stage in enumerate(self.layer_to_stage):
@@ -288,6 +299,8 @@ class StageContext:
       option: the default ``AutoShardingOption``.
       remat: each stage's backward recomputes its forward (the layer option's
         ``remat_layer``), which the cost model prices.
+      stages_per_mesh: ``v`` of a schedule that places ``v`` stages on each mesh, stage
+        ``i`` on mesh ``i mod (S / v)`` (interleaved 1F1B); 1: a mesh per stage.
     """
 
     num_layers: int
@@ -301,6 +314,7 @@ class StageContext:
     num_micro_batches: int = 1
     option: Any = None
     remat: bool = False
+    stages_per_mesh: int = 1
 
     @property
     def num_devices(self) -> int:
@@ -355,12 +369,13 @@ def _uniform_plan(option: UniformStageOption, context: StageContext) -> StagePla
     if option.submesh_physical_shape is not None:
         shape = tuple(option.submesh_physical_shape)
     else:
-        if num_devices % num_stages:
+        v = context.stages_per_mesh
+        if num_stages % v or num_devices % (num_stages // v):
             raise ValueError(
-                f"{num_stages} stages cannot split {num_devices} devices evenly; pass "
-                "UniformStageOption(submesh_physical_shape=...)"
+                f"{num_stages} stages ({v} per mesh) cannot split {num_devices} devices "
+                "evenly; pass UniformStageOption(submesh_physical_shape=...)"
             )
-        shape = _even_shape(context, num_devices // num_stages)
+        shape = _even_shape(context, num_devices // (num_stages // v))
     shapes = (shape,) * num_stages
     logical = (tuple(option.submesh_logical_shape or (1, shape[0] * shape[1])),) * num_stages
     dicts = (option.submesh_autosharding_option,) * num_stages
@@ -380,21 +395,47 @@ def _even_shape(context: StageContext, size: int) -> tuple[int, int]:
 
 
 def _finish(context, layer_to_stage, shapes, logical, dicts, **extra) -> StagePlan:
-    needed = sum(a * b for a, b in shapes)
+    shapes = tuple(tuple(int(n) for n in s) for s in shapes)
+    logical = tuple(tuple(int(n) for n in s) for s in logical)
+    num_meshes = _check_stages_per_mesh(context.stages_per_mesh, shapes, logical)
+    needed = sum(a * b for a, b in shapes[:num_meshes])
     if needed > context.num_devices:
         raise ValueError(
-            f"submesh_physical_shapes {[list(s) for s in shapes]} need {needed} devices "
-            f"but only {context.num_devices} exist"
+            f"submesh_physical_shapes {[list(s) for s in shapes[:num_meshes]]} need {needed} "
+            f"devices but only {context.num_devices} exist"
         )
-    ranges = place_submeshes(shapes, context.num_hosts, context.num_devices_per_host)
+    ranges = place_submeshes(shapes[:num_meshes], context.num_hosts, context.num_devices_per_host)
     return StagePlan(
         tuple(layer_to_stage),
-        ranges,
-        tuple(tuple(int(n) for n in s) for s in logical),
+        tuple(ranges[s % num_meshes] for s in range(len(shapes))),
+        logical,
         tuple(dicts),
-        tuple(tuple(int(n) for n in s) for s in shapes),
+        shapes,
         **extra,
     )
+
+
+def _check_stages_per_mesh(v: int, shapes, logical) -> int:
+    """The number of meshes of ``len(shapes)`` stages placed ``v`` to a mesh, stage ``i``
+    on mesh ``i mod (S / v)``; a stage must have its mesh's physical and logical shape."""
+    num_stages = len(shapes)
+    if v == 1:
+        return num_stages
+    if num_stages % v:
+        raise ValueError(
+            f"the schedule places {v} stages on each mesh, but there are {num_stages} stages "
+            f"(not a multiple of {v})"
+        )
+    num_meshes = num_stages // v
+    for s in range(num_meshes, num_stages):
+        m = s % num_meshes
+        if shapes[s] != shapes[m] or logical[s] != logical[m]:
+            raise ValueError(
+                f"stage {s} runs on mesh {m} with stage {m} (the schedule places stage i on "
+                f"mesh i mod {num_meshes}), so it needs stage {m}'s submesh: physical "
+                f"{shapes[m]} and logical {logical[m]}, but has {shapes[s]} and {logical[s]}"
+            )
+    return num_meshes
 
 
 def submesh_shape(num_devices: int, num_devices_per_host: int) -> tuple[int, int]:
@@ -570,6 +611,12 @@ def stage_problem(option: AutoStageOption, context: StageContext):
 def plan_auto_stages(option: AutoStageOption, context: StageContext) -> StagePlan:
     """Cost every candidate stage, run the DP, and resolve its solution."""
     global _last_auto_plan
+    if context.stages_per_mesh != 1:
+        raise ValueError(
+            "stage_option='auto' places one stage per mesh; a schedule that places "
+            f"{context.stages_per_mesh} stages on each mesh (interleaved 1F1B) needs "
+            "UniformStageOption or ManualStageOption"
+        )
     from alpa.pipeline_parallel.stage_cost import StageCosts, layer_flops
 
     problem = stage_problem(option, context)

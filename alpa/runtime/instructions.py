@@ -142,7 +142,13 @@ StepOutput = BufferOutput | MicroBatchOutput | ConstOutput | LiteralOutput
 
 @dataclass(frozen=True)
 class PipelineInstructions:
-    """The emitted program: one global order, and per-mesh views of it."""
+    """The emitted program: one global order, and per-mesh views of it.
+
+    An instruction's ``mesh`` (and a buffer key's) is its stage's mesh: where a schedule
+    places several stages on one group of devices (interleaved 1F1B), each stage keeps a
+    mesh of its own in the instructions, ``stage_meshes[m]`` names the devices' mesh
+    (``physical_mesh``) and a runtime runs the instructions of all of that mesh's stages.
+    """
 
     instructions: tuple[Instruction, ...]
     kernels: tuple[Kernel, ...]
@@ -150,6 +156,15 @@ class PipelineInstructions:
     persistent: frozenset  # input buffers the caller owns
     outputs: tuple[StepOutput, ...]  # per step output, where it is read from
     nbytes: dict  # BufferKey -> bytes
+    stage_meshes: tuple[int, ...] = ()  # per mesh, the mesh of devices it runs on
+
+    def physical_mesh(self, mesh: int) -> int:
+        """The mesh of devices that instruction mesh ``mesh`` runs on."""
+        return self.stage_meshes[mesh] if self.stage_meshes else mesh
+
+    @property
+    def num_physical_meshes(self) -> int:
+        return max(self.stage_meshes) + 1 if self.stage_meshes else self.num_meshes
 
     def output_keys(self) -> set[BufferKey]:
         """The buffers the step's outputs are read from."""
@@ -173,8 +188,10 @@ class PipelineInstructions:
 class InFlight:
     """Counts, per mesh, the micro-batches that have a live buffer a ``RUN`` wrote (a
     step's activations and cotangents) and the most at once, ``peak``: a schedule's
-    in-flight bound (``PipelineSchedule.max_in_flight``) as a runtime executes it. Both
-    runtimes count with it, the local one over all meshes, a Ray worker over its own."""
+    in-flight bound (``PipelineSchedule.max_in_flight_per_mesh``) as a runtime executes
+    it. Both runtimes count with it, the local one over all meshes, a Ray worker over its
+    own. A micro-batch is named ``(stage, micro-batch)``: a mesh of several stages
+    (interleaved 1F1B) holds one stage's part of a micro-batch per stage."""
 
     def __init__(self, num_meshes: int):
         self._live: list[dict] = [{} for _ in range(num_meshes)]  # micro-batch -> buffers
@@ -190,6 +207,21 @@ class InFlight:
         live[micro_batch] -= 1
         if not live[micro_batch]:
             del live[micro_batch]
+
+
+def activation_keys(program: PipelineInstructions) -> set[BufferKey]:
+    """The buffers of one micro-batch that a ``RUN`` writes and a later ``RUN`` of the
+    same stage reads (a forward's activations for its backward, a ``B``'s for its ``W``):
+    what :class:`InFlight` counts. A value only sent to another stage (an output, a
+    cotangent) is not one, however long it waits for its reader."""
+    read = {key for ins in program.instructions if ins.op is Op.RUN for key in ins.inputs}
+    return {
+        key
+        for ins in program.instructions
+        if ins.op is Op.RUN
+        for key in ins.outputs
+        if key[1] is not None and key in read
+    }
 
 
 def simulate_memory(program: PipelineInstructions) -> list[int]:

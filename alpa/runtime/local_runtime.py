@@ -38,6 +38,7 @@ from alpa.runtime.instructions import (
     LiteralOutput,
     Op,
     PipelineInstructions,
+    activation_keys,
 )
 from alpa.runtime.placement import leaf_placer
 from alpa.runtime.ray_worker import jitted_concat, jitted_mean
@@ -55,6 +56,12 @@ class TraceEvent:
     end: float
     args: dict = field(default_factory=dict)
     returned: float | None = None
+
+
+def _owner(program: PipelineInstructions, key: BufferKey) -> tuple[int, tuple]:
+    """The in-flight count's name of buffer ``key``: its mesh of devices, and the stage
+    (the stage's mesh) and micro-batch it belongs to."""
+    return program.physical_mesh(key[2]), (key[2], key[1])
 
 
 @dataclass(frozen=True)
@@ -258,25 +265,25 @@ class LocalPipelineRuntime:
         self._steps: list[_Built] = []
         self._frees: list[tuple[int, ...]] = []
         self.resharded_bytes = 0
-        # Per instruction, the (mesh, micro-batch) of each per-micro-batch buffer a RUN
-        # writes on its own mesh, and of each such buffer it frees: the in-flight count.
-        written = {key for ins in program.instructions if ins.op is Op.RUN for key in ins.outputs}
-        written = {key for key in written if key[1] is not None and key[2] is not None}
+        # Per instruction, the (mesh of devices, (stage mesh, micro-batch)) of each
+        # activation a RUN writes on its own mesh, and of each it frees: the in-flight count.
+        written = activation_keys(program)
         self._born: list[tuple] = []
         self._dead: list[tuple] = []
         for i, ins in enumerate(program.instructions):
             fn, name, args, out_slots = HANDLERS[ins.op](ins, self._slot, context)
             if ins.op is Op.RESHARD:
-                args = {"bytes": reshard_bytes[i]}
+                # Between two stages on one mesh (interleaved 1F1B) nothing leaves it.
+                args = {"bytes": reshard_bytes.get(i, 0)}
                 self.resharded_bytes += args["bytes"]
             self._steps.append((fn, name, args, out_slots))
             self._frees.append(tuple(self._slot[key] for key in ins.free))
             born = ins.outputs if ins.op is Op.RUN else ()
             self._born.append(
-                tuple((k[2], k[1]) for k in born if k in written and k[2] == ins.mesh)
+                tuple(_owner(program, k) for k in born if k in written and k[2] == ins.mesh)
             )
-            self._dead.append(tuple((k[2], k[1]) for k in ins.free if k in written))
-        self.peak_live_micro_batches: list[int] = [0] * program.num_meshes
+            self._dead.append(tuple(_owner(program, k) for k in ins.free if k in written))
+        self.peak_live_micro_batches: list[int] = [0] * program.num_physical_meshes
         self._meshes = [ins.mesh for ins in program.instructions]
         self._outputs = list(program.outputs)
         self._times: list[float] = []
@@ -298,12 +305,12 @@ class LocalPipelineRuntime:
             if blocking:
                 returned.append(clock())
                 jax.block_until_ready([env[i] for i in out_slots])
-            for mesh, micro_batch in born:
-                in_flight.written(mesh, micro_batch)
+            for mesh, owner in born:
+                in_flight.written(mesh, owner)
             for i in free:
                 env[i] = None
-            for mesh, micro_batch in dead:
-                in_flight.freed(mesh, micro_batch)
+            for mesh, owner in dead:
+                in_flight.freed(mesh, owner)
             times.append(clock())
         self.peak_live_micro_batches = in_flight.peak
         for queued in self._context.in_flight.values():

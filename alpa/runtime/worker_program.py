@@ -138,13 +138,13 @@ class WorkerProgram:
 
     ``outputs`` are the slots whose values the step keeps (stored under the buffer names
     the driver gives with each step); every other slot is dropped by the end of it.
-    ``micro_batch_of`` (per slot, when given) is the micro-batch of a buffer a ``RUN``
-    writes for one micro-batch (an activation, a cotangent), else ``None``: the worker
-    counts the micro-batches in flight by it.
+    ``micro_batch_of`` (per slot, when given) names the ``(stage's mesh, micro-batch)`` of
+    an activation a ``RUN`` writes for a later ``RUN`` (``instructions.activation_keys``),
+    else ``None``: the worker counts the micro-batches in flight by it.
     """
 
     fns: tuple[ExportedFn, ...]
     instructions: tuple[WorkerInstruction, ...]
     num_slots: int
     outputs: tuple[int, ...]
-    micro_batch_of: tuple[int | None, ...] = ()
+    micro_batch_of: tuple[tuple[int, int] | None, ...] = ()

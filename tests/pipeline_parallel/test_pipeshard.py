@@ -355,7 +355,7 @@ def test_unknown_schedule():
     with pytest.raises(
         ValueError,
         match=r"unknown pipeline_schedule 'interleaved'; expected "
-        r"one of \['1f1b', 'gpipe', 'inference', 'zb-h1'\] or 'auto'",
+        r"one of \['1f1b', 'gpipe', 'inference', 'interleaved-1f1b', 'zb-h1'\] or 'auto'",
     ):
         PipeshardParallel(pipeline_schedule="interleaved")
     devices_or_skip(8)
@@ -805,3 +805,78 @@ def test_the_runtime_holds_the_schedules_micro_batches_in_flight(schedule):
     }[schedule]
     assert executable.peak_live_micro_batches() == bound
     assert executable.plan.schedule.max_in_flight() == bound
+
+
+@pytest.mark.parametrize("num_meshes", [2, 4])
+def test_interleaved_stages_share_meshes(num_meshes):
+    """Interleaved 1F1B: 2 p one-layer stages on p meshes of 8 / p devices, stage i on mesh
+    i mod p (UniformStageOption splits the devices among the meshes): numerics equal
+    serial over two steps (global-norm clipping reads every stage); the runtime held the
+    schedule's chunks in flight per mesh, min(2 (p - d - 1) + p + 1, 2 M); nothing stays
+    alive; only the reshards between meshes have tile plans and move bytes."""
+    devices_or_skip(8)
+    p, M = num_meshes, 4
+    params, batch = _mlp(2 * p)
+    method = PipeshardParallel(
+        num_micro_batches=M,
+        pipeline_schedule="interleaved-1f1b",
+        stage_option=UniformStageOption(2 * p),
+    )
+    executable = _check_against_serial(_mlp_loss(2 * p), params, batch, method)
+    plan = executable.stage_plan
+    assert plan.stage_meshes == tuple(s % p for s in range(2 * p))
+    assert len(set(plan.device_ranges)) == p
+    assert [b - a for a, b in plan.device_ranges] == [8 // p] * (2 * p)
+    bound = [min(2 * (p - d - 1) + p + 1, 2 * M) for d in range(p)]
+    assert executable.schedule.max_in_flight_per_mesh() == bound
+    assert executable.peak_live_micro_batches() == bound
+    assert executable.live_buffers_after_step() == []
+    reshards = [
+        (i, ins)
+        for i, ins in enumerate(executable.instructions.instructions)
+        if ins.op.name == "RESHARD"
+    ]
+    crossing = [i for i, ins in reshards if plan.stage_meshes[ins.inputs[0][2]] != ins.mesh % p]
+    assert len(crossing) < len(reshards)  # the global norm's sums between stages of a mesh
+    assert sorted(executable.plan.reshards) == crossing
+    assert executable.get_resharded_bytes() == executable.plan.resharded_bytes() > 0
+
+
+def test_interleaved_gpt_stack():
+    """Interleaved 1F1B on a 4-block GPT, one block per stage, two stages per mesh of 4
+    devices: parameters and the loss equal serial."""
+    devices_or_skip(8)
+    make = _transformer("gpt", num_layers=4)
+    state, batch, step = make(alpa.value_and_grad)
+    ref_state, _, ref_step = make(jax.value_and_grad)
+    expected = jax.jit(ref_step)(ref_state, batch)
+    method = PipeshardParallel(
+        num_micro_batches=2,
+        pipeline_schedule="interleaved-1f1b",
+        layer_option=alpa.ManualLayerOption(),
+        stage_option=ManualStageOption([[0], [1], [2], [3]], [(1, 4)] * 4),
+    )
+    p_step = alpa.parallelize(step, method=method, donate_argnums=())
+    out = p_step(state, batch)
+    alpa.testing.assert_allclose(out[0].params, expected[0].params)
+    alpa.testing.assert_allclose(out[1], expected[1])
+    assert p_step.get_last_executable().stage_plan.stage_meshes == (0, 1, 0, 1)
+
+
+def test_interleaved_stage_options_that_cannot_share_meshes():
+    """Stage i runs on mesh i mod p: its submesh must be that mesh's; the stage DP places
+    one stage per mesh; each error says what to change."""
+    params, batch = _mlp(4)
+
+    def plan(stage_option):
+        method = PipeshardParallel(
+            num_micro_batches=2, pipeline_schedule="interleaved-1f1b", stage_option=stage_option
+        )
+        _check_against_serial(_mlp_loss(4), params, batch, method, steps=1)
+
+    with pytest.raises(ValueError, match=r"stage 3 runs on mesh 1 with stage 1 .* physical"):
+        plan(ManualStageOption([[0], [1], [2], [3]], [(1, 2), (1, 2), (1, 2), (1, 4)]))
+    with pytest.raises(ValueError, match=r"places 2 stages on each mesh, but there are 3"):
+        plan(ManualStageOption([[0], [1], [2, 3]], [(1, 2)] * 3))
+    with pytest.raises(ValueError, match="stage_option='auto' places one stage per mesh"):
+        plan(alpa.AutoStageOption())

@@ -20,6 +20,8 @@ def _tick_of(schedule):
     for t, tick in enumerate(schedule.ticks):
         stages = [task.stage for task in tick]
         assert len(stages) == len(set(stages)), f"two tasks of one stage in tick {t}"
+        meshes = [schedule.mesh_of(task.stage) for task in tick if task.kind != "apply"]
+        assert len(meshes) == len(set(meshes)), f"two tasks of one mesh in tick {t}"
         for task in tick:
             assert task not in tick_of, f"{task} runs twice"
             tick_of[task] = t
@@ -112,12 +114,60 @@ def test_zb_h1_bubble_and_memory_are_the_closed_forms(S, M):
         assert makespan == pytest.approx(expected), name
 
 
+@pytest.mark.parametrize("p", [2, 4])
+@pytest.mark.parametrize("M", [4, 8, 16])
+@pytest.mark.parametrize("v", [2, 3])
+def test_interleaved_1f1b_bubble_and_memory_are_the_closed_forms(p, M, v):
+    """Interleaved 1F1B, v p stages on p meshes (stage i on mesh i mod p), every chunk task
+    one tick: each task once, after its inputs, one task per mesh per tick;
+    2 v M + 2 (p - 1) compute ticks, a bubble fraction of (p - 1) / (v M + p - 1) counted
+    on the grid; mesh d holds min(2 (p - d - 1) + (v - 1) p + 1, v M) chunks in flight.
+    In time (a chunk 1/v of a 1F1B stage, a backward twice a forward): 3 M + 3 (p - 1) / v
+    against 1F1B's 3 M + 3 (p - 1) on p stages."""
+    S = v * p
+    schedule = make_schedule("interleaved-1f1b", S, M, num_meshes=p)
+    assert schedule.num_meshes == p
+    assert [schedule.mesh_of(s) for s in range(S)] == [s % p for s in range(S)]
+    tick_of = _tick_of(schedule)
+    expected = {Task(s, m, k) for s in range(S) for m in range(M) for k in ("forward", "backward")}
+    assert set(tick_of) == expected | {Task(s, None, "apply") for s in range(S)}
+    for task, tick in tick_of.items():
+        for dep in task_dependencies(task, S):
+            assert tick_of[dep] < tick, f"{task} at tick {tick} before its input {dep}"
+    ticks = schedule.num_ticks - 1
+    assert ticks == 2 * v * M + 2 * (p - 1)
+    busy = sum(1 for tick in schedule.ticks[:-1] for _ in tick)
+    assert busy == 2 * v * M * p
+    assert (ticks * p - busy) / (ticks * p) == pytest.approx((p - 1) / (v * M + p - 1))
+    bound = [min(2 * (p - d - 1) + (v - 1) * p + 1, v * M) for d in range(p)]
+    assert schedule.max_in_flight_per_mesh() == bound
+    blocks = timeline(schedule, [3.0 / v] * S, forward_share=1 / 3)
+    assert {b.mesh for b in blocks} == set(range(p))
+    makespan = max(b.end for b in blocks if b.kind != "apply")
+    assert makespan == pytest.approx(3 * M + 3 * (p - 1) / v)
+
+
+def test_interleaved_grid_and_bad_sizes():
+    schedule = make_schedule("interleaved-1f1b", 4, 2, num_meshes=2)
+    lines = str(schedule).splitlines()
+    assert lines[0] == "interleaved-1f1b: 4 stages x 2 micro-batches on 2 meshes"
+    assert lines[2].split("|")[1].split()[:4] == ["F0:0", "F1:0", "F0:2", "F1:2"]
+    assert make_schedule("interleaved-1f1b", 4, 2).num_meshes == 2  # v = 2 by default
+    with pytest.raises(ValueError, match=r"num_micro_batches \(6\) must be a multiple of the "):
+        make_schedule("interleaved-1f1b", 8, 6, num_meshes=4)
+    with pytest.raises(ValueError, match=r"num_stages \(6\) must be a multiple of num_meshes"):
+        make_schedule("interleaved-1f1b", 6, 4, num_meshes=4)
+    with pytest.raises(ValueError, match="'1f1b' runs one stage per mesh, but 4 stages were"):
+        make_schedule("1f1b", 4, 4, num_meshes=2)
+
+
 def test_registry_and_bad_names():
-    assert set(schedules) == {"gpipe", "1f1b", "zb-h1", "inference"}
+    assert set(schedules) == {"gpipe", "1f1b", "zb-h1", "interleaved-1f1b", "inference"}
     with pytest.raises(
         ValueError,
         match=r"unknown pipeline_schedule 'zero_bubble'; "
-        r"expected one of \['1f1b', 'gpipe', 'inference', 'zb-h1'\] or 'auto'",
+        r"expected one of \['1f1b', 'gpipe', 'inference', 'interleaved-1f1b', 'zb-h1'\] "
+        r"or 'auto'",
     ):
         make_schedule("zero_bubble", 2, 2)
     with pytest.raises(ValueError, match="num_micro_batches must be a positive int, got 0"):

@@ -196,6 +196,47 @@ def test_pipeshard_zero_bubble_four_stages(ray_cluster):
     assert_allclose(state.opt_state, expected.opt_state)
 
 
+@pytest.mark.parametrize("stages_per_node", [1, 2])
+def test_pipeshard_interleaved_stages_share_a_mesh(ray_cluster, stages_per_node):
+    """Interleaved 1F1B: four stages on two meshes (one per node, or two on node 0 with a
+    mesh of two devices each), stage i on mesh i mod 2: two Ray meshes whose workers each
+    run two stages' instructions. Parameters and Adam's state equal serial (the global
+    norm's partial sums move between stages, two of them on one mesh: a relayout on its
+    workers); the workers held the schedule's in-flight bound per mesh; the only sends
+    are between meshes."""
+    import optax
+
+    shape = (1, DEVICES_PER_NODE // stages_per_node)
+    method = alpa.PipeshardParallel(
+        num_micro_batches=4,
+        pipeline_schedule="interleaved-1f1b",
+        layer_option="manual",
+        stage_option=alpa.ManualStageOption([[0], [1], [2], [3]], [shape] * 4),
+    )
+    tx = optax.chain(optax.clip_by_global_norm(0.1), optax.adam(1e-2))
+    state, batch, step = get_mlp_train_state_and_step(32, 16, add_manual_pipeline_marker=True)
+    state = state.replace(tx=tx, opt_state=tx.init(state.params))
+    expected = _serial(step, state, batch, 2)
+    p_step = alpa.parallelize(step, method=method)
+    state = p_step(state, batch)
+    executable = p_step.get_last_executable()
+    for mesh in executable.meshes:  # count the second step's sends alone
+        mesh.call("reset_counters")
+    state = p_step(state, batch)
+    assert len(executable.meshes) == 2
+    assert executable.plan.stage_plan.stage_meshes == (0, 1, 0, 1)
+    assert "relayout" in executable.get_hlo_names()
+    assert_allclose(state.params, expected.params)
+    assert_allclose(state.opt_state, expected.opt_state)
+    bound = executable.plan.schedule.max_in_flight_per_mesh()
+    assert bound == [5, 3]  # min(2 (p - d - 1) + (v - 1) p + 1, v M), p = v = 2, M = 4
+    assert executable.peak_live_micro_batches() == bound
+    counters = executable.worker_counters()
+    sent = sum(c["bytes_sent"] for mesh in counters for c in mesh)
+    received = sum(c["bytes_received"] for mesh in counters for c in mesh)
+    assert sent == received == executable.get_resharded_bytes() > 0
+
+
 def test_pipeshard_zero2_stages_reduce_once_per_step(ray_cluster):
     """Data-parallel stages with prefer_reduce_scatter on the workers: the backward (per
     micro-batch) has no collective, apply-grad reduce-scatters the gradients (shard_map
