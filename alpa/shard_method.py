@@ -39,6 +39,7 @@ from alpa.shard_parallel.auto_sharding import (
     snapshot_for_compile,
 )
 from alpa.shard_parallel.data_parallel import data_parallel_plan
+from alpa.shard_parallel.grad_marking import mark_gradients
 from alpa.shard_parallel.ilp_solver import InfeasibleMemoryBudgetError
 from alpa.shard_parallel.manual_sharding import (
     ManualShardingOption,
@@ -266,6 +267,19 @@ class ShardParallel(_AutoShardingOptionHolder, ParallelMethod):
                 stacklevel=2,
             )
 
+    def finish_trace(self, traced: TracedStep) -> TracedStep:
+        """As :meth:`_FixedPlanParallel.finish_trace` when the option asks for a ZeRO
+        plan (``force_data_parallel`` with ``prefer_reduce_scatter``, or
+        ``force_zero_stage_3``) and no manual shardings decide."""
+        option = self.auto_sharding_option
+        if (
+            self.manual_sharding_option is None
+            and _zero_stage(option) in (2, 3)
+            and self.num_micro_batches is None
+        ):
+            return mark_gradients(traced)
+        return traced
+
     def plan(
         self,
         traced: TracedStep,
@@ -327,6 +341,16 @@ class _FixedPlanParallel(_AutoShardingOptionHolder, ParallelMethod):
         """The ZeRO stage the option asks for (0: plain data parallel), ``None`` when it
         asks for no fixed plan."""
         return _zero_stage(self.auto_sharding_option)
+
+    def finish_trace(self, traced: TracedStep) -> TracedStep:
+        """With ZeRO (stage 2 or 3) and one micro-batch, a step differentiated with
+        ``jax.grad`` gets the ``alpa.grad`` marker where its gradients are complete
+        (``grad_marking.mark_gradients``), so that they are reduce-scattered there in one
+        collective, as with ``alpa.grad``. With micro-batches what to accumulate is
+        ``alpa.grad``'s to say (the step is refused when planned)."""
+        if self.zero_stage in (2, 3) and self.num_micro_batches is None:
+            return mark_gradients(traced)
+        return traced
 
     @property
     def splits_only_the_batch(self) -> bool:

@@ -23,6 +23,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from alpa.device_mesh import LogicalDeviceMesh
 from alpa.global_env import global_config
 from alpa.shard_parallel import ilp_solver
+from alpa.shard_parallel.gradient_sync import data_parallel_in_specs, written_sync
 from alpa.shard_parallel.memory_model import solve_within_budget
 from alpa.shard_parallel.sharding_plan import PartialSum, ShardingPlan
 from alpa.shard_parallel.sharding_spec import (
@@ -531,14 +532,29 @@ def plan_objective(traced, plan: ShardingPlan) -> tuple[float, float]:
     ILP's cost model, so that plans of any method compare: its own for a plan the ILP
     made; for any other (data parallel, ZeRO, manual specs) those of the cheapest plan
     that takes the step's inputs in ``plan``'s shardings, which is what the fixed plan
-    pins (the rest it leaves to XLA, priced here at its best)."""
+    pins (the rest it leaves to XLA, priced here at its best).
+
+    A plan whose lowering writes its gradient synchronisation out as packed collectives
+    (ZeRO-2 and ZeRO-3: ``gradient_sync.written_sync``) is priced as what that lowering
+    does: data parallelism's plan of the step (the batch split alike, every other input
+    replicated), its gradients' all-reduce replaced by the packed reduce-scatter, plus
+    the packed all-gathers (ZeRO-2's updated parameters, ZeRO-3's parameters)."""
     if plan.objective is not None:
         compute = plan.compute_cost or 0.0
         return plan.objective - compute, compute
+    sync = written_sync(traced, plan)
+    in_specs = plan.in_specs if sync is None else data_parallel_in_specs(traced, plan)
     solution = solve_auto_sharding(
-        traced, plan.logical_mesh, AutoShardingOption(), fixed_in_specs=plan.in_specs
+        traced, plan.logical_mesh, AutoShardingOption(), fixed_in_specs=in_specs
     )
-    return float(solution.objective - solution.compute), float(solution.compute)
+    communication = float(solution.objective - solution.compute)
+    if sync is not None:
+        reductions = ilp_solver.collectives(solution.graph, solution.solution.choice)
+        all_reduced = sum(
+            c.nbytes for _, reduces, c in reductions if c.kind == "all-reduce" and reduces
+        )
+        communication += sync.cost_change(solution.mesh, all_reduced)
+    return communication, float(solution.compute)
 
 
 def solve_auto_sharding(

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from jax.extend.core import Var
 from jax.sharding import PartitionSpec
 
 from alpa.device_mesh import MESH_AXIS_NAMES, LogicalDeviceMesh
@@ -85,16 +86,20 @@ def data_parallel_plan(
         for name, v in zip(out_names, traced.jaxpr.outvars, strict=True)
     )
     var_specs = {}
-    if zero_stage == 3:  # gather parameters before use
+    if zero_stage == 3:  # gather parameters before use; the optimizer updates shards
         var_specs = {
             v: REPLICATED
-            for v, spec, b in zip(traced.jaxpr.invars, in_specs, traced.batch_invars, strict=True)
-            if not b and spec != REPLICATED
+            for v, spec, b, name in zip(
+                traced.jaxpr.invars, in_specs, traced.batch_invars, traced.leaf_names, strict=True
+            )
+            if not b and spec != REPLICATED and not is_opt_state(name)
         }
     grad_specs = None
     marker = traced.grad_marker()
     if zero_stage and marker is not None:
         grad_specs = tuple(zero_spec(v.aval.shape, n) for v in marker.outvars)
+    if zero_stage == 2:
+        var_specs = updated_on_shards(traced, n, out_names, out_specs)
     return ShardingPlan(
         logical_mesh=mesh,
         in_specs=tuple(in_specs),
@@ -104,6 +109,33 @@ def data_parallel_plan(
         grad_specs=grad_specs,
         method=method,
     )
+
+
+def updated_on_shards(
+    traced: TracedStep, n: int, out_names: list[str], out_specs
+) -> dict[Var, PartitionSpec]:
+    """ZeRO-2's outputs computed on each device's shard and returned whole: those the
+    step returns replicated (parameters, not optimizer state) that it computes from the
+    gradients (after the ``alpa.grad`` marker), each pinned split like its gradient. The
+    lowering all-gathers them together (``gradient_sync.packed_gathers``)."""
+    marker = traced.grad_marker()
+    if marker is None:
+        return {}
+    jaxpr = traced.jaxpr
+    downstream = set(marker.outvars)
+    for eqn in jaxpr.eqns:
+        if any(isinstance(v, Var) and v in downstream for v in eqn.invars):
+            downstream.update(eqn.outvars)
+    pins = {}
+    for v, name, spec in zip(jaxpr.outvars, out_names, out_specs, strict=True):
+        if not isinstance(v, Var) or v not in downstream or spec != REPLICATED:
+            continue
+        if is_opt_state(name):
+            continue
+        split = zero_spec(v.aval.shape, n)
+        if split != REPLICATED:
+            pins[v] = split
+    return pins
 
 
 def batch_rows(traced: TracedStep) -> int | None:

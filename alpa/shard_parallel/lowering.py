@@ -29,12 +29,17 @@ from jax import lax
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, Var
 from jax.sharding import NamedSharding, PartitionSpec
 
+from alpa.shard_parallel.gradient_sync import (
+    gather_packed,
+    packed_gathers,
+    reduce_at_marker,
+    reduce_partials,
+)
 from alpa.shard_parallel.micro_batches import (
     batch_dims,
     deferrable,
     deferred_rules,
     stack_micro_batches,
-    sum_partials,
 )
 from alpa.shard_parallel.partial_sums import partial_sum_overrides
 from alpa.shard_parallel.sharding_plan import ShardingPlan
@@ -425,18 +430,43 @@ def build_step_function(
 def _one_batch_step(traced: TracedStep, plan: ShardingPlan, mesh, var_shardings, operand_shardings):
     """The step on the whole batch at once, its gradients reduced at the marker."""
     closed = traced.closed_jaxpr
-    overrides = _reduce_at_marker(traced, plan, mesh, var_shardings)
+    overrides = reduce_at_marker(traced, plan, mesh, var_shardings)
     if mesh.size > 1:
         overrides |= partial_sum_overrides(
             closed.jaxpr, plan.partial_sums, plan.var_specs, mesh, skip=set(overrides)
         )
+    gathered = _gathering(traced, plan, mesh)
 
     def step(*leaves):
-        return eval_jaxpr_with_constraints(
+        leaves = gathered.inputs(leaves)
+        outs = eval_jaxpr_with_constraints(
             closed.jaxpr, closed.consts, leaves, var_shardings, operand_shardings, overrides
         )
+        return gathered.outputs(outs)
 
     return step
+
+
+@dataclass(frozen=True)
+class _Gathering:
+    """The packed all-gathers of a data-parallel plan (``gradient_sync.packed_gathers``):
+    of the step's inputs before it runs, of its outputs after."""
+
+    input_dims: dict
+    output_dims: dict
+    mesh: Any
+    data_axes: tuple[str, ...]
+
+    def inputs(self, leaves) -> list:
+        return gather_packed(list(leaves), self.input_dims, self.mesh, self.data_axes)
+
+    def outputs(self, outs) -> list:
+        return gather_packed(list(outs), self.output_dims, self.mesh, self.data_axes)
+
+
+def _gathering(traced: TracedStep, plan: ShardingPlan, mesh) -> _Gathering:
+    gathers = packed_gathers(traced, plan)
+    return _Gathering(dict(gathers.inputs), dict(gathers.outputs), mesh, tuple(plan.data_axes))
 
 
 def _micro_batched_step(
@@ -508,11 +538,14 @@ def _micro_batched_step(
         sharding = var_shardings.get(v)
         return None if sharding is None else sharding.spec
 
+    gathered = _gathering(traced, plan, mesh)
+
     def step(*leaves):
         # Once per step, before the loop: the parameters as the compute part reads them
-        # (ZeRO-3's gather), and the batch as k contiguous micro-batches.
+        # (ZeRO-3's gather, packed), and the batch as k contiguous micro-batches.
         params, stacked = [], []
-        for i, (x, v, b) in enumerate(zip(leaves, jaxpr.invars, is_batch, strict=True)):
+        read = gathered.inputs(leaves)
+        for i, (x, v, b) in enumerate(zip(read, jaxpr.invars, is_batch, strict=True)):
             if b:
                 stacked.append(stack_micro_batches(x, k, mesh, spec_of(i, v)))
             else:
@@ -533,78 +566,11 @@ def _micro_batched_step(
             overrides,
             init,
         )
-        grads = [
-            sum_partials(a, mesh, data_axes, grad_spec(v)) if p else a
-            for a, p, v in zip(acc, is_partial, split.marker_outvars, strict=True)
-        ]
-        return apply_part(leaves, [_average(g, k) for g in grads])
+        specs = [grad_spec(v) for v in split.marker_outvars]
+        grads = reduce_partials(acc, is_partial, specs, mesh, data_axes)
+        return gathered.outputs(apply_part(leaves, [_average(g, k) for g in grads]))
 
     return step
-
-
-def _reduce_at_marker(traced: TracedStep, plan: ShardingPlan, mesh, var_shardings) -> dict:
-    """Without micro-batches: the ``overrides`` that reduce the step's gradients once, at
-    the ``alpa.grad`` marker, as the micro-batched step does after its loop.
-
-    Each gradient that is a sum over the batch's rows reaching the marker through linear
-    operations is kept per device until the marker (``micro_batches.deferrable``), where
-    it is all-reduced, or reduce-scattered into the plan's gradient spec when that splits
-    it over the data axes (ZeRO-2, ``prefer_reduce_scatter``). Two such sums added (the
-    tied input and output embedding's gradient) are therefore reduced once, not twice.
-    Only row sums that the plan itself reduces over the data axes are deferred (it reads
-    their batch dimensions split over exactly those axes), and only where the batch is
-    split over every device (no other mesh axis has more than one device): elsewhere the
-    per-device sums would override the plan's own strategy for them. Empty (the plan's
-    constraints alone) where nothing is deferred."""
-    marker = traced.grad_marker()
-    data_axes = tuple(plan.data_axes) if mesh.size > 1 else ()
-    if marker is None or not data_axes:
-        return {}
-    if any(mesh.shape[a] > 1 for a in mesh.axis_names if a not in data_axes):
-        return {}
-    num_data = int(np.prod([mesh.shape[a] for a in data_axes]))
-    dims = batch_dims(traced, num_data)
-    if dims is None:
-        return {}
-    jaxpr = traced.jaxpr
-    # Every equation but the marker reads values, so a gradient also read past the marker
-    # (not through it) is not deferred.
-    before = new_jaxpr(
-        jaxpr, jaxpr.constvars, jaxpr.invars, marker.invars,
-        [e for e in jaxpr.eqns if e is not marker],
-    )  # fmt: skip
-    inputs = dict(zip(jaxpr.invars, plan.in_specs, strict=True))
-
-    def planned_over_data(eqn) -> bool:
-        needs = plan.operand_specs.get(eqn) or (None,) * len(eqn.invars)
-        for v, need in zip(eqn.invars, needs, strict=True):
-            d = dims.get(v) if isinstance(v, Var) else None
-            spec = need or plan.var_specs.get(v) or inputs.get(v)
-            if not d or spec is None:  # not a batch operand, or left to XLA
-                continue
-            axes = spec[d[0]] if d[0] < len(spec) else None
-            if (axes if isinstance(axes, tuple) else (axes,)) != data_axes:
-                return False
-        return True
-
-    deferred = deferrable(before, dims, keep=planned_over_data)
-    if not deferred:
-        return {}
-    overrides = deferred_rules(before.eqns, dims, deferred, mesh, data_axes, plan.var_specs)
-
-    def reduce(operands):
-        outs = []
-        for v, x, out in zip(marker.invars, operands, marker.outvars, strict=True):
-            sharding = var_shardings.get(out)
-            if isinstance(v, Var) and v in deferred:
-                x = sum_partials(x, mesh, data_axes, None if sharding is None else sharding.spec)
-            if sharding is not None:
-                x = jax.lax.with_sharding_constraint(x, sharding)
-            outs.append(x)
-        return outs
-
-    overrides[marker] = reduce
-    return overrides
 
 
 def _check_batch_free(traced: TracedStep, split: GradSplit, dims: dict) -> None:

@@ -28,7 +28,7 @@ from alpa.shard_parallel.sharding_spec import Spec, axis_dim, used_axes
 from alpa.shard_parallel.strategy_costs import sums_partials
 from alpa.testing import assert_allclose, get_mlp_train_state_and_step, unit_cost_mesh
 from alpa.testing import run_auto_sharded as _compile
-from alpa.util import count_communication_primitives
+from alpa.util import collective_shapes, count_communication_primitives
 
 
 def _param_specs(params) -> dict[str, P]:
@@ -118,8 +118,9 @@ def test_force_data_parallel_is_data_parallel_program(mlp_wide_hidden):
 
 def test_force_data_parallel_with_reduce_scatter_is_zero2_program(mlp_wide_batch):
     """``force_data_parallel`` with ``prefer_reduce_scatter`` is Alpa's ZeRO-2: the program
-    and shardings of ``Zero2Parallel``, with real reduce-scatters (one per gradient tensor,
-    none merged by XLA on CPU), no all-reduce, and one all-gather per updated parameter."""
+    and shardings of ``Zero2Parallel``, with one real reduce-scatter of all gradients packed
+    (XLA on CPU merges none), no all-reduce, and one packed all-gather of the updated
+    parameters (``gradient_sync.py``)."""
     state, batch, step, expected = mlp_wide_batch
     option = dict(force_data_parallel=True, prefer_reduce_scatter=True)
     out, executable = _compile(step, state, batch, (2, 4), **option)
@@ -127,20 +128,20 @@ def test_force_data_parallel_with_reduce_scatter_is_zero2_program(mlp_wide_batch
     z2_step = alpa.parallelize(step, method=alpa.Zero2Parallel(), donate_argnums=())
     z2_out = z2_step(state, batch)
     assert _counts(executable) == _counts(z2_step.get_last_executable())
-    num_params = len(jax.tree.leaves(state.params))
-    assert tuple(_counts(executable)) == (2 * num_params, 0, num_params, num_params, 0)
+    assert tuple(_counts(executable)) == (2, 0, 1, 1, 0)
     assert _param_specs(out.opt_state) == _param_specs(z2_out.opt_state)
     assert all(s != P() for s in _param_specs(out.opt_state[0].mu).values())
 
 
 def test_prefer_reduce_scatter_shards_the_update_of_data_parallel_gradients():
     """A data-parallel MLP (batch on mesh axis 0 everywhere, CPU cluster costs) with
-    ``prefer_reduce_scatter``: each kernel's gradient is reduce-scattered (a real
-    reduce-scatter in the HLO, one per kernel), Adam's moments of every kernel are sharded,
-    so the update runs on 1/8 of each kernel, and each kernel is all-gathered once (after
-    its update, or before its use where the ILP keeps the parameter itself sharded). The
-    biases, whose update costs less than an extra collective's latency, stay in the one
-    merged all-reduce. Without the option: one all-reduce and nothing sharded."""
+    ``prefer_reduce_scatter``: each kernel's gradient is reduce-scattered (one real
+    reduce-scatter in the HLO of the 3 kernels packed, ``gradient_sync.py``), Adam's moments
+    of every kernel are sharded, so the update runs on 1/8 of each kernel, and each kernel
+    is all-gathered once: the two updated and returned whole in one packed all-gather, the
+    one the ILP keeps sharded before its use by XLA. The biases, whose update costs less
+    than an extra collective's latency, stay in the one merged all-reduce. Without the
+    option: one all-reduce and nothing sharded."""
     state, batch, step = get_mlp_train_state_and_step(1024, 128, num_layers=3)
     expected = jax.jit(step)(state, batch)
     mesh = alpa.get_global_physical_mesh().get_logical_mesh((8, 1))
@@ -157,7 +158,10 @@ def test_prefer_reduce_scatter_shards_the_update_of_data_parallel_gradients():
     assert all(s == P() for s in _param_specs(out.opt_state).values())
     out, scattered = results[True]
     num_kernels = 3
-    assert tuple(_counts(scattered)) == (2 * num_kernels + 1, 1, num_kernels, num_kernels, 0)
+    assert tuple(_counts(scattered)) == (4, 1, 2, 1, 0)
+    hlo = scattered.get_hlo_text()
+    assert collective_shapes(hlo, "reduce-scatter") == [f"f32[1,{num_kernels * 128 * 128 // 8}]"]
+    assert sorted(collective_shapes(hlo, "all-gather")) == ["f32[128,128]", "f32[8,4096]"]
     moments = _param_specs((out.opt_state[0].mu, out.opt_state[0].nu))
     kernels = {k: s for k, s in moments.items() if "kernel" in k}
     assert len(kernels) == 2 * num_kernels and all(s == P(None, "x") for s in kernels.values())

@@ -57,16 +57,17 @@ def test_micro_batches_match_full_batch(mlp, method_cls, num_micro_batches):
     out, executable, expected = _run(mlp, method_cls(num_micro_batches=num_micro_batches))
     assert_allclose(out, expected, rtol=1e-4, atol=1e-4)
     # Gradients are reduced once per step, none inside the micro-batch loop: a single
-    # (tuple) all-reduce, or with ZeRO one reduce-scatter per gradient tensor (XLA on CPU
-    # does not merge reduce-scatters) and no all-reduce.
+    # (tuple) all-reduce, or with ZeRO one reduce-scatter of all gradient tensors packed
+    # (gradient_sync.py) and no all-reduce; ZeRO-2 gathers its updated parameters, ZeRO-3
+    # its parameters, in one all-gather.
     hlo = executable.get_hlo_text()
     assert " while(" in hlo
     assert count_loop_communication_primitives(hlo).total == 0
     counts = count_communication_primitives(hlo)
     if method_cls is alpa.DataParallel:
-        assert (counts.all_reduce, counts.reduce_scatter) == (1, 0), counts
+        assert (counts.all_reduce, counts.reduce_scatter, counts.all_gather) == (1, 0, 0), counts
     else:
-        assert (counts.all_reduce, counts.reduce_scatter) == (0, NUM_PARAM_TENSORS), counts
+        assert (counts.all_reduce, counts.reduce_scatter, counts.all_gather) == (0, 1, 1), counts
 
 
 def test_data_parallel_has_one_all_reduce_and_replicated_params(mlp):
@@ -93,11 +94,15 @@ def test_zero2_shards_optimizer_state(mlp):
     # XLA's memory analysis agrees: the step allocates less per device than DP.
     saved = dp_exec.get_total_allocation_size() - executable.get_total_allocation_size()
     assert saved >= serial_bytes * (N - 1) // N
-    # Gradients reach each device as shards, by real reduce-scatters (psum_scatter: XLA on
-    # CPU would compile a constrained all-reduce to all-reduce + slice, DESIGN §7), one
-    # per gradient tensor; then each updated parameter is all-gathered once. Nothing else.
-    counts = count_communication_primitives(executable.get_hlo_text())
-    assert counts == (2 * NUM_PARAM_TENSORS, 0, NUM_PARAM_TENSORS, NUM_PARAM_TENSORS, 0)
+    # Gradients reach each device as shards, by one real reduce-scatter of all of them
+    # packed (psum_scatter: XLA on CPU would compile a constrained all-reduce to
+    # all-reduce + slice, and merges no reduce-scatters, DESIGN §7); then the updated
+    # parameters are all-gathered, packed in one all-gather too. Nothing else.
+    hlo = executable.get_hlo_text()
+    assert count_communication_primitives(hlo) == (2, 0, 1, 1, 0)
+    shard = sum(x.size for x in jax.tree.leaves(state.params)) // N
+    assert collective_shapes(hlo, "reduce-scatter") == [f"f32[1,{shard}]"]
+    assert collective_shapes(hlo, "all-gather") == [f"f32[{N},{shard}]"]
 
 
 def test_zero3_shards_and_gathers_parameters(mlp):
@@ -108,10 +113,12 @@ def test_zero3_shards_and_gathers_parameters(mlp):
     assert _local_bytes(out.params) * N == param_bytes
     in_specs = executable.get_input_placement_specs()[0]
     assert all(s.sharding_specs[0] == P("x") for s in jax.tree.leaves(in_specs.params))
-    # Every parameter tensor is gathered before its use.
-    assert count_communication_primitives(executable.get_hlo_text()).all_gather >= (
-        NUM_PARAM_TENSORS
-    )
+    # Every parameter tensor is gathered before its use, all in one packed all-gather;
+    # the gradients are reduce-scattered in one, and the optimizer state is never gathered.
+    hlo = executable.get_hlo_text()
+    assert count_communication_primitives(hlo) == (2, 0, 1, 1, 0)
+    shard = param_bytes // 4 // N
+    assert collective_shapes(hlo, "all-gather") == [f"f32[{N},{shard}]"]
 
 
 def test_batch_norm_like_state_and_aux_with_micro_batches():
@@ -152,21 +159,22 @@ def test_batch_dependent_value_outside_grad_is_an_error():
 def test_tied_embedding_gradient_is_reduced_once(num_micro_batches):
     """The tied table's two partial sums are added on each device and reduced once: the
     data-parallel step's one (tuple) all-reduce holds the 512 x 64 table once, not twice
-    (as XLA compiles the two constrained sums), and ZeRO-2 reduce-scatters it once."""
+    (as XLA compiles the two constrained sums), and ZeRO-2's one packed reduce-scatter
+    holds each device's 64 x 64 block of it once, with its block of w (64 x 64 / 8)."""
     params, batch, step = get_tied_embedding_step()
     expected = jax.jit(step)(params, batch)
-    for method, collective, table in (
-        (alpa.DataParallel, "all-reduce", "f32[512,64]"),
-        (alpa.Zero2Parallel, "reduce-scatter", "f32[64,64]"),
-    ):
-        p_step = alpa.parallelize(
-            step, method=method(num_micro_batches=num_micro_batches), donate_argnums=()
-        )
-        assert_allclose(p_step(params, batch), expected, rtol=1e-5, atol=1e-5)
-        hlo = p_step.get_last_executable().get_hlo_text()
-        shapes = collective_shapes(hlo, collective)
-        assert shapes.count(table) == 1, shapes
-        assert len(shapes) == 2, shapes  # the table's and w's gradients
+    p_step = alpa.parallelize(
+        step, method=alpa.DataParallel(num_micro_batches=num_micro_batches), donate_argnums=()
+    )
+    assert_allclose(p_step(params, batch), expected, rtol=1e-5, atol=1e-5)
+    shapes = collective_shapes(p_step.get_last_executable().get_hlo_text(), "all-reduce")
+    assert sorted(shapes) == ["f32[512,64]", "f32[64,64]"], shapes
+    p_step = alpa.parallelize(
+        step, method=alpa.Zero2Parallel(num_micro_batches=num_micro_batches), donate_argnums=()
+    )
+    assert_allclose(p_step(params, batch), expected, rtol=1e-5, atol=1e-5)
+    shapes = collective_shapes(p_step.get_last_executable().get_hlo_text(), "reduce-scatter")
+    assert shapes == [f"f32[1,{(512 * 64 + 64 * 64) // N}]"], shapes
 
 
 @pytest.mark.parametrize("method_cls", [alpa.DataParallel, alpa.Zero2Parallel, alpa.Zero3Parallel])

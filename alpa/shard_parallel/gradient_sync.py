@@ -1,0 +1,413 @@
+"""Gradient synchronisation of a data-parallel plan, written out as packed collectives.
+
+A plan that splits the batch over every device (``DataParallel``, ZeRO-2 and ZeRO-3,
+the ILP's plan on a 1-D data-parallel mesh) synchronises its replicas three ways:
+
+* **Gradients** are sums over the batch's rows. Each device sums its own rows and the
+  per-device sums are reduced once, at the ``alpa.grad`` marker
+  (:func:`reduce_at_marker`; the sums are carried there as ``micro_batches`` defers
+  them). A gradient the plan wants whole is all-reduced (XLA combines those into one
+  tuple all-reduce); the gradients it wants split over the data axes (ZeRO) are
+  reduce-scattered, **all in one** ``psum_scatter`` (:func:`packed_reduce_scatter`).
+* **Updated parameters** that ZeRO-2 computes on each device's shard and returns whole
+  are all-gathered, all in one ``all_gather`` at the end of the step.
+* **Parameters** that ZeRO-3 receives split and reads whole are all-gathered, all in one
+  ``all_gather`` at the start of the step (:func:`packed_gathers`).
+
+Packing is written out because XLA on CPU neither combines reduce-scatters or
+all-gathers nor turns an all-reduce and a slice into a reduce-scatter (measured: ZeRO-2
+on a 6-layer MLP compiled to one tuple all-reduce and 12 all-gathers). A packed
+collective works on one buffer ``[n, M]`` per device, row ``i`` the concatenation of
+device ``i``'s block of every tensor: a tensor split at dimension ``d`` is reshaped so
+that ``d`` becomes ``(n, d/n)``, that ``n`` is moved first and the rest flattened. So
+device ``i`` receives (or sends) exactly its blocks, and the program computes what the
+unpacked one does.
+
+**Cost.** Under the alpha-beta model a reduce-scatter and an all-gather of ``B`` bytes
+over ``n`` devices cost ``2α + 2β(n-1)/n·B``, an all-reduce of them ``α + 2β(n-1)/n·B``:
+ZeRO-2 costs what data parallelism costs, one latency more (:func:`sync_cost_change`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend.core import Var
+from jax.sharding import PartitionSpec
+
+from alpa.shard_parallel.micro_batches import (
+    batch_dims,
+    deferrable,
+    deferred_rules,
+    scatter_dimension,
+    sum_partials,
+)
+from alpa.shard_parallel.sharding_plan import REPLICATED, ShardingPlan
+from alpa.tracing import TracedStep, new_jaxpr
+
+# ----------------------------------------------------------------------------- packing
+
+
+def _data(data_axes: tuple[str, ...]):
+    return data_axes if len(data_axes) > 1 else data_axes[0]
+
+
+def _split_at(dim: int, data_axes: tuple[str, ...]) -> PartitionSpec:
+    return PartitionSpec(*([None] * dim), _data(data_axes))
+
+
+def _rows(x, dim: int, n: int):
+    """``x`` whole as ``[n, M]``: row ``i`` is block ``i`` of ``x`` along ``dim``."""
+    shape = x.shape
+    x = x.reshape(shape[:dim] + (n, shape[dim] // n) + shape[dim + 1 :])
+    return jnp.moveaxis(x, dim, 0).reshape(n, -1)
+
+
+def _unrows(rows, shape: tuple[int, ...], dim: int, n: int):
+    """The inverse of :func:`_rows`: ``[n, M]`` back to the whole tensor of ``shape``."""
+    block = shape[:dim] + (shape[dim] // n,) + shape[dim + 1 :]
+    x = jnp.moveaxis(rows.reshape((n,) + block), 0, dim)
+    return x.reshape(shape)
+
+
+def _offsets(sizes: Sequence[int]) -> list[int]:
+    return list(np.cumsum([0, *sizes]))
+
+
+def packed_reduce_scatter(partials: Sequence, dims: Sequence[int], mesh, data_axes) -> list:
+    """``Σ_d p[d]`` of each per-device partial sum ``p`` (``[n, *shape]``, split over
+    ``data_axes``), split at ``dims[j]`` over ``data_axes``: one ``psum_scatter`` of all
+    of them packed (module docstring). Partials of one dtype only."""
+    data_axes = tuple(data_axes)
+    n = int(np.prod([mesh.shape[a] for a in data_axes]))
+    shapes = [tuple(p.shape[1:]) for p in partials]
+    sizes = [int(np.prod(s)) // n for s in shapes]
+
+    def body(*locals_):
+        packed = jnp.concatenate(
+            [_rows(p[0], d, n) for p, d in zip(locals_, dims, strict=True)], axis=1
+        )
+        mine = jax.lax.psum_scatter(packed, data_axes, scatter_dimension=0, tiled=True)
+        starts = _offsets(sizes)
+        return tuple(
+            mine[0, a:b].reshape(s[:d] + (s[d] // n,) + s[d + 1 :])
+            for a, b, s, d in zip(starts[:-1], starts[1:], shapes, dims, strict=True)
+        )
+
+    return list(
+        jax.shard_map(
+            body,
+            mesh=mesh,
+            in_specs=tuple(PartitionSpec(_data(data_axes)) for _ in partials),
+            out_specs=tuple(_split_at(d, data_axes) for d in dims),
+            axis_names=set(data_axes),
+            check_vma=False,
+        )(*partials)
+    )
+
+
+def packed_all_gather(values: Sequence, dims: Sequence[int], mesh, data_axes) -> list:
+    """Each of ``values`` (split at ``dims[j]`` over ``data_axes``) whole on every
+    device: one ``all_gather`` of all of them packed. Values of one dtype only."""
+    data_axes = tuple(data_axes)
+    n = int(np.prod([mesh.shape[a] for a in data_axes]))
+    shapes = [tuple(v.shape) for v in values]
+    sizes = [int(np.prod(s)) // n for s in shapes]
+
+    def body(*blocks):
+        packed = jnp.concatenate([b.reshape(1, -1) for b in blocks], axis=1)
+        rows = jax.lax.all_gather(packed, data_axes, axis=0, tiled=True)
+        starts = _offsets(sizes)
+        return tuple(
+            _unrows(rows[:, a:b], s, d, n)
+            for a, b, s, d in zip(starts[:-1], starts[1:], shapes, dims, strict=True)
+        )
+
+    return list(
+        jax.shard_map(
+            body,
+            mesh=mesh,
+            in_specs=tuple(_split_at(d, data_axes) for d in dims),
+            out_specs=tuple(REPLICATED for _ in values),
+            axis_names=set(data_axes),
+            check_vma=False,
+        )(*values)
+    )
+
+
+def _by_dtype(indices: Sequence[int], values: Sequence) -> list[list[int]]:
+    groups: dict = {}
+    for i in indices:
+        groups.setdefault(jnp.dtype(values[i].dtype), []).append(i)
+    return list(groups.values())
+
+
+def reduce_partials(values, is_partial, specs, mesh, data_axes) -> list:
+    """Each of ``values`` reduced as the plan wants it: a per-device partial sum
+    (``is_partial``) whose wanted spec (``specs``) splits it over exactly ``data_axes``
+    is reduce-scattered, packed with the others of its dtype; any other partial sum is
+    all-reduced (``micro_batches.sum_partials``); the rest are returned as they are."""
+    data_axes = tuple(data_axes)
+    out = list(values)
+    dims = {}
+    for i, (x, p, spec) in enumerate(zip(values, is_partial, specs, strict=True)):
+        if not p:
+            continue
+        dim = scatter_dimension(spec, data_axes)
+        if dim is None:
+            out[i] = sum_partials(x, mesh, data_axes, spec)
+        else:
+            dims[i] = dim
+    for group in _by_dtype(list(dims), values):
+        sums = packed_reduce_scatter([values[i] for i in group], [dims[i] for i in group],
+                                     mesh, data_axes)  # fmt: skip
+        for i, s in zip(group, sums, strict=True):
+            out[i] = s
+    return out
+
+
+def gather_packed(values: list, dims: Mapping[int, int], mesh, data_axes) -> list:
+    """``values`` with those at the indices of ``dims`` (split at ``dims[i]`` over
+    ``data_axes``) gathered whole, packed by dtype."""
+    out = list(values)
+    for group in _by_dtype(list(dims), values):
+        whole = packed_all_gather([values[i] for i in group], [dims[i] for i in group],
+                                  mesh, data_axes)  # fmt: skip
+        for i, w in zip(group, whole, strict=True):
+            out[i] = w
+    return out
+
+
+# ----------------------------------------------------------------------------- what is packed
+
+
+def pure_data_parallel(plan: ShardingPlan) -> tuple[str, ...]:
+    """The plan's data axes when they hold every device of its mesh (more than one), else
+    ``()``: only then do the gradient sums and gathers here stand for the whole plan."""
+    mesh = plan.logical_mesh
+    sizes = dict(zip(mesh.axis_names, mesh.shape, strict=True))
+    data_axes = tuple(plan.data_axes)
+    if not data_axes or mesh.num_devices == 1:
+        return ()
+    if any(size > 1 for a, size in sizes.items() if a not in data_axes):
+        return ()
+    return data_axes
+
+
+def _only_split(spec, data_axes) -> int | None:
+    """The dimension ``spec`` splits over exactly ``data_axes``, when it splits no other."""
+    if spec is None:
+        return None
+    dim = scatter_dimension(spec, data_axes)
+    if dim is None or sum(1 for axes in spec if axes) != 1:
+        return None
+    return dim
+
+
+@dataclass(frozen=True)
+class PackedGathers:
+    """The all-gathers a data-parallel plan's lowering packs, by position: step inputs
+    the plan receives split and pins whole (``inputs[i]`` the dimension split: ZeRO-3's
+    parameters), step outputs it computes split and returns whole (``outputs[o]``:
+    ZeRO-2's updated parameters)."""
+
+    inputs: Mapping[int, int]
+    outputs: Mapping[int, int]
+
+
+def packed_gathers(traced: TracedStep, plan: ShardingPlan) -> PackedGathers:
+    """The all-gathers :func:`gather_packed` writes out for ``plan`` (empty unless the
+    plan splits the batch over every device, :func:`pure_data_parallel`)."""
+    data_axes = pure_data_parallel(plan)
+    if not data_axes:
+        return PackedGathers({}, {})
+    jaxpr = traced.jaxpr
+    inputs = {}
+    for i, (v, spec) in enumerate(zip(jaxpr.invars, plan.in_specs, strict=True)):
+        dim = _only_split(spec, data_axes)
+        if dim is not None and plan.var_specs.get(v) == REPLICATED:
+            inputs[i] = dim
+    made = {v for e in jaxpr.eqns for v in e.outvars}
+    outputs, seen = {}, set()
+    for o, (v, spec) in enumerate(zip(jaxpr.outvars, plan.out_specs, strict=True)):
+        if not isinstance(v, Var) or v not in made or v in seen or spec != REPLICATED:
+            continue
+        seen.add(v)
+        dim = _only_split(plan.var_specs.get(v), data_axes)
+        if dim is not None:
+            outputs[o] = dim
+    return PackedGathers(inputs, outputs)
+
+
+# ----------------------------------------------------------------------------- at the marker
+
+
+@dataclass(frozen=True)
+class MarkerDeferral:
+    """The row sums of a step carried as per-device partial sums to its ``alpa.grad``
+    marker (``deferred``, found by ``micro_batches.deferrable`` in ``before``, the step
+    without its marker), and the batch dimensions of its values (``dims``)."""
+
+    deferred: frozenset
+    dims: Mapping
+    before: object
+
+
+def marker_deferral(traced: TracedStep, plan: ShardingPlan) -> MarkerDeferral | None:
+    """Which gradients :func:`reduce_at_marker` reduces at the marker, ``None`` where it
+    reduces none.
+
+    Only row sums that the plan itself reduces over the data axes are deferred (it reads
+    their batch dimensions split over exactly those axes), and only where the batch is
+    split over every device (:func:`pure_data_parallel`): elsewhere the per-device sums
+    would override the plan's own strategy for them."""
+    marker = traced.grad_marker()
+    data_axes = pure_data_parallel(plan)
+    if marker is None or not data_axes:
+        return None
+    sizes = dict(zip(plan.logical_mesh.axis_names, plan.logical_mesh.shape, strict=True))
+    dims = batch_dims(traced, int(np.prod([sizes[a] for a in data_axes])))
+    if dims is None:
+        return None
+    jaxpr = traced.jaxpr
+    # Every equation but the marker reads values, so a gradient also read past the marker
+    # (not through it) is not deferred.
+    before = new_jaxpr(
+        jaxpr, jaxpr.constvars, jaxpr.invars, marker.invars,
+        [e for e in jaxpr.eqns if e is not marker],
+    )  # fmt: skip
+    inputs = dict(zip(jaxpr.invars, plan.in_specs, strict=True))
+
+    def planned_over_data(eqn) -> bool:
+        needs = plan.operand_specs.get(eqn) or (None,) * len(eqn.invars)
+        for v, need in zip(eqn.invars, needs, strict=True):
+            d = dims.get(v) if isinstance(v, Var) else None
+            spec = need or plan.var_specs.get(v) or inputs.get(v)
+            if not d or spec is None:  # not a batch operand, or left to XLA
+                continue
+            axes = spec[d[0]] if d[0] < len(spec) else None
+            if (axes if isinstance(axes, tuple) else (axes,)) != data_axes:
+                return False
+        return True
+
+    deferred = deferrable(before, dims, keep=planned_over_data)
+    return MarkerDeferral(frozenset(deferred), dims, before) if deferred else None
+
+
+def reduce_at_marker(traced: TracedStep, plan: ShardingPlan, mesh, var_shardings) -> dict:
+    """Without micro-batches: the ``overrides`` of ``lowering.eval_jaxpr_with_constraints``
+    that reduce the step's gradients once, at the ``alpa.grad`` marker, as the
+    micro-batched step does after its loop.
+
+    Each gradient that is a sum over the batch's rows reaching the marker through linear
+    operations is kept per device until the marker (:func:`marker_deferral`), where it is
+    all-reduced, or reduce-scattered into the plan's gradient spec when that splits it
+    over the data axes (ZeRO, ``prefer_reduce_scatter``), packed with the others
+    (:func:`reduce_partials`). Two such sums added (the tied input and output
+    embedding's gradient) are therefore reduced once, not twice. Empty (the plan's
+    constraints alone) where nothing is deferred."""
+    found = marker_deferral(traced, plan)
+    if found is None:
+        return {}
+    data_axes = pure_data_parallel(plan)
+    marker = traced.grad_marker()
+    overrides = deferred_rules(
+        found.before.eqns, found.dims, found.deferred, mesh, data_axes, plan.var_specs
+    )
+    shardings = [var_shardings.get(out) for out in marker.outvars]
+    specs = [None if s is None else s.spec for s in shardings]
+    is_partial = [isinstance(v, Var) and v in found.deferred for v in marker.invars]
+
+    def reduce(operands):
+        outs = reduce_partials(operands, is_partial, specs, mesh, data_axes)
+        return [
+            x if s is None else jax.lax.with_sharding_constraint(x, s)
+            for x, s in zip(outs, shardings, strict=True)
+        ]
+
+    overrides[marker] = reduce
+    return overrides
+
+
+# ----------------------------------------------------------------------------- cost
+
+
+@dataclass(frozen=True)
+class WrittenSync:
+    """The packed collectives a fixed data-parallel plan's lowering writes out, in bytes
+    of the whole tensors, on the mesh axis ``axis`` of the plan's logical mesh: the
+    gradients reduce-scattered and the tensors all-gathered, per dtype (one collective
+    each)."""
+
+    axis: int
+    scattered: tuple[float, ...]
+    gathered: tuple[float, ...]
+
+    def cost_change(self, mesh, all_reduced: float) -> float:
+        """Seconds that these collectives add to data parallelism's communication, whose
+        plan all-reduces ``all_reduced`` bytes in all (its gradients, combined into one
+        collective): the scattered gradients' all-reduce is replaced by their
+        reduce-scatter, and the gathers are added. When nothing else is all-reduced,
+        the combined all-reduce's latency goes too."""
+        scattered = sum(self.scattered)
+        all_reduce = mesh.all_reduce_cost(scattered, self.axis)
+        if all_reduced > scattered * (1 + 1e-9):  # another all-reduce keeps the latency
+            all_reduce -= mesh.all_reduce_cost(0.0, self.axis)
+        return (
+            sum(mesh.reduce_scatter_cost(b, self.axis) for b in self.scattered)
+            + sum(mesh.all_gather_cost(b, self.axis) for b in self.gathered)
+            - (all_reduce if scattered else 0.0)
+        )
+
+
+def written_sync(traced: TracedStep, plan: ShardingPlan) -> WrittenSync | None:
+    """What the lowering of ``plan`` packs (module docstring), ``None`` where it packs
+    nothing: the gradients it reduce-scatters at the marker and the tensors it
+    all-gathers at the start and end of the step, grouped by dtype as packed."""
+    data_axes = pure_data_parallel(plan)
+    if not data_axes:
+        return None
+    mesh = plan.logical_mesh
+    sized = [
+        mesh.axis_names.index(a) for a in data_axes if mesh.shape[mesh.axis_names.index(a)] > 1
+    ]
+    if len(sized) != 1:
+        return None  # the batch over two mesh axes: priced by the ILP alone
+    found = marker_deferral(traced, plan)
+    scattered = []
+    if found is not None and plan.grad_specs is not None:
+        scattered = [
+            v.aval
+            for v, spec in zip(traced.grad_marker().invars, plan.grad_specs, strict=True)
+            if isinstance(v, Var)
+            and v in found.deferred
+            and scatter_dimension(spec, data_axes) is not None
+        ]
+    gathers = packed_gathers(traced, plan)
+    gathered = _bytes_by_dtype([traced.jaxpr.invars[i].aval for i in gathers.inputs])
+    gathered += _bytes_by_dtype([traced.jaxpr.outvars[o].aval for o in gathers.outputs])
+    if not scattered and not gathered:
+        return None
+    return WrittenSync(sized[0], _bytes_by_dtype(scattered), gathered)
+
+
+def _bytes_by_dtype(avals) -> tuple[float, ...]:
+    """Bytes of ``avals``, summed per dtype: one packed collective each."""
+    total: dict = {}
+    for aval in avals:
+        key = np.dtype(aval.dtype)
+        total[key] = total.get(key, 0.0) + float(np.prod(aval.shape)) * key.itemsize
+    return tuple(total.values())
+
+
+def data_parallel_in_specs(traced: TracedStep, plan: ShardingPlan) -> tuple:
+    """``plan``'s input specs with every input but the batch's replicated: data
+    parallelism's plan of the same step, which :class:`WrittenSync` prices against."""
+    return tuple(
+        spec if is_batch else REPLICATED
+        for spec, is_batch in zip(plan.in_specs, traced.batch_invars, strict=True)
+    )

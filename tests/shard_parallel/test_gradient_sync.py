@@ -1,0 +1,208 @@
+"""ZeRO's gradient synchronisation written out as packed collectives
+(``shard_parallel/gradient_sync.py``) for steps differentiated with plain ``jax.grad``
+(``shard_parallel/grad_marking.py``): judged by numerics against ``jax.jit``, by the
+collectives counted in the compiled HLO and by the closed-form alpha-beta objective."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import alpa
+from alpa.device_mesh import LocalPhysicalDeviceMesh, make_jax_mesh
+from alpa.shard_parallel.grad_marking import gradient_vars, mark_gradients
+from alpa.shard_parallel.gradient_sync import packed_all_gather, packed_reduce_scatter
+from alpa.shard_parallel.lowering import eval_jaxpr_with_constraints
+from alpa.testing import assert_allclose
+from alpa.tracing.trace import trace_step
+from alpa.util import collective_shapes, count_communication_primitives
+
+N = 4  # devices of the logical mesh the methods run on
+SIZES = (24, 32, 32, 16)  # input, two hidden layers, output
+
+
+def _init(seed: int = 0):
+    rng = np.random.default_rng(seed)
+    params = {}
+    for i, (a, b) in enumerate(zip(SIZES, SIZES[1:], strict=False)):
+        params[f"w{i}"] = jnp.asarray(rng.standard_normal((a, b)) / np.sqrt(a), jnp.float32)
+        params[f"b{i}"] = jnp.zeros((b,), jnp.float32)
+    tx = optax.adam(1e-2)
+    batch = {
+        "x": jnp.asarray(rng.standard_normal((64, SIZES[0])), jnp.float32),
+        "y": jnp.asarray(rng.standard_normal((64, SIZES[-1])), jnp.float32),
+    }
+    return {"params": params, "opt_state": tx.init(params)}, batch, tx
+
+
+def _loss(params, batch):
+    h = batch["x"]
+    for i in range(len(SIZES) - 1):
+        h = h @ params[f"w{i}"] + params[f"b{i}"]
+        if i < len(SIZES) - 2:
+            h = jnp.tanh(h)
+    return jnp.mean((h - batch["y"]) ** 2)
+
+
+def _step_for(tx):
+    def train_step(state, batch):
+        grads = jax.grad(_loss)(state["params"], batch)  # plain jax.grad, as Alpa's users
+        updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
+        return {"params": optax.apply_updates(state["params"], updates), "opt_state": opt_state}
+
+    return train_step
+
+
+def _logical_mesh():
+    devices = LocalPhysicalDeviceMesh(jax.devices()[:N])
+    return devices.get_logical_mesh((N, 1), [1, 1], [1, 1])
+
+
+def _param_bytes(state) -> int:
+    return sum(x.nbytes for x in jax.tree.leaves(state["params"]))
+
+
+@pytest.mark.parametrize(
+    "method",
+    [
+        lambda mesh: alpa.Zero2Parallel(devices=mesh),
+        lambda mesh: alpa.Zero3Parallel(devices=mesh),
+        lambda mesh: alpa.ShardParallel(
+            devices=mesh,
+            auto_sharding_option=alpa.AutoShardingOption(
+                force_data_parallel=True, prefer_reduce_scatter=True
+            ),
+        ),
+    ],
+    ids=["Zero2Parallel", "Zero3Parallel", "ShardParallel-force_data_parallel-reduce_scatter"],
+)
+def test_zero_with_jax_grad_packs_one_reduce_scatter_and_one_all_gather(method):
+    """ZeRO-2 (and ZeRO-3) of a step written with ``jax.grad``: the gradients of all 6
+    parameter tensors are reduce-scattered in one collective, the updated parameters
+    (ZeRO-3: the parameters before use) all-gathered in one, nothing all-reduced; two
+    steps equal ``jax.jit``'s; the objective is that of those two collectives."""
+    state, batch, tx = _init()
+    step = _step_for(tx)
+    expected = jax.jit(step)(jax.jit(step)(state, batch), batch)
+    mesh = _logical_mesh()
+    p_step = alpa.parallelize(step, method=method(mesh), donate_argnums=())
+    got = p_step(p_step(state, batch), batch)
+    assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+
+    executable = p_step.get_last_executable()
+    hlo = executable.get_hlo_text()
+    counts = count_communication_primitives(hlo, ignore_scalar_all_reduce=True)
+    assert counts == (2, 0, 1, 1, 0), counts
+    shard = _param_bytes(state) // 4 // N
+    assert collective_shapes(hlo, "reduce-scatter") == [f"f32[1,{shard}]"]
+    assert collective_shapes(hlo, "all-gather") == [f"f32[{N},{shard}]"]
+    # Closed form (alpha = beta = 1): one reduce-scatter and one all-gather of every
+    # parameter's bytes, i.e. data parallelism's one all-reduce of them plus one latency.
+    param_bytes = _param_bytes(state)
+    closed_form = mesh.reduce_scatter_cost(param_bytes, 0) + mesh.all_gather_cost(param_bytes, 0)
+    assert executable.auto_sharding_objective == pytest.approx(closed_form, rel=1e-9)
+
+
+def test_data_parallel_objective_is_one_all_reduce_less_one_latency_than_zero2():
+    """DataParallel keeps XLA's combined all-reduce (no marker is added) and is priced as
+    one all-reduce of the parameters' bytes: ZeRO-2's objective less one latency."""
+    state, batch, tx = _init()
+    step = _step_for(tx)
+    mesh = _logical_mesh()
+    p_step = alpa.parallelize(step, method=alpa.DataParallel(devices=mesh), donate_argnums=())
+    assert_allclose(p_step(state, batch), jax.jit(step)(state, batch), rtol=1e-5, atol=1e-5)
+    executable = p_step.get_last_executable()
+    counts = count_communication_primitives(
+        executable.get_hlo_text(), ignore_scalar_all_reduce=True
+    )
+    assert counts == (1, 1, 0, 0, 0), counts
+    closed_form = mesh.all_reduce_cost(_param_bytes(state), 0)
+    assert executable.auto_sharding_objective == pytest.approx(closed_form, rel=1e-9)
+
+
+def test_zero3_gathers_parameters_not_optimizer_state():
+    """ZeRO-3's packed gather holds the parameters only: Adam's moments stay split, and
+    so do the updated parameters."""
+    state, batch, tx = _init()
+    step = _step_for(tx)
+    p_step = alpa.parallelize(
+        step, method=alpa.Zero3Parallel(devices=_logical_mesh()), donate_argnums=()
+    )
+    out = p_step(state, batch)
+    for leaf in jax.tree.leaves(out["params"]) + jax.tree.leaves(out["opt_state"]):
+        if leaf.ndim:
+            assert leaf.sharding.spec == P("x"), leaf.sharding
+    hlo = p_step.get_last_executable().get_hlo_text()
+    assert collective_shapes(hlo, "all-gather") == [f"f32[{N},{_param_bytes(state) // 4 // N}]"]
+
+
+def test_zero_with_jax_grad_and_micro_batches_still_asks_for_alpa_grad():
+    state, batch, tx = _init()
+    p_step = alpa.parallelize(
+        _step_for(tx), method=alpa.Zero2Parallel(num_micro_batches=2), donate_argnums=()
+    )
+    with pytest.raises(ValueError, match="Replace jax.grad / jax.value_and_grad by alpa.grad"):
+        p_step(state, batch)
+
+
+def _trace(fun, args):
+    names = [f"leaf {i}" for i in range(len(jax.tree.leaves(args)))]
+    return trace_step(fun, args, (), (1,), (), names)
+
+
+def test_mark_gradients_marks_what_jax_grad_returns():
+    """The marker's operands are the 6 gradients, in the shapes of the parameters, and
+    the marked step computes what the unmarked one does."""
+    state, batch, tx = _init()
+    traced = _trace(_step_for(tx), (state, batch))
+    grads = gradient_vars(traced)
+    shapes = sorted(tuple(v.aval.shape) for v in grads)
+    assert shapes == sorted(x.shape for x in jax.tree.leaves(state["params"]))
+    marked = mark_gradients(traced)
+    assert list(marked.grad_marker().invars) == grads
+    assert mark_gradients(marked) is marked
+    flat = jax.tree.leaves((state, batch))
+
+    def run(closed):
+        return jax.jit(
+            lambda *xs: eval_jaxpr_with_constraints(closed.jaxpr, closed.consts, xs, {})
+        )(*flat)
+
+    assert_allclose(run(marked.closed_jaxpr), run(traced.closed_jaxpr))
+
+
+def test_mark_gradients_leaves_a_step_without_backward_pass():
+    traced = _trace(lambda params, batch: _loss(params, batch), (_init()[0]["params"], _init()[1]))
+    assert not traced.has_backward_pass
+    assert mark_gradients(traced) is traced
+
+
+@pytest.mark.parametrize(
+    "shapes, dims",
+    [([(16, 24), (4, 8, 6), (40,)], [0, 1, 0]), ([(3, 8)], [1])],
+)
+def test_packed_collectives_are_the_unpacked_ones(shapes, dims):
+    """One reduce-scatter of per-device partial sums split at different dimensions gives
+    each device its block of every sum; one all-gather gives back every tensor whole."""
+    n = 8
+    mesh = make_jax_mesh(jax.devices()[:n], (n,), ("x",))
+    rng = np.random.default_rng(1)
+    partials = [rng.standard_normal((n, *s)).astype(np.float32) for s in shapes]
+    placed = [jax.device_put(p, NamedSharding(mesh, P("x"))) for p in partials]
+
+    def both(*ps):
+        sums = packed_reduce_scatter(ps, dims, mesh, ("x",))
+        return sums, packed_all_gather(sums, dims, mesh, ("x",))
+
+    compiled = jax.jit(both).lower(*placed).compile()
+    sums, whole = compiled(*placed)
+    for p, s, w, d in zip(partials, sums, whole, dims, strict=True):
+        np.testing.assert_allclose(np.asarray(s), p.sum(0), rtol=1e-5, atol=1e-5)
+        assert s.sharding.spec == P(*([None] * d), "x")
+        np.testing.assert_allclose(np.asarray(w), p.sum(0), rtol=1e-5, atol=1e-5)
+        assert w.sharding.is_fully_replicated
+    counts = count_communication_primitives(compiled.as_text())
+    assert (counts.reduce_scatter, counts.all_gather, counts.all_reduce) == (1, 1, 0), counts
