@@ -173,7 +173,8 @@ class PipelinePlan:
     """The pipeline part of a plan.
 
     Attributes:
-      pipeline_schedule: ``"1f1b"``, ``"gpipe"``, ``"zb-h1"`` or ``"inference"``.
+      pipeline_schedule: a name of ``schedules.schedules`` (``"1f1b"``, ``"gpipe"``,
+        ``"zb-h1"``, ``"interleaved-1f1b"``, ``"dualpipev"``, ``"inference"``).
       layer_option: the layer option the step was traced with (``alpa.grad`` cuts the
         loss function as it says, so a replay traces under it again).
       decisions: layers, stages, per-stage options and logical meshes, and the sharding

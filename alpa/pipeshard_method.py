@@ -62,8 +62,10 @@ class PipeshardParallel(ParallelMethod):
         ``AutoShardingOption()``: the ILP shards each stage on its logical submesh); the
         stage option's per-stage dicts override its fields.
       pipeline_schedule: ``"1f1b"``, ``"gpipe"``, ``"zb-h1"`` (zero bubble),
-        ``"inference"``, or ``"auto"`` (each training schedule priced on the planned
-        stages, the fastest that fits memory taken; ``plan.schedule_candidates``).
+        ``"interleaved-1f1b"`` and ``"dualpipev"`` (two stages on each mesh: stage ``i``
+        on mesh ``i mod (S / 2)``, or in a V; uniform or manual stages), ``"inference"``,
+        or ``"auto"`` (each training schedule priced on the planned stages, the fastest
+        that fits memory taken; ``plan.schedule_candidates``).
       layer_option: ``"manual"``, ``ManualLayerOption`` or ``AutoLayerOption`` (layers by
         clustering the loss function's equations; ``layer_construction``).
       stage_option: ``"auto"`` or ``AutoStageOption`` (the stage DP picks stages,

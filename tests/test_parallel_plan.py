@@ -48,11 +48,12 @@ def _chain_args():
     return params, x
 
 
-def _pipeshard(stage_option):
+def _pipeshard(stage_option, schedule="1f1b"):
     return alpa.PipeshardParallel(
         num_micro_batches=2,
         layer_option=alpa.AutoLayerOption(layer_num=2),
         stage_option=stage_option,
+        pipeline_schedule=schedule,
     )
 
 
@@ -72,6 +73,8 @@ def make_case(name: str):
         "zero3": alpa.Zero3Parallel,
         "micro_batches": lambda: alpa.ShardParallel(num_micro_batches=2),
         "pipeshard_uniform": lambda: _pipeshard("uniform"),
+        # Two stages on one mesh of 8 devices, the V's turn between them.
+        "pipeshard_dualpipev": lambda: _pipeshard("uniform", "dualpipev"),
         # Only (1, 4) submeshes: the DP must pick two stages.
         "pipeshard_auto": lambda: _pipeshard(
             AutoStageOption(
@@ -89,6 +92,7 @@ CASES = (
     "zero3",
     "micro_batches",
     "pipeshard_uniform",
+    "pipeshard_dualpipev",
     "pipeshard_auto",
 )
 
@@ -274,6 +278,19 @@ def test_pipeshard_plan_records_stages(recorded):
         "0      [0]     0..3     (4, 1)",
         f"1      [1]     4..7     {stages.logical_shapes[1]}",
     ]
+
+
+def test_a_plan_with_two_stages_on_one_mesh_keeps_them_there(recorded):
+    """DualPipeV's two stages on one mesh: the plan records both on the same devices and
+    the schedule, and the replay (the HLO test above, and here) places them alike."""
+    plan = ParallelPlan.load(recorded["pipeshard_dualpipev"][1])
+    assert plan.pipeline_plan.pipeline_schedule == "dualpipev"
+    stages = plan.pipeline_plan.decisions.stage_plan
+    assert stages.device_ranges == ((0, 8), (0, 8)) and stages.stage_meshes == (0, 0)
+    step, args, _ = make_case("pipeshard_dualpipev")
+    executable = alpa.parallelize(step, method=alpa.plan_to_method(plan)).get_executable(*args)
+    assert executable.schedule.name == "dualpipev"
+    assert executable.instructions.num_physical_meshes == 1
 
 
 def test_plan_for_other_shapes_is_refused(recorded):

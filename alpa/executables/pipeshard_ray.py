@@ -34,7 +34,7 @@ from alpa.executables.pipeshard import StagePrograms, input_placement_specs
 from alpa.pipeline_parallel.computation import step_arguments
 from alpa.pipeline_parallel.pipeshard_plan import PipeshardPlan
 from alpa.pipeline_parallel.stage_sharding import DATA_AXES
-from alpa.runtime.instructions import ConstOutput, MicroBatchOutput, Op
+from alpa.runtime.instructions import ConstOutput, MicroBatchOutput, Op, activation_keys
 from alpa.runtime.placement import PlacementSpec
 from alpa.runtime.ray_launch import MeshOutput, RayStepLauncher
 from alpa.runtime.ray_mesh import DistributedPhysicalDeviceMesh
@@ -74,22 +74,17 @@ class _MeshProgramBuilder:
     def emit(self, op: WorkerOp, **fields) -> None:
         self.ops.append(dict(op=op, free=[], **fields))
 
-    def build(self) -> WorkerProgram:
+    def build(self, activations: set) -> WorkerProgram:
         instructions = tuple(
             WorkerInstruction(**{**op, "free": tuple(op["free"])}) for op in self.ops
         )
-        # The activations a RUN writes for a later RUN (instructions.activation_keys):
-        # the buffers the in-flight count is about, named (stage's mesh, micro-batch).
+        # The plan's activations (instructions.activation_keys; not what a relayout
+        # between two stages of this mesh writes): the buffers the in-flight count is
+        # about, named (stage's mesh, micro-batch).
         micro_batch_of: list[tuple | None] = [None] * len(self.slots)
-        key_of = {slot: key for key, slot in self.slots.items()}
-        runs = [op for op in self.ops if op["op"] is WorkerOp.RUN]
-        read = {slot for op in runs for slot in op.get("in_slots", ())}
-        for op in runs:
-            for slot in op.get("out_slots", ()):
-                key = key_of[slot]
-                if isinstance(key, tuple) and len(key) == 3 and key[1] is not None:
-                    if slot in read:
-                        micro_batch_of[slot] = (key[2], key[1])
+        for key, slot in self.slots.items():
+            if key in activations:
+                micro_batch_of[slot] = (key[2], key[1])
         return WorkerProgram(
             tuple(self.fns),
             instructions,
@@ -132,7 +127,8 @@ class PipeshardRayExecutable(Executable):
         builders = self._project_instructions(stages, leaf_index)
         outputs, const_names = self._project_outputs(builders, var_of)
         self._const_outputs = stages.const_outputs(const_names)
-        self._programs = [b.build() for b in builders]
+        activations = activation_keys(plan.instructions)
+        self._programs = [b.build(activations) for b in builders]
         self.launcher = RayStepLauncher(
             self.meshes,
             self._programs,

@@ -43,7 +43,7 @@ from alpa.pipeline_parallel.layer_construction import (
 from alpa.pipeline_parallel.pipeshard_plan import PipeshardDecisions, PipeshardPlan, layout_of
 from alpa.pipeline_parallel.runtime_emitter import emit_instructions
 from alpa.pipeline_parallel.schedule_choice import choose, price_schedules
-from alpa.pipeline_parallel.schedules import AUTO, make_schedule, stages_per_mesh
+from alpa.pipeline_parallel.schedules import AUTO, SPLIT_BACKWARD_SCHEDULES, make_schedule
 from alpa.pipeline_parallel.stage_construction import (
     AutoStageOption,
     StageContext,
@@ -250,7 +250,7 @@ def _plan_one_schedule(
     )
     if layer_option.remat_layer and program.is_training:
         program = rematerialize(program)
-    if options.pipeline_schedule == "zb-h1" and program.is_training:
+    if options.pipeline_schedule in SPLIT_BACKWARD_SCHEDULES and program.is_training:
         program = split_weight_gradients(program)
     schedule = _schedule(program, options, stage_plan)
     mesh_sizes = [m.num_devices for m in logical_meshes]
@@ -329,6 +329,13 @@ def _schedule(program: PipelineProgram, options: PipeshardOptions, stage_plan: S
     schedule = make_schedule(
         name, stage_plan.num_stages, options.num_micro_batches, stage_plan.num_meshes
     )
+    placed = schedule.stage_meshes or tuple(range(schedule.num_stages))
+    if placed != stage_plan.stage_meshes:
+        raise ValueError(
+            f"pipeline_schedule={name!r} runs stage i on mesh {list(placed)}[i], but the "
+            f"stages were placed on meshes {list(stage_plan.stage_meshes)} (a plan made for "
+            "another schedule); plan the stages for this one"
+        )
     if not program.is_training and name != "inference":
         raise ValueError(
             f"the step has no alpa.grad, so it is an inference step; pass "
@@ -427,7 +434,7 @@ def _search_stages(
         num_micro_batches=options.num_micro_batches,
         option=options.default_auto_sharding_option,
         remat=remat,
-        stages_per_mesh=stages_per_mesh(options.pipeline_schedule),
+        schedule=options.pipeline_schedule,
     )
     return plan_stages(stage_option, context)
 

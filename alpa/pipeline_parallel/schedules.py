@@ -44,6 +44,19 @@ With ``S`` stages and ``M`` micro-batches (DESIGN §5):
   price is memory: mesh ``d`` holds at most ``min(2 (p - d - 1) + (v - 1) p + 1, v M)``
   chunks' activations, ``1/v`` of a 1F1B stage's each (1F1B's mesh ``d``: ``p - d``
   stages').
+* **DualPipeV** (DeepSeek's DualPipe "cut in half") places ``S = 2 p`` stages on ``p``
+  meshes in a V, stage ``i`` on mesh ``min(i, 2 p - 1 - i)``: mesh ``d`` runs stage ``d``
+  on the way down and stage ``2 p - 1 - d`` on the way up (the turn, stages ``p - 1`` and
+  ``p``, is on one mesh), with ZB-H1's split backward; ``M >= 2 p``. Mesh ``d`` warms up
+  with chunk-0 forwards, runs a steady phase of (chunk-0 forward, chunk-1 backward,
+  chunk-1 forward, chunk-0 backward), and defers ``W`` s into its drain
+  (:class:`_DualPipeVMesh`). With every task one tick and ``p >= 2``, the grid takes
+  ``6 M + p - 1`` ticks, every mesh but mesh 0 (whose stage 0 keeps its backward whole)
+  busy for ``6 M``: a bubble fraction of ``(p - 1) / (6 M + p - 1)``; in time, with a
+  stage of the V half a 1F1B stage on ``p`` meshes (which takes 3 units a micro-batch),
+  ``3 M + (p - 1) / 2`` against ZB-H1's ``3 M + (p - 1)`` and 1F1B's ``3 M + 3 (p - 1)``.
+  Stage ``i`` holds ``2 p - i`` micro-batches at its peak, each mesh ``2 p + 1``
+  half-stages' activations (``p + 1/2`` of a 1F1B stage's, ZB-H1's ``p``).
 * **inference** runs forwards only: ``M + S - 1`` ticks.
 
 A training schedule ends with one ``apply`` tick in which every stage applies its
@@ -258,6 +271,100 @@ def interleaved_1f1b_schedule(
     return _clocked("interleaved-1f1b", orders, num_stages, M, meshes)
 
 
+def dualpipev_schedule(
+    num_stages: int, num_micro_batches: int, num_meshes: int | None = None
+) -> PipelineSchedule:
+    """DualPipeV (DeepSeek's DualPipe cut in half): ``2 p`` stages on ``p`` meshes in a V,
+    stage ``i`` on mesh ``min(i, 2 p - 1 - i)``, each mesh holding a stage of each half
+    (its chunk 0 on the way down, chunk 1 on the way up), the backward split into ``B``
+    and ``W`` as ZB-H1's (module docstring). ``num_micro_batches`` must be at least
+    ``2 p``; ``num_meshes``, if given, must be ``num_stages / 2``."""
+    _check_sizes(num_stages, num_micro_batches)
+    p, M = num_stages // 2, num_micro_batches
+    if num_stages % 2 or (num_meshes is not None and num_meshes != p):
+        raise ValueError(
+            f"DualPipeV places 2 stages on each mesh in a V: num_stages ({num_stages}) must "
+            f"be twice num_meshes, got num_meshes={num_meshes!r}"
+        )
+    if M < 2 * p:
+        raise ValueError(
+            f"DualPipeV needs at least 2 micro-batches per mesh: num_micro_batches ({M}) "
+            f"must be at least {2 * p}"
+        )
+    orders = [_DualPipeVMesh(d, p, M).order() for d in range(p)]
+    meshes = tuple(min(i, num_stages - 1 - i) for i in range(num_stages))
+    return _clocked("dualpipev", orders, num_stages, M, meshes)
+
+
+class _DualPipeVMesh:
+    """The order of mesh ``d``'s tasks under DualPipeV, phase by phase: forwards of chunk
+    0 only (``2 (p - d - 1)``); chunk-0 / chunk-1 forward pairs (``d + 1``); chunk-1
+    ``B``, its ``W``, a chunk-1 forward (``p - d - 1``); the steady phase of a chunk-0
+    forward, a chunk-1 backward, a chunk-1 forward and a chunk-0 backward
+    (``M - 2 p + d + 1``); chunk-1 backward, forward, chunk-0 backward (``p - d - 1``);
+    backward pairs (``d + 1``), whose second half defers its ``W`` s; deferred ``W`` with a
+    chunk-0 ``B`` (``p - d - 1``); the remaining ``W`` s. A backward not deferred is ``B``
+    then ``W`` at once; stage 0 sends no cotangent and keeps its backward whole."""
+
+    def __init__(self, d: int, p: int, M: int):
+        self.d, self.p, self.M = d, p, M
+        self.stages = (d, 2 * p - 1 - d)
+        self.next = {("forward", 0): 0, ("forward", 1): 0, ("backward", 0): 0, ("backward", 1): 0}
+        self.deferred: list[Task] = []
+        self.tasks: list[Task] = []
+
+    def forward(self, chunk: int) -> None:
+        m = self.next[("forward", chunk)]
+        self.next[("forward", chunk)] += 1
+        self.tasks.append(Task(self.stages[chunk], m, "forward"))
+
+    def backward(self, chunk: int, defer: bool = False) -> None:
+        stage = self.stages[chunk]
+        m = self.next[("backward", chunk)]
+        self.next[("backward", chunk)] += 1
+        self.tasks.append(Task(stage, m, "backward"))
+        if stage == 0:
+            return
+        (self.deferred if defer else self.tasks).append(Task(stage, m, "weight"))
+
+    def weight(self) -> None:
+        if self.deferred:
+            self.tasks.append(self.deferred.pop(0))
+
+    def order(self) -> list[Task]:
+        d, p, M = self.d, self.p, self.M
+        for _ in range(2 * (p - d - 1)):
+            self.forward(0)
+        for _ in range(d + 1):
+            self.forward(0)
+            self.forward(1)
+        for _ in range(p - d - 1):
+            self.backward(1, defer=True)
+            self.weight()
+            self.forward(1)
+        for _ in range(M - 2 * p + d + 1):
+            self.forward(0)
+            self.backward(1)
+            self.forward(1)
+            self.backward(0)
+        for _ in range(p - d - 1):
+            self.backward(1)
+            self.forward(1)
+            self.backward(0)
+        defer, half = False, (d + 1) // 2
+        for i in range(d + 1):
+            defer = defer or (i == half and d % 2 == 1)
+            self.backward(1, defer)
+            defer = defer or (i == half and d % 2 == 0)
+            self.backward(0, defer)
+        for _ in range(p - d - 1):
+            self.weight()
+            self.backward(0, defer=True)
+        while self.deferred:
+            self.weight()
+        return self.tasks
+
+
 def _one_f_one_b_order(s: int, S: int, M: int) -> list[Task]:
     """Stage ``s``'s work under 1F1B: ``S - s - 1`` warm-up forwards, then alternate one
     forward and one backward, then the remaining backwards."""
@@ -333,18 +440,34 @@ schedules: dict[str, Callable[[int, int], PipelineSchedule]] = {
     "1f1b": one_f_one_b_schedule,
     "zb-h1": zb_h1_schedule,
     "interleaved-1f1b": interleaved_1f1b_schedule,
+    "dualpipev": dualpipev_schedule,
     "inference": inference_schedule,
 }
 
-#: The schedules that place several stages on one mesh, and how many (``v``) when
-#: ``PipeshardParallel`` plans the stages: they take the number of meshes.
-SEVERAL_STAGES_PER_MESH = {"interleaved-1f1b": 2}
+#: The schedules that place two stages on each mesh: they take the number of meshes.
+SHARED_MESH_SCHEDULES = frozenset({"interleaved-1f1b", "dualpipev"})
+
+#: The schedules that run a stage's backward as ``B`` and ``W`` (``weight_split``).
+SPLIT_BACKWARD_SCHEDULES = frozenset({"zb-h1", "dualpipev"})
 
 
-def stages_per_mesh(name: str) -> int:
-    """How many stages the schedule ``name`` places on each mesh when the stages are
-    planned for it (1 for all but :data:`SEVERAL_STAGES_PER_MESH`)."""
-    return SEVERAL_STAGES_PER_MESH.get(name, 1)
+def stage_placement(name: str, num_stages: int) -> tuple[int, ...]:
+    """Per stage, the mesh the schedule ``name`` places it on when ``PipeshardParallel``
+    plans ``num_stages`` stages for it: stage ``i`` on mesh ``i`` but for
+    :data:`SHARED_MESH_SCHEDULES`, which place two stages on each of ``S / 2`` meshes:
+    interleaved 1F1B stage ``i`` on mesh ``i mod (S / 2)``, DualPipeV stage ``i`` on mesh
+    ``min(i, S - 1 - i)`` (a V)."""
+    if name not in SHARED_MESH_SCHEDULES:
+        return tuple(range(num_stages))
+    if num_stages % 2:
+        raise ValueError(
+            f"pipeline_schedule={name!r} places 2 stages on each mesh, but there are "
+            f"{num_stages} stages (not a multiple of 2)"
+        )
+    p = num_stages // 2
+    if name == "dualpipev":
+        return tuple(min(i, num_stages - 1 - i) for i in range(num_stages))
+    return tuple(i % p for i in range(num_stages))
 
 
 #: ``pipeline_schedule="auto"``: the planner prices each training schedule on the plan's
@@ -365,17 +488,17 @@ def make_schedule(
 ) -> PipelineSchedule:
     """The schedule called ``name`` (a key of :data:`schedules`) of ``num_stages`` stages on
     ``num_meshes`` meshes (``None``: the schedule's default; one stage per mesh for all but
-    :data:`SEVERAL_STAGES_PER_MESH`)."""
+    :data:`SHARED_MESH_SCHEDULES`)."""
     if name == AUTO:
         raise ValueError("pipeline_schedule='auto' is chosen by the planner (plan_pipeshard)")
     check_schedule_name(name)
-    if name in SEVERAL_STAGES_PER_MESH:
+    if name in SHARED_MESH_SCHEDULES:
         return schedules[name](num_stages, num_micro_batches, num_meshes)
     if num_meshes is not None and num_meshes != num_stages:
         raise ValueError(
             f"pipeline_schedule {name!r} runs one stage per mesh, but {num_stages} stages "
             f"were placed on {num_meshes} meshes; a schedule of "
-            f"{sorted(SEVERAL_STAGES_PER_MESH)} places several stages on one mesh"
+            f"{sorted(SHARED_MESH_SCHEDULES)} places several stages on one mesh"
         )
     return schedules[name](num_stages, num_micro_batches)
 

@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from alpa.pipeline_parallel.schedules import SHARED_MESH_SCHEDULES, stage_placement
 from alpa.pipeline_parallel.stage_dp import (  # noqa: F401 (Alpa's path)
     SUBMESH_SPACES,
     get_submesh_choices,
@@ -299,8 +300,9 @@ class StageContext:
       option: the default ``AutoShardingOption``.
       remat: each stage's backward recomputes its forward (the layer option's
         ``remat_layer``), which the cost model prices.
-      stages_per_mesh: ``v`` of a schedule that places ``v`` stages on each mesh, stage
-        ``i`` on mesh ``i mod (S / v)`` (interleaved 1F1B); 1: a mesh per stage.
+      schedule: the pipeline schedule the stages are planned for: it says which mesh each
+        stage runs on (``schedules.stage_placement``; all but interleaved 1F1B and
+        DualPipeV place one stage per mesh).
     """
 
     num_layers: int
@@ -314,7 +316,11 @@ class StageContext:
     num_micro_batches: int = 1
     option: Any = None
     remat: bool = False
-    stages_per_mesh: int = 1
+    schedule: str = "1f1b"
+
+    def stage_meshes(self, num_stages: int) -> tuple[int, ...]:
+        """Per stage of ``num_stages``, the mesh the schedule places it on."""
+        return stage_placement(self.schedule, num_stages)
 
     @property
     def num_devices(self) -> int:
@@ -369,13 +375,13 @@ def _uniform_plan(option: UniformStageOption, context: StageContext) -> StagePla
     if option.submesh_physical_shape is not None:
         shape = tuple(option.submesh_physical_shape)
     else:
-        v = context.stages_per_mesh
-        if num_stages % v or num_devices % (num_stages // v):
+        num_meshes = len(set(context.stage_meshes(num_stages)))
+        if num_devices % num_meshes:
             raise ValueError(
-                f"{num_stages} stages ({v} per mesh) cannot split {num_devices} devices "
-                "evenly; pass UniformStageOption(submesh_physical_shape=...)"
+                f"{num_stages} stages on {num_meshes} meshes cannot split {num_devices} "
+                "devices evenly; pass UniformStageOption(submesh_physical_shape=...)"
             )
-        shape = _even_shape(context, num_devices // (num_stages // v))
+        shape = _even_shape(context, num_devices // num_meshes)
     shapes = (shape,) * num_stages
     logical = (tuple(option.submesh_logical_shape or (1, shape[0] * shape[1])),) * num_stages
     dicts = (option.submesh_autosharding_option,) * num_stages
@@ -397,17 +403,19 @@ def _even_shape(context: StageContext, size: int) -> tuple[int, int]:
 def _finish(context, layer_to_stage, shapes, logical, dicts, **extra) -> StagePlan:
     shapes = tuple(tuple(int(n) for n in s) for s in shapes)
     logical = tuple(tuple(int(n) for n in s) for s in logical)
-    num_meshes = _check_stages_per_mesh(context.stages_per_mesh, shapes, logical)
-    needed = sum(a * b for a, b in shapes[:num_meshes])
+    meshes = context.stage_meshes(len(shapes))
+    first = _check_placement(context.schedule, meshes, shapes, logical)
+    mesh_shapes = [shapes[s] for s in first]
+    needed = sum(a * b for a, b in mesh_shapes)
     if needed > context.num_devices:
         raise ValueError(
-            f"submesh_physical_shapes {[list(s) for s in shapes[:num_meshes]]} need {needed} "
+            f"submesh_physical_shapes {[list(s) for s in mesh_shapes]} need {needed} "
             f"devices but only {context.num_devices} exist"
         )
-    ranges = place_submeshes(shapes[:num_meshes], context.num_hosts, context.num_devices_per_host)
+    ranges = place_submeshes(mesh_shapes, context.num_hosts, context.num_devices_per_host)
     return StagePlan(
         tuple(layer_to_stage),
-        tuple(ranges[s % num_meshes] for s in range(len(shapes))),
+        tuple(ranges[m] for m in meshes),
         logical,
         tuple(dicts),
         shapes,
@@ -415,27 +423,20 @@ def _finish(context, layer_to_stage, shapes, logical, dicts, **extra) -> StagePl
     )
 
 
-def _check_stages_per_mesh(v: int, shapes, logical) -> int:
-    """The number of meshes of ``len(shapes)`` stages placed ``v`` to a mesh, stage ``i``
-    on mesh ``i mod (S / v)``; a stage must have its mesh's physical and logical shape."""
-    num_stages = len(shapes)
-    if v == 1:
-        return num_stages
-    if num_stages % v:
-        raise ValueError(
-            f"the schedule places {v} stages on each mesh, but there are {num_stages} stages "
-            f"(not a multiple of {v})"
-        )
-    num_meshes = num_stages // v
-    for s in range(num_meshes, num_stages):
-        m = s % num_meshes
-        if shapes[s] != shapes[m] or logical[s] != logical[m]:
+def _check_placement(schedule: str, meshes, shapes, logical) -> list[int]:
+    """Per mesh, its first stage: the stages ``schedule`` places on one mesh (``meshes``,
+    per stage) must have the first one's physical and logical submesh shape."""
+    first: dict[int, int] = {}
+    for s, m in enumerate(meshes):
+        f = first.setdefault(m, s)
+        if shapes[s] != shapes[f] or logical[s] != logical[f]:
             raise ValueError(
-                f"stage {s} runs on mesh {m} with stage {m} (the schedule places stage i on "
-                f"mesh i mod {num_meshes}), so it needs stage {m}'s submesh: physical "
-                f"{shapes[m]} and logical {logical[m]}, but has {shapes[s]} and {logical[s]}"
+                f"stage {s} runs on mesh {m} with stage {f} (pipeline_schedule={schedule!r} "
+                f"places stages {[t for t, n in enumerate(meshes) if n == m]} there), so it "
+                f"needs stage {f}'s submesh: physical {shapes[f]} and logical {logical[f]}, "
+                f"but has {shapes[s]} and {logical[s]}"
             )
-    return num_meshes
+    return [first[m] for m in sorted(first)]
 
 
 def submesh_shape(num_devices: int, num_devices_per_host: int) -> tuple[int, int]:
@@ -611,10 +612,10 @@ def stage_problem(option: AutoStageOption, context: StageContext):
 def plan_auto_stages(option: AutoStageOption, context: StageContext) -> StagePlan:
     """Cost every candidate stage, run the DP, and resolve its solution."""
     global _last_auto_plan
-    if context.stages_per_mesh != 1:
+    if context.schedule in SHARED_MESH_SCHEDULES:
         raise ValueError(
-            "stage_option='auto' places one stage per mesh; a schedule that places "
-            f"{context.stages_per_mesh} stages on each mesh (interleaved 1F1B) needs "
+            "stage_option='auto' places one stage per mesh; pipeline_schedule="
+            f"{context.schedule!r} places two stages on each mesh and needs "
             "UniformStageOption or ManualStageOption"
         )
     from alpa.pipeline_parallel.stage_cost import StageCosts, layer_flops

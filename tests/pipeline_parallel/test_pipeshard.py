@@ -1,6 +1,7 @@
 """PipeshardParallel on 8 virtual CPU devices: numerics against the serial step, memory,
 executable helpers and bad input."""
 
+import dataclasses
 import json
 import math
 
@@ -355,7 +356,8 @@ def test_unknown_schedule():
     with pytest.raises(
         ValueError,
         match=r"unknown pipeline_schedule 'interleaved'; expected "
-        r"one of \['1f1b', 'gpipe', 'inference', 'interleaved-1f1b', 'zb-h1'\] or 'auto'",
+        r"one of \['1f1b', 'dualpipev', 'gpipe', 'inference', 'interleaved-1f1b', 'zb-h1'\] "
+        r"or 'auto'",
     ):
         PipeshardParallel(pipeline_schedule="interleaved")
     devices_or_skip(8)
@@ -807,27 +809,33 @@ def test_the_runtime_holds_the_schedules_micro_batches_in_flight(schedule):
     assert executable.plan.schedule.max_in_flight() == bound
 
 
+@pytest.mark.parametrize("schedule", ["interleaved-1f1b", "dualpipev"])
 @pytest.mark.parametrize("num_meshes", [2, 4])
-def test_interleaved_stages_share_meshes(num_meshes):
-    """Interleaved 1F1B: 2 p one-layer stages on p meshes of 8 / p devices, stage i on mesh
-    i mod p (UniformStageOption splits the devices among the meshes): numerics equal
-    serial over two steps (global-norm clipping reads every stage); the runtime held the
-    schedule's chunks in flight per mesh, min(2 (p - d - 1) + p + 1, 2 M); nothing stays
-    alive; only the reshards between meshes have tile plans and move bytes."""
+def test_stages_share_meshes(schedule, num_meshes):
+    """Interleaved 1F1B and DualPipeV: 2 p one-layer stages on p meshes of 8 / p devices
+    (UniformStageOption splits the devices among the meshes), stage i on mesh i mod p, or
+    min(i, 2 p - 1 - i) in DualPipeV's V, 2 p micro-batches: numerics equal serial over two
+    steps (global-norm clipping reads every stage); the runtime held the schedule's
+    activations in flight per mesh, min(2 (p - d - 1) + p + 1, 4 p) interleaved, 2 p + 1
+    in the V; nothing stays alive; only the reshards between meshes have tile plans and
+    move bytes."""
     devices_or_skip(8)
-    p, M = num_meshes, 4
+    p = num_meshes
+    M = 2 * p
     params, batch = _mlp(2 * p)
     method = PipeshardParallel(
-        num_micro_batches=M,
-        pipeline_schedule="interleaved-1f1b",
-        stage_option=UniformStageOption(2 * p),
+        num_micro_batches=M, pipeline_schedule=schedule, stage_option=UniformStageOption(2 * p)
     )
     executable = _check_against_serial(_mlp_loss(2 * p), params, batch, method)
     plan = executable.stage_plan
-    assert plan.stage_meshes == tuple(s % p for s in range(2 * p))
+    if schedule == "dualpipev":
+        assert plan.stage_meshes == tuple(min(s, 2 * p - 1 - s) for s in range(2 * p))
+        bound = [2 * p + 1] * p
+    else:
+        assert plan.stage_meshes == tuple(s % p for s in range(2 * p))
+        bound = [min(2 * (p - d - 1) + p + 1, 2 * M) for d in range(p)]
     assert len(set(plan.device_ranges)) == p
     assert [b - a for a, b in plan.device_ranges] == [8 // p] * (2 * p)
-    bound = [min(2 * (p - d - 1) + p + 1, 2 * M) for d in range(p)]
     assert executable.schedule.max_in_flight_per_mesh() == bound
     assert executable.peak_live_micro_batches() == bound
     assert executable.live_buffers_after_step() == []
@@ -836,23 +844,25 @@ def test_interleaved_stages_share_meshes(num_meshes):
         for i, ins in enumerate(executable.instructions.instructions)
         if ins.op.name == "RESHARD"
     ]
-    crossing = [i for i, ins in reshards if plan.stage_meshes[ins.inputs[0][2]] != ins.mesh % p]
-    assert len(crossing) < len(reshards)  # the global norm's sums between stages of a mesh
+    meshes = plan.stage_meshes
+    crossing = [i for i, ins in reshards if meshes[ins.inputs[0][2]] != meshes[ins.mesh]]
+    assert len(crossing) < len(reshards)  # between stages of a mesh: the global norm's sums
     assert sorted(executable.plan.reshards) == crossing
     assert executable.get_resharded_bytes() == executable.plan.resharded_bytes() > 0
 
 
-def test_interleaved_gpt_stack():
-    """Interleaved 1F1B on a 4-block GPT, one block per stage, two stages per mesh of 4
-    devices: parameters and the loss equal serial."""
+@pytest.mark.parametrize("schedule", ["interleaved-1f1b", "dualpipev"])
+def test_shared_meshes_gpt_stack(schedule):
+    """Interleaved 1F1B and DualPipeV on a 4-block GPT, one block per stage, two stages
+    per mesh of 4 devices: parameters and the loss equal serial."""
     devices_or_skip(8)
     make = _transformer("gpt", num_layers=4)
     state, batch, step = make(alpa.value_and_grad)
     ref_state, _, ref_step = make(jax.value_and_grad)
     expected = jax.jit(ref_step)(ref_state, batch)
     method = PipeshardParallel(
-        num_micro_batches=2,
-        pipeline_schedule="interleaved-1f1b",
+        num_micro_batches=4,
+        pipeline_schedule=schedule,
         layer_option=alpa.ManualLayerOption(),
         stage_option=ManualStageOption([[0], [1], [2], [3]], [(1, 4)] * 4),
     )
@@ -860,7 +870,8 @@ def test_interleaved_gpt_stack():
     out = p_step(state, batch)
     alpa.testing.assert_allclose(out[0].params, expected[0].params)
     alpa.testing.assert_allclose(out[1], expected[1])
-    assert p_step.get_last_executable().stage_plan.stage_meshes == (0, 1, 0, 1)
+    placed = {"interleaved-1f1b": (0, 1, 0, 1), "dualpipev": (0, 1, 1, 0)}[schedule]
+    assert p_step.get_last_executable().stage_plan.stage_meshes == placed
 
 
 def test_interleaved_stage_options_that_cannot_share_meshes():
@@ -876,7 +887,25 @@ def test_interleaved_stage_options_that_cannot_share_meshes():
 
     with pytest.raises(ValueError, match=r"stage 3 runs on mesh 1 with stage 1 .* physical"):
         plan(ManualStageOption([[0], [1], [2], [3]], [(1, 2), (1, 2), (1, 2), (1, 4)]))
-    with pytest.raises(ValueError, match=r"places 2 stages on each mesh, but there are 3"):
+    with pytest.raises(ValueError, match=r"places 2 stages on each mesh, but there are 3 st"):
         plan(ManualStageOption([[0], [1], [2, 3]], [(1, 2)] * 3))
     with pytest.raises(ValueError, match="stage_option='auto' places one stage per mesh"):
         plan(alpa.AutoStageOption())
+    # Interleaved stages (0, 1, 0, 1) replayed under DualPipeV, which places them in a V.
+    method = PipeshardParallel(
+        num_micro_batches=4, pipeline_schedule="interleaved-1f1b", stage_option="uniform"
+    )
+    step = alpa.parallelize(
+        _train_step(_mlp_loss(4), optax.adam(1e-2), alpa.value_and_grad),
+        method=method,
+        batch_argnums=(2,),
+    )
+    args = (params, optax.adam(1e-2).init(params), batch)
+    recorded = step.get_executable(*args).get_parallel_plan()
+    other = dataclasses.replace(
+        recorded,
+        pipeline_plan=dataclasses.replace(recorded.pipeline_plan, pipeline_schedule="dualpipev"),
+    )
+    replay = alpa.parallelize(step.fun, method=alpa.plan_to_method(other), batch_argnums=(2,))
+    with pytest.raises(ValueError, match=r"the stages were placed on meshes \[0, 1, 0, 1\]"):
+        replay.get_executable(*args)

@@ -147,6 +147,45 @@ def test_interleaved_1f1b_bubble_and_memory_are_the_closed_forms(p, M, v):
     assert makespan == pytest.approx(3 * M + 3 * (p - 1) / v)
 
 
+@pytest.mark.parametrize("p", [2, 4])
+@pytest.mark.parametrize("M", [4, 8, 16])
+def test_dualpipev_bubble_and_memory_are_the_closed_forms(p, M):
+    """DualPipeV, 2 p stages on p meshes in a V (stage i on mesh min(i, 2 p - 1 - i)),
+    every task one tick: each F, B and W once (stage 0 keeps its backward whole), after its
+    inputs, one task per mesh per tick; 6 M + p - 1 compute ticks, each mesh but mesh 0
+    busy 6 M of them (bubble (p - 1) / (6 M + p - 1)); stage i holds 2 p - i micro-batches
+    at its peak, each mesh 2 p + 1; in time 3 M + (p - 1) / 2 units, ZB-H1 on p stages
+    3 M + (p - 1). M < 2 p is refused."""
+    S = 2 * p
+    if M < S:
+        with pytest.raises(ValueError, match=f"must be at least {S}"):
+            make_schedule("dualpipev", S, M)
+        return
+    schedule = make_schedule("dualpipev", S, M, num_meshes=p)
+    assert [schedule.mesh_of(s) for s in range(S)] == [min(s, S - 1 - s) for s in range(S)]
+    tick_of = _tick_of(schedule)
+    expected = {Task(s, m, k) for s in range(S) for m in range(M) for k in ("forward", "backward")}
+    expected |= {Task(s, m, "weight") for s in range(1, S) for m in range(M)}
+    assert set(tick_of) == expected | {Task(s, None, "apply") for s in range(S)}
+    for task, tick in tick_of.items():
+        for dep in task_dependencies(task, S):
+            assert tick_of[dep] < tick, f"{task} at tick {tick} before its input {dep}"
+    ticks = schedule.num_ticks - 1
+    assert ticks == 6 * M + p - 1
+    busy = [0] * p
+    for tick in schedule.ticks[:-1]:
+        for task in tick:
+            busy[schedule.mesh_of(task.stage)] += 1
+    assert busy == [5 * M] + [6 * M] * (p - 1)
+    assert (ticks - busy[1]) / ticks == pytest.approx((p - 1) / (6 * M + p - 1))
+    assert schedule.max_in_flight() == [S - i for i in range(S)]
+    assert schedule.max_in_flight_per_mesh() == [2 * p + 1] * p
+    blocks = timeline(schedule, [1.5] * S, forward_share=1 / 3)
+    assert max(b.end for b in blocks if b.kind != "apply") == pytest.approx(3 * M + (p - 1) / 2)
+    zb = timeline(make_schedule("zb-h1", p, M), [3.0] * p, forward_share=1 / 3)
+    assert max(b.end for b in zb if b.kind != "apply") == pytest.approx(3 * M + p - 1)
+
+
 def test_interleaved_grid_and_bad_sizes():
     schedule = make_schedule("interleaved-1f1b", 4, 2, num_meshes=2)
     lines = str(schedule).splitlines()
@@ -159,15 +198,19 @@ def test_interleaved_grid_and_bad_sizes():
         make_schedule("interleaved-1f1b", 6, 4, num_meshes=4)
     with pytest.raises(ValueError, match="'1f1b' runs one stage per mesh, but 4 stages were"):
         make_schedule("1f1b", 4, 4, num_meshes=2)
+    with pytest.raises(ValueError, match=r"num_stages \(6\) must be twice num_meshes"):
+        make_schedule("dualpipev", 6, 8, num_meshes=2)
 
 
 def test_registry_and_bad_names():
-    assert set(schedules) == {"gpipe", "1f1b", "zb-h1", "interleaved-1f1b", "inference"}
+    assert set(schedules) == {
+        "gpipe", "1f1b", "zb-h1", "interleaved-1f1b", "dualpipev", "inference"
+    }  # fmt: skip
     with pytest.raises(
         ValueError,
         match=r"unknown pipeline_schedule 'zero_bubble'; "
-        r"expected one of \['1f1b', 'gpipe', 'inference', 'interleaved-1f1b', 'zb-h1'\] "
-        r"or 'auto'",
+        r"expected one of \['1f1b', 'dualpipev', 'gpipe', 'inference', 'interleaved-1f1b', "
+        r"'zb-h1'\] or 'auto'",
     ):
         make_schedule("zero_bubble", 2, 2)
     with pytest.raises(ValueError, match="num_micro_batches must be a positive int, got 0"):

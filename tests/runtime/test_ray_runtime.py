@@ -196,20 +196,23 @@ def test_pipeshard_zero_bubble_four_stages(ray_cluster):
     assert_allclose(state.opt_state, expected.opt_state)
 
 
-@pytest.mark.parametrize("stages_per_node", [1, 2])
-def test_pipeshard_interleaved_stages_share_a_mesh(ray_cluster, stages_per_node):
-    """Interleaved 1F1B: four stages on two meshes (one per node, or two on node 0 with a
-    mesh of two devices each), stage i on mesh i mod 2: two Ray meshes whose workers each
-    run two stages' instructions. Parameters and Adam's state equal serial (the global
-    norm's partial sums move between stages, two of them on one mesh: a relayout on its
-    workers); the workers held the schedule's in-flight bound per mesh; the only sends
-    are between meshes."""
+@pytest.mark.parametrize(
+    "schedule, stages_per_node",
+    [("interleaved-1f1b", 1), ("interleaved-1f1b", 2), ("dualpipev", 1)],
+)
+def test_pipeshard_stages_share_a_mesh(ray_cluster, schedule, stages_per_node):
+    """Interleaved 1F1B and DualPipeV: four stages on two meshes (one per node, or two on
+    node 0 with a mesh of two devices each), stage i on mesh i mod 2, or in a V (0, 1, 1,
+    0): two Ray meshes whose workers each run two stages' instructions. Parameters and
+    Adam's state equal serial (the global norm's partial sums move between stages, two
+    of them on one mesh: a relayout on its workers); the workers held the schedule's
+    in-flight bound per mesh; the only sends are between meshes."""
     import optax
 
     shape = (1, DEVICES_PER_NODE // stages_per_node)
     method = alpa.PipeshardParallel(
         num_micro_batches=4,
-        pipeline_schedule="interleaved-1f1b",
+        pipeline_schedule=schedule,
         layer_option="manual",
         stage_option=alpa.ManualStageOption([[0], [1], [2], [3]], [shape] * 4),
     )
@@ -224,12 +227,14 @@ def test_pipeshard_interleaved_stages_share_a_mesh(ray_cluster, stages_per_node)
         mesh.call("reset_counters")
     state = p_step(state, batch)
     assert len(executable.meshes) == 2
-    assert executable.plan.stage_plan.stage_meshes == (0, 1, 0, 1)
+    placed = {"interleaved-1f1b": (0, 1, 0, 1), "dualpipev": (0, 1, 1, 0)}[schedule]
+    assert executable.plan.stage_plan.stage_meshes == placed
     assert "relayout" in executable.get_hlo_names()
     assert_allclose(state.params, expected.params)
     assert_allclose(state.opt_state, expected.opt_state)
     bound = executable.plan.schedule.max_in_flight_per_mesh()
-    assert bound == [5, 3]  # min(2 (p - d - 1) + (v - 1) p + 1, v M), p = v = 2, M = 4
+    # interleaved: min(2 (p - d - 1) + (v - 1) p + 1, v M); DualPipeV: 2 p + 1 (p = 2)
+    assert bound == {"interleaved-1f1b": [5, 3], "dualpipev": [5, 5]}[schedule]
     assert executable.peak_live_micro_batches() == bound
     counters = executable.worker_counters()
     sent = sum(c["bytes_sent"] for mesh in counters for c in mesh)
