@@ -43,7 +43,13 @@ from alpa.pipeline_parallel.layer_construction import (
 from alpa.pipeline_parallel.pipeshard_plan import PipeshardDecisions, PipeshardPlan, layout_of
 from alpa.pipeline_parallel.runtime_emitter import emit_instructions
 from alpa.pipeline_parallel.schedule_choice import choose, price_schedules
-from alpa.pipeline_parallel.schedules import AUTO, SPLIT_BACKWARD_SCHEDULES, make_schedule
+from alpa.pipeline_parallel.schedules import (
+    AUTO,
+    SHARED_MESH_SCHEDULES,
+    SPLIT_BACKWARD_SCHEDULES,
+    make_schedule,
+)
+from alpa.pipeline_parallel.shared_mesh_stages import shared_mesh_candidates
 from alpa.pipeline_parallel.stage_construction import (
     AutoStageOption,
     StageContext,
@@ -197,7 +203,17 @@ def plan_pipeshard(
         plan.num_micro_batches,
         plan.memory_budget(),
     )
+    shared = shared_mesh_candidates(plan)
+    candidates += [c for c, _ in shared]
     best = choose(candidates)
+    if best.name in SHARED_MESH_SCHEDULES:
+        # Other stages: planned again (their shardings searched) on the candidate's meshes.
+        stage_option = next(o for c, o in shared if c is best)
+        chosen = dataclasses.replace(
+            options, pipeline_schedule=best.name, stage_option=stage_option
+        )
+        plan = _plan_one_schedule(traced, chosen, args, devices)
+        return dataclasses.replace(plan, schedule_candidates=tuple(candidates))
     if best.name != "1f1b":
         chosen = dataclasses.replace(options, pipeline_schedule=best.name)
         plan = _plan_one_schedule(traced, chosen, args, devices, plan.decisions())

@@ -176,6 +176,34 @@ class PipeshardPlan:
         counts each stage's state as this plan shards it (:meth:`_with_planned_state`);
         ``executable.get_step_memory_per_mesh()`` is XLA's figure for the same."""
         plan = self.stage_plan
+        stages = [
+            (layers, plan.submesh_shapes[s], self.logical_meshes[s].shape, self.options[s])
+            for s, layers in enumerate(plan.stage_layers())
+        ]
+        budget = self.memory_budget()
+        cost = self._with_planned_state(self.price_stages(stages), budget)
+        return self._on_shared_meshes(cost, budget)
+
+    def price_stages(self, stages: Sequence[tuple]) -> StagePlanCost:
+        """Other stages of this step priced as :attr:`cost` prices this plan's (one stage
+        per mesh under 1F1B; their state at the model's sharding): per stage its layers,
+        physical submesh shape, logical shape and ``AutoShardingOption``."""
+        default = AutoShardingOption()
+        priced = []
+        for layers, shape, logical, option in stages:
+            items = tuple(
+                (f.name, _hashable(getattr(option, f.name)))
+                for f in dataclasses.fields(option)
+                if getattr(option, f.name) != getattr(default, f.name)
+            )
+            config = LogicalConfig(tuple(logical), items)
+            priced.append((layers[0], layers[-1], tuple(shape), config))
+        return predict_stage_plan(self.price_problem, priced)
+
+    @functools.cached_property
+    def price_problem(self):
+        """The stage model's ``StageProblem`` of this step's layers (what
+        :meth:`price_stages` prices with)."""
         context = StageContext(
             num_layers=self.layers.num_layers,
             num_hosts=self.num_hosts,
@@ -187,30 +215,14 @@ class PipeshardPlan:
             num_micro_batches=self.num_micro_batches,
             remat=bool(self.layer_option is not None and self.layer_option.remat_layer),
         )
-        default = AutoShardingOption()
-        stages, configs = [], []
-        for s, layers in enumerate(plan.stage_layers()):
-            option = self.options[s]
-            items = tuple(
-                (f.name, _hashable(getattr(option, f.name)))
-                for f in dataclasses.fields(option)
-                if getattr(option, f.name) != getattr(default, f.name)
-            )
-            config = LogicalConfig(tuple(self.logical_meshes[s].shape), items)
-            shape = tuple(plan.submesh_shapes[s])
-            stages.append((layers[0], layers[-1], shape, config))
-            configs.append((shape, config))
-        budget = self.memory_budget()
-        problem = layer_problem(context, (), (), default, budget)
-        cost = self._with_planned_state(predict_stage_plan(problem, stages), budget)
-        return self._on_shared_meshes(cost, budget)
+        return layer_problem(context, (), (), AutoShardingOption(), self.memory_budget())
 
     def _on_shared_meshes(self, cost: StagePlanCost, budget: float) -> StagePlanCost:
-        """``cost`` of stages that share meshes (interleaved 1F1B): each stage's memory is
-        its mesh's, all its stages' state and the activations they hold at once under the
-        schedule (``schedule_choice.held_memory``), and the step's time is the schedule's
-        timeline at the stages' latencies (the stage DP's formula prices one stage per
-        mesh under 1F1B)."""
+        """``cost`` of stages that share meshes (interleaved 1F1B, DualPipeV): each stage's
+        memory is its mesh's, all its stages' state and the activations they hold at once
+        under the schedule (``schedule_choice.held_memory``), and the step's time is the
+        schedule's timeline at the stages' latencies (the stage DP's formula prices one
+        stage per mesh under 1F1B)."""
         schedule = self.schedule
         if not schedule.stage_meshes:
             return cost
@@ -362,7 +374,13 @@ class PipeshardPlan:
             "num_micro_batches": self.num_micro_batches,
             "schedule": self.schedule.name,
             "schedule_candidates": [
-                {"name": c.name, "seconds": c.seconds, "memory": list(c.memory), "fits": c.fits}
+                {
+                    "name": c.name,
+                    "seconds": c.seconds if c.applicable else None,
+                    "memory": list(c.memory),
+                    "fits": c.fits,
+                    "note": c.note,
+                }
                 for c in self.schedule_candidates
             ],
             "predicted_cost": plan.predicted_cost,  # automatic stages; cost: any plan
@@ -424,7 +442,8 @@ class PipeshardPlan:
         if self.schedule_candidates:
             lines.append(
                 f"pipeline_schedule='auto' chose {self.schedule.name}, the fastest that fits "
-                "(each schedule on these stages, at their predicted latencies):"
+                "(each schedule at its stages' predicted latencies; those that place two "
+                "stages per mesh on stages of their own):"
             )
             lines += [f"  {c.line()}" for c in self.schedule_candidates]
         if self.reshards:

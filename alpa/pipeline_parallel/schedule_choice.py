@@ -38,17 +38,28 @@ CANDIDATES = ("gpipe", "1f1b", "zb-h1")
 @dataclass(frozen=True)
 class ScheduleCandidate:
     """One schedule priced on a plan's stages: ``seconds`` per step (the timeline's
-    makespan), ``memory`` per stage (bytes per device) and whether every stage ``fits``."""
+    makespan), ``memory`` per stage (bytes per device) and whether every stage ``fits``.
+    ``note`` says on which stages, where they are not the plan's (``shared_mesh_stages``),
+    or why the schedule does not apply (``not applicable: ...``; ``seconds`` is then
+    infinite)."""
 
     name: str
     seconds: float
     memory: tuple[float, ...]
     fits: bool
+    note: str = ""
+
+    @property
+    def applicable(self) -> bool:
+        return self.seconds != float("inf")
 
     def line(self) -> str:
+        if not self.applicable:
+            return f"{self.name}: {self.note}"
         peak = max(self.memory) / 2**30 if self.memory else 0.0
         fits = "fits" if self.fits else "does not fit"
-        return f"{self.name}: {self.seconds:.4g} s/step, peak {peak:.3g} GiB/device ({fits})"
+        note = f"; {self.note}" if self.note else ""
+        return f"{self.name}: {self.seconds:.4g} s/step, peak {peak:.3g} GiB/device ({fits}{note})"
 
 
 def price_schedules(
@@ -122,4 +133,5 @@ def choose(candidates: Sequence[ScheduleCandidate]) -> ScheduleCandidate:
     fitting = [c for c in candidates if c.fits]
     if fitting:
         return min(fitting, key=lambda c: (c.seconds, max(c.memory, default=0.0)))
-    return min(candidates, key=lambda c: max(c.memory, default=0.0))
+    applicable = [c for c in candidates if c.applicable]
+    return min(applicable, key=lambda c: max(c.memory, default=0.0))

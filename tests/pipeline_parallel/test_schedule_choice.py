@@ -74,21 +74,28 @@ def _gpt_plan(schedule: str, budget: float | None = None):
     return alpa.parallelize(step, method=method).plan(state, batch)
 
 
+SHARED = ("dualpipev", "interleaved-1f1b")
+
+
 def test_auto_on_a_gpt_plan_is_no_worse_than_any_schedule_and_says_why():
-    """4 one-block GPT stages, 8 micro-batches, no device: "auto" takes ZB-H1, whose
-    timeline is the shortest of the three on these stages; the plan lists every
+    """4 one-block GPT stages on 4 meshes of 2 devices, 8 micro-batches, no device: "auto"
+    prices GPipe, 1F1B and ZB-H1 on these stages, and interleaved 1F1B and DualPipeV on 4
+    stages on 2 meshes of 4 devices (``shared_mesh_stages``); it takes the fastest that
+    fits (DualPipeV here, then ZB-H1, both faster than 1F1B); the plan lists every
     candidate (its table too), and each candidate's time is that of the plan made with
-    the schedule named by hand. With a memory budget that ZB-H1 exceeds but 1F1B does
-    not, "auto" takes 1F1B."""
+    the schedule (and, for the shared-mesh ones, the stages) named by hand. With a memory
+    budget that only 1F1B's peak fits under, "auto" takes 1F1B."""
     auto = _gpt_plan("auto")
     candidates = {c.name: c for c in auto.schedule_candidates}
-    assert list(candidates) == list(CANDIDATES) and all(c.fits for c in candidates.values())
-    assert auto.schedule.name == "zb-h1"
+    assert list(candidates) == list(CANDIDATES) + list(SHARED)
+    assert all(c.fits for c in candidates.values())
+    fastest = min(candidates.values(), key=lambda c: c.seconds)
+    assert auto.schedule.name == fastest.name == "dualpipev"
     assert candidates["zb-h1"].seconds < candidates["1f1b"].seconds
-    assert candidates["zb-h1"].seconds == min(c.seconds for c in candidates.values())
+    assert auto.stage_plan.stage_meshes == (0, 1, 1, 0)
+    assert [tuple(s) for s in auto.stage_plan.submesh_shapes] == [(1, 4)] * 4
     for name in CANDIDATES:
         by_hand = _gpt_plan(name)
-        assert by_hand.stage_plan.stage_layers() == auto.stage_plan.stage_layers()
         latencies = by_hand.stage_plan.latencies or by_hand.cost.latencies
         again = price_schedules(
             latencies,
@@ -99,17 +106,63 @@ def test_auto_on_a_gpt_plan_is_no_worse_than_any_schedule_and_says_why():
             [name],
         )
         assert again[0].seconds == pytest.approx(candidates[name].seconds), name
+    for name in SHARED:  # 2 stages per mesh of 4 devices, UniformStageOption's split
+        assert candidates[name].note == "4 stages on 2 meshes of 1x4"
+        assert _gpt_plan(name).cost.step_seconds == pytest.approx(candidates[name].seconds)
+    assert auto.cost.step_seconds == pytest.approx(candidates["dualpipev"].seconds)
     table = auto.format_table()
-    assert "pipeline_schedule='auto' chose zb-h1" in table
+    assert "pipeline_schedule='auto' chose dualpipev" in table
     assert all(f"  {c.line()}" in table for c in auto.schedule_candidates)
     summary = auto.summary()
-    assert [c["name"] for c in summary["schedule_candidates"]] == list(CANDIDATES)
-    # A budget between 1F1B's peak and ZB-H1's.
+    assert [c["name"] for c in summary["schedule_candidates"]] == list(CANDIDATES) + list(SHARED)
+    # A budget between 1F1B's peak and every other's.
     peaks = {name: max(c.memory) for name, c in candidates.items()}
-    assert peaks["1f1b"] < peaks["zb-h1"]
-    tight = _gpt_plan("auto", budget=(peaks["1f1b"] + peaks["zb-h1"]) / 2)
+    others = min(peak for name, peak in peaks.items() if name != "1f1b")
+    assert peaks["1f1b"] < others
+    tight = _gpt_plan("auto", budget=(peaks["1f1b"] + others) / 2)
     fits = {c.name: c.fits for c in tight.schedule_candidates}
-    assert tight.schedule.name == "1f1b" and fits == {"gpipe": False, "1f1b": True, "zb-h1": False}
+    assert tight.schedule.name == "1f1b"
+    assert fits == {name: name == "1f1b" for name in list(CANDIDATES) + list(SHARED)}
     # 1F1B's candidate memory is the plan's own model memory, as plan.cost says.
     one_f_one_b = next(c for c in tight.schedule_candidates if c.name == "1f1b")
     assert one_f_one_b.memory == tuple(tight.cost.memory)
+
+
+def test_balanced_cuts_are_the_exhaustive_optimum():
+    """``shared_mesh_stages.balanced_cuts``: every cut of up to 7 layers into k contiguous
+    groups searched; the DP's largest group sum is the least, and its groups are
+    contiguous, non-empty and cover the layers in order."""
+    import itertools
+
+    from alpa.pipeline_parallel.shared_mesh_stages import balanced_cuts
+
+    flops = [5.0, 1.0, 3.0, 8.0, 2.0, 2.0, 6.0]
+    for L in range(1, len(flops) + 1):
+        for k in range(1, L + 1):
+            groups = balanced_cuts(flops[:L], k)
+            assert [i for g in groups for i in g] == list(range(L)) and all(groups)
+            best = min(
+                max(sum(flops[a:b]) for a, b in zip((0, *cuts), (*cuts, L), strict=True))
+                for cuts in itertools.combinations(range(1, L), k - 1)
+            )
+            assert max(sum(flops[i] for i in g) for g in groups) == best
+    with pytest.raises(ValueError, match="cannot cut 2 layers into 3 non-empty stages"):
+        balanced_cuts([1.0, 1.0], 3)
+
+
+def test_shared_mesh_schedules_that_do_not_apply_are_reported_not_chosen():
+    """Interleaved 1F1B needs M a multiple of the meshes, DualPipeV M >= 2 p: a candidate
+    that cannot run says why in its line, and is never chosen, even when nothing fits (its
+    memory is unknown, not zero)."""
+    from alpa.pipeline_parallel.shared_mesh_stages import _not_applicable, _refusal
+
+    assert _refusal("interleaved-1f1b", 2, 6) == _refusal("dualpipev", 2, 6) == ""
+    assert _refusal("interleaved-1f1b", 2, 3) == "3 micro-batches are not a multiple of 2 meshes"
+    assert _refusal("dualpipev", 2, 3) == "3 micro-batches are fewer than 2 x 2 meshes"
+    refused = _not_applicable("dualpipev", _refusal("dualpipev", 2, 3))
+    reason = "3 micro-batches are fewer than 2 x 2 meshes"
+    assert refused.line() == f"dualpipev: not applicable: {reason}"
+    assert not refused.applicable and not refused.fits
+    nothing_fits = price_schedules([T] * S, [1.0] * S, [1.0] * S, M, budget=0.5)
+    chosen = choose([*nothing_fits, refused])
+    assert chosen.name == "1f1b" and not chosen.fits
