@@ -23,7 +23,10 @@ def draw_saved_plan(plan_path: str, out_path: str, dpi: int = 100) -> Drawing:
     decisions = plan.pipeline_plan.decisions
     stages = decisions.stage_plan
     schedule = make_schedule(
-        plan.pipeline_plan.pipeline_schedule, stages.num_stages, plan.num_micro_batches or 1
+        plan.pipeline_plan.pipeline_schedule,
+        stages.num_stages,
+        plan.num_micro_batches or 1,
+        stages.num_meshes,
     )
     latencies, unit = stages.latencies, "s"
     if latencies is None:  # manual or uniform stages record no latency

@@ -13,6 +13,7 @@ from alpa.model.mlp import MLPModel, get_mlp_train_state_and_step
 from alpa.parallel_plan import ParallelPlan
 from alpa.pipeline_parallel.plan_view import APPLY_WIDTH, timeline
 from alpa.pipeline_parallel.schedules import make_schedule
+from alpa.plan_view import draw_saved_plan
 
 matplotlib = pytest.importorskip("matplotlib")
 
@@ -52,16 +53,18 @@ def test_the_slowest_stage_sets_the_pace():
         timeline(make_schedule("gpipe", S, M), latencies[:3])
 
 
-def _plan(S=4, M=4):
+def _plan(S=4, M=4, schedule="1f1b"):
     model = MLPModel(hidden_size=64, num_layers=3, output_dim=64)
     state, batch, step = get_mlp_train_state_and_step(
         model, 8 * M, 64, grad_func=alpa.value_and_grad, abstract=True
     )
+    shared = schedule in ("interleaved-1f1b", "dualpipev")
     method = alpa.PipeshardParallel(
         devices=ClusterSpec.preset("cpu"),
         num_micro_batches=M,
         layer_option=alpa.AutoLayerOption(layer_num=4),
-        stage_option="auto",
+        stage_option=alpa.UniformStageOption(S) if shared else "auto",
+        pipeline_schedule=schedule,
     )
     return alpa.parallelize(step, method=method).plan(state, batch)
 
@@ -85,6 +88,26 @@ def test_a_plan_draws_its_devices_and_every_task(tmp_path):
     # The timeline is the predicted latencies run through the schedule.
     blocks = timeline(plan.schedule, plan.stage_plan.latencies)
     assert drawing.makespan == pytest.approx(max(b.end for b in blocks))
+
+
+def test_stages_that_share_meshes_draw_one_row_per_mesh(tmp_path):
+    """DualPipeV's 4 stages on 2 meshes of 4 devices, saved and drawn from the command
+    line: one timeline row per mesh (the picture's height), every F, B, W (stages 1-3)
+    and apply block, each of the 8 devices once."""
+    S, M, p = 4, 4, 2
+    plan = _plan(S=S, M=M, schedule="dualpipev")
+    drawing = plan.draw(str(tmp_path / "v.png"), dpi=50)
+    assert drawing.height_px == int(round((1.2 + 0.5 * p) * 50))
+    assert drawing.blocks == {"forward": S * M, "backward": S * M, "weight": (S - 1) * M,
+                              "apply": S}  # fmt: skip
+    assert drawing.devices == 8
+    blocks = timeline(plan.schedule, plan.cost.latencies)
+    assert {b.row for b in blocks} == {0, 1}
+    assert drawing.makespan == pytest.approx(max(b.end for b in blocks))
+    saved = tmp_path / "v.json"
+    ParallelPlan.from_pipeshard_plan(plan).save(str(saved))
+    again = draw_saved_plan(str(saved), str(tmp_path / "v.svg"))
+    assert again.blocks == drawing.blocks and again.height_px == 2 * drawing.height_px
 
 
 def test_a_saved_plan_draws_from_the_command_line(tmp_path):
