@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from alpa.device_mesh import ClusterSpec, LogicalDeviceMesh, VirtualPhysicalMesh
+from alpa.pipeline_parallel.candidate_stages import dp_candidates, shared_mesh_candidates
 from alpa.pipeline_parallel.computation import (
     PipelineProgram,
     draw_rows_of_full_batch,
@@ -43,13 +44,7 @@ from alpa.pipeline_parallel.layer_construction import (
 from alpa.pipeline_parallel.pipeshard_plan import PipeshardDecisions, PipeshardPlan, layout_of
 from alpa.pipeline_parallel.runtime_emitter import emit_instructions
 from alpa.pipeline_parallel.schedule_choice import choose, price_schedules
-from alpa.pipeline_parallel.schedules import (
-    AUTO,
-    SHARED_MESH_SCHEDULES,
-    SPLIT_BACKWARD_SCHEDULES,
-    make_schedule,
-)
-from alpa.pipeline_parallel.shared_mesh_stages import shared_mesh_candidates
+from alpa.pipeline_parallel.schedules import AUTO, SPLIT_BACKWARD_SCHEDULES, make_schedule
 from alpa.pipeline_parallel.stage_construction import (
     AutoStageOption,
     StageContext,
@@ -183,10 +178,12 @@ def plan_pipeshard(
 ) -> PipeshardPlan:
     """Plan ``traced`` (traced at micro-batch size) as ``options`` say (module docstring).
 
-    With ``pipeline_schedule="auto"``, the stages are planned once (under 1F1B, as the
-    stage DP prices them), each training schedule is priced on them
-    (``schedule_choice``), and the plan is made again, from those decisions, under the
-    fastest that fits; an inference step takes the inference schedule.
+    With ``pipeline_schedule="auto"``, the stages are planned once (under 1F1B), each
+    training schedule is priced on them (``schedule_choice``) and on stages of its own
+    (``candidate_stages``: the DP's under GPipe and ZB-H1, two per mesh for interleaved
+    1F1B and DualPipeV), and the plan is made again under the fastest that fits: from
+    the decisions on the same stages, searched again on other stages; an inference step
+    takes the inference schedule.
     """
     if options.pipeline_schedule != AUTO:
         return _plan_one_schedule(traced, options, args, devices, decisions)
@@ -196,29 +193,31 @@ def plan_pipeshard(
     first = dataclasses.replace(options, pipeline_schedule="1f1b")
     plan = _plan_one_schedule(traced, first, args, devices, decisions)
     cost = plan.cost
-    candidates = price_schedules(
+    same_stages = price_schedules(
         plan.stage_plan.latencies or cost.latencies,
         cost.memory,
         cost.activation_memory,
         plan.num_micro_batches,
         plan.memory_budget(),
     )
-    shared = shared_mesh_candidates(plan)
-    candidates += [c for c, _ in shared]
+    entries = [(c, None) for c in same_stages]
+    entries += dp_candidates(plan, options.default_auto_sharding_option)
+    entries += shared_mesh_candidates(plan)
+    candidates = tuple(c for c, _ in entries)
     best = choose(candidates)
-    if best.name in SHARED_MESH_SCHEDULES:
-        # Other stages: planned again (their shardings searched) on the candidate's meshes.
-        stage_option = next(o for c, o in shared if c is best)
+    stage_option = next(o for c, o in entries if c is best)
+    if stage_option is not None:
+        # Stages of its own: planned again (their shardings searched) on them.
         chosen = dataclasses.replace(
             options, pipeline_schedule=best.name, stage_option=stage_option
         )
         plan = _plan_one_schedule(traced, chosen, args, devices)
-        return dataclasses.replace(plan, schedule_candidates=tuple(candidates))
+        return dataclasses.replace(plan, schedule_candidates=candidates)
     if best.name != "1f1b":
         chosen = dataclasses.replace(options, pipeline_schedule=best.name)
         plan = _plan_one_schedule(traced, chosen, args, devices, plan.decisions())
-        return dataclasses.replace(plan, schedule_candidates=tuple(candidates))
-    result = dataclasses.replace(plan, schedule_candidates=tuple(candidates))
+        return dataclasses.replace(plan, schedule_candidates=candidates)
+    result = dataclasses.replace(plan, schedule_candidates=candidates)
     result.__dict__["cost"] = cost  # the same plan: its cost (layer ILPs) is not solved again
     return result
 

@@ -32,7 +32,12 @@ from alpa.pipeline_parallel.computation import (
 from alpa.pipeline_parallel.layer_construction import (
     LayerAssignment,
 )
-from alpa.pipeline_parallel.schedule_choice import held_memory, makespan, without_activations
+from alpa.pipeline_parallel.schedule_choice import (
+    choose,
+    held_memory,
+    makespan,
+    without_activations,
+)
 from alpa.pipeline_parallel.schedules import PipelineSchedule
 from alpa.pipeline_parallel.stage_construction import (
     ManualStageOption,
@@ -55,6 +60,7 @@ from alpa.runtime.instructions import Op, PipelineInstructions
 from alpa.runtime.worker_program import Layout, TransferPlan
 from alpa.shard_parallel.auto_sharding import AutoShardingOption
 from alpa.tracing import TracedStep
+from alpa.tracing.jaxpr_util import nested_eqns
 
 
 @dataclass(frozen=True, eq=False)
@@ -182,7 +188,7 @@ class PipeshardPlan:
         ]
         budget = self.memory_budget()
         cost = self._with_planned_state(self.price_stages(stages), budget)
-        return self._on_shared_meshes(cost, budget)
+        return self._under_schedule(cost, budget)
 
     def price_stages(self, stages: Sequence[tuple]) -> StagePlanCost:
         """Other stages of this step priced as :attr:`cost` prices this plan's (one stage
@@ -217,20 +223,22 @@ class PipeshardPlan:
         )
         return layer_problem(context, (), (), AutoShardingOption(), self.memory_budget())
 
-    def _on_shared_meshes(self, cost: StagePlanCost, budget: float) -> StagePlanCost:
-        """``cost`` of stages that share meshes (interleaved 1F1B, DualPipeV): each stage's
-        memory is its mesh's, all its stages' state and the activations they hold at once
-        under the schedule (``schedule_choice.held_memory``), and the step's time is the
-        schedule's timeline at the stages' latencies (the stage DP's formula prices one
-        stage per mesh under 1F1B)."""
+    def _under_schedule(self, cost: StagePlanCost, budget: float) -> StagePlanCost:
+        """``cost`` (priced with 1F1B's micro-batches in flight) under this plan's
+        schedule: each stage's memory is its mesh's, its state and the activations the
+        schedule holds at its peak (``schedule_choice.held_memory``; all the mesh's stages
+        at once where stages share meshes: interleaved 1F1B, DualPipeV). Where stages share
+        meshes the step's time is the schedule's timeline at the stages' latencies too
+        (the stage DP's formula prices one stage per mesh)."""
         schedule = self.schedule
-        if not schedule.stage_meshes:
+        if schedule.name in ("1f1b", "inference"):
             return cost
         base = without_activations(cost.memory, cost.activation_memory, self.num_micro_batches)
         memory = held_memory(schedule, base, cost.activation_memory)
+        seconds = makespan(schedule, cost.latencies) if schedule.stage_meshes else None
         return dataclasses.replace(
             cost,
-            step_seconds=makespan(schedule, cost.latencies),
+            step_seconds=cost.step_seconds if seconds is None else seconds,
             memory=memory,
             fits=tuple(m <= budget for m in memory),
         )
@@ -286,8 +294,11 @@ class PipeshardPlan:
 
     @property
     def predicted_cost(self) -> float:
-        """Seconds per step the analytic model predicts: the stage DP's value for
-        automatic stages, :attr:`cost` for the others."""
+        """Seconds per step the analytic model predicts: with ``pipeline_schedule="auto"``,
+        the chosen candidate's (its timeline, ``schedule_candidates``); else the stage DP's
+        value for automatic stages, :attr:`cost` for the others."""
+        if self.schedule_candidates:
+            return choose(self.schedule_candidates).seconds
         if self.stage_plan.predicted_cost is not None:
             return self.stage_plan.predicted_cost
         return self.cost.step_seconds
@@ -302,8 +313,8 @@ class PipeshardPlan:
             f"{self.traced.name} on {self.num_hosts}x{self.num_devices_per_host} "
             f"{self.cluster.name}: predicted {self.predicted_cost:.4g} s/step"
         )
-        if self.schedule_candidates:  # the stage DP's figure is 1F1B's
-            title += f" as 1F1B; {self.schedule.name} chosen by pipeline_schedule='auto'"
+        if self.schedule_candidates:
+            title += f"; {self.schedule.name} chosen by pipeline_schedule='auto'"
         return plan_view.draw(
             path,
             self.schedule,
@@ -330,7 +341,17 @@ class PipeshardPlan:
         ]
 
     def decisions(self) -> PipeshardDecisions:
-        """What :func:`plan_pipeshard` needs to make this plan again without searching."""
+        """What :func:`plan_pipeshard` needs to make this plan again without searching.
+        Its ``operand_specs`` are keyed by the traced step's equations, as a replay reads
+        them (the plan's own are the split program's, at the same positions)."""
+        to_traced = {
+            id(mine): e
+            for mine, e in zip(
+                nested_eqns(self.program.closed_jaxpr.jaxpr),
+                nested_eqns(self.traced.jaxpr),
+                strict=True,
+            )
+        }
         return PipeshardDecisions(
             layers=self.layers,
             stage_plan=self.stage_plan,
@@ -339,7 +360,11 @@ class PipeshardPlan:
             stage_specs=dict(self.stage_specs),
             objectives={s: list(v) for s, v in self.objectives.items()},
             body_specs=dict(self.body_specs),
-            operand_specs=dict(self.operand_specs),
+            operand_specs={
+                (to_traced[id(e)], s): specs
+                for (e, s), specs in self.operand_specs.items()
+                if id(e) in to_traced
+            },
         )
 
     def summary(self) -> dict:

@@ -39,7 +39,7 @@ CANDIDATES = ("gpipe", "1f1b", "zb-h1")
 class ScheduleCandidate:
     """One schedule priced on a plan's stages: ``seconds`` per step (the timeline's
     makespan), ``memory`` per stage (bytes per device) and whether every stage ``fits``.
-    ``note`` says on which stages, where they are not the plan's (``shared_mesh_stages``),
+    ``note`` says on which stages, where they are not the plan's (``candidate_stages``),
     or why the schedule does not apply (``not applicable: ...``; ``seconds`` is then
     infinite)."""
 

@@ -33,6 +33,7 @@ import numpy as np
 
 from alpa.pipeline_parallel.schedules import SHARED_MESH_SCHEDULES, stage_placement
 from alpa.pipeline_parallel.stage_dp import (  # noqa: F401 (Alpa's path)
+    DP_SCHEDULES,
     SUBMESH_SPACES,
     get_submesh_choices,
     training_dp,
@@ -278,6 +279,11 @@ class StagePlan:
     def num_meshes(self) -> int:
         return len(set(self.device_ranges))
 
+    def plan(self, context: StageContext) -> StagePlan:
+        """Itself: a plan made already is a stage option too (``pipeline_schedule="auto"``
+        plans its candidates' stages with them)."""
+        return self
+
     def stage_layers(self) -> list[list[int]]:
         out: list[list[int]] = [[] for _ in range(self.num_stages)]
         for layer, stage in enumerate(self.layer_to_stage):
@@ -328,6 +334,8 @@ class StageContext:
 
 
 def resolve_stage_option(option) -> ManualStageOption | UniformStageOption | AutoStageOption:
+    if isinstance(option, StagePlan):  # stages planned already ("auto"'s candidates)
+        return option
     if option is None or option == "uniform":
         return UniformStageOption()
     if option == "auto":
@@ -504,6 +512,12 @@ class DPResult:
 
     costs: Any
     _saved: list = field(default_factory=list, repr=False)
+    # What the DP read besides the tables, to run it again under another schedule
+    # (stages_for_schedule): the problem (submesh choices and their configurations), the
+    # cost table as the imbalance tolerance masked it, and the context.
+    problem: Any = field(default=None, repr=False)
+    dp_compute_cost: Any = field(default=None, repr=False)
+    context: Any = field(default=None, repr=False)
 
     def save(self, path: str | None = None) -> str:
         """The tables as an ``.npz`` file (``AutoStageOption(cached_profile_result=...)``
@@ -634,6 +648,8 @@ def plan_auto_stages(option: AutoStageOption, context: StageContext) -> StagePla
     if costs is None:
         costs = option.cost_model_instance(context.devices)(problem)
 
+    schedule = context.schedule if context.schedule in DP_SCHEDULES else "1f1b"
+
     def dp(compute_cost):
         return training_dp(
             L,
@@ -643,6 +659,7 @@ def plan_auto_stages(option: AutoStageOption, context: StageContext) -> StagePla
             C,
             compute_cost,
             costs.max_n_succ_stages,
+            schedule,
         )
 
     tolerance = option.stage_imbalance_tolerance
@@ -674,10 +691,46 @@ def plan_auto_stages(option: AutoStageOption, context: StageContext) -> StagePla
                 "more devices"
             ) from e
         raise ValueError(f"{e} (memory_budget_per_device={problem.memory_budget:.4g} bytes)") from e
-    layer_to_stage = [0] * L
+    dp_result = DPResult(costs, problem=problem, dp_compute_cost=compute_cost, context=context)
+    _last_auto_plan = plan = _resolve(solution, total, dp_result)
+    return plan
+
+
+def stages_for_schedule(plan: StagePlan, schedule: str) -> StagePlan:
+    """The stages the DP that made ``plan`` (automatic stages) picks under ``schedule``
+    (``stage_dp.DP_SCHEDULES``: its latency and in-flight memory), from the same tables;
+    ``plan`` itself when they are the same."""
+    dp = plan.dp_result
+    if dp is None or dp.problem is None:
+        raise ValueError("stages_for_schedule needs a plan of the stage DP (automatic stages)")
+    problem, context = dp.problem, dp.context
+    total, solution = training_dp(
+        problem.num_layers,
+        context.num_devices,
+        context.num_micro_batches,
+        problem.submesh_choices,
+        problem.num_configs,
+        dp.dp_compute_cost,
+        dp.costs.max_n_succ_stages,
+        schedule,
+    )
+    other = _resolve(solution, total, dp)
+    same = (other.layer_to_stage, other.submesh_shapes, other.logical_shapes) == (
+        plan.layer_to_stage,
+        plan.submesh_shapes,
+        plan.logical_shapes,
+    )
+    return plan if same else other
+
+
+def _resolve(solution, total: float, dp: DPResult) -> StagePlan:
+    """The ``StagePlan`` of a DP ``solution`` of cost ``total``: stages, their submeshes
+    placed on the cluster, logical shapes, options, latencies and memory from the tables
+    (the unbounded ones, reusable under any tolerance; the chosen stages' entries are the
+    same in both)."""
+    problem, costs, context = dp.problem, dp.costs, dp.context
+    layer_to_stage = [0] * problem.num_layers
     shapes, logical, dicts, latencies, memory = [], [], [], [], []
-    # The tables saved are the unbounded ones, reusable under any tolerance; the chosen
-    # stages' entries are the same in both.
     for s, ((start, end), m, c) in enumerate(solution):
         for layer in range(start, end):
             layer_to_stage[layer] = s
@@ -697,5 +750,4 @@ def plan_auto_stages(option: AutoStageOption, context: StageContext) -> StagePla
         memory=tuple(memory),
         predicted_cost=float(total),
     )
-    _last_auto_plan = plan = dataclasses.replace(plan, dp_result=DPResult(costs))
-    return plan
+    return dataclasses.replace(plan, dp_result=dp)

@@ -721,7 +721,11 @@ def _fill(problem: StageProblem, latency_of, memory_of) -> StageCosts:
                 for j in range(i, L):
                     state, per_micro, once = memory_of(i, j, m, c, config)
                     memory[i, j, m, c] = state + once + per_micro
-                    fits = _stages_that_fit(problem.memory_budget, state + once, per_micro, L)
+                    # Capped where it no longer binds: no plan has more than L - 1 stages
+                    # after one, nor holds more than M micro-batches (GPipe and ZB-H1 in
+                    # the DP read the table as micro-batches in flight, less one).
+                    cap = max(L, problem.num_micro_batches)
+                    fits = _stages_that_fit(problem.memory_budget, state + once, per_micro, cap)
                     if fits < 0:
                         continue
                     succ[i, j, m, c] = fits
@@ -729,14 +733,15 @@ def _fill(problem: StageProblem, latency_of, memory_of) -> StageCosts:
     return StageCosts(cost, succ, memory)
 
 
-def _stages_that_fit(budget: float, fixed: float, per_micro: float, num_layers: int) -> int:
+def _stages_that_fit(budget: float, fixed: float, per_micro: float, cap: int) -> int:
     """How many stages may follow a stage holding ``fixed`` bytes and ``per_micro`` per
-    micro-batch in flight (1F1B: ``k`` followers, ``k + 1`` micro-batches); -1: none."""
+    micro-batch in flight (1F1B: ``k`` followers, ``k + 1`` micro-batches), at most
+    ``cap``; -1: none."""
     if per_micro > 0:
         fits = math.floor((budget - fixed) / per_micro) - 1
     else:
-        fits = num_layers if fixed <= budget else -1
-    return min(fits, num_layers)
+        fits = cap if fixed <= budget else -1
+    return min(fits, cap)
 
 
 class AnalyticStageCost:

@@ -38,6 +38,18 @@ least pair over a larger set and lies in each smaller one), so the walk jumps st
 the largest bound below ``M``. The DP thus runs once per distinct plan on the way down,
 not once per distinct latency, and stops when no plan fits the bound.
 
+**Other schedules** (``training_dp(..., schedule=...)``) change the objective and the
+memory constraint, each by the schedule's closed form for equal stages (``schedules``):
+
+* ``"gpipe"``: the same latency, but every stage holds all ``B`` micro-batches:
+  ``B - 1 <= max_n_succ_stages`` for every stage;
+* ``"zb-h1"``: ``(3 B + S - 1) t / 3`` for ``S`` stages of latency ``t`` (a forward a
+  third of it, ``B`` and ``W`` a third each), written as
+  :math:`T = \tfrac13 \sum_t t_t + (B - \tfrac13) \max_t t_t`; every stage holds
+  ``min(S, B)`` micro-batches, ``min(S, B) - 1 <= max_n_succ_stages``, which depends on
+  the number of stages ``S`` of the whole plan: the DP is run for each ``S`` with that
+  bound, keeping only plans of exactly ``S`` stages, and the best over ``S`` is taken.
+
 Entry points keep Alpa's names and signatures (research code imports them):
 :func:`get_submesh_choices` and :func:`training_dp`.
 """
@@ -49,6 +61,9 @@ from collections.abc import Sequence
 import numpy as np
 
 SUBMESH_SPACES = ("power_of_two", "small_power_of_two", "all", "manual")
+
+#: The schedules the DP prices (``training_dp(schedule=...)``).
+DP_SCHEDULES = ("1f1b", "gpipe", "zb-h1")
 
 
 def get_submesh_choices(
@@ -123,13 +138,17 @@ def training_dp(
     num_autosharding_configs: int,
     compute_cost: np.ndarray,
     max_n_succ_stages: np.ndarray,
+    schedule: str = "1f1b",
 ) -> tuple[float, list[tuple[tuple[int, int], int, int]]]:
-    """The plan of least pipeline latency (module docstring) and its cost.
+    """The plan of least pipeline latency (module docstring) under ``schedule``
+    (``"1f1b"``, Alpa's; ``"gpipe"`` or ``"zb-h1"``) and its cost.
 
     Returns ``(cost, solution)`` with ``solution = [((start, end_exclusive), m, c), ...]``
     in stage order. Raises ``ValueError`` when no plan uses exactly ``num_devices`` devices
     with finite costs (naming what was searched), never returns ``inf``.
     """
+    if schedule not in DP_SCHEDULES:
+        raise ValueError(f"schedule must be one of {DP_SCHEDULES}, got {schedule!r}")
     num_choices = len(submesh_choices)
     shape = (num_layers, num_layers, num_choices, num_autosharding_configs)
     compute_cost = np.asarray(compute_cost, dtype=np.float64)
@@ -143,25 +162,24 @@ def training_dp(
     if num_micro_batches < 1:
         raise ValueError(f"num_micro_batches must be >= 1, got {num_micro_batches}")
     sizes = [int(np.prod(s)) for s in submesh_choices]
-    bounds = np.unique(compute_cost[np.isfinite(compute_cost)])[::-1]  # largest first
+    B = num_micro_batches
+    if schedule == "zb-h1":
+        # Every stage holds min(S, B) micro-batches: one DP per number of stages S.
+        runs = [
+            (_Rule(lambda s, S=S: min(S, B) - 1, S, 1 / 3, 2 / 3))
+            for S in range(1, min(num_layers, num_devices) + 1)
+        ]
+    elif schedule == "gpipe":
+        runs = [_Rule(lambda s: B - 1, None, 1.0, 0.0)]
+    else:
+        runs = [_Rule(lambda s: s - 1, None, 1.0, 0.0)]
     best_cost, best_solution = np.inf, None
-    index = 0
-    while index < len(bounds):
-        found = _dp_within(
-            num_layers,
-            num_devices,
-            num_micro_batches,
-            sizes,
-            compute_cost,
-            max_n_succ_stages,
-            bounds[index],
+    for rule in runs:
+        found = _walk_bounds(
+            num_layers, num_devices, B, sizes, compute_cost, max_n_succ_stages, rule
         )
-        if found is None:
-            break  # no plan within this bound, so none within a smaller one
-        total, plan, plan_max = found
-        if total < best_cost:
-            best_cost, best_solution = total, plan
-        index = max(index + 1, int(np.searchsorted(-bounds, -plan_max, side="right")))
+        if found is not None and found[0] < best_cost:
+            best_cost, best_solution = found
     if best_solution is None:
         raise ValueError(
             f"no pipeline plan of {num_layers} layers uses exactly {num_devices} devices: "
@@ -173,7 +191,37 @@ def training_dp(
     return float(best_cost), best_solution
 
 
-def _dp_within(num_layers, num_devices, num_micro_batches, sizes, cost, max_succ, t_max):
+class _Rule:
+    """A schedule's terms for the DP: ``need(s)``, the ``max_n_succ_stages`` a stage needs
+    when ``s`` stages (itself included) remain; ``stages``, the plan's number of stages
+    when fixed; the cost ``sum_weight * sum + (B - 1 + max_extra) * max``."""
+
+    def __init__(self, need, stages, sum_weight, max_extra):
+        self.need, self.stages = need, stages
+        self.sum_weight, self.max_extra = sum_weight, max_extra
+
+
+def _walk_bounds(num_layers, num_devices, num_micro_batches, sizes, compute_cost, max_succ, rule):
+    """The best ``(cost, plan)`` under ``rule`` over every bound on the largest stage
+    latency (module docstring), or ``None``."""
+    bounds = np.unique(compute_cost[np.isfinite(compute_cost)])[::-1]  # largest first
+    best = None
+    index = 0
+    while index < len(bounds):
+        found = _dp_within(
+            num_layers, num_devices, num_micro_batches, sizes, compute_cost, max_succ,
+            bounds[index], rule,
+        )  # fmt: skip
+        if found is None:
+            break  # no plan within this bound, so none within a smaller one
+        total, plan, plan_max = found
+        if best is None or total < best[0]:
+            best = (total, plan)
+        index = max(index + 1, int(np.searchsorted(-bounds, -plan_max, side="right")))
+    return best
+
+
+def _dp_within(num_layers, num_devices, num_micro_batches, sizes, cost, max_succ, t_max, rule):
     """The DP for one bound ``t_max``: ``(total cost, plan, its largest stage latency)``, or
     ``None`` when no plan fits the bound.
 
@@ -201,7 +249,7 @@ def _dp_within(num_layers, num_devices, num_micro_batches, sizes, cost, max_succ
                 shifted_max[m, :, n:] = stage_max[s - 1, :, : D + 1 - n]
         for k in range(L - 1, -1, -1):
             # The first stage is layers k..i-1, i = k+1..L (j = i-1 = k..L-1).
-            t = np.where(s - 1 <= max_succ[k, k:L], within[k, k:L], inf)  # [i', m, c]
+            t = np.where(rule.need(s) <= max_succ[k, k:L], within[k, k:L], inf)  # [i', m, c]
             # The rest of the plan does not depend on the stage's configuration, so per
             # (i', m) only its fastest one can be chosen (and gives the smaller maximum
             # too); the first of equals, as the tie rule says.
@@ -218,12 +266,14 @@ def _dp_within(num_layers, num_devices, num_micro_batches, sizes, cost, max_succ
             stage_max[s, k] = peak[best, columns]
             end, m = np.unravel_index(best, (L - k, M))
             arg[s, k, :, 0], arg[s, k, :, 1], arg[s, k, :, 2] = end + k + 1, m, best_c[end, m]
-    sums, peaks = f[1:, 0, D], stage_max[1:, 0, D]
+    sums, peaks = f[1:, 0, D].copy(), stage_max[1:, 0, D]
+    if rule.stages is not None:  # plans of exactly that many stages
+        sums[np.arange(len(sums)) != rule.stages - 1] = inf
     if not np.isfinite(sums).any():
         return None
     s = int(np.argmin(np.where(sums == sums.min(), peaks, inf))) + 1
     plan_max = float(stage_max[s, 0, D])
-    total = f[s, 0, D] + (num_micro_batches - 1) * plan_max
+    total = rule.sum_weight * f[s, 0, D] + (num_micro_batches - 1 + rule.max_extra) * plan_max
     plan, k, d = [], 0, D
     while s > 0:
         i, m, c = (int(x) for x in arg[s, k, d])

@@ -159,11 +159,11 @@ def run_case(
         "stage_cost_s": split.get("stage_cost", 0.0),
         "dp_s": split.get("dp", 0.0),
         "rest_s": total - known,
-        "predicted_iteration_s": plan.stage_plan.predicted_cost,
+        "predicted_iteration_s": plan.predicted_cost,
         "limit_s": limit,
-        "predicted_over_limit": plan.stage_plan.predicted_cost / limit,
+        "predicted_over_limit": plan.predicted_cost / limit,
         "hand_s": hand_s,
-        "predicted_over_hand": None if hand_s is None else plan.stage_plan.predicted_cost / hand_s,
+        "predicted_over_hand": None if hand_s is None else plan.predicted_cost / hand_s,
         "hand_plan": hand_plan,
         "stages": [
             {k: s[k] for k in ("layers", "submesh", "logical_shape", "latency", "memory")}

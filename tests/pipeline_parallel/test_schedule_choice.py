@@ -80,7 +80,7 @@ SHARED = ("dualpipev", "interleaved-1f1b")
 def test_auto_on_a_gpt_plan_is_no_worse_than_any_schedule_and_says_why():
     """4 one-block GPT stages on 4 meshes of 2 devices, 8 micro-batches, no device: "auto"
     prices GPipe, 1F1B and ZB-H1 on these stages, and interleaved 1F1B and DualPipeV on 4
-    stages on 2 meshes of 4 devices (``shared_mesh_stages``); it takes the fastest that
+    stages on 2 meshes of 4 devices (``candidate_stages``); it takes the fastest that
     fits (DualPipeV here, then ZB-H1, both faster than 1F1B); the plan lists every
     candidate (its table too), and each candidate's time is that of the plan made with
     the schedule (and, for the shared-mesh ones, the stages) named by hand. With a memory
@@ -129,12 +129,12 @@ def test_auto_on_a_gpt_plan_is_no_worse_than_any_schedule_and_says_why():
 
 
 def test_balanced_cuts_are_the_exhaustive_optimum():
-    """``shared_mesh_stages.balanced_cuts``: every cut of up to 7 layers into k contiguous
+    """``candidate_stages.balanced_cuts``: every cut of up to 7 layers into k contiguous
     groups searched; the DP's largest group sum is the least, and its groups are
     contiguous, non-empty and cover the layers in order."""
     import itertools
 
-    from alpa.pipeline_parallel.shared_mesh_stages import balanced_cuts
+    from alpa.pipeline_parallel.candidate_stages import balanced_cuts
 
     flops = [5.0, 1.0, 3.0, 8.0, 2.0, 2.0, 6.0]
     for L in range(1, len(flops) + 1):
@@ -154,7 +154,7 @@ def test_shared_mesh_schedules_that_do_not_apply_are_reported_not_chosen():
     """Interleaved 1F1B needs M a multiple of the meshes, DualPipeV M >= 2 p: a candidate
     that cannot run says why in its line, and is never chosen, even when nothing fits (its
     memory is unknown, not zero)."""
-    from alpa.pipeline_parallel.shared_mesh_stages import _not_applicable, _refusal
+    from alpa.pipeline_parallel.candidate_stages import _not_applicable, _refusal
 
     assert _refusal("interleaved-1f1b", 2, 6) == _refusal("dualpipev", 2, 6) == ""
     assert _refusal("interleaved-1f1b", 2, 3) == "3 micro-batches are not a multiple of 2 meshes"
@@ -166,3 +166,52 @@ def test_shared_mesh_schedules_that_do_not_apply_are_reported_not_chosen():
     nothing_fits = price_schedules([T] * S, [1.0] * S, [1.0] * S, M, budget=0.5)
     chosen = choose([*nothing_fits, refused])
     assert chosen.name == "1f1b" and not chosen.fits
+
+
+def _dp_gpt_plan(schedule: str):
+    """An 8-layer GPT (hidden 2048, 1024 tokens, batch 128) for 2 x 8 A100-40GB, 32
+    micro-batches, automatic layers and stages: GPipe's 32 micro-batches in flight do not
+    fit on the stages the DP picks under 1F1B."""
+    from alpa.model.gpt import GPTConfig, get_gpt_train_state_and_step
+
+    config = GPTConfig(seq_len=1024, vocab_size=1024, hidden_size=2048, num_layers=8, num_heads=16)
+    state, batch, step = get_gpt_train_state_and_step(
+        config, 128, grad_func=alpa.value_and_grad, abstract=True
+    )
+    method = alpa.PipeshardParallel(
+        devices=ClusterSpec.preset("a100-40gb", num_nodes=2),
+        num_micro_batches=32,
+        pipeline_schedule=schedule,
+        layer_option=alpa.AutoLayerOption(layer_num=8),
+        stage_option="auto",
+    )
+    return alpa.parallelize(step, method=method).plan(state, batch)
+
+
+def test_the_stage_dp_prices_each_schedule():
+    """The stage DP under GPipe keeps all 32 micro-batches within memory (stage_dp): the
+    1F1B stages hold more than 40 GB under GPipe, the DP's own GPipe stages fit, and
+    "auto" lists both; a plan made with pipeline_schedule="gpipe" takes the GPipe stages
+    and its cost holds 32 micro-batches in flight within the budget. "auto" takes the
+    fastest that fits (ZB-H1 here, replayed on the 1F1B stages), and predicts its time."""
+    from alpa.pipeline_parallel.stage_construction import stages_for_schedule
+
+    auto = _dp_gpt_plan("auto")
+    gpipe = [c for c in auto.schedule_candidates if c.name == "gpipe"]
+    on_1f1b, own = gpipe
+    assert not on_1f1b.fits and own.fits and own.note.startswith("the stage DP's")
+    budget = auto.memory_budget()
+    assert max(on_1f1b.memory) > budget >= max(own.memory)
+    fitting = [c for c in auto.schedule_candidates if c.fits]
+    assert auto.schedule.name == min(fitting, key=lambda c: c.seconds).name == "zb-h1"
+    assert auto.predicted_cost == min(c.seconds for c in fitting)  # the headline figure
+    by_hand = _dp_gpt_plan("gpipe")
+    assert f"the stage DP's {by_hand.num_stages} stages under gpipe" == own.note
+    assert by_hand.num_stages != auto.num_stages
+    assert all(by_hand.cost.fits) and max(by_hand.cost.memory) <= budget
+    # Under 1F1B the DP's stages are the plan's own.
+    plan_1f1b = _dp_gpt_plan("1f1b")
+    assert stages_for_schedule(plan_1f1b.stage_plan, "1f1b") is plan_1f1b.stage_plan
+    assert stages_for_schedule(plan_1f1b.stage_plan, "gpipe").stage_layers() == (
+        by_hand.stage_plan.stage_layers()
+    )

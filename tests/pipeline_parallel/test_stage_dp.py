@@ -11,7 +11,27 @@ from alpa.pipeline_parallel.stage_construction import get_submesh_choices, train
 CLUSTERS = [(1, 1), (1, 2), (1, 4), (2, 2), (2, 4)]
 
 
-def exhaustive(num_layers, num_devices, num_micro_batches, sizes, cost, max_succ):
+def _in_flight_ok(plan, max_succ, num_micro_batches, schedule):
+    """Whether each stage of ``plan`` holds the micro-batches ``schedule`` keeps on it:
+    1F1B the stages after it plus one, GPipe all, ZB-H1 min(S, B) on every stage."""
+    n = len(plan)
+    for t, (s, e, m, c) in enumerate(plan):
+        need = {"1f1b": n - 1 - t, "gpipe": num_micro_batches - 1}.get(
+            schedule, min(n, num_micro_batches) - 1
+        )
+        if need > max_succ[s, e - 1, m, c]:
+            return False
+    return True
+
+
+def _latency(times, num_micro_batches, schedule):
+    """The schedule's closed form for equal stages as a cost of any stages (stage_dp)."""
+    if schedule == "zb-h1":
+        return sum(times) / 3 + (num_micro_batches - 1 / 3) * max(times)
+    return sum(times) + (num_micro_batches - 1) * max(times)
+
+
+def exhaustive(num_layers, num_devices, num_micro_batches, sizes, cost, max_succ, schedule="1f1b"):
     """The least pipeline latency over every plan (inf if none), by depth-first search over
     contiguous splits, submeshes and configurations."""
     best = np.inf
@@ -29,26 +49,25 @@ def exhaustive(num_layers, num_devices, num_micro_batches, sizes, cost, max_succ
                         yield [(start, end, m, c)] + rest
 
     for plan in stages(0, num_devices):
-        n = len(plan)
-        if any(n - 1 - t > max_succ[s, e - 1, m, c] for t, (s, e, m, c) in enumerate(plan)):
+        if not _in_flight_ok(plan, max_succ, num_micro_batches, schedule):
             continue
         times = [cost[s, e - 1, m, c] for s, e, m, c in plan]
-        best = min(best, sum(times) + (num_micro_batches - 1) * max(times))
+        best = min(best, _latency(times, num_micro_batches, schedule))
     return best
 
 
-def plan_cost(solution, num_layers, num_devices, num_micro_batches, sizes, cost, max_succ):
+def plan_cost(
+    solution, num_layers, num_devices, num_micro_batches, sizes, cost, max_succ, schedule="1f1b"
+):
     """The cost of a returned plan, recomputed, after checking that it is a valid plan."""
     assert solution[0][0][0] == 0 and solution[-1][0][1] == num_layers
     for (layers, _, _), (next_layers, _, _) in zip(solution, solution[1:], strict=False):
         assert layers[0] < layers[1] == next_layers[0]
     assert sum(sizes[m] for _, m, _ in solution) == num_devices
-    n = len(solution)
-    times = []
-    for t, ((s, e), m, c) in enumerate(solution):
-        assert n - 1 - t <= max_succ[s, e - 1, m, c]
-        times.append(cost[s, e - 1, m, c])
-    return sum(times) + (num_micro_batches - 1) * max(times)
+    plan = [(s, e, m, c) for (s, e), m, c in solution]
+    assert _in_flight_ok(plan, max_succ, num_micro_batches, schedule)
+    times = [cost[s, e - 1, m, c] for s, e, m, c in plan]
+    return _latency(times, num_micro_batches, schedule)
 
 
 def random_instance(rng, index):
@@ -64,25 +83,26 @@ def random_instance(rng, index):
     return hosts * per_host, int(rng.integers(1, 5)), choices, num_configs, cost, max_succ
 
 
-def test_training_dp_equals_exhaustive_search():
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "zb-h1"])
+def test_training_dp_equals_exhaustive_search(schedule):
+    """Under each schedule's objective and in-flight memory (stage_dp's docstring)."""
     rng = np.random.default_rng(0)
     solved = unsolvable = with_inf = 0
     for index in range(120):
         num_devices, micro, choices, configs, cost, max_succ = random_instance(rng, index)
         num_layers = cost.shape[0]
         sizes = [a * b for a, b in choices]
-        expected = exhaustive(num_layers, num_devices, micro, sizes, cost, max_succ)
+        args = (num_layers, num_devices, micro)
+        expected = exhaustive(*args, sizes, cost, max_succ, schedule)
         with_inf += bool(np.isinf(cost).any())
         if np.isinf(expected):
             with pytest.raises(ValueError, match=r"no pipeline plan of \d+ layers uses exactly"):
-                training_dp(num_layers, num_devices, micro, choices, configs, cost, max_succ)
+                training_dp(*args, choices, configs, cost, max_succ, schedule=schedule)
             unsolvable += 1
             continue
-        got, solution = training_dp(
-            num_layers, num_devices, micro, choices, configs, cost, max_succ
-        )
+        got, solution = training_dp(*args, choices, configs, cost, max_succ, schedule=schedule)
         assert got == pytest.approx(expected, abs=1e-6), (index, got, expected)
-        recomputed = plan_cost(solution, num_layers, num_devices, micro, sizes, cost, max_succ)
+        recomputed = plan_cost(solution, *args, sizes, cost, max_succ, schedule)
         assert recomputed == pytest.approx(got, abs=1e-6)
         solved += 1
     # The instances cover solvable and unsolvable cases, and infeasible (inf) stages.
@@ -110,6 +130,10 @@ def test_training_dp_known_answers():
 def test_training_dp_bad_input():
     with pytest.raises(ValueError, match=r"compute_cost has shape \(2, 2, 1, 1\); expected"):
         training_dp(2, 1, 1, ((1, 1),), 2, np.ones((2, 2, 1, 1)), np.ones((2, 2, 1, 2)))
+    with pytest.raises(ValueError, match=r"schedule must be one of .* got 'dualpipev'"):
+        training_dp(
+            2, 1, 1, ((1, 1),), 1, np.ones((2, 2, 1, 1)), np.ones((2, 2, 1, 1)), "dualpipev"
+        )
 
 
 def test_get_submesh_choices():

@@ -1,9 +1,19 @@
-"""Stages for the schedules that place two stages on each mesh, derived from a plan.
+"""``pipeline_schedule="auto"``'s candidates on stages other than the plan's.
 
-``pipeline_schedule="auto"`` prices GPipe, 1F1B and ZB-H1 on the stage DP's stages
-(``schedule_choice``). Interleaved 1F1B and DualPipeV need other stages: ``2 p`` of them on
-``p`` meshes (``schedules.stage_placement``), which the stage DP, one stage per mesh, does
-not search. This module builds one candidate for each, from the plan the DP made:
+``pipeline_schedule="auto"`` prices GPipe, 1F1B and ZB-H1 on the stages the stage DP chose
+under 1F1B (``schedule_choice``). Two kinds of candidates have stages of their own:
+
+**The DP's stages under each schedule** (:func:`dp_candidates`): the stage DP prices GPipe
+and ZB-H1 by their own latency and in-flight memory (``stage_dp``'s docstring); run again
+on the same tables (``stage_construction.stages_for_schedule``), it may pick other stages
+(fewer to fit GPipe's memory; for ZB-H1, whose bubble weighs a third of 1F1B's, other
+cuts). Where it does, the schedule is priced on those stages too: the DP's latencies, the
+analytic model's memory per stage (``PipeshardPlan.price_stages``) with the schedule's
+micro-batches in flight, the timeline's time.
+
+**Two stages per mesh**: interleaved 1F1B and DualPipeV need ``2 p`` stages on ``p``
+meshes (``schedules.stage_placement``), which the stage DP, one stage per mesh, does not
+search. :func:`shared_mesh_candidates` builds one candidate for each, from the DP's plan:
 
 * **meshes**: ``p`` equal submeshes of the cluster, each of the DP's most common submesh
   size (the largest on a tie), fewer where the step has not ``2 p`` layers (``p`` is then
@@ -37,8 +47,52 @@ from alpa.pipeline_parallel.schedule_choice import (
     without_activations,
 )
 from alpa.pipeline_parallel.schedules import SHARED_MESH_SCHEDULES, make_schedule
-from alpa.pipeline_parallel.stage_construction import ManualStageOption, submesh_shape
+from alpa.pipeline_parallel.stage_construction import (
+    ManualStageOption,
+    StagePlan,
+    stages_for_schedule,
+    submesh_shape,
+)
 from alpa.pipeline_parallel.stage_cost import layer_flops
+from alpa.pipeline_parallel.stage_sharding import stage_options
+
+
+def dp_candidates(plan, default_option) -> list[tuple[ScheduleCandidate, StagePlan]]:
+    """GPipe and ZB-H1 on the stages the DP that made ``plan`` picks under each (module
+    docstring), where they differ from ``plan``'s; none for stages not made by the DP.
+    ``default_option`` is ``PipeshardParallel``'s ``default_auto_sharding_option``."""
+    if plan.stage_plan.dp_result is None:
+        return []
+    out = []
+    for name in ("gpipe", "zb-h1"):
+        try:
+            stages = stages_for_schedule(plan.stage_plan, name)
+        except ValueError:  # no plan of the DP fits this schedule's memory
+            reason = f"the stage DP finds no stages within memory under {name}"
+            out.append((_not_applicable(name, reason), None))
+            continue
+        if stages is plan.stage_plan:
+            continue
+        options = stage_options(default_option, stages.autosharding_option_dicts)
+        cost = plan.price_stages(
+            [
+                (layers, stages.submesh_shapes[s], stages.logical_shapes[s], options[s])
+                for s, layers in enumerate(stages.stage_layers())
+            ]
+        )
+        M = plan.num_micro_batches
+        schedule = make_schedule(name, stages.num_stages, M)
+        base = without_activations(cost.memory, cost.activation_memory, M)
+        memory = held_memory(schedule, base, cost.activation_memory)
+        candidate = ScheduleCandidate(
+            name,
+            makespan(schedule, stages.latencies),
+            memory,
+            all(m <= plan.memory_budget() for m in memory),
+            note=f"the stage DP's {stages.num_stages} stages under {name}",
+        )
+        out.append((candidate, stages))
+    return out
 
 
 def shared_mesh_candidates(plan) -> list[tuple[ScheduleCandidate, ManualStageOption | None]]:
@@ -108,7 +162,8 @@ def _meshes(plan):
         p -= 1
     if p < 2:
         return (
-            f"{num_layers} layers on {num_devices} devices make no pipeline of 2 meshes (4 stages)"
+            f"no 2 meshes of 2 stages: {num_devices} devices in submeshes of the stage "
+            f"DP's {size}, {num_layers} layers"
         )
     shape = submesh_shape(num_devices // p, plan.num_devices_per_host)
     source = next(
