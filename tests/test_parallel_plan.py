@@ -156,11 +156,11 @@ def no_search(monkeypatch):
     def searched(*args, **kwargs):
         raise AssertionError("searched during a replay")
 
-    from alpa.pipeline_parallel import pipeshard_passes, stage_construction
+    from alpa.pipeline_parallel import pipeshard_passes, stage_search
     from alpa.shard_parallel import ilp_solver
 
     monkeypatch.setattr(ilp_solver, "solve", searched)
-    monkeypatch.setattr(stage_construction, "training_dp", searched)
+    monkeypatch.setattr(stage_search, "training_dp", searched)
     monkeypatch.setattr(pipeshard_passes, "construct_layers", searched)
     monkeypatch.setattr(pipeshard_passes, "plan_stage_shardings", searched)
 

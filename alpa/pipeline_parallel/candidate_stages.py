@@ -5,7 +5,7 @@ under 1F1B (``schedule_choice``). Two kinds of candidates have stages of their o
 
 **The DP's stages under each schedule** (:func:`dp_candidates`): the stage DP prices GPipe
 and ZB-H1 by their own latency and in-flight memory (``stage_dp``'s docstring); run again
-on the same tables (``stage_construction.stages_for_schedule``), it may pick other stages
+on the same tables (``stage_search.stages_for_schedule``), it may pick other stages
 (fewer to fit GPipe's memory; for ZB-H1, whose bubble weighs a third of 1F1B's, other
 cuts). Where it does, the schedule is priced on those stages too: the DP's latencies, the
 analytic model's memory per stage (``PipeshardPlan.price_stages``) with the schedule's
@@ -47,13 +47,9 @@ from alpa.pipeline_parallel.schedule_choice import (
     without_activations,
 )
 from alpa.pipeline_parallel.schedules import SHARED_MESH_SCHEDULES, make_schedule
-from alpa.pipeline_parallel.stage_construction import (
-    ManualStageOption,
-    StagePlan,
-    stages_for_schedule,
-    submesh_shape,
-)
+from alpa.pipeline_parallel.stage_construction import ManualStageOption, StagePlan, submesh_shape
 from alpa.pipeline_parallel.stage_cost import layer_flops
+from alpa.pipeline_parallel.stage_search import stages_for_schedule
 from alpa.pipeline_parallel.stage_sharding import stage_options
 
 

@@ -49,9 +49,9 @@ from alpa.pipeline_parallel.stage_construction import (
     AutoStageOption,
     StageContext,
     StagePlan,
-    plan_stages,
     resolve_stage_option,
 )
+from alpa.pipeline_parallel.stage_search import plan_stages
 from alpa.pipeline_parallel.stage_sharding import (
     DATA_AXES,
     InnerSpecs,

@@ -39,18 +39,14 @@ from alpa.pipeline_parallel.schedule_choice import (
     without_activations,
 )
 from alpa.pipeline_parallel.schedules import PipelineSchedule
-from alpa.pipeline_parallel.stage_construction import (
-    ManualStageOption,
-    StageContext,
-    StagePlan,
-    layer_problem,
-)
+from alpa.pipeline_parallel.stage_construction import ManualStageOption, StageContext, StagePlan
 from alpa.pipeline_parallel.stage_cost import (
     LogicalConfig,
     StagePlanCost,
     per_device_bytes,
     predict_stage_plan,
 )
+from alpa.pipeline_parallel.stage_search import layer_problem
 from alpa.pipeline_parallel.stage_sharding import (
     DATA_AXES,
     value_spec,

@@ -1,6 +1,6 @@
 """Stage construction: which layers form each stage, and the submesh each stage runs on.
 
-Every stage option resolves through one method, ``option.plan(context) -> StagePlan``:
+Every stage option resolves to a ``StagePlan`` (``stage_search.plan_stages``):
 
 * ``ManualStageOption`` takes layers and submesh shapes from the user;
 * ``UniformStageOption`` splits layers and devices evenly;
@@ -15,30 +15,26 @@ A submesh is a host-aligned 2-D slice ``(hosts, devices_per_host)`` of the clust
 (:func:`place_submeshes`); ``StagePlan.device_ranges`` are its devices as a range of the
 cluster's devices numbered host by host. ``get_submesh_choices`` and ``training_dp`` are
 re-exported here at Alpa's path; ``get_last_dp_result()`` says what the last DP chose.
+The DP's run on a step (its cost tables, its solution resolved to a ``StagePlan``, the
+same tables under another schedule) is ``stage_search``.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import numbers
-import os
-import tempfile
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from alpa.pipeline_parallel.schedules import SHARED_MESH_SCHEDULES, stage_placement
+from alpa.pipeline_parallel.schedules import stage_placement
 from alpa.pipeline_parallel.stage_dp import (  # noqa: F401 (Alpa's path)
-    DP_SCHEDULES,
     SUBMESH_SPACES,
     get_submesh_choices,
     training_dp,
 )
-from alpa.pipeline_parallel.stage_imbalance import imbalance_mask, tolerance_error
 
 
 @dataclass(frozen=True)
@@ -232,9 +228,6 @@ class AutoStageOption:
             return MeasuredStageCost(devices, self.profiling_database_filename)
         return self.cost_model
 
-    def plan(self, context: StageContext) -> StagePlan:
-        return plan_auto_stages(self, context)
-
 
 @dataclass(frozen=True)
 class StagePlan:
@@ -262,7 +255,7 @@ class StagePlan:
     latencies: tuple[float, ...] | None = None
     memory: tuple[float, ...] | None = None
     predicted_cost: float | None = None
-    dp_result: DPResult | None = field(default=None, compare=False, repr=False)
+    dp_result: Any = field(default=None, compare=False, repr=False)  # stage_search.DPResult
 
     @property
     def num_stages(self) -> int:
@@ -348,8 +341,10 @@ def resolve_stage_option(option) -> ManualStageOption | UniformStageOption | Aut
     )
 
 
-def plan_stages(option: Any, context: StageContext) -> StagePlan:
-    """Resolve ``option`` for ``context`` (a step's layers on a cluster)."""
+def plan_given_stages(option: Any, context: StageContext) -> StagePlan:
+    """Resolve ``option`` for ``context`` (a step's layers on a cluster) by its
+    ``plan(context)``: manual and uniform stages, or a ``StagePlan`` made already.
+    ``stage_search.plan_stages`` plans ``AutoStageOption`` too."""
     return resolve_stage_option(option).plan(context)
 
 
@@ -501,44 +496,15 @@ def place_submeshes(
     return tuple(ranges)
 
 
-# ----------------------------------------------------------------------------- auto stages
-
-
-@dataclass(frozen=True, eq=False)
-class DPResult:
-    """The stage cost tables one stage DP chose from (``costs``: ``compute_cost``,
-    ``max_n_succ_stages``, ``memory``, before any ``stage_imbalance_tolerance`` is
-    applied, so they serve any tolerance); what it chose is the plan that holds this."""
-
-    costs: Any
-    _saved: list = field(default_factory=list, repr=False)
-    # What the DP read besides the tables, to run it again under another schedule
-    # (stages_for_schedule): the problem (submesh choices and their configurations), the
-    # cost table as the imbalance tolerance masked it, and the context.
-    problem: Any = field(default=None, repr=False)
-    dp_compute_cost: Any = field(default=None, repr=False)
-    context: Any = field(default=None, repr=False)
-
-    def save(self, path: str | None = None) -> str:
-        """The tables as an ``.npz`` file (``AutoStageOption(cached_profile_result=...)``
-        reads it): written to ``path``, or once to a new file in the temporary directory
-        when ``path`` is ``None`` (later calls return that file)."""
-        if path is None and self._saved:
-            return self._saved[0]
-        if path is None:
-            path = os.path.join(tempfile.gettempdir(), f"alpa-compute-cost-{time.time_ns()}.npz")
-            self._saved.append(path)
-        np.savez(
-            path,
-            compute_cost=self.costs.compute_cost,
-            max_n_succ_stages=self.costs.max_n_succ_stages,
-            memory=self.costs.memory,
-        )
-        return path
-
-
-# The plan of the last stage DP: Alpa's get_last_dp_result() takes no argument.
+# The plan of the last stage DP (stage_search records it): Alpa's get_last_dp_result()
+# takes no argument.
 _last_auto_plan: StagePlan | None = None
+
+
+def record_last_dp_plan(plan: StagePlan) -> None:
+    """Remember ``plan``, made by the stage DP, for :func:`get_last_dp_result`."""
+    global _last_auto_plan
+    _last_auto_plan = plan
 
 
 def get_last_dp_result() -> tuple:
@@ -558,196 +524,3 @@ def get_last_dp_result() -> tuple:
         [list(s) for s in plan.logical_shapes],
         [dict(d or {}) for d in plan.autosharding_option_dicts],
     )
-
-
-def layer_problem(context: StageContext, choices, configs, option, budget):
-    """The :class:`~alpa.pipeline_parallel.stage_cost.StageProblem` of ``context``'s
-    layers (one stage per layer) on the submesh ``choices``, each with its logical
-    ``configs``, under the ``AutoShardingOption`` ``option`` and a memory ``budget``."""
-    from alpa.pipeline_parallel.computation import split_computations
-    from alpa.pipeline_parallel.stage_cost import StageProblem
-
-    layers, traced = context.layers, context.traced
-    program = split_computations(
-        traced.closed_jaxpr,
-        layers.layers,
-        tuple(range(layers.num_layers)),
-        traced.batch_invars,
-        layers.kinds,
-    )
-    return StageProblem(
-        traced,
-        program,
-        context.names or {},
-        tuple(choices),
-        tuple(configs),
-        context.cluster,
-        option,
-        budget,
-        num_micro_batches=context.num_micro_batches,
-        remat=context.remat,
-    )
-
-
-def stage_problem(option: AutoStageOption, context: StageContext):
-    """The :class:`~alpa.pipeline_parallel.stage_cost.StageProblem` of ``context``."""
-    from alpa.pipeline_parallel.stage_cost import (
-        get_logical_configs,
-        split_parameters_under_memory_pressure,
-    )
-    from alpa.shard_parallel.auto_sharding import AutoShardingOption
-
-    traced = context.traced
-    choices = get_submesh_choices(
-        context.num_hosts,
-        context.num_devices_per_host,
-        option.submesh_physical_shape_space,
-        option.manually_specified_submeshes,
-    )
-    batch = [
-        a.shape[0]
-        for a, b in zip(traced.in_avals, traced.batch_invars, strict=True)
-        if b and a.shape
-    ]
-    batch_size = batch[0] if batch else None
-    configs = tuple(
-        get_logical_configs(m, option.submesh_logical_shape_space, batch_size) for m in choices
-    )
-    default = context.option or AutoShardingOption()
-    budget = (
-        option.memory_budget_per_device
-        or default.memory_budget_per_device
-        or context.cluster.device_memory
-    )
-    problem = layer_problem(context, choices, configs, default, budget)
-    return split_parameters_under_memory_pressure(problem, context.num_devices)
-
-
-def plan_auto_stages(option: AutoStageOption, context: StageContext) -> StagePlan:
-    """Cost every candidate stage, run the DP, and resolve its solution."""
-    global _last_auto_plan
-    if context.schedule in SHARED_MESH_SCHEDULES:
-        raise ValueError(
-            "stage_option='auto' places one stage per mesh; pipeline_schedule="
-            f"{context.schedule!r} places two stages on each mesh and needs "
-            "UniformStageOption or ManualStageOption"
-        )
-    from alpa.pipeline_parallel.stage_cost import StageCosts, layer_flops
-
-    problem = stage_problem(option, context)
-    L, M, C = problem.num_layers, len(problem.submesh_choices), problem.num_configs
-    costs = None
-    if option.cached_profile_result is not None:
-        with np.load(option.cached_profile_result) as saved:
-            costs = StageCosts(saved["compute_cost"], saved["max_n_succ_stages"], saved["memory"])
-        if costs.compute_cost.shape != (L, L, M, C):
-            raise ValueError(
-                f"cached_profile_result {option.cached_profile_result!r} holds tables of "
-                f"shape {costs.compute_cost.shape}; this step and cluster need {(L, L, M, C)}"
-            )
-    if costs is None:
-        costs = option.cost_model_instance(context.devices)(problem)
-
-    schedule = context.schedule if context.schedule in DP_SCHEDULES else "1f1b"
-
-    def dp(compute_cost):
-        return training_dp(
-            L,
-            context.num_devices,
-            context.num_micro_batches,
-            problem.submesh_choices,
-            C,
-            compute_cost,
-            costs.max_n_succ_stages,
-            schedule,
-        )
-
-    tolerance = option.stage_imbalance_tolerance
-    compute_cost = costs.compute_cost
-    sizes = [a * b for a, b in problem.submesh_choices]
-    if tolerance != math.inf:
-        flops = layer_flops(problem)
-        allowed = imbalance_mask(flops, sizes, context.num_devices, tolerance)
-        # A masked copy: the cost model's table stays as it was, and is what is saved.
-        compute_cost = np.where(allowed[..., None], compute_cost, np.inf)
-    try:
-        total, solution = dp(compute_cost)
-    except ValueError as e:
-        if tolerance != math.inf:
-            try:
-                _, unbounded = dp(costs.compute_cost)
-            except ValueError:
-                unbounded = None
-            if unbounded is not None:
-                raise tolerance_error(
-                    tolerance, unbounded, flops, sizes, context.num_devices
-                ) from e
-        finite = np.isfinite(costs.compute_cost)
-        if not finite.any():
-            raise ValueError(
-                f"no stage of the step fits in memory_budget_per_device="
-                f"{problem.memory_budget:.4g} bytes (the smallest stage needs "
-                f"{np.min(costs.memory):.4g} bytes per device); raise the budget or use "
-                "more devices"
-            ) from e
-        raise ValueError(f"{e} (memory_budget_per_device={problem.memory_budget:.4g} bytes)") from e
-    dp_result = DPResult(costs, problem=problem, dp_compute_cost=compute_cost, context=context)
-    _last_auto_plan = plan = _resolve(solution, total, dp_result)
-    return plan
-
-
-def stages_for_schedule(plan: StagePlan, schedule: str) -> StagePlan:
-    """The stages the DP that made ``plan`` (automatic stages) picks under ``schedule``
-    (``stage_dp.DP_SCHEDULES``: its latency and in-flight memory), from the same tables;
-    ``plan`` itself when they are the same."""
-    dp = plan.dp_result
-    if dp is None or dp.problem is None:
-        raise ValueError("stages_for_schedule needs a plan of the stage DP (automatic stages)")
-    problem, context = dp.problem, dp.context
-    total, solution = training_dp(
-        problem.num_layers,
-        context.num_devices,
-        context.num_micro_batches,
-        problem.submesh_choices,
-        problem.num_configs,
-        dp.dp_compute_cost,
-        dp.costs.max_n_succ_stages,
-        schedule,
-    )
-    other = _resolve(solution, total, dp)
-    same = (other.layer_to_stage, other.submesh_shapes, other.logical_shapes) == (
-        plan.layer_to_stage,
-        plan.submesh_shapes,
-        plan.logical_shapes,
-    )
-    return plan if same else other
-
-
-def _resolve(solution, total: float, dp: DPResult) -> StagePlan:
-    """The ``StagePlan`` of a DP ``solution`` of cost ``total``: stages, their submeshes
-    placed on the cluster, logical shapes, options, latencies and memory from the tables
-    (the unbounded ones, reusable under any tolerance; the chosen stages' entries are the
-    same in both)."""
-    problem, costs, context = dp.problem, dp.costs, dp.context
-    layer_to_stage = [0] * problem.num_layers
-    shapes, logical, dicts, latencies, memory = [], [], [], [], []
-    for s, ((start, end), m, c) in enumerate(solution):
-        for layer in range(start, end):
-            layer_to_stage[layer] = s
-        config = problem.configs[m][c]
-        shapes.append(problem.submesh_choices[m])
-        logical.append(config.shape)
-        dicts.append(config.option_dict or None)
-        latencies.append(float(costs.compute_cost[start, end - 1, m, c]))
-        memory.append(float(costs.memory[start, end - 1, m, c]))
-    plan = _finish(
-        context,
-        layer_to_stage,
-        shapes,
-        logical,
-        dicts,
-        latencies=tuple(latencies),
-        memory=tuple(memory),
-        predicted_cost=float(total),
-    )
-    return dataclasses.replace(plan, dp_result=dp)

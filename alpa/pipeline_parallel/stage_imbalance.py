@@ -4,7 +4,7 @@ A stage of layers ``i..j`` on ``n`` of the cluster's ``N`` devices is a candidat
 stage DP only if its share of the devices, ``n / N``, is within a factor ``1 + t`` of its
 share of the step's FLOPs (forward and backward of its layers), as Alpa bounds the
 candidates it profiles. :func:`imbalance_mask` is that bound as a table the DP's costs
-are masked with (``stage_construction.plan_auto_stages``); :func:`tolerance_error` says,
+are masked with (``stage_search.plan_auto_stages``); :func:`tolerance_error` says,
 when the bound leaves no plan, which tolerance the unbounded plan would need.
 """
 

@@ -106,7 +106,8 @@ def test_mlp_measured_cost_model_matches_serial_and_caches(tmp_path):
     step = alpa.parallelize(make_train_step(alpa.value_and_grad), method=method)
     traced_plan = step.plan(state, batch)
     model = MeasuredStageCost(cache_file=str(cache))
-    from alpa.pipeline_parallel.stage_construction import StageContext, stage_problem
+    from alpa.pipeline_parallel.stage_construction import StageContext
+    from alpa.pipeline_parallel.stage_search import stage_problem
 
     context = StageContext(
         2,

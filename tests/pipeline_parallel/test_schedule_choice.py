@@ -194,7 +194,7 @@ def test_the_stage_dp_prices_each_schedule():
     "auto" lists both; a plan made with pipeline_schedule="gpipe" takes the GPipe stages
     and its cost holds 32 micro-batches in flight within the budget. "auto" takes the
     fastest that fits (ZB-H1 here, replayed on the 1F1B stages), and predicts its time."""
-    from alpa.pipeline_parallel.stage_construction import stages_for_schedule
+    from alpa.pipeline_parallel.stage_search import stages_for_schedule
 
     auto = _dp_gpt_plan("auto")
     gpipe = [c for c in auto.schedule_candidates if c.name == "gpipe"]
