@@ -165,13 +165,12 @@ def _meshes(plan):
     source = next(
         (s for s in range(stages.num_stages) if tuple(stages.submesh_shapes[s]) == shape), None
     )
-    if source is None:
-        logical, option, option_dict = (1, shape[0] * shape[1]), plan.options[0], None
-        option_dict = stages.autosharding_option_dicts[0]
+    if source is None:  # no DP stage on such a submesh: (1, n), the first stage's options
+        logical, source = (1, shape[0] * shape[1]), 0
     else:
         logical = tuple(plan.logical_meshes[source].shape)
-        option, option_dict = plan.options[source], stages.autosharding_option_dicts[source]
-    return p, shape, logical, option, dict(option_dict or {})
+    option_dict = stages.autosharding_option_dicts[source]
+    return p, shape, logical, plan.options[source], dict(option_dict or {})
 
 
 def _fits_hosts(size: int, per_host: int) -> bool:
