@@ -270,11 +270,15 @@ class ShardParallel(_AutoShardingOptionHolder, ParallelMethod):
     def finish_trace(self, traced: TracedStep) -> TracedStep:
         """As :meth:`_FixedPlanParallel.finish_trace` when the option asks for a ZeRO
         plan (``force_data_parallel`` with ``prefer_reduce_scatter``, or
-        ``force_zero_stage_3``) and no manual shardings decide."""
+        ``force_zero_stage_3``) or for the ILP's reduce-scatters (``prefer_reduce_scatter``)
+        and no manual shardings decide: the lowering then writes the gradients that the
+        ILP's plan reduce-scatters over the data axes as one packed reduce-scatter
+        (``gradient_sync.reduce_at_marker``), where XLA on CPU would all-reduce and slice
+        each."""
         option = self.auto_sharding_option
         if (
             self.manual_sharding_option is None
-            and _zero_stage(option) in (2, 3)
+            and (_zero_stage(option) in (2, 3) or option.prefer_reduce_scatter)
             and self.num_micro_batches is None
         ):
             return mark_gradients(traced)
