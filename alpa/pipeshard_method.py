@@ -222,7 +222,7 @@ class PipeshardParallel(ParallelMethod):
         if ray_cluster is None:
             return PipeshardDriverExecutable(plan, devices)
         per_host = self._cluster()[1]
-        meshes = []  # one per mesh of devices: stages may share one (interleaved 1F1B)
+        meshes = []  # one per mesh of devices: stages may share one (interleaved 1F1B, DualPipeV)
         for start, stop in dict.fromkeys(plan.stage_plan.device_ranges):
             hosts = tuple(range(start // per_host, (stop - 1) // per_host + 1))
             meshes.append(

@@ -149,7 +149,7 @@ class StagePrograms:
 
     def relayout(self, src, dst):
         """``jax.jit`` of the copy of buffer ``src`` into ``dst``'s sharding, for two stages
-        on one mesh (interleaved 1F1B): ``(jitted, input structs, output shardings)``."""
+        on one mesh (interleaved 1F1B, DualPipeV): ``(jitted, input structs, output shardings)``."""
         aval = self.var_of[src[0]].aval
         out = self.key_sharding(dst)
         struct = jax.ShapeDtypeStruct(aval.shape, aval.dtype, sharding=self.key_sharding(src))

@@ -96,7 +96,7 @@ class _MeshProgramBuilder:
 
 class PipeshardRayExecutable(Executable):
     """Runs a pipelined step on Ray mesh workers: one mesh per stage, or, where the schedule
-    places several stages on one mesh (interleaved 1F1B), per group of devices, whose
+    places several stages on one mesh (interleaved 1F1B, DualPipeV), per group of devices, whose
     workers run the instructions of all its stages.
 
     ``meshes`` are those of the plan's meshes of devices

@@ -184,7 +184,7 @@ def draw_blocks(
     )
     drawn: dict[str, int] = {}
     devices = 0
-    # Coloured by mesh: stages that share one (interleaved 1F1B) share its devices.
+    # Coloured by mesh: stages that share one (interleaved 1F1B, DualPipeV) share its devices.
     for s, (start, stop) in enumerate(dict.fromkeys(tuple(r) for r in device_ranges)):
         for d in range(start, stop):
             host, local = divmod(d, num_devices_per_host)

@@ -145,7 +145,7 @@ class PipelineInstructions:
     """The emitted program: one global order, and per-mesh views of it.
 
     An instruction's ``mesh`` (and a buffer key's) is its stage's mesh: where a schedule
-    places several stages on one group of devices (interleaved 1F1B), each stage keeps a
+    places several stages on one group of devices (interleaved 1F1B, DualPipeV), each stage keeps a
     mesh of its own in the instructions, ``stage_meshes[m]`` names the devices' mesh
     (``physical_mesh``) and a runtime runs the instructions of all of that mesh's stages.
     """
@@ -191,7 +191,7 @@ class InFlight:
     in-flight bound (``PipelineSchedule.max_in_flight_per_mesh``) as a runtime executes
     it. Both runtimes count with it, the local one over all meshes, a Ray worker over its
     own. A micro-batch is named ``(stage, micro-batch)``: a mesh of several stages
-    (interleaved 1F1B) holds one stage's part of a micro-batch per stage."""
+    (interleaved 1F1B, DualPipeV) holds one stage's part of a micro-batch per stage."""
 
     def __init__(self, num_meshes: int):
         self._live: list[dict] = [{} for _ in range(num_meshes)]  # micro-batch -> buffers

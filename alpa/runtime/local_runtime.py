@@ -273,7 +273,7 @@ class LocalPipelineRuntime:
         for i, ins in enumerate(program.instructions):
             fn, name, args, out_slots = HANDLERS[ins.op](ins, self._slot, context)
             if ins.op is Op.RESHARD:
-                # Between two stages on one mesh (interleaved 1F1B) nothing leaves it.
+                # Between two stages on one mesh (interleaved 1F1B, DualPipeV) nothing leaves it.
                 args = {"bytes": reshard_bytes.get(i, 0)}
                 self.resharded_bytes += args["bytes"]
             self._steps.append((fn, name, args, out_slots))
