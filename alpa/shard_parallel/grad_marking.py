@@ -19,13 +19,11 @@ then reduces that gradient where it is made, as it would without the marker.
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax.numpy as jnp
-from jax.extend.core import ClosedJaxpr, JaxprEqn, Var, new_jaxpr_eqn
+from jax.extend.core import JaxprEqn, Var
 
 from alpa.tracing import TracedStep
-from alpa.tracing.primitive_def import pipeline_p
+from alpa.tracing.trace import insert_grad_marker
 
 
 def _in_backward_pass(eqn: JaxprEqn) -> bool:
@@ -63,20 +61,4 @@ def mark_gradients(traced: TracedStep) -> TracedStep:
     jaxpr = traced.jaxpr
     made_at = {v: i for i, e in enumerate(jaxpr.eqns) for v in e.outvars}
     cut = max(made_at[v] for v in grads) + 1
-    renamed = {v: Var(v.aval) for v in grads}
-    marker = new_jaxpr_eqn(
-        grads,
-        [renamed[v] for v in grads],
-        pipeline_p,
-        {"name": "grad", "mark_type": "grad"},
-        set(),
-    )
-
-    def reads_marked(eqn: JaxprEqn) -> JaxprEqn:
-        invars = [renamed.get(v, v) if isinstance(v, Var) else v for v in eqn.invars]
-        return eqn.replace(invars=invars) if invars != list(eqn.invars) else eqn
-
-    eqns = [*jaxpr.eqns[:cut], marker, *(reads_marked(e) for e in jaxpr.eqns[cut:])]
-    outvars = [renamed.get(v, v) if isinstance(v, Var) else v for v in jaxpr.outvars]
-    closed = ClosedJaxpr(jaxpr.replace(eqns=eqns, outvars=outvars), traced.closed_jaxpr.consts)
-    return dataclasses.replace(traced, closed_jaxpr=closed)
+    return insert_grad_marker(traced, grads, cut)

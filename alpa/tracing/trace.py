@@ -112,18 +112,30 @@ def mark_outputs_as_gradients(traced: TracedStep) -> TracedStep:
     marked = list(dict.fromkeys(v for v in jaxpr.outvars if isinstance(v, Var) and v in produced))
     if not marked:
         return traced
-    renamed = {v: Var(v.aval) for v in marked}
+    return insert_grad_marker(traced, marked, len(jaxpr.eqns))
+
+
+def insert_grad_marker(traced: TracedStep, values: Sequence[Var], cut: int) -> TracedStep:
+    """``traced`` with an ``alpa.grad`` marker on ``values`` after its first ``cut``
+    equations: every equation after it, and the step's outputs, read the marked values
+    in their place (an equation before it keeps reading the unmarked one)."""
+    jaxpr = traced.jaxpr
+    renamed = {v: Var(v.aval) for v in values}
     marker = new_jaxpr_eqn(
-        marked,
-        [renamed[v] for v in marked],
+        list(values),
+        [renamed[v] for v in values],
         pipeline_p,
         {"name": "grad", "mark_type": "grad"},
         set(),
     )
+
+    def reads_marked(eqn):
+        invars = [renamed.get(v, v) if isinstance(v, Var) else v for v in eqn.invars]
+        return eqn.replace(invars=invars) if invars != list(eqn.invars) else eqn
+
+    eqns = [*jaxpr.eqns[:cut], marker, *(reads_marked(e) for e in jaxpr.eqns[cut:])]
     outvars = [renamed.get(v, v) if isinstance(v, Var) else v for v in jaxpr.outvars]
-    closed = ClosedJaxpr(
-        jaxpr.replace(eqns=[*jaxpr.eqns, marker], outvars=outvars), traced.closed_jaxpr.consts
-    )
+    closed = ClosedJaxpr(jaxpr.replace(eqns=eqns, outvars=outvars), traced.closed_jaxpr.consts)
     return dataclasses.replace(traced, closed_jaxpr=closed)
 
 
