@@ -341,13 +341,6 @@ def resolve_stage_option(option) -> ManualStageOption | UniformStageOption | Aut
     )
 
 
-def plan_given_stages(option: Any, context: StageContext) -> StagePlan:
-    """Resolve ``option`` for ``context`` (a step's layers on a cluster) by its
-    ``plan(context)``: manual and uniform stages, or a ``StagePlan`` made already.
-    ``stage_search.plan_stages`` plans ``AutoStageOption`` too."""
-    return resolve_stage_option(option).plan(context)
-
-
 def _manual_plan(option: ManualStageOption, context: StageContext) -> StagePlan:
     ids = option.forward_stage_layer_ids
     num_layers = context.num_layers

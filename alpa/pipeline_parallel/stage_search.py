@@ -30,8 +30,8 @@ from alpa.pipeline_parallel.stage_construction import (
     StageContext,
     StagePlan,
     _finish,
-    plan_given_stages,
     record_last_dp_plan,
+    resolve_stage_option,
 )
 from alpa.pipeline_parallel.stage_dp import DP_SCHEDULES, get_submesh_choices, training_dp
 from alpa.pipeline_parallel.stage_imbalance import imbalance_mask, tolerance_error
@@ -267,6 +267,7 @@ def plan_stages(option: Any, context: StageContext) -> StagePlan:
     """Resolve the stage option ``option`` for ``context`` (a step's layers on a
     cluster): the stage DP for ``AutoStageOption``, ``option.plan(context)`` for the
     others."""
-    if isinstance(option, AutoStageOption) or option == "auto":
-        return plan_auto_stages(AutoStageOption() if option == "auto" else option, context)
-    return plan_given_stages(option, context)
+    option = resolve_stage_option(option)
+    if isinstance(option, AutoStageOption):
+        return plan_auto_stages(option, context)
+    return option.plan(context)
