@@ -40,12 +40,7 @@ from collections import Counter
 
 import numpy as np
 
-from alpa.pipeline_parallel.schedule_choice import (
-    ScheduleCandidate,
-    held_memory,
-    makespan,
-    without_activations,
-)
+from alpa.pipeline_parallel.schedule_choice import ScheduleCandidate, price_schedule
 from alpa.pipeline_parallel.schedules import SHARED_MESH_SCHEDULES, make_schedule
 from alpa.pipeline_parallel.stage_construction import ManualStageOption, StagePlan, submesh_shape
 from alpa.pipeline_parallel.stage_cost import layer_flops
@@ -76,15 +71,12 @@ def dp_candidates(plan, default_option) -> list[tuple[ScheduleCandidate, StagePl
                 for s, layers in enumerate(stages.stage_layers())
             ]
         )
-        M = plan.num_micro_batches
-        schedule = make_schedule(name, stages.num_stages, M)
-        base = without_activations(cost.memory, cost.activation_memory, M)
-        memory = held_memory(schedule, base, cost.activation_memory)
-        candidate = ScheduleCandidate(
-            name,
-            makespan(schedule, stages.latencies),
-            memory,
-            all(m <= plan.memory_budget() for m in memory),
+        candidate = price_schedule(
+            make_schedule(name, stages.num_stages, plan.num_micro_batches),
+            stages.latencies,
+            cost.memory,
+            cost.activation_memory,
+            plan.memory_budget(),
             note=f"the stage DP's {stages.num_stages} stages under {name}",
         )
         out.append((candidate, stages))
@@ -110,15 +102,12 @@ def shared_mesh_candidates(plan) -> list[tuple[ScheduleCandidate, ManualStageOpt
         problem = plan.price_problem
         chunks = balanced_cuts(layer_flops(problem), 2 * p)
         cost = plan.price_stages([(c, shape, logical, option) for c in chunks])
-        schedule = make_schedule(name, 2 * p, plan.num_micro_batches, p)
-        base = without_activations(cost.memory, cost.activation_memory, plan.num_micro_batches)
-        memory = held_memory(schedule, base, cost.activation_memory)
-        budget = plan.memory_budget()
-        candidate = ScheduleCandidate(
-            name,
-            makespan(schedule, cost.latencies),
-            memory,
-            all(m <= budget for m in memory),
+        candidate = price_schedule(
+            make_schedule(name, 2 * p, plan.num_micro_batches, p),
+            cost.latencies,
+            cost.memory,
+            cost.activation_memory,
+            plan.memory_budget(),
             note=f"{2 * p} stages on {p} meshes of {shape[0]}x{shape[1]}",
         )
         stage_option = ManualStageOption(

@@ -73,15 +73,33 @@ def price_schedules(
     """Each of ``candidates`` priced (module docstring) on stages of ``latencies`` (seconds
     per micro-batch) whose 1F1B ``memory`` holds ``activation_memory`` bytes per
     micro-batch in flight."""
-    num_stages = len(latencies)
-    base = without_activations(memory, activation_memory, num_micro_batches)
-    priced = []
-    for name in candidates:
-        schedule = make_schedule(name, num_stages, num_micro_batches)
-        seconds = makespan(schedule, latencies)
-        held = held_memory(schedule, base, activation_memory)
-        priced.append(ScheduleCandidate(name, seconds, held, all(m <= budget for m in held)))
-    return priced
+    return [
+        price_schedule(
+            make_schedule(name, len(latencies), num_micro_batches),
+            latencies,
+            memory,
+            activation_memory,
+            budget,
+        )
+        for name in candidates
+    ]
+
+
+def price_schedule(
+    schedule: PipelineSchedule,
+    latencies: Sequence[float],
+    memory: Sequence[float],
+    activation_memory: Sequence[float],
+    budget: float,
+    note: str = "",
+) -> ScheduleCandidate:
+    """``schedule`` priced on its stages: time, its timeline at ``latencies``; memory, the
+    1F1B ``memory`` per stage (``StagePlanCost.memory``) with the schedule's micro-batches
+    of ``activation_memory`` in flight, per mesh (module docstring)."""
+    base = without_activations(memory, activation_memory, schedule.num_micro_batches)
+    held = held_memory(schedule, base, activation_memory)
+    fits = all(m <= budget for m in held)
+    return ScheduleCandidate(schedule.name, makespan(schedule, latencies), held, fits, note)
 
 
 def makespan(schedule: PipelineSchedule, latencies: Sequence[float]) -> float:
@@ -107,21 +125,10 @@ def held_memory(
     ``base`` bytes plus ``activation_memory`` per micro-batch it holds in flight, summed
     over the stages of the mesh (several under interleaved 1F1B) at every step of the
     schedule."""
-    split = schedule.split_stages()
-    in_flight = [0] * schedule.num_stages
-    stages_of: dict[int, list[int]] = {}
-    for s in range(schedule.num_stages):
-        stages_of.setdefault(schedule.mesh_of(s), []).append(s)
+    stages_of = {m: schedule.stages_of(m) for m in range(schedule.num_meshes)}
     peak = {m: sum(base[s] for s in stages) for m, stages in stages_of.items()}
-    for task in schedule.tasks():
-        s = task.stage
-        if task.kind == "forward":
-            in_flight[s] += 1
-        elif task.kind == ("weight" if s in split else "backward"):
-            in_flight[s] -= 1
-        else:
-            continue
-        m = schedule.mesh_of(s)
+    for stage, in_flight in schedule.in_flight_changes():
+        m = schedule.mesh_of(stage)
         held = sum(base[t] + activation_memory[t] * in_flight[t] for t in stages_of[m])
         peak[m] = max(peak[m], held)
     return tuple(peak[schedule.mesh_of(s)] for s in range(schedule.num_stages))

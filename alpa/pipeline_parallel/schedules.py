@@ -65,7 +65,7 @@ gradients (``micro_batch`` is ``None`` there).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Literal
 
@@ -120,18 +120,31 @@ class PipelineSchedule:
         """The stages whose backward runs as ``backward`` and ``weight`` tasks (ZB-H1)."""
         return frozenset(t.stage for t in self.tasks() if t.kind == "weight")
 
-    def max_in_flight(self) -> list[int]:
-        """Per stage, the most micro-batches whose forward ran but whose backward (the
-        ``weight`` half, where the stage's backward is split) did not."""
+    def stages_of(self, mesh: int) -> list[int]:
+        """The stages that run on ``mesh``."""
+        return [s for s in range(self.num_stages) if self.mesh_of(s) == mesh]
+
+    def in_flight_changes(self) -> Iterator[tuple[int, list[int]]]:
+        """Each time a stage's micro-batches in flight change (a forward starts one; its
+        backward, the ``weight`` half where the stage's backward is split, ends it): that
+        stage, and every stage's count then (one list, updated in place)."""
         split = self.split_stages()
         in_flight = [0] * self.num_stages
-        peak = [0] * self.num_stages
         for task in self.tasks():
             if task.kind == "forward":
                 in_flight[task.stage] += 1
             elif task.kind == ("weight" if task.stage in split else "backward"):
                 in_flight[task.stage] -= 1
-            peak[task.stage] = max(peak[task.stage], in_flight[task.stage])
+            else:
+                continue
+            yield task.stage, in_flight
+
+    def max_in_flight(self) -> list[int]:
+        """Per stage, the most micro-batches whose forward ran but whose backward (the
+        ``weight`` half, where the stage's backward is split) did not."""
+        peak = [0] * self.num_stages
+        for stage, in_flight in self.in_flight_changes():
+            peak[stage] = max(peak[stage], in_flight[stage])
         return peak
 
     def max_in_flight_per_mesh(self) -> list[int]:
@@ -139,16 +152,11 @@ class PipelineSchedule:
         but whose backward (``weight`` half where split) did not: the activations the mesh
         holds, counted in stage-sized units (:meth:`max_in_flight` where every mesh runs
         one stage)."""
-        split = self.split_stages()
-        in_flight = [0] * self.num_meshes
+        stages = [self.stages_of(m) for m in range(self.num_meshes)]
         peak = [0] * self.num_meshes
-        for task in self.tasks():
-            mesh = self.mesh_of(task.stage)
-            if task.kind == "forward":
-                in_flight[mesh] += 1
-            elif task.kind == ("weight" if task.stage in split else "backward"):
-                in_flight[mesh] -= 1
-            peak[mesh] = max(peak[mesh], in_flight[mesh])
+        for stage, in_flight in self.in_flight_changes():
+            m = self.mesh_of(stage)
+            peak[m] = max(peak[m], sum(in_flight[t] for t in stages[m]))
         return peak
 
     def grid(self) -> str:
