@@ -214,6 +214,7 @@ def _is_array_leaf(x) -> bool:
             | complex,
         )
         or getattr(x, "is_distributed_array", False)
+        or getattr(x, "is_stacked_rows", False)  # a pipeline's rows on their meshes
         or _is_aval(x)
     )
 

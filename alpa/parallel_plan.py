@@ -312,9 +312,9 @@ class ParallelPlan:
             cluster_info=ClusterInfo(plan.num_hosts, plan.num_devices_per_host),
             pipeline_plan=PipelinePlan(plan.schedule.name, layer_option, decisions),
             input_placement_specs=_portable_placements(
-                input_placement_specs, traced, plan.num_micro_batches
+                input_placement_specs, plan.user_traced, plan.num_micro_batches
             ),
-            **_step_fields(traced, plan.num_micro_batches),
+            **_step_fields(plan.user_traced, plan.num_micro_batches),
         )
 
     # -- replay

@@ -30,7 +30,11 @@ from alpa.pipeline_parallel.layer_construction import (
     layer_option_context,
     resolve_layer_option,
 )
-from alpa.pipeline_parallel.pipeshard_passes import PipeshardOptions, plan_pipeshard
+from alpa.pipeline_parallel.pipeshard_passes import (
+    PipeshardOptions,
+    pipeline_step,
+    plan_pipeshard,
+)
 from alpa.pipeline_parallel.pipeshard_plan import PipeshardPlan
 from alpa.pipeline_parallel.schedules import check_schedule_name
 from alpa.pipeline_parallel.stage_construction import (
@@ -178,7 +182,10 @@ class PipeshardParallel(ParallelMethod):
             manual_sharding_option=self.manual_sharding_option,
             stage_input_shardings=self.stage_input_shardings,
         )
-        plan = plan_pipeshard(traced, options, args=args, devices=devices)
+        step, row_split = traced, None
+        if self.manual_sharding_option is None:  # its specs name the caller's leaves
+            step, row_split = pipeline_step(traced, self.layer_option)
+        plan = plan_pipeshard(step, options, args=args, devices=devices, row_split=row_split)
         return plan, devices
 
     def _option_snapshot(self) -> AutoShardingOption | None:

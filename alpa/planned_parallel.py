@@ -20,7 +20,11 @@ from jax.extend.core import Jaxpr
 from alpa.device_mesh import LogicalDeviceMesh
 from alpa.executables.base import Executable
 from alpa.parallel_plan import ParallelPlan, eqn_refs, value_refs
-from alpa.pipeline_parallel.pipeshard_passes import PipeshardOptions, plan_pipeshard
+from alpa.pipeline_parallel.pipeshard_passes import (
+    PipeshardOptions,
+    pipeline_step,
+    plan_pipeshard,
+)
 from alpa.pipeshard_method import PipeshardParallel
 from alpa.shard_method import ParallelMethod, _compile_one_mesh, resolve_logical_mesh
 from alpa.shard_parallel.sharding_plan import ShardingPlan
@@ -102,6 +106,7 @@ class PlannedParallel(ParallelMethod):
             )
         pipeline = self.parallel_plan.pipeline_plan
         recorded = pipeline.decisions
+        traced, row_split = pipeline_step(traced, pipeline.layer_option)
         vars_by_ref = {ref: v for v, ref in value_refs(traced.jaxpr).items()}
         eqns_by_ref = eqn_refs(traced.jaxpr)
         decisions = replace(
@@ -127,7 +132,9 @@ class PlannedParallel(ParallelMethod):
             pipeline_schedule=pipeline.pipeline_schedule,
             layer_option=pipeline.layer_option,
         )
-        plan = plan_pipeshard(traced, options, args=args, devices=devices, decisions=decisions)
+        plan = plan_pipeshard(
+            traced, options, args=args, devices=devices, decisions=decisions, row_split=row_split
+        )
         return plan, devices
 
     def __repr__(self) -> str:

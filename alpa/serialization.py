@@ -267,11 +267,13 @@ def _save(directory: str, state_dict: PyTree, step: int) -> str:
 
 
 def _savable(x: Any, path: str) -> Any:
-    """A leaf as orbax writes it: ``jax.Array`` s as they are (shard by shard), Ray arrays
-    and scalars as host arrays."""
+    """A leaf as orbax writes it: ``jax.Array`` s as they are (shard by shard), Ray arrays,
+    scalars and a pipeline's ``StackedRows`` (rows on several meshes) as host arrays."""
     if isinstance(x, (jax.Array, np.ndarray, str)):
         return x
     if isinstance(x, (bool, int, float, complex, np.generic)):
+        return np.asarray(x)
+    if getattr(x, "is_stacked_rows", False):  # a pipeline's rows on several meshes
         return np.asarray(x)
     raise TypeError(
         f"leaf {path!r} of the checkpoint target is a {type(x).__name__}; expected an "

@@ -30,6 +30,7 @@ from alpa.pipeline_parallel.computation import (
     step_arguments,
 )
 from alpa.pipeline_parallel.pipeshard_plan import PipeshardPlan
+from alpa.pipeline_parallel.stacked_rows import caller_placements
 from alpa.pipeline_parallel.stage_sharding import DATA_AXES, value_spec
 from alpa.pipeline_parallel.user_shardings import input_names
 from alpa.runtime.instructions import (
@@ -240,7 +241,8 @@ class PipeshardDriverExecutable(Executable):
         traced, program, stage_plan = plan.traced, plan.program, plan.stage_plan
         instructions, names = plan.instructions, plan.names
         self.plan = plan
-        self.traced = traced
+        self.traced = plan.user_traced  # what callers pass and get back
+        self._row_split = plan.row_split
         self.program = program
         self.stage_plan = stage_plan
         self.schedule = plan.schedule
@@ -288,7 +290,7 @@ class PipeshardDriverExecutable(Executable):
         )
         self.collect_trace = False
         self._last_outputs: list = []
-        full = full_batch_avals(traced, plan.num_micro_batches)
+        full = full_batch_avals(self.traced, plan.num_micro_batches)
         self._signatures = [leaf_signature(a) for a in full]
 
     # -- compilation
@@ -337,9 +339,13 @@ class PipeshardDriverExecutable(Executable):
         return self._run(flat_args)
 
     def _run(self, flat_args: Sequence[Any]) -> list:
+        if self._row_split is not None:
+            flat_args = self._row_split.split_args(flat_args)
         args = step_arguments(self.program, flat_args, self.num_micro_batches)
         outputs = self.runtime.run(args, self._const_outputs, blocking=self.collect_trace)
         self._last_outputs = outputs
+        if self._row_split is not None:
+            outputs = self._row_split.join_outputs(outputs)
         return outputs
 
     def _check_batch(self, flat_args) -> None:
@@ -356,29 +362,33 @@ class PipeshardDriverExecutable(Executable):
 
     def preshard_flat_args(self, flat_args: Sequence[Any]) -> list[Any]:
         out = []
-        jaxpr = self.traced.closed_jaxpr.jaxpr
-        for v, arg, is_batch in zip(jaxpr.invars, flat_args, self.traced.batch_invars, strict=True):
+        step = self.plan.traced
+        split = self._row_split
+        args = flat_args if split is None else split.split_args(flat_args)
+        for v, arg, is_batch in zip(step.jaxpr.invars, args, step.batch_invars, strict=True):
             sharding = None if is_batch else self._sharding(v, self.program.input_stages[v][0])
             if sharding is None or is_placed(arg, sharding):
                 out.append(arg)
             else:
                 out.append(jax.device_put(arg, sharding))
-        return out
+        return out if split is None else split.join_inputs(out)
 
     def flat_input_placement_specs(self) -> list[PlacementSpec]:
-        return input_placement_specs(
-            self.traced, self.program.input_stages, self.num_micro_batches, self._placement
+        specs = input_placement_specs(
+            self.plan.traced, self.program.input_stages, self.num_micro_batches, self._placement
         )
+        return caller_placements(self._row_split, specs, self.traced.in_avals)
 
     def flat_output_placement_specs(self) -> list[PlacementSpec]:
         specs = []
-        jaxpr = self.traced.closed_jaxpr.jaxpr
+        jaxpr = self.plan.traced.jaxpr
         for v, output in zip(jaxpr.outvars, self.instructions.outputs, strict=True):
             if output.keys:  # the mesh of the buffer(s) it is read from
                 specs.append(self._placement(v, (output.keys[0][2],)))
             else:
                 specs.append(PlacementSpec(getattr(v, "aval", None), (), ()))
-        return specs
+        avals = [getattr(v, "aval", None) for v in self.traced.jaxpr.outvars]
+        return caller_placements(self._row_split, specs, avals, outputs=True)
 
     def _placement(self, var, meshes) -> PlacementSpec:
         shardings = tuple(self._sharding(var, m) for m in meshes)
@@ -393,7 +403,7 @@ class PipeshardDriverExecutable(Executable):
     def get_stage_input_names(self) -> list[list[str]]:
         """Per stage, its inputs (what its forward and backward read from outside), in the
         order ``PipeshardParallel(stage_input_shardings=...)`` takes their specs."""
-        return input_names(self.program, self.traced, self._names)
+        return input_names(self.program, self.plan.traced, self._names)
 
     def _compiled_computation(self, index: int):
         """The compiled program of computation ``index`` (its kernel's, if a RUN calls it)."""

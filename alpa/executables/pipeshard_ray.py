@@ -33,6 +33,7 @@ from alpa.executables.distributed import abstract_mesh, serialize_jitted
 from alpa.executables.pipeshard import StagePrograms, input_placement_specs
 from alpa.pipeline_parallel.computation import step_arguments
 from alpa.pipeline_parallel.pipeshard_plan import PipeshardPlan
+from alpa.pipeline_parallel.stacked_rows import caller_placements
 from alpa.pipeline_parallel.stage_sharding import DATA_AXES
 from alpa.runtime.instructions import ConstOutput, MicroBatchOutput, Op, activation_keys
 from alpa.runtime.placement import PlacementSpec
@@ -104,7 +105,8 @@ class PipeshardRayExecutable(Executable):
 
     def __init__(self, plan: PipeshardPlan, meshes: Sequence[DistributedPhysicalDeviceMesh]):
         self.plan = plan
-        self.traced = plan.traced
+        self.traced = plan.user_traced  # what callers pass and get back
+        self._row_split = plan.row_split
         self.program = plan.program
         self.stage_plan = plan.stage_plan
         self.schedule = plan.schedule
@@ -119,7 +121,6 @@ class PipeshardRayExecutable(Executable):
         )
         self._stages = stages
         var_of = stages.var_of
-        traced = plan.traced
         # The program's inputs: the step's leaves, then the row ids of its random draws.
         inputs = plan.program.closed_jaxpr.jaxpr.invars
         leaf_index = {plan.names[v]: i for i, v in enumerate(inputs)}
@@ -137,7 +138,7 @@ class PipeshardRayExecutable(Executable):
             frozenset(),
             worker_transfer_plan,
         )
-        full = full_batch_avals(traced, plan.num_micro_batches)
+        full = full_batch_avals(self.traced, plan.num_micro_batches)
         self._signatures = [leaf_signature(a) for a in full]
         self._last_outputs: list = []
 
@@ -315,6 +316,9 @@ class PipeshardRayExecutable(Executable):
         return self._run(flat_args)
 
     def _run(self, flat_args: Sequence[Any]) -> list:
+        split = self._row_split
+        if split is not None:
+            flat_args = split.split_args(flat_args)
         args = step_arguments(self.program, flat_args, self.num_micro_batches)
         per_mesh = self.launcher.launch(args)
         outputs = []
@@ -326,7 +330,7 @@ class PipeshardRayExecutable(Executable):
             else:
                 outputs.append(jax.numpy.asarray(value))
         self._last_outputs = outputs
-        return outputs
+        return outputs if split is None else split.join_outputs(outputs)
 
     def sync(self) -> None:
         """Steps on Ray return when every worker finished; nothing is left to wait for."""
@@ -373,20 +377,22 @@ class PipeshardRayExecutable(Executable):
         return self.plan.stage_input_specs()
 
     def flat_input_placement_specs(self) -> list[PlacementSpec]:
-        return input_placement_specs(
-            self.traced, self.program.input_stages, self.num_micro_batches, self._placement
+        specs = input_placement_specs(
+            self.plan.traced, self.program.input_stages, self.num_micro_batches, self._placement
         )
+        return caller_placements(self._row_split, specs, self.traced.in_avals)
 
     def flat_output_placement_specs(self) -> list[PlacementSpec]:
         specs = []
         for v, (kind, value) in zip(
-            self.traced.closed_jaxpr.jaxpr.outvars, self._output_sources, strict=True
+            self.plan.traced.jaxpr.outvars, self._output_sources, strict=True
         ):
             if kind == "mesh":
                 specs.append(self._placement(v, (value[2],)))
             else:
                 specs.append(PlacementSpec(getattr(v, "aval", None), (), ()))
-        return specs
+        avals = [getattr(v, "aval", None) for v in self.traced.jaxpr.outvars]
+        return caller_placements(self._row_split, specs, avals, outputs=True)
 
     def get_hlo_names(self) -> list[str]:
         """The name of each function ``get_hlo_text`` returns, in its order (a stage

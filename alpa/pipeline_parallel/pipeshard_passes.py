@@ -37,6 +37,7 @@ from alpa.pipeline_parallel.deferred_sums import (
     zero2_specs,
 )
 from alpa.pipeline_parallel.layer_construction import (
+    AutoLayerOption,
     LayerAssignment,
     construct_layers,
     resolve_layer_option,
@@ -45,6 +46,7 @@ from alpa.pipeline_parallel.pipeshard_plan import PipeshardDecisions, PipeshardP
 from alpa.pipeline_parallel.runtime_emitter import emit_instructions
 from alpa.pipeline_parallel.schedule_choice import choose, price_schedules
 from alpa.pipeline_parallel.schedules import AUTO, SPLIT_BACKWARD_SCHEDULES, make_schedule
+from alpa.pipeline_parallel.stacked_rows import RowSplit, split_stacked_rows
 from alpa.pipeline_parallel.stage_construction import (
     AutoStageOption,
     StageContext,
@@ -175,8 +177,11 @@ def plan_pipeshard(
     args: Sequence[Any] = (),
     devices: Sequence[Any] | None = None,
     decisions: PipeshardDecisions | None = None,
+    row_split: RowSplit | None = None,
 ) -> PipeshardPlan:
     """Plan ``traced`` (traced at micro-batch size) as ``options`` say (module docstring).
+    ``row_split`` is how ``traced`` was made from the caller's step (:func:`pipeline_step`),
+    kept in the plan.
 
     With ``pipeline_schedule="auto"``, the stages are planned once (under 1F1B), each
     training schedule is priced on them (``schedule_choice``) and on stages of its own
@@ -185,6 +190,9 @@ def plan_pipeshard(
     the decisions on the same stages, searched again on other stages; an inference step
     takes the inference schedule.
     """
+    if row_split is not None:
+        plan = plan_pipeshard(traced, options, args, devices, decisions)
+        return dataclasses.replace(plan, row_split=row_split)
     if options.pipeline_schedule != AUTO:
         return _plan_one_schedule(traced, options, args, devices, decisions)
     if traced.grad_marker() is None:
@@ -220,6 +228,16 @@ def plan_pipeshard(
     result = dataclasses.replace(plan, schedule_candidates=candidates)
     result.__dict__["cost"] = cost  # the same plan: its cost (layer ILPs) is not solved again
     return result
+
+
+def pipeline_step(traced: TracedStep, layer_option) -> tuple[TracedStep, RowSplit | None]:
+    """The step a pipeline plans: with ``AutoLayerOption`` (which writes a scan over
+    blocks out), ``traced`` with its stacked parameters split by rows between the stages
+    that read them (``stacked_rows``), and how; else ``traced`` as it is."""
+    if not isinstance(resolve_layer_option(layer_option), AutoLayerOption):
+        return traced, None
+    split = split_stacked_rows(traced)
+    return (traced, None) if split is None else (split.traced, split)
 
 
 def _plan_one_schedule(

@@ -119,6 +119,8 @@ class PipeshardPlan:
         (``worker_program.TransferPlan``: source and destination layouts, and which
         piece of which source device goes to which destination host).
       num_micro_batches: micro-batches per step.
+      row_split: the ``stacked_rows.RowSplit`` when ``traced`` is the caller's step with
+        its stacked parameters split by rows (``user_traced`` is then the caller's).
       layer_option: the layer option the step was traced and cut with (``alpa.grad``
         reads it while tracing, so a replay traces under it again).
     """
@@ -144,6 +146,13 @@ class PipeshardPlan:
     body_specs: dict = field(default_factory=dict)
     operand_specs: dict = field(default_factory=dict)
     schedule_candidates: tuple = ()
+    row_split: Any = None
+
+    @property
+    def user_traced(self) -> TracedStep:
+        """The step as its caller traced it (``traced`` before its stacked parameters
+        were split by rows; ``traced`` itself when none were)."""
+        return self.traced if self.row_split is None else self.row_split.original
 
     @property
     def num_stages(self) -> int:

@@ -271,8 +271,13 @@ def abstractify(x) -> jax.ShapeDtypeStruct:
             if x.sharding is None
             else jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=x.weak_type)
         )
-    if getattr(x, "is_distributed_array", False) or isinstance(x, jax.core.ShapedArray):
-        # a value on Ray mesh workers, or an abstract value (jax.typeof of an array)
+    if (
+        getattr(x, "is_distributed_array", False)
+        or getattr(x, "is_stacked_rows", False)
+        or isinstance(x, jax.core.ShapedArray)
+    ):
+        # a value on Ray mesh workers, rows on several meshes (a pipeline's StackedRows),
+        # or an abstract value (jax.typeof of an array)
         return jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=x.weak_type)
     aval = jax.typeof(x)
     return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=aval.weak_type)

@@ -1,0 +1,538 @@
+"""Stacked parameters split by rows between pipeline stages (issue 30, item 2).
+
+A model whose blocks are one ``nn.scan`` keeps each block parameter as one array with a
+leading axis of blocks (``[L, ...]``). ``AutoLayerOption`` writes the scan out
+(``segments.unroll_layer_scans``), so layer ``k`` reads rows ``W[i:i+1]`` of the stacked
+array; but the array itself is one step input, and an input lives on one mesh: the first
+stage that read it held every row (and sent the others theirs), its optimizer state too.
+
+:func:`split_stacked_rows` rewrites the traced step so that such an input is ``L`` inputs,
+one per row (of shape ``[...]``), each read by the stage of its own block:
+
+* a row read (``slice`` of one row on axis 0) is that row's input;
+* the backward pass's transpose of a row read (a ``pad`` of one row into ``[L, ...]``
+  with zeros) is the row alone, the other rows known to be zero, and the sum of such
+  gradients (``add_any``) adds rows one by one;
+* elementwise equations (an optimizer's update: ``mul``, ``add``, ``sqrt``, ...) and
+  reductions (a global norm's ``reduce_sum``) run row by row; a reduction over axis 0
+  adds (or takes the max of) the rows' results;
+* pipeline markers pass each row that is read after them (a layer's start marker no
+  longer carries the rows of the other layers);
+* any other equation reads the rows concatenated (correct, but the rows travel): the
+  input is then left whole, and the rewrite is made again without it.
+
+The outputs computed row by row from split inputs (the updated parameters and optimizer
+state) are the rows' outputs (any other output is returned whole), and
+:class:`StackedRows` gives them back to the caller as one array-like value whose rows stay
+on their stages' meshes; passed to the step again, each row is read where it is. An input
+is split when its rows are read one at a time (directly or through markers), or when it
+has the shape of one that is (its optimizer state), and the rewrite never concatenates it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import numpy as np
+from jax import lax
+from jax.extend.core import ClosedJaxpr, JaxprEqn, Literal
+
+from alpa.tracing import TracedStep
+from alpa.tracing.jaxpr_util import bind_eqn, is_var, read
+from alpa.tracing.primitive_def import pipeline_p
+from alpa.tracing.trace import inline_calls, new_jaxpr
+
+# Equations that compute each element from the same element of their operands (operands
+# of the result's shape, or scalars).
+ELEMENTWISE = frozenset(
+    "abs add add_any and atan2 cbrt ceil clamp convert_element_type copy copy_p cos div eq "
+    "erf erf_inv exp exp2 expm1 floor ge gt imag integer_pow is_finite le log log1p "
+    "logistic lt max min mul ne neg nextafter not or pow real reduce_precision rem round "
+    "rsqrt select_n sign sin sqrt square stop_gradient sub tan tanh xor".split()
+)
+# Elementwise equations that map rows of zeros to a row of zeros.
+_ZERO_PRESERVING = frozenset("add add_any sub neg mul convert_element_type copy copy_p".split())
+_ADDITIVE = frozenset(("add", "add_any"))
+# Reductions: the rows' results combined by this primitive when axis 0 is reduced.
+_REDUCTIONS = {"reduce_sum": lax.add, "reduce_max": lax.max, "reduce_min": lax.min}
+
+
+@dataclass(eq=False)
+class _Rows:
+    """A value of shape ``[L, ...]`` held as its ``L`` rows (each of shape ``[...]``);
+    ``None`` is a row known to be zero. ``roots`` are the split inputs it was computed
+    from."""
+
+    rows: list
+    aval: Any
+    roots: frozenset
+
+    def row(self, i: int):
+        r = self.rows[i]
+        return lax.full(self.aval.shape[1:], 0, self.aval.dtype) if r is None else r
+
+    def whole(self):
+        rows = [lax.expand_dims(self.row(i), (0,)) for i in range(len(self.rows))]
+        return lax.concatenate(rows, 0)
+
+
+@dataclass(frozen=True)
+class RowSplit:
+    """How :func:`split_stacked_rows` split a traced step.
+
+    Attributes:
+      original: the step as traced (its leaves, what callers pass and get back).
+      traced: the step with each split leaf as one leaf per row.
+      inputs: per split input leaf of ``original`` (position), its number of rows.
+      outputs: per split output leaf of ``original`` (position), its number of rows.
+    """
+
+    original: TracedStep
+    traced: TracedStep
+    inputs: dict
+    outputs: dict
+
+    def split_args(self, leaves: Sequence[Any]) -> list:
+        """The leaves of ``traced`` from those of ``original``: a split leaf becomes its
+        rows (a :class:`StackedRows` gives its own)."""
+        out: list = []
+        for i, x in enumerate(leaves):
+            n = self.inputs.get(i)
+            if n is None:
+                out.append(x)
+            elif isinstance(x, StackedRows) and len(x.rows) == n:
+                out.extend(x.rows)
+            else:
+                out.extend(x[r] for r in range(n))
+        return out
+
+    def join_outputs(self, outputs: Sequence[Any]) -> list:
+        """The outputs of ``original`` from those of ``traced``: a split output's rows
+        are one :class:`StackedRows`."""
+        return _join(outputs, self.outputs, len(self.original.jaxpr.outvars))
+
+    def join_inputs(self, leaves: Sequence[Any]) -> list:
+        """The leaves of ``original`` from those of ``traced`` (placed rows, say)."""
+        return _join(leaves, self.inputs, len(self.original.in_avals))
+
+
+def _join(values: Sequence[Any], counts: dict, size: int) -> list:
+    out: list = []
+    it = iter(values)
+    for i in range(size):
+        n = counts.get(i)
+        out.append(next(it) if n is None else StackedRows([next(it) for _ in range(n)]))
+    return out
+
+
+class StackedRows:
+    """A stacked array (``[L, ...]``) held as its rows (``[...]`` each), each on the
+    mesh of the pipeline stage that reads it: what a pipelined step returns for a stacked
+    parameter it split by rows (:func:`split_stacked_rows`). Pass it back to the step and
+    each row stays where it is; read it (``np.asarray``, ``jnp.asarray``, indexing) and
+    the rows are put together (on the host)."""
+
+    is_stacked_rows = True
+
+    def __init__(self, rows: Sequence[Any]):
+        if not rows:
+            raise ValueError("StackedRows needs at least one row")
+        self.rows = list(rows)
+        first = self.rows[0]
+        self.dtype = first.dtype
+        self.shape = (len(self.rows), *first.shape)
+        self.weak_type = bool(getattr(first, "weak_type", False))
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape))
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * np.dtype(self.dtype).itemsize
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __array__(self, dtype=None, copy=None):
+        del copy
+        out = np.stack([np.asarray(r) for r in self.rows])
+        return out if dtype is None else out.astype(dtype)
+
+    def __jax_array__(self):
+        # ``jnp.asarray(x)``: the rows are on several meshes, put together on the host.
+        return jax.numpy.asarray(np.asarray(self))
+
+    def __getitem__(self, index):
+        return np.asarray(self)[index]
+
+    def block_until_ready(self):
+        for r in self.rows:
+            jax.block_until_ready(r)
+        return self
+
+    def is_deleted(self) -> bool:
+        return any(getattr(r, "is_deleted", lambda: False)() for r in self.rows)
+
+    def delete(self) -> None:
+        for r in self.rows:
+            if hasattr(r, "delete"):
+                r.delete()
+
+    def __repr__(self) -> str:
+        return f"StackedRows(shape={self.shape}, dtype={self.dtype}, rows={len(self.rows)})"
+
+
+# ----------------------------------------------------------------------------- the rewrite
+
+
+def split_stacked_rows(traced: TracedStep) -> RowSplit | None:
+    """``traced`` with its stacked inputs split by rows (module docstring), or ``None``
+    when no input's rows are read one at a time."""
+    candidates = _candidates(traced)
+    while candidates:
+        closed, concatenated, in_rows, out_rows = _rewrite(traced, candidates)
+        if not concatenated:
+            split = _split_step(traced, closed, in_rows, out_rows)
+            return RowSplit(traced, split, in_rows, out_rows)
+        candidates = {i: n for i, n in candidates.items() if i not in concatenated}
+    return None
+
+
+def _candidates(traced: TracedStep) -> dict:
+    """Per input that may be split (position), its rows: those read one row at a time
+    (through markers), and inputs of their shapes (their optimizer state)."""
+    jaxpr = traced.jaxpr
+    origin = {v: i for i, v in enumerate(jaxpr.invars)}
+    read_by_rows: set = set()
+    for eqn in jaxpr.eqns:
+        if eqn.primitive is pipeline_p:
+            for a, b in zip(eqn.invars, eqn.outvars, strict=False):
+                if is_var(a) and a in origin:
+                    origin[b] = origin[a]
+        elif (
+            eqn.primitive.name == "slice"
+            and is_var(eqn.invars[0])
+            and eqn.invars[0] in origin
+            and _row_of(eqn) is not None
+        ):
+            read_by_rows.add(origin[eqn.invars[0]])
+    shapes = {traced.in_avals[i].shape for i in read_by_rows}
+    return {
+        i: aval.shape[0]
+        for i, aval in enumerate(traced.in_avals)
+        if aval.shape in shapes and aval.shape[0] > 1 and not traced.batch_invars[i]
+    }
+
+
+def _row_of(eqn: JaxprEqn) -> int | None:
+    """The row a ``slice`` equation reads when it reads one row on axis 0."""
+    start, limit = eqn.params["start_indices"], eqn.params["limit_indices"]
+    strides = eqn.params["strides"]
+    if limit[0] - start[0] != 1 or (strides is not None and strides[0] != 1):
+        return None
+    return int(start[0])
+
+
+def _rewrite(traced: TracedStep, candidates: dict):
+    """The step with ``candidates`` split; the candidates the rewrite had to concatenate;
+    the rows of each split input and output."""
+    closed = traced.closed_jaxpr
+    rewriter = _Rewriter(set(candidates.values()))
+    out_rows: dict = {}
+
+    def run(*flat):
+        it = iter(flat)
+        env: dict = dict(zip(closed.jaxpr.constvars, closed.consts, strict=True))
+        for i, v in enumerate(closed.jaxpr.invars):
+            n = candidates.get(i)
+            if n is None:
+                env[v] = next(it)
+            else:
+                env[v] = _Rows([next(it) for _ in range(n)], v.aval, frozenset((i,)))
+        for eqn in closed.jaxpr.eqns:
+            outs = rewriter.eval(eqn, [read(env, v) for v in eqn.invars])
+            env.update(zip(eqn.outvars, outs, strict=True))
+        result = []
+        for j, v in enumerate(closed.jaxpr.outvars):
+            value = read(env, v)
+            if isinstance(value, _Rows) and value.roots:  # computed from split inputs
+                out_rows[j] = len(value.rows)
+                result.extend(value.row(r) for r in range(len(value.rows)))
+            else:  # an input left whole (or a gradient alone) is returned whole
+                result.append(value.whole() if isinstance(value, _Rows) else value)
+        return result
+
+    avals = []
+    for i, aval in enumerate(traced.in_avals):
+        n = candidates.get(i)
+        weak = bool(getattr(aval, "weak_type", False))
+        if n is None:
+            avals.append(jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=weak))
+        else:
+            avals.extend([jax.ShapeDtypeStruct(aval.shape[1:], aval.dtype, weak_type=weak)] * n)
+    new = inline_calls(jax.make_jaxpr(run)(*avals))
+    return _drop_unread_marker_values(new), rewriter.concatenated, dict(candidates), out_rows
+
+
+class _Rewriter:
+    """Evaluates the step's equations on values some of which are :class:`_Rows`.
+
+    A row read (``slice`` of one row) gives the row with a leading axis of 1 added, and
+    the ``squeeze`` / ``reshape`` that removes it gives the row itself again, with no
+    equation between: the backward pass then reads the step's input, as in the model
+    written out, not a value the forward pass would keep for it."""
+
+    def __init__(self, lengths: set):
+        self.lengths = lengths
+        self.concatenated: set = set()
+        self._rows_of: dict = {}  # id(a [1, ...] value) -> (it, the [...] row it holds)
+        self._zeros: dict = {}  # id -> a broadcast zero (kept alive: ids stay unique)
+
+    def eval(self, eqn: JaxprEqn, values: list) -> list:
+        name = eqn.primitive.name
+        rows = [x for x in values if isinstance(x, _Rows)]
+        if not rows:
+            if name == "pad":
+                made = self._pad_of_row(eqn, values)
+                if made is not None:
+                    return [made]
+            if name in ("squeeze", "reshape") and id(values[0]) in self._rows_of:
+                held, row = self._rows_of[id(values[0])]
+                if held is values[0] and eqn.outvars[0].aval.shape == row.shape:
+                    return [row]
+            if name == "add_any" and any(id(x) in self._zeros for x in values):
+                # zeros + x is x (the backward pass's zero cotangents of rows)
+                kept = [x for x in values if id(x) not in self._zeros]
+                if kept and np.shape(kept[0]) == eqn.outvars[0].aval.shape:
+                    return [kept[0]]
+            outs = _bind(eqn, values)
+            if name == "broadcast_in_dim" and _is_zero(eqn.invars[0]):
+                self._zeros[id(outs[0])] = outs[0]
+            if name in ("broadcast_in_dim", "reshape") and np.shape(outs[0]) == (
+                1,
+                *np.shape(values[0]),
+            ):  # a row with a leading axis of 1: a row read's transpose pads it
+                self._rows_of[id(outs[0])] = (outs[0], values[0])
+            return outs
+        if eqn.primitive is pipeline_p:
+            return _marker(eqn, values)
+        if name == "slice" and isinstance(values[0], _Rows) and _row_of(eqn) is not None:
+            return [self._slice_row(eqn, values[0])]
+        out = eqn.outvars[0].aval
+        n = len(rows[0].rows)
+        if (
+            name in ELEMENTWISE
+            and out.shape == rows[0].aval.shape
+            and all(len(r.rows) == n for r in rows)
+            and all(isinstance(x, _Rows) or np.shape(x) in ((), out.shape) for x in values)
+        ):
+            return [_rowwise(eqn, values, n)]
+        if name in _REDUCTIONS and len(values) == 1:
+            return [_reduce(eqn, values[0])]
+        for r in rows:
+            self.concatenated.update(r.roots)
+        return _bind(eqn, [x.whole() if isinstance(x, _Rows) else x for x in values])
+
+    def _expanded(self, row):
+        """``row`` with a leading axis of 1, remembered as holding ``row``."""
+        held = lax.expand_dims(row, (0,))
+        self._rows_of[id(held)] = (held, row)
+        return held
+
+    def _pad_of_row(self, eqn: JaxprEqn, values: list) -> _Rows | None:
+        """A ``pad`` of one row into ``[L, ...]`` with zeros (a row read's transpose), as
+        rows; ``None`` for any other pad."""
+        operand, fill = eqn.invars
+        aval = eqn.outvars[0].aval
+        config = eqn.params["padding_config"]
+        if (
+            operand.aval.shape[:1] != (1,)
+            or aval.shape[0] not in self.lengths
+            or not _is_zero(fill)
+            or config[0][2] != 0
+            or any(tuple(c) != (0, 0, 0) for c in config[1:])
+        ):
+            return None
+        held = self._rows_of.get(id(values[0]))
+        row = held[1] if held is not None and held[0] is values[0] else None
+        if row is None:
+            row = lax.squeeze(values[0], (0,))
+        rows: list = [None] * aval.shape[0]
+        rows[int(config[0][0])] = row
+        return _Rows(rows, aval, frozenset())
+
+    def _slice_row(self, eqn: JaxprEqn, value: _Rows):
+        held = self._expanded(value.row(_row_of(eqn)))
+        start, limit = eqn.params["start_indices"], eqn.params["limit_indices"]
+        strides = eqn.params["strides"]
+        if (
+            tuple(limit[1:]) == tuple(value.aval.shape[1:])
+            and not any(start[1:])
+            and (strides is None or all(s == 1 for s in strides))
+        ):
+            return held
+        rest = None if strides is None else (1, *strides[1:])
+        return lax.slice(held, (0, *start[1:]), (1, *limit[1:]), rest)
+
+
+def _is_zero(v) -> bool:
+    return isinstance(v, Literal) and np.shape(v.val) == () and np.asarray(v.val) == 0
+
+
+def _bind(eqn: JaxprEqn, values: list) -> list:
+    outs = bind_eqn(eqn, *values)
+    return list(outs) if eqn.primitive.multiple_results else [outs]
+
+
+def _rowwise(eqn: JaxprEqn, values: list, n: int) -> _Rows:
+    name = eqn.primitive.name
+    roots = frozenset().union(*(x.roots for x in values if isinstance(x, _Rows)))
+    out_rows: list = []
+    for i in range(n):
+        zero = [isinstance(x, _Rows) and x.rows[i] is None for x in values]
+        if all(zero) and name in _ZERO_PRESERVING:
+            out_rows.append(None)
+            continue
+        if name in _ADDITIVE and len(values) == 2 and any(zero):
+            other = values[1] if zero[0] else values[0]
+            if isinstance(other, _Rows) or np.shape(other) != ():  # zero + x is x
+                out_rows.append(_row_operand(other, i))
+                continue
+        operands = [_row_operand(x, i) for x in values]
+        out_rows.append(_bind(eqn, operands)[0])
+    return _Rows(out_rows, eqn.outvars[0].aval, roots)
+
+
+def _row_operand(x, i: int):
+    """Row ``i`` of an operand of a row-wise equation (a scalar is itself)."""
+    if isinstance(x, _Rows):
+        return x.row(i)
+    if np.shape(x) == ():
+        return x
+    return lax.index_in_dim(x, i, axis=0, keepdims=False)
+
+
+def _reduce(eqn: JaxprEqn, value: _Rows):
+    """A reduction of rows: each row over the other axes, then (when axis 0 is reduced
+    too) the rows' results combined."""
+    axes = tuple(eqn.params["axes"])
+    inner = tuple(a - 1 for a in axes if a != 0)
+    params = dict(eqn.params, axes=inner)
+    results = [
+        eqn.primitive.bind(value.row(i), **params) if inner else value.row(i)
+        for i in range(len(value.rows))
+    ]
+    if 0 not in axes:
+        return _Rows(results, eqn.outvars[0].aval, value.roots)
+    combine = _REDUCTIONS[eqn.primitive.name]
+    total = results[0]
+    for r in results[1:]:
+        total = combine(total, r)
+    return total
+
+
+def _marker(eqn: JaxprEqn, values: list) -> list:
+    """A pipeline marker on every row (unread rows are dropped afterwards)."""
+    flat: list = []
+    for x in values:
+        if isinstance(x, _Rows):
+            flat.extend(r for r in x.rows if r is not None)
+        else:
+            flat.append(x)
+    marked = iter(_bind(eqn, flat))
+    outs = []
+    for x in values:
+        if isinstance(x, _Rows):
+            rows = [None if r is None else next(marked) for r in x.rows]
+            outs.append(_Rows(rows, x.aval, x.roots))
+        else:
+            outs.append(next(marked))
+    return outs
+
+
+def _drop_unread_marker_values(closed: ClosedJaxpr) -> ClosedJaxpr:
+    """``closed`` with each marker's operand-result pairs whose result nothing reads
+    removed (a layer's start marker carried every row of a split input), and the
+    equations whose results nothing reads."""
+    jaxpr = closed.jaxpr
+    live = {v for v in jaxpr.outvars if is_var(v)}
+    eqns: list = []
+    for eqn in reversed(jaxpr.eqns):
+        if eqn.primitive is pipeline_p and len(eqn.invars) == len(eqn.outvars):
+            pairs = [(a, b) for a, b in zip(eqn.invars, eqn.outvars, strict=True) if b in live]
+            if len(pairs) != len(eqn.invars):
+                eqn = eqn.replace(invars=[a for a, _ in pairs], outvars=[b for _, b in pairs])
+        elif not eqn.effects and not any(v in live for v in eqn.outvars):
+            continue  # dead: a zero or a row's leading axis nothing reads any more
+        live.update(v for v in eqn.invars if is_var(v))
+        eqns.append(eqn)
+    eqns.reverse()
+    new = new_jaxpr(jaxpr, jaxpr.constvars, jaxpr.invars, jaxpr.outvars, eqns)
+    return ClosedJaxpr(new, closed.consts)
+
+
+def _split_step(traced: TracedStep, closed: ClosedJaxpr, in_rows: dict, out_rows: dict):
+    """The :class:`TracedStep` of the rewritten program: per-leaf fields repeated per
+    row, the trees with a tuple of rows in place of each split leaf."""
+
+    def per_row(values: Sequence) -> tuple:
+        out: list = []
+        for i, x in enumerate(values):
+            out.extend([x] * in_rows.get(i, 1))
+        return tuple(out)
+
+    names = []
+    for i, name in enumerate(traced.leaf_names):
+        n = in_rows.get(i)
+        names.extend([name] if n is None else [f"{name}[{r}]" for r in range(n)])
+
+    def tree(treedef, counts: dict, size: int):
+        leaves = [tuple(range(counts[i])) if i in counts else 0 for i in range(size)]
+        return jax.tree.structure(jax.tree.unflatten(treedef, leaves))
+
+    retrace = None
+    if traced.retrace is not None:
+        original_retrace = traced.retrace
+
+        def retrace(d):
+            again = original_retrace(d)
+            new, _, rows_in, rows_out = _rewrite(again, in_rows)
+            return _split_step(again, new, rows_in, rows_out)
+
+    return dataclasses.replace(
+        traced,
+        closed_jaxpr=closed,
+        in_tree=tree(traced.in_tree, in_rows, len(traced.in_avals)),
+        out_tree=tree(traced.out_tree, out_rows, len(traced.jaxpr.outvars)),
+        in_avals=tuple(v.aval for v in closed.jaxpr.invars),
+        batch_invars=per_row(traced.batch_invars),
+        donated_invars=per_row(traced.donated_invars),
+        leaf_names=tuple(names),
+        grad_invars=per_row(traced.grad_invars) if traced.grad_invars else (),
+        retrace=retrace,
+    )
+
+
+def caller_placements(
+    split: RowSplit | None, specs: Sequence[Any], avals: Sequence[Any], outputs: bool = False
+) -> list:
+    """``specs`` (placements), one per input (or ``outputs``) leaf of the split step, as
+    one per leaf of the caller's: a split leaf's is its first row's, with the caller's
+    ``avals`` (where the whole array goes when it is placed before the step splits it)."""
+    if split is None:
+        return list(specs)
+    counts = split.outputs if outputs else split.inputs
+    out, it = [], iter(specs)
+    for i, aval in enumerate(avals):
+        rows = [next(it) for _ in range(counts.get(i, 1))]
+        out.append(rows[0] if i not in counts else dataclasses.replace(rows[0], aval=aval))
+    return out
