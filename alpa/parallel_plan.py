@@ -179,11 +179,15 @@ class PipelinePlan:
         loss function as it says, so a replay traces under it again).
       decisions: layers, stages, per-stage options and logical meshes, and the sharding
         table keyed by ``(value ref, stage)`` (:func:`value_refs`).
+      split_rows: whether the step's stacked parameters were split by rows
+        (``stacked_rows``): the refs name values of the split step, which a replay makes
+        again.
     """
 
     pipeline_schedule: str
     layer_option: ManualLayerOption | AutoLayerOption
     decisions: PipeshardDecisions
+    split_rows: bool = False
 
 
 @dataclass(frozen=True)
@@ -310,7 +314,9 @@ class ParallelPlan:
             method="PipeshardParallel",
             num_micro_batches=plan.num_micro_batches,
             cluster_info=ClusterInfo(plan.num_hosts, plan.num_devices_per_host),
-            pipeline_plan=PipelinePlan(plan.schedule.name, layer_option, decisions),
+            pipeline_plan=PipelinePlan(
+                plan.schedule.name, layer_option, decisions, plan.row_split is not None
+            ),
             input_placement_specs=_portable_placements(
                 input_placement_specs, plan.user_traced, plan.num_micro_batches
             ),
@@ -560,6 +566,7 @@ def _pipeline_plan_to_json(plan: PipelinePlan) -> dict:
     return {
         "pipeline_schedule": plan.pipeline_schedule,
         "layer_option": layer_option_to_json(plan.layer_option),
+        "split_rows": plan.split_rows,
         "layers": {
             "layers": list(layers.layers),
             "kinds": None if layers.kinds is None else list(layers.kinds),
@@ -609,5 +616,8 @@ def _pipeline_plan_from_json(data: Mapping) -> PipelinePlan:
         },
     )
     return PipelinePlan(
-        data["pipeline_schedule"], layer_option_from_json(data["layer_option"]), decisions
+        data["pipeline_schedule"],
+        layer_option_from_json(data["layer_option"]),
+        decisions,
+        data.get("split_rows", False),  # absent from plans saved before rows were split
     )

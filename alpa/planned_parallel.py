@@ -106,7 +106,15 @@ class PlannedParallel(ParallelMethod):
             )
         pipeline = self.parallel_plan.pipeline_plan
         recorded = pipeline.decisions
-        traced, row_split = pipeline_step(traced, pipeline.layer_option)
+        row_split = None
+        if pipeline.split_rows:  # the recorded refs name values of the split step
+            traced, row_split = pipeline_step(traced, pipeline.layer_option)
+            if row_split is None:
+                raise ValueError(
+                    f"the ParallelPlan of {self.parallel_plan.step_name} splits stacked "
+                    f"parameters by rows, but {traced.name} has none to split: it was made "
+                    "for another step"
+                )
         vars_by_ref = {ref: v for v, ref in value_refs(traced.jaxpr).items()}
         eqns_by_ref = eqn_refs(traced.jaxpr)
         decisions = replace(

@@ -192,7 +192,10 @@ def plan_pipeshard(
     """
     if row_split is not None:
         plan = plan_pipeshard(traced, options, args, devices, decisions)
-        return dataclasses.replace(plan, row_split=row_split)
+        result = dataclasses.replace(plan, row_split=row_split)
+        if "cost" in plan.__dict__:  # solved already (the layer ILPs): kept
+            result.__dict__["cost"] = plan.__dict__["cost"]
+        return result
     if options.pipeline_schedule != AUTO:
         return _plan_one_schedule(traced, options, args, devices, decisions)
     if traced.grad_marker() is None:

@@ -219,6 +219,7 @@ def test_a_plan_of_split_rows_replays_from_json(tmp_path):
     expected, expected_loss = p_step(state, batch)
     plan = p_step.get_last_executable().get_parallel_plan()
     assert len(plan.input_names) == len(jax.tree.leaves((state, batch)))
+    assert plan.pipeline_plan.split_rows
     path = str(tmp_path / "plan.json")
     plan.save(path)
     replayed = alpa.parallelize(
