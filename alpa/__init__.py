@@ -32,6 +32,7 @@ _EXPORTS = {
     "timers": "alpa.timer",
     "DeviceCluster": "alpa.runtime.ray_mesh",
     "DistributedArray": "alpa.runtime.ray_mesh",
+    "StackedRows": "alpa.runtime.placement",
     "DistributedPhysicalDeviceMesh": "alpa.runtime.ray_mesh",
     "prefetch": "alpa.runtime.ray_mesh",
     "grad": "alpa.api",
@@ -153,6 +154,7 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and editors
     )
     from alpa.pipeshard_method import PipeshardParallel, get_3d_parallel_method  # noqa: F401
     from alpa.planned_parallel import PlannedParallel, plan_to_method  # noqa: F401
+    from alpa.runtime.placement import StackedRows  # noqa: F401
     from alpa.runtime.ray_mesh import (  # noqa: F401
         DeviceCluster,
         DistributedArray,

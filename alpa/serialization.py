@@ -29,7 +29,10 @@ written by orbax-checkpoint, the maintained checkpoint library of JAX:
   returns them) names the sharding the step reads the leaf in, on its first mesh; orbax
   gets that sharding (``ArrayRestoreArgs(sharding=...)``) and each device reads only its
   own slice of the stored array. The saved sharding does not matter: a state saved from
-  8 devices restores onto 4, or onto another logical mesh shape.
+  8 devices restores onto 4, or onto another logical mesh shape. A pipeline's stacked
+  parameter split by rows (``alpa.StackedRows``, its spec's ``rows``) is the exception
+  both ways: saved from the host with its rows put together, and restored through the
+  host, each row then placed on its stage's mesh.
 * **The restored structure** is that of ``placement_specs`` (or of ``target=``): the
   specs of a ``TrainState`` form a ``TrainState`` whose leaves are specs, so a
   ``TrainState`` comes back, with the ``apply_fn`` and ``tx`` of the state the executable
@@ -303,9 +306,10 @@ def _restore(path: str, step: int, placement_specs: PyTree, target: PyTree) -> P
             path, args=ocp.args.PyTreeRestore(restore_args=jax.tree.unflatten(saved_tree, args))
         )
     values = jax.tree.leaves(restored)
-    # Ray placements were read on the driver: put each on its mesh now.
+    # Ray placements and leaves split by rows were read on the driver: placed now.
     values = [
-        place(x, spec) if _is_ray_spec(spec) else x for x, spec in zip(values, specs, strict=True)
+        place(x, spec) if _is_ray_spec(spec) or getattr(spec, "rows", ()) else x
+        for x, spec in zip(values, specs, strict=True)
     ]
     restored = jax.tree.unflatten(jax.tree.structure(restored), values)
     structure = target if target is not None else placement_specs
@@ -381,7 +385,7 @@ def _restore_args(spec: Any, meta: Any, leaf_path: str, step: int) -> Any:
     if isinstance(spec, jax.sharding.Sharding):
         return ocp.ArrayRestoreArgs(sharding=spec, global_shape=saved_shape)
     _check_spec(spec, leaf_path, saved_shape, step)
-    if _is_ray_spec(spec):
+    if _is_ray_spec(spec) or spec.rows:  # read on the driver, then placed (row by row)
         return ocp.RestoreArgs(restore_type=np.ndarray, dtype=spec.aval.dtype)
     return ocp.ArrayRestoreArgs(
         sharding=spec.placements[0], global_shape=saved_shape, dtype=spec.aval.dtype
@@ -445,10 +449,15 @@ def _restore_parts(path: str, step: int, placement_specs: PyTree, target: PyTree
     values: dict[str, Any] = {}
     local: dict[str, dict] = {}  # part -> leaves this process reads
     remote: dict[tuple[int, str], tuple[Any, list]] = {}  # (mesh, part) -> leaves
+    by_rows: dict[str, Any] = {}  # leaves split by rows: read here, placed row by row
     for leaf_path, spec in zip(saved_paths, specs, strict=True):
         part = parts[leaf_path]
         if spec is None or isinstance(spec, jax.sharding.Sharding):
             local.setdefault(part, {})[leaf_path] = (spec, None)
+            continue
+        if getattr(spec, "rows", ()):
+            local.setdefault(part, {})[leaf_path] = (None, spec.aval.dtype)
+            by_rows[leaf_path] = spec
             continue
         recorded = record["avals"].get(leaf_path)  # a leaf the driver wrote has none
         aval = getattr(spec, "aval", None)
@@ -480,6 +489,9 @@ def _restore_parts(path: str, step: int, placement_specs: PyTree, target: PyTree
         )
     for part, wanted in local.items():
         values.update(read_part(os.path.join(path, part), wanted))
+    for leaf_path, spec in by_rows.items():
+        _check_spec(spec, leaf_path, np.shape(values[leaf_path]), step)
+        values[leaf_path] = place(values[leaf_path], spec)
     restored = jax.tree.map(lambda leaf_path: values[leaf_path], skeleton)
     structure = target if target is not None else placement_specs
     if structure is None:

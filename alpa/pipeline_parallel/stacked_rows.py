@@ -40,7 +40,9 @@ import jax
 import numpy as np
 from jax import lax
 from jax.extend.core import ClosedJaxpr, JaxprEqn, Literal
+from jax.sharding import NamedSharding, PartitionSpec
 
+from alpa.runtime.placement import StackedRows
 from alpa.tracing import TracedStep
 from alpa.tracing.jaxpr_util import bind_eqn, is_var, read
 from alpa.tracing.primitive_def import pipeline_p
@@ -127,68 +129,6 @@ def _join(values: Sequence[Any], counts: dict, size: int) -> list:
         n = counts.get(i)
         out.append(next(it) if n is None else StackedRows([next(it) for _ in range(n)]))
     return out
-
-
-class StackedRows:
-    """A stacked array (``[L, ...]``) held as its rows (``[...]`` each), each on the
-    mesh of the pipeline stage that reads it: what a pipelined step returns for a stacked
-    parameter it split by rows (:func:`split_stacked_rows`). Pass it back to the step and
-    each row stays where it is; read it (``np.asarray``, ``jnp.asarray``, indexing) and
-    the rows are put together (on the host)."""
-
-    is_stacked_rows = True
-
-    def __init__(self, rows: Sequence[Any]):
-        if not rows:
-            raise ValueError("StackedRows needs at least one row")
-        self.rows = list(rows)
-        first = self.rows[0]
-        self.dtype = first.dtype
-        self.shape = (len(self.rows), *first.shape)
-        self.weak_type = bool(getattr(first, "weak_type", False))
-
-    @property
-    def ndim(self) -> int:
-        return len(self.shape)
-
-    @property
-    def size(self) -> int:
-        return int(np.prod(self.shape))
-
-    @property
-    def nbytes(self) -> int:
-        return self.size * np.dtype(self.dtype).itemsize
-
-    def __len__(self) -> int:
-        return self.shape[0]
-
-    def __array__(self, dtype=None, copy=None):
-        del copy
-        out = np.stack([np.asarray(r) for r in self.rows])
-        return out if dtype is None else out.astype(dtype)
-
-    def __jax_array__(self):
-        # ``jnp.asarray(x)``: the rows are on several meshes, put together on the host.
-        return jax.numpy.asarray(np.asarray(self))
-
-    def __getitem__(self, index):
-        return np.asarray(self)[index]
-
-    def block_until_ready(self):
-        for r in self.rows:
-            jax.block_until_ready(r)
-        return self
-
-    def is_deleted(self) -> bool:
-        return any(getattr(r, "is_deleted", lambda: False)() for r in self.rows)
-
-    def delete(self) -> None:
-        for r in self.rows:
-            if hasattr(r, "delete"):
-                r.delete()
-
-    def __repr__(self) -> str:
-        return f"StackedRows(shape={self.shape}, dtype={self.dtype}, rows={len(self.rows)})"
 
 
 # ----------------------------------------------------------------------------- the rewrite
@@ -525,14 +465,37 @@ def _split_step(traced: TracedStep, closed: ClosedJaxpr, in_rows: dict, out_rows
 def caller_placements(
     split: RowSplit | None, specs: Sequence[Any], avals: Sequence[Any], outputs: bool = False
 ) -> list:
-    """``specs`` (placements), one per input (or ``outputs``) leaf of the split step, as
-    one per leaf of the caller's: a split leaf's is its first row's, with the caller's
-    ``avals`` (where the whole array goes when it is placed before the step splits it)."""
+    """``specs`` (``PlacementSpec`` s), one per input (or ``outputs``) leaf of the split
+    step, as one per leaf of the caller's. A split leaf's holds its rows' own
+    (``PlacementSpec.rows``: ``place`` puts each row on its stage's mesh), and, for
+    what places the whole array, the first row's mesh and sharding with the row axis
+    whole."""
     if split is None:
         return list(specs)
     counts = split.outputs if outputs else split.inputs
     out, it = [], iter(specs)
     for i, aval in enumerate(avals):
         rows = [next(it) for _ in range(counts.get(i, 1))]
-        out.append(rows[0] if i not in counts else dataclasses.replace(rows[0], aval=aval))
+        if i not in counts:
+            out.append(rows[0])
+            continue
+        first = rows[0]
+        out.append(
+            dataclasses.replace(
+                first,
+                aval=aval,
+                sharding_specs=tuple(PartitionSpec(None, *s) for s in first.sharding_specs),
+                placements=tuple(_with_row_axis(p) for p in first.placements),
+                rows=tuple(rows),
+            )
+        )
     return out
+
+
+def _with_row_axis(placement):
+    """A row's placement (a ``NamedSharding``, or a Ray ``(mesh, Layout)``) for the
+    whole stacked array: the same, with a leading axis that is not split."""
+    if isinstance(placement, tuple):
+        mesh, layout = placement
+        return mesh, dataclasses.replace(layout, spec=PartitionSpec(None, *layout.spec))
+    return NamedSharding(placement.mesh, PartitionSpec(None, *placement.spec))

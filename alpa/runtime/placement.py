@@ -1,6 +1,7 @@
 """Where a step's leaves live: a :class:`PlacementSpec` per leaf, and putting an array
-there (locally a ``jax.sharding.Sharding``, on Ray a mesh and a ``Layout``). Used by the
-executables and by the local runtime."""
+there (locally a ``jax.sharding.Sharding``, on Ray a mesh and a ``Layout``); a leaf whose
+rows live on several meshes is a :class:`StackedRows`. Used by the executables and by
+the local runtime."""
 
 from __future__ import annotations
 
@@ -23,12 +24,17 @@ class PlacementSpec:
       placements: per mesh, what puts a value there: a ``jax.sharding.Sharding`` on the
         local runtime, a ``(DistributedPhysicalDeviceMesh, Layout)`` pair on Ray. Empty
         for an output that no mesh holds (a value computed on the driver).
+      rows: for a leaf a pipeline splits into its rows (``stacked_rows``), the
+        ``PlacementSpec`` of each row: :func:`place` puts each row where its stage reads
+        it (a :class:`StackedRows`). The fields above place the whole array on the
+        first row's mesh (what reads only one placement, a ``FollowParallel``, uses).
     """
 
     aval: Any
     mesh_ids: tuple[int, ...]
     sharding_specs: tuple[Any, ...]
     placements: tuple[Any, ...] = field(default=(), compare=False)
+    rows: tuple = field(default=(), compare=False)
 
 
 def place(value: Any, spec: PlacementSpec) -> Any:
@@ -39,6 +45,12 @@ def place(value: Any, spec: PlacementSpec) -> Any:
     ``DistributedArray`` on the mesh's workers."""
     if not spec.placements:
         raise ValueError(f"no mesh holds a leaf of {spec.aval}: there is nowhere to place it")
+    if spec.rows:  # each row on its own stage's mesh
+        if isinstance(value, StackedRows) and len(value.rows) == len(spec.rows):
+            rows = value.rows
+        else:
+            rows = [value[i] for i in range(len(spec.rows))]
+        return StackedRows([place(x, s) for x, s in zip(rows, spec.rows, strict=True)])
     target = spec.placements[0]
     if isinstance(target, tuple):  # Ray: (mesh, Layout)
         mesh, layout = target
@@ -79,3 +91,65 @@ def leaf_placer(shardings: Sequence[Any]) -> Callable[[list], list]:
         return leaves
 
     return place
+
+
+class StackedRows:
+    """A stacked array (``[L, ...]``) held as its rows (``[...]`` each), each on the
+    mesh of the pipeline stage that reads it: what a pipelined step returns for a stacked
+    parameter it split by rows (``pipeline_parallel.stacked_rows``). Pass it back to the step and
+    each row stays where it is; read it (``np.asarray``, ``jnp.asarray``, indexing) and
+    the rows are put together (on the host)."""
+
+    is_stacked_rows = True
+
+    def __init__(self, rows: Sequence[Any]):
+        if not rows:
+            raise ValueError("StackedRows needs at least one row")
+        self.rows = list(rows)
+        first = self.rows[0]
+        self.dtype = first.dtype
+        self.shape = (len(self.rows), *first.shape)
+        self.weak_type = bool(getattr(first, "weak_type", False))
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape))
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * np.dtype(self.dtype).itemsize
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __array__(self, dtype=None, copy=None):
+        del copy
+        out = np.stack([np.asarray(r) for r in self.rows])
+        return out if dtype is None else out.astype(dtype)
+
+    def __jax_array__(self):
+        # ``jnp.asarray(x)``: the rows are on several meshes, put together on the host.
+        return jax.numpy.asarray(np.asarray(self))
+
+    def __getitem__(self, index):
+        return np.asarray(self)[index]
+
+    def block_until_ready(self):
+        for r in self.rows:
+            jax.block_until_ready(r)
+        return self
+
+    def is_deleted(self) -> bool:
+        return any(getattr(r, "is_deleted", lambda: False)() for r in self.rows)
+
+    def delete(self) -> None:
+        for r in self.rows:
+            if hasattr(r, "delete"):
+                r.delete()
+
+    def __repr__(self) -> str:
+        return f"StackedRows(shape={self.shape}, dtype={self.dtype}, rows={len(self.rows)})"

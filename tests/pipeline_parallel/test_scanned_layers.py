@@ -34,7 +34,7 @@ import optax
 
 import alpa
 from alpa.model.gpt import GPTConfig, get_gpt_train_state_and_step
-from alpa.pipeline_parallel.stacked_rows import StackedRows
+from alpa.runtime.placement import StackedRows
 from alpa.testing import assert_allclose
 
 
@@ -143,8 +143,17 @@ def test_each_stage_holds_the_rows_of_its_own_blocks(tmp_path):
         atol=1e-5,
     )
     alpa.save_checkpoint(str(tmp_path), got, 2)  # the rows put together, nothing lost
-    restored = alpa.restore_checkpoint(str(tmp_path), 2)
-    assert_allclose(restored["params"], expected.params, rtol=1e-4, atol=1e-6)
+    assert_allclose(alpa.restore_checkpoint(str(tmp_path), 2)["params"], expected.params)
+    # Restored where the step reads them: each row on its stage's mesh, and a third step
+    # continues from there.
+    specs = p_step.get_executable(state, batch).get_input_placement_specs()[0]
+    restored = alpa.restore_checkpoint(str(tmp_path), 2, specs)
+    assert _share_per_mesh(restored.params["blocks"]) == halves
+    assert _share_per_mesh(restored.opt_state[0].trace["blocks"]) == halves
+    got, loss = p_step(restored, batch)
+    expected, expected_loss = expected_step(expected, batch)
+    assert_allclose(loss, expected_loss, rtol=1e-5, atol=1e-6)
+    assert_allclose(got.params, expected.params, rtol=1e-4, atol=1e-6)
     plan = p_step.get_last_executable().plan
     assert set(plan.row_split.inputs.values()) == {4}
     assert len(plan.row_split.inputs) == 2 * len(jax.tree.leaves(blocks))

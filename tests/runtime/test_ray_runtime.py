@@ -957,5 +957,13 @@ def test_scanned_gpt_rows_stay_on_their_stage_meshes(ray_cluster, tmp_path):
         per_mesh[row.mesh.mesh_id] = per_mesh.get(row.mesh.mesh_id, 0) + row.nbytes
     assert len(per_mesh) == 2 and len(set(per_mesh.values())) == 1  # half each
     alpa.save_checkpoint(tmp_path, got, 2)
-    restored = alpa.restore_checkpoint(tmp_path, 2)
-    assert_allclose(restored["params"], expected.params, rtol=1e-4, atol=1e-6)
+    assert_allclose(alpa.restore_checkpoint(tmp_path, 2)["params"], expected.params)
+    # Restored with the step's placements: each row on its stage's mesh again.
+    specs = p_step.get_executable(state, batch).get_input_placement_specs()[0]
+    restored = alpa.restore_checkpoint(tmp_path, 2, specs)
+    rows = [row for leaf in jax.tree.leaves(restored.params["blocks"]) for row in leaf.rows]
+    assert {row.mesh.mesh_id for row in rows} == set(per_mesh)
+    got, loss = p_step(restored, batch)
+    expected, expected_loss = jitted(expected, batch)
+    assert_allclose(loss, expected_loss, rtol=1e-5, atol=1e-6)
+    assert_allclose(got.params, expected.params, rtol=1e-4, atol=1e-6)
