@@ -23,7 +23,7 @@ from jax.sharding import NamedSharding
 
 from alpa.executables.base import Executable
 from alpa.runtime.memory import allocation_bytes, device_peak_bytes
-from alpa.runtime.placement import PlacementSpec, is_placed
+from alpa.runtime.placement import PlacementSpec, is_placed, whole
 from alpa.shard_parallel.auto_sharding import plan_objective
 from alpa.shard_parallel.compile import compile_plan, full_batch_avals
 from alpa.shard_parallel.micro_batches import layout_change_cost
@@ -95,7 +95,7 @@ class MeshExecutable(PricedPlan, Executable):
 
     def preshard_flat_args(self, flat_args: Sequence[Any]) -> list[jax.Array]:
         return [
-            x if is_placed(x, sharding) else jax.device_put(x, sharding)
+            x if is_placed(x, sharding) else jax.device_put(whole(x), sharding)
             for x, sharding in zip(flat_args, self.in_shardings, strict=True)
         ]
 

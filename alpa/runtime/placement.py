@@ -52,6 +52,7 @@ def place(value: Any, spec: PlacementSpec) -> Any:
             rows = [value[i] for i in range(len(spec.rows))]
         return StackedRows([place(x, s) for x, s in zip(rows, spec.rows, strict=True)])
     target = spec.placements[0]
+    value = whole(value)
     if isinstance(target, tuple):  # Ray: (mesh, Layout)
         mesh, layout = target
         if getattr(value, "is_distributed_array", False) and value.mesh is mesh:
@@ -61,6 +62,12 @@ def place(value: Any, spec: PlacementSpec) -> Any:
     if is_placed(value, target):
         return value
     return jax.device_put(value, target)
+
+
+def whole(x: Any) -> Any:
+    """``x``, or, for a :class:`StackedRows` (rows on several meshes), its rows put
+    together on the host: what a program of one mesh reads it as."""
+    return np.asarray(x) if isinstance(x, StackedRows) else x
 
 
 def is_placed(x: Any, sharding: Any) -> bool:
@@ -84,6 +91,7 @@ def leaf_placer(shardings: Sequence[Any]) -> Callable[[list], list]:
         for i, (x, sharding) in enumerate(zip(leaves, shardings, strict=True)):
             if isinstance(x, jax.Array) and x.sharding is accepted[i]:
                 continue
+            x = leaves[i] = whole(x)
             if is_placed(x, sharding):
                 accepted[i] = x.sharding
             else:

@@ -154,6 +154,20 @@ def test_each_stage_holds_the_rows_of_its_own_blocks(tmp_path):
     expected, expected_loss = expected_step(expected, batch)
     assert_allclose(loss, expected_loss, rtol=1e-5, atol=1e-6)
     assert_allclose(got.params, expected.params, rtol=1e-4, atol=1e-6)
+
+    # A step on one mesh reads the split parameters whole.
+    def evaluate(params, batch):
+        return jnp.mean(
+            state.apply_fn({"params": params}, batch["input_ids"], batch["position_ids"])
+        )
+
+    p_eval = alpa.parallelize(evaluate, method=alpa.ShardParallel(), donate_argnums=())
+    for _ in range(2):  # compiling, then the cached program
+        np.testing.assert_allclose(
+            np.asarray(p_eval(got.params, batch)),
+            np.asarray(jax.jit(evaluate)(expected.params, batch)),
+            rtol=1e-4,
+        )
     plan = p_step.get_last_executable().plan
     assert set(plan.row_split.inputs.values()) == {4}
     assert len(plan.row_split.inputs) == 2 * len(jax.tree.leaves(blocks))
