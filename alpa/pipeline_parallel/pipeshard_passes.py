@@ -46,6 +46,7 @@ from alpa.pipeline_parallel.pipeshard_plan import PipeshardDecisions, PipeshardP
 from alpa.pipeline_parallel.runtime_emitter import emit_instructions
 from alpa.pipeline_parallel.schedule_choice import choose, price_schedules
 from alpa.pipeline_parallel.schedules import AUTO, SPLIT_BACKWARD_SCHEDULES, make_schedule
+from alpa.pipeline_parallel.segments import unroll_layer_scans
 from alpa.pipeline_parallel.stacked_rows import RowSplit, split_stacked_rows
 from alpa.pipeline_parallel.stage_construction import (
     AutoStageOption,
@@ -235,11 +236,21 @@ def plan_pipeshard(
 
 def pipeline_step(traced: TracedStep, layer_option) -> tuple[TracedStep, RowSplit | None]:
     """The step a pipeline plans: with ``AutoLayerOption`` (which writes a scan over
-    blocks out), ``traced`` with its stacked parameters split by rows between the stages
-    that read them (``stacked_rows``), and how; else ``traced`` as it is."""
-    if not isinstance(resolve_layer_option(layer_option), AutoLayerOption):
+    blocks out: a training step's loss function while ``alpa.grad`` traces it, an
+    inference step here, as its equations are clustered), ``traced`` with its stacked
+    parameters split by rows between the stages that read them (``stacked_rows``), and
+    how; else ``traced`` as it is."""
+    option = resolve_layer_option(layer_option)
+    if not isinstance(option, AutoLayerOption):
         return traced, None
-    split = split_stacked_rows(traced)
+    prepare = None
+    if traced.grad_marker() is None and not traced.has_backward_pass:
+
+        def prepare(step: TracedStep) -> TracedStep:
+            closed = unroll_layer_scans(step.closed_jaxpr, option.layer_num)
+            return dataclasses.replace(step, closed_jaxpr=closed)
+
+    split = split_stacked_rows(traced, prepare)
     return (traced, None) if split is None else (split.traced, split)
 
 

@@ -134,17 +134,32 @@ def _join(values: Sequence[Any], counts: dict, size: int) -> list:
 # ----------------------------------------------------------------------------- the rewrite
 
 
-def split_stacked_rows(traced: TracedStep) -> RowSplit | None:
+def split_stacked_rows(traced: TracedStep, prepare=None) -> RowSplit | None:
     """``traced`` with its stacked inputs split by rows (module docstring), or ``None``
-    when no input's rows are read one at a time."""
-    candidates = _candidates(traced)
+    when no input's rows are read one at a time and ``prepare`` changed nothing.
+
+    ``prepare(step)``, when given, rewrites the step first without changing its inputs
+    and outputs (an inference step's scans written out, ``pipeline_step``); the split
+    is made on the prepared step (and on each of its retraces), and ``RowSplit.original``
+    stays ``traced``."""
+    planned = prepare(traced) if prepare is not None else traced
+    candidates = _candidates(planned)
     while candidates:
-        closed, concatenated, in_rows, out_rows = _rewrite(traced, candidates)
+        closed, concatenated, in_rows, out_rows = _rewrite(planned, candidates)
         if not concatenated:
-            split = _split_step(traced, closed, in_rows, out_rows)
+            split = _split_step(planned, closed, in_rows, out_rows, prepare)
             return RowSplit(traced, split, in_rows, out_rows)
         candidates = {i: n for i, n in candidates.items() if i not in concatenated}
-    return None
+    if planned.closed_jaxpr is traced.closed_jaxpr:
+        return None
+    return RowSplit(traced, _with_prepared_retraces(planned, prepare), {}, {})
+
+
+def _with_prepared_retraces(step: TracedStep, prepare) -> TracedStep:
+    if step.retrace is None:
+        return step
+    retrace = step.retrace
+    return dataclasses.replace(step, retrace=lambda d: prepare(retrace(d)))
 
 
 def _candidates(traced: TracedStep) -> dict:
@@ -420,7 +435,9 @@ def _drop_unread_marker_values(closed: ClosedJaxpr) -> ClosedJaxpr:
     return ClosedJaxpr(new, closed.consts)
 
 
-def _split_step(traced: TracedStep, closed: ClosedJaxpr, in_rows: dict, out_rows: dict):
+def _split_step(
+    traced: TracedStep, closed: ClosedJaxpr, in_rows: dict, out_rows: dict, prepare=None
+):
     """The :class:`TracedStep` of the rewritten program: per-leaf fields repeated per
     row, the trees with a tuple of rows in place of each split leaf."""
 
@@ -445,8 +462,10 @@ def _split_step(traced: TracedStep, closed: ClosedJaxpr, in_rows: dict, out_rows
 
         def retrace(d):
             again = original_retrace(d)
+            if prepare is not None:
+                again = prepare(again)
             new, _, rows_in, rows_out = _rewrite(again, in_rows)
-            return _split_step(again, new, rows_in, rows_out)
+            return _split_step(again, new, rows_in, rows_out, prepare)
 
     return dataclasses.replace(
         traced,

@@ -254,3 +254,45 @@ def test_a_plan_of_split_rows_replays_from_json(tmp_path):
     again = replayed.get_last_executable().plan
     assert again.row_split is not None
     assert again.stage_plan == p_step.get_last_executable().plan.stage_plan
+
+
+def test_an_inference_pipeline_cuts_a_scanned_model_between_its_iterations():
+    """An inference step has no loss function for ``alpa.grad`` to write out: its scan is
+    written out before its equations are clustered, and each stage reads the rows of its
+    own blocks; an evaluation step following a training pipeline (``FollowParallel``,
+    ``layer_option="follow"``) runs on the training step's split parameters."""
+    state, batch, step = _gpt(True)
+
+    def evaluate(params, batch):
+        logits = state.apply_fn({"params": params}, batch["input_ids"], batch["position_ids"])
+        return jnp.mean(logits)
+
+    expected = jax.jit(evaluate)(state.params, batch)
+    stages = alpa.ManualStageOption([[0], [1]], [(1, 4)] * 2, [(1, 4)] * 2, [{}, {}])
+    method = alpa.PipeshardParallel(
+        num_micro_batches=2,
+        pipeline_schedule="inference",
+        layer_option=alpa.AutoLayerOption(2),
+        stage_option=stages,
+    )  # it failed: "no cut of the 34 equations of the inference step into 2 layers"
+    p_eval = alpa.parallelize(evaluate, method=method, donate_argnums=())
+    np.testing.assert_allclose(np.asarray(p_eval(state.params, batch)), expected, rtol=1e-5)
+    plan = p_eval.get_last_executable().plan
+    stages_of = plan.program.input_stages
+    row_stages = {
+        name: stages_of[v]
+        for v, name in zip(plan.traced.jaxpr.invars, plan.traced.leaf_names, strict=True)
+        if name.endswith("['mlp']['wi']['kernel'][0]") or name.endswith("['wi']['kernel'][3]")
+    }
+    assert sorted(row_stages.values()) == [(0,), (1,)], row_stages
+
+    p_train = alpa.parallelize(step, method=_two_stages(), donate_argnums=())
+    trained, _ = p_train(state, batch)
+    follow = alpa.FollowParallel(p_train, num_micro_batches=2, layer_option="follow")
+    p_follow = alpa.parallelize(evaluate, method=follow, donate_argnums=())
+    expected_state, _ = jax.jit(step)(state, batch)
+    np.testing.assert_allclose(
+        np.asarray(p_follow(trained.params, batch)),
+        np.asarray(jax.jit(evaluate)(expected_state.params, batch)),
+        rtol=1e-4,
+    )
