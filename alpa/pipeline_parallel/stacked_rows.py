@@ -88,7 +88,8 @@ class RowSplit:
 
     Attributes:
       original: the step as traced (its leaves, what callers pass and get back).
-      traced: the step with each split leaf as one leaf per row.
+      traced: the step with each split leaf as one leaf per row (and as ``prepare``
+        rewrote it; with no leaf split, only that).
       inputs: per split input leaf of ``original`` (position), its number of rows.
       outputs: per split output leaf of ``original`` (position), its number of rows.
     """
