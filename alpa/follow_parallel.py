@@ -43,7 +43,7 @@ from alpa.executables.distributed import DistributedMeshExecutable
 from alpa.executables.mesh import MeshExecutable, compile_shard_executable
 from alpa.executables.pipeshard import PipeshardDriverExecutable
 from alpa.executables.pipeshard_ray import PipeshardRayExecutable
-from alpa.pipeline_parallel.layer_construction import ManualLayerOption
+from alpa.pipeline_parallel.layer_construction import AutoLayerOption, ManualLayerOption
 from alpa.pipeline_parallel.schedules import check_schedule_name
 from alpa.pipeline_parallel.user_shardings import stage_inputs
 from alpa.pipeshard_method import PipeshardParallel
@@ -391,7 +391,16 @@ class FollowParallel(ParallelMethod):
                 stage_input_shardings=stage_input_shardings,
             )
 
-        program = method().plan(traced, args).program
+        try:
+            program = method().plan(traced, args).program
+        except ValueError as e:
+            if self.layer_option is None and isinstance(source.plan.layer_option, AutoLayerOption):
+                e.add_note(
+                    f"the followed step's layers were cut by {source.plan.layer_option!r}; "
+                    "FollowParallel(..., layer_option='follow') cuts this step the same way "
+                    "(the default, 'manual', cuts it at its mark_pipeline_boundary() calls)"
+                )
+            raise
         pinned = self._pinned_specs(traced, source)
         leaf_of = {v: i for i, v in enumerate(traced.jaxpr.invars[: len(pinned)])}
         # A placement names a local pipeline's meshes by stage, a Ray pipeline's by mesh id.

@@ -289,3 +289,30 @@ def test_follow_parallel_layer_option_follow():
     assert evaluate.plan.layer_option == source_layers  # the default has remat_layer=False
     assert evaluate.plan.layers.num_layers == 2
     assert evaluate.stage_plan.device_ranges == train.stage_plan.device_ranges
+
+
+def test_following_automatic_layers_by_default_says_to_follow_them():
+    """The default layer option cuts an evaluation step at its boundaries (Alpa's);
+    when the training pipeline's layers were clustered (``AutoLayerOption``) and the
+    evaluation step has no boundaries, the error says what to pass, and with it the
+    evaluation runs on the training stages."""
+    create_state, train_step, eval_step = _functions()
+    state = jax.jit(create_state)(jax.random.key(7))
+    stages = alpa.ManualStageOption([[0], [1]], [(1, 4)] * 2, [(1, 4)] * 2, [{}, {}])
+    method = alpa.PipeshardParallel(
+        num_micro_batches=2, layer_option=alpa.AutoLayerOption(2), stage_option=stages
+    )
+    p_train = alpa.parallelize(train_step, method=method)
+    state = p_train(state, _batch(0))
+    by_default = alpa.parallelize(
+        eval_step, method=alpa.FollowParallel(p_train, num_micro_batches=2), donate_argnums=()
+    )
+    with pytest.raises(ValueError, match="assigns 2 layers") as caught:
+        by_default(state, _batch(1))
+    assert "layer_option='follow'" in "\n".join(getattr(caught.value, "__notes__", []))
+    following = alpa.FollowParallel(p_train, num_micro_batches=2, layer_option="follow")
+    p_eval = alpa.parallelize(eval_step, method=following, donate_argnums=())
+    on_host = jax.tree.map(np.asarray, state)
+    np.testing.assert_allclose(
+        p_eval(state, _batch(1)), jax.jit(eval_step)(on_host, _batch(1)), rtol=1e-5
+    )
