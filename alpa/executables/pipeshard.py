@@ -377,7 +377,7 @@ class PipeshardDriverExecutable(Executable):
         specs = input_placement_specs(
             self.plan.traced, self.program.input_stages, self.num_micro_batches, self._placement
         )
-        return caller_placements(self._row_split, specs, self.traced.in_avals)
+        return caller_placements(self._row_split, specs)
 
     def flat_output_placement_specs(self) -> list[PlacementSpec]:
         specs = []
@@ -387,8 +387,7 @@ class PipeshardDriverExecutable(Executable):
                 specs.append(self._placement(v, (output.keys[0][2],)))
             else:
                 specs.append(PlacementSpec(getattr(v, "aval", None), (), ()))
-        avals = [getattr(v, "aval", None) for v in self.traced.jaxpr.outvars]
-        return caller_placements(self._row_split, specs, avals, outputs=True)
+        return caller_placements(self._row_split, specs, outputs=True)
 
     def _placement(self, var, meshes) -> PlacementSpec:
         shardings = tuple(self._sharding(var, m) for m in meshes)

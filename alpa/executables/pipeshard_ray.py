@@ -380,7 +380,7 @@ class PipeshardRayExecutable(Executable):
         specs = input_placement_specs(
             self.plan.traced, self.program.input_stages, self.num_micro_batches, self._placement
         )
-        return caller_placements(self._row_split, specs, self.traced.in_avals)
+        return caller_placements(self._row_split, specs)
 
     def flat_output_placement_specs(self) -> list[PlacementSpec]:
         specs = []
@@ -391,8 +391,7 @@ class PipeshardRayExecutable(Executable):
                 specs.append(self._placement(v, (value[2],)))
             else:
                 specs.append(PlacementSpec(getattr(v, "aval", None), (), ()))
-        avals = [getattr(v, "aval", None) for v in self.traced.jaxpr.outvars]
-        return caller_placements(self._row_split, specs, avals, outputs=True)
+        return caller_placements(self._row_split, specs, outputs=True)
 
     def get_hlo_names(self) -> list[str]:
         """The name of each function ``get_hlo_text`` returns, in its order (a stage

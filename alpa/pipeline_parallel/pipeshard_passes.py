@@ -192,11 +192,9 @@ def plan_pipeshard(
     takes the inference schedule.
     """
     if row_split is not None:
-        plan = plan_pipeshard(traced, options, args, devices, decisions)
-        result = dataclasses.replace(plan, row_split=row_split)
-        if "cost" in plan.__dict__:  # solved already (the layer ILPs): kept
-            result.__dict__["cost"] = plan.__dict__["cost"]
-        return result
+        return plan_pipeshard(traced, options, args, devices, decisions).annotated(
+            row_split=row_split
+        )
     if options.pipeline_schedule != AUTO:
         return _plan_one_schedule(traced, options, args, devices, decisions)
     if traced.grad_marker() is None:
@@ -224,14 +222,11 @@ def plan_pipeshard(
             options, pipeline_schedule=best.name, stage_option=stage_option
         )
         plan = _plan_one_schedule(traced, chosen, args, devices)
-        return dataclasses.replace(plan, schedule_candidates=candidates)
-    if best.name != "1f1b":
+    elif best.name != "1f1b":
         chosen = dataclasses.replace(options, pipeline_schedule=best.name)
         plan = _plan_one_schedule(traced, chosen, args, devices, plan.decisions())
-        return dataclasses.replace(plan, schedule_candidates=candidates)
-    result = dataclasses.replace(plan, schedule_candidates=candidates)
-    result.__dict__["cost"] = cost  # the same plan: its cost (layer ILPs) is not solved again
-    return result
+    # The 1F1B plan itself keeps its cost, solved above (the layer ILPs, not again).
+    return plan.annotated(schedule_candidates=candidates)
 
 
 def pipeline_step(traced: TracedStep, layer_option) -> tuple[TracedStep, RowSplit | None]:

@@ -178,6 +178,18 @@ class PipeshardPlan:
             submesh_autosharding_option_dicts=[d or {} for d in plan.autosharding_option_dicts],
         )
 
+    def annotated(self, **changes) -> PipeshardPlan:
+        """This plan with fields that do not change what it costs replaced
+        (``schedule_candidates``, ``row_split``), its :attr:`cost` kept when already
+        solved (``dataclasses.replace`` would drop it and solve its layer ILPs again)."""
+        unknown = set(changes) - {"schedule_candidates", "row_split"}
+        if unknown:
+            raise ValueError(f"annotated changes only what a plan's cost ignores, not {unknown}")
+        result = dataclasses.replace(self, **changes)
+        if "cost" in self.__dict__:
+            result.__dict__["cost"] = self.__dict__["cost"]
+        return result
+
     @functools.cached_property
     def cost(self) -> StagePlanCost:
         """These stages priced by the analytic stage cost model

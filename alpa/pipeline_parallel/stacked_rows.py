@@ -236,7 +236,7 @@ def _rewrite(traced: TracedStep, candidates: dict):
         else:
             avals.extend([jax.ShapeDtypeStruct(aval.shape[1:], aval.dtype, weak_type=weak)] * n)
     new = inline_calls(jax.make_jaxpr(run)(*avals))
-    return _drop_unread_marker_values(new), rewriter.concatenated, dict(candidates), out_rows
+    return _without_unread_values(new), rewriter.concatenated, dict(candidates), out_rows
 
 
 class _Rewriter:
@@ -415,7 +415,7 @@ def _marker(eqn: JaxprEqn, values: list) -> list:
     return outs
 
 
-def _drop_unread_marker_values(closed: ClosedJaxpr) -> ClosedJaxpr:
+def _without_unread_values(closed: ClosedJaxpr) -> ClosedJaxpr:
     """``closed`` with each marker's operand-result pairs whose result nothing reads
     removed (a layer's start marker carried every row of a split input), and the
     equations whose results nothing reads."""
@@ -482,9 +482,7 @@ def _split_step(
     )
 
 
-def caller_placements(
-    split: RowSplit | None, specs: Sequence[Any], avals: Sequence[Any], outputs: bool = False
-) -> list:
+def caller_placements(split: RowSplit | None, specs: Sequence[Any], outputs: bool = False) -> list:
     """``specs`` (``PlacementSpec`` s), one per input (or ``outputs``) leaf of the split
     step, as one per leaf of the caller's. A split leaf's holds its rows' own
     (``PlacementSpec.rows``: ``place`` puts each row on its stage's mesh), and, for
@@ -493,6 +491,8 @@ def caller_placements(
     if split is None:
         return list(specs)
     counts = split.outputs if outputs else split.inputs
+    step = split.original
+    avals = [v.aval for v in step.jaxpr.outvars] if outputs else step.in_avals
     out, it = [], iter(specs)
     for i, aval in enumerate(avals):
         rows = [next(it) for _ in range(counts.get(i, 1))]
