@@ -263,7 +263,22 @@ class LogicalDeviceMesh:
         return make_jax_mesh(self.devices, self.shape, self.axis_names)
 
     def flatten(self) -> LogicalDeviceMesh:
-        """The same devices as a 1-D mesh ``(1, n)``."""
+        """Alpa's flattened mesh: the same devices as ``(n, 1)``, each axis priced with the
+        largest alpha and the smallest beta of this mesh (Alpa's convention, which its
+        scripts' closed-form costs assume). The planner's own 1-D view is
+        :meth:`one_axis`."""
+        alpha, beta = max(self.mesh_alpha), min(self.mesh_beta)
+        return replace(
+            self,
+            shape=(self.num_devices, 1),
+            mesh_alpha=(alpha, alpha),
+            mesh_beta=(beta, beta),
+        )
+
+    def one_axis(self) -> LogicalDeviceMesh:
+        """The same devices as a 1-D mesh ``(1, n)`` whose links are priced as this mesh's
+        slowest (a ring over every device crosses it): what the planner uses for data
+        parallelism over the whole mesh."""
         return replace(
             self,
             shape=(1, self.num_devices),

@@ -21,6 +21,21 @@ def test_collective_costs_closed_form():
     assert LogicalDeviceMesh((1, 8)).all_reduce_cost(b, 0) == 0.0
 
 
+def test_flatten_is_alphas_one_dimensional_view():
+    """``flatten()`` is Alpa's: ``(n, 1)``, both axes priced with the largest alpha and the
+    smallest beta, so that Alpa's closed forms (``mesh.flatten().all_reduce_cost(b, 0)``)
+    price an all-reduce over every device. The planner's own view is ``one_axis()``:
+    ``(1, n)`` at the slowest link."""
+    mesh = LogicalDeviceMesh((2, 4), mesh_alpha=(1.0, 2.0), mesh_beta=(0.5, 0.1))
+    flat = mesh.flatten()
+    assert flat.shape == (8, 1)
+    assert (flat.mesh_alpha, flat.mesh_beta) == ((2.0, 2.0), (0.1, 0.1))
+    assert flat.all_reduce_cost(1000.0, 0) == pytest.approx(2 + 0.1 * 2 * 7 / 8 * 1000)
+    one = mesh.one_axis()
+    assert one.shape == (1, 8)
+    assert one.all_reduce_cost(1000.0, 1) == pytest.approx(2 + 0.5 * 2 * 7 / 8 * 1000)
+
+
 def test_presets_and_virtual_mesh():
     spec = ClusterSpec.preset("A100-80GB", num_nodes=4, num_devices_per_node=8)
     assert spec.num_devices == 32 and spec.device_memory == 80 * 2**30

@@ -511,7 +511,7 @@ def _data_parallel_layer(
     sync = 0.0
     reductions = []
     if n > 1:
-        flat = problem.logical_mesh(m, config).flatten()
+        flat = problem.logical_mesh(m, config).one_axis()
         sync = flat.all_reduce_cost(facts.param_bytes, 1)
         reductions.append(Collective("all-reduce", 1, facts.param_bytes))
     return LayerPlanCost(

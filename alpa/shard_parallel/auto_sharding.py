@@ -710,7 +710,7 @@ def solve_jaxpr(
 
 def _effective_mesh(mesh: LogicalDeviceMesh, option: AutoShardingOption) -> LogicalDeviceMesh:
     if option.force_data_parallel:
-        return mesh.flatten()
+        return mesh.one_axis()
     shape = option.logical_mesh_shape
     if shape is not None and shape != mesh.shape:
         if math.prod(shape) != mesh.num_devices:

@@ -226,7 +226,7 @@ def test_force_data_parallel_flattens_the_mesh():
     assert plan.logical_mesh.shape == (1, 8)
     assert plan.in_specs[:4] == (P(),) * 4
     assert plan.data_axes == ("y",)
-    flat = mesh.flatten()
+    flat = mesh.one_axis()
     compute = matmul_cost(flat, 1024, 16, 2, 8)
     assert solution.objective == pytest.approx(data_parallel_cost(flat, 16, 2, [1]) + compute)
 
