@@ -589,15 +589,31 @@ def _forced_batch_dims(traced, logical_mesh, option) -> Mapping | None:
     axis = None if option is None else option.force_batch_dim_to_mesh_dim
     if axis is None:
         return None
+    from alpa.shard_parallel.data_parallel import batch_rows
     from alpa.shard_parallel.micro_batches import batch_dims
+    from alpa.tracing.batch_dims import static_batch_dims
 
+    jaxpr = traced.closed_jaxpr.jaxpr
+    rows = batch_rows(traced)
+    # Batch dimensions are those that shrink ``size`` times at ``1/size`` of the batch; on
+    # an axis of one device (nothing to split: the batch stays whole) any divisor of the
+    # batch size finds them.
     size = _effective_mesh(logical_mesh, option).shape[axis]
-    if any(
-        b and v.aval.shape and v.aval.shape[0] % size
-        for v, b in zip(traced.closed_jaxpr.jaxpr.invars, traced.batch_invars, strict=True)
-    ):
+    if size == 1:
+        size = next((d for d in range(2, (rows or 1) + 1) if rows % d == 0), 1)
+        if size == 1:
+            return None
+    # A batch leaf without a row per example (a PRNG key, a step number in the batch
+    # dict) has no batch dimension to force; it does not stop the others'.
+    has_rows = tuple(
+        bool(b) and bool(v.aval.shape) and v.aval.shape[0] == rows
+        for v, b in zip(jaxpr.invars, traced.batch_invars, strict=True)
+    )
+    if any(b and v.aval.shape[0] % size for v, b in zip(jaxpr.invars, has_rows, strict=True)):
         return None
-    return batch_dims(traced, size)
+    if has_rows == tuple(traced.batch_invars):
+        return batch_dims(traced, size)
+    return static_batch_dims(jaxpr, has_rows, size)
 
 
 def donated_state_pairs(traced) -> tuple[tuple[int, int], ...]:
@@ -692,8 +708,8 @@ def solve_jaxpr(
     input_filter = _input_filter(option, mesh, batch_invars, invars, fixed)
     forced = option.force_batch_dim_to_mesh_dim
     batch_axis = None
-    if forced is not None and batch_dims is not None and mesh.shape[forced] > 1:
-        batch_axis = (batch_dims, forced)
+    if forced is not None and batch_dims is not None:
+        batch_axis = (batch_dims, forced, mesh.shape[forced] > 1)
     graph = build_strategy_graph(
         closed_jaxpr, mesh, graph_options, input_filter, state_pairs, batch_axis
     )

@@ -92,19 +92,39 @@ def priced_strategies(
 
 
 def force_batch_axis(
-    eqn: JaxprEqn, strategies: tuple[Strategy, ...], batch_dims: Mapping, axis: int
+    eqn: JaxprEqn,
+    strategies: tuple[Strategy, ...],
+    batch_dims: Mapping,
+    axis: int,
+    split: bool = True,
 ) -> tuple[Strategy, ...]:
-    """``strategies`` with those that leave mesh ``axis`` off a result's batch dimension
-    priced at ``FORBIDDEN_COST``."""
-    dims = [batch_dims.get(v) if isinstance(v, Var) else None for v in eqn.outvars]
-    if not any(d is not None and len(d) == 1 for d in dims):
+    """``strategies`` with those that leave mesh ``axis`` off the batch dimension of a
+    result or of an operand priced at ``FORBIDDEN_COST``.
+
+    Operands count as in Alpa: an equation that contracts or reduces the batch away (a
+    weight gradient ``x.T @ dy``, a bias gradient's sum over rows) must still read its
+    batch operands split over ``axis``, and so reduces its partial results; it may not
+    first move them to another split (an all-to-all) to skip that reduction.
+
+    ``split=False`` (``axis`` has one device): the batch dimension stays whole, as Alpa
+    maps it to that axis and to no other (a (1, 4) mesh forced to axis 0 is model
+    parallel)."""
+    outs = [batch_dims.get(v) if isinstance(v, Var) else None for v in eqn.outvars]
+    ins = [batch_dims.get(v) if isinstance(v, Var) else None for v in eqn.invars]
+    if not any(d is not None and len(d) == 1 for d in (*outs, *ins)):
         return strategies
 
-    def keeps(strategy: Strategy) -> bool:
+    def on_axis(dim_axes) -> bool:
+        return axis in dim_axes if split else not dim_axes
+
+    def kept(dims, specs) -> bool:
         return all(
-            d is None or len(d) != 1 or axis in spec[d[0]]
-            for d, spec in zip(dims, strategy.out_specs, strict=True)
+            d is None or len(d) != 1 or spec is None or on_axis(spec[d[0]])
+            for d, spec in zip(dims, specs, strict=True)
         )
+
+    def keeps(strategy: Strategy) -> bool:
+        return kept(outs, strategy.out_specs) and kept(ins, strategy.in_specs)
 
     return tuple(
         s if keeps(s) else replace(s, comm_cost=s.comm_cost + FORBIDDEN_COST) for s in strategies

@@ -806,3 +806,59 @@ def test_force_batch_dim_to_mesh_dim_forces_every_value(mlp_wide_hidden, axis):
     assert_allclose(out, expected, rtol=1e-4, atol=1e-4)
     assert executable.plan.data_axes == (executable.plan.logical_mesh.axis_names[axis],)
     assert _batch_dims_off_axis(executable, axis, force_batch_dim_to_mesh_dim=axis) == []
+
+
+def test_forced_batch_axis_holds_for_the_operands_of_weight_gradients():
+    """On (4, 1) with ``force_batch_dim_to_mesh_dim=0`` a small-batch, wide-hidden MLP is
+    data parallel, as in Alpa: the weight gradients ``x.T @ dy`` contract the batch, so
+    their operands carry it, and they must read them split over axis 0 and all-reduce
+    their partial sums. Moving the activations to a column split first (all-to-alls, then
+    all-gathers of the updated kernels) communicates less on this step, and is what the
+    forcing forbids. Oracles: one all-reduce and no other collective in the HLO, every
+    parameter replicated, the objective the closed form of one combined all-reduce of the
+    gradients and the loss, numerics equal serial."""
+    state, batch, step = get_mlp_train_state_and_step(32, 256, num_layers=3)
+    expected = jax.jit(step)(state, batch)
+    out, executable = _compile(step, state, batch, (4, 1), force_batch_dim_to_mesh_dim=0)
+    assert_allclose(out, expected, rtol=1e-4, atol=1e-4)
+    counts = _counts(executable)
+    assert (counts.all_reduce, counts.total) == (1, 1), counts
+    assert set(_param_specs(out.params).values()) == {P()}
+    # The gradients and the loss's partial sum (4 bytes), reduced together.
+    reduced_bytes = 4 * sum(x.size for x in jax.tree.leaves(state.params)) + 4
+    mesh = executable.plan.logical_mesh
+    assert executable.auto_sharding_objective == pytest.approx(
+        mesh.all_reduce_cost(reduced_bytes, 0), rel=1e-9
+    )
+
+
+def test_forced_batch_axis_of_one_device_keeps_the_batch_whole(mlp_wide_batch):
+    """``force_batch_dim_to_mesh_dim=0`` on a (1, 4) mesh maps the batch to an axis of one
+    device: no value's batch dimension is split (Alpa's convention), where the free plan
+    of this large-batch step splits it over axis 1 (data parallel)."""
+    state, batch, step, expected = mlp_wide_batch
+    _, free = _compile(step, state, batch, (1, 4))
+    assert free.plan.data_axes == ("y",)
+    out, executable = _compile(step, state, batch, (1, 4), force_batch_dim_to_mesh_dim=0)
+    assert_allclose(out, expected, rtol=1e-4, atol=1e-4)
+    assert executable.plan.data_axes == ()
+    assert _split_batch_dims(free)
+    assert _split_batch_dims(executable, force_batch_dim_to_mesh_dim=0) == []
+
+
+def _split_batch_dims(executable, **option) -> list[str]:
+    """Labels of the plan's values whose one batch dimension is split over some axis."""
+    from alpa.shard_parallel.micro_batches import batch_dims
+
+    solution = solve_auto_sharding(
+        executable.traced, executable.plan.logical_mesh, AutoShardingOption(**option)
+    )
+    dims = batch_dims(executable.traced, 2)
+    split = []
+    for node in solution.graph.nodes:
+        strategy = node.strategies[solution.solution.choice[node.id]]
+        for var, spec in zip(node.outvars, strategy.out_specs, strict=True):
+            d = dims.get(var)
+            if d is not None and len(d) == 1 and spec[d[0]]:
+                split.append(node.label)
+    return split
