@@ -45,6 +45,19 @@ def contraction_flops(eqn: JaxprEqn) -> float:
     return 0.0
 
 
+def holds_contractions(eqn: JaxprEqn) -> bool:
+    """Whether ``eqn`` is a contraction or an opaque equation whose body may hold some:
+    the work that should be split over every device (``ilp_solver.solve``). A scatter's
+    jaxpr, or a generic reduction's, only combines two elements: an embedding gradient's
+    scatter-add is no contraction, whatever its FLOPs are priced at."""
+    name = eqn.primitive.name
+    if name in CONTRACTIONS:
+        return True
+    if name.startswith("scatter") or name in ("reduce", "reduce_window"):
+        return False
+    return any(True for _ in jaxprs_in_params(eqn.params))
+
+
 def work_shards(mesh: LogicalDeviceMesh, strategy: Strategy) -> int:
     """Over how many devices ``strategy`` splits its equation's work: the product of the
     mesh axes that split some operand or result (an unused axis repeats the work)."""

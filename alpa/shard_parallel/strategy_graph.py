@@ -70,6 +70,7 @@ from alpa.shard_parallel.strategy_costs import (
     combinable_reductions,
     contraction_flops,
     force_batch_axis,
+    holds_contractions,
     itemsize,
     partial_chain,
     partial_sum_discount,
@@ -160,8 +161,10 @@ class StrategyGraph:
     # body inputs that are nodes of their own: each carry and each row of a stacked input.
     control_flow: tuple[JaxprEqn, ...] = ()
     body_inputs: tuple[Var, ...] = ()
-    # The nodes whose work is priced at the FLOP rate (``strategy_costs.contraction_flops``):
-    # contractions, and opaque equations that may hold some.
+    # The nodes whose work should split over every device (``ilp_solver.solve``):
+    # contractions, and opaque equations that may hold some (not scatters: their FLOPs are
+    # priced at the FLOP rate too, but they are no contraction;
+    # ``strategy_costs.holds_contractions``).
     contractions: tuple[int, ...] = ()
 
 
@@ -301,7 +304,9 @@ def build_strategy_graph(
         control_flow=tuple(builder.control_flow),
         body_inputs=tuple(builder.body_inputs),
         contractions=tuple(
-            n for n, eqn in sorted(builder.node_eqn.items()) if contraction_flops(eqn) > 0
+            n
+            for n, eqn in sorted(builder.node_eqn.items())
+            if contraction_flops(eqn) > 0 and holds_contractions(eqn)
         ),
     )
 
