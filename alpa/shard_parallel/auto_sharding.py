@@ -590,10 +590,8 @@ def _forced_batch_dims(traced, logical_mesh, option) -> Mapping | None:
     if axis is None:
         return None
     from alpa.shard_parallel.data_parallel import batch_rows
-    from alpa.shard_parallel.micro_batches import batch_dims
-    from alpa.tracing.batch_dims import static_batch_dims
+    from alpa.shard_parallel.micro_batches import batch_dims, leaves_with_rows
 
-    jaxpr = traced.closed_jaxpr.jaxpr
     rows = batch_rows(traced)
     # Batch dimensions are those that shrink ``size`` times at ``1/size`` of the batch; on
     # an axis of one device (nothing to split: the batch stays whole) any divisor of the
@@ -603,17 +601,13 @@ def _forced_batch_dims(traced, logical_mesh, option) -> Mapping | None:
         size = next((d for d in range(2, (rows or 1) + 1) if rows % d == 0), 1)
         if size == 1:
             return None
-    # A batch leaf without a row per example (a PRNG key, a step number in the batch
-    # dict) has no batch dimension to force; it does not stop the others'.
-    has_rows = tuple(
-        bool(b) and bool(v.aval.shape) and v.aval.shape[0] == rows
-        for v, b in zip(jaxpr.invars, traced.batch_invars, strict=True)
-    )
-    if any(b and v.aval.shape[0] % size for v, b in zip(jaxpr.invars, has_rows, strict=True)):
+    # A batch leaf without a row per example (a PRNG key) has no batch dimension to force.
+    if any(
+        b and aval.shape[0] % size
+        for aval, b in zip(traced.in_avals, leaves_with_rows(traced), strict=True)
+    ):
         return None
-    if has_rows == tuple(traced.batch_invars):
-        return batch_dims(traced, size)
-    return static_batch_dims(jaxpr, has_rows, size)
+    return batch_dims(traced, size)
 
 
 def donated_state_pairs(traced) -> tuple[tuple[int, int], ...]:

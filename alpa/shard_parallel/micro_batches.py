@@ -53,6 +53,7 @@ import numpy as np
 from jax.extend.core import Jaxpr, JaxprEqn, Var
 from jax.sharding import NamedSharding, PartitionSpec
 
+from alpa.shard_parallel.data_parallel import batch_rows
 from alpa.tracing import TracedStep, jaxpr_util
 from alpa.tracing.batch_dims import static_batch_dims
 from alpa.tracing.primitive_def import passes_through
@@ -116,10 +117,22 @@ def batch_dims(traced: TracedStep, num_data: int) -> dict[Var, tuple[int, ...] |
     first takes 0.3 s, the second 4.7 s."""
     if traced.retrace is None or num_data == 1:
         return None
-    dims = static_batch_dims(traced.jaxpr, traced.batch_invars, num_data)
-    if dims is not None:
-        return dims
+    with_rows = leaves_with_rows(traced)
+    dims = static_batch_dims(traced.jaxpr, with_rows, num_data)
+    if dims is not None or with_rows != tuple(traced.batch_invars):
+        return dims  # a retrace would divide a PRNG key in the batch too
     return retraced_batch_dims(traced, num_data)
+
+
+def leaves_with_rows(traced: TracedStep) -> tuple[bool, ...]:
+    """Per input of ``traced``, whether it is a batch leaf with a row per example: a batch
+    leaf whose dim 0 is another size than the batch's (a PRNG key, a step number in the
+    batch dict: ``data_parallel.batch_rows``) holds no batch dimension."""
+    rows = batch_rows(traced)
+    return tuple(
+        bool(b) and aval.ndim > 0 and aval.shape[0] == rows
+        for aval, b in zip(traced.in_avals, traced.batch_invars, strict=True)
+    )
 
 
 def retraced_batch_dims(traced: TracedStep, num_data: int) -> dict | None:

@@ -201,3 +201,28 @@ def test_a_key_in_the_batch_is_replicated(method_cls):
     assert specs == {"rng": P(), "x": P("x")}, specs
     with pytest.raises(ValueError, match=r"batch size 6, which does not split over the 8"):
         p_step(params, {"x": jnp.ones((6, 8)), "rng": jax.random.PRNGKey(1)})
+
+
+def test_a_key_in_the_batch_keeps_the_gradients_reduced_once():
+    """A PRNG key in the batch has no batch dimension, so it does not stop the row sums
+    from being found (``micro_batches.batch_dims``): ZeRO-2's gradient is reduce-scattered
+    once at the marker, in one packed collective, as without the key. Before, the key
+    made the rows untraceable, and XLA's all-reduce and slice stood in for the
+    reduce-scatter."""
+
+    def loss(params, batch):
+        h = jnp.tanh(batch["x"] @ params["w"])
+        keep = jax.random.bernoulli(batch["rng"], 0.5, h.shape)
+        return jnp.mean(jnp.where(keep, h, 0.0) ** 2)
+
+    def step(params, batch):
+        grads = alpa.grad(loss)(params, batch)
+        return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+
+    params = {"w": jax.random.normal(jax.random.PRNGKey(0), (64, 64))}
+    batch = {"x": jnp.ones((16, 64)), "rng": jax.random.PRNGKey(1)}
+    p_step = alpa.parallelize(step, method=alpa.Zero2Parallel(), donate_argnums=())
+    assert_allclose(p_step(params, batch), jax.jit(step)(params, batch), rtol=1e-5, atol=1e-5)
+    hlo = p_step.get_last_executable().get_hlo_text()
+    assert collective_shapes(hlo, "reduce-scatter") == [f"f32[1,{64 * 64 // N}]"]
+    assert collective_shapes(hlo, "all-reduce") == []
