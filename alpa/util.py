@@ -64,6 +64,29 @@ def count_communication_primitives(
     )
 
 
+#: The name scope of the gradients' once-per-step reduction
+#: (``shard_parallel.gradient_sync.reduce_partials``): its collectives carry it in their
+#: HLO metadata.
+GRAD_SYNC_SCOPE = "alpa_grad_sync"
+
+
+def grad_sync_channel_ids(hlo_text: str) -> str:
+    """Alpa's ``executable.grad_sync_channel_ids``: the channel ids of the collectives that
+    reduce the step's gradients once per step (those the lowering emits under
+    :data:`GRAD_SYNC_SCOPE`, which XLA keeps in each op's metadata), written
+    ``".1.4."``; ``""`` when the gradients are reduced by XLA's partitioner (not deferred
+    to the marker) or there are none."""
+    ids = []
+    for line in hlo_text.splitlines():
+        match = _COLLECTIVE_RE.search(line)
+        if match is None or match.group("op") not in ("all-reduce", "reduce-scatter"):
+            continue
+        channel = re.search(r"channel_id=(\d+)", line)
+        if channel and f"/{GRAD_SYNC_SCOPE}/" in line and channel.group(1) not in ids:
+            ids.append(channel.group(1))
+    return "." + ".".join(ids) + "." if ids else ""
+
+
 def collective_shapes(hlo_text: str, op: str) -> list[str]:
     """The result shapes (``"f32[512,64]"``) of every ``op`` collective in HLO text, where
     ``op`` is ``"all-reduce"``, ``"all-gather"``, ``"reduce-scatter"`` or ``"all-to-all"``;

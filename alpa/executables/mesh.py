@@ -29,6 +29,7 @@ from alpa.shard_parallel.compile import compile_plan, full_batch_avals
 from alpa.shard_parallel.micro_batches import layout_change_cost
 from alpa.shard_parallel.sharding_plan import ShardingPlan
 from alpa.tracing import TracedStep
+from alpa.util import grad_sync_channel_ids
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +65,14 @@ class PricedPlan:
         :attr:`auto_sharding_compute_cost`."""
         layout = layout_change_cost(self.traced, self.plan, self.num_micro_batches)
         return self._objective_terms[0] + layout
+
+    @property
+    def grad_sync_channel_ids(self) -> str:
+        """Alpa's name: the channel ids of the collectives in :meth:`get_hlo_text` that
+        reduce the gradients once per step (``alpa.util.grad_sync_channel_ids``), as
+        ``".1."``. With micro-batches they run after the accumulation loop, once per step
+        (Alpa skipped them in all but the last micro-batch's program)."""
+        return grad_sync_channel_ids(self.get_hlo_text())
 
     @property
     def auto_sharding_compute_cost(self) -> float:

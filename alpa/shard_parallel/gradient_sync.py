@@ -48,6 +48,7 @@ from alpa.shard_parallel.micro_batches import (
 )
 from alpa.shard_parallel.sharding_plan import REPLICATED, ShardingPlan
 from alpa.tracing import TracedStep, new_jaxpr
+from alpa.util import GRAD_SYNC_SCOPE
 
 # ----------------------------------------------------------------------------- packing
 
@@ -151,7 +152,11 @@ def reduce_partials(values, is_partial, specs, mesh, data_axes) -> list:
     (``is_partial``) whose wanted spec (``specs``) splits it over exactly ``data_axes``
     is reduce-scattered, packed with the others of its dtype; any other partial sum is
     all-reduced (``micro_batches.sum_partials``); the rest are returned as they are."""
-    data_axes = tuple(data_axes)
+    with jax.named_scope(GRAD_SYNC_SCOPE):
+        return _reduce_partials(values, is_partial, specs, mesh, tuple(data_axes))
+
+
+def _reduce_partials(values, is_partial, specs, mesh, data_axes) -> list:
     out = list(values)
     dims = {}
     for i, (x, p, spec) in enumerate(zip(values, is_partial, specs, strict=True)):

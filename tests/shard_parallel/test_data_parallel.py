@@ -226,3 +226,35 @@ def test_a_key_in_the_batch_keeps_the_gradients_reduced_once():
     hlo = p_step.get_last_executable().get_hlo_text()
     assert collective_shapes(hlo, "reduce-scatter") == [f"f32[1,{64 * 64 // N}]"]
     assert collective_shapes(hlo, "all-reduce") == []
+
+
+@pytest.mark.parametrize("num_micro_batches", [None, 2])
+def test_grad_sync_channel_ids_name_the_gradient_reduction(num_micro_batches):
+    """Alpa's ``executable.grad_sync_channel_ids``: the channel of the one all-reduce that
+    reduces the gradients once per step. Oracle: the HLO instruction with that channel is
+    an all-reduce in the entry computation (after the micro-batch loop, not in its body)
+    whose operands are the gradients: one per parameter, of the parameters' shapes. A
+    Megatron plan reduces no gradient: no channel."""
+    import re
+
+    state, batch, step = get_mlp_train_state_and_step(64, 16, num_layers=2)
+    method = alpa.DataParallel(num_micro_batches=num_micro_batches)
+    p_step = alpa.parallelize(step, method=method, donate_argnums=())
+    p_step(state, batch)
+    executable = p_step.get_last_executable()
+    ids = executable.grad_sync_channel_ids
+    assert re.fullmatch(r"\.\d+\.", ids), ids
+    hlo = executable.get_hlo_text()
+    entry = hlo[hlo.index("\nENTRY ") :]
+    (line,) = [
+        x for x in entry.splitlines() if " all-reduce(" in x and f"channel_id={ids[1:-1]}," in x
+    ]
+    shapes = re.findall(r"f32\[([\d,]*)\]", line.split(" all-reduce(")[0])
+    expected = sorted(",".join(map(str, x.shape)) for x in jax.tree.leaves(state.params))
+    assert sorted(shapes) == expected, line
+
+    state, batch, step = get_mlp_train_state_and_step(8, 256, num_layers=2)
+    mesh = alpa.get_global_physical_mesh().get_logical_mesh((1, N))
+    p_step = alpa.parallelize(step, method=alpa.ShardParallel(devices=mesh), donate_argnums=())
+    p_step(state, batch)
+    assert p_step.get_last_executable().grad_sync_channel_ids == ""
