@@ -15,6 +15,8 @@ outputs are constraints the ILP does not see; XLA reshards to them).
   ``mesh_axis_names`` for every stage): one name spans all devices of the submesh, two
   name its two logical axes. ``in_axis_resources=None`` / ``out_axis_resources=None``
   pin nothing; a ``None`` leaf replicates an input and leaves an output to the stage.
+  ``pipeline_intermediate_axes`` pins the values passed between stages
+  (:func:`_pin_intermediates`).
 * ``stage_input_shardings[s]`` gives, for stage ``s``, one PartitionSpec (or ``None``:
   the stage decides) per input of the stage, in the order of
   ``executable.get_stage_input_names()[s]``: the values its forward and backward
@@ -221,6 +223,9 @@ def pinned_specs(
                 continue
             pin(v, program.home[v], spec, f"out_axis_resources for output {i}")
 
+    if option is not None and option.pipeline_intermediate_axes:
+        _pin_intermediates(program, jaxpr, option.pipeline_intermediate_axes, axis_names, pin)
+
     if stage_input_shardings is not None:
         if len(stage_input_shardings) != num_stages:
             raise ValueError(
@@ -246,6 +251,38 @@ def pinned_specs(
                         f"stage_input_shardings[{s}][{i}] ({_describe(v, traced, names)})",
                     )
     return pinned
+
+
+def _pin_intermediates(program: PipelineProgram, jaxpr, axes, axis_names, pin) -> None:
+    """``ManualShardingOption.pipeline_intermediate_axes``: each value a stage reads from
+    another stage, split as ``axes`` say on the stage that reads it and on the one that
+    computes it, where their submesh has the axis and the dimension divides."""
+    step_inputs = set(jaxpr.invars)
+    for s in range(program.num_stages):
+        for v in stage_inputs(program, s):
+            home = program.home.get(v)
+            if v in step_inputs or home is None or home == s:
+                continue
+            for stage in (s, home):
+                shape = v.aval.shape
+                dims: dict[int, list[str]] = {}
+                for name, dim in axes:
+                    if name in axis_names[stage] and dim < len(shape):
+                        dims.setdefault(dim, []).append(name)
+                if not dims:
+                    continue
+                spec = PartitionSpec(
+                    *(
+                        None
+                        if d not in dims
+                        else (dims[d][0] if len(dims[d]) == 1 else tuple(dims[d]))
+                        for d in range(max(dims) + 1)
+                    )
+                )
+                try:
+                    pin(v, stage, spec, f"pipeline_intermediate_axes for {v}")
+                except ValueError:
+                    continue  # the dimension does not divide over the axis: left as planned
 
 
 def input_names(program: PipelineProgram, traced: TracedStep, names: dict) -> list[list[str]]:

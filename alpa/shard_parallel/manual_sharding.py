@@ -40,14 +40,37 @@ class ManualShardingOption:
       in_axis_resources: a tuple with one entry per positional argument: a PartitionSpec,
         ``None`` (replicated), or a pytree prefix of that argument with such leaves.
       out_axis_resources: the same for the output pytree, or ``None``.
+      pipeline_intermediate_axes: pipeshard only: ``((axis_name, dim), ...)``, how the
+        values passed between pipeline stages (activations forward, their gradients
+        backward) are split: dimension ``dim`` over the stage's axis ``axis_name``, on
+        each stage whose submesh has an axis of that name, where it divides the
+        dimension (elsewhere the value is planned as without the option).
     """
 
     mesh_axis_names: tuple[str, ...] | None
     submesh_axis_names: tuple[tuple[str, ...], ...] | None = None
     in_axis_resources: Any = None
     out_axis_resources: Any = None
+    pipeline_intermediate_axes: tuple[tuple[str, int], ...] | None = None
 
     def __post_init__(self):
+        axes = self.pipeline_intermediate_axes
+        if axes is not None:
+            pairs = tuple(tuple(p) if isinstance(p, tuple | list) else p for p in axes)
+            if not all(
+                isinstance(p, tuple)
+                and len(p) == 2
+                and isinstance(p[0], str)
+                and isinstance(p[1], int)
+                and not isinstance(p[1], bool)
+                and p[1] >= 0
+                for p in pairs
+            ):
+                raise ValueError(
+                    "pipeline_intermediate_axes must be pairs (axis_name, dimension), "
+                    f"e.g. (('data', 0),), got {axes!r}"
+                )
+            object.__setattr__(self, "pipeline_intermediate_axes", pairs)
         names = self.mesh_axis_names
         if names is None and self.submesh_axis_names is not None:
             return  # a pipeline's: every stage names its own axes (as in Alpa)

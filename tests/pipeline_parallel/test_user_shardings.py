@@ -129,6 +129,47 @@ def test_manual_sharding_option_with_axis_names_per_submesh(mesh_axis_names):
     assert _input_shard_shape(executable, "argument 0['w1']", 1) == (HIDDEN // 4, HIDDEN)
 
 
+@pytest.mark.parametrize("intermediate_axes", [None, (("data", 1),)], ids=str)
+def test_pipeline_intermediate_axes_split_the_values_between_stages(intermediate_axes):
+    """Alpa's ``ManualShardingOption(pipeline_intermediate_axes=((axis, dim),))``: the
+    activation stage 1 reads from stage 0 is split along ``dim`` over stage 1's axis of
+    that name (here its features over "data", 2 devices: 16 -> 8 per device), and so is
+    its gradient on the way back; stage 0, whose submesh has no such axis, plans its side
+    as without the option. Without it the ILP keeps the activation whole on stage 1.
+    Numbers equal serial."""
+    devices_or_skip(8)
+    option = alpa.ManualShardingOption(
+        None,
+        submesh_axis_names=(("dummy", "model"), ("dummy", "data")),
+        in_axis_resources=(
+            {"w0": P(None, "model"), "b0": P("model"), "w1": P(), "b1": P()},
+            None,
+            (None, None),
+        ),
+        pipeline_intermediate_axes=intermediate_axes,
+    )
+    stage_option = alpa.ManualStageOption([[0], [1]], [(1, 2), (1, 2)], [(1, 2), (1, 2)])
+    method = PipeshardParallel(
+        num_micro_batches=2, stage_option=stage_option, manual_sharding_option=option
+    )
+    executable, _ = _run(method)
+    program = executable.program
+    (activation,) = [
+        v
+        for v in stage_inputs(program, 1)
+        if v not in set(executable.traced.closed_jaxpr.jaxpr.invars)
+    ]
+    features = HIDDEN if intermediate_axes is None else HIDDEN // 2
+    assert _input_shard_shape(executable, activation, 1) == (BATCH // 2, features)
+
+
+def test_bad_pipeline_intermediate_axes_fail_when_the_option_is_built():
+    with pytest.raises(ValueError, match=r"pipeline_intermediate_axes must be pairs"):
+        alpa.ManualShardingOption(None, (("x",),), pipeline_intermediate_axes=(("data",),))
+    with pytest.raises(ValueError, match=r"pipeline_intermediate_axes must be pairs"):
+        alpa.ManualShardingOption(None, (("x",),), pipeline_intermediate_axes=((0, "data"),))
+
+
 def test_stage_input_shardings_pin_the_inputs_of_a_stage():
     devices_or_skip(8)
     plain, _ = _run(PipeshardParallel(num_micro_batches=2), steps=1)
