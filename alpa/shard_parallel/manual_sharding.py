@@ -70,6 +70,12 @@ class ManualShardingOption:
                     "pipeline_intermediate_axes must be pairs (axis_name, dimension), "
                     f"e.g. (('data', 0),), got {axes!r}"
                 )
+            names = [name for name, _ in pairs]
+            if len(set(names)) != len(names):
+                raise ValueError(
+                    "pipeline_intermediate_axes names an axis twice (a mesh axis splits one "
+                    f"dimension of a value), got {axes!r}"
+                )
             object.__setattr__(self, "pipeline_intermediate_axes", pairs)
         names = self.mesh_axis_names
         if names is None and self.submesh_axis_names is not None:

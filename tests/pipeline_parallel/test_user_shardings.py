@@ -168,6 +168,10 @@ def test_bad_pipeline_intermediate_axes_fail_when_the_option_is_built():
         alpa.ManualShardingOption(None, (("x",),), pipeline_intermediate_axes=(("data",),))
     with pytest.raises(ValueError, match=r"pipeline_intermediate_axes must be pairs"):
         alpa.ManualShardingOption(None, (("x",),), pipeline_intermediate_axes=((0, "data"),))
+    with pytest.raises(ValueError, match=r"names an axis twice"):
+        alpa.ManualShardingOption(
+            None, (("x",),), pipeline_intermediate_axes=(("data", 0), ("data", 1))
+        )
 
 
 def test_stage_input_shardings_pin_the_inputs_of_a_stage():
