@@ -177,12 +177,9 @@ def test_tied_embedding_gradient_is_reduced_once(num_micro_batches):
     assert shapes == [f"f32[1,{(512 * 64 + 64 * 64) // N}]"], shapes
 
 
-@pytest.mark.parametrize("method_cls", [alpa.DataParallel, alpa.Zero2Parallel, alpa.Zero3Parallel])
-def test_a_key_in_the_batch_is_replicated(method_cls):
-    """A PRNG key among the batch's arrays (Alpa's BERT tests pass the dropout key so) has
-    no row per example: the fixed plans replicate it and split the rest, and the step
-    (dropout drawn from the key) equals the serial one. A batch whose rows do not split
-    over the devices is still an error."""
+def _dropout_step(width: int):
+    """``(params, batch, step)``: a ``width``-wide tanh layer with dropout drawn from the
+    PRNG key the batch holds (as Alpa's BERT tests pass it), 16 rows, SGD."""
 
     def loss(params, batch):
         h = jnp.tanh(batch["x"] @ params["w"])
@@ -193,8 +190,19 @@ def test_a_key_in_the_batch_is_replicated(method_cls):
         grads = alpa.grad(loss)(params, batch)
         return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
 
-    params = {"w": jax.random.normal(jax.random.PRNGKey(0), (8, 8))}
-    batch = {"x": jnp.ones((16, 8)), "rng": jax.random.PRNGKey(1)}
+    params = {"w": jax.random.normal(jax.random.PRNGKey(0), (width, width))}
+    batch = {"x": jnp.ones((16, width)), "rng": jax.random.PRNGKey(1)}
+    return params, batch, step
+
+
+@pytest.mark.parametrize("method_cls", [alpa.DataParallel, alpa.Zero2Parallel, alpa.Zero3Parallel])
+def test_a_key_in_the_batch_is_replicated(method_cls):
+    """A PRNG key among the batch's arrays (Alpa's BERT tests pass the dropout key so) has
+    no row per example: the fixed plans replicate it and split the rest, and the step
+    (dropout drawn from the key) equals the serial one. A batch whose rows do not split
+    over the devices is still an error."""
+
+    params, batch, step = _dropout_step(8)
     p_step = alpa.parallelize(step, method=method_cls(), donate_argnums=())
     assert_allclose(p_step(params, batch), jax.jit(step)(params, batch), rtol=1e-5, atol=1e-5)
     specs = dict(zip(["rng", "x"], p_step.get_last_executable().plan.in_specs[-2:], strict=True))
@@ -210,17 +218,7 @@ def test_a_key_in_the_batch_keeps_the_gradients_reduced_once():
     made the rows untraceable, and XLA's all-reduce and slice stood in for the
     reduce-scatter."""
 
-    def loss(params, batch):
-        h = jnp.tanh(batch["x"] @ params["w"])
-        keep = jax.random.bernoulli(batch["rng"], 0.5, h.shape)
-        return jnp.mean(jnp.where(keep, h, 0.0) ** 2)
-
-    def step(params, batch):
-        grads = alpa.grad(loss)(params, batch)
-        return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
-
-    params = {"w": jax.random.normal(jax.random.PRNGKey(0), (64, 64))}
-    batch = {"x": jnp.ones((16, 64)), "rng": jax.random.PRNGKey(1)}
+    params, batch, step = _dropout_step(64)
     p_step = alpa.parallelize(step, method=alpa.Zero2Parallel(), donate_argnums=())
     assert_allclose(p_step(params, batch), jax.jit(step)(params, batch), rtol=1e-5, atol=1e-5)
     hlo = p_step.get_last_executable().get_hlo_text()
