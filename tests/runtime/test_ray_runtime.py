@@ -139,8 +139,14 @@ def test_shard_parallel_auto_spans_both_nodes(ray_cluster):
 
 def test_gradient_accumulation(ray_cluster):
     mesh = alpa.get_global_cluster().get_physical_mesh((1,), DEVICES_PER_NODE)
-    state, expected, _ = _run(alpa.DataParallel(devices=mesh, num_micro_batches=4))
+    state, expected, executable = _run(alpa.DataParallel(devices=mesh, num_micro_batches=4))
     assert_allclose(state.params, expected.params)
+    # The workers' program reduces the gradients once, after the loop, under the scope
+    # that names that reduction (as on the local runtime).
+    ids = executable.grad_sync_channel_ids
+    assert re.fullmatch(r"\.\d+\.", ids), ids
+    hlo = executable.get_hlo_text()
+    assert f"channel_id={ids[1:-1]}," in hlo[hlo.index("\nENTRY ") :]
 
 
 def _two_stages_one_per_node(num_micro_batches, schedule):
