@@ -590,23 +590,17 @@ def _forced_batch_dims(traced, logical_mesh, option) -> Mapping | None:
     if axis is None:
         return None
     from alpa.shard_parallel.data_parallel import batch_rows
-    from alpa.shard_parallel.micro_batches import batch_dims, leaves_with_rows
+    from alpa.shard_parallel.micro_batches import batch_dims
 
-    rows = batch_rows(traced)
     # Batch dimensions are those that shrink ``size`` times at ``1/size`` of the batch; on
     # an axis of one device (nothing to split: the batch stays whole) any divisor of the
     # batch size finds them.
     size = _effective_mesh(logical_mesh, option).shape[axis]
     if size == 1:
-        size = next((d for d in range(2, (rows or 1) + 1) if rows % d == 0), 1)
+        rows = batch_rows(traced) or 1
+        size = next((d for d in range(2, rows + 1) if rows % d == 0), 1)
         if size == 1:
             return None
-    # A batch leaf without a row per example (a PRNG key) has no batch dimension to force.
-    if any(
-        b and aval.shape[0] % size
-        for aval, b in zip(traced.in_avals, leaves_with_rows(traced), strict=True)
-    ):
-        return None
     return batch_dims(traced, size)
 
 

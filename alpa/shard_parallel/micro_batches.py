@@ -109,7 +109,8 @@ def batch_dims(traced: TracedStep, num_data: int) -> dict[Var, tuple[int, ...] |
     """Per variable of ``traced``'s jaxpr, the dimensions that hold rows of the batch:
     those whose size is ``num_data`` times smaller in a trace at the per-device batch size
     (``None`` for a variable whose sizes changed otherwise, or that nothing reads).
-    ``None`` for a step that cannot be traced again (a sub-step of a pass).
+    ``None`` for a step that cannot be traced again (a sub-step of a pass), or whose
+    batch does not split over ``num_data`` devices.
 
     Read off the jaxpr (``tracing.batch_dims``: each primitive's rule carries the rows
     from the batch arguments to every value) where it can follow every value that is
@@ -118,6 +119,8 @@ def batch_dims(traced: TracedStep, num_data: int) -> dict[Var, tuple[int, ...] |
     if traced.retrace is None or num_data == 1:
         return None
     with_rows = leaves_with_rows(traced)
+    if any(b and a.shape[0] % num_data for a, b in zip(traced.in_avals, with_rows, strict=True)):
+        return None  # the batch's rows do not split over num_data devices
     dims = static_batch_dims(traced.jaxpr, with_rows, num_data)
     if dims is not None or with_rows != tuple(traced.batch_invars):
         return dims  # a retrace would divide a PRNG key in the batch too
