@@ -776,21 +776,29 @@ def test_data_parallel_objective_equals_priced_hlo_collectives():
 # ----------------------------------------------------------------------------- forced batch
 
 
-def _batch_dims_off_axis(executable, axis: int, **option) -> list[str]:
-    """Labels of the plan's values whose one batch dimension is not split by ``axis``."""
+def _batch_dims_where(executable, test, num_data: int, **option) -> list[str]:
+    """Labels of the plan's values whose one batch dimension (found at ``num_data``
+    devices) has mesh axes ``axes`` for which ``test(axes)`` holds, as the ILP solved
+    with ``option`` places them."""
     from alpa.shard_parallel.micro_batches import batch_dims
 
     mesh = executable.plan.logical_mesh
     solution = solve_auto_sharding(executable.traced, mesh, AutoShardingOption(**option))
-    dims = batch_dims(executable.traced, mesh.shape[axis])
-    off = []
+    dims = batch_dims(executable.traced, num_data)
+    labels = []
     for node in solution.graph.nodes:
         strategy = node.strategies[solution.solution.choice[node.id]]
         for var, spec in zip(node.outvars, strategy.out_specs, strict=True):
             d = dims.get(var)
-            if d is not None and len(d) == 1 and axis not in spec[d[0]]:
-                off.append(node.label)
-    return off
+            if d is not None and len(d) == 1 and test(spec[d[0]]):
+                labels.append(node.label)
+    return labels
+
+
+def _batch_dims_off_axis(executable, axis: int, **option) -> list[str]:
+    """Labels of the plan's values whose one batch dimension is not split by ``axis``."""
+    size = executable.plan.logical_mesh.shape[axis]
+    return _batch_dims_where(executable, lambda axes: axis not in axes, size, **option)
 
 
 @pytest.mark.parametrize("axis", [0, 1])
@@ -848,20 +856,7 @@ def test_forced_batch_axis_of_one_device_keeps_the_batch_whole(mlp_wide_batch):
 
 def _split_batch_dims(executable, **option) -> list[str]:
     """Labels of the plan's values whose one batch dimension is split over some axis."""
-    from alpa.shard_parallel.micro_batches import batch_dims
-
-    solution = solve_auto_sharding(
-        executable.traced, executable.plan.logical_mesh, AutoShardingOption(**option)
-    )
-    dims = batch_dims(executable.traced, 2)
-    split = []
-    for node in solution.graph.nodes:
-        strategy = node.strategies[solution.solution.choice[node.id]]
-        for var, spec in zip(node.outvars, strategy.out_specs, strict=True):
-            d = dims.get(var)
-            if d is not None and len(d) == 1 and spec[d[0]]:
-                split.append(node.label)
-    return split
+    return _batch_dims_where(executable, bool, 2, **option)
 
 
 def test_a_scatter_add_is_not_a_contraction():
