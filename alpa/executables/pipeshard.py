@@ -44,7 +44,7 @@ from alpa.runtime.memory import allocation_bytes, device_peak_bytes, step_peak_b
 from alpa.runtime.placement import PlacementSpec, is_placed
 from alpa.shard_parallel.compile import full_batch_avals
 from alpa.shard_parallel.lowering import eval_jaxpr_with_constraints
-from alpa.shard_parallel.micro_batches import deferred_rules, sum_partials
+from alpa.shard_parallel.row_sums import deferred_rules, sum_partials
 from alpa.tracing import leaf_signature, new_jaxpr
 from alpa.tracing.jaxpr_util import backward_slice, is_var, planned_bodies
 from alpa.tracing.primitive_def import pipeline_p

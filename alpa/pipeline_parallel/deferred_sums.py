@@ -19,7 +19,7 @@ inside the backward, once per micro-batch. As on one mesh
   (a value of its own, :attr:`DeferredSums.partials`), donated and updated in the backward
   like every accumulator.
 * **apply-grad**: the first apply computation that reads the gradient sums the slices
-  (``micro_batches.sum_partials``): one all-reduce per gradient per step, or, with
+  (``row_sums.sum_partials``): one all-reduce per gradient per step, or, with
   ``prefer_reduce_scatter=True``, one reduce-scatter into the gradient's ZeRO-2 sharding
   (:func:`zero2_specs`), after which the optimizer updates ``1/n`` of each parameter and
   the updated parameters are all-gathered once. When a later apply computation reads the
@@ -48,7 +48,8 @@ from jax.sharding import PartitionSpec
 from alpa.device_mesh import entry_names
 from alpa.pipeline_parallel.computation import PipelineProgram, StageComputation
 from alpa.shard_parallel.data_parallel import is_opt_state, zero_spec
-from alpa.shard_parallel.micro_batches import batch_dims_for, deferrable, partial_spec
+from alpa.shard_parallel.micro_batches import batch_dims_for
+from alpa.shard_parallel.row_sums import deferrable, partial_spec
 from alpa.tracing import TracedStep, new_jaxpr
 from alpa.tracing.jaxpr_util import is_var
 

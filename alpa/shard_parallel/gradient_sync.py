@@ -39,8 +39,8 @@ import numpy as np
 from jax.extend.core import Var
 from jax.sharding import PartitionSpec
 
-from alpa.shard_parallel.micro_batches import (
-    batch_dims,
+from alpa.shard_parallel.micro_batches import batch_dims
+from alpa.shard_parallel.row_sums import (
     deferrable,
     deferred_rules,
     scatter_dimension,
@@ -151,7 +151,7 @@ def reduce_partials(values, is_partial, specs, mesh, data_axes) -> list:
     """Each of ``values`` reduced as the plan wants it: a per-device partial sum
     (``is_partial``) whose wanted spec (``specs``) splits it over exactly ``data_axes``
     is reduce-scattered, packed with the others of its dtype; any other partial sum is
-    all-reduced (``micro_batches.sum_partials``); the rest are returned as they are."""
+    all-reduced (``row_sums.sum_partials``); the rest are returned as they are."""
     with jax.named_scope(GRAD_SYNC_SCOPE):
         return _reduce_partials(values, is_partial, specs, mesh, tuple(data_axes))
 
@@ -254,7 +254,7 @@ def packed_gathers(traced: TracedStep, plan: ShardingPlan) -> PackedGathers:
 @dataclass(frozen=True)
 class MarkerDeferral:
     """The row sums of a step carried as per-device partial sums to its ``alpa.grad``
-    marker (``deferred``, found by ``micro_batches.deferrable`` in ``before``, the step
+    marker (``deferred``, found by ``row_sums.deferrable`` in ``before``, the step
     without its marker), and the batch dimensions of its values (``dims``)."""
 
     deferred: frozenset

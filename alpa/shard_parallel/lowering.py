@@ -35,13 +35,9 @@ from alpa.shard_parallel.gradient_sync import (
     reduce_at_marker,
     reduce_partials,
 )
-from alpa.shard_parallel.micro_batches import (
-    batch_dims,
-    deferrable,
-    deferred_rules,
-    stack_micro_batches,
-)
+from alpa.shard_parallel.micro_batches import batch_dims, stack_micro_batches
 from alpa.shard_parallel.partial_sums import partial_sum_overrides
+from alpa.shard_parallel.row_sums import deferrable, deferred_rules
 from alpa.shard_parallel.sharding_plan import ShardingPlan
 from alpa.shard_parallel.strategy_graph import USER_SHARDINGS
 from alpa.tracing import TracedStep, new_jaxpr
@@ -77,7 +73,7 @@ def eval_jaxpr_with_constraints(
 
     ``overrides[eqn]``, where given, computes ``eqn``'s outputs from its operands as read,
     and they are stored as returned, unconstrained: gradient accumulation's deferred row
-    sums (``micro_batches.deferred_rules``), whose values have a shape of their own.
+    sums (``row_sums.deferred_rules``), whose values have a shape of their own.
     """
     env: dict[Var, Any] = {}
     resharded: dict[tuple[Var, Any], Any] = {}

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jax.extend.core import Jaxpr, JaxprEqn, Var
 from jax.sharding import PartitionSpec
 
-from alpa.shard_parallel.micro_batches import bind_eqn
+from alpa.shard_parallel.row_sums import bind_eqn
 from alpa.shard_parallel.sharding_plan import PartialSum
 from alpa.shard_parallel.strategy_costs import partial_chain
 
