@@ -46,7 +46,7 @@ from alpa.shard_parallel.compile import full_batch_avals
 from alpa.shard_parallel.lowering import eval_jaxpr_with_constraints
 from alpa.shard_parallel.row_sums import deferred_rules, sum_partials
 from alpa.tracing import leaf_signature, new_jaxpr
-from alpa.tracing.jaxpr_util import backward_slice, is_var, planned_bodies
+from alpa.tracing.jaxpr_util import backward_slice, is_var, nested_eqns, planned_bodies
 from alpa.tracing.primitive_def import pipeline_p
 
 
@@ -95,11 +95,17 @@ class StagePrograms:
         deferred = self.program.deferred
         if deferred is None or comp.kind == "apply":
             return {}
-        values = {v for e in comp.eqns for v in e.outvars if v in deferred.values}
+        # Those inside bodies too (a checkpoint's, a scan's).
+        values = {v for e in nested_eqns(comp.eqns) for v in e.outvars if v in deferred.values}
         if not values:
             return {}
         s = comp.stage
-        var_specs = {v: spec for (v, m), spec in self.stage_specs.items() if m == s and v in values}
+        var_specs = {
+            v: spec
+            for table in (self.stage_specs, self.plan.body_specs)
+            for (v, m), spec in table.items()
+            if m == s and v in values
+        }
         return deferred_rules(
             comp.eqns, deferred.row_dims, values, self.meshes[s], deferred.stage_axes[s], var_specs
         )

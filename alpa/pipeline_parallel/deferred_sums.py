@@ -51,7 +51,7 @@ from alpa.shard_parallel.data_parallel import is_opt_state, zero_spec
 from alpa.shard_parallel.micro_batches import batch_dims_for
 from alpa.shard_parallel.row_sums import deferrable, partial_spec
 from alpa.tracing import TracedStep, new_jaxpr
-from alpa.tracing.jaxpr_util import is_var
+from alpa.tracing.jaxpr_util import is_var, nested_eqns
 
 
 @dataclass(frozen=True, eq=False)
@@ -220,9 +220,10 @@ def defer_gradient_sums(
         if not deferred & set(marked):
             continue
         values |= deferred
+        # The operands of the row sums, those inside bodies too (a checkpoint's).
         row_dims.update(
             (v, dims[v])
-            for e in comp.eqns
+            for e in nested_eqns(comp.eqns)
             if e.outvars and e.outvars[0] in deferred
             for v in e.invars
             if isinstance(v, Var) and v in dims

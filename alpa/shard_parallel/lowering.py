@@ -37,7 +37,7 @@ from alpa.shard_parallel.gradient_sync import (
 )
 from alpa.shard_parallel.micro_batches import batch_dims, stack_micro_batches
 from alpa.shard_parallel.partial_sums import partial_sum_overrides
-from alpa.shard_parallel.row_sums import deferrable, deferred_rules
+from alpa.shard_parallel.row_sums import DeferredBody, deferrable, deferred_rules
 from alpa.shard_parallel.sharding_plan import ShardingPlan
 from alpa.shard_parallel.strategy_graph import USER_SHARDINGS
 from alpa.tracing import TracedStep, new_jaxpr
@@ -102,8 +102,9 @@ def eval_jaxpr_with_constraints(
         write(v, a)
     overrides = overrides or {}
     for eqn in jaxpr.eqns:
-        if eqn in overrides:
-            outs = overrides[eqn]([read(v) for v in eqn.invars])
+        override = overrides.get(eqn)
+        if override is not None and not isinstance(override, DeferredBody):
+            outs = override([read(v) for v in eqn.invars])
             env.update(zip(eqn.outvars, outs, strict=True))
             continue
         # In JAX 0.10 get_bind_params returns only the params (no sub-functions).
@@ -114,33 +115,36 @@ def eval_jaxpr_with_constraints(
             # The user's sharding, which the plan pins on its own mesh: the same sharding.
             write(eqn.outvars[0], operands[0])
             continue
-        if eqn.primitive.name in REMAT_PRIMITIVES and (constraints or operand_constraints):
-            params, extra = _checkpoint_with_constraints(params, constraints, operand_constraints)
+        # Bodies are evaluated again with the plan's constraints, and with the overrides
+        # of their own equations (a scan's row sums deferred through its stacked outputs).
+        inner = (constraints, operand_constraints, overrides)
+        rewrite = bool(constraints or operand_constraints or override is not None)
+        if eqn.primitive.name in REMAT_PRIMITIVES and rewrite:
+            params, extra = _checkpoint_with_constraints(params, *inner)
             operands += extra
-        elif eqn.primitive is lax.scan_p and (constraints or operand_constraints):
-            params, operands = _scan_with_constraints(
-                params, operands, constraints, operand_constraints
-            )
-        elif eqn.primitive is lax.while_p and (constraints or operand_constraints):
-            params, operands = _while_with_constraints(
-                params, operands, constraints, operand_constraints
-            )
-        elif eqn.primitive is lax.cond_p and (constraints or operand_constraints):
+        elif eqn.primitive is lax.scan_p and rewrite:
+            params, operands = _scan_with_constraints(params, operands, *inner)
+        elif eqn.primitive is lax.while_p and rewrite:
+            params, operands = _while_with_constraints(params, operands, *inner)
+        elif eqn.primitive is lax.cond_p and rewrite:
             results = [constraints.get(v) for v in eqn.outvars]
-            params, operands = _cond_with_constraints(
-                params, operands, results, constraints, operand_constraints
-            )
+            params, operands = _cond_with_constraints(params, operands, results, *inner)
         with eqn.ctx.manager:
             outs = eqn.primitive.bind(*operands, **params)
         if not eqn.primitive.multiple_results:
             outs = [outs]
-        for v, value in zip(eqn.outvars, outs, strict=True):
-            write(v, value)
+        if override is not None:  # partial sums among the outputs: stored as they are
+            outs = override.finish(outs)
+            for i in override.positions:
+                env[eqn.outvars[i]] = outs[i]
+        for i, (v, value) in enumerate(zip(eqn.outvars, outs, strict=True)):
+            if override is None or i not in override.positions:
+                write(v, value)
     return [read(v) for v in jaxpr.outvars]
 
 
 def _checkpoint_with_constraints(
-    params: dict, constraints: dict, operand_constraints: dict
+    params: dict, constraints: dict, operand_constraints: dict, overrides: dict | None = None
 ) -> tuple[dict, list]:
     """The parameters that bind a ``remat2`` equation (of parameters ``params``) with its
     body's values pinned as ``constraints`` and ``operand_constraints`` say, and the
@@ -156,14 +160,20 @@ def _checkpoint_with_constraints(
     body: Jaxpr = params["jaxpr"]
 
     def constrained(*args):
-        return eval_jaxpr_with_constraints(body, (), args, constraints, operand_constraints)
+        return eval_jaxpr_with_constraints(
+            body, (), args, constraints, operand_constraints, overrides
+        )
 
     new_body, consts = _retrace(body, constrained, consts_first=False)
     return remat_params(params, new_body, len(consts)), consts
 
 
 def _scan_with_constraints(
-    params: dict, operands: list, constraints: dict, operand_constraints: dict
+    params: dict,
+    operands: list,
+    constraints: dict,
+    operand_constraints: dict,
+    overrides: dict | None = None,
 ) -> tuple[dict, list]:
     """The parameters and operands that bind a ``scan`` (of parameters ``params`` and
     operands ``operands``) with its body's values pinned as the plan says.
@@ -182,7 +192,7 @@ def _scan_with_constraints(
 
     def constrained(*args):
         outs = eval_jaxpr_with_constraints(
-            body, closed.consts, args, constraints, operand_constraints
+            body, closed.consts, args, constraints, operand_constraints, overrides
         )
         carries = [_pinned(x, s) for x, s in zip(outs[:n_carry], carry_specs, strict=True)]
         return carries + outs[n_carry:]
@@ -203,7 +213,11 @@ def _scan_with_constraints(
 
 
 def _while_with_constraints(
-    params: dict, operands: list, constraints: dict, operand_constraints: dict
+    params: dict,
+    operands: list,
+    constraints: dict,
+    operand_constraints: dict,
+    overrides: dict | None = None,
 ) -> tuple[dict, list]:
     """The parameters and operands that bind a ``while`` with its condition's and body's
     values pinned, the initial carries resharded to the carries' specs and each
@@ -214,12 +228,12 @@ def _while_with_constraints(
 
     def run_cond(*args):
         return eval_jaxpr_with_constraints(
-            cond.jaxpr, cond.consts, args, constraints, operand_constraints
+            cond.jaxpr, cond.consts, args, constraints, operand_constraints, overrides
         )
 
     def run_body(*args):
         outs = eval_jaxpr_with_constraints(
-            body.jaxpr, body.consts, args, constraints, operand_constraints
+            body.jaxpr, body.consts, args, constraints, operand_constraints, overrides
         )
         return [_pinned(x, s) for x, s in zip(outs, carry_specs, strict=True)]
 
@@ -240,7 +254,12 @@ def _while_with_constraints(
 
 
 def _cond_with_constraints(
-    params: dict, operands: list, results: list, constraints: dict, operand_constraints: dict
+    params: dict,
+    operands: list,
+    results: list,
+    constraints: dict,
+    operand_constraints: dict,
+    overrides: dict | None = None,
 ) -> tuple[dict, list]:
     """The parameters and operands that bind a ``cond`` with its branches' values pinned as
     the plan says and every branch's results pinned to ``results`` (the shardings of the
@@ -251,7 +270,7 @@ def _cond_with_constraints(
 
         def constrained(*args, branch=branch):
             outs = eval_jaxpr_with_constraints(
-                branch.jaxpr, branch.consts, args, constraints, operand_constraints
+                branch.jaxpr, branch.consts, args, constraints, operand_constraints, overrides
             )
             return [_pinned(x, s) for x, s in zip(outs, results, strict=True)]
 

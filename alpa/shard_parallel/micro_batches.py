@@ -50,12 +50,13 @@ from collections.abc import Iterable
 
 import jax
 import numpy as np
-from jax.extend.core import Var
+from jax.extend.core import JaxprEqn, Var
 from jax.sharding import NamedSharding, PartitionSpec
 
 from alpa.shard_parallel.data_parallel import batch_rows
 from alpa.tracing import TracedStep
 from alpa.tracing.batch_dims import static_batch_dims
+from alpa.tracing.jaxpr_util import planned_bodies
 
 logger = logging.getLogger(__name__)
 
@@ -172,7 +173,34 @@ def retraced_batch_dims(traced: TracedStep, num_data: int) -> dict | None:
         for g, p in zip(glob_eqns, local_eqns, strict=True)
         for v, u in zip(g.outvars, p.outvars, strict=True)
     ]
+    for g, p in zip(glob_eqns, local_eqns, strict=True):
+        pairs += _body_pairs(g, p)
     return {v: dims_of(v.aval, u.aval) for v, u in pairs}
+
+
+def _body_pairs(glob: JaxprEqn, local: JaxprEqn) -> list[tuple[Var, Var]]:
+    """The values of the bodies of ``glob`` (``jaxpr_util.planned_bodies``: a scan's, a
+    checkpoint's, a cond's branches', nested) paired with those of ``local``'s, where the
+    two have the same structure."""
+    pairs: list[tuple[Var, Var]] = []
+    bodies, others = planned_bodies(glob), planned_bodies(local)
+    if len(bodies) != len(others):
+        return pairs
+    for (_, a), (_, b) in zip(bodies, others, strict=True):
+        if (
+            len(a.invars) != len(b.invars)
+            or len(a.eqns) != len(b.eqns)
+            or any(
+                e.primitive is not f.primitive or len(e.outvars) != len(f.outvars)
+                for e, f in zip(a.eqns, b.eqns, strict=True)
+            )
+        ):
+            continue
+        pairs += zip(a.invars, b.invars, strict=True)
+        for e, f in zip(a.eqns, b.eqns, strict=True):
+            pairs += zip(e.outvars, f.outvars, strict=True)
+            pairs += _body_pairs(e, f)
+    return pairs
 
 
 def batch_dims_for(traced: TracedStep, counts: Iterable[int]) -> dict[int, dict | None]:

@@ -21,6 +21,7 @@ them.
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterable, Mapping
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
@@ -28,7 +29,7 @@ import numpy as np
 from jax.extend.core import Jaxpr, JaxprEqn, Var
 from jax.sharding import NamedSharding, PartitionSpec
 
-from alpa.tracing import jaxpr_util
+from alpa.tracing import jaxpr_util, new_jaxpr
 from alpa.tracing.primitive_def import passes_through
 
 # ----------------------------------------------------------------------------- deferral
@@ -139,6 +140,13 @@ def deferrable(
     in an operand where they are linear, whose results are deferred too; a multiplication
     or contraction reads at most one of them.
 
+    A row sum may also be made inside a body: a stacked output of a ``scan`` (the weight
+    gradients of scanned layers, made by the transposed scan) or an output of a
+    checkpoint is made so when the body's value it returns is deferrable in the body
+    (the body's other results read whole), and the body's values that make it are then
+    deferred too (they are in the set returned). ``dims`` holds the batch dimensions of
+    the bodies' values as well (``micro_batches.batch_dims``).
+
     Found by removing values from all candidates: first those that break the conditions
     that only get harder as values leave the set, until none does; then, where a
     multiplication still reads two deferred values, both; and again."""
@@ -153,21 +161,34 @@ def deferrable(
     def row_sum(eqn: JaxprEqn) -> bool:
         return _is_row_sum(eqn, dims) and (keep is None or keep(eqn))
 
+    bodies = bodies_passing_row_sums(compute.eqns)
+
+    def candidate(eqn: JaxprEqn, v: Var) -> bool:
+        if eqn in bodies:
+            return eqn.outvars.index(v) >= bodies[eqn][1]
+        return passes_through(eqn) or (
+            len(eqn.outvars) == 1 and (row_sum(eqn) or _linear_positions(eqn) is not None)
+        )
+
     deferred = {
         v
         for eqn in compute.eqns
-        if passes_through(eqn)
-        or (len(eqn.outvars) == 1 and (row_sum(eqn) or _linear_positions(eqn) is not None))
         for v in eqn.outvars
-        if _is_float(v) and dims.get(v) == () and v not in reduced
+        if candidate(eqn, v) and _is_float(v) and dims.get(v) == () and v not in reduced
     }
 
     def deferred_operands(eqn: JaxprEqn) -> list[Var]:
         return [u for u in eqn.invars if isinstance(u, Var) and u in deferred]
 
+    inside: dict[JaxprEqn, set[Var]] = {}  # per body equation, its body's deferred values
+
     def holds(v: Var) -> bool:
         eqn = producer[v]
-        if passes_through(eqn):
+        if eqn in bodies:
+            body, _ = bodies[eqn]
+            if body.outvars[eqn.outvars.index(v)] not in inside[eqn]:
+                return False
+        elif passes_through(eqn):
             source = eqn.invars[eqn.outvars.index(v)]
             if not (isinstance(source, Var) and source in deferred):
                 return False
@@ -184,6 +205,11 @@ def deferrable(
         return v in marked or bool(uses.get(v))
 
     while True:
+        inside = {
+            eqn: _deferrable_in_body(eqn, body, deferred, dims, keep)
+            for eqn, (body, _) in bodies.items()
+            if any(v in deferred for v in eqn.outvars)
+        }
         broken = {v for v in deferred if not holds(v)}
         if not broken:
             broken = {
@@ -195,8 +221,37 @@ def deferrable(
                 for u in deferred_operands(eqn)
             }
         if not broken:
-            return deferred
+            return deferred.union(*inside.values())
         deferred -= broken
+
+
+def bodies_passing_row_sums(eqns) -> dict[JaxprEqn, tuple[Jaxpr, int]]:
+    """The equations among ``eqns`` whose outputs from index ``first`` on are their body's
+    results of the same index: a ``scan``'s stacked outputs (``first``: its carries'
+    count) and a checkpoint's outputs (``first`` 0), as ``eqn -> (body, first)``. A body
+    that two equations share (a cached trace) is left out: its values would have to be
+    deferred for both or neither."""
+    found: dict[JaxprEqn, tuple[Jaxpr, int]] = {}
+    for eqn in eqns:
+        name = eqn.primitive.name
+        if name == "scan":
+            found[eqn] = (eqn.params["jaxpr"].jaxpr, eqn.params["num_carry"])
+        elif name in jaxpr_util.REMAT_PRIMITIVES:
+            found[eqn] = (eqn.params["jaxpr"], 0)
+    count: dict[int, int] = {}
+    for body, _ in found.values():
+        count[id(body)] = count.get(id(body), 0) + 1
+    return {eqn: bf for eqn, bf in found.items() if count[id(bf[0])] == 1}
+
+
+def _deferrable_in_body(eqn: JaxprEqn, body: Jaxpr, deferred, dims, keep) -> set[Var]:
+    """The values of ``body`` (of ``eqn``) deferred so that the body returns partial sums
+    for the outputs of ``eqn`` in ``deferred``; its other results are read whole."""
+    wanted = {i for i, v in enumerate(eqn.outvars) if v in deferred}
+    results = [v for i, v in enumerate(body.outvars) if i in wanted and isinstance(v, Var)]
+    whole = [v for i, v in enumerate(body.outvars) if i not in wanted and isinstance(v, Var)]
+    sub = new_jaxpr(body, body.constvars, body.invars, results, body.eqns)
+    return deferrable(sub, dims, keep, reduced=whole)
 
 
 def _is_row_sum(eqn: JaxprEqn, dims) -> bool:
@@ -223,8 +278,21 @@ def deferred_rules(
     n = int(np.prod([mesh.shape[a] for a in data_axes]))
     data = data_axes if len(data_axes) > 1 else data_axes[0]
     var_specs = var_specs or {}
+    eqns = list(eqns)
+    bodies = bodies_passing_row_sums(eqns)
     rules = {}
     for eqn in eqns:
+        if eqn in bodies:
+            positions = tuple(i for i, v in enumerate(eqn.outvars) if v in deferred)
+            if positions:
+                body = bodies[eqn][0]
+                rules |= deferred_rules(body.eqns, dims, deferred, mesh, data_axes, var_specs)
+                shardings = tuple(
+                    NamedSharding(mesh, partial_spec(var_specs.get(eqn.outvars[i]), data_axes))
+                    for i in positions
+                )
+                rules[eqn] = DeferredBody(positions, eqn.primitive.name == "scan", shardings)
+            continue
         if passes_through(eqn):
             if any(v in deferred for v in eqn.outvars):
                 rules[eqn] = list  # the identity, on partial sums and whole values alike
@@ -240,6 +308,28 @@ def deferred_rules(
         else:
             rules[eqn] = _row_sum_rule(eqn, dims, mesh, data_axes, data, partial_sharding)
     return rules
+
+
+@dataclass(frozen=True, eq=False)
+class DeferredBody:
+    """The override of an equation with a body (a scan, a checkpoint) whose outputs at
+    ``positions`` are partial sums: the lowering evaluates the body with the overrides of
+    its own equations, which make it return those results as ``[n, ...]`` partial sums,
+    and binds the equation again around it (``lowering.eval_jaxpr_with_constraints``);
+    :meth:`finish` then lays each such output out as the partial sums of the value
+    (a scan's ``[length, n, ...]`` stack moved to ``[n, length, ...]``: on each device
+    its own slice, no communication), in ``shardings``."""
+
+    positions: tuple[int, ...]
+    stacked: bool
+    shardings: tuple[NamedSharding, ...]
+
+    def finish(self, outs: list) -> list:
+        outs = list(outs)
+        for i, sharding in zip(self.positions, self.shardings, strict=True):
+            x = jnp.moveaxis(outs[i], 1, 0) if self.stacked else outs[i]
+            outs[i] = jax.lax.with_sharding_constraint(x, sharding)
+        return outs
 
 
 def partial_spec(spec: PartitionSpec | None, data_axes: tuple[str, ...]) -> PartitionSpec:

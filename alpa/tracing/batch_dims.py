@@ -434,8 +434,8 @@ def _groups(shape: tuple[int, ...], new: tuple[int, ...]):
 
 
 def static_batch_dims(jaxpr: Jaxpr, batch_invars: Sequence[bool], num_data: int):
-    """Per variable of ``jaxpr`` (its inputs and every equation's outputs, not those of
-    bodies), the dimensions that hold rows of the batch: those a trace at ``1 /
+    """Per variable of ``jaxpr`` (its inputs and every equation's outputs, and those of
+    the bodies it reads), the dimensions that hold rows of the batch: those a trace at ``1 /
     num_data`` of the batch would show ``num_data`` times smaller, ``None`` for one
     that shrinks otherwise (``micro_batches.batch_dims``'s answer). ``None`` where this
     module cannot tell, for any variable: the caller traces again."""
@@ -478,4 +478,15 @@ def static_batch_dims(jaxpr: Jaxpr, batch_invars: Sequence[bool], num_data: int)
         if any(size % num_data for d in dims for _, size in d):
             return None
         result[v] = tuple(i for i, d in enumerate(dims) if d)
+    # The values of bodies (a scan's, a checkpoint's), as far as they are known: ``None``
+    # for one that is not (a caller then treats it as holding rows it cannot follow).
+    for v, slots in list(s.of.items()):
+        if v in result:
+            continue
+        dims = [s.get(slot) for slot in slots]
+        known = all(d is not None and len(d) <= 1 for d in dims)
+        if not known or any(size % num_data for d in dims for _, size in d):
+            result[v] = None
+        else:
+            result[v] = tuple(i for i, d in enumerate(dims) if d)
     return result

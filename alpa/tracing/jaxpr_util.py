@@ -123,12 +123,12 @@ def planned_bodies(eqn: JaxprEqn) -> tuple[tuple[str, Jaxpr], ...]:
     return ()
 
 
-def nested_eqns(jaxpr: Jaxpr) -> list[JaxprEqn]:
-    """The equations of ``jaxpr``, each followed by those of its :func:`planned_bodies`,
-    recursively: one order for two jaxprs of the same structure, so that their equations
-    correspond by position."""
+def nested_eqns(jaxpr: Jaxpr | Sequence[JaxprEqn]) -> list[JaxprEqn]:
+    """The equations of ``jaxpr`` (or the equations given), each followed by those of its
+    :func:`planned_bodies`, recursively: one order for two jaxprs of the same structure,
+    so that their equations correspond by position."""
     out: list[JaxprEqn] = []
-    for eqn in jaxpr.eqns:
+    for eqn in jaxpr.eqns if isinstance(jaxpr, Jaxpr) else jaxpr:
         out.append(eqn)
         for _, body in planned_bodies(eqn):
             out += nested_eqns(body)

@@ -65,8 +65,10 @@ def _model(name: str, grad):
         add_manual_pipeline_markers=True,
         tie_word_embeddings=False,
     )
-    if name == "gpt":
-        config = GPTConfig(seq_len=16, vocab_size=64, **small)
+    if name in ("gpt", "gpt_remat"):
+        # Under remat each block's backward recomputes it inside a checkpoint, whose body
+        # makes the block's weight gradients: they are deferred through it.
+        config = GPTConfig(seq_len=16, vocab_size=64, remat_layers=name == "gpt_remat", **small)
         return get_gpt_train_state_and_step(config, 32, grad_func=grad)
     config = BertConfig(vocab_size=64, max_position_embeddings=16, **small)
     state, batch, step = get_bert_train_state_and_step(config, 32, seq_len=16, grad_func=grad)
@@ -90,7 +92,7 @@ def _two_stages(logical_shape, option: dict) -> alpa.PipeshardParallel:
     )
 
 
-@pytest.mark.parametrize("model", ["gpt", "bert"])
+@pytest.mark.parametrize("model", ["gpt", "gpt_remat", "bert"])
 def test_ilp_stages_reduce_gradients_once_per_step(model):
     devices_or_skip(8)
     state, batch, step = _model(model, alpa.value_and_grad)

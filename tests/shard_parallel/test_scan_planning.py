@@ -89,13 +89,13 @@ def _mlp_step(kind: str, depth: int = L):
     return step
 
 
-def _mlp_inputs():
+def _mlp_inputs(rows: int = B):
     k = jax.random.split(jax.random.key(0), 4)
     params = {
         "a": jax.random.normal(k[0], (L, H, 4 * H)) * 0.1,
         "b": jax.random.normal(k[1], (L, 4 * H, H)) * 0.1,
     }
-    batch = {"x": jax.random.normal(k[2], (B, H)), "y": jax.random.normal(k[3], (B, H))}
+    batch = {"x": jax.random.normal(k[2], (rows, H)), "y": jax.random.normal(k[3], (rows, H))}
     return params, batch
 
 
