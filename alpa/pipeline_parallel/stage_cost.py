@@ -88,11 +88,12 @@ from alpa.shard_parallel.auto_sharding import (
     solve_auto_sharding,
 )
 from alpa.shard_parallel.milp import taking_turns
+from alpa.shard_parallel.row_sums import bodies_passing_row_sums
 from alpa.shard_parallel.sharding_spec import Collective
 from alpa.shard_parallel.strategy_rules import ELEMENTWISE, REDUCTIONS
 from alpa.tracing import TracedStep
 from alpa.tracing.flops import jaxpr_flops
-from alpa.tracing.jaxpr_util import is_var, nbytes
+from alpa.tracing.jaxpr_util import is_var, nbytes, nested_eqns
 from alpa.util import map_on_threads
 
 LOGICAL_SHAPE_SPACES = (
@@ -317,8 +318,12 @@ _ROW_SUM_PRIMITIVES = frozenset(
 def _gradient_row_sums(program: PipelineProgram, comps) -> dict:
     """The values of ``comps`` that are row sums making a gradient ``alpa.grad`` marks,
     each with the marked operands it makes: found from each marked operand back through
-    :data:`_PASS_TO_GRADIENT` equations."""
-    producer = {v: e for c in comps for e in c.eqns for v in e.outvars}
+    :data:`_PASS_TO_GRADIENT` equations, and into the bodies that return row sums as they
+    are (a checkpoint's outputs, a scan's stacked outputs:
+    ``row_sums.bodies_passing_row_sums``), as ``deferred_sums`` defers them."""
+    eqns = nested_eqns([e for c in comps for e in c.eqns])
+    producer = {v: e for e in eqns for v in e.outvars}
+    bodies = bodies_passing_row_sums(eqns)
     sums_of: dict = {}  # value -> the row sums it is made of, each value walked once
 
     def row_sums(start) -> frozenset:
@@ -330,7 +335,16 @@ def _gradient_row_sums(program: PipelineProgram, comps) -> dict:
                 continue
             eqn = producer.get(v)
             name = eqn.primitive.name if eqn is not None else None
-            if name in _ROW_SUM_PRIMITIVES:
+            if eqn in bodies and eqn.outvars.index(v) >= bodies[eqn][1]:
+                inner = bodies[eqn][0].outvars[eqn.outvars.index(v)]
+                if not is_var(inner):
+                    sums_of[v] = frozenset()
+                elif inner not in sums_of:
+                    stack.append(inner)
+                    continue
+                else:
+                    sums_of[v] = sums_of[inner]
+            elif name in _ROW_SUM_PRIMITIVES:
                 sums_of[v] = frozenset((v,))
             elif name not in _PASS_TO_GRADIENT:
                 sums_of[v] = frozenset()

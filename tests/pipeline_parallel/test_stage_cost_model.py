@@ -249,3 +249,73 @@ def test_fused_temporaries_keep_what_a_matmul_or_a_non_fusible_reader_needs():
     assert stage_cost.temporary_bytes(jaxpr, held, size) == 128  # x @ w alone
     # Unfused, each of the three lives until the next reads it: two at a time.
     assert stage_cost.temporary_bytes(jaxpr, held, size, fused=False) == 256
+
+
+def _dense_stack_step(checkpointed: bool):
+    """Four Dense(64) layers, each under ``jax.checkpoint`` when ``checkpointed``, with
+    plain SGD; and its abstract state and batch (256 rows)."""
+    import jax
+    import jax.numpy as jnp
+
+    def dense(h, w, b):
+        return jnp.tanh(h @ w + b)
+
+    layer = jax.checkpoint(dense) if checkpointed else dense
+
+    def step(params, batch):
+        def loss_fn(p):
+            h = batch["x"]
+            for w, b in p:
+                h = layer(h, w, b)
+            return jnp.mean((h - batch["y"]) ** 2)
+
+        grads = alpa.grad(loss_fn)(params)
+        return jax.tree.map(lambda w, g: w - 0.1 * g, params, grads)
+
+    f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
+    params = [(f32(WIDTH, WIDTH), f32(WIDTH)) for _ in range(4)]
+    return step, params, {"x": f32(16 * 256, WIDTH), "y": f32(16 * 256, WIDTH)}
+
+
+def test_a_checkpointed_layer_defers_its_gradient_reduction_as_a_written_out_one():
+    """Under ``jax.checkpoint`` a layer's backward recomputes it inside a ``remat2``
+    equation whose body makes its weight gradients; the lowering defers their reduction
+    through the body (``row_sums``), and the model prices it so: the same
+    ``gradient_sync`` (``AR_n(P)``, once per step) and per-micro-batch communication as
+    the same layer without the checkpoint."""
+    priced = {}
+    for checkpointed in (False, True):
+        seen = {}
+
+        def recording(problem, seen=seen):
+            seen["problem"] = problem
+            return AnalyticStageCost()(problem)
+
+        step, params, batch = _dense_stack_step(checkpointed)
+        space = AutoStageOption(
+            cost_model=recording, submesh_logical_shape_space="data_parallel_only"
+        )
+        method = alpa.PipeshardParallel(
+            devices=CLUSTER,
+            num_micro_batches=16,
+            layer_option=alpa.AutoLayerOption(layer_num=4),
+            stage_option=space,
+        )
+        alpa.parallelize(step, method=method).plan(params, batch)
+        problem = seen["problem"]
+        plans = stage_cost._LayerPlans(problem, problem.layer_facts, workers=1)
+        priced[checkpointed] = {
+            (m, config.shape): plans.get(1, m, config)
+            for m, configs in enumerate(problem.configs)
+            for config in configs
+            if np.prod(problem.submesh_choices[m]) > 1
+        }
+    assert priced[True].keys() == priced[False].keys() and len(priced[True]) >= 3
+    for key, cost in priced[True].items():
+        n = int(np.prod(key[1]))
+        # At least the kernel's all-reduce, once per step. (The bias's, 256 bytes, is
+        # priced per micro-batch in both: the ILP reduces it after the reshape that
+        # follows its row sum, which ``_gradient_row_sums`` does not count as the sum.)
+        assert cost.gradient_sync >= _all_reduce(WIDTH * WIDTH * 4, n) * (1 - 1e-9)
+        assert cost.gradient_sync == pytest.approx(priced[False][key].gradient_sync, rel=1e-9)
+        assert cost.communication == pytest.approx(priced[False][key].communication, rel=1e-9)
