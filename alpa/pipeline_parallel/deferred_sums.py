@@ -48,7 +48,7 @@ from jax.sharding import PartitionSpec
 from alpa.device_mesh import entry_names
 from alpa.pipeline_parallel.computation import PipelineProgram, StageComputation
 from alpa.shard_parallel.data_parallel import is_opt_state, zero_spec
-from alpa.shard_parallel.micro_batches import batch_dims_for
+from alpa.shard_parallel.micro_batches import batch_dims_for, leaves_with_rows
 from alpa.shard_parallel.row_sums import deferrable, partial_spec
 from alpa.tracing import TracedStep, new_jaxpr
 from alpa.tracing.jaxpr_util import is_var, nested_eqns
@@ -101,7 +101,8 @@ def stage_data_axes(
     batch_args = {
         v for v, b in zip(traced.closed_jaxpr.jaxpr.invars, traced.batch_invars, strict=True) if b
     }
-    micro = [a.shape[0] for a, b in zip(traced.in_avals, traced.batch_invars, strict=True) if b]
+    with_rows = leaves_with_rows(traced)  # not a PRNG key in the batch
+    micro = [a.shape[0] for a, r in zip(traced.in_avals, with_rows, strict=True) if r]
     out = []
     for s, (shape, dp) in enumerate(zip(mesh_shapes, data_parallel, strict=True)):
         sizes = dict(zip(axis_names, shape, strict=True))
@@ -164,10 +165,9 @@ def defer_gradient_sums(
     for comp in program.computations:
         for v in comp.invars:
             readers.setdefault(v, []).append(comp)
+    # The batch leaves with a row per example (a PRNG key in the batch has none).
     batch_sizes = [
-        a.shape[0] if a.shape else 0
-        for a, b in zip(traced.in_avals, traced.batch_invars, strict=True)
-        if b
+        a.shape[0] for a, r in zip(traced.in_avals, leaves_with_rows(traced), strict=True) if r
     ]
     # Every count's batch dimensions, read off as few retraces as possible when first
     # needed (a step with nothing to defer is not retraced).

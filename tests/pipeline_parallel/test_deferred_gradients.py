@@ -182,3 +182,51 @@ def test_a_gradient_split_over_the_data_axis_is_reduced_per_micro_batch_into_its
         collective_bytes(t)["all-reduce"] for n, t in texts.items() if "stage1_apply" in n
     )
     assert plan.cost.gradient_sync_bytes[1]["all-reduce"] == pytest.approx(applied, abs=1)
+
+
+def test_a_key_in_the_batch_does_not_stop_the_deferral():
+    """A PRNG key carried in the batch (``uint32[2]``: no row per example) is not a batch
+    leaf with rows (``micro_batches.leaves_with_rows``): two data-parallel stages of 4
+    devices each still carry their gradients as partial sums, and their backwards have no
+    collective. Before, the key's 2 "rows" did not split over 4 devices, and nothing was
+    deferred."""
+    devices_or_skip(8)
+    k = jax.random.split(jax.random.key(0), 4)
+    params = {"w1": jax.random.normal(k[0], (16, 32)), "w2": jax.random.normal(k[1], (32, 8))}
+    batch = {
+        "x": jax.random.normal(k[2], (32, 16)),
+        "y": jax.random.normal(k[3], (32, 8)),
+        "key": jax.random.key_data(jax.random.key(5)),
+    }
+
+    def step(params, batch):
+        def loss_fn(p):
+            noise = jax.random.normal(jax.random.wrap_key_data(batch["key"]), p["w1"].shape)
+            h = jnp.tanh(batch["x"] @ (p["w1"] + 0.01 * noise))
+            alpa.mark_pipeline_boundary()
+            return jnp.mean((h @ p["w2"] - batch["y"]) ** 2)
+
+        grads = alpa.grad(loss_fn)(params)
+        return jax.tree.map(lambda w, g: w - 0.1 * g, params, grads)
+
+    # One micro-batch: cutting the batch would cut the key too (noted in docs/pipeline.md).
+    method = alpa.PipeshardParallel(
+        num_micro_batches=1,
+        layer_option=alpa.ManualLayerOption(),
+        stage_option=ManualStageOption(
+            [[0], [1]],
+            [(1, 4), (1, 4)],
+            submesh_logical_shapes=[(4, 1), (4, 1)],
+            submesh_autosharding_option_dicts=[{"force_data_parallel": True}] * 2,
+        ),
+    )
+    parallel = alpa.parallelize(step, method=method, donate_argnums=())
+    alpa.testing.assert_allclose(parallel(params, batch), jax.jit(step)(params, batch))
+    executable = parallel.get_last_executable()
+    deferred = executable.program.deferred
+    assert deferred is not None and set(deferred.stage_axes) == {0, 1}
+    assert len(deferred.partials) == 2  # w1's and w2's gradients
+    names = [c.name for c in executable.program.computations]
+    hlo = dict(zip(names, executable.get_hlo_text(), strict=True))
+    for stage in range(2):
+        assert collectives(hlo[f"stage{stage}_backward"]) == [], stage
