@@ -54,6 +54,7 @@ from alpa.executables.base import Executable
 from alpa.pipeline_parallel.layer_construction import mark_layers
 from alpa.pipeline_parallel.segments import reuse_cuts
 from alpa.shard_method import ParallelMethod, ShardParallel
+from alpa.shard_parallel.data_parallel import most_common_rows
 from alpa.timer import timed
 from alpa.tracing import TracedStep, abstractify, leaf_signature, note_grad_inputs, trace_step
 from alpa.tracing.primitive_def import mark_pipeline_jaxpreqn
@@ -326,8 +327,10 @@ class ParallelizedFunc:
 
     def _check_micro_batches(self, args, batch) -> int:
         k = self.method.num_micro_batches or 1
+        rows = leaves_with_rows(args, batch)
         for pos in batch:
-            for path, leaf in jax.tree_util.tree_flatten_with_path(args[pos])[0]:
+            leaves = jax.tree_util.tree_flatten_with_path(args[pos])[0]
+            for (path, leaf), with_rows in zip(leaves, rows[pos], strict=True):
                 shape = np.shape(leaf)
                 where = f"argument {pos}{jax.tree_util.keystr(path)}"
                 if not shape:
@@ -335,7 +338,7 @@ class ParallelizedFunc:
                         f"{where} is a batch argument but is a scalar; batch "
                         "leaves need a batch dimension 0"
                     )
-                if shape[0] % k:
+                if with_rows and shape[0] % k:
                     raise ValueError(
                         f"num_micro_batches={k} does not divide batch size {shape[0]} of {where}"
                     )
@@ -368,6 +371,7 @@ class ParallelizedFunc:
     def _trace(self, args, static, batch, donate, names, k: int) -> TracedStep:
         cuts: dict = {}  # the layer clustering's cuts, shared with the retraces
         traces: dict = {}  # divisor -> its trace: every pass asking for one shares it
+        rows = leaves_with_rows(args, batch)
 
         def trace_at(divisor: int) -> TracedStep:
             if divisor in traces:
@@ -378,6 +382,18 @@ class ParallelizedFunc:
             # a retrace cuts the layers where the first trace did.
             with self.method.trace_context(), reuse_cuts(cuts), timed("tracing"):
                 traced = trace_step(self.fun, abstract, static, batch, donate, names)
+            # A batch leaf without a row per example is read whole: not the batch.
+            with_rows = [
+                r
+                for i in traced.dynamic_argnums
+                for r in rows.get(i, [False] * len(jax.tree.leaves(args[i])))
+            ]
+            traced = dataclasses.replace(
+                traced,
+                batch_invars=tuple(
+                    b and r for b, r in zip(traced.batch_invars, with_rows, strict=True)
+                ),
+            )
             traced = dataclasses.replace(traced, retrace=lambda d: trace_at(divisor * d))
             traced = self.method.finish_trace(traced)
             traces[divisor] = traced
@@ -551,14 +567,31 @@ def _is_auto_static(arg) -> bool:
 
 
 def traced_args(args, batch: Sequence[int], divisor: int) -> list:
-    """Arguments for tracing: dynamic ones abstract, batch leaves with dim 0 divided."""
+    """Arguments for tracing: dynamic ones abstract, the batch leaves with a row per
+    example (:func:`leaves_with_rows`) with dim 0 divided."""
     out = list(args)
+    rows = leaves_with_rows(args, batch)
     for i in batch:
-
-        def divided(x):
+        leaves, tree = jax.tree.flatten(args[i])
+        shapes = []
+        for x, with_rows in zip(leaves, rows[i], strict=True):
             aval = abstractify(x)
-            shape = (aval.shape[0] // divisor,) + tuple(aval.shape[1:])
-            return jax.ShapeDtypeStruct(shape, aval.dtype, weak_type=aval.weak_type)
-
-        out[i] = jax.tree.map(divided, args[i])
+            shape = tuple(aval.shape)
+            if with_rows:
+                shape = (shape[0] // divisor, *shape[1:])
+            shapes.append(jax.ShapeDtypeStruct(shape, aval.dtype, weak_type=aval.weak_type))
+        out[i] = jax.tree.unflatten(tree, shapes)
     return out
+
+
+def leaves_with_rows(args, batch: Sequence[int]) -> dict[int, list[bool]]:
+    """Per batch argument, per leaf, whether it holds a row per example: its dim 0 is the
+    batch's size (``data_parallel.most_common_rows`` of the batch leaves' dim 0). A
+    batch leaf with another dim 0 (a PRNG key's data, ``uint32[2]``, in the batch dict)
+    is not cut into micro-batches: every micro-batch reads it whole, and the step treats
+    it as an input that is not the batch (replicated by the fixed plans)."""
+    sizes = {
+        i: [np.shape(x)[0] if np.ndim(x) else None for x in jax.tree.leaves(args[i])] for i in batch
+    }
+    rows = most_common_rows([d for ds in sizes.values() for d in ds if d is not None])
+    return {i: [d is not None and d == rows for d in ds] for i, ds in sizes.items()}

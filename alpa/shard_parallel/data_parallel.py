@@ -21,6 +21,7 @@ Adam's step count) stay replicated.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
 
 from jax.extend.core import Var
@@ -143,7 +144,12 @@ def batch_rows(traced: TracedStep) -> int | None:
     batch leaf with another dim 0, or a scalar, holds no row per example (a PRNG
     key, a step number in the batch dict): the fixed plans replicate it, as Alpa's did."""
     pairs = zip(traced.in_avals, traced.batch_invars, strict=True)
-    sizes = [aval.shape[0] for aval, is_batch in pairs if is_batch and aval.ndim]
+    return most_common_rows([aval.shape[0] for aval, is_batch in pairs if is_batch and aval.ndim])
+
+
+def most_common_rows(sizes: Sequence[int]) -> int | None:
+    """The most common of the batch leaves' dim 0 ``sizes`` (the largest on a tie): the
+    batch size."""
     return max(sizes, key=lambda size: (sizes.count(size), size)) if sizes else None
 
 

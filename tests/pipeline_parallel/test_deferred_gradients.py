@@ -209,9 +209,9 @@ def test_a_key_in_the_batch_does_not_stop_the_deferral():
         grads = alpa.grad(loss_fn)(params)
         return jax.tree.map(lambda w, g: w - 0.1 * g, params, grads)
 
-    # One micro-batch: cutting the batch would cut the key too (noted in docs/pipeline.md).
+    # Two micro-batches: each reads the key whole (api.leaves_with_rows).
     method = alpa.PipeshardParallel(
-        num_micro_batches=1,
+        num_micro_batches=2,
         layer_option=alpa.ManualLayerOption(),
         stage_option=ManualStageOption(
             [[0], [1]],

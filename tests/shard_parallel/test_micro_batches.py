@@ -388,3 +388,44 @@ def test_a_step_written_for_one_batch_size_still_runs_with_micro_batches():
 
     grads = [jax.jit(serial_grad)(w, x[j * rows : (j + 1) * rows]) for j in range(k)]
     np.testing.assert_allclose(out, w - LR * sum(grads) / k, rtol=1e-5, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------- a key in the batch
+
+
+def _keyed_loss(w, batch):
+    """An MLP's loss with noise drawn from a PRNG key carried in the batch dict."""
+    noise = jax.random.normal(jax.random.wrap_key_data(batch["key"]), w.shape)
+    return jnp.mean((jnp.tanh(batch["x"] @ (w + 0.01 * noise)) - batch["y"]) ** 2)
+
+
+def _keyed_step(w, batch):
+    loss, grad = alpa.value_and_grad(_keyed_loss)(w, batch)
+    return w - LR * grad, loss
+
+
+@pytest.mark.parametrize("method_cls", [alpa.DataParallel, alpa.ShardParallel])
+def test_a_key_in_the_batch_is_read_whole_by_every_micro_batch(method_cls):
+    """The key's data (``uint32[2]``: not a row per example, ``api.leaves_with_rows``) is
+    not cut into micro-batches: each of the 2 reads it whole, as the serial accumulation
+    over the 2 chunks of the other leaves does. Before, the key was cut into two halves
+    of one word, and the trace failed inside JAX. Under DataParallel the loop still has
+    no collective and the gradients one all-reduce after it."""
+    k = jax.random.split(jax.random.key(0), 3)
+    w = jax.random.normal(k[0], (16, 8)) * 0.1
+    rows = {"x": jax.random.normal(k[1], (BATCH, 16)), "y": jax.random.normal(k[2], (BATCH, 8))}
+    key = jax.random.key_data(jax.random.key(7))
+    (got_w, got_loss), executable = _run(
+        _keyed_step, method_cls(num_micro_batches=2), w, {**rows, "key": key}
+    )
+
+    def value_and_grad(w, chunk):
+        return jax.value_and_grad(_keyed_loss)(w, {**chunk, "key": key})
+
+    loss, grad = _serial_accumulation(value_and_grad, w, _chunks(rows, 2))
+    assert_allclose(got_loss, loss, rtol=1e-5, atol=1e-6)
+    assert_allclose(got_w, w - LR * grad, rtol=1e-5, atol=1e-6)
+    if method_cls is alpa.DataParallel:
+        hlo = executable.get_hlo_text()
+        assert count_loop_communication_primitives(hlo).total == 0
+        assert count_communication_primitives(hlo, ignore_scalar_all_reduce=True).all_reduce == 1
