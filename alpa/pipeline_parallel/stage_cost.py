@@ -335,6 +335,7 @@ def _gradient_row_sums(program: PipelineProgram, comps) -> dict:
                 continue
             eqn = producer.get(v)
             name = eqn.primitive.name if eqn is not None else None
+            passes = name in _PASS_TO_GRADIENT or _sums_nothing(eqn)
             if eqn in bodies and eqn.outvars.index(v) >= bodies[eqn][1]:
                 inner = bodies[eqn][0].outvars[eqn.outvars.index(v)]
                 if not is_var(inner):
@@ -344,9 +345,9 @@ def _gradient_row_sums(program: PipelineProgram, comps) -> dict:
                     continue
                 else:
                     sums_of[v] = sums_of[inner]
-            elif name in _ROW_SUM_PRIMITIVES:
+            elif name in _ROW_SUM_PRIMITIVES and not passes:
                 sums_of[v] = frozenset((v,))
-            elif name not in _PASS_TO_GRADIENT:
+            elif not passes:
                 sums_of[v] = frozenset()
             else:
                 operands = [x for x in eqn.invars if is_var(x)]
@@ -363,6 +364,16 @@ def _gradient_row_sums(program: PipelineProgram, comps) -> dict:
         for v in row_sums(operand):
             found[v] = (*found.get(v, ()), operand)
     return found
+
+
+def _sums_nothing(eqn) -> bool:
+    """A ``reduce_sum`` over dimensions of size 1 only (a broadcast bias's transpose after
+    its row sum): a reshape, not the row sum."""
+    return (
+        eqn is not None
+        and eqn.primitive.name == "reduce_sum"
+        and all(eqn.invars[0].aval.shape[a] == 1 for a in eqn.params["axes"])
+    )
 
 
 def _layer_facts(problem: StageProblem, layer: int) -> _LayerFacts:
