@@ -94,6 +94,7 @@ from alpa.shard_parallel.strategy_rules import ELEMENTWISE, REDUCTIONS
 from alpa.tracing import TracedStep
 from alpa.tracing.flops import jaxpr_flops
 from alpa.tracing.jaxpr_util import is_var, nbytes, nested_eqns
+from alpa.tracing.primitive_def import passes_through
 from alpa.util import map_on_threads
 
 LOGICAL_SHAPE_SPACES = (
@@ -350,7 +351,11 @@ def _gradient_row_sums(program: PipelineProgram, comps) -> dict:
             elif not passes:
                 sums_of[v] = frozenset()
             else:
-                operands = [x for x in eqn.invars if is_var(x)]
+                # A marker's output is its operand of the same position, not the others.
+                operands = eqn.invars
+                if passes_through(eqn):
+                    operands = [eqn.invars[eqn.outvars.index(v)]]
+                operands = [x for x in operands if is_var(x)]
                 pending = [x for x in operands if x not in sums_of]
                 if pending:  # their sums first (a jaxpr has no cycles)
                     stack.extend(pending)

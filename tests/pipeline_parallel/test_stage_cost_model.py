@@ -319,3 +319,32 @@ def test_a_checkpointed_layer_defers_its_gradient_reduction_as_a_written_out_one
         assert cost.gradient_sync == pytest.approx(_all_reduce(PARAM_BYTES, n), rel=1e-9)
         assert cost.gradient_sync == pytest.approx(priced[False][key].gradient_sync, rel=1e-9)
         assert cost.communication == pytest.approx(priced[False][key].communication, rel=1e-9)
+
+
+def test_each_gradient_row_sum_makes_its_own_gradient():
+    """``_LayerFacts.gradients``: walking back from each gradient the marker receives,
+    a pipeline marker's output leads to its operand of the same position only. Each
+    Dense layer's kernel and bias row sums make their own gradient; the input cotangent
+    (``f32[256, 64]``, a ``dot_general`` that sums nothing over the batch), which the
+    backward's end marker also passes, is not taken for one."""
+    seen = {}
+
+    def recording(problem):
+        seen["problem"] = problem
+        return AnalyticStageCost()(problem)
+
+    step, params, batch = _dense_stack_step(False)
+    method = alpa.PipeshardParallel(
+        devices=CLUSTER,
+        num_micro_batches=16,
+        layer_option=alpa.AutoLayerOption(layer_num=4),
+        stage_option=AutoStageOption(cost_model=recording),
+    )
+    alpa.parallelize(step, method=method).plan(params, batch)
+    for layer in range(3):  # the Dense layers without the loss
+        gradients = seen["problem"].layer_facts[layer].gradients
+        made = sorted(
+            (tuple(v.aval.shape), tuple(tuple(g.aval.shape) for g in gs))
+            for v, gs in gradients.items()
+        )
+        assert made == [((WIDTH,), ((WIDTH,),)), ((WIDTH, WIDTH), ((WIDTH, WIDTH),))], made
