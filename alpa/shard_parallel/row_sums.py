@@ -181,6 +181,13 @@ def deferrable(
         return [u for u in eqn.invars if isinstance(u, Var) and u in deferred]
 
     inside: dict[JaxprEqn, set[Var]] = {}  # per body equation, its body's deferred values
+    solved: dict[tuple[JaxprEqn, frozenset[int]], set[Var]] = {}  # by the outputs wanted
+
+    def in_body(eqn: JaxprEqn, body: Jaxpr) -> set[Var]:
+        wanted = frozenset(i for i, v in enumerate(eqn.outvars) if v in deferred)
+        if (eqn, wanted) not in solved:  # a body is solved again only when wanted shrinks
+            solved[eqn, wanted] = _deferrable_in_body(body, wanted, dims, keep)
+        return solved[eqn, wanted]
 
     def holds(v: Var) -> bool:
         eqn = producer[v]
@@ -206,7 +213,7 @@ def deferrable(
 
     while True:
         inside = {
-            eqn: _deferrable_in_body(eqn, body, deferred, dims, keep)
+            eqn: in_body(eqn, body)
             for eqn, (body, _) in bodies.items()
             if any(v in deferred for v in eqn.outvars)
         }
@@ -244,10 +251,9 @@ def bodies_passing_row_sums(eqns) -> dict[JaxprEqn, tuple[Jaxpr, int]]:
     return {eqn: bf for eqn, bf in found.items() if count[id(bf[0])] == 1}
 
 
-def _deferrable_in_body(eqn: JaxprEqn, body: Jaxpr, deferred, dims, keep) -> set[Var]:
-    """The values of ``body`` (of ``eqn``) deferred so that the body returns partial sums
-    for the outputs of ``eqn`` in ``deferred``; its other results are read whole."""
-    wanted = {i for i, v in enumerate(eqn.outvars) if v in deferred}
+def _deferrable_in_body(body: Jaxpr, wanted: frozenset[int], dims, keep) -> set[Var]:
+    """The values of ``body`` deferred so that it returns partial sums for its results at
+    positions ``wanted``; its other results are read whole."""
     results = [v for i, v in enumerate(body.outvars) if i in wanted and isinstance(v, Var)]
     whole = [v for i, v in enumerate(body.outvars) if i not in wanted and isinstance(v, Var)]
     sub = new_jaxpr(body, body.constvars, body.invars, results, body.eqns)

@@ -15,6 +15,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from test_auto_stages import make_train_step, mlp_state
@@ -253,9 +255,7 @@ def test_fused_temporaries_keep_what_a_matmul_or_a_non_fusible_reader_needs():
 
 def _dense_stack_step(checkpointed: bool):
     """Four Dense(64) layers, each under ``jax.checkpoint`` when ``checkpointed``, with
-    plain SGD; and its abstract state and batch (256 rows)."""
-    import jax
-    import jax.numpy as jnp
+    plain SGD; and its abstract parameters and batch (16 micro-batches of 256 rows)."""
 
     def dense(h, w, b):
         return jnp.tanh(h @ w + b)
