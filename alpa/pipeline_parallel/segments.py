@@ -43,7 +43,7 @@ Segments = list[list[JaxprEqn]]
 # inside a loss function is differentiated like its body). ``custom_jvp_call`` /
 # ``custom_vjp_call`` keep their own derivative rules and ``checkpoint`` its
 # rematerialization, so they stay whole.
-_TRANSPARENT_CALLS = ("jit", "pjit", "closed_call", "core_call")
+TRANSPARENT_CALLS = ("jit", "pjit", "closed_call", "core_call")
 
 
 def is_boundary(eqn: JaxprEqn) -> bool:
@@ -94,28 +94,36 @@ def rewrite_traced(
         values = [leaves[i] for i in dynamic]
         closed, out_shape = jax.make_jaxpr(flat_fun, return_shape=True)(*values)
         if inline_jit:
-            closed = inline_calls(closed, _TRANSPARENT_CALLS)
+            closed = inline_calls(closed, TRANSPARENT_CALLS)
         outs = rewrite(closed, values)
         return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
 
     return wrapped
 
 
-def unroll_layer_scans(closed: ClosedJaxpr, num_layers: int) -> ClosedJaxpr:
-    """``closed`` with each of its scans that holds at least one layer's share of the
-    FLOPs (``1 / num_layers``) replaced by its iterations, so that layer clustering can
-    cut between them: a model whose blocks are one ``nn.scan`` gets the layers of the
-    same model unrolled. A smaller scan (a loop over time steps, say) stays one equation.
-    Only scans of ``closed`` itself are unrolled, not those inside their bodies."""
+def layer_scan_indices(closed: ClosedJaxpr, num_layers: int) -> set[int]:
+    """The positions of ``closed``'s *layer scans*: its scans (of more than one
+    iteration) that hold at least one layer's share of the FLOPs (``1 / num_layers``).
+    Only scans of ``closed`` itself, not those inside their bodies."""
     eqns = closed.jaxpr.eqns
     total = sum(eqn_flops(e) for e in eqns)
-    unrolled = {
-        id(e)
-        for e in eqns
+    return {
+        j
+        for j, e in enumerate(eqns)
         if e.primitive is lax.scan_p
         and e.params["length"] > 1
         and eqn_flops(e) * num_layers >= total > 0
     }
+
+
+def unroll_layer_scans(closed: ClosedJaxpr, num_layers: int) -> ClosedJaxpr:
+    """``closed`` with each of its layer scans (:func:`layer_scan_indices`) replaced by
+    its iterations, so that layer clustering can cut between them: a model whose blocks
+    are one ``nn.scan`` gets the layers of the same model unrolled. A smaller scan (a
+    loop over time steps, say) stays one equation. ``layer_scans.cut_keeping_scans``
+    cuts the same way and keeps a scan per run of whole iterations in a layer."""
+    eqns = closed.jaxpr.eqns
+    unrolled = {id(eqns[j]) for j in layer_scan_indices(closed, num_layers)}
     if not unrolled:
         return closed
 
@@ -130,7 +138,7 @@ def unroll_layer_scans(closed: ClosedJaxpr, num_layers: int) -> ClosedJaxpr:
         return [read(env, v) for v in closed.jaxpr.outvars]
 
     avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in closed.jaxpr.invars]
-    return inline_calls(jax.make_jaxpr(run)(*avals), _TRANSPARENT_CALLS)
+    return inline_calls(jax.make_jaxpr(run)(*avals), TRANSPARENT_CALLS)
 
 
 def _iterate(eqn: JaxprEqn, operands: list) -> list:
