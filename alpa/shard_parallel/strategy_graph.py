@@ -21,9 +21,10 @@ liveness sees the body's values come and go. Its ``eqns`` are those the plan nam
 A ``scan`` is planned the same way, as one iteration of its loop (:meth:`_Builder._add_scan`):
 its body's equations are nodes whose costs count ``length`` times; each carry and each row
 of a stacked input is a node of its own (``StrategyGraph.body_inputs``), the carry tied to
-one spec across iterations by an edge from the body's new value; each stacked output follows
-the body value it stacks. The branches of a ``cond`` are planned together
-(:meth:`_Builder._add_cond`): each branch's equations are nodes, and each result is a node
+one spec across iterations by an edge from the body's new value, a row of a step input read
+from it through an edge, a row of a value the step computes following that value's spec;
+each stacked output follows the body value it stacks. The branches of a ``cond`` are planned
+together (:meth:`_Builder._add_cond`): each branch's equations are nodes, and each result is a node
 that every branch's value is resharded into, so that the branches return one sharding.
 ``StrategyGraph.control_flow`` lists the scans and conds planned; the lowering keeps each
 one a loop or a branch.
@@ -244,6 +245,7 @@ def build_strategy_graph(
     for var in jaxpr.constvars:
         builder.add_node(f"constant {var}", (var,), (_whole(var),), None)
     input_nodes = []
+    builder.inputs = set(jaxpr.invars)
     all_specs: dict[tuple[int, ...], list[Spec]] = {}
     input_strategies: dict[tuple[Spec, ...], tuple[Strategy, ...]] = {}
     for i, var in enumerate(jaxpr.invars):
@@ -383,6 +385,8 @@ class _Builder:
         # The user's sharding constraints on another mesh than this one (not planned).
         self.foreign_constraints: list[JaxprEqn] = []
         self.body_inputs: list[Var] = []
+        # The step's inputs (a scan's rows of them keep a node of their own: _loop_input).
+        self.inputs: set[Var] = set()
 
     def add_node(self, label, outvars, strategies, follow, combined=False, shared=False) -> int:
         """``shared``: ``strategies`` is an entry of the shared pricing cache, which keeps
@@ -558,9 +562,10 @@ class _Builder:
         the initial value prices resharding it once before the loop, and one from the
         body's new value back to it prices resharding that value every iteration. Each
         stacked input's slice is a node whose spec is the stacked operand's on the
-        non-scanned axes (the scanned axis whole: each iteration reads its own row), fed
-        by an edge from the operand priced once. Each stacked output follows the body's
-        value it stacks. The scan's final carries are the carry nodes' values.
+        non-scanned axes (the scanned axis whole: each iteration reads its own row): of a
+        step input, fed by an edge from it priced once; of a value the step computes, its
+        spec (:meth:`_row_of`). Each stacked output follows the body's value it stacks.
+        The scan's final carries are the carry nodes' values.
         """
         params = eqn.params
         body = params["jaxpr"].jaxpr
@@ -692,11 +697,39 @@ class _Builder:
     def _loop_input(self, label: str, outer, var: Var, stacked: bool) -> int:
         """The node of a scan body's carry or row ``var``, fed by ``outer`` (the initial
         carry, or the stacked operand: read with its scanned axis whole)."""
+        if stacked and not isinstance(outer, Literal) and outer not in self.inputs:
+            return self._row_of(label, outer, var)
         strategies = self._any_spec("row" if stacked else "carry", var, stacked)
         node = self.add_node(label, (var,), strategies, None)
         self.body_inputs.append(var)
         if not isinstance(outer, Literal):
             self._body_edge(self.sources[outer], node, outer, operand=True)
+        return node
+
+    def _row_of(self, label: str, outer, var: Var) -> int:
+        """A scan's row ``var`` of a stacked operand ``outer`` that the step computes (a
+        forward scan's stacked residuals, read by the backward's transposed scan): it
+        follows the operand, each iteration reading its row in the operand's spec on the
+        other axes, as the iterations written out read their rows of it, and every reader
+        in the body reshards it as it needs (an edge each). An operand split on the
+        scanned axis is gathered there once, before the loop.
+
+        A row of a step input (a stacked parameter) keeps a node of its own, read from the
+        input through one edge (``_loop_input``): the parameter is stored in one spec and
+        each scan reads its rows in another if that is cheaper."""
+        source = self.sources[outer]
+        total = nbytes(outer.aval.shape, itemsize(outer.aval))
+        strategies = []
+        for spec in self._specs_of(source):
+            whole = ((),) + tuple(spec[1:])
+            cost = (
+                0.0
+                if tuple(spec) == whole
+                else float(self._matrix((tuple(spec),), (whole,), total)[0, 0]) * self.scale
+            )
+            strategies.append(Strategy("row", (tuple(spec[1:]),), (tuple(spec),), comm_cost=cost))
+        node = self.add_node(label, (var,), tuple(strategies), source[0])
+        self.body_inputs.append(var)
         return node
 
     def _body_edge(self, source: Source, node: int, var, operand: bool = False) -> None:

@@ -32,6 +32,7 @@ from jax.sharding import PartitionSpec as P
 import alpa
 from alpa.model.gpt import GPTConfig, get_gpt_train_state_and_step, gpt_lm_loss
 from alpa.shard_parallel.auto_sharding import solve_auto_sharding
+from alpa.shard_parallel.strategy_graph import GraphOptions, build_strategy_graph
 from alpa.testing import assert_allclose, program_text
 from alpa.testing import run_auto_sharded as _compile
 from alpa.testing import unit_cost_mesh as _mesh
@@ -145,6 +146,48 @@ def test_a_scanned_stack_matches_serial_and_keeps_its_loops(kind):
     _, deep_executable = _compile(_mlp_step(kind, 2 * L), deeper, batch, (2, 4))
     deep_hlo = deep_executable.get_hlo_text()
     assert len(re.findall(r" dot\(", deep_hlo)) == len(re.findall(r" dot\(", hlo)) > 0
+
+
+def test_a_row_of_a_computed_stack_follows_it_and_a_row_of_an_input_is_read_through_an_edge():
+    """A scan's row of a stacked value the step computes (the residuals a forward scan
+    stacks for the backward's transposed scan) follows that value: each iteration reads it
+    in the value's spec on the other axes, as the written-out iterations read their rows
+    of it (each reader in the body resharding as it needs). A row of a step input (a
+    stacked parameter) is a node of its own, read from the input through one edge priced
+    once, so the parameter is stored in one spec and read in another."""
+
+    def f(w, x):
+        def forward(h, wi):
+            h = jnp.tanh(h @ wi)
+            return h, h
+
+        _, stacked = lax.scan(forward, x, w)  # rows of the input w; a computed stack
+
+        def backward(c, row):
+            return c + row * row.sum(), None
+
+        out, _ = lax.scan(backward, jnp.zeros_like(x), stacked)  # rows of the stack
+        return out.sum()
+
+    w, x = jnp.ones((L, H, H)), jnp.ones((B, H))
+    closed = jax.make_jaxpr(f)(w, x)
+    graph = build_strategy_graph(closed, _mesh((2, 4)), GraphOptions())
+    rows = [n for n in graph.nodes if n.label.startswith("row of eqn")]
+    assert len(rows) == 2
+    of_input, of_stack = rows
+    scans = [e for e in closed.jaxpr.eqns if e.primitive.name == "scan"]
+    stack_node, _ = graph.sources[scans[1].invars[-1]]
+    assert of_stack.follow == stack_node
+    assert [s.in_specs[0] for s in of_stack.strategies] == [
+        s.out_specs[0] for s in graph.nodes[stack_node].strategies
+    ]
+    assert [s.out_specs[0] for s in of_stack.strategies] == [
+        s.out_specs[0][1:] for s in graph.nodes[stack_node].strategies
+    ]
+    assert not any(e.dst == of_stack.id for e in graph.edges)
+    assert of_input.follow is None
+    (edge,) = [e for e in graph.edges if e.dst == of_input.id]
+    assert graph.nodes[edge.src].label == "input 0"
 
 
 # ----------------------------------------------------------------------------- the GPT
