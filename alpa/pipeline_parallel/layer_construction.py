@@ -56,6 +56,7 @@ import jax
 import numpy as np
 from jax.extend.core import ClosedJaxpr, Var
 
+from alpa.pipeline_parallel.layer_scans import cut_keeping_scans
 from alpa.pipeline_parallel.remat import clustered_remat
 from alpa.pipeline_parallel.segments import (
     Segments,
@@ -67,7 +68,6 @@ from alpa.pipeline_parallel.segments import (
     is_boundary,
     rewrite_traced,
     segment_interface,
-    unroll_layer_scans,
 )
 from alpa.tracing.jaxpr_util import (
     eval_eqns,
@@ -204,11 +204,13 @@ class AutoLayerOption:
                 f"fine_grained_remat_layer_num={segments}, layer_eps={self.layer_eps})",
             )
 
-        def rewrite(closed: ClosedJaxpr, values: list) -> list:
-            closed = unroll_layer_scans(closed, self.layer_num)
-            segments = clustered_segments(
-                closed.jaxpr.eqns, self.layer_num, self.layer_eps, self._what(), "the loss function"
+        def cut(eqns) -> Segments:
+            return clustered_segments(
+                eqns, self.layer_num, self.layer_eps, self._what(), "the loss function"
             )
+
+        def rewrite(closed: ClosedJaxpr, values: list) -> list:
+            closed, segments = cut_keeping_scans(closed, self.layer_num, cut)
             return _eval_layered(closed, segments, values)
 
         return rewrite_traced(fun, rewrite, self.static_argnums, inline_jit=True)

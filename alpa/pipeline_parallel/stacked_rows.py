@@ -42,7 +42,7 @@ from jax import lax
 from jax.extend.core import ClosedJaxpr, JaxprEqn, Literal
 from jax.sharding import NamedSharding, PartitionSpec
 
-from alpa.runtime.placement import StackedRows
+from alpa.runtime.placement import StackedRows, stacked_parts
 from alpa.tracing import TracedStep
 from alpa.tracing.jaxpr_util import bind_eqn, is_var, read
 from alpa.tracing.primitive_def import pipeline_p
@@ -65,21 +65,41 @@ _REDUCTIONS = {"reduce_sum": lax.add, "reduce_max": lax.max, "reduce_min": lax.m
 
 @dataclass(eq=False)
 class _Rows:
-    """A value of shape ``[L, ...]`` held as its ``L`` rows (each of shape ``[...]``);
-    ``None`` is a row known to be zero. ``roots`` are the split inputs it was computed
-    from."""
+    """A value of shape ``[L, ...]`` held as its parts: rows ``[a, a + 1)`` (each of shape
+    ``[...]``) and blocks ``[a, b)`` of several rows (``[b - a, ...]``), cut at ``bounds``
+    (``0 = bounds[0] < ... < bounds[-1] = L``); ``None`` is a part known to be zero.
+    ``roots`` are the split inputs it was computed from."""
 
     rows: list
+    bounds: tuple
     aval: Any
     roots: frozenset
 
+    def size(self, i: int) -> int:
+        return self.bounds[i + 1] - self.bounds[i]
+
     def row(self, i: int):
         r = self.rows[i]
-        return lax.full(self.aval.shape[1:], 0, self.aval.dtype) if r is None else r
+        if r is not None:
+            return r
+        n = self.size(i)
+        shape = self.aval.shape[1:] if n == 1 else (n, *self.aval.shape[1:])
+        return lax.full(shape, 0, self.aval.dtype)
 
     def whole(self):
-        rows = [lax.expand_dims(self.row(i), (0,)) for i in range(len(self.rows))]
+        rows = [
+            lax.expand_dims(self.row(i), (0,)) if self.size(i) == 1 else self.row(i)
+            for i in range(len(self.rows))
+        ]
         return lax.concatenate(rows, 0)
+
+
+def _part_shape(shape: tuple, a: int, b: int) -> tuple:
+    return tuple(shape[1:]) if b - a == 1 else (b - a, *shape[1:])
+
+
+def _sizes(bounds: tuple) -> tuple:
+    return tuple(b - a for a, b in zip(bounds, bounds[1:], strict=False))
 
 
 @dataclass(frozen=True)
@@ -88,10 +108,12 @@ class RowSplit:
 
     Attributes:
       original: the step as traced (its leaves, what callers pass and get back).
-      traced: the step with each split leaf as one leaf per row (and as ``prepare``
-        rewrote it; with no leaf split, only that).
-      inputs: per split input leaf of ``original`` (position), its number of rows.
-      outputs: per split output leaf of ``original`` (position), its number of rows.
+      traced: the step with each split leaf as one leaf per part (a row, or a block of
+        rows that one scan reads), and as ``prepare`` rewrote it (with no leaf split, only
+        that).
+      inputs: per split input leaf of ``original`` (position), the bounds of its parts
+        (``(0, ..., L)``: part ``k`` is rows ``bounds[k]:bounds[k + 1]``).
+      outputs: per split output leaf of ``original`` (position), the same.
     """
 
     original: TracedStep
@@ -104,13 +126,13 @@ class RowSplit:
         rows (a :class:`StackedRows` gives its own)."""
         out: list = []
         for i, x in enumerate(leaves):
-            n = self.inputs.get(i)
-            if n is None:
+            bounds = self.inputs.get(i)
+            if bounds is None:
                 out.append(x)
-            elif isinstance(x, StackedRows) and len(x.rows) == n:
+            elif isinstance(x, StackedRows) and x.sizes == _sizes(bounds):
                 out.extend(x.rows)
             else:
-                out.extend(x[r] for r in range(n))
+                out.extend(stacked_parts(x, _sizes(bounds)))
         return out
 
     def join_outputs(self, outputs: Sequence[Any]) -> list:
@@ -123,12 +145,16 @@ class RowSplit:
         return _join(leaves, self.inputs, len(self.original.in_avals))
 
 
-def _join(values: Sequence[Any], counts: dict, size: int) -> list:
+def _join(values: Sequence[Any], split: dict, size: int) -> list:
     out: list = []
     it = iter(values)
     for i in range(size):
-        n = counts.get(i)
-        out.append(next(it) if n is None else StackedRows([next(it) for _ in range(n)]))
+        bounds = split.get(i)
+        if bounds is None:
+            out.append(next(it))
+        else:
+            sizes = _sizes(bounds)
+            out.append(StackedRows([next(it) for _ in sizes], sizes))
     return out
 
 
@@ -164,43 +190,54 @@ def _with_prepared_retraces(step: TracedStep, prepare) -> TracedStep:
 
 
 def _candidates(traced: TracedStep) -> dict:
-    """Per input that may be split (position), its rows: those read one row at a time
-    (through markers), and inputs of their shapes (their optimizer state)."""
+    """Per input that may be split (position), the bounds of its parts: inputs read by
+    slices of rows on axis 0 (through markers), cut at every slice's ends, and inputs of
+    their shapes (their optimizer state) cut the same way, when all inputs of the shape
+    are cut alike."""
     jaxpr = traced.jaxpr
     origin = {v: i for i, v in enumerate(jaxpr.invars)}
-    read_by_rows: set = set()
+    read: dict = {}  # input -> the (start, end) of its slices on axis 0
     for eqn in jaxpr.eqns:
         if eqn.primitive is pipeline_p:
             for a, b in zip(eqn.invars, eqn.outvars, strict=False):
                 if is_var(a) and a in origin:
                     origin[b] = origin[a]
-        elif (
-            eqn.primitive.name == "slice"
-            and is_var(eqn.invars[0])
-            and eqn.invars[0] in origin
-            and _row_of(eqn) is not None
-        ):
-            read_by_rows.add(origin[eqn.invars[0]])
-    shapes = {traced.in_avals[i].shape for i in read_by_rows}
-    return {
-        i: aval.shape[0]
-        for i, aval in enumerate(traced.in_avals)
-        if aval.shape in shapes and aval.shape[0] > 1 and not traced.batch_invars[i]
-    }
+        elif eqn.primitive.name == "slice" and is_var(eqn.invars[0]) and eqn.invars[0] in origin:
+            rows = _rows_of(eqn)
+            if rows is not None:
+                read.setdefault(origin[eqn.invars[0]], set()).add(rows)
+    cut_by_shape: dict = {}
+    for i, slices in read.items():
+        length = traced.in_avals[i].shape[0]
+        bounds = tuple(sorted({0, length, *(x for ab in slices for x in ab)}))
+        cut_by_shape.setdefault(traced.in_avals[i].shape, set()).add(bounds)
+    out = {}
+    for i, aval in enumerate(traced.in_avals):
+        if aval.shape[:1] in ((), (0,), (1,)) or traced.batch_invars[i]:
+            continue
+        if i in read:
+            length = aval.shape[0]
+            out[i] = tuple(sorted({0, length, *(x for ab in read[i] for x in ab)}))
+        elif len(cut_by_shape.get(aval.shape, ())) == 1:
+            (out[i],) = cut_by_shape[aval.shape]
+    return {i: b for i, b in out.items() if len(b) > 2}
 
 
-def _row_of(eqn: JaxprEqn) -> int | None:
-    """The row a ``slice`` equation reads when it reads one row on axis 0."""
+def _rows_of(eqn: JaxprEqn) -> tuple[int, int] | None:
+    """The rows ``(start, end)`` a ``slice`` equation reads on axis 0 (with stride 1),
+    when they are not all of them."""
     start, limit = eqn.params["start_indices"], eqn.params["limit_indices"]
     strides = eqn.params["strides"]
-    if limit[0] - start[0] != 1 or (strides is not None and strides[0] != 1):
+    if strides is not None and strides[0] != 1:
         return None
-    return int(start[0])
+    if limit[0] - start[0] == eqn.invars[0].aval.shape[0]:
+        return None
+    return int(start[0]), int(limit[0])
 
 
 def _rewrite(traced: TracedStep, candidates: dict):
     """The step with ``candidates`` split; the candidates the rewrite had to concatenate;
-    the rows of each split input and output."""
+    the bounds of the parts of each split input and output."""
     closed = traced.closed_jaxpr
     rewriter = _Rewriter(set(candidates.values()))
     out_rows: dict = {}
@@ -209,11 +246,12 @@ def _rewrite(traced: TracedStep, candidates: dict):
         it = iter(flat)
         env: dict = dict(zip(closed.jaxpr.constvars, closed.consts, strict=True))
         for i, v in enumerate(closed.jaxpr.invars):
-            n = candidates.get(i)
-            if n is None:
+            bounds = candidates.get(i)
+            if bounds is None:
                 env[v] = next(it)
             else:
-                env[v] = _Rows([next(it) for _ in range(n)], v.aval, frozenset((i,)))
+                parts = [next(it) for _ in bounds[1:]]
+                env[v] = _Rows(parts, bounds, v.aval, frozenset((i,)))
         for eqn in closed.jaxpr.eqns:
             outs = rewriter.eval(eqn, [read(env, v) for v in eqn.invars])
             env.update(zip(eqn.outvars, outs, strict=True))
@@ -221,7 +259,7 @@ def _rewrite(traced: TracedStep, candidates: dict):
         for j, v in enumerate(closed.jaxpr.outvars):
             value = read(env, v)
             if isinstance(value, _Rows) and value.roots:  # computed from split inputs
-                out_rows[j] = len(value.rows)
+                out_rows[j] = value.bounds
                 result.extend(value.row(r) for r in range(len(value.rows)))
             else:  # an input left whole (or a gradient alone) is returned whole
                 result.append(value.whole() if isinstance(value, _Rows) else value)
@@ -229,12 +267,14 @@ def _rewrite(traced: TracedStep, candidates: dict):
 
     avals = []
     for i, aval in enumerate(traced.in_avals):
-        n = candidates.get(i)
+        bounds = candidates.get(i)
         weak = bool(getattr(aval, "weak_type", False))
-        if n is None:
+        if bounds is None:
             avals.append(jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=weak))
-        else:
-            avals.extend([jax.ShapeDtypeStruct(aval.shape[1:], aval.dtype, weak_type=weak)] * n)
+            continue
+        for a, b in zip(bounds, bounds[1:], strict=False):
+            shape = _part_shape(aval.shape, a, b)
+            avals.append(jax.ShapeDtypeStruct(shape, aval.dtype, weak_type=weak))
     new = inline_calls(jax.make_jaxpr(run)(*avals))
     return _without_unread_values(new), rewriter.concatenated, dict(candidates), out_rows
 
@@ -245,10 +285,13 @@ class _Rewriter:
     A row read (``slice`` of one row) gives the row with a leading axis of 1 added, and
     the ``squeeze`` / ``reshape`` that removes it gives the row itself again, with no
     equation between: the backward pass then reads the step's input, as in the model
-    written out, not a value the forward pass would keep for it."""
+    written out, not a value the forward pass would keep for it. A block read (``slice``
+    of the rows of one part, what a scan over some blocks reads) is the part itself.
+    ``cuts`` are the bounds of the split inputs (a ``pad`` of a part into ``[L, ...]``
+    is held as the parts of the first of them that has it)."""
 
-    def __init__(self, lengths: set):
-        self.lengths = lengths
+    def __init__(self, cuts: set):
+        self.cuts = sorted(cuts)
         self.concatenated: set = set()
         self._rows_of: dict = {}  # id(a [1, ...] value) -> (it, the [...] row it holds)
         self._zeros: dict = {}  # id -> a broadcast zero (kept alive: ids stay unique)
@@ -258,7 +301,7 @@ class _Rewriter:
         rows = [x for x in values if isinstance(x, _Rows)]
         if not rows:
             if name == "pad":
-                made = self._pad_of_row(eqn, values)
+                made = self._pad_of_part(eqn, values)
                 if made is not None:
                     return [made]
             if name in ("squeeze", "reshape") and id(values[0]) in self._rows_of:
@@ -281,17 +324,19 @@ class _Rewriter:
             return outs
         if eqn.primitive is pipeline_p:
             return _marker(eqn, values)
-        if name == "slice" and isinstance(values[0], _Rows) and _row_of(eqn) is not None:
-            return [self._slice_row(eqn, values[0])]
+        if name == "slice" and isinstance(values[0], _Rows):
+            part = self._slice_part(eqn, values[0])
+            if part is not None:
+                return [part]
         out = eqn.outvars[0].aval
-        n = len(rows[0].rows)
+        bounds = rows[0].bounds
         if (
             name in ELEMENTWISE
             and out.shape == rows[0].aval.shape
-            and all(len(r.rows) == n for r in rows)
+            and all(r.bounds == bounds for r in rows)
             and all(isinstance(x, _Rows) or np.shape(x) in ((), out.shape) for x in values)
         ):
-            return [_rowwise(eqn, values, n)]
+            return [_rowwise(eqn, values, bounds)]
         if name in _REDUCTIONS and len(values) == 1:
             return [_reduce(eqn, values[0])]
         for r in rows:
@@ -304,30 +349,52 @@ class _Rewriter:
         self._rows_of[id(held)] = (held, row)
         return held
 
-    def _pad_of_row(self, eqn: JaxprEqn, values: list) -> _Rows | None:
-        """A ``pad`` of one row into ``[L, ...]`` with zeros (a row read's transpose), as
-        rows; ``None`` for any other pad."""
+    def _pad_of_part(self, eqn: JaxprEqn, values: list) -> _Rows | None:
+        """A ``pad`` of rows ``[a, b)`` into ``[L, ...]`` with zeros (the transpose of a
+        part's read), as parts, when ``[a, b)`` is a part of some split input's cut;
+        ``None`` for any other pad."""
         operand, fill = eqn.invars
         aval = eqn.outvars[0].aval
         config = eqn.params["padding_config"]
         if (
-            operand.aval.shape[:1] != (1,)
-            or aval.shape[0] not in self.lengths
+            not operand.aval.shape
             or not _is_zero(fill)
             or config[0][2] != 0
+            or min(config[0][:2]) < 0
             or any(tuple(c) != (0, 0, 0) for c in config[1:])
         ):
             return None
-        held = self._rows_of.get(id(values[0]))
-        row = held[1] if held is not None and held[0] is values[0] else None
-        if row is None:
-            row = lax.squeeze(values[0], (0,))
-        rows: list = [None] * aval.shape[0]
-        rows[int(config[0][0])] = row
-        return _Rows(rows, aval, frozenset())
+        a = int(config[0][0])
+        b = a + operand.aval.shape[0]
+        bounds = next(
+            (c for c in self.cuts if c[-1] == aval.shape[0] and a in c and b in c and
+             c.index(b) == c.index(a) + 1),
+            None,
+        )  # fmt: skip
+        if bounds is None:
+            return None
+        if b - a == 1:
+            held = self._rows_of.get(id(values[0]))
+            row = held[1] if held is not None and held[0] is values[0] else None
+            part = lax.squeeze(values[0], (0,)) if row is None else row
+        else:
+            part = values[0]
+        rows: list = [None] * (len(bounds) - 1)
+        rows[bounds.index(a)] = part
+        return _Rows(rows, bounds, aval, frozenset())
 
-    def _slice_row(self, eqn: JaxprEqn, value: _Rows):
-        held = self._expanded(value.row(_row_of(eqn)))
+    def _slice_part(self, eqn: JaxprEqn, value: _Rows):
+        """A ``slice`` of ``value`` whose rows are one of its parts, from that part (a
+        row with its leading axis of 1); ``None`` when its rows are not one part."""
+        rows = _rows_of(eqn)
+        bounds = value.bounds
+        if rows is None or rows[0] not in bounds or rows[1] not in bounds:
+            return None
+        k = bounds.index(rows[0])
+        if bounds[k + 1] != rows[1]:
+            return None
+        n = rows[1] - rows[0]
+        part = self._expanded(value.row(k)) if n == 1 else value.row(k)
         start, limit = eqn.params["start_indices"], eqn.params["limit_indices"]
         strides = eqn.params["strides"]
         if (
@@ -335,9 +402,9 @@ class _Rewriter:
             and not any(start[1:])
             and (strides is None or all(s == 1 for s in strides))
         ):
-            return held
+            return part
         rest = None if strides is None else (1, *strides[1:])
-        return lax.slice(held, (0, *start[1:]), (1, *limit[1:]), rest)
+        return lax.slice(part, (0, *start[1:]), (n, *limit[1:]), rest)
 
 
 def _is_zero(v) -> bool:
@@ -349,11 +416,11 @@ def _bind(eqn: JaxprEqn, values: list) -> list:
     return list(outs) if eqn.primitive.multiple_results else [outs]
 
 
-def _rowwise(eqn: JaxprEqn, values: list, n: int) -> _Rows:
+def _rowwise(eqn: JaxprEqn, values: list, bounds: tuple) -> _Rows:
     name = eqn.primitive.name
     roots = frozenset().union(*(x.roots for x in values if isinstance(x, _Rows)))
     out_rows: list = []
-    for i in range(n):
+    for i in range(len(bounds) - 1):
         zero = [isinstance(x, _Rows) and x.rows[i] is None for x in values]
         if all(zero) and name in _ZERO_PRESERVING:
             out_rows.append(None)
@@ -361,34 +428,42 @@ def _rowwise(eqn: JaxprEqn, values: list, n: int) -> _Rows:
         if name in _ADDITIVE and len(values) == 2 and any(zero):
             other = values[1] if zero[0] else values[0]
             if isinstance(other, _Rows) or np.shape(other) != ():  # zero + x is x
-                out_rows.append(_row_operand(other, i))
+                out_rows.append(_row_operand(other, i, bounds))
                 continue
-        operands = [_row_operand(x, i) for x in values]
+        operands = [_row_operand(x, i, bounds) for x in values]
         out_rows.append(_bind(eqn, operands)[0])
-    return _Rows(out_rows, eqn.outvars[0].aval, roots)
+    return _Rows(out_rows, bounds, eqn.outvars[0].aval, roots)
 
 
-def _row_operand(x, i: int):
-    """Row ``i`` of an operand of a row-wise equation (a scalar is itself)."""
+def _row_operand(x, i: int, bounds: tuple):
+    """Part ``i`` of an operand of a row-wise equation (a scalar is itself)."""
     if isinstance(x, _Rows):
         return x.row(i)
     if np.shape(x) == ():
         return x
-    return lax.index_in_dim(x, i, axis=0, keepdims=False)
+    a, b = bounds[i], bounds[i + 1]
+    if b - a == 1:
+        return lax.index_in_dim(x, a, axis=0, keepdims=False)
+    return lax.slice_in_dim(x, a, b, axis=0)
 
 
 def _reduce(eqn: JaxprEqn, value: _Rows):
-    """A reduction of rows: each row over the other axes, then (when axis 0 is reduced
-    too) the rows' results combined."""
+    """A reduction of parts: each part over the other axes (a block over its own rows
+    too when axis 0 is reduced), then (when axis 0 is reduced) the parts' results
+    combined."""
     axes = tuple(eqn.params["axes"])
-    inner = tuple(a - 1 for a in axes if a != 0)
-    params = dict(eqn.params, axes=inner)
-    results = [
-        eqn.primitive.bind(value.row(i), **params) if inner else value.row(i)
-        for i in range(len(value.rows))
-    ]
+    results = []
+    for i in range(len(value.rows)):
+        if value.size(i) == 1:
+            inner = tuple(a - 1 for a in axes if a != 0)
+            part = value.row(i)
+            results.append(
+                eqn.primitive.bind(part, **dict(eqn.params, axes=inner)) if inner else part
+            )
+        else:
+            results.append(eqn.primitive.bind(value.row(i), **eqn.params))
     if 0 not in axes:
-        return _Rows(results, eqn.outvars[0].aval, value.roots)
+        return _Rows(results, value.bounds, eqn.outvars[0].aval, value.roots)
     combine = _REDUCTIONS[eqn.primitive.name]
     total = results[0]
     for r in results[1:]:
@@ -409,7 +484,7 @@ def _marker(eqn: JaxprEqn, values: list) -> list:
     for x in values:
         if isinstance(x, _Rows):
             rows = [None if r is None else next(marked) for r in x.rows]
-            outs.append(_Rows(rows, x.aval, x.roots))
+            outs.append(_Rows(rows, x.bounds, x.aval, x.roots))
         else:
             outs.append(next(marked))
     return outs
@@ -436,25 +511,35 @@ def _without_unread_values(closed: ClosedJaxpr) -> ClosedJaxpr:
     return ClosedJaxpr(new, closed.consts)
 
 
+def _count(split: dict, i: int) -> int:
+    """The number of leaves leaf ``i`` is split into (1 when it is not)."""
+    bounds = split.get(i)
+    return 1 if bounds is None else len(bounds) - 1
+
+
 def _split_step(
     traced: TracedStep, closed: ClosedJaxpr, in_rows: dict, out_rows: dict, prepare=None
 ):
     """The :class:`TracedStep` of the rewritten program: per-leaf fields repeated per
-    row, the trees with a tuple of rows in place of each split leaf."""
+    part, the trees with a tuple of parts in place of each split leaf."""
 
     def per_row(values: Sequence) -> tuple:
         out: list = []
         for i, x in enumerate(values):
-            out.extend([x] * in_rows.get(i, 1))
+            out.extend([x] * _count(in_rows, i))
         return tuple(out)
 
     names = []
     for i, name in enumerate(traced.leaf_names):
-        n = in_rows.get(i)
-        names.extend([name] if n is None else [f"{name}[{r}]" for r in range(n)])
+        bounds = in_rows.get(i)
+        if bounds is None:
+            names.append(name)
+            continue
+        for a, b in zip(bounds, bounds[1:], strict=False):
+            names.append(f"{name}[{a}]" if b - a == 1 else f"{name}[{a}:{b}]")
 
-    def tree(treedef, counts: dict, size: int):
-        leaves = [tuple(range(counts[i])) if i in counts else 0 for i in range(size)]
+    def tree(treedef, split: dict, size: int):
+        leaves = [tuple(range(_count(split, i))) if i in split else 0 for i in range(size)]
         return jax.tree.structure(jax.tree.unflatten(treedef, leaves))
 
     retrace = None
@@ -495,27 +580,34 @@ def caller_placements(split: RowSplit | None, specs: Sequence[Any], outputs: boo
     avals = [v.aval for v in step.jaxpr.outvars] if outputs else step.in_avals
     out, it = [], iter(specs)
     for i, aval in enumerate(avals):
-        rows = [next(it) for _ in range(counts.get(i, 1))]
+        rows = [next(it) for _ in range(_count(counts, i))]
         if i not in counts:
             out.append(rows[0])
             continue
         first = rows[0]
+        block = len(first.aval.shape) == len(aval.shape)  # a block keeps its row axis
         out.append(
             dataclasses.replace(
                 first,
                 aval=aval,
-                sharding_specs=tuple(PartitionSpec(None, *s) for s in first.sharding_specs),
-                placements=tuple(_with_row_axis(p) for p in first.placements),
+                sharding_specs=tuple(_row_axis_whole(s, block) for s in first.sharding_specs),
+                placements=tuple(_with_row_axis(p, block) for p in first.placements),
                 rows=tuple(rows),
             )
         )
     return out
 
 
-def _with_row_axis(placement):
-    """A row's placement (a ``NamedSharding``, or a Ray ``(mesh, Layout)``) for the
+def _row_axis_whole(spec, block: bool) -> PartitionSpec:
+    """A part's ``PartitionSpec`` for the whole stacked array: a row's with a leading axis
+    added, a block's with its leading axis, both not split."""
+    return PartitionSpec(None, *(tuple(spec)[1:] if block else tuple(spec)))
+
+
+def _with_row_axis(placement, block: bool = False):
+    """A part's placement (a ``NamedSharding``, or a Ray ``(mesh, Layout)``) for the
     whole stacked array: the same, with a leading axis that is not split."""
     if isinstance(placement, tuple):
         mesh, layout = placement
-        return mesh, dataclasses.replace(layout, spec=PartitionSpec(None, *layout.spec))
-    return NamedSharding(placement.mesh, PartitionSpec(None, *placement.spec))
+        return mesh, dataclasses.replace(layout, spec=_row_axis_whole(layout.spec, block))
+    return NamedSharding(placement.mesh, _row_axis_whole(placement.spec, block))

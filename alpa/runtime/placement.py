@@ -45,12 +45,16 @@ def place(value: Any, spec: PlacementSpec) -> Any:
     ``DistributedArray`` on the mesh's workers."""
     if not spec.placements:
         raise ValueError(f"no mesh holds a leaf of {spec.aval}: there is nowhere to place it")
-    if spec.rows:  # each row on its own stage's mesh
-        if isinstance(value, StackedRows) and len(value.rows) == len(spec.rows):
+    if spec.rows:  # each row (or block of rows) on its own stage's mesh
+        sizes = tuple(
+            s.aval.shape[0] if len(s.aval.shape) == len(spec.aval.shape) else 1 for s in spec.rows
+        )
+        if isinstance(value, StackedRows) and value.sizes == sizes:
             rows = value.rows
         else:
-            rows = [value[i] for i in range(len(spec.rows))]
-        return StackedRows([place(x, s) for x, s in zip(rows, spec.rows, strict=True)])
+            rows = stacked_parts(value, sizes)
+        placed = [place(x, s) for x, s in zip(rows, spec.rows, strict=True)]
+        return StackedRows(placed, sizes)
     target = spec.placements[0]
     value = whole(value)
     if isinstance(target, tuple):  # Ray: (mesh, Layout)
@@ -102,21 +106,31 @@ def leaf_placer(shardings: Sequence[Any]) -> Callable[[list], list]:
 
 
 class StackedRows:
-    """A stacked array (``[L, ...]``) held as its rows (``[...]`` each), each on the
-    mesh of the pipeline stage that reads it: what a pipelined step returns for a stacked
-    parameter it split by rows (``pipeline_parallel.stacked_rows``). Pass it back to the step and
-    each row stays where it is; read it (``np.asarray``, ``jnp.asarray``, indexing) and
-    the rows are put together (on the host)."""
+    """A stacked array (``[L, ...]``) held as its rows (``[...]`` each) or blocks of rows
+    (``[n, ...]``), each on the mesh of the pipeline stage that reads it: what a pipelined
+    step returns for a stacked parameter it split (``pipeline_parallel.stacked_rows``).
+    Pass it back to the step and each part stays where it is; read it (``np.asarray``,
+    ``jnp.asarray``, indexing) and the parts are put together (on the host).
+
+    ``sizes`` gives the number of rows of each part (default: one each); a part of one
+    row is held without the leading axis, a block of several with it."""
 
     is_stacked_rows = True
 
-    def __init__(self, rows: Sequence[Any]):
+    def __init__(self, rows: Sequence[Any], sizes: Sequence[int] | None = None):
         if not rows:
             raise ValueError("StackedRows needs at least one row")
         self.rows = list(rows)
+        self.sizes = tuple(sizes) if sizes is not None else (1,) * len(self.rows)
+        if len(self.sizes) != len(self.rows) or min(self.sizes) < 1:
+            raise ValueError(
+                f"StackedRows: sizes {self.sizes} must give each of the {len(self.rows)} "
+                "parts a number of rows >= 1"
+            )
         first = self.rows[0]
         self.dtype = first.dtype
-        self.shape = (len(self.rows), *first.shape)
+        row_shape = tuple(first.shape) if self.sizes[0] == 1 else tuple(first.shape[1:])
+        self.shape = (sum(self.sizes), *row_shape)
         self.weak_type = bool(getattr(first, "weak_type", False))
 
     @property
@@ -136,7 +150,11 @@ class StackedRows:
 
     def __array__(self, dtype=None, copy=None):
         del copy
-        out = np.stack([np.asarray(r) for r in self.rows])
+        parts = [
+            np.asarray(r)[None] if n == 1 else np.asarray(r)
+            for r, n in zip(self.rows, self.sizes, strict=True)
+        ]
+        out = np.concatenate(parts)
         return out if dtype is None else out.astype(dtype)
 
     def __jax_array__(self):
@@ -160,4 +178,18 @@ class StackedRows:
                 r.delete()
 
     def __repr__(self) -> str:
-        return f"StackedRows(shape={self.shape}, dtype={self.dtype}, rows={len(self.rows)})"
+        return (
+            f"StackedRows(shape={self.shape}, dtype={self.dtype}, rows={len(self.rows)}"
+            + ("" if set(self.sizes) == {1} else f", sizes={self.sizes}")
+            + ")"
+        )
+
+
+def stacked_parts(value: Any, sizes: Sequence[int]) -> list:
+    """``value`` (``[sum(sizes), ...]``) cut into parts of ``sizes`` rows: a part of one
+    row without the leading axis (``value[a]``), a block with it (``value[a:b]``)."""
+    parts, start = [], 0
+    for n in sizes:
+        parts.append(value[start] if n == 1 else value[start : start + n])
+        start += n
+    return parts
