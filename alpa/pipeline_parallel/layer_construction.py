@@ -56,7 +56,7 @@ import jax
 import numpy as np
 from jax.extend.core import ClosedJaxpr, Var
 
-from alpa.pipeline_parallel.layer_scans import cut_keeping_scans
+from alpa.pipeline_parallel.layer_scans import cut_keeping_scans, is_layer_cut
 from alpa.pipeline_parallel.remat import clustered_remat
 from alpa.pipeline_parallel.segments import (
     Segments,
@@ -215,12 +215,32 @@ class AutoLayerOption:
 
         return rewrite_traced(fun, rewrite, self.static_argnums, inline_jit=True)
 
+    def inference_step(self, closed_jaxpr: ClosedJaxpr) -> ClosedJaxpr:
+        """An inference step (no ``alpa.grad`` to rewrite) with its layer-sized scans cut
+        as :meth:`layers` clusters it, each layer keeping a scan over its iterations
+        (``layer_scans.cut_keeping_scans``); the cuts are boundaries that :meth:`layers`
+        then reads. A step without such a scan is returned as it is."""
+
+        def cut(eqns) -> Segments:
+            return clustered_segments(
+                eqns, self.layer_num, self.layer_eps, self._what(), "the inference step"
+            )
+
+        return cut_keeping_scans(closed_jaxpr, self.layer_num, cut)[0]
+
     def layers(self, closed_jaxpr: ClosedJaxpr) -> LayerAssignment:
         """The layer of every equation of a traced step: from the markers ``alpa.grad``
-        left (a training step), else by clustering the step's equations (inference)."""
+        left (a training step), from the cuts :meth:`inference_step` made, else by
+        clustering the step's equations (inference)."""
         eqns = closed_jaxpr.jaxpr.eqns
         if any(is_layer_marker(e) or is_grad_marker(e) for e in eqns):
             return manual_layers(closed_jaxpr)
+        if any(is_layer_cut(e) for e in eqns):
+            layer, layers = 0, []
+            for e in eqns:
+                layer += is_layer_cut(e)
+                layers.append(None if e.primitive is pipeline_p else layer)
+            return LayerAssignment(tuple(layers), None, layer + 1)
         body = [e for e in eqns if e.primitive is not pipeline_p]
         segments = clustered_segments(
             body, self.layer_num, self.layer_eps, self._what(), "the inference step"

@@ -4,8 +4,8 @@ A model whose blocks are one ``scan`` (``nn.scan``, ``lax.scan``) is one equatio
 layer clustering cannot cut. :func:`cut_keeping_scans` lets it cut the scan as it cuts the
 model written out, and then keeps the loops:
 
-1. every scan that holds at least one layer's share of the FLOPs (a *layer scan*, as
-   ``segments.unroll_layer_scans`` picks them) is written out, every iteration's body
+1. every scan that holds at least one layer's share of the FLOPs (a *layer scan*,
+   ``segments.layer_scan_indices``) is written out, every iteration's body
    equations in turn, each equation tagged with its place ``(equation of the function,
    iteration, equation of the body)``;
 2. the written-out equations are cut (clustering, ``cut``): the cuts, and so the layers,
@@ -40,11 +40,14 @@ from alpa.pipeline_parallel.segments import (
     layer_scan_indices,
 )
 from alpa.tracing.jaxpr_util import eval_eqns, initial_env, read
-from alpa.tracing.primitive_def import mark_pipeline_boundary, pipeline_p
+from alpa.tracing.primitive_def import pipeline_p
 from alpa.tracing.trace import inline_calls
 
 # The name of the markers that tag the written-out equations with their place.
 _TAG = "alpa_scan_place"
+#: The name of the boundaries the rebuilt function has at the cuts (``AutoLayerOption``
+#: reads an inference step's layers from them: ``is_layer_cut``).
+LAYER_CUT = "layer_cut"
 
 Place = tuple[int, int, int]  # (equation of the function, iteration position, body equation)
 
@@ -53,8 +56,10 @@ def cut_keeping_scans(
     closed: ClosedJaxpr, num_layers: int, cut: Callable[[Sequence[JaxprEqn]], Segments]
 ) -> tuple[ClosedJaxpr, Segments]:
     """``closed`` rebuilt with its layer scans split where ``cut`` cuts them written out,
-    and its segments (module docstring). ``cut`` takes the written-out equations and
-    returns them cut into segments; without a layer scan, it cuts ``closed``'s own."""
+    and its segments (module docstring): the rebuilt function has a boundary named
+    :data:`LAYER_CUT` at each cut, and the user's boundaries are dropped. ``cut`` takes
+    the written-out equations and returns them cut into segments; without a layer scan,
+    it cuts ``closed``'s own and ``closed`` is returned as it is."""
     scans = layer_scan_indices(closed, num_layers)
     if not scans:
         return closed, cut(closed.jaxpr.eqns)
@@ -90,6 +95,15 @@ def cut_keeping_scans(
     return new, new_segments
 
 
+def is_layer_cut(eqn: JaxprEqn) -> bool:
+    """Whether ``eqn`` is a boundary :func:`cut_keeping_scans` put at a cut."""
+    return eqn.primitive is pipeline_p and eqn.params["name"] == LAYER_CUT
+
+
+def _cut() -> None:
+    pipeline_p.bind(name=LAYER_CUT, mark_type="boundary")
+
+
 def _tag(place: Place) -> None:
     pipeline_p.bind(name=f"{_TAG}:{place[0]}:{place[1]}:{place[2]}", mark_type="boundary")
 
@@ -115,7 +129,7 @@ def _evaluate(
         if tag:
             _tag((j, 0, 0))
         elif (j, 0, 0) in cuts:
-            mark_pipeline_boundary()
+            _cut()
         if j not in bodies:
             eval_eqns([eqn], env)
             continue
@@ -160,7 +174,7 @@ def _pieces(eqn: JaxprEqn, body: ClosedJaxpr, operands: list, j: int, tag: bool,
             p = piece[1]
             i = iteration(p)
             if not tag and p > 0 and (j, p, 0) in cuts:
-                mark_pipeline_boundary()
+                _cut()
             if tag:
                 _tag((j, p, 0))
             env = initial_env(body, [*consts, *carry, *[x[i] for x in xs]])
@@ -168,7 +182,7 @@ def _pieces(eqn: JaxprEqn, body: ClosedJaxpr, operands: list, j: int, tag: bool,
                 if k > 0 and tag:
                     _tag((j, p, k))
                 elif k > 0 and (j, p, k) in cuts:
-                    mark_pipeline_boundary()
+                    _cut()
                 eval_eqns([body_eqn], env)
             outs = [read(env, v) for v in body.jaxpr.outvars]
             carry = outs[:n_carry]
@@ -176,7 +190,7 @@ def _pieces(eqn: JaxprEqn, body: ClosedJaxpr, operands: list, j: int, tag: bool,
             continue
         _, first, end = piece
         if first > 0 and (j, first, 0) in cuts:
-            mark_pipeline_boundary()
+            _cut()
         a, b = (length - end, length - first) if reverse else (first, end)
         sliced = [lax.slice_in_dim(x, a, b, axis=0) for x in xs]
         outs = lax.scan_p.bind(*consts, *carry, *sliced, **dict(params, length=b - a))
@@ -185,7 +199,7 @@ def _pieces(eqn: JaxprEqn, body: ClosedJaxpr, operands: list, j: int, tag: bool,
     if tag:
         _tag((j, length, 0))
     elif (j, length, 0) in cuts:
-        mark_pipeline_boundary()
+        _cut()
     if not n_ys:
         return list(carry)
     ordered = [blocks[i][1] for i in sorted(blocks)]

@@ -46,7 +46,6 @@ from alpa.pipeline_parallel.pipeshard_plan import PipeshardDecisions, PipeshardP
 from alpa.pipeline_parallel.runtime_emitter import emit_instructions
 from alpa.pipeline_parallel.schedule_choice import choose, price_schedules
 from alpa.pipeline_parallel.schedules import AUTO, SPLIT_BACKWARD_SCHEDULES, make_schedule
-from alpa.pipeline_parallel.segments import unroll_layer_scans
 from alpa.pipeline_parallel.stacked_rows import RowSplit, split_stacked_rows
 from alpa.pipeline_parallel.stage_construction import (
     AutoStageOption,
@@ -230,11 +229,11 @@ def plan_pipeshard(
 
 
 def pipeline_step(traced: TracedStep, layer_option) -> tuple[TracedStep, RowSplit | None]:
-    """The step a pipeline plans: with ``AutoLayerOption`` (which writes a scan over
-    blocks out: a training step's loss function while ``alpa.grad`` traces it, an
-    inference step here, as its equations are clustered), ``traced`` with its stacked
-    parameters split by rows between the stages that read them (``stacked_rows``), and
-    how; else ``traced`` as it is."""
+    """The step a pipeline plans: with ``AutoLayerOption`` (which cuts a scan over
+    blocks into one scan per layer, ``layer_scans``: a training step's loss function while
+    ``alpa.grad`` traces it, an inference step here), ``traced`` with its stacked
+    parameters split into the rows or blocks of rows that each stage reads
+    (``stacked_rows``), and how; else ``traced`` as it is."""
     option = resolve_layer_option(layer_option)
     if not isinstance(option, AutoLayerOption):
         return traced, None
@@ -242,7 +241,7 @@ def pipeline_step(traced: TracedStep, layer_option) -> tuple[TracedStep, RowSpli
     if traced.grad_marker() is None and not traced.has_backward_pass:
 
         def prepare(step: TracedStep) -> TracedStep:
-            closed = unroll_layer_scans(step.closed_jaxpr, option.layer_num)
+            closed = option.inference_step(step.closed_jaxpr)
             return dataclasses.replace(step, closed_jaxpr=closed)
 
     split = split_stacked_rows(traced, prepare)

@@ -26,14 +26,13 @@ from collections.abc import Callable, Iterator, Sequence
 from contextvars import ContextVar
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.extend.core import ClosedJaxpr, JaxprEqn, Var
 
 from alpa.pipeline_parallel.layer_clustering import cluster_layers, layer_input_bytes
 from alpa.tracing.flops import eqn_flops
-from alpa.tracing.jaxpr_util import eval_eqns, initial_env, is_var, read
+from alpa.tracing.jaxpr_util import is_var
 from alpa.tracing.primitive_def import pipeline_p
 from alpa.tracing.trace import inline_calls
 
@@ -114,48 +113,6 @@ def layer_scan_indices(closed: ClosedJaxpr, num_layers: int) -> set[int]:
         and e.params["length"] > 1
         and eqn_flops(e) * num_layers >= total > 0
     }
-
-
-def unroll_layer_scans(closed: ClosedJaxpr, num_layers: int) -> ClosedJaxpr:
-    """``closed`` with each of its layer scans (:func:`layer_scan_indices`) replaced by
-    its iterations, so that layer clustering can cut between them: a model whose blocks
-    are one ``nn.scan`` gets the layers of the same model unrolled. A smaller scan (a
-    loop over time steps, say) stays one equation. ``layer_scans.cut_keeping_scans``
-    cuts the same way and keeps a scan per run of whole iterations in a layer."""
-    eqns = closed.jaxpr.eqns
-    unrolled = {id(eqns[j]) for j in layer_scan_indices(closed, num_layers)}
-    if not unrolled:
-        return closed
-
-    def run(*args):
-        env = initial_env(closed, args)
-        for eqn in eqns:
-            if id(eqn) in unrolled:
-                outs = _iterate(eqn, [read(env, v) for v in eqn.invars])
-                env.update(zip(eqn.outvars, outs, strict=True))
-            else:
-                eval_eqns([eqn], env)
-        return [read(env, v) for v in closed.jaxpr.outvars]
-
-    avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in closed.jaxpr.invars]
-    return inline_calls(jax.make_jaxpr(run)(*avals), TRANSPARENT_CALLS)
-
-
-def _iterate(eqn: JaxprEqn, operands: list) -> list:
-    """The outputs of the ``scan`` ``eqn`` on ``operands``, computed by running its body
-    once per iteration (the program written out)."""
-    params = eqn.params
-    body, length = params["jaxpr"], params["length"]
-    n_consts, n_carry = params["num_consts"], params["num_carry"]
-    consts, carry = operands[:n_consts], operands[n_consts : n_consts + n_carry]
-    xs = operands[n_consts + n_carry :]
-    rows: list = [None] * length
-    order = range(length - 1, -1, -1) if params["reverse"] else range(length)
-    for i in order:
-        outs = jax.core.eval_jaxpr(body.jaxpr, body.consts, *consts, *carry, *[x[i] for x in xs])
-        carry, rows[i] = outs[:n_carry], outs[n_carry:]
-    ys = [jnp.stack(column) for column in zip(*rows, strict=True)] if rows[0] else []
-    return [*carry, *ys]
 
 
 # ----------------------------------------------------------------------------- cutting

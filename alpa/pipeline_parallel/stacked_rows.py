@@ -1,32 +1,37 @@
 """Stacked parameters split by rows between pipeline stages (issue 30, item 2).
 
 A model whose blocks are one ``nn.scan`` keeps each block parameter as one array with a
-leading axis of blocks (``[L, ...]``). ``AutoLayerOption`` writes the scan out
-(``segments.unroll_layer_scans``), so layer ``k`` reads rows ``W[i:i+1]`` of the stacked
-array; but the array itself is one step input, and an input lives on one mesh: the first
-stage that read it held every row (and sent the others theirs), its optimizer state too.
+leading axis of blocks (``[L, ...]``). ``AutoLayerOption`` cuts the scan into one scan per
+layer (``layer_scans``), so layer ``k`` reads the rows of its blocks, ``W[a:b]`` (or a
+row ``W[i:i+1]`` of a block written out); but the array itself is one step input, and an
+input lives on one mesh: the first stage that read it held every row (and sent the others
+theirs), its optimizer state too.
 
-:func:`split_stacked_rows` rewrites the traced step so that such an input is ``L`` inputs,
-one per row (of shape ``[...]``), each read by the stage of its own block:
+:func:`split_stacked_rows` rewrites the traced step so that such an input is one input
+per *part*: its rows cut at the ends of every slice that reads them, a part of one row of
+shape ``[...]``, a block of ``n`` rows of shape ``[n, ...]``, each read by the stage of
+its own blocks:
 
-* a row read (``slice`` of one row on axis 0) is that row's input;
-* the backward pass's transpose of a row read (a ``pad`` of one row into ``[L, ...]``
-  with zeros) is the row alone, the other rows known to be zero, and the sum of such
-  gradients (``add_any``) adds rows one by one;
+* a read of a part (``slice`` of its rows on axis 0) is that part's input;
+* the backward pass's transpose of such a read (a ``pad`` of the part into ``[L, ...]``
+  with zeros) is the part alone, the other parts known to be zero, and the sum of such
+  gradients (``add_any``) adds part by part;
 * elementwise equations (an optimizer's update: ``mul``, ``add``, ``sqrt``, ...) and
-  reductions (a global norm's ``reduce_sum``) run row by row; a reduction over axis 0
-  adds (or takes the max of) the rows' results;
-* pipeline markers pass each row that is read after them (a layer's start marker no
-  longer carries the rows of the other layers);
-* any other equation reads the rows concatenated (correct, but the rows travel): the
-  input is then left whole, and the rewrite is made again without it.
+  reductions (a global norm's ``reduce_sum``) run part by part; a reduction over axis 0
+  adds (or takes the max of) the parts' results;
+* pipeline markers pass each part that is read after them (a layer's start marker no
+  longer carries the parts of the other layers);
+* any other equation, or a slice across parts, reads the parts concatenated (correct, but
+  the rows travel): the input is then left whole, and the rewrite is made again without
+  it.
 
-The outputs computed row by row from split inputs (the updated parameters and optimizer
-state) are the rows' outputs (any other output is returned whole), and
-:class:`StackedRows` gives them back to the caller as one array-like value whose rows stay
-on their stages' meshes; passed to the step again, each row is read where it is. An input
-is split when its rows are read one at a time (directly or through markers), or when it
-has the shape of one that is (its optimizer state), and the rewrite never concatenates it.
+The outputs computed part by part from split inputs (the updated parameters and optimizer
+state) are the parts' outputs (any other output is returned whole), and
+:class:`StackedRows` gives them back to the caller as one array-like value whose parts stay
+on their stages' meshes; passed to the step again, each part is read where it is. An input
+is split when slices of its rows read it (directly or through markers), or when it has the
+shape of one that is (its optimizer state, cut the same way), and the rewrite never
+concatenates it.
 """
 
 from __future__ import annotations

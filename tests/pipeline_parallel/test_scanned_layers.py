@@ -273,10 +273,11 @@ def test_a_plan_of_split_rows_replays_from_json(tmp_path):
 
 
 def test_an_inference_pipeline_cuts_a_scanned_model_between_its_iterations():
-    """An inference step has no loss function for ``alpa.grad`` to write out: its scan is
-    written out before its equations are clustered, and each stage reads the rows of its
-    own blocks; an evaluation step following a training pipeline (``FollowParallel``,
-    ``layer_option="follow"``) runs on the training step's split parameters."""
+    """An inference step has no loss function for ``alpa.grad`` to rewrite: its scan is
+    cut as it is clustered written out, each stage's program keeps one scan over its two
+    blocks, and each stage reads the block of its own rows; an evaluation step following a
+    training pipeline (``FollowParallel``, ``layer_option="follow"``) runs on the training
+    step's split parameters, read where they are (the same blocks)."""
     state, batch, step = _gpt(True)
 
     def evaluate(params, batch):
@@ -298,9 +299,15 @@ def test_an_inference_pipeline_cuts_a_scanned_model_between_its_iterations():
     row_stages = {
         name: stages_of[v]
         for v, name in zip(plan.traced.jaxpr.invars, plan.traced.leaf_names, strict=True)
-        if name.endswith("['mlp']['wi']['kernel'][0]") or name.endswith("['wi']['kernel'][3]")
+        if name.endswith("['mlp']['wi']['kernel'][0:2]") or name.endswith("['wi']['kernel'][2:4]")
     }
     assert sorted(row_stages.values()) == [(0,), (1,)], row_stages
+    loops = [
+        [e.params["length"] for e in plan.program.computation(s, "forward").eqns
+         if e.primitive.name == "scan"]
+        for s in (0, 1)
+    ]  # fmt: skip
+    assert loops == [[2], [2]], loops  # it was the iterations written out
 
     p_train = alpa.parallelize(step, method=_two_stages(), donate_argnums=())
     trained, _ = p_train(state, batch)
@@ -312,3 +319,6 @@ def test_an_inference_pipeline_cuts_a_scanned_model_between_its_iterations():
         np.asarray(jax.jit(evaluate)(expected_state.params, batch)),
         rtol=1e-4,
     )
+    # The evaluation step splits the blocks as the training step did.
+    follow_split = p_follow.get_last_executable().plan.row_split
+    assert set(follow_split.inputs.values()) == {(0, 2, 4)}
