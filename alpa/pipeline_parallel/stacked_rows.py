@@ -196,11 +196,17 @@ def _with_prepared_retraces(step: TracedStep, prepare) -> TracedStep:
 
 def _candidates(traced: TracedStep) -> dict:
     """Per input that may be split (position), the bounds of its parts: inputs read by
-    slices of rows on axis 0 (through markers), cut at every slice's ends, and inputs of
-    their shapes (their optimizer state) cut the same way, when all inputs of the shape
-    are cut alike."""
+    slices of rows on axis 0 (through markers) of one row or that a scan loops over, cut
+    at every such slice's ends, and inputs of their shapes (their optimizer state) cut the
+    same way, when all inputs of the shape are cut alike."""
     jaxpr = traced.jaxpr
     origin = {v: i for i, v in enumerate(jaxpr.invars)}
+    scanned = {  # the stacked operands of scans
+        v
+        for e in jaxpr.eqns
+        if e.primitive.name == "scan"
+        for v in e.invars[e.params["num_consts"] + e.params["num_carry"] :]
+    }
     read: dict = {}  # input -> the (start, end) of its slices on axis 0
     for eqn in jaxpr.eqns:
         if eqn.primitive is pipeline_p:
@@ -209,7 +215,9 @@ def _candidates(traced: TracedStep) -> dict:
                     origin[b] = origin[a]
         elif eqn.primitive.name == "slice" and is_var(eqn.invars[0]) and eqn.invars[0] in origin:
             rows = _rows_of(eqn)
-            if rows is not None:
+            # One row (a block written out), or the rows a scan loops over; not any
+            # other slice (a prefix of a position table, say).
+            if rows is not None and (rows[1] - rows[0] == 1 or eqn.outvars[0] in scanned):
                 read.setdefault(origin[eqn.invars[0]], set()).add(rows)
     cut_by_shape: dict = {}
     for i, slices in read.items():

@@ -221,16 +221,18 @@ def test_a_stacked_input_read_whole_is_not_split():
     """``w``'s rows are read one by one and ``u``'s too, but ``u`` is also summed along
     its rows (a ``cumsum``): ``w`` is split, ``u`` is left one array; numbers equal
     ``jax.jit``'s. (A ``reduce_sum`` over the rows would not stop the split: it adds the
-    rows' sums.)"""
+    rows' sums.) A table read by a slice of several rows that no scan loops over (``pos``,
+    a prefix, as of a position table) is not split either."""
     rng = np.random.default_rng(0)
     params = {
         "w": jnp.asarray(rng.normal(size=(4, 16, 16)) / 4, jnp.float32),
         "u": jnp.asarray(rng.normal(size=(4, 16, 16)) / 4, jnp.float32),
+        "pos": jnp.asarray(rng.normal(size=(6, 16)) / 4, jnp.float32),
     }
     batch = {"x": jnp.asarray(rng.normal(size=(8, 16)), jnp.float32)}
 
     def loss(params, x):
-        h = x
+        h = x + params["pos"][:2].sum(0)
         for i in range(4):
             h = jnp.tanh(h @ params["w"][i] + h @ params["u"][i])
         whole = jnp.cumsum(params["u"], axis=0)  # along the rows: needs them together
@@ -244,6 +246,7 @@ def test_a_stacked_input_read_whole_is_not_split():
     got = p_step(params, batch)
     assert_allclose(got, jax.jit(step)(params, batch), rtol=1e-4, atol=1e-6)
     assert isinstance(got["w"], StackedRows) and isinstance(got["u"], jax.Array)
+    assert isinstance(got["pos"], jax.Array)
     plan = p_step.get_last_executable().plan
     names = plan.row_split.original.leaf_names
     assert [names[i] for i in plan.row_split.inputs] == ["argument 0['w']"]
