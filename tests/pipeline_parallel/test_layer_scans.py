@@ -19,6 +19,7 @@ from jax import lax
 import alpa
 from alpa.pipeline_parallel.layer_scans import cut_keeping_scans
 from alpa.pipeline_parallel.segments import is_boundary
+from alpa.tracing.jaxpr_util import eval_eqns, read
 
 L = 6
 
@@ -101,3 +102,24 @@ def test_the_users_boundaries_do_not_cut():
     new, segments = cut_keeping_scans(closed, 2, _cut_before("slice", (3,)))
     assert _pieces(new) == [("scan", 3), "|", ("scan", 3)]
     assert len(segments) == 2
+
+
+def test_cuts_the_rebuilt_function_cannot_hold_leave_the_function_written_out():
+    """Two cuts at one place (here an empty segment between them) cannot be boundaries of
+    the rebuilt function: the function is then returned written out, with the segments
+    the cut made, which compute the original's values."""
+    f = _fun(False)
+    w, x = jnp.ones((L, 8, 8)) * 0.1, jnp.ones((4, 8))
+    closed = jax.make_jaxpr(f)(w, x)
+
+    def cut(eqns):
+        start = [i for i, e in enumerate(eqns) if e.primitive.name == "slice"][3]
+        return [list(eqns[:start]), [], list(eqns[start:])]
+
+    new, segments = cut_keeping_scans(closed, 2, cut)
+    assert len(segments) == 3 and not any(e.primitive.name == "scan" for e in new.jaxpr.eqns)
+    env = dict(zip(new.jaxpr.invars, (w, x), strict=True))
+    env.update(zip(new.jaxpr.constvars, new.consts, strict=True))
+    for segment in segments:
+        eval_eqns(segment, env)
+    np.testing.assert_allclose(read(env, new.jaxpr.outvars[0]), f(w, x), rtol=1e-6)
