@@ -722,11 +722,8 @@ class _Builder:
         strategies = []
         for spec in self._specs_of(source):
             whole = ((),) + tuple(spec[1:])
-            cost = (
-                0.0
-                if tuple(spec) == whole
-                else float(self._matrix((tuple(spec),), (whole,), total)[0, 0]) * self.scale
-            )
+            cost = 0.0 if tuple(spec) == whole else self._reshard(tuple(spec), whole, total)
+            cost *= self.scale
             strategies.append(Strategy("row", (tuple(spec[1:]),), (tuple(spec),), comm_cost=cost))
         node = self.add_node(label, (var,), tuple(strategies), source[0])
         self.body_inputs.append(var)
