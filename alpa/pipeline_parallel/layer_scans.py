@@ -168,7 +168,7 @@ def _pieces(eqn: JaxprEqn, body: ClosedJaxpr, operands: list, j: int, tag: bool,
                 start = p + 1
         pieces += _runs(start, length)
 
-    blocks: dict = {}  # first iteration -> (number of iterations, ys)
+    blocks: dict = {}  # first iteration -> the piece's stacked outputs
     for piece in pieces:
         if piece[0] == "one":
             p = piece[1]
@@ -186,7 +186,7 @@ def _pieces(eqn: JaxprEqn, body: ClosedJaxpr, operands: list, j: int, tag: bool,
                 eval_eqns([body_eqn], env)
             outs = [read(env, v) for v in body.jaxpr.outvars]
             carry = outs[:n_carry]
-            blocks[i] = (1, [jnp.expand_dims(y, 0) for y in outs[n_carry:]])
+            blocks[i] = [jnp.expand_dims(y, 0) for y in outs[n_carry:]]
             continue
         _, first, end = piece
         if first > 0 and (j, first, 0) in cuts:
@@ -195,14 +195,14 @@ def _pieces(eqn: JaxprEqn, body: ClosedJaxpr, operands: list, j: int, tag: bool,
         sliced = [lax.slice_in_dim(x, a, b, axis=0) for x in xs]
         outs = lax.scan_p.bind(*consts, *carry, *sliced, **dict(params, length=b - a))
         carry = list(outs[:n_carry])
-        blocks[a] = (b - a, list(outs[n_carry:]))
+        blocks[a] = list(outs[n_carry:])
     if tag:
         _tag((j, length, 0))
     elif (j, length, 0) in cuts:
         _cut()
     if not n_ys:
         return list(carry)
-    ordered = [blocks[i][1] for i in sorted(blocks)]
+    ordered = [blocks[i] for i in sorted(blocks)]
     if len(ordered) == 1:
         return [*carry, *ordered[0]]
     ys = [lax.concatenate([part[y] for part in ordered], 0) for y in range(n_ys)]
