@@ -54,7 +54,7 @@ from alpa.executables.base import Executable
 from alpa.pipeline_parallel.layer_construction import mark_layers
 from alpa.pipeline_parallel.segments import reuse_cuts
 from alpa.shard_method import ParallelMethod, ShardParallel
-from alpa.shard_parallel.data_parallel import most_common_rows
+from alpa.shard_parallel.data_parallel import rows_per_example
 from alpa.timer import timed
 from alpa.tracing import TracedStep, abstractify, leaf_signature, note_grad_inputs, trace_step
 from alpa.tracing.primitive_def import mark_pipeline_jaxpreqn
@@ -593,5 +593,5 @@ def leaves_with_rows(args, batch: Sequence[int]) -> dict[int, list[bool]]:
     sizes = {
         i: [np.shape(x)[0] if np.ndim(x) else None for x in jax.tree.leaves(args[i])] for i in batch
     }
-    rows = most_common_rows([d for ds in sizes.values() for d in ds if d is not None])
-    return {i: [d is not None and d == rows for d in ds] for i, ds in sizes.items()}
+    flags = iter(rows_per_example([d for ds in sizes.values() for d in ds]))
+    return {i: [next(flags) for _ in ds] for i, ds in sizes.items()}

@@ -153,6 +153,14 @@ def most_common_rows(sizes: Sequence[int]) -> int | None:
     return max(sizes, key=lambda size: (sizes.count(size), size)) if sizes else None
 
 
+def rows_per_example(dims: Sequence[int | None]) -> list[bool]:
+    """Per leaf (its dim 0 if it is a batch leaf with one, else ``None``), whether it
+    holds a row per example: its dim 0 is the batch's size (:func:`most_common_rows`).
+    A batch leaf with another dim 0 (a PRNG key's data) or a scalar does not."""
+    rows = most_common_rows([d for d in dims if d is not None])
+    return [d is not None and d == rows for d in dims]
+
+
 def output_leaf_names(traced: TracedStep) -> list[str]:
     import jax
 

@@ -53,7 +53,7 @@ import numpy as np
 from jax.extend.core import JaxprEqn, Var
 from jax.sharding import NamedSharding, PartitionSpec
 
-from alpa.shard_parallel.data_parallel import batch_rows
+from alpa.shard_parallel.data_parallel import rows_per_example
 from alpa.tracing import TracedStep
 from alpa.tracing.batch_dims import static_batch_dims
 from alpa.tracing.jaxpr_util import planned_bodies
@@ -130,12 +130,9 @@ def batch_dims(traced: TracedStep, num_data: int) -> dict[Var, tuple[int, ...] |
 def leaves_with_rows(traced: TracedStep) -> tuple[bool, ...]:
     """Per input of ``traced``, whether it is a batch leaf with a row per example: a batch
     leaf whose dim 0 is another size than the batch's (a PRNG key, a step number in the
-    batch dict: ``data_parallel.batch_rows``) holds no batch dimension."""
-    rows = batch_rows(traced)
-    return tuple(
-        bool(b) and aval.ndim > 0 and aval.shape[0] == rows
-        for aval, b in zip(traced.in_avals, traced.batch_invars, strict=True)
-    )
+    batch dict: ``data_parallel.rows_per_example``) holds no batch dimension."""
+    pairs = zip(traced.in_avals, traced.batch_invars, strict=True)
+    return tuple(rows_per_example([a.shape[0] if b and a.ndim else None for a, b in pairs]))
 
 
 def retraced_batch_dims(traced: TracedStep, num_data: int) -> dict | None:
