@@ -87,8 +87,7 @@ class _Rows:
         r = self.rows[i]
         if r is not None:
             return r
-        n = self.size(i)
-        shape = self.aval.shape[1:] if n == 1 else (n, *self.aval.shape[1:])
+        shape = _part_shape(self.aval.shape, self.bounds[i], self.bounds[i + 1])
         return lax.full(shape, 0, self.aval.dtype)
 
     def whole(self):
@@ -219,18 +218,19 @@ def _candidates(traced: TracedStep) -> dict:
             # other slice (a prefix of a position table, say).
             if rows is not None and (rows[1] - rows[0] == 1 or eqn.outvars[0] in scanned):
                 read.setdefault(origin[eqn.invars[0]], set()).add(rows)
+    cut = {  # input -> its rows cut at every slice's ends
+        i: tuple(sorted({0, traced.in_avals[i].shape[0], *(x for ab in slices for x in ab)}))
+        for i, slices in read.items()
+    }
     cut_by_shape: dict = {}
-    for i, slices in read.items():
-        length = traced.in_avals[i].shape[0]
-        bounds = tuple(sorted({0, length, *(x for ab in slices for x in ab)}))
+    for i, bounds in cut.items():
         cut_by_shape.setdefault(traced.in_avals[i].shape, set()).add(bounds)
     out = {}
     for i, aval in enumerate(traced.in_avals):
         if aval.shape[:1] in ((), (0,), (1,)) or traced.batch_invars[i]:
             continue
-        if i in read:
-            length = aval.shape[0]
-            out[i] = tuple(sorted({0, length, *(x for ab in read[i] for x in ab)}))
+        if i in cut:
+            out[i] = cut[i]
         elif len(cut_by_shape.get(aval.shape, ())) == 1:
             (out[i],) = cut_by_shape[aval.shape]
     return {i: b for i, b in out.items() if len(b) > 2}
