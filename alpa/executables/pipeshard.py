@@ -30,7 +30,6 @@ from alpa.pipeline_parallel.computation import (
     step_arguments,
 )
 from alpa.pipeline_parallel.pipeshard_plan import PipeshardPlan
-from alpa.pipeline_parallel.stacked_rows import caller_placements
 from alpa.pipeline_parallel.stage_sharding import DATA_AXES, value_spec
 from alpa.pipeline_parallel.user_shardings import input_names
 from alpa.runtime.instructions import (
@@ -41,7 +40,7 @@ from alpa.runtime.instructions import (
 )
 from alpa.runtime.local_runtime import LocalPipelineRuntime, RuntimeContext
 from alpa.runtime.memory import allocation_bytes, device_peak_bytes, step_peak_bytes
-from alpa.runtime.placement import PlacementSpec, is_placed
+from alpa.runtime.placement import PlacementSpec, caller_placements, is_placed
 from alpa.shard_parallel.compile import full_batch_avals
 from alpa.shard_parallel.lowering import eval_jaxpr_with_constraints
 from alpa.shard_parallel.row_sums import deferred_rules, sum_partials

@@ -33,10 +33,9 @@ from alpa.executables.distributed import abstract_mesh, serialize_jitted
 from alpa.executables.pipeshard import StagePrograms, input_placement_specs
 from alpa.pipeline_parallel.computation import step_arguments
 from alpa.pipeline_parallel.pipeshard_plan import PipeshardPlan
-from alpa.pipeline_parallel.stacked_rows import caller_placements
 from alpa.pipeline_parallel.stage_sharding import DATA_AXES
 from alpa.runtime.instructions import ConstOutput, MicroBatchOutput, Op, activation_keys
-from alpa.runtime.placement import PlacementSpec
+from alpa.runtime.placement import PlacementSpec, caller_placements
 from alpa.runtime.ray_launch import MeshOutput, RayStepLauncher
 from alpa.runtime.ray_mesh import DistributedPhysicalDeviceMesh
 from alpa.runtime.resharding import worker_transfer_plan

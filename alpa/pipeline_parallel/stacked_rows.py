@@ -45,7 +45,6 @@ import jax
 import numpy as np
 from jax import lax
 from jax.extend.core import ClosedJaxpr, JaxprEqn, Literal
-from jax.sharding import NamedSharding, PartitionSpec
 
 from alpa.runtime.placement import StackedRows, stacked_parts
 from alpa.tracing import TracedStep
@@ -578,49 +577,3 @@ def _split_step(
         grad_invars=per_row(traced.grad_invars) if traced.grad_invars else (),
         retrace=retrace,
     )
-
-
-def caller_placements(split: RowSplit | None, specs: Sequence[Any], outputs: bool = False) -> list:
-    """``specs`` (``PlacementSpec`` s), one per input (or ``outputs``) leaf of the split
-    step, as one per leaf of the caller's. A split leaf's holds its rows' own
-    (``PlacementSpec.rows``: ``place`` puts each row on its stage's mesh), and, for
-    what places the whole array, the first row's mesh and sharding with the row axis
-    whole."""
-    if split is None:
-        return list(specs)
-    counts = split.outputs if outputs else split.inputs
-    step = split.original
-    avals = [v.aval for v in step.jaxpr.outvars] if outputs else step.in_avals
-    out, it = [], iter(specs)
-    for i, aval in enumerate(avals):
-        rows = [next(it) for _ in range(_count(counts, i))]
-        if i not in counts:
-            out.append(rows[0])
-            continue
-        first = rows[0]
-        block = len(first.aval.shape) == len(aval.shape)  # a block keeps its row axis
-        out.append(
-            dataclasses.replace(
-                first,
-                aval=aval,
-                sharding_specs=tuple(_row_axis_whole(s, block) for s in first.sharding_specs),
-                placements=tuple(_with_row_axis(p, block) for p in first.placements),
-                rows=tuple(rows),
-            )
-        )
-    return out
-
-
-def _row_axis_whole(spec, block: bool) -> PartitionSpec:
-    """A part's ``PartitionSpec`` for the whole stacked array: a row's with a leading axis
-    added, a block's with its leading axis, both not split."""
-    return PartitionSpec(None, *(tuple(spec)[1:] if block else tuple(spec)))
-
-
-def _with_row_axis(placement, block: bool = False):
-    """A part's placement (a ``NamedSharding``, or a Ray ``(mesh, Layout)``) for the
-    whole stacked array: the same, with a leading axis that is not split."""
-    if isinstance(placement, tuple):
-        mesh, layout = placement
-        return mesh, dataclasses.replace(layout, spec=_row_axis_whole(layout.spec, block))
-    return NamedSharding(placement.mesh, _row_axis_whole(placement.spec, block))

@@ -1,16 +1,19 @@
 """Where a step's leaves live: a :class:`PlacementSpec` per leaf, and putting an array
 there (locally a ``jax.sharding.Sharding``, on Ray a mesh and a ``Layout``); a leaf whose
-rows live on several meshes is a :class:`StackedRows`. Used by the executables and by
+rows live on several meshes is a :class:`StackedRows`, and :func:`caller_placements`
+gives the caller's view of the leaves a pipeline split so. Used by the executables and by
 the local runtime."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import jax
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 
 @dataclass(frozen=True)
@@ -193,3 +196,49 @@ def stacked_parts(value: Any, sizes: Sequence[int]) -> list:
         parts.append(value[start] if n == 1 else value[start : start + n])
         start += n
     return parts
+
+
+def caller_placements(split: Any, specs: Sequence[Any], outputs: bool = False) -> list:
+    """``specs`` (``PlacementSpec`` s), one per input (or ``outputs``) leaf of the step
+    that a ``pipeline_parallel.stacked_rows.RowSplit`` ``split`` made, as one per leaf of
+    the caller's. A split leaf's holds its parts' own (``PlacementSpec.rows``: ``place``
+    puts each part on its stage's mesh), and, for what places the whole array, the first
+    part's mesh and sharding with the row axis whole."""
+    if split is None:
+        return list(specs)
+    counts = split.outputs if outputs else split.inputs
+    step = split.original
+    avals = [v.aval for v in step.jaxpr.outvars] if outputs else step.in_avals
+    out, it = [], iter(specs)
+    for i, aval in enumerate(avals):
+        rows = [next(it) for _ in range(len(counts[i]) - 1 if i in counts else 1)]
+        if i not in counts:
+            out.append(rows[0])
+            continue
+        first = rows[0]
+        block = len(first.aval.shape) == len(aval.shape)  # a block keeps its row axis
+        out.append(
+            dataclasses.replace(
+                first,
+                aval=aval,
+                sharding_specs=tuple(_row_axis_whole(s, block) for s in first.sharding_specs),
+                placements=tuple(_with_row_axis(p, block) for p in first.placements),
+                rows=tuple(rows),
+            )
+        )
+    return out
+
+
+def _row_axis_whole(spec, block: bool) -> PartitionSpec:
+    """A part's ``PartitionSpec`` for the whole stacked array: a row's with a leading axis
+    added, a block's with its leading axis, both not split."""
+    return PartitionSpec(None, *(tuple(spec)[1:] if block else tuple(spec)))
+
+
+def _with_row_axis(placement, block: bool = False):
+    """A part's placement (a ``NamedSharding``, or a Ray ``(mesh, Layout)``) for the
+    whole stacked array: the same, with a leading axis that is not split."""
+    if isinstance(placement, tuple):
+        mesh, layout = placement
+        return mesh, dataclasses.replace(layout, spec=_row_axis_whole(layout.spec, block))
+    return NamedSharding(placement.mesh, _row_axis_whole(placement.spec, block))
