@@ -34,6 +34,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+from bench_step_vs_prediction import time_steps  # this folder is the script's sys.path[0]
 
 import alpa
 from alpa.model.gpt import GPT_PRESETS, GPTConfig, get_gpt_train_state_and_step
@@ -45,20 +46,6 @@ def _config(tiny: bool, blocks: int) -> GPTConfig:
     else:  # GPT-350M's shape in fp16
         base = dataclasses.replace(GPT_PRESETS["350M"], dtype=jnp.float16)
     return dataclasses.replace(base, num_layers=blocks, scan_layers=True, remat_layers=True)
-
-
-def _time_steps(step, state, batch, args) -> list[float]:
-    """Seconds of ``args.steps`` steps (each waited for) after ``args.warmup``."""
-    for _ in range(args.warmup):
-        state, _ = step(state, batch)
-    jax.block_until_ready(state)
-    seconds = []
-    for _ in range(args.steps):
-        begin = time.perf_counter()
-        state, loss = step(state, batch)
-        jax.block_until_ready((state, loss))
-        seconds.append(time.perf_counter() - begin)
-    return seconds
 
 
 def run(args, blocks: int) -> dict:
@@ -83,7 +70,7 @@ def run(args, blocks: int) -> dict:
     _, expected_loss = jax.jit(step)(state, batch)
     new_state, loss = parallel(state, batch)
     loss_rel_err = abs(float(loss) - float(expected_loss)) / abs(float(expected_loss))
-    seconds = _time_steps(parallel, new_state, batch, args)
+    seconds, _ = time_steps(parallel, new_state, batch, args)
     return {
         "label": args.label,
         "blocks": blocks,
@@ -112,7 +99,7 @@ def run_jit(args, blocks: int) -> list[dict]:
         start = time.perf_counter()
         compiled = jax.jit(step).lower(state, batch).compile()
         compile_s = time.perf_counter() - start
-        seconds = _time_steps(compiled, state, batch, args)
+        seconds, _ = time_steps(compiled, state, batch, args)
         rows.append(
             {
                 "label": "jax.jit, " + ("scan" if scanned else "written out"),

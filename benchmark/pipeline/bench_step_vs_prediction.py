@@ -89,20 +89,27 @@ def add_arguments(parser: argparse.ArgumentParser, steps: int) -> None:
     parser.add_argument("--steps", type=int, default=steps)
 
 
+def time_steps(step, state, batch, args) -> tuple[list[float], object]:
+    """Seconds of ``args.steps`` steps (each waited for) after ``args.warmup``, and the
+    state they leave."""
+    for _ in range(args.warmup):
+        state, _ = step(state, batch)
+    jax.block_until_ready(state)
+    seconds = []
+    for _ in range(args.steps):
+        begin = time.perf_counter()
+        state, loss = step(state, batch)
+        jax.block_until_ready((state, loss))
+        seconds.append(time.perf_counter() - begin)
+    return seconds, state
+
+
 def run(args) -> dict:
     config, state, batch, step, method = two_stage_gpt(args)
     devices = jax.devices()
     shared = len(devices) < 2
     parallel = alpa.parallelize(step, method=method)
-    for _ in range(args.warmup):
-        state, loss = parallel(state, batch)
-    jax.block_until_ready(state)
-    seconds = []
-    for _ in range(args.steps):
-        start = time.perf_counter()
-        state, loss = parallel(state, batch)
-        jax.block_until_ready((state, loss))
-        seconds.append(time.perf_counter() - start)
+    seconds, state = time_steps(parallel, state, batch, args)
     executable = parallel.get_last_executable()
     cost = executable.plan.cost
     k = args.micro_batches
