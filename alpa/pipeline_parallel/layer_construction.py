@@ -54,7 +54,7 @@ from typing import Literal
 
 import jax
 import numpy as np
-from jax.extend.core import ClosedJaxpr, Var
+from jax.extend.core import ClosedJaxpr, JaxprEqn, Var
 
 from alpa.pipeline_parallel.layer_scans import cut_keeping_scans, is_layer_cut
 from alpa.pipeline_parallel.remat import clustered_remat
@@ -187,8 +187,11 @@ class AutoLayerOption:
         """Stage-level rematerialization (``computation.rematerialize``)."""
         return self.remat_mode == "coarse_grained_remat"
 
-    def _what(self) -> str:
-        return f"AutoLayerOption(layer_num={self.layer_num}, layer_eps={self.layer_eps})"
+    def _clustered(self, eqns: Sequence[JaxprEqn], where: str) -> Segments:
+        """``eqns`` (of ``where``: "the loss function", "the inference step") clustered
+        into ``layer_num`` layers."""
+        what = f"AutoLayerOption(layer_num={self.layer_num}, layer_eps={self.layer_eps})"
+        return clustered_segments(eqns, self.layer_num, self.layer_eps, what, where)
 
     def rewrite_loss(self, fun: Callable) -> Callable:
         """``fun`` cut into ``layer_num`` clustered layers, each wrapped in layer markers
@@ -205,9 +208,7 @@ class AutoLayerOption:
             )
 
         def cut(eqns) -> Segments:
-            return clustered_segments(
-                eqns, self.layer_num, self.layer_eps, self._what(), "the loss function"
-            )
+            return self._clustered(eqns, "the loss function")
 
         def rewrite(closed: ClosedJaxpr, values: list) -> list:
             closed, segments = cut_keeping_scans(closed, self.layer_num, cut)
@@ -222,9 +223,7 @@ class AutoLayerOption:
         then reads. A step without such a scan is returned as it is."""
 
         def cut(eqns) -> Segments:
-            return clustered_segments(
-                eqns, self.layer_num, self.layer_eps, self._what(), "the inference step"
-            )
+            return self._clustered(eqns, "the inference step")
 
         return cut_keeping_scans(closed_jaxpr, self.layer_num, cut)[0]
 
@@ -242,9 +241,7 @@ class AutoLayerOption:
                 layers.append(None if e.primitive is pipeline_p else layer)
             return LayerAssignment(tuple(layers), None, layer + 1)
         body = [e for e in eqns if e.primitive is not pipeline_p]
-        segments = clustered_segments(
-            body, self.layer_num, self.layer_eps, self._what(), "the inference step"
-        )
+        segments = self._clustered(body, "the inference step")
         layer_of = {id(e): layer for layer, seg in enumerate(segments) for e in seg}
         return LayerAssignment(tuple(layer_of.get(id(e)) for e in eqns), None, self.layer_num)
 

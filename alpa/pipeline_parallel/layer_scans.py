@@ -100,12 +100,13 @@ def is_layer_cut(eqn: JaxprEqn) -> bool:
     return eqn.primitive is pipeline_p and eqn.params["name"] == LAYER_CUT
 
 
-def _cut() -> None:
-    pipeline_p.bind(name=LAYER_CUT, mark_type="boundary")
-
-
-def _tag(place: Place) -> None:
-    pipeline_p.bind(name=f"{_TAG}:{place[0]}:{place[1]}:{place[2]}", mark_type="boundary")
+def _mark(place: Place, tag: bool, cuts) -> None:
+    """Before the equation at ``place``: its tag (``tag``), else a boundary if a cut is
+    there."""
+    if tag:
+        pipeline_p.bind(name=f"{_TAG}:{place[0]}:{place[1]}:{place[2]}", mark_type="boundary")
+    elif place in cuts:
+        pipeline_p.bind(name=LAYER_CUT, mark_type="boundary")
 
 
 def _read_tag(name: str) -> Place:
@@ -126,10 +127,7 @@ def _evaluate(
     for j, eqn in enumerate(closed.jaxpr.eqns):
         if is_boundary(eqn):  # the user's cuts: AutoLayerOption clusters instead
             continue
-        if tag:
-            _tag((j, 0, 0))
-        elif (j, 0, 0) in cuts:
-            _cut()
+        _mark((j, 0, 0), tag, cuts)
         if j not in bodies:
             eval_eqns([eqn], env)
             continue
@@ -173,33 +171,26 @@ def _pieces(eqn: JaxprEqn, body: ClosedJaxpr, operands: list, j: int, tag: bool,
         if piece[0] == "one":
             p = piece[1]
             i = iteration(p)
-            if not tag and p > 0 and (j, p, 0) in cuts:
-                _cut()
-            if tag:
-                _tag((j, p, 0))
+            if p > 0 or tag:  # a cut before iteration 0 is the scan's own, marked before it
+                _mark((j, p, 0), tag, cuts)
             env = initial_env(body, [*consts, *carry, *[x[i] for x in xs]])
             for k, body_eqn in enumerate(body.jaxpr.eqns):
-                if k > 0 and tag:
-                    _tag((j, p, k))
-                elif k > 0 and (j, p, k) in cuts:
-                    _cut()
+                if k > 0:
+                    _mark((j, p, k), tag, cuts)
                 eval_eqns([body_eqn], env)
             outs = [read(env, v) for v in body.jaxpr.outvars]
             carry = outs[:n_carry]
             blocks[i] = [jnp.expand_dims(y, 0) for y in outs[n_carry:]]
             continue
         _, first, end = piece
-        if first > 0 and (j, first, 0) in cuts:
-            _cut()
+        if first > 0:
+            _mark((j, first, 0), tag, cuts)
         a, b = (length - end, length - first) if reverse else (first, end)
         sliced = [lax.slice_in_dim(x, a, b, axis=0) for x in xs]
         outs = lax.scan_p.bind(*consts, *carry, *sliced, **dict(params, length=b - a))
         carry = list(outs[:n_carry])
         blocks[a] = list(outs[n_carry:])
-    if tag:
-        _tag((j, length, 0))
-    elif (j, length, 0) in cuts:
-        _cut()
+    _mark((j, length, 0), tag, cuts)
     if not n_ys:
         return list(carry)
     ordered = [blocks[i] for i in sorted(blocks)]
