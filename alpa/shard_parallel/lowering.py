@@ -377,35 +377,6 @@ def split_at_grad_marker(traced: TracedStep) -> GradSplit:
     return GradSplit(compute, apply, tuple(marker.outvars))
 
 
-def _accumulate(
-    compute: Jaxpr,
-    consts,
-    params,
-    stacked_batch,
-    is_batch,
-    constraints,
-    operand_constraints,
-    overrides,
-    init,
-) -> list:
-    """``init + sum_j compute(params, batch_j)`` over the micro-batches stacked on the
-    leading axis of ``stacked_batch``, in one ``lax.scan``.
-
-    ``params`` and ``stacked_batch`` are the non-batch and batch leaves, in input order.
-    """
-
-    def body(acc, mb_leaves):
-        mb_it, p_it = iter(mb_leaves), iter(params)
-        args = [next(mb_it) if b else next(p_it) for b in is_batch]
-        outs = eval_jaxpr_with_constraints(
-            compute, consts, args, constraints, operand_constraints, overrides
-        )
-        return [a + o for a, o in zip(acc, outs, strict=True)], None
-
-    acc, _ = jax.lax.scan(body, init, stacked_batch)
-    return acc
-
-
 def _average(total, count: int):
     if jnp.issubdtype(total.dtype, jnp.inexact):
         return total / count
@@ -420,6 +391,27 @@ def build_step_function(
 ):
     """The Python function that ``jax.jit`` compiles for ``plan``: flat leaves in, flat
     leaves out, batch leaves at full batch size."""
+    var_shardings, operand_shardings = _plan_shardings(traced, plan, mesh)
+    if not num_micro_batches:
+        return _one_batch_step(traced, plan, mesh, var_shardings, operand_shardings)
+    return _micro_batched_step(
+        traced, plan, mesh, num_micro_batches, var_shardings, operand_shardings
+    )
+
+
+def build_micro_batched_parts(
+    traced: TracedStep, plan: ShardingPlan, mesh, num_micro_batches: int
+) -> MicroBatchedParts:
+    """``plan``'s step over ``num_micro_batches`` micro-batches, in the parts that a
+    program each compiles (:class:`MicroBatchedParts`)."""
+    var_shardings, operand_shardings = _plan_shardings(traced, plan, mesh)
+    return micro_batched_parts(
+        traced, plan, mesh, num_micro_batches, var_shardings, operand_shardings
+    )
+
+
+def _plan_shardings(traced: TracedStep, plan: ShardingPlan, mesh) -> tuple[dict, dict]:
+    """``(var_shardings, operand_shardings)``: what the plan pins, on ``mesh``."""
     var_shardings = {v: NamedSharding(mesh, s) for v, s in plan.var_specs.items()}
     operand_shardings = {
         eqn: tuple(None if s is None else NamedSharding(mesh, s) for s in specs)
@@ -434,12 +426,7 @@ def build_step_function(
         # Nothing to shard; the constraints would only stand between XLA's simplifications
         # (measured: a 25 ms MLP step 12% slower than jax.jit with them, equal without).
         var_shardings, operand_shardings = {}, {}
-
-    if not num_micro_batches:
-        return _one_batch_step(traced, plan, mesh, var_shardings, operand_shardings)
-    return _micro_batched_step(
-        traced, plan, mesh, num_micro_batches, var_shardings, operand_shardings
-    )
+    return var_shardings, operand_shardings
 
 
 def _one_batch_step(traced: TracedStep, plan: ShardingPlan, mesh, var_shardings, operand_shardings):
@@ -487,8 +474,64 @@ def _gathering(traced: TracedStep, plan: ShardingPlan, mesh) -> _Gathering:
 def _micro_batched_step(
     traced: TracedStep, plan: ShardingPlan, mesh, k: int, var_shardings, operand_shardings
 ):
-    """The step over ``k`` micro-batches: a loop of the compute part accumulating the
-    gradients (row sums kept per device where they can be), then the apply part once."""
+    """The step over ``k`` micro-batches as one program: a loop of the compute part
+    accumulating the gradients (row sums kept per device where they can be), then the
+    apply part once."""
+    parts = micro_batched_parts(traced, plan, mesh, k, var_shardings, operand_shardings)
+
+    def step(*leaves):
+        read = parts.read(leaves)
+        params = parts.params(read)
+
+        def body(acc, micro_batch):
+            return parts.accumulate(params, micro_batch, acc), None
+
+        acc, _ = jax.lax.scan(body, parts.init(), parts.split(read))
+        return parts.apply(leaves, parts.finish(acc))
+
+    return step
+
+
+@dataclass(frozen=True, eq=False)
+class MicroBatchedParts:
+    """A step over ``k`` micro-batches, cut into the functions (traceable under
+    ``jax.jit``) that one program (:func:`_micro_batched_step`) or a program per part
+    (``compile.compile_micro_batched``) composes. ``leaves`` are the step's flat inputs,
+    batch leaves at full batch size:
+
+    * ``read(leaves)``: the inputs as the compute part reads them (ZeRO-3's gathers,
+      packed; the plan's constraints on the parameters), batch leaves untouched;
+    * ``params(read)``: the non-batch leaves among them, in input order;
+    * ``split(read)``: per batch leaf (then the row ids of the step's random draws, if it
+      draws), ``[k, B/k, ...]``, micro-batch ``j`` being rows ``j·B/k .. (j+1)·B/k``, each
+      laid out as the plan wants the leaf;
+    * ``init()``: the zero accumulators, per output of the compute part; a deferred row
+      sum (``is_partial``) as per-device partial sums ``[n, ...]`` split over the data
+      axes;
+    * ``accumulate(params, micro_batch, acc)``: ``acc`` plus the compute part on one
+      micro-batch (its leaves as ``split`` gives them, in order);
+    * ``finish(acc)``: the partial sums reduced across devices (the step's one gradient
+      synchronisation), each as the plan wants the gradient;
+    * ``apply(leaves, grads)``: the apply part on the step's inputs and the averaged sums.
+    """
+
+    k: int
+    is_batch: tuple[bool, ...]
+    is_partial: tuple[bool, ...]
+    read: Any
+    split: Any
+    init: Any
+    accumulate: Any
+    finish: Any
+    apply: Any
+
+    def params(self, read) -> list:
+        return [x for x, b in zip(read, self.is_batch, strict=True) if not b]
+
+
+def micro_batched_parts(
+    traced: TracedStep, plan: ShardingPlan, mesh, k: int, var_shardings, operand_shardings
+) -> MicroBatchedParts:
     closed = traced.closed_jaxpr
     split = split_at_grad_marker(traced)
     jaxpr = closed.jaxpr
@@ -499,15 +542,6 @@ def _micro_batched_step(
     # (ZeRO-3 gathers parameters before use) belong to the compute part only.
     step_inputs = set(jaxpr.invars)
     apply_shardings = {v: s for v, s in var_shardings.items() if v not in step_inputs}
-
-    def apply_part(leaves, grads):
-        return eval_jaxpr_with_constraints(
-            split.apply,
-            closed.consts,
-            list(leaves) + list(grads),
-            apply_shardings,
-            operand_shardings,
-        )
 
     # Row sums that reach the marker through linear operations are kept per device and
     # reduced once per step (micro_batches.py); the rest of the loop body is the serial
@@ -526,7 +560,7 @@ def _micro_batched_step(
         overrides |= partial_sum_overrides(
             split.compute, plan.partial_sums, plan.var_specs, mesh, skip=set(overrides)
         )
-    is_partial = [isinstance(v, Var) and v in deferred for v in split.compute.outvars]
+    is_partial = tuple(isinstance(v, Var) and v in deferred for v in split.compute.outvars)
     # A random draw of the batch's shape takes micro-batch j's rows of the full batch's
     # draw (tracing/batch_draws.py); the row ids are one more batch leaf, stacked like the
     # batch.
@@ -536,15 +570,7 @@ def _micro_batched_step(
         loop_is_batch = (*is_batch, True)
         first = is_batch.index(True)
     partial = NamedSharding(mesh, PartitionSpec(data_axes)) if data_axes else None
-
-    def init_value(v, p):
-        if not p:
-            return jnp.zeros(v.aval.shape, v.aval.dtype)
-        zeros = jnp.zeros((num_data,) + v.aval.shape, v.aval.dtype)
-        return jax.lax.with_sharding_constraint(zeros, partial)
-
-    def constrained(x, v):
-        return _pinned(x, var_shardings.get(v))
+    gathered = _gathering(traced, plan, mesh)
 
     def spec_of(i, v):
         return plan.var_specs.get(v, plan.in_specs[i])
@@ -553,39 +579,59 @@ def _micro_batched_step(
         sharding = var_shardings.get(v)
         return None if sharding is None else sharding.spec
 
-    gathered = _gathering(traced, plan, mesh)
-
-    def step(*leaves):
-        # Once per step, before the loop: the parameters as the compute part reads them
-        # (ZeRO-3's gather, packed), and the batch as k contiguous micro-batches.
-        params, stacked = [], []
+    def read(leaves):
         read = gathered.inputs(leaves)
-        for i, (x, v, b) in enumerate(zip(read, jaxpr.invars, is_batch, strict=True)):
-            if b:
-                stacked.append(stack_micro_batches(x, k, mesh, spec_of(i, v)))
-            else:
-                params.append(constrained(x, v))
+        return [
+            x if b else _pinned(x, var_shardings.get(v))
+            for x, v, b in zip(read, jaxpr.invars, is_batch, strict=True)
+        ]
+
+    def split_batch(read):
+        stacked = [
+            stack_micro_batches(x, k, mesh, spec_of(i, v))
+            for i, (x, v, b) in enumerate(zip(read, jaxpr.invars, is_batch, strict=True))
+            if b
+        ]
         if draws:
             rows = jnp.arange(k * batch_size(traced), dtype=jnp.int32)
             rows_spec = PartitionSpec(*tuple(spec_of(first, jaxpr.invars[first]))[:1])
             stacked.append(stack_micro_batches(rows, k, mesh, rows_spec))
-        init = [init_value(v, p) for v, p in zip(split.compute.outvars, is_partial, strict=True)]
-        acc = _accumulate(
-            compute,
-            closed.consts,
-            params,
-            stacked,
-            loop_is_batch,
-            var_shardings,
-            operand_shardings,
-            overrides,
-            init,
-        )
-        specs = [grad_spec(v) for v in split.marker_outvars]
-        grads = reduce_partials(acc, is_partial, specs, mesh, data_axes)
-        return gathered.outputs(apply_part(leaves, [_average(g, k) for g in grads]))
+        return stacked
 
-    return step
+    def init():
+        def zeros(v, p):
+            if not p:
+                return jnp.zeros(v.aval.shape, v.aval.dtype)
+            stacked = jnp.zeros((num_data,) + v.aval.shape, v.aval.dtype)
+            return jax.lax.with_sharding_constraint(stacked, partial)
+
+        return [zeros(v, p) for v, p in zip(split.compute.outvars, is_partial, strict=True)]
+
+    def accumulate(params, micro_batch, acc):
+        mb_it, p_it = iter(micro_batch), iter(params)
+        args = [next(mb_it) if b else next(p_it) for b in loop_is_batch]
+        outs = eval_jaxpr_with_constraints(
+            compute, closed.consts, args, var_shardings, operand_shardings, overrides
+        )
+        return [a + o for a, o in zip(acc, outs, strict=True)]
+
+    def finish(acc):
+        specs = [grad_spec(v) for v in split.marker_outvars]
+        return reduce_partials(acc, is_partial, specs, mesh, data_axes)
+
+    def apply(leaves, grads):
+        outs = eval_jaxpr_with_constraints(
+            split.apply,
+            closed.consts,
+            list(leaves) + [_average(g, k) for g in grads],
+            apply_shardings,
+            operand_shardings,
+        )
+        return gathered.outputs(outs)
+
+    return MicroBatchedParts(
+        k, tuple(is_batch), is_partial, read, split_batch, init, accumulate, finish, apply
+    )
 
 
 def _check_batch_free(traced: TracedStep, split: GradSplit, dims: dict) -> None:
