@@ -144,6 +144,28 @@ def count_loop_communication_primitives(hlo_text: str) -> CollectiveCounts:
     return count_communication_primitives(body_text)
 
 
+def count_micro_batch_communication(
+    program_texts: dict[str, str],
+) -> tuple[CollectiveCounts, CollectiveCounts, CollectiveCounts]:
+    """``(per_micro_batch, per_step, layout)``: the collectives of a micro-batched
+    one-mesh step (``MeshExecutable.get_program_texts()``, a program per part) that run in
+    every micro-batch (the ``accumulate`` program's), the further ones that run once per
+    step (``accumulate_last``'s beyond ``accumulate``'s, and ``apply``'s), and those of
+    the batch's change of layout into micro-batches (``prepare``'s)."""
+    count = {name: count_communication_primitives(text) for name, text in program_texts.items()}
+    zero = CollectiveCounts(0, 0, 0, 0, 0)
+    per_micro_batch = count.get("accumulate", zero)
+    per_step = CollectiveCounts(
+        *(
+            last - each + after
+            for last, each, after in zip(
+                count["accumulate_last"], per_micro_batch, count["apply"], strict=True
+            )
+        )
+    )
+    return per_micro_batch, per_step, count["prepare"]
+
+
 def replica_groups(line: str) -> frozenset[frozenset[int]]:
     """The replica groups (device ids) of one HLO collective, in any of XLA's three
     spellings: explicit (``{{0,2},{1,3}}``), iota (``[2,2]<=[2,2]T(1,0)``) and mesh

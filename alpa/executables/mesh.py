@@ -1,4 +1,4 @@
-"""MeshExecutable: one compiled XLA program on one device mesh.
+"""MeshExecutable: a step compiled by XLA for one device mesh.
 
 ``compile_shard_executable`` lowers a :class:`ShardingPlan` (``shard_parallel/lowering.py``)
 with ``jax.jit`` and compiles it for the full-batch input shapes
@@ -6,8 +6,10 @@ with ``jax.jit`` and compiles it for the full-batch input shapes
 pytrees, with the plan's shardings as ``in_shardings`` and the donated arguments as
 ``donate_argnums``, so that a cache hit is one call of XLA's compiled program: its C++
 fast path checks the arguments, places host arrays and runs, at ``jax.jit``'s own
-dispatch cost. The executable also exposes what XLA compiled: its HLO, its per-device
-memory, and where every input and output lives.
+dispatch cost. With micro-batches the step is a program per part, as Alpa ran it
+(``compile.MicroBatchedProgram``: prepare, accumulate per micro-batch, apply); a cache hit
+checks and places the arguments, then calls them in turn. The executable also exposes what
+XLA compiled: its HLO, its per-device memory, and where every input and output lives.
 """
 
 from __future__ import annotations
@@ -21,14 +23,14 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding
 
-from alpa.executables.base import Executable
+from alpa.executables.base import Executable, check_dispatch_args
 from alpa.runtime.memory import allocation_bytes, device_peak_bytes
 from alpa.runtime.placement import PlacementSpec, is_placed, whole
 from alpa.shard_parallel.auto_sharding import plan_objective
-from alpa.shard_parallel.compile import compile_plan, full_batch_avals
+from alpa.shard_parallel.compile import MicroBatchedProgram, compile_plan, full_batch_avals
 from alpa.shard_parallel.micro_batches import layout_change_cost
 from alpa.shard_parallel.sharding_plan import ShardingPlan
-from alpa.tracing import TracedStep
+from alpa.tracing import TracedStep, leaf_signature
 from alpa.util import grad_sync_channel_ids
 
 logger = logging.getLogger(__name__)
@@ -70,8 +72,9 @@ class PricedPlan:
     def grad_sync_channel_ids(self) -> str:
         """Alpa's name: the channel ids of the collectives in :meth:`get_hlo_text` that
         reduce the gradients once per step (``alpa.util.grad_sync_channel_ids``), as
-        ``".1."``. With micro-batches they run after the accumulation loop, once per step
-        (Alpa skipped them in all but the last micro-batch's program)."""
+        ``".1."``. With micro-batches they are in the last micro-batch's accumulate
+        program, which runs once per step (Alpa skipped them at run time in all but the
+        last micro-batch; here the others run a copy compiled without them)."""
         return grad_sync_channel_ids(self.get_hlo_text())
 
     @property
@@ -99,8 +102,12 @@ class MeshExecutable(PricedPlan, Executable):
         self.out_shardings = tuple(jax.tree.leaves(compiled.output_shardings))
         self.num_micro_batches = num_micro_batches
         self._last_outputs: Any = ()
-        # A cache hit calls XLA's compiled program directly (see the module docstring).
-        self.dispatch = compiled
+        # A cache hit calls XLA's compiled program directly (see the module docstring);
+        # a micro-batched step's programs are called in turn, on placed arguments.
+        if not isinstance(compiled, MicroBatchedProgram):
+            self.dispatch = compiled
+        avals = full_batch_avals(traced, num_micro_batches)
+        self._signatures = [leaf_signature(a) for a in avals]
 
     def preshard_flat_args(self, flat_args: Sequence[Any]) -> list[jax.Array]:
         return [
@@ -111,8 +118,10 @@ class MeshExecutable(PricedPlan, Executable):
     def flat_input_shardings(self) -> list[Any]:
         return list(self.in_shardings)
 
-    def dispatch(self, *dynamic_args: Any) -> Any:  # replaced per instance by the program
-        return self.compiled(*dynamic_args)
+    def dispatch(self, *dynamic_args: Any) -> Any:  # replaced by XLA's program when one
+        leaves = check_dispatch_args(self.traced, dynamic_args, self._signatures)
+        placed = self.preshard_flat_args(leaves)
+        return self.compiled(*jax.tree.unflatten(self.traced.in_tree, placed))
 
     def launch(self, flat_args: Sequence[Any]) -> list[jax.Array]:
         placed = jax.tree.unflatten(self.traced.in_tree, self.preshard_flat_args(flat_args))
@@ -135,12 +144,25 @@ class MeshExecutable(PricedPlan, Executable):
         return self._placement(avals, self.out_shardings)
 
     def get_hlo_text(self) -> str:
-        """The optimized, SPMD-partitioned HLO that runs on each device."""
+        """The optimized, SPMD-partitioned HLO that runs on each device. With micro-batches
+        Alpa's two modules, accumulate (the last micro-batch's, with the gradient
+        synchronisation) then apply (``compile.MicroBatchedProgram.as_text``)."""
         return self.compiled.as_text()
+
+    def get_program_texts(self) -> dict[str, str]:
+        """The HLO of each program a step runs, by name: ``{"step": ...}``, or with
+        micro-batches ``prepare``, ``accumulate`` (when more than one),
+        ``accumulate_last`` and ``apply`` (``compile.MicroBatchedProgram``)."""
+        if isinstance(self.compiled, MicroBatchedProgram):
+            return {name: c.as_text() for name, c in self.compiled.parts}
+        return {"step": self.compiled.as_text()}
 
     def get_total_allocation_size(self) -> int:
         """Bytes one device allocates for this step (arguments, outputs, temporaries),
         from XLA's memory analysis."""
+        if isinstance(self.compiled, MicroBatchedProgram):
+            beside = self.compiled.bytes_beside()
+            return max(allocation_bytes(c) + beside[name] for name, c in self.compiled.parts)
         return allocation_bytes(self.compiled)
 
     def get_peak_memory_per_mesh(self) -> list[int]:
@@ -165,5 +187,8 @@ class MeshExecutable(PricedPlan, Executable):
                 f.write(f"input  {leaf}: {spec}\n")
             for i, s in enumerate(self.out_shardings):
                 f.write(f"output {i}: {getattr(s, 'spec', s)}\n")
-            stats = self.compiled.memory_analysis()
-            f.write(f"memory_analysis: {stats}\n")
+            if isinstance(self.compiled, MicroBatchedProgram):
+                for part, compiled in self.compiled.parts:
+                    f.write(f"memory_analysis ({part}): {compiled.memory_analysis()}\n")
+            else:
+                f.write(f"memory_analysis: {self.compiled.memory_analysis()}\n")

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 
 import jax
+import numpy as np
 from jax.sharding import NamedSharding
 
 from alpa.global_env import global_config
-from alpa.shard_parallel.lowering import build_step_function
+from alpa.shard_parallel.lowering import build_micro_batched_parts, build_step_function
 from alpa.shard_parallel.sharding_plan import ShardingPlan
 from alpa.tracing import TracedStep
 
@@ -43,10 +45,17 @@ def donated_argnums(traced: TracedStep) -> tuple[int, ...]:
 
 def compile_plan(traced: TracedStep, plan: ShardingPlan, num_micro_batches: int | None):
     """``(compiled, in_shardings)``: ``traced`` lowered with ``plan`` and compiled for the
-    full batch (``num_micro_batches`` micro-batches of it); ``compiled`` takes the dynamic
-    arguments as the user's pytrees."""
+    full batch; ``compiled`` takes the dynamic arguments as the user's pytrees, placed as
+    ``in_shardings`` says. With ``num_micro_batches`` it is a :class:`MicroBatchedProgram`
+    (a program per part of the step, as Alpa ran gradient accumulation); else XLA's
+    compiled program."""
     mesh = plan.logical_mesh.get_jax_mesh()
     in_shardings = tuple(NamedSharding(mesh, s) for s in plan.in_specs)
+    if num_micro_batches:
+        tic = time.perf_counter()
+        program = MicroBatchedProgram(traced, plan, mesh, num_micro_batches, in_shardings)
+        _log_compile(traced, plan, tic)
+        return program, in_shardings
     out_shardings = tuple(None if s is None else NamedSharding(mesh, s) for s in plan.out_specs)
     inner = build_step_function(traced, plan, mesh, num_micro_batches)
     in_tree, out_tree = traced.in_tree, traced.out_tree
@@ -65,8 +74,162 @@ def compile_plan(traced: TracedStep, plan: ShardingPlan, num_micro_batches: int 
         *jax.tree.unflatten(in_tree, full_batch_avals(traced, num_micro_batches))
     )
     compiled = lowered.compile()
+    _log_compile(traced, plan, tic)
+    return compiled, in_shardings
+
+
+def _log_compile(traced: TracedStep, plan: ShardingPlan, tic: float) -> None:
     if global_config.print_compilation_time:
         logger.warning(
             "compiled %s (%s) in %.2f s", traced.name, plan.method, time.perf_counter() - tic
         )
-    return compiled, in_shardings
+
+
+def _device_bytes(structs) -> int:
+    """Bytes of one device's shard of each of ``structs``, summed."""
+    total = 0
+    for x in structs:
+        shape = x.sharding.shard_shape(x.shape) if x.sharding is not None else x.shape
+        total += int(np.prod(shape, dtype=np.int64)) * np.dtype(x.dtype).itemsize
+    return total
+
+
+def _struct(aval, sharding) -> jax.ShapeDtypeStruct:
+    weak = getattr(aval, "weak_type", False)
+    return jax.ShapeDtypeStruct(aval.shape, aval.dtype, sharding=sharding, weak_type=weak)
+
+
+class MicroBatchedProgram:
+    """A step over ``k`` micro-batches as Alpa ran it: a program per part
+    (``lowering.MicroBatchedParts``), called in turn by :meth:`__call__`.
+
+    * ``prepare``: the batch leaves as ``k`` micro-batches (rows ``j·B/k .. (j+1)·B/k``,
+      each laid out as the plan wants the leaf: the step's one change of layout) and the
+      zero gradient accumulators;
+    * ``accumulate`` (micro-batches ``0 .. k-2``): the parameters, one micro-batch and the
+      accumulators in, the accumulators plus that micro-batch's gradients out. Row sums
+      stay per-device partial sums: no gradient synchronisation;
+    * ``accumulate_last`` (micro-batch ``k-1``): the same, then the gradients reduced
+      across devices, once per step;
+    * ``apply``: the parameters (the step's non-batch inputs) and the summed gradients in,
+      the step's outputs out.
+
+    Alpa compiled one accumulate program and skipped its gradient all-reduce at run time
+    on all micro-batches but the last; stock XLA cannot skip a collective, so the program
+    is compiled twice, with and without it. :meth:`as_text` is Alpa's
+    ``get_hlo_text()`` of such a step: ``accumulate_last``'s module, then ``apply``'s.
+    Arguments must already be placed as ``in_shardings`` says (``MeshExecutable``
+    places them)."""
+
+    def __init__(self, traced: TracedStep, plan: ShardingPlan, mesh, k: int, in_shardings):
+        parts = build_micro_batched_parts(traced, plan, mesh, k)
+        self.k = k
+        self.in_tree, self.out_tree = traced.in_tree, traced.out_tree
+        is_batch = parts.is_batch
+        avals = full_batch_avals(traced, k)
+        self._batch_at = [i for i, b in enumerate(is_batch) if b]
+        self._param_at = [i for i, b in enumerate(is_batch) if not b]
+
+        def leaves_of(params, batch):
+            leaves = [None] * len(is_batch)
+            for i, x in zip(self._param_at, params, strict=True):
+                leaves[i] = x
+            for i, x in zip(self._batch_at, batch, strict=False):
+                leaves[i] = x
+            return leaves
+
+        def prepare(batch):
+            stacked = parts.split(leaves_of([None] * len(self._param_at), batch))
+            micro_batches = [[s[j] for s in stacked] for j in range(k)]
+            return micro_batches, parts.init()
+
+        def accumulate(params, micro_batch, acc):
+            read = parts.read(leaves_of(params, micro_batch))
+            return parts.accumulate(parts.params(read), micro_batch, acc)
+
+        # Only the gradients the apply part reads are reduced and passed on (a loss the
+        # step does not return is not synchronised).
+        used = parts.grad_used
+
+        def accumulate_last(params, micro_batch, acc):
+            return parts.finish(accumulate(params, micro_batch, acc), used)
+
+        def apply(*params_and_grads):
+            n = len(self._param_at)
+            params, grads = params_and_grads[:n], iter(params_and_grads[n:])
+            grads = [next(grads) if u else None for u in used]
+            return parts.apply(leaves_of(params, []), grads)
+
+        batch = [_struct(avals[i], in_shardings[i]) for i in self._batch_at]
+        params = [_struct(avals[i], in_shardings[i]) for i in self._param_at]
+        self._batch, self._params = batch, params
+        self.prepare = jax.jit(prepare).lower(batch).compile()
+        (mb_shardings, acc_shardings) = self.prepare.output_shardings
+        mb_avals, acc_avals = jax.eval_shape(prepare, batch)
+        micro_batch = [_struct(a, s) for a, s in zip(mb_avals[0], mb_shardings[0], strict=True)]
+        acc = [_struct(a, s) for a, s in zip(acc_avals, acc_shardings, strict=True)]
+        self._micro_batch = micro_batch
+        self.accumulate = None
+        if k > 1:
+            self.accumulate = (
+                jax.jit(accumulate, out_shardings=acc_shardings, donate_argnums=(2,))
+                .lower(params, micro_batch, acc)
+                .compile()
+            )
+        # The apply program first, each gradient in the plan's sharding or, where the plan
+        # names none, in the one XLA's propagation picks for the update that reads it; the
+        # last accumulate program then reduces each into that sharding.
+        grad_avals = jax.eval_shape(accumulate_last, params, micro_batch, acc)
+        shardings = [s for s, u in zip(parts.grad_shardings, used, strict=True) if u]
+        grads = [_struct(a, s) for a, s in zip(grad_avals, shardings, strict=True)]
+        out_shardings = [None if s is None else NamedSharding(mesh, s) for s in plan.out_specs]
+        donated = tuple(n for n, i in enumerate(self._param_at) if traced.donated_invars[i])
+        self.apply = (
+            jax.jit(apply, out_shardings=out_shardings, donate_argnums=donated)
+            .lower(*params, *grads)
+            .compile()
+        )
+        grad_shardings = self.apply.input_shardings[0][len(params) :]
+        self.accumulate_last = (
+            jax.jit(accumulate_last, out_shardings=list(grad_shardings), donate_argnums=(2,))
+            .lower(params, micro_batch, acc)
+            .compile()
+        )
+        self.output_shardings = self.apply.output_shardings
+
+    @property
+    def parts(self) -> list[tuple[str, Any]]:
+        """``(name, compiled)`` of each program, in the order a step runs them."""
+        named = [("prepare", self.prepare), ("accumulate", self.accumulate)]
+        named += [("accumulate_last", self.accumulate_last), ("apply", self.apply)]
+        return [(name, c) for name, c in named if c is not None]
+
+    def __call__(self, *dynamic_args):
+        leaves = jax.tree.leaves(dynamic_args)
+        params = [leaves[i] for i in self._param_at]
+        micro_batches, acc = self.prepare([leaves[i] for i in self._batch_at])
+        del leaves  # the micro-batches are freed as they are consumed
+        while len(micro_batches) > 1:
+            acc = self.accumulate(params, micro_batches.pop(0), acc)
+        grads = self.accumulate_last(params, micro_batches.pop(), acc)
+        return jax.tree.unflatten(self.out_tree, self.apply(*params, *grads))
+
+    def bytes_beside(self) -> dict[str, int]:
+        """Per program, the bytes one device holds beside what it allocates itself while it
+        runs (its arguments, outputs and temporaries, XLA's memory analysis): the
+        caller's inputs it does not read, the micro-batches not yet consumed. The step's
+        peak is the largest sum (``MeshExecutable.get_total_allocation_size``)."""
+        batch, params = _device_bytes(self._batch), _device_bytes(self._params)
+        micro_batch = _device_bytes(self._micro_batch)
+        beside = {
+            "prepare": params,
+            "accumulate": batch + (self.k - 1) * micro_batch,
+            "accumulate_last": batch,
+            "apply": batch,
+        }
+        return {name: beside[name] for name, _ in self.parts}
+
+    def as_text(self) -> str:
+        """Alpa's two modules of a micro-batched step: ``accumulate_last``'s HLO (the
+        gradient synchronisation inside), then ``apply``'s."""
+        return self.accumulate_last.as_text() + self.apply.as_text()

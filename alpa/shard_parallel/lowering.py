@@ -37,7 +37,7 @@ from alpa.shard_parallel.gradient_sync import (
 )
 from alpa.shard_parallel.micro_batches import batch_dims, stack_micro_batches
 from alpa.shard_parallel.partial_sums import partial_sum_overrides
-from alpa.shard_parallel.row_sums import DeferredBody, deferrable, deferred_rules
+from alpa.shard_parallel.row_sums import DeferredBody, deferrable, deferred_rules, partial_spec
 from alpa.shard_parallel.sharding_plan import ShardingPlan
 from alpa.shard_parallel.strategy_graph import USER_SHARDINGS
 from alpa.tracing import TracedStep, new_jaxpr
@@ -510,14 +510,17 @@ class MicroBatchedParts:
       axes;
     * ``accumulate(params, micro_batch, acc)``: ``acc`` plus the compute part on one
       micro-batch (its leaves as ``split`` gives them, in order);
-    * ``finish(acc)``: the partial sums reduced across devices (the step's one gradient
-      synchronisation), each as the plan wants the gradient;
+    * ``finish(acc, keep)``: the partial sums reduced across devices (the step's one
+      gradient synchronisation), each as the plan wants the gradient; only those
+      ``keep`` marks (default: all), e.g. ``grad_used``, those the apply part reads;
     * ``apply(leaves, grads)``: the apply part on the step's inputs and the averaged sums.
     """
 
     k: int
     is_batch: tuple[bool, ...]
     is_partial: tuple[bool, ...]
+    grad_shardings: tuple[Any, ...]  # per marker output, the plan's (or None)
+    grad_used: tuple[bool, ...]  # per marker output, whether the apply part reads it
     read: Any
     split: Any
     init: Any
@@ -569,7 +572,6 @@ def micro_batched_parts(
         compute = with_row_ids(compute, draws, k * batch_size(traced))
         loop_is_batch = (*is_batch, True)
         first = is_batch.index(True)
-    partial = NamedSharding(mesh, PartitionSpec(data_axes)) if data_axes else None
     gathered = _gathering(traced, plan, mesh)
 
     def spec_of(i, v):
@@ -599,13 +601,18 @@ def micro_batched_parts(
         return stacked
 
     def init():
-        def zeros(v, p):
+        # Each accumulator split as its gradient is over the mesh's other axes, so that
+        # adding a micro-batch's gradient to it moves nothing.
+        def zeros(v, g, p):
+            spec = grad_spec(g)
             if not p:
-                return jnp.zeros(v.aval.shape, v.aval.dtype)
+                zeros = jnp.zeros(v.aval.shape, v.aval.dtype)
+                return zeros if spec is None else _pinned(zeros, NamedSharding(mesh, spec))
             stacked = jnp.zeros((num_data,) + v.aval.shape, v.aval.dtype)
-            return jax.lax.with_sharding_constraint(stacked, partial)
+            return _pinned(stacked, NamedSharding(mesh, partial_spec(spec, data_axes)))
 
-        return [zeros(v, p) for v, p in zip(split.compute.outvars, is_partial, strict=True)]
+        outs = zip(split.compute.outvars, split.marker_outvars, is_partial, strict=True)
+        return [zeros(v, g, p) for v, g, p in outs]
 
     def accumulate(params, micro_batch, acc):
         mb_it, p_it = iter(micro_batch), iter(params)
@@ -615,23 +622,31 @@ def micro_batched_parts(
         )
         return [a + o for a, o in zip(acc, outs, strict=True)]
 
-    def finish(acc):
-        specs = [grad_spec(v) for v in split.marker_outvars]
-        return reduce_partials(acc, is_partial, specs, mesh, data_axes)
+    def finish(acc, keep=None):
+        keep = keep or (True,) * len(acc)
+        kept = [i for i, k in enumerate(keep) if k]
+        specs = [grad_spec(split.marker_outvars[i]) for i in kept]
+        partial = [is_partial[i] for i in kept]
+        return reduce_partials([acc[i] for i in kept], partial, specs, mesh, data_axes)
 
     def apply(leaves, grads):
         outs = eval_jaxpr_with_constraints(
             split.apply,
             closed.consts,
-            list(leaves) + [_average(g, k) for g in grads],
+            list(leaves) + [None if g is None else _average(g, k) for g in grads],
             apply_shardings,
             operand_shardings,
         )
         return gathered.outputs(outs)
 
+    grad_shardings = tuple(var_shardings.get(v) for v in split.marker_outvars)
+    reads = {v for e in split.apply.eqns for v in e.invars if isinstance(v, Var)}
+    reads |= {v for v in split.apply.outvars if isinstance(v, Var)}
+    grad_used = tuple(v in reads for v in split.marker_outvars)
     return MicroBatchedParts(
-        k, tuple(is_batch), is_partial, read, split_batch, init, accumulate, finish, apply
-    )
+        k, tuple(is_batch), is_partial, grad_shardings, grad_used, read, split_batch, init,
+        accumulate, finish, apply,
+    )  # fmt: skip
 
 
 def _check_batch_free(traced: TracedStep, split: GradSplit, dims: dict) -> None:

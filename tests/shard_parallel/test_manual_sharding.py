@@ -100,14 +100,15 @@ def test_2d_mesh_data_and_model_parallel_with_micro_batches():
     method = _method((MEGATRON, P("data")), MEGATRON, mesh_shape=(2, 4), num_micro_batches=2)
     f = alpa.parallelize(step, method=method, donate_argnums=())
     assert_allclose(f(params, batch), jax.jit(step)(params, batch), 1e-4, 1e-4)
-    from alpa.util import count_loop_communication_primitives
+    from alpa.util import count_micro_batch_communication
 
-    hlo = f.get_last_executable().get_hlo_text()
-    # Inside the loop: only the Megatron forward all-reduce over 'model' (per micro-batch).
-    # After it: one all-reduce of the gradients over 'data' (groups {0,4},{1,5}...).
-    assert count_loop_communication_primitives(hlo).all_reduce == 1
-    assert count_communication_primitives(hlo).all_reduce == 2
-    assert "replica_groups={{0,4},{1,5},{2,6},{3,7}}" in hlo
+    texts = f.get_last_executable().get_program_texts()
+    per_micro_batch, per_step, _ = count_micro_batch_communication(texts)
+    # Per micro-batch: only the Megatron forward all-reduce over 'model'. Once per step:
+    # one all-reduce of the gradients over 'data' (groups {0,4},{1,5}...).
+    assert per_micro_batch.all_reduce == 1
+    assert per_step.total == per_step.all_reduce == 1
+    assert "replica_groups={{0,4},{1,5},{2,6},{3,7}}" in texts["accumulate_last"]
     assert f.get_last_executable().plan.data_axes == ("data",)
 
 

@@ -20,7 +20,10 @@ import alpa
 from alpa.pipeline_parallel.stage_construction import UniformStageOption
 from alpa.shard_parallel.micro_batches import layout_change_cost
 from alpa.testing import assert_allclose, get_mlp_train_state_and_step
-from alpa.util import count_communication_primitives, count_loop_communication_primitives
+from alpa.util import (
+    count_communication_primitives,
+    count_micro_batch_communication,
+)
 
 BATCH = 64
 LR = 0.1
@@ -132,12 +135,8 @@ def test_batch_free_gradient_term_is_counted_once(masked):
     got, executable = _run(_decayed_step, alpa.DataParallel(num_micro_batches=k), w, batch)
     loss, g = _serial_accumulation(jax.value_and_grad(_decayed_loss), w, _chunks(batch, k))
     assert_allclose(got, (w - LR * g, loss), rtol=1e-5, atol=1e-5)
-    hlo = executable.get_hlo_text()
-    after_loop = (
-        count_communication_primitives(hlo).all_reduce
-        - count_loop_communication_primitives(hlo).all_reduce
-    )
-    assert after_loop == 1
+    _, per_step, _ = count_micro_batch_communication(executable.get_program_texts())
+    assert per_step.all_reduce == 1
 
 
 # ----------------------------------------------------------------------------- BatchNorm
@@ -219,12 +218,12 @@ def test_batch_norm_matches_pipeshard(conv_bn, k):
     assert_allclose(pipelined, _bn_reference(state, batch, k), rtol=1e-4, atol=1e-4)
     assert_allclose(one_mesh, pipelined, rtol=1e-4, atol=1e-4)
     # BatchNorm's statistics and their gradients are all-reduced in each micro-batch; the
-    # parameters' gradients (convolution kernel, biases, dense kernel) once, after it.
-    hlo = executable.get_hlo_text()
-    in_loop = count_loop_communication_primitives(hlo)
-    assert in_loop.total == in_loop.all_reduce > 0
-    assert count_communication_primitives(hlo).all_reduce - in_loop.all_reduce == 1
-    assert count_communication_primitives(hlo).all_to_all == len(batch)
+    # parameters' gradients (convolution kernel, biases, dense kernel) once per step.
+    texts = executable.get_program_texts()
+    per_micro_batch, per_step, layout = count_micro_batch_communication(texts)
+    assert per_micro_batch.total == per_micro_batch.all_reduce > 0
+    assert per_step.total == per_step.all_reduce == 1
+    assert layout.all_to_all == len(batch)
 
 
 # ----------------------------------------------------------------------------- compiled HLO
@@ -237,18 +236,45 @@ def _count(pattern: str, hlo: str) -> int:
 @pytest.mark.parametrize("k", [2, 4])
 def test_layout_change_once_per_step_and_one_gradient_all_reduce(k):
     """An MLP with a plain mean loss under DataParallel: per batch leaf one all-to-all
-    (XLA adds a collective-permute of the device order), none per micro-batch; nothing
-    communicates inside the loop; the gradients are reduced in one (tuple) all-reduce."""
+    (XLA adds a collective-permute of the device order) in the program that cuts the
+    batch into micro-batches, none per micro-batch; nothing communicates in the
+    micro-batches' accumulate program; the gradients are reduced once per step, in one
+    (tuple) all-reduce."""
     state, batch, train_step = get_mlp_train_state_and_step(64, 32, 2)
     _, executable = _run(train_step, alpa.DataParallel(num_micro_batches=k), state, batch)
-    hlo = executable.get_hlo_text()
+    texts = executable.get_program_texts()
+    assert sorted(texts) == ["accumulate", "accumulate_last", "apply", "prepare"]
     num_batch_leaves = len(jax.tree.leaves(batch))
-    counts = count_communication_primitives(hlo)
-    assert counts.all_to_all == num_batch_leaves
-    assert _count(r"collective-permute\(", hlo) == num_batch_leaves
-    assert counts.all_reduce == 1
-    assert " while(" in hlo
-    assert count_loop_communication_primitives(hlo).total == 0
+    per_micro_batch, per_step, layout = count_micro_batch_communication(texts)
+    assert layout == (num_batch_leaves, 0, 0, 0, num_batch_leaves)
+    assert _count(r"collective-permute\(", texts["prepare"]) == num_batch_leaves
+    assert per_micro_batch.total == 0
+    assert per_step == (1, 1, 0, 0, 0)
+
+
+def test_hlo_text_is_alpas_accumulate_and_apply_modules():
+    """Alpa's ``get_hlo_text()`` of a micro-batched step, which its tests split at
+    ``"HloModule"``: two modules, accumulate-grad (the parameters, one micro-batch and the
+    accumulated gradients in; the gradients' one all-reduce, which
+    ``grad_sync_channel_ids`` names, inside) and apply-grad (no collective)."""
+    state, batch, train_step = get_mlp_train_state_and_step(64, 16, 2)
+    _, executable = _run(train_step, alpa.DataParallel(num_micro_batches=2), state, batch)
+    hlo = executable.get_hlo_text()
+    empty, accumulate, apply = hlo.split("HloModule")
+    assert empty == ""
+    assert accumulate.startswith(" jit_accumulate_last,") and apply.startswith(" jit_apply,")
+    assert count_communication_primitives(accumulate) == (1, 1, 0, 0, 0)
+    assert count_communication_primitives(apply).total == 0
+    (channel,) = re.findall(r" all-reduce\(.*channel_id=(\d+),", accumulate)
+    assert executable.grad_sync_channel_ids == f".{channel}."
+    # One micro-batch of 64 / 2 rows over 8 devices, not the whole batch, goes in.
+    layout = re.search(r"entry_computation_layout=\{\((.*?)\)->", accumulate).group(1)
+    assert "f32[4,16]" in layout and "f32[8,16]" not in layout
+    # The step's peak holds at least the state in and out (apply, nothing donated) beside
+    # each device's share of the caller's batch.
+    nbytes = sum(np.asarray(x).nbytes for x in jax.tree.leaves(state))
+    batch_bytes = sum(np.asarray(x).nbytes for x in jax.tree.leaves(batch))
+    assert executable.get_total_allocation_size() >= 2 * nbytes + batch_bytes // 8
 
 
 def test_batch_statistic_is_reduced_per_micro_batch_and_gradient_once(masked):
@@ -256,12 +282,13 @@ def test_batch_statistic_is_reduced_per_micro_batch_and_gradient_once(masked):
     serial program needs it; the gradient and the loss are all-reduced once, after it."""
     w, batch = masked
     _, executable = _run(_masked_step, alpa.DataParallel(num_micro_batches=2), w, batch)
-    hlo = executable.get_hlo_text()
-    in_loop = count_loop_communication_primitives(hlo)
-    assert in_loop.total == in_loop.all_reduce == 1
-    assert count_communication_primitives(hlo).all_reduce == 2
-    assert count_communication_primitives(hlo, ignore_scalar_all_reduce=True).all_reduce == 1
-    assert count_communication_primitives(hlo).all_to_all == len(batch)
+    texts = executable.get_program_texts()
+    per_micro_batch, per_step, layout = count_micro_batch_communication(texts)
+    assert per_micro_batch.total == per_micro_batch.all_reduce == 1
+    assert per_step.total == per_step.all_reduce == 1
+    last = count_communication_primitives(texts["accumulate_last"], ignore_scalar_all_reduce=True)
+    assert last.all_reduce == 1
+    assert layout.all_to_all == len(batch)
 
 
 def test_objective_prices_the_layout_change(masked):
@@ -426,6 +453,8 @@ def test_a_key_in_the_batch_is_read_whole_by_every_micro_batch(method_cls):
     assert_allclose(got_loss, loss, rtol=1e-5, atol=1e-6)
     assert_allclose(got_w, w - LR * grad, rtol=1e-5, atol=1e-6)
     if method_cls is alpa.DataParallel:
-        hlo = executable.get_hlo_text()
-        assert count_loop_communication_primitives(hlo).total == 0
-        assert count_communication_primitives(hlo, ignore_scalar_all_reduce=True).all_reduce == 1
+        texts = executable.get_program_texts()
+        per_micro_batch, _, _ = count_micro_batch_communication(texts)
+        assert per_micro_batch.total == 0
+        last = texts["accumulate_last"]
+        assert count_communication_primitives(last, ignore_scalar_all_reduce=True).all_reduce == 1

@@ -26,7 +26,11 @@ from alpa.model.gpt import GPTConfig, get_gpt_train_state_and_step
 from alpa.shard_parallel.row_sums import deferrable
 from alpa.testing import assert_allclose
 from alpa.tracing.batch_dims import static_batch_dims
-from alpa.util import count_communication_primitives, count_loop_communication_primitives
+from alpa.util import (
+    count_communication_primitives,
+    count_loop_communication_primitives,
+    count_micro_batch_communication,
+)
 
 B = 64  # rows: 4 micro-batches of 16, each split over the 8 devices
 
@@ -91,7 +95,10 @@ def test_the_scanned_gpt_reduces_its_gradients_once_per_step():
         method = alpa.DataParallel(num_micro_batches=2)
         p_step = alpa.parallelize(step, method=method, donate_argnums=())
         assert_allclose(p_step(state, batch), jax.jit(step)(state, batch), rtol=1e-4, atol=1e-6)
-        hlo[scanned] = p_step.get_last_executable().get_hlo_text()
+        executable = p_step.get_last_executable()
+        hlo[scanned] = executable.get_hlo_text()
+        per_micro_batch, _, _ = count_micro_batch_communication(executable.get_program_texts())
+        assert per_micro_batch.total == 0
     assert count_loop_communication_primitives(hlo[True]).total == 0
     assert count_communication_primitives(hlo[True]) == count_communication_primitives(hlo[False])
 
