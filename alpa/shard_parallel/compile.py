@@ -99,6 +99,54 @@ def _struct(aval, sharding) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(aval.shape, aval.dtype, sharding=sharding, weak_type=weak)
 
 
+class _PartFunctions:
+    """The functions ``MicroBatchedProgram`` compiles, on flat lists of the step's
+    non-batch leaves (``params``), one micro-batch's leaves and the carried accumulators
+    of the gradients the apply part reads (the others, a loss the step does not return,
+    are left out, and XLA drops their computation)."""
+
+    def __init__(self, parts, param_at: list[int], batch_at: list[int]):
+        self.parts, self.param_at, self.batch_at = parts, param_at, batch_at
+        self.used = parts.grad_used
+
+    def _leaves(self, params, batch) -> list:
+        leaves = [None] * len(self.parts.is_batch)
+        for i, x in zip(self.param_at, params, strict=True):
+            leaves[i] = x
+        for i, x in zip(self.batch_at, batch, strict=False):  # (then the row ids, if any)
+            leaves[i] = x
+        return leaves
+
+    def _kept(self, values) -> list:
+        return [x for x, u in zip(values, self.used, strict=True) if u]
+
+    def _all_of(self, carry) -> list:
+        zeros, it = self.parts.carried(self.parts.init()), iter(carry)
+        return [next(it) if u else z for z, u in zip(zeros, self.used, strict=True)]
+
+    def prepare(self, batch):
+        stacked = self.parts.split(self._leaves([None] * len(self.param_at), batch))
+        micro_batches = [[s[j] for s in stacked] for j in range(self.parts.k)]
+        return micro_batches, self._kept(self.parts.carried(self.parts.init()))
+
+    def _accumulate(self, params, micro_batch, carry) -> list:
+        read = self.parts.read(self._leaves(params, micro_batch))
+        acc = self.parts.uncarried(self._all_of(carry))
+        return self.parts.accumulate(self.parts.params(read), micro_batch, acc)
+
+    def accumulate(self, params, micro_batch, carry):
+        return self._kept(self.parts.carried(self._accumulate(params, micro_batch, carry)))
+
+    def accumulate_last(self, params, micro_batch, carry):
+        return self.parts.finish(self._accumulate(params, micro_batch, carry), self.used)
+
+    def apply(self, *params_and_grads):
+        n = len(self.param_at)
+        params, grads = params_and_grads[:n], iter(params_and_grads[n:])
+        grads = [next(grads) if u else None for u in self.used]
+        return self.parts.apply(self._leaves(params, []), grads)
+
+
 class MicroBatchedProgram:
     """A step over ``k`` micro-batches as Alpa ran it: a program per part
     (``lowering.MicroBatchedParts``), called in turn by :meth:`__call__`.
@@ -122,80 +170,64 @@ class MicroBatchedProgram:
     places them)."""
 
     def __init__(self, traced: TracedStep, plan: ShardingPlan, mesh, k: int, in_shardings):
-        parts = build_micro_batched_parts(traced, plan, mesh, k)
+        first = build_micro_batched_parts(traced, plan, mesh, k)
         self.k = k
         self.in_tree, self.out_tree = traced.in_tree, traced.out_tree
-        is_batch = parts.is_batch
         avals = full_batch_avals(traced, k)
-        self._batch_at = [i for i, b in enumerate(is_batch) if b]
-        self._param_at = [i for i, b in enumerate(is_batch) if not b]
-
-        def leaves_of(params, batch):
-            leaves = [None] * len(is_batch)
-            for i, x in zip(self._param_at, params, strict=True):
-                leaves[i] = x
-            for i, x in zip(self._batch_at, batch, strict=False):
-                leaves[i] = x
-            return leaves
-
-        def prepare(batch):
-            stacked = parts.split(leaves_of([None] * len(self._param_at), batch))
-            micro_batches = [[s[j] for s in stacked] for j in range(k)]
-            return micro_batches, parts.init()
-
-        def accumulate(params, micro_batch, acc):
-            read = parts.read(leaves_of(params, micro_batch))
-            return parts.accumulate(parts.params(read), micro_batch, acc)
-
-        # Only the gradients the apply part reads are reduced and passed on (a loss the
-        # step does not return is not synchronised).
-        used = parts.grad_used
-
-        def accumulate_last(params, micro_batch, acc):
-            return parts.finish(accumulate(params, micro_batch, acc), used)
-
-        def apply(*params_and_grads):
-            n = len(self._param_at)
-            params, grads = params_and_grads[:n], iter(params_and_grads[n:])
-            grads = [next(grads) if u else None for u in used]
-            return parts.apply(leaves_of(params, []), grads)
-
-        batch = [_struct(avals[i], in_shardings[i]) for i in self._batch_at]
-        params = [_struct(avals[i], in_shardings[i]) for i in self._param_at]
-        self._batch, self._params = batch, params
-        self.prepare = jax.jit(prepare).lower(batch).compile()
-        (mb_shardings, acc_shardings) = self.prepare.output_shardings
-        mb_avals, acc_avals = jax.eval_shape(prepare, batch)
-        micro_batch = [_struct(a, s) for a, s in zip(mb_avals[0], mb_shardings[0], strict=True)]
-        acc = [_struct(a, s) for a, s in zip(acc_avals, acc_shardings, strict=True)]
-        self._micro_batch = micro_batch
-        self.accumulate = None
-        if k > 1:
-            self.accumulate = (
-                jax.jit(accumulate, out_shardings=acc_shardings, donate_argnums=(2,))
-                .lower(params, micro_batch, acc)
-                .compile()
-            )
+        self._batch_at = [i for i, b in enumerate(first.is_batch) if b]
+        self._param_at = [i for i, b in enumerate(first.is_batch) if not b]
+        self._batch = [_struct(avals[i], in_shardings[i]) for i in self._batch_at]
+        self._params = [_struct(avals[i], in_shardings[i]) for i in self._param_at]
         # The apply program first, each gradient in the plan's sharding or, where the plan
-        # names none, in the one XLA's propagation picks for the update that reads it; the
-        # last accumulate program then reduces each into that sharding.
-        grad_avals = jax.eval_shape(accumulate_last, params, micro_batch, acc)
-        shardings = [s for s, u in zip(parts.grad_shardings, used, strict=True) if u]
+        # names none, in the one XLA's propagation picks for the update that reads it;
+        # the accumulate programs then compute, carry and reduce each in that sharding.
+        self.apply = self._compile_apply(traced, plan, mesh, first)
+        # (XLA may give a sharding no mesh spec names: then as the plan says, or XLA's.)
+        picked = iter(
+            s if isinstance(s, NamedSharding) else None
+            for s in self.apply.input_shardings[0][len(self._params) :]
+        )
+        grad_shardings = [
+            (next(picked) or s) if u else s
+            for s, u in zip(first.grad_shardings, first.grad_used, strict=True)
+        ]
+        parts = build_micro_batched_parts(traced, plan, mesh, k, grad_shardings)
+        self._compile_accumulate(_PartFunctions(parts, self._param_at, self._batch_at))
+        self.output_shardings = self.apply.output_shardings
+
+    def _compile_apply(self, traced: TracedStep, plan: ShardingPlan, mesh, parts):
+        functions = _PartFunctions(parts, self._param_at, self._batch_at)
+        mb_avals, carry_avals = jax.eval_shape(functions.prepare, self._batch)
+        grad_avals = jax.eval_shape(
+            functions.accumulate_last, self._params, mb_avals[0], carry_avals
+        )
+        shardings = [s for s, u in zip(parts.grad_shardings, parts.grad_used, strict=True) if u]
         grads = [_struct(a, s) for a, s in zip(grad_avals, shardings, strict=True)]
         out_shardings = [None if s is None else NamedSharding(mesh, s) for s in plan.out_specs]
         donated = tuple(n for n, i in enumerate(self._param_at) if traced.donated_invars[i])
-        self.apply = (
-            jax.jit(apply, out_shardings=out_shardings, donate_argnums=donated)
-            .lower(*params, *grads)
-            .compile()
-        )
-        grad_shardings = self.apply.input_shardings[0][len(params) :]
+        jitted = jax.jit(functions.apply, out_shardings=out_shardings, donate_argnums=donated)
+        return jitted.lower(*self._params, *grads).compile()
+
+    def _compile_accumulate(self, functions: _PartFunctions) -> None:
+        self.prepare = jax.jit(functions.prepare).lower(self._batch).compile()
+        mb_shardings, carry_shardings = self.prepare.output_shardings
+        mb_avals, carry_avals = jax.eval_shape(functions.prepare, self._batch)
+        micro_batch = [_struct(a, s) for a, s in zip(mb_avals[0], mb_shardings[0], strict=True)]
+        carry = [_struct(a, s) for a, s in zip(carry_avals, carry_shardings, strict=True)]
+        self._micro_batch = micro_batch
+        self.accumulate = None
+        if self.k > 1:
+            self.accumulate = (
+                jax.jit(functions.accumulate, out_shardings=carry_shardings, donate_argnums=(2,))
+                .lower(self._params, micro_batch, carry)
+                .compile()
+            )
+        grad_out = list(self.apply.input_shardings[0][len(self._params) :])
         self.accumulate_last = (
-            jax.jit(accumulate_last, out_shardings=list(grad_shardings), donate_argnums=(2,))
-            .lower(params, micro_batch, acc)
+            jax.jit(functions.accumulate_last, out_shardings=grad_out, donate_argnums=(2,))
+            .lower(self._params, micro_batch, carry)
             .compile()
         )
-        self.output_shardings = self.apply.output_shardings
 
     @property
     def parts(self) -> list[tuple[str, Any]]:

@@ -400,13 +400,15 @@ def build_step_function(
 
 
 def build_micro_batched_parts(
-    traced: TracedStep, plan: ShardingPlan, mesh, num_micro_batches: int
+    traced: TracedStep, plan: ShardingPlan, mesh, num_micro_batches: int, grad_shardings=None
 ) -> MicroBatchedParts:
     """``plan``'s step over ``num_micro_batches`` micro-batches, in the parts that a
-    program each compiles (:class:`MicroBatchedParts`)."""
+    program each compiles (:class:`MicroBatchedParts`). ``grad_shardings`` (per output of
+    the ``alpa.grad`` marker, a sharding or ``None``) pins the gradients, and what the
+    compute part computes them from, where the plan does not."""
     var_shardings, operand_shardings = _plan_shardings(traced, plan, mesh)
     return micro_batched_parts(
-        traced, plan, mesh, num_micro_batches, var_shardings, operand_shardings
+        traced, plan, mesh, num_micro_batches, var_shardings, operand_shardings, grad_shardings
     )
 
 
@@ -513,7 +515,9 @@ class MicroBatchedParts:
     * ``finish(acc, keep)``: the partial sums reduced across devices (the step's one
       gradient synchronisation), each as the plan wants the gradient; only those
       ``keep`` marks (default: all), e.g. ``grad_used``, those the apply part reads;
-    * ``apply(leaves, grads)``: the apply part on the step's inputs and the averaged sums.
+    * ``apply(leaves, grads)``: the apply part on the step's inputs and the averaged sums;
+    * ``carried(acc)`` / ``uncarried(carry)``: the accumulators as one program passes them
+      to the next, each partial sum in its gradient's shape (``_carry``), and back.
     """
 
     k: int
@@ -527,42 +531,37 @@ class MicroBatchedParts:
     accumulate: Any
     finish: Any
     apply: Any
+    carried: Any
+    uncarried: Any
 
     def params(self, read) -> list:
         return [x for x, b in zip(read, self.is_batch, strict=True) if not b]
 
 
 def micro_batched_parts(
-    traced: TracedStep, plan: ShardingPlan, mesh, k: int, var_shardings, operand_shardings
+    traced: TracedStep,
+    plan: ShardingPlan,
+    mesh,
+    k: int,
+    var_shardings,
+    operand_shardings,
+    grad_shardings=None,
 ) -> MicroBatchedParts:
     closed = traced.closed_jaxpr
     split = split_at_grad_marker(traced)
     jaxpr = closed.jaxpr
     is_batch = traced.batch_invars
     data_axes = tuple(plan.data_axes) if mesh.size > 1 else ()
+    var_specs = plan.var_specs
+    if grad_shardings is not None and mesh.size > 1:
+        var_shardings, var_specs = _pin_gradients(split, var_shardings, var_specs, grad_shardings)
 
     # The apply part starts from the step's inputs as they arrive: constraints on them
     # (ZeRO-3 gathers parameters before use) belong to the compute part only.
     step_inputs = set(jaxpr.invars)
     apply_shardings = {v: s for v, s in var_shardings.items() if v not in step_inputs}
 
-    # Row sums that reach the marker through linear operations are kept per device and
-    # reduced once per step (micro_batches.py); the rest of the loop body is the serial
-    # program under the plan's constraints.
-    deferred, overrides, num_data = set(), {}, 1
-    if data_axes:
-        num_data = int(np.prod([mesh.shape[a] for a in data_axes]))
-        dims = batch_dims(traced, num_data)
-        if dims is not None:
-            _check_batch_free(traced, split, dims)
-            deferred = deferrable(split.compute, dims)
-            overrides = deferred_rules(
-                split.compute.eqns, dims, deferred, mesh, data_axes, plan.var_specs
-            )
-    if mesh.size > 1:
-        overrides |= partial_sum_overrides(
-            split.compute, plan.partial_sums, plan.var_specs, mesh, skip=set(overrides)
-        )
+    deferred, overrides, num_data = _deferred_sums(traced, plan, split, mesh, data_axes, var_specs)
     is_partial = tuple(isinstance(v, Var) and v in deferred for v in split.compute.outvars)
     # A random draw of the batch's shape takes micro-batch j's rows of the full batch's
     # draw (tracing/batch_draws.py); the row ids are one more batch leaf, stacked like the
@@ -614,6 +613,18 @@ def micro_batched_parts(
         outs = zip(split.compute.outvars, split.marker_outvars, is_partial, strict=True)
         return [zeros(v, g, p) for v, g, p in outs]
 
+    def carried(acc):
+        return [
+            _carry(x, grad_spec(g), mesh, data_axes) if p else x
+            for x, g, p in zip(acc, split.marker_outvars, is_partial, strict=True)
+        ]
+
+    def uncarried(carry):
+        return [
+            _uncarry(x, grad_spec(g), mesh, data_axes) if p else x
+            for x, g, p in zip(carry, split.marker_outvars, is_partial, strict=True)
+        ]
+
     def accumulate(params, micro_batch, acc):
         mb_it, p_it = iter(micro_batch), iter(params)
         args = [next(mb_it) if b else next(p_it) for b in loop_is_batch]
@@ -645,8 +656,78 @@ def micro_batched_parts(
     grad_used = tuple(v in reads for v in split.marker_outvars)
     return MicroBatchedParts(
         k, tuple(is_batch), is_partial, grad_shardings, grad_used, read, split_batch, init,
-        accumulate, finish, apply,
+        accumulate, finish, apply, carried, uncarried,
     )  # fmt: skip
+
+
+def _pin_gradients(split: GradSplit, var_shardings, var_specs, grad_shardings):
+    """``(var_shardings, var_specs)`` with each gradient the plan does not pin, and the
+    value of the compute part it is accumulated from, pinned to ``grad_shardings``."""
+    var_shardings, var_specs = dict(var_shardings), dict(var_specs)
+    inputs = set(split.compute.invars)
+    pairs = zip(split.marker_outvars, split.compute.outvars, grad_shardings, strict=True)
+    for g, v, sharding in pairs:
+        if sharding is None or g in var_shardings:
+            continue
+        var_shardings[g] = sharding
+        if isinstance(v, Var) and v not in var_shardings and v not in inputs:
+            var_shardings[v], var_specs[v] = sharding, sharding.spec
+    return var_shardings, var_specs
+
+
+def _deferred_sums(traced, plan, split: GradSplit, mesh, data_axes, var_specs):
+    """``(deferred, overrides, num_data)``: row sums that reach the marker through linear
+    operations are kept per device and reduced once per step (micro_batches.py), by these
+    overrides of the compute part; the rest of it is the serial program under the plan's
+    constraints."""
+    deferred, overrides, num_data = set(), {}, 1
+    if data_axes:
+        num_data = int(np.prod([mesh.shape[a] for a in data_axes]))
+        dims = batch_dims(traced, num_data)
+        if dims is not None:
+            _check_batch_free(traced, split, dims)
+            deferred = deferrable(split.compute, dims)
+            overrides = deferred_rules(
+                split.compute.eqns, dims, deferred, mesh, data_axes, var_specs
+            )
+    if mesh.size > 1:
+        overrides |= partial_sum_overrides(
+            split.compute, plan.partial_sums, var_specs, mesh, skip=set(overrides)
+        )
+    return deferred, overrides, num_data
+
+
+def _carry(x, spec, mesh, data_axes):
+    """Per-device partial sums ``[n, ...]`` (split over ``data_axes`` on dim 0) as one
+    value of the gradient's shape whose buffer on each device is that device's partial sum:
+    split over the other axes as ``spec`` splits them, and declared whole over the data
+    axes, although its buffers there differ until :func:`_uncarry` and the reduction. No
+    data moves. Alpa's accumulated gradients between its accumulate programs were such
+    values; only the micro-batched programs pass them, from one to the next."""
+    data = data_axes if len(data_axes) > 1 else data_axes[0]
+    local = jax.shard_map(
+        lambda p: p[0],
+        mesh=mesh,
+        in_specs=PartitionSpec(data),
+        out_specs=PartitionSpec(),
+        axis_names=set(data_axes),
+        check_vma=False,
+    )(x)
+    return _pinned(local, NamedSharding(mesh, PartitionSpec(*partial_spec(spec, data_axes)[1:])))
+
+
+def _uncarry(x, spec, mesh, data_axes):
+    """The inverse of :func:`_carry`: each device's buffer as its slice of ``[n, ...]``."""
+    data = data_axes if len(data_axes) > 1 else data_axes[0]
+    stacked = jax.shard_map(
+        lambda a: a[None],
+        mesh=mesh,
+        in_specs=PartitionSpec(),
+        out_specs=PartitionSpec(data),
+        axis_names=set(data_axes),
+        check_vma=False,
+    )(x)
+    return _pinned(stacked, NamedSharding(mesh, partial_spec(spec, data_axes)))
 
 
 def _check_batch_free(traced: TracedStep, split: GradSplit, dims: dict) -> None:

@@ -138,3 +138,41 @@ def test_in_axis_resources_length_is_checked():
         r"positional argument \(2\)",
     ):
         f(_params(), _batch()["x"])
+
+
+def _entry_shapes(hlo: str) -> tuple[list[str], list[str]]:
+    """The f32 shapes of a module's parameters and of its results, from its
+    ``entry_computation_layout={(params)->results}``."""
+    import re
+
+    start = hlo.index("entry_computation_layout={") + len("entry_computation_layout={")
+    depth, end = 1, start
+    while depth:
+        depth += {"{": 1, "}": -1}.get(hlo[end], 0)
+        end += 1
+    params, results = hlo[start : end - 1].split(")->")
+    return re.findall(r"f32\[[\d,]*\]", params), re.findall(r"f32\[[\d,]*\]", results)
+
+
+def test_micro_batches_carry_each_gradient_in_its_parameters_shard():
+    """Alpa's accumulate-grad module takes the parameters, one micro-batch and the
+    accumulated gradients, and returns the gradients; apply-grad takes the parameters and
+    the gradients. Each gradient is carried in its parameter's shard (Megatron's over
+    'model'), also while it is a per-device partial sum over 'data' (before the last
+    micro-batch reduces it), and the numbers are jax.jit's."""
+    tx = optax.sgd(0.1)
+
+    def step(params, batch):
+        g = alpa.grad(lambda p: jnp.mean((_forward(p, batch["x"]) - batch["y"]) ** 2))(params)
+        return optax.apply_updates(params, tx.update(g, tx.init(params))[0])
+
+    params, batch = _params(), _batch()
+    method = _method((MEGATRON, P("data")), MEGATRON, mesh_shape=(2, 4), num_micro_batches=2)
+    f = alpa.parallelize(step, method=method, donate_argnums=())
+    assert_allclose(f(params, batch), jax.jit(step)(params, batch), 1e-4, 1e-4)
+    texts = f.get_last_executable().get_program_texts()
+    shards = [f"f32[{D},{H // 4}]", f"f32[{H // 4},{D}]"]  # w1, w2 split over 'model' (4)
+    micro_batch = [f"f32[{B // 2 // 2},{D}]"] * 2  # x, y: B / 2 micro-batches / 2 'data'
+    assert _entry_shapes(texts["accumulate"]) == (shards + micro_batch + shards, shards)
+    assert _entry_shapes(texts["accumulate_last"]) == (shards + micro_batch + shards, shards)
+    assert _entry_shapes(texts["apply"]) == (shards + shards, shards)
