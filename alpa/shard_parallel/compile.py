@@ -125,20 +125,33 @@ class _PartFunctions:
         return [next(it) if u else z for z, u in zip(zeros, self.used, strict=True)]
 
     def prepare(self, batch):
+        """``(first, last, carry)``: micro-batches ``0 .. k-2`` stacked (``[k-1, ...]`` per
+        leaf), micro-batch ``k-1``, and the zero accumulators."""
         stacked = self.parts.split(self._leaves([None] * len(self.param_at), batch))
-        micro_batches = [[s[j] for s in stacked] for j in range(self.parts.k)]
-        return micro_batches, self._kept(self.parts.carried(self.parts.init()))
+        first = [s[: self.parts.k - 1] for s in stacked]
+        last = [s[self.parts.k - 1] for s in stacked]
+        return first, last, self._kept(self.parts.carried(self.parts.init()))
 
-    def _accumulate(self, params, micro_batch, carry) -> list:
-        read = self.parts.read(self._leaves(params, micro_batch))
+    def _accumulate(self, params, micro_batches, carry, stacked: bool) -> list:
+        leaves = self._leaves(params, [m[0] if stacked else m for m in micro_batches])
+        params = self.parts.params(self.parts.read(leaves))
         acc = self.parts.uncarried(self._all_of(carry))
-        return self.parts.accumulate(self.parts.params(read), micro_batch, acc)
+        if not stacked:
+            return self.parts.accumulate(params, micro_batches, acc)
 
-    def accumulate(self, params, micro_batch, carry):
-        return self._kept(self.parts.carried(self._accumulate(params, micro_batch, carry)))
+        def body(acc, micro_batch):
+            return self.parts.accumulate(params, micro_batch, acc), None
+
+        return jax.lax.scan(body, acc, micro_batches)[0]
+
+    def accumulate(self, params, first, carry):
+        """Micro-batches ``0 .. k-2``, in a loop: the accumulators, still unreduced."""
+        return self._kept(self.parts.carried(self._accumulate(params, first, carry, True)))
 
     def accumulate_last(self, params, micro_batch, carry):
-        return self.parts.finish(self._accumulate(params, micro_batch, carry), self.used)
+        """Micro-batch ``k-1``, then the step's gradient synchronisation."""
+        acc = self._accumulate(params, micro_batch, carry, False)
+        return self.parts.finish(acc, self.used)
 
     def apply(self, *params_and_grads):
         n = len(self.param_at)
@@ -149,22 +162,27 @@ class _PartFunctions:
 
 class MicroBatchedProgram:
     """A step over ``k`` micro-batches as Alpa ran it: a program per part
-    (``lowering.MicroBatchedParts``), called in turn by :meth:`__call__`.
+    (``lowering.MicroBatchedParts``), called in turn by :meth:`__call__`, four calls a
+    step whatever ``k``.
 
     * ``prepare``: the batch leaves as ``k`` micro-batches (rows ``j·B/k .. (j+1)·B/k``,
-      each laid out as the plan wants the leaf: the step's one change of layout) and the
-      zero gradient accumulators;
-    * ``accumulate`` (micro-batches ``0 .. k-2``): the parameters, one micro-batch and the
-      accumulators in, the accumulators plus that micro-batch's gradients out. Row sums
-      stay per-device partial sums: no gradient synchronisation;
-    * ``accumulate_last`` (micro-batch ``k-1``): the same, then the gradients reduced
-      across devices, once per step;
+      each laid out as the plan wants the leaf: the step's one change of layout), the
+      first ``k-1`` stacked, and the zero gradient accumulators;
+    * ``accumulate`` (micro-batches ``0 .. k-2``, in a ``lax.scan``; not compiled when
+      ``k = 1``): the parameters, the stacked micro-batches and the accumulators in, the
+      accumulators plus their gradients out. Row sums stay per-device partial sums: no
+      gradient synchronisation;
+    * ``accumulate_last`` (micro-batch ``k-1``): the parameters, one micro-batch and the
+      accumulators in; the gradients summed and reduced across devices (once per step)
+      out;
     * ``apply``: the parameters (the step's non-batch inputs) and the summed gradients in,
       the step's outputs out.
 
-    Alpa compiled one accumulate program and skipped its gradient all-reduce at run time
-    on all micro-batches but the last; stock XLA cannot skip a collective, so the program
-    is compiled twice, with and without it. :meth:`as_text` is Alpa's
+    Alpa compiled one accumulate program, ran it on each micro-batch and skipped its
+    gradient all-reduce at run time on all but the last; stock XLA cannot skip a
+    collective, so the micro-batches before the last run in a program of their own,
+    without it, as one loop (one dispatch, not ``k - 1``: measured in
+    ``benchmark/dispatch/bench_micro_batch_programs.py``). :meth:`as_text` is Alpa's
     ``get_hlo_text()`` of such a step: ``accumulate_last``'s module, then ``apply``'s.
     Arguments must already be placed as ``in_shardings`` says (``MeshExecutable``
     places them)."""
@@ -197,9 +215,9 @@ class MicroBatchedProgram:
 
     def _compile_apply(self, traced: TracedStep, plan: ShardingPlan, mesh, parts):
         functions = _PartFunctions(parts, self._param_at, self._batch_at)
-        mb_avals, carry_avals = jax.eval_shape(functions.prepare, self._batch)
+        _, last_avals, carry_avals = jax.eval_shape(functions.prepare, self._batch)
         grad_avals = jax.eval_shape(
-            functions.accumulate_last, self._params, mb_avals[0], carry_avals
+            functions.accumulate_last, self._params, last_avals, carry_avals
         )
         shardings = [s for s, u in zip(parts.grad_shardings, parts.grad_used, strict=True) if u]
         grads = [_struct(a, s) for a, s in zip(grad_avals, shardings, strict=True)]
@@ -210,16 +228,17 @@ class MicroBatchedProgram:
 
     def _compile_accumulate(self, functions: _PartFunctions) -> None:
         self.prepare = jax.jit(functions.prepare).lower(self._batch).compile()
-        mb_shardings, carry_shardings = self.prepare.output_shardings
-        mb_avals, carry_avals = jax.eval_shape(functions.prepare, self._batch)
-        micro_batch = [_struct(a, s) for a, s in zip(mb_avals[0], mb_shardings[0], strict=True)]
+        first_shardings, last_shardings, carry_shardings = self.prepare.output_shardings
+        first_avals, last_avals, carry_avals = jax.eval_shape(functions.prepare, self._batch)
+        first = [_struct(a, s) for a, s in zip(first_avals, first_shardings, strict=True)]
+        micro_batch = [_struct(a, s) for a, s in zip(last_avals, last_shardings, strict=True)]
         carry = [_struct(a, s) for a, s in zip(carry_avals, carry_shardings, strict=True)]
         self._micro_batch = micro_batch
         self.accumulate = None
         if self.k > 1:
             self.accumulate = (
                 jax.jit(functions.accumulate, out_shardings=carry_shardings, donate_argnums=(2,))
-                .lower(self._params, micro_batch, carry)
+                .lower(self._params, first, carry)
                 .compile()
             )
         grad_out = list(self.apply.input_shardings[0][len(self._params) :])
@@ -239,11 +258,12 @@ class MicroBatchedProgram:
     def __call__(self, *dynamic_args):
         leaves = jax.tree.leaves(dynamic_args)
         params = [leaves[i] for i in self._param_at]
-        micro_batches, acc = self.prepare([leaves[i] for i in self._batch_at])
-        del leaves  # the micro-batches are freed as they are consumed
-        while len(micro_batches) > 1:
-            acc = self.accumulate(params, micro_batches.pop(0), acc)
-        grads = self.accumulate_last(params, micro_batches.pop(), acc)
+        first, last, carry = self.prepare([leaves[i] for i in self._batch_at])
+        del leaves
+        if self.accumulate is not None:
+            carry = self.accumulate(params, first, carry)
+        del first  # freed before the last micro-batch runs
+        grads = self.accumulate_last(params, last, carry)
         return jax.tree.unflatten(self.out_tree, self.apply(*params, *grads))
 
     def bytes_beside(self) -> dict[str, int]:
@@ -255,7 +275,7 @@ class MicroBatchedProgram:
         micro_batch = _device_bytes(self._micro_batch)
         beside = {
             "prepare": params,
-            "accumulate": batch + (self.k - 1) * micro_batch,
+            "accumulate": batch + micro_batch,
             "accumulate_last": batch,
             "apply": batch,
         }

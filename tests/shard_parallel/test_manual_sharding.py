@@ -173,6 +173,7 @@ def test_micro_batches_carry_each_gradient_in_its_parameters_shard():
     texts = f.get_last_executable().get_program_texts()
     shards = [f"f32[{D},{H // 4}]", f"f32[{H // 4},{D}]"]  # w1, w2 split over 'model' (4)
     micro_batch = [f"f32[{B // 2 // 2},{D}]"] * 2  # x, y: B / 2 micro-batches / 2 'data'
-    assert _entry_shapes(texts["accumulate"]) == (shards + micro_batch + shards, shards)
+    stacked = [f"f32[1,{B // 2 // 2},{D}]"] * 2  # micro-batches 0 .. k-2 in one loop
+    assert _entry_shapes(texts["accumulate"]) == (shards + stacked + shards, shards)
     assert _entry_shapes(texts["accumulate_last"]) == (shards + micro_batch + shards, shards)
     assert _entry_shapes(texts["apply"]) == (shards + shards, shards)
