@@ -7,7 +7,7 @@ pytrees, with the plan's shardings as ``in_shardings`` and the donated arguments
 ``donate_argnums``, so that a cache hit is one call of XLA's compiled program: its C++
 fast path checks the arguments, places host arrays and runs, at ``jax.jit``'s own
 dispatch cost. With micro-batches the step is a program per part, as Alpa ran it
-(``compile.MicroBatchedProgram``: prepare, accumulate per micro-batch, apply); a cache hit
+(``compile.MicroBatchedProgram``: prepare, accumulate, accumulate_last, apply); a cache hit
 checks and places the arguments, then calls them in turn. The executable also exposes what
 XLA compiled: its HLO, its per-device memory, and where every input and output lives.
 """

@@ -101,9 +101,10 @@ def _struct(aval, sharding) -> jax.ShapeDtypeStruct:
 
 class _PartFunctions:
     """The functions ``MicroBatchedProgram`` compiles, on flat lists of the step's
-    non-batch leaves (``params``), one micro-batch's leaves and the carried accumulators
-    of the gradients the apply part reads (the others, a loss the step does not return,
-    are left out, and XLA drops their computation)."""
+    non-batch leaves (``params``), micro-batch leaves (one micro-batch's, or micro-batches
+    ``0 .. k-2`` stacked) and the carried accumulators of the gradients the apply part
+    reads (the others, a loss the step does not return, are left out, and XLA drops their
+    computation)."""
 
     def __init__(self, parts, param_at: list[int], batch_at: list[int]):
         self.parts, self.param_at, self.batch_at = parts, param_at, batch_at
