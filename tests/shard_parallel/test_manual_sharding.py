@@ -87,9 +87,9 @@ def test_megatron_train_step():
     assert counts == (1, 1, 0, 0, 0)
 
 
-def test_2d_mesh_data_and_model_parallel_with_micro_batches():
-    """Batch over 'data' (2), Megatron over 'model' (4); with micro-batches the gradient
-    reduction over 'data' happens once, after the loop."""
+def _megatron_over_2x4_with_2_micro_batches():
+    """An SGD step with the batch over 'data' (2) and Megatron over 'model' (4), in 2
+    micro-batches: checked against jax.jit, its executable."""
     tx = optax.sgd(0.1)
 
     def step(params, batch):
@@ -100,16 +100,23 @@ def test_2d_mesh_data_and_model_parallel_with_micro_batches():
     method = _method((MEGATRON, P("data")), MEGATRON, mesh_shape=(2, 4), num_micro_batches=2)
     f = alpa.parallelize(step, method=method, donate_argnums=())
     assert_allclose(f(params, batch), jax.jit(step)(params, batch), 1e-4, 1e-4)
+    return f.get_last_executable()
+
+
+def test_2d_mesh_data_and_model_parallel_with_micro_batches():
+    """Batch over 'data' (2), Megatron over 'model' (4); with micro-batches the gradient
+    reduction over 'data' happens once per step."""
     from alpa.util import count_micro_batch_communication
 
-    texts = f.get_last_executable().get_program_texts()
+    executable = _megatron_over_2x4_with_2_micro_batches()
+    texts = executable.get_program_texts()
     per_micro_batch, per_step, _ = count_micro_batch_communication(texts)
     # Per micro-batch: only the Megatron forward all-reduce over 'model'. Once per step:
     # one all-reduce of the gradients over 'data' (groups {0,4},{1,5}...).
     assert per_micro_batch.all_reduce == 1
     assert per_step.total == per_step.all_reduce == 1
     assert "replica_groups={{0,4},{1,5},{2,6},{3,7}}" in texts["accumulate_last"]
-    assert f.get_last_executable().plan.data_axes == ("data",)
+    assert executable.plan.data_axes == ("data",)
 
 
 def test_one_axis_name():
@@ -160,17 +167,8 @@ def test_micro_batches_carry_each_gradient_in_its_parameters_shard():
     the gradients. Each gradient is carried in its parameter's shard (Megatron's over
     'model'), also while it is a per-device partial sum over 'data' (before the last
     micro-batch reduces it), and the numbers are jax.jit's."""
-    tx = optax.sgd(0.1)
-
-    def step(params, batch):
-        g = alpa.grad(lambda p: jnp.mean((_forward(p, batch["x"]) - batch["y"]) ** 2))(params)
-        return optax.apply_updates(params, tx.update(g, tx.init(params))[0])
-
-    params, batch = _params(), _batch()
-    method = _method((MEGATRON, P("data")), MEGATRON, mesh_shape=(2, 4), num_micro_batches=2)
-    f = alpa.parallelize(step, method=method, donate_argnums=())
-    assert_allclose(f(params, batch), jax.jit(step)(params, batch), 1e-4, 1e-4)
-    texts = f.get_last_executable().get_program_texts()
+    executable = _megatron_over_2x4_with_2_micro_batches()
+    texts = executable.get_program_texts()
     shards = [f"f32[{D},{H // 4}]", f"f32[{H // 4},{D}]"]  # w1, w2 split over 'model' (4)
     micro_batch = [f"f32[{B // 2 // 2},{D}]"] * 2  # x, y: B / 2 micro-batches / 2 'data'
     stacked = [f"f32[1,{B // 2 // 2},{D}]"] * 2  # micro-batches 0 .. k-2 in one loop
