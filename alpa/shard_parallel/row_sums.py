@@ -294,7 +294,7 @@ def deferred_rules(
                 body = bodies[eqn][0]
                 rules |= deferred_rules(body.eqns, dims, deferred, mesh, data_axes, var_specs)
                 shardings = tuple(
-                    NamedSharding(mesh, partial_spec(var_specs.get(eqn.outvars[i]), data_axes))
+                    NamedSharding(mesh, _rule_spec(var_specs, eqn.outvars[i], data_axes))
                     for i in positions
                 )
                 rules[eqn] = DeferredBody(positions, eqn.primitive.name == "scan", shardings)
@@ -306,7 +306,7 @@ def deferred_rules(
         if not eqn.outvars or eqn.outvars[0] not in deferred:
             continue
         partial_sharding = NamedSharding(
-            mesh, partial_spec(var_specs.get(eqn.outvars[0]), data_axes)
+            mesh, _rule_spec(var_specs, eqn.outvars[0], data_axes)
         )
         partial_in = tuple(isinstance(v, Var) and v in deferred for v in eqn.invars)
         if any(partial_in):
@@ -336,6 +336,18 @@ class DeferredBody:
             x = jnp.moveaxis(outs[i], 1, 0) if self.stacked else outs[i]
             outs[i] = jax.lax.with_sharding_constraint(x, sharding)
         return outs
+
+
+def _rule_spec(var_specs, v: Var, data_axes: tuple[str, ...]) -> PartitionSpec:
+    """The spec a deferral rule pins ``v``'s partial sums to: :func:`partial_spec` of the
+    plan's spec; where the plan names none (a manual plan's intermediate), ``n`` over the
+    data axes and the value's own dimensions left to XLA's propagation, so that a
+    gradient computed split over another axis (Megatron's) is not gathered whole."""
+    spec = var_specs.get(v)
+    if spec is not None:
+        return partial_spec(spec, data_axes)
+    data = tuple(data_axes) if len(data_axes) > 1 else data_axes[0]
+    return PartitionSpec(data, *[PartitionSpec.UNCONSTRAINED] * len(v.aval.shape))
 
 
 def partial_spec(spec: PartitionSpec | None, data_axes: tuple[str, ...]) -> PartitionSpec:
