@@ -305,9 +305,7 @@ def deferred_rules(
             continue
         if not eqn.outvars or eqn.outvars[0] not in deferred:
             continue
-        partial_sharding = NamedSharding(
-            mesh, _rule_spec(var_specs, eqn.outvars[0], data_axes)
-        )
+        partial_sharding = NamedSharding(mesh, _rule_spec(var_specs, eqn.outvars[0], data_axes))
         partial_in = tuple(isinstance(v, Var) and v in deferred for v in eqn.invars)
         if any(partial_in):
             rules[eqn] = _linear_rule(eqn, partial_in, n, partial_sharding)
