@@ -42,7 +42,7 @@ from alpa.runtime.local_runtime import LocalPipelineRuntime, RuntimeContext
 from alpa.runtime.memory import allocation_bytes, device_peak_bytes, step_peak_bytes
 from alpa.runtime.placement import PlacementSpec, caller_placements, is_placed
 from alpa.shard_parallel.compile import full_batch_avals
-from alpa.shard_parallel.lowering import eval_jaxpr_with_constraints
+from alpa.shard_parallel.constrained_eval import eval_jaxpr_with_constraints
 from alpa.shard_parallel.row_sums import deferred_rules, sum_partials
 from alpa.tracing import leaf_signature, new_jaxpr
 from alpa.tracing.jaxpr_util import backward_slice, is_var, nested_eqns, planned_bodies

@@ -304,7 +304,7 @@ def marker_deferral(traced: TracedStep, plan: ShardingPlan) -> MarkerDeferral | 
 
 
 def reduce_at_marker(traced: TracedStep, plan: ShardingPlan, mesh, var_shardings) -> dict:
-    """Without micro-batches: the ``overrides`` of ``lowering.eval_jaxpr_with_constraints``
+    """Without micro-batches: the ``overrides`` of ``constrained_eval.eval_jaxpr_with_constraints``
     that reduce the step's gradients once, at the ``alpa.grad`` marker, as the
     micro-batched step does after its loop.
 

@@ -12,7 +12,7 @@ slice, and one collective sums the slices where the gradient is needed whole
 is the serial one.
 
 :func:`deferrable` finds the values that can be carried so, :func:`deferred_rules`
-computes them (``lowering.eval_jaxpr_with_constraints``'s overrides). Gradient
+computes them (``constrained_eval.eval_jaxpr_with_constraints``'s overrides). Gradient
 accumulation (``micro_batches``), the one-batch step's reduction at the marker
 (``gradient_sync``) and the pipeline's stages (``pipeline_parallel/deferred_sums``) use
 them.
@@ -319,7 +319,7 @@ class DeferredBody:
     """The override of an equation with a body (a scan, a checkpoint) whose outputs at
     ``positions`` are partial sums: the lowering evaluates the body with the overrides of
     its own equations, which make it return those results as ``[n, ...]`` partial sums,
-    and binds the equation again around it (``lowering.eval_jaxpr_with_constraints``);
+    and binds the equation again around it (``constrained_eval.eval_jaxpr_with_constraints``);
     :meth:`finish` then lays each such output out as the partial sums of the value
     (a scan's ``[length, n, ...]`` stack moved to ``[n, length, ...]``: on each device
     its own slice, no communication), in ``shardings``."""

@@ -443,7 +443,7 @@ def _plan_collectives(executable, **option) -> Counter:
       (``strategy_costs.sums_partials``), one reduction of their sum, not two;
     * each resharding edge (an operand read in another spec than its producer's): the
       collectives of that resharding. The lowering reshards a value once per target spec,
-      shared by all its readers (``lowering.eval_jaxpr_with_constraints``), so a
+      shared by all its readers (``constrained_eval.eval_jaxpr_with_constraints``), so a
       ``(value, spec)`` pair counts once, though the ILP prices every reading edge.
 
     The planning is re-run on the executable's trace with the same ``option`` fields

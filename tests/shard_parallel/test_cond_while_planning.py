@@ -4,7 +4,7 @@ scan's (issue 30, item 3).
 Each branch's equations are nodes of the strategy graph, priced as if every branch ran, and
 each result of the ``cond`` is a node that every branch's value is resharded into, so the
 branches return one sharding (``strategy_graph._Builder._add_cond``); the lowering keeps the
-``cond`` and pins each branch's values and results (``lowering._cond_with_constraints``).
+``cond`` and pins each branch's values and results (``constrained_eval._cond_with_constraints``).
 Oracles, on the 8 virtual CPU devices:
 
 * a ``cond`` of two copies of one column-parallel layer is planned as the step that runs

@@ -35,7 +35,8 @@ from alpa.model.bert import BertConfig, FlaxBertLayerCollection
 from alpa.model.model_util import create_train_state
 from alpa.parallel_plan import ParallelPlan
 from alpa.shard_parallel.auto_sharding import solve_auto_sharding
-from alpa.shard_parallel.lowering import build_step_function, eval_jaxpr_with_constraints
+from alpa.shard_parallel.constrained_eval import eval_jaxpr_with_constraints
+from alpa.shard_parallel.lowering import build_step_function
 from alpa.shard_parallel.strategy_graph import GraphOptions, build_strategy_graph, live_points
 from alpa.testing import assert_allclose, program_text
 from alpa.testing import run_auto_sharded as _compile

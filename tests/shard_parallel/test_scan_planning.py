@@ -3,7 +3,7 @@
 The body of a scan is planned once, as one iteration (``strategy_graph``): its equations
 cost ``length`` times, each carry keeps one spec across iterations, each stacked input is
 split as its rows are (the scanned axis whole), and the lowering keeps the loop
-(``lowering._scan_with_constraints``). Oracles, on the 8 virtual CPU devices:
+(``constrained_eval._scan_with_constraints``). Oracles, on the 8 virtual CPU devices:
 
 * a scanned stack is the unrolled stack looped: where both compute the same values (the
   input's gradient is taken too, so that the unrolled first layer does not skip one), the
