@@ -139,11 +139,7 @@ class _PartFunctions:
         acc = self.parts.uncarried(self._all_of(carry))
         if not stacked:
             return self.parts.accumulate(params, micro_batches, acc)
-
-        def body(acc, micro_batch):
-            return self.parts.accumulate(params, micro_batch, acc), None
-
-        return jax.lax.scan(body, acc, micro_batches)[0]
+        return self.parts.accumulate_each(params, micro_batches, acc)
 
     def accumulate(self, params, first, carry):
         """Micro-batches ``0 .. k-2``, in a loop: the accumulators, still unreduced."""

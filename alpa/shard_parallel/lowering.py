@@ -216,12 +216,7 @@ def _micro_batched_step(
 
     def step(*leaves):
         read = parts.read(leaves)
-        params = parts.params(read)
-
-        def body(acc, micro_batch):
-            return parts.accumulate(params, micro_batch, acc), None
-
-        acc, _ = jax.lax.scan(body, parts.init(), parts.split(read))
+        acc = parts.accumulate_each(parts.params(read), parts.split(read), parts.init())
         return parts.apply(leaves, parts.finish(acc))
 
     return step
@@ -231,7 +226,7 @@ def _micro_batched_step(
 class MicroBatchedParts:
     """A step over ``k`` micro-batches, cut into the functions (traceable under
     ``jax.jit``) that one program (:func:`_micro_batched_step`) or a program per part
-    (``compile.compile_micro_batched``) composes. ``leaves`` are the step's flat inputs,
+    (``compile.MicroBatchedProgram``) composes. ``leaves`` are the step's flat inputs,
     batch leaves at full batch size:
 
     * ``read(leaves)``: the inputs as the compute part reads them (ZeRO-3's gathers,
@@ -244,7 +239,8 @@ class MicroBatchedParts:
       sum (``is_partial``) as per-device partial sums ``[n, ...]`` split over the data
       axes;
     * ``accumulate(params, micro_batch, acc)``: ``acc`` plus the compute part on one
-      micro-batch (its leaves as ``split`` gives them, in order);
+      micro-batch (its leaves as ``split`` gives them, in order); :meth:`accumulate_each`
+      the same over micro-batches stacked on a leading axis, in one ``lax.scan``;
     * ``finish(acc, keep)``: the partial sums reduced across devices (the step's one
       gradient synchronisation), each as the plan wants the gradient; only those
       ``keep`` marks (default: all), e.g. ``grad_used``, those the apply part reads;
@@ -269,6 +265,12 @@ class MicroBatchedParts:
 
     def params(self, read) -> list:
         return [x for x, b in zip(read, self.is_batch, strict=True) if not b]
+
+    def accumulate_each(self, params, stacked, acc) -> list:
+        def body(acc, micro_batch):
+            return self.accumulate(params, micro_batch, acc), None
+
+        return jax.lax.scan(body, acc, stacked)[0]
 
 
 def micro_batched_parts(
