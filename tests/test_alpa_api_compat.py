@@ -251,7 +251,9 @@ def test_as_option_assignment_takes_effect_and_is_validated():
     ) == alpa.util.count_communication_primitives(plain_exe.get_hlo_text())
 
     # A bad value is refused at the assignment, naming the field; the option is unchanged.
-    with pytest.raises(ValueError, match="force_batch_dim_to_mesh_dim must be None, 0 or 1"):
+    with pytest.raises(
+        ValueError, match=r"force_batch_dim_to_mesh_dim must be None \(Alpa's default\), -1 "
+    ):
         shard.as_option.force_batch_dim_to_mesh_dim = 2
     with pytest.raises(TypeError, match=r"allow_mixed_mesh_shape must be a bool, got 'yes'"):
         shard.as_option.allow_mixed_mesh_shape = "yes"

@@ -54,9 +54,10 @@ def _check_bool(name: str, value):
 
 
 def _check_batch_dim(name: str, dim):
-    if dim is not None and (isinstance(dim, bool) or dim not in (0, 1)):
+    if dim is not None and (isinstance(dim, bool) or dim not in (-1, 0, 1)):
         raise ValueError(
-            f"AutoShardingOption.{name} must be None, 0 or 1 (a logical mesh axis), got {dim!r}"
+            f"AutoShardingOption.{name} must be None (Alpa's default), -1 (never forced), "
+            f"0 or 1 (a logical mesh axis), got {dim!r}"
         )
     return dim
 
@@ -164,8 +165,10 @@ class AutoShardingOption:
         ``Zero2Parallel`` plan. The compiled program has real reduce-scatters.
       force_batch_dim_to_mesh_dim: split the batch dimension over this mesh axis (0 or 1):
         dim 0 of the batch arguments, and the batch dimension of every value computed from
-        them (found by tracing the step at a smaller batch); ``None`` lets the solver
-        decide.
+        them (found by tracing the step at a smaller batch). ``None``, Alpa's default: axis
+        0 on a logical mesh whose two axes both have more than one device (when the
+        step's batch splits over it), else the solver decides; ``-1``: the solver always
+        decides (:func:`forced_batch_axis`).
       force_data_parallel: shard the batch over every device and replicate the rest; the
         program equals ``DataParallel``'s (``Zero2Parallel``'s with
         ``prefer_reduce_scatter``).
@@ -567,6 +570,14 @@ def solve_auto_sharding(
 ) -> AutoShardingSolution:
     """Build the strategy graph of a traced step, solve the ILP, return the decision."""
     marker = traced.grad_marker()
+    option = AutoShardingOption() if option is None else option
+    axis = forced_batch_axis(option, _effective_mesh(logical_mesh, option))
+    if axis != option.force_batch_dim_to_mesh_dim:
+        option = replace(option, force_batch_dim_to_mesh_dim=axis).snapshot()
+        if option.force_batch_dim_to_mesh_dim is not None and (
+            _forced_batch_dims(traced, logical_mesh, option) is None
+        ):  # Alpa's default, where the batch does not split over axis 0: not forced
+            option = replace(option, force_batch_dim_to_mesh_dim=None).snapshot()
     return solve_jaxpr(
         traced.closed_jaxpr,
         logical_mesh,
@@ -580,6 +591,22 @@ def solve_auto_sharding(
         partial_sums=partial_sums,
         comm_first=comm_first,
     )
+
+
+def forced_batch_axis(option: AutoShardingOption, mesh: LogicalDeviceMesh) -> int | None:
+    """The mesh axis ``option`` forces the batch dimension onto on ``mesh``, ``None`` for
+    none: ``force_batch_dim_to_mesh_dim`` when set (``-1``: none); unset, Alpa's default,
+    axis 0 when both of ``mesh``'s axes have more than one device (a 2-D mesh is data
+    parallel on its first axis and shards the model on its second), except under
+    ``force_data_parallel`` and ``force_zero_stage_3``, which split the batch over every
+    device."""
+    axis = option.force_batch_dim_to_mesh_dim
+    if axis == -1:
+        return None
+    forces_all = option.force_data_parallel or option.force_zero_stage_3
+    if axis is None and not forces_all and mesh.shape[0] > 1 and mesh.shape[1] > 1:
+        return 0
+    return axis
 
 
 def _forced_batch_dims(traced, logical_mesh, option) -> Mapping | None:
@@ -649,7 +676,9 @@ def solve_jaxpr(
     ``fixed_in_specs[i]`` (a ``PartitionSpec`` or ``None``) fixes input ``i``'s sharding.
     ``batch_dims[var]``, the batch dimensions of each value, lets
     ``force_batch_dim_to_mesh_dim`` force every value's batch dimension, not only the
-    batch arguments'.
+    batch arguments'. Only a value set in the option forces here: Alpa's default on 2-D
+    meshes (:func:`forced_batch_axis`) is resolved by :func:`solve_auto_sharding`, which
+    knows the step.
     ``partial_sums`` prices an add of two partial results reduced alike as one reduction
     (the lowering must then add before reducing; ``partial_sums.py``).
     ``comm_first`` picks the solve (``ilp_solver.solve``): the least communication, compute
@@ -675,6 +704,8 @@ def solve_jaxpr(
         raise ValueError(
             f"batch_invars has {len(batch_invars)} entries but the jaxpr has {len(invars)} inputs"
         )
+    if option.force_batch_dim_to_mesh_dim == -1:
+        option = replace(option, force_batch_dim_to_mesh_dim=None).snapshot()
     mesh = _effective_mesh(logical_mesh, option)
     graph_options = GraphOptions(
         allow_mixed_mesh_shape=option.allow_mixed_mesh_shape,

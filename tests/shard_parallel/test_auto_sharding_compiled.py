@@ -640,7 +640,9 @@ def test_moe_splits_experts_with_all_to_all(num_layers):
 def test_recomputing_heavy_ops_is_priced():
     """With ``allow_recompute_heavy_op`` the ILP may run a matmul whole on every device.
     Without the compute term that plan cost nothing and won: a BERT MLM step on (2, 4)
-    came out fully replicated, objective 0, no collective. Priced, the plan splits."""
+    came out fully replicated, objective 0, no collective. Priced, the plan splits. (The
+    batch is left free, ``-1``: Alpa's default would force it onto axis 0 of the 2-D
+    mesh.)"""
     from alpa.model.bert import BertConfig, get_bert_train_state_and_step
 
     config = BertConfig(
@@ -648,7 +650,7 @@ def test_recomputing_heavy_ops_is_priced():
     )
     state, batch, step = get_bert_train_state_and_step(config, 128)
     expected = jax.jit(step)(state, batch)
-    option = AutoShardingOption(allow_recompute_heavy_op=True)
+    option = AutoShardingOption(allow_recompute_heavy_op=True, force_batch_dim_to_mesh_dim=-1)
     results = {}
     for name, mesh in (
         ("priced", unit_cost_mesh((2, 4))),
@@ -805,15 +807,43 @@ def _batch_dims_off_axis(executable, axis: int, **option) -> list[str]:
 def test_force_batch_dim_to_mesh_dim_forces_every_value(mlp_wide_hidden, axis):
     """``force_batch_dim_to_mesh_dim=k`` means what it means in Alpa: the batch dimension of
     every value that has one (activations, their gradients, the loss terms) is split over
-    mesh axis ``k``, not only the batch arguments'. Free, the same step (small batch,
-    wide hidden) is Megatron on both axes and leaves the batch whole."""
+    mesh axis ``k``, not only the batch arguments'. Free (``-1``), the same step (small
+    batch, wide hidden) is Megatron on both axes and leaves the batch whole."""
     state, batch, step, expected = mlp_wide_hidden
-    free_out, free = _compile(step, state, batch, (2, 4))
-    assert _batch_dims_off_axis(free, axis)
+    free_out, free = _compile(step, state, batch, (2, 4), force_batch_dim_to_mesh_dim=-1)
+    assert _batch_dims_off_axis(free, axis, force_batch_dim_to_mesh_dim=-1)
     out, executable = _compile(step, state, batch, (2, 4), force_batch_dim_to_mesh_dim=axis)
     assert_allclose(out, expected, rtol=1e-4, atol=1e-4)
     assert executable.plan.data_axes == (executable.plan.logical_mesh.axis_names[axis],)
     assert _batch_dims_off_axis(executable, axis, force_batch_dim_to_mesh_dim=axis) == []
+
+
+def test_a_2d_mesh_forces_the_batch_onto_axis_0_by_default(mlp_wide_hidden):
+    """Alpa's default (``force_batch_dim_to_mesh_dim=None``): on a logical mesh whose two
+    axes both have more than one device, the batch dimension of every value is split over
+    axis 0, as with ``force_batch_dim_to_mesh_dim=0``, and the ILP shards the model over
+    axis 1; ``-1`` leaves the solver free (this step is then Megatron over both axes, the
+    batch whole). On a mesh with an axis of one device nothing is forced. Oracles: the
+    default's plan equals the forced plan, spec for spec; the batch dimensions of its
+    values all lie on axis 0; the free plan's do not; numerics equal serial."""
+    state, batch, step, expected = mlp_wide_hidden
+    out, default = _compile(step, state, batch, (2, 4))
+    assert_allclose(out, expected, rtol=1e-4, atol=1e-4)
+    _, forced = _compile(step, state, batch, (2, 4), force_batch_dim_to_mesh_dim=0)
+    _, free = _compile(step, state, batch, (2, 4), force_batch_dim_to_mesh_dim=-1)
+    assert default.plan.in_specs == forced.plan.in_specs
+    assert default.plan.data_axes == ("x",)
+    assert default.auto_sharding_objective == pytest.approx(forced.auto_sharding_objective)
+    assert _batch_dims_off_axis(default, 0) == []
+    assert _batch_dims_off_axis(free, 0, force_batch_dim_to_mesh_dim=-1)
+    assert free.plan.in_specs != default.plan.in_specs
+    # The option the executable keeps is the user's: the default is resolved per mesh.
+    assert default.auto_sharding_option.force_batch_dim_to_mesh_dim is None
+    # A mesh with an axis of one device: the default forces nothing.
+    for shape in ((1, 8), (8, 1)):
+        _, one_axis = _compile(step, state, batch, shape)
+        _, unforced = _compile(step, state, batch, shape, force_batch_dim_to_mesh_dim=-1)
+        assert one_axis.plan.in_specs == unforced.plan.in_specs, shape
 
 
 def test_forced_batch_axis_holds_for_the_operands_of_weight_gradients():
