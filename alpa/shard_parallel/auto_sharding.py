@@ -17,7 +17,7 @@ from typing import Any
 from typing import Literal as TypingLiteral
 
 import jax
-from jax.extend.core import Literal
+from jax.extend.core import Literal, Var
 from jax.sharding import NamedSharding, PartitionSpec
 
 from alpa.device_mesh import LogicalDeviceMesh
@@ -492,12 +492,74 @@ def plan_auto_sharding(
             out_specs=(None,) * len(jaxpr.outvars),
             method="replicated (auto-sharding disabled)",
         )
+    if option.prefer_reduce_scatter and comm_first:
+        plan = _reduce_scatter_in_alpas_order(
+            traced, logical_mesh, option, fixed_in_specs, partial_sums
+        )
+        if plan is not None:
+            return plan
     solution = solve_auto_sharding(
         traced, logical_mesh, option, fixed_in_specs, partial_sums, comm_first
     )
     if global_config.print_auto_sharding_strategy:
         print(solution.format_table())
     return solution.to_sharding_plan()
+
+
+def _reduce_scatter_in_alpas_order(
+    traced, logical_mesh, option, fixed_in_specs, partial_sums
+) -> ShardingPlan | None:
+    """``prefer_reduce_scatter`` as Alpa applied it, where that is written out here: the
+    all-reduce plan is solved first (communication first, no reduce-scatter strategies),
+    then its gradient all-reduces are rewritten, and the objective reported is the
+    all-reduce plan's.
+
+    * A plan that reduces no gradient over a data axis (no batch split: Megatron's model
+      parallelism) has nothing to rewrite: it is the plan.
+    * A data-parallel plan (the batch over every device, every other input replicated)
+      becomes ZeRO-2's (``data_parallel_plan(zero_stage=2)``): the gradients reduce-
+      scattered in one packed collective, the optimizer update on each device's shard,
+      the updated parameters all-gathered in one (``gradient_sync``).
+    * ``None`` for any other plan (the batch on one axis of a 2-D mesh and the model on
+      the other, expert parallelism), or a data-parallel one with a gradient the packed
+      reduce-scatter cannot take (not a row sum deferred to the marker: a convolution's
+      kernel, an embedding's scatter-add; XLA would all-reduce it, slice the update and
+      gather each such parameter on its own): the ILP then solves with reduce-scatter
+      strategies (:func:`solve_auto_sharding`), communication against the sharded
+      update's compute.
+    """
+    from alpa.shard_parallel.data_parallel import data_parallel_plan
+    from alpa.shard_parallel.gradient_sync import marker_deferral, pure_data_parallel
+
+    plain = replace(option, prefer_reduce_scatter=False).snapshot()
+    solution = solve_auto_sharding(traced, logical_mesh, plain, fixed_in_specs, partial_sums)
+    plan = solution.to_sharding_plan()
+    if not plan.data_axes:
+        if global_config.print_auto_sharding_strategy:
+            print(solution.format_table())
+        return plan
+    if not pure_data_parallel(plan) or fixed_in_specs is not None:
+        return None
+    others = [s for s, b in zip(plan.in_specs, traced.batch_invars, strict=True) if not b]
+    if any(any(axes is not None for axes in spec) for spec in others):
+        return None
+    zero2 = data_parallel_plan(traced, logical_mesh, zero_stage=2)
+    marker, found = traced.grad_marker(), marker_deferral(traced, zero2)
+    if marker is None or found is None or zero2.grad_specs is None:
+        return None
+    scattered = [
+        v
+        for v, spec in zip(marker.invars, zero2.grad_specs, strict=True)
+        if any(axes is not None for axes in spec)
+    ]
+    if not all(isinstance(v, Var) and v in found.deferred for v in scattered):
+        return None
+    return replace(
+        zero2,
+        objective=plan.objective,
+        compute_cost=plan.compute_cost,
+        method="auto-sharding: data parallel, gradients reduce-scattered (ZeRO-2)",
+    )
 
 
 def placed_input_specs(

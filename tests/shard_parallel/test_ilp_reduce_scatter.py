@@ -1,8 +1,11 @@
-"""The ILP's plans with ``prefer_reduce_scatter`` (no ``force_data_parallel``) of a
-data-parallel step: gradients reduce-scattered, the optimizer run on shards, the updated
-parameters gathered (ZeRO-2 found by the ILP). Judged by the ILP's own cost model (its
-plan is no worse than ZeRO-2's under it), by the collectives counted in the compiled HLO,
-by the closed-form alpha-beta objective and by numerics against ``jax.jit``."""
+"""Plans with ``prefer_reduce_scatter`` (no ``force_data_parallel``) of a data-parallel
+step: gradients reduce-scattered, the optimizer run on shards, the updated parameters
+gathered (ZeRO-2). Compiled, the option works in Alpa's order (the all-reduce plan solved
+first, then rewritten: ``auto_sharding._reduce_scatter_in_alpas_order``); the ILP's own
+reduce-scatter strategies (what the option solves for any other plan) are judged through
+``solve_auto_sharding``. Judged by the ILP's own cost model (its plan is no worse than
+ZeRO-2's under it), by the collectives counted in the compiled HLO, by the closed-form
+alpha-beta objective and by numerics against ``jax.jit``."""
 
 import jax
 import jax.numpy as jnp
@@ -94,9 +97,9 @@ def test_ilp_plan_is_no_worse_than_zero2_under_its_own_cost_model(name):
 
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_ilp_reduce_scatters_are_packed_and_exact(name):
-    """The kernels' gradients that the ILP reduce-scatters over the data axis are
-    reduce-scattered in one collective (XLA on CPU would all-reduce and slice each), and
-    two steps equal ``jax.jit``'s."""
+    """The gradients the plan reduce-scatters over the data axis (in Alpa's order, all of
+    them: the plan is ZeRO-2's) are reduce-scattered in one collective (XLA on CPU would
+    all-reduce and slice each), and two steps equal ``jax.jit``'s."""
     tx = OPTIMIZERS[name]()
     state, batch = _state_and_batch(tx)
     step = _step_for(tx)
@@ -124,3 +127,50 @@ def test_ilp_objective_with_adam_is_one_all_reduce_per_parameter():
     leaves = jax.tree.leaves(state["params"])
     closed_form = sum(mesh.all_reduce_cost(x.nbytes, 0) for x in leaves)
     assert abs(objective - closed_form) <= len(leaves), (objective, closed_form)
+
+
+def _planned(step, state, batch, mesh, **option):
+    method = alpa.ShardParallel(devices=mesh, auto_sharding_option=AutoShardingOption(**option))
+    p_step = alpa.parallelize(step, method=method, donate_argnums=())
+    return p_step(state, batch), p_step.get_last_executable()
+
+
+def test_a_data_parallel_plan_is_rewritten_to_zero2_in_alpas_order():
+    """Alpa's order: the all-reduce plan is solved first and its gradient all-reduces are
+    rewritten; the objective reported is the all-reduce plan's. A step whose plan is data
+    parallel becomes ZeRO-2's program: its inputs in Zero2Parallel's shardings, one packed
+    reduce-scatter and one packed all-gather and no other collective but the loss's
+    scalar; numerics equal serial."""
+    tx = optax.adam(1e-2)
+    state, batch = _state_and_batch(tx)
+    step = _step_for(tx)
+    expected = jax.jit(step)(state, batch)
+    mesh = _mesh()
+    _, plain = _planned(step, state, batch, mesh)
+    got, rewritten = _planned(step, state, batch, mesh, prefer_reduce_scatter=True)
+    assert_allclose(got, expected, rtol=2e-5, atol=2e-5)
+    assert plain.plan.data_axes == ("x",)
+    assert all(all(a is None for a in spec) for spec in plain.plan.in_specs[:-2])
+    assert rewritten.auto_sharding_objective == pytest.approx(plain.auto_sharding_objective)
+    counts = count_communication_primitives(rewritten.get_hlo_text(), ignore_scalar_all_reduce=True)
+    assert (counts.reduce_scatter, counts.all_gather, counts.all_reduce) == (1, 1, 0), counts
+    zero2 = alpa.parallelize(step, method=alpa.Zero2Parallel(devices=mesh), donate_argnums=())
+    zero2(state, batch)
+    assert rewritten.plan.in_specs == zero2.get_last_executable().plan.in_specs
+
+
+def test_a_plan_that_reduces_no_gradient_is_left_as_it_is():
+    """A Megatron plan (no batch split, so no gradient all-reduce to rewrite) is the plan
+    ``prefer_reduce_scatter`` takes, as in Alpa: the same shardings and objective as
+    without the option, where solving the ILP with the reduce-scatter strategies traded
+    communication for the sharded update's compute."""
+    from alpa.testing import get_mlp_train_state_and_step, unit_cost_mesh
+
+    state, batch, step = get_mlp_train_state_and_step(8, 256, num_layers=2)
+    expected = jax.jit(step)(state, batch)
+    _, plain = _planned(step, state, batch, unit_cost_mesh((1, 4)))
+    assert plain.plan.data_axes == ()
+    got, option = _planned(step, state, batch, unit_cost_mesh((1, 4)), prefer_reduce_scatter=True)
+    assert_allclose(got, expected, rtol=1e-4, atol=1e-4)
+    assert option.plan.in_specs == plain.plan.in_specs
+    assert option.auto_sharding_objective == pytest.approx(plain.auto_sharding_objective)
