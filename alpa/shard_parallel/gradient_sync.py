@@ -8,7 +8,10 @@ the ILP's plan on a 1-D data-parallel mesh) synchronises its replicas three ways
   (:func:`reduce_at_marker`; the sums are carried there as ``micro_batches`` defers
   them). A gradient the plan wants whole is all-reduced (XLA combines those into one
   tuple all-reduce); the gradients it wants split over the data axes (ZeRO) are
-  reduce-scattered, **all in one** ``psum_scatter`` (:func:`packed_reduce_scatter`).
+  reduce-scattered, **all in one** ``psum_scatter`` (:func:`packed_reduce_scatter`). A
+  scalar reduced at the marker (the loss) rides in that reduce-scatter, a copy in each
+  device's row, so it needs no all-reduce of its own (as in Alpa's ZeRO-2 programs: one
+  collective per step in accumulate-grad).
 * **Updated parameters** that ZeRO-2 computes on each device's shard and returns whole
   are all-gathered, all in one ``all_gather`` at the end of the step.
 * **Parameters** that ZeRO-3 receives split and reads whole are all-gathered, all in one
@@ -79,23 +82,31 @@ def _offsets(sizes: Sequence[int]) -> list[int]:
     return list(np.cumsum([0, *sizes]))
 
 
-def packed_reduce_scatter(partials: Sequence, dims: Sequence[int], mesh, data_axes) -> list:
+def packed_reduce_scatter(partials: Sequence, dims: Sequence[int | None], mesh, data_axes) -> list:
     """``Σ_d p[d]`` of each per-device partial sum ``p`` (``[n, *shape]``, split over
     ``data_axes``), split at ``dims[j]`` over ``data_axes``: one ``psum_scatter`` of all
-    of them packed (module docstring). Partials of one dtype only."""
+    of them packed (module docstring). Partials of one dtype only.
+
+    A scalar with ``dims[j] = None`` (the loss) rides along whole: each device's row
+    holds a copy of it, so each device receives the full sum, and the step needs no
+    all-reduce of its own for it (``n`` copies of 4 bytes against one collective's
+    latency)."""
     data_axes = tuple(data_axes)
     n = int(np.prod([mesh.shape[a] for a in data_axes]))
     shapes = [tuple(p.shape[1:]) for p in partials]
-    sizes = [int(np.prod(s)) // n for s in shapes]
+    sizes = [1 if d is None else int(np.prod(s)) // n for s, d in zip(shapes, dims, strict=True)]
+
+    def row(p, d):
+        return jnp.broadcast_to(p.reshape(1, 1), (n, 1)) if d is None else _rows(p, d, n)
 
     def body(*locals_):
-        packed = jnp.concatenate(
-            [_rows(p[0], d, n) for p, d in zip(locals_, dims, strict=True)], axis=1
-        )
+        packed = jnp.concatenate([row(p[0], d) for p, d in zip(locals_, dims, strict=True)], 1)
         mine = jax.lax.psum_scatter(packed, data_axes, scatter_dimension=0, tiled=True)
         starts = _offsets(sizes)
         return tuple(
-            mine[0, a:b].reshape(s[:d] + (s[d] // n,) + s[d + 1 :])
+            mine[0, a].reshape(())
+            if d is None
+            else mine[0, a:b].reshape(s[:d] + (s[d] // n,) + s[d + 1 :])
             for a, b, s, d in zip(starts[:-1], starts[1:], shapes, dims, strict=True)
         )
 
@@ -104,7 +115,9 @@ def packed_reduce_scatter(partials: Sequence, dims: Sequence[int], mesh, data_ax
             body,
             mesh=mesh,
             in_specs=tuple(PartitionSpec(_data(data_axes)) for _ in partials),
-            out_specs=tuple(_split_at(d, data_axes) for d in dims),
+            out_specs=tuple(
+                PartitionSpec() if d is None else _split_at(d, data_axes) for d in dims
+            ),
             axis_names=set(data_axes),
             check_vma=False,
         )(*partials)
@@ -147,26 +160,35 @@ def _by_dtype(indices: Sequence[int], values: Sequence) -> list[list[int]]:
     return list(groups.values())
 
 
-def reduce_partials(values, is_partial, specs, mesh, data_axes) -> list:
+def reduce_partials(values, is_partial, specs, mesh, data_axes, may_ride=None) -> list:
     """Each of ``values`` reduced as the plan wants it: a per-device partial sum
     (``is_partial``) whose wanted spec (``specs``) splits it over exactly ``data_axes``
-    is reduce-scattered, packed with the others of its dtype; any other partial sum is
-    all-reduced (``row_sums.sum_partials``); the rest are returned as they are."""
+    is reduce-scattered, packed with the others of its dtype; a scalar partial sum rides
+    in that packed reduce-scatter where ``may_ride[i]`` (default: all; ``False`` for a
+    value nothing reads, which XLA then drops); any other partial sum is all-reduced
+    (``row_sums.sum_partials``); the rest are returned as they are."""
+    may_ride = [True] * len(values) if may_ride is None else list(may_ride)
     with jax.named_scope(GRAD_SYNC_SCOPE):
-        return _reduce_partials(values, is_partial, specs, mesh, tuple(data_axes))
+        return _reduce_partials(values, is_partial, specs, mesh, tuple(data_axes), may_ride)
 
 
-def _reduce_partials(values, is_partial, specs, mesh, data_axes) -> list:
+def _reduce_partials(values, is_partial, specs, mesh, data_axes, may_ride) -> list:
     out = list(values)
-    dims = {}
-    for i, (x, p, spec) in enumerate(zip(values, is_partial, specs, strict=True)):
+    dims, whole = {}, []
+    for i, (p, spec) in enumerate(zip(is_partial, specs, strict=True)):
         if not p:
             continue
         dim = scatter_dimension(spec, data_axes)
         if dim is None:
-            out[i] = sum_partials(x, mesh, data_axes, spec)
+            whole.append(i)
         else:
             dims[i] = dim
+    scattered_dtypes = {jnp.dtype(values[i].dtype) for i in dims}
+    for i in whole:
+        if may_ride[i] and values[i].ndim == 1 and jnp.dtype(values[i].dtype) in scattered_dtypes:
+            dims[i] = None  # a scalar (the loss) rides in the packed reduce-scatter
+        else:
+            out[i] = sum_partials(values[i], mesh, data_axes, specs[i])
     for group in _by_dtype(list(dims), values):
         sums = packed_reduce_scatter([values[i] for i in group], [dims[i] for i in group],
                                      mesh, data_axes)  # fmt: skip
@@ -326,9 +348,10 @@ def reduce_at_marker(traced: TracedStep, plan: ShardingPlan, mesh, var_shardings
     shardings = [var_shardings.get(out) for out in marker.outvars]
     specs = [None if s is None else s.spec for s in shardings]
     is_partial = [isinstance(v, Var) and v in found.deferred for v in marker.invars]
+    read = read_marker_outputs(traced)
 
     def reduce(operands):
-        outs = reduce_partials(operands, is_partial, specs, mesh, data_axes)
+        outs = reduce_partials(operands, is_partial, specs, mesh, data_axes, read)
         return [
             x if s is None else jax.lax.with_sharding_constraint(x, s)
             for x, s in zip(outs, shardings, strict=True)
@@ -336,6 +359,15 @@ def reduce_at_marker(traced: TracedStep, plan: ShardingPlan, mesh, var_shardings
 
     overrides[marker] = reduce
     return overrides
+
+
+def read_marker_outputs(traced: TracedStep) -> list[bool]:
+    """Per output of the ``alpa.grad`` marker, whether the step reads or returns it (an
+    unreturned loss is not)."""
+    jaxpr, marker = traced.jaxpr, traced.grad_marker()
+    read = {v for e in jaxpr.eqns if e is not marker for v in e.invars if isinstance(v, Var)}
+    read.update(v for v in jaxpr.outvars if isinstance(v, Var))
+    return [v in read for v in marker.outvars]
 
 
 # ----------------------------------------------------------------------------- cost
@@ -346,11 +378,14 @@ class WrittenSync:
     """The packed collectives a fixed data-parallel plan's lowering writes out, in bytes
     of the whole tensors, on the mesh axis ``axis`` of the plan's logical mesh: the
     gradients reduce-scattered and the tensors all-gathered, per dtype (one collective
-    each)."""
+    each). ``riding``: bytes of the scalars (the loss) that ride whole in the packed
+    reduce-scatter instead of an all-reduce of their own; ``scattered`` counts their
+    ``n`` copies."""
 
     axis: int
     scattered: tuple[float, ...]
     gathered: tuple[float, ...]
+    riding: float = 0.0
 
     def cost_change(self, mesh, all_reduced: float) -> float:
         """Seconds that these collectives add to data parallelism's communication, whose
@@ -358,14 +393,15 @@ class WrittenSync:
         collective): the scattered gradients' all-reduce is replaced by their
         reduce-scatter, and the gathers are added. When nothing else is all-reduced,
         the combined all-reduce's latency goes too."""
-        scattered = sum(self.scattered)
-        all_reduce = mesh.all_reduce_cost(scattered, self.axis)
-        if all_reduced > scattered * (1 + 1e-9):  # another all-reduce keeps the latency
+        n = mesh.shape[self.axis]
+        replaced = sum(self.scattered) - (n - 1) * self.riding  # what the all-reduce carried
+        all_reduce = mesh.all_reduce_cost(replaced, self.axis)
+        if all_reduced > replaced * (1 + 1e-9):  # another all-reduce keeps the latency
             all_reduce -= mesh.all_reduce_cost(0.0, self.axis)
         return (
             sum(mesh.reduce_scatter_cost(b, self.axis) for b in self.scattered)
             + sum(mesh.all_gather_cost(b, self.axis) for b in self.gathered)
-            - (all_reduce if scattered else 0.0)
+            - (all_reduce if replaced else 0.0)
         )
 
 
@@ -383,21 +419,25 @@ def written_sync(traced: TracedStep, plan: ShardingPlan) -> WrittenSync | None:
     if len(sized) != 1:
         return None  # the batch over two mesh axes: priced by the ILP alone
     found = marker_deferral(traced, plan)
-    scattered = []
+    scattered, whole = [], []
     if found is not None and plan.grad_specs is not None:
-        scattered = [
-            v.aval
-            for v, spec in zip(traced.grad_marker().invars, plan.grad_specs, strict=True)
-            if isinstance(v, Var)
-            and v in found.deferred
-            and scatter_dimension(spec, data_axes) is not None
-        ]
+        read = read_marker_outputs(traced)
+        for v, spec, r in zip(traced.grad_marker().invars, plan.grad_specs, read, strict=True):
+            if isinstance(v, Var) and v in found.deferred:
+                split = scatter_dimension(spec, data_axes) is not None
+                if split or r:
+                    (scattered if split else whole).append(v.aval)
+    # Scalars of a scattered dtype ride in the packed reduce-scatter (_reduce_partials).
+    dtypes = {np.dtype(a.dtype) for a in scattered}
+    riding = [a for a in whole if a.ndim == 0 and np.dtype(a.dtype) in dtypes]
     gathers = packed_gathers(traced, plan)
     gathered = _bytes_by_dtype([traced.jaxpr.invars[i].aval for i in gathers.inputs])
     gathered += _bytes_by_dtype([traced.jaxpr.outvars[o].aval for o in gathers.outputs])
     if not scattered and not gathered:
         return None
-    return WrittenSync(sized[0], _bytes_by_dtype(scattered), gathered)
+    n = mesh.shape[sized[0]]
+    packed = _bytes_by_dtype(scattered + riding * n)
+    return WrittenSync(sized[0], packed, gathered, sum(_bytes_by_dtype(riding)))
 
 
 def _bytes_by_dtype(avals) -> tuple[float, ...]:

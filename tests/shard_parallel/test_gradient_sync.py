@@ -206,3 +206,43 @@ def test_packed_collectives_are_the_unpacked_ones(shapes, dims):
         assert w.sharding.is_fully_replicated
     counts = count_communication_primitives(compiled.as_text())
     assert (counts.reduce_scatter, counts.all_gather, counts.all_reduce) == (1, 1, 0), counts
+
+
+@pytest.mark.parametrize("num_micro_batches", [None, 2])
+def test_a_returned_loss_rides_in_the_packed_reduce_scatter(num_micro_batches):
+    """ZeRO-2 of a step that returns its loss (``alpa.value_and_grad``): the loss's
+    per-device partial sum is reduced in the gradients' packed reduce-scatter, a copy in
+    each device's row, not by an all-reduce of its own. One reduce-scatter (one element
+    per device longer) and one all-gather, no all-reduce even of a scalar; with
+    micro-batches, Alpa's accumulate-grad module holds the one reduce-scatter and
+    apply-grad the one all-gather. The loss and the state equal ``jax.jit``'s; the
+    objective is the closed form of those two collectives."""
+    state, batch, tx = _init()
+
+    def step(state, batch):
+        loss, grads = alpa.value_and_grad(_loss)(state["params"], batch)
+        updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
+        new = {"params": optax.apply_updates(state["params"], updates), "opt_state": opt_state}
+        return new, loss
+
+    expected = jax.jit(step)(state, batch)
+    mesh = _logical_mesh()
+    method = alpa.Zero2Parallel(devices=mesh, num_micro_batches=num_micro_batches)
+    p_step = alpa.parallelize(step, method=method, donate_argnums=())
+    got = p_step(state, batch)
+    assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+    executable = p_step.get_last_executable()
+    hlo = executable.get_hlo_text()
+    shard = _param_bytes(state) // 4 // N
+    assert collective_shapes(hlo, "reduce-scatter") == [f"f32[1,{shard + 1}]"]
+    if num_micro_batches is None:
+        assert count_communication_primitives(hlo) == (2, 0, 1, 1, 0)
+        param_bytes = _param_bytes(state)
+        closed_form = mesh.reduce_scatter_cost(param_bytes + 4 * N, 0) + mesh.all_gather_cost(
+            param_bytes, 0
+        )
+        assert executable.auto_sharding_objective == pytest.approx(closed_form, rel=1e-9)
+    else:
+        _, accumulate_grad, apply_grad = hlo.split("HloModule")
+        assert count_communication_primitives(accumulate_grad) == (1, 0, 0, 1, 0)
+        assert count_communication_primitives(apply_grad) == (1, 0, 1, 0, 0)
