@@ -174,8 +174,11 @@ class AutoShardingOption:
         ``prefer_reduce_scatter``).
       force_zero_stage_3: shard parameters and optimizer state as ZeRO stage 3 does
         (all-gather parameters before use).
-      force_zero_stage_3_all_gather_threshold: in ZeRO-3, parameters smaller than this many
-        bytes stay replicated.
+      force_zero_stage_3_all_gather_threshold: accepted and checked for Alpa's scripts
+        (in Alpa, the byte bound of each combined all-gather); the compiled ZeRO-3 plan
+        does not read it: every parameter is split and gathered in one packed all-gather.
+        Only :func:`solve_jaxpr` asked directly with ``force_zero_stage_3`` reads it, as
+        the size from which a parameter must be split over every device.
       allow_all_gather: strategies that all-gather a value are allowed.
       allow_all_to_all: strategies that need an all-to-all are allowed.
       allow_replicated_parameters: parameters may stay replicated on every device.
