@@ -636,13 +636,14 @@ def solve_auto_sharding(
     """Build the strategy graph of a traced step, solve the ILP, return the decision."""
     marker = traced.grad_marker()
     option = AutoShardingOption() if option is None else option
+    given = option.force_batch_dim_to_mesh_dim
     axis = forced_batch_axis(option, _effective_mesh(logical_mesh, option))
-    if axis != option.force_batch_dim_to_mesh_dim:
+    if axis != given:
         option = replace(option, force_batch_dim_to_mesh_dim=axis).snapshot()
-        if option.force_batch_dim_to_mesh_dim is not None and (
-            _forced_batch_dims(traced, logical_mesh, option) is None
-        ):  # Alpa's default, where the batch does not split over axis 0: not forced
-            option = replace(option, force_batch_dim_to_mesh_dim=None).snapshot()
+    batch_dims = _forced_batch_dims(traced, logical_mesh, option)
+    if given is None and axis is not None and batch_dims is None:
+        # Alpa's default, where the batch does not split over axis 0: not forced
+        option = replace(option, force_batch_dim_to_mesh_dim=None).snapshot()
     return solve_jaxpr(
         traced.closed_jaxpr,
         logical_mesh,
@@ -652,7 +653,7 @@ def solve_auto_sharding(
         state_pairs=donated_state_pairs(traced),
         memory_model="xla",
         fixed_in_specs=fixed_in_specs,
-        batch_dims=_forced_batch_dims(traced, logical_mesh, option),
+        batch_dims=batch_dims,
         partial_sums=partial_sums,
         comm_first=comm_first,
     )
