@@ -51,6 +51,7 @@ from alpa.shard_parallel.row_sums import (
 )
 from alpa.shard_parallel.sharding_plan import REPLICATED, ShardingPlan
 from alpa.tracing import TracedStep, new_jaxpr
+from alpa.tracing.jaxpr_util import read_vars
 from alpa.util import GRAD_SYNC_SCOPE
 
 # ----------------------------------------------------------------------------- packing
@@ -160,6 +161,14 @@ def _by_dtype(indices: Sequence[int], values: Sequence) -> list[list[int]]:
     return list(groups.values())
 
 
+def rides(ndim: int, dtype, scattered: Sequence) -> bool:
+    """Whether a whole partial sum of rank ``ndim`` and ``dtype`` rides in the packed
+    reduce-scatter of ``scattered`` (values or avals): a scalar (the loss), where a
+    reduce-scatter of its dtype is packed. The lowering (:func:`reduce_partials`) and the
+    pricing (:func:`written_sync`) both ask this."""
+    return ndim == 0 and np.dtype(dtype) in {np.dtype(x.dtype) for x in scattered}
+
+
 def reduce_partials(values, is_partial, specs, mesh, data_axes, may_ride=None) -> list:
     """Each of ``values`` reduced as the plan wants it: a per-device partial sum
     (``is_partial``) whose wanted spec (``specs``) splits it over exactly ``data_axes``
@@ -183,10 +192,11 @@ def _reduce_partials(values, is_partial, specs, mesh, data_axes, may_ride) -> li
             whole.append(i)
         else:
             dims[i] = dim
-    scattered_dtypes = {jnp.dtype(values[i].dtype) for i in dims}
+    scattered = [values[i] for i in dims]
     for i in whole:
-        if may_ride[i] and values[i].ndim == 1 and jnp.dtype(values[i].dtype) in scattered_dtypes:
-            dims[i] = None  # a scalar (the loss) rides in the packed reduce-scatter
+        # values are per-device partials, [n, *shape]: a scalar's is [n]
+        if may_ride[i] and rides(values[i].ndim - 1, values[i].dtype, scattered):
+            dims[i] = None
         else:
             out[i] = sum_partials(values[i], mesh, data_axes, specs[i])
     for group in _by_dtype(list(dims), values):
@@ -365,8 +375,7 @@ def read_marker_outputs(traced: TracedStep) -> list[bool]:
     """Per output of the ``alpa.grad`` marker, whether the step reads or returns it (an
     unreturned loss is not)."""
     jaxpr, marker = traced.jaxpr, traced.grad_marker()
-    read = {v for e in jaxpr.eqns if e is not marker for v in e.invars if isinstance(v, Var)}
-    read.update(v for v in jaxpr.outvars if isinstance(v, Var))
+    read = read_vars([e for e in jaxpr.eqns if e is not marker], jaxpr.outvars)
     return [v in read for v in marker.outvars]
 
 
@@ -427,9 +436,7 @@ def written_sync(traced: TracedStep, plan: ShardingPlan) -> WrittenSync | None:
                 split = scatter_dimension(spec, data_axes) is not None
                 if split or r:
                     (scattered if split else whole).append(v.aval)
-    # Scalars of a scattered dtype ride in the packed reduce-scatter (_reduce_partials).
-    dtypes = {np.dtype(a.dtype) for a in scattered}
-    riding = [a for a in whole if a.ndim == 0 and np.dtype(a.dtype) in dtypes]
+    riding = [a for a in whole if rides(a.ndim, a.dtype, scattered)]
     gathers = packed_gathers(traced, plan)
     gathered = _bytes_by_dtype([traced.jaxpr.invars[i].aval for i in gathers.inputs])
     gathered += _bytes_by_dtype([traced.jaxpr.outvars[o].aval for o in gathers.outputs])

@@ -41,7 +41,7 @@ from alpa.shard_parallel.row_sums import deferrable, deferred_rules, partial_spe
 from alpa.shard_parallel.sharding_plan import ShardingPlan
 from alpa.tracing import TracedStep, new_jaxpr
 from alpa.tracing.batch_draws import batch_size, micro_batch_draws, with_row_ids
-from alpa.tracing.jaxpr_util import backward_slice
+from alpa.tracing.jaxpr_util import backward_slice, read_vars
 
 # ----------------------------------------------------------------------------- grad split
 
@@ -386,8 +386,7 @@ def micro_batched_parts(
         return gathered.outputs(outs)
 
     grad_shardings = tuple(var_shardings.get(v) for v in split.marker_outvars)
-    reads = {v for e in split.apply.eqns for v in e.invars if isinstance(v, Var)}
-    reads |= {v for v in split.apply.outvars if isinstance(v, Var)}
+    reads = read_vars(split.apply.eqns, split.apply.outvars)
     grad_used = tuple(v in reads for v in split.marker_outvars)
     return MicroBatchedParts(
         k, tuple(is_batch), is_partial, grad_shardings, grad_used, read, split_batch, init,

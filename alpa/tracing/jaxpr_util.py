@@ -54,6 +54,13 @@ def eval_eqns(eqns: Sequence[JaxprEqn], env: dict) -> None:
         env.update(zip(eqn.outvars, outs, strict=True))
 
 
+def read_vars(eqns: Sequence[JaxprEqn], outvars: Sequence = ()) -> set:
+    """The variables that ``eqns`` read, with those returned (``outvars``)."""
+    read = {v for e in eqns for v in e.invars if is_var(v)}
+    read.update(v for v in outvars if is_var(v))
+    return read
+
+
 def live_eqns(jaxpr: Jaxpr) -> list[bool]:
     """Whether each equation of ``jaxpr`` contributes to its results or has an effect: the
     others are dead code, which XLA removes. Unlike ``pe.dce_jaxpr`` this keeps every
