@@ -13,12 +13,14 @@ all-reduced or, over an axis that splits the result, reduce-scattered.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
 from jax.extend.core import Jaxpr, JaxprEqn, Var
+from jax.lax import GatherScatterMode
 from jax.sharding import PartitionSpec
 
 from alpa.shard_parallel.row_sums import bind_eqn
@@ -70,12 +72,14 @@ def partial_sum_overrides(
 def _sum_rule(add: JaxprEqn, producers, plan: PartialSum, out_spec: PartitionSpec, mesh):
     reduce_axes = plan.reduce_axes
 
-    def local_result(eqn: JaxprEqn, operands):
-        if eqn.primitive.name == "scatter-add":  # the scattered-into operand counts once
-            first = jnp.all(jnp.stack([jax.lax.axis_index(a) == 0 for a in reduce_axes]))
-            operands = [jnp.where(first, operands[0], jnp.zeros_like(operands[0])),
-                        *operands[1:]]  # fmt: skip
-        return bind_eqn(eqn, *operands)
+    def local_result(eqn: JaxprEqn, operands, specs):
+        if eqn.primitive.name != "scatter-add":
+            return bind_eqn(eqn, *operands)
+        # the scattered-into operand counts once
+        first = jnp.all(jnp.stack([jax.lax.axis_index(a) == 0 for a in reduce_axes]))
+        operands = [jnp.where(first, operands[0], jnp.zeros_like(operands[0])),
+                    *operands[1:]]  # fmt: skip
+        return scatter_add_on_block(eqn, operands, specs[0], mesh)
 
     def reduce(y):
         for axis in reduce_axes:
@@ -98,8 +102,10 @@ def _sum_rule(add: JaxprEqn, producers, plan: PartialSum, out_spec: PartitionSpe
             full = [next(it) if a else x for x, a in zip(values, is_array, strict=True)]
             first, second = full[: counts[0]], full[counts[0] :]
             results = []
-            for root, p, ops in zip(producers, pending, (first, second), strict=True):
-                y = local_result(root, ops)
+            for root, p, ops, op_specs in zip(
+                producers, pending, (first, second), plan.operand_specs, strict=True
+            ):
+                y = local_result(root, ops, op_specs)
                 for e in p.chain:
                     y = bind_eqn(e, y)
                 results.append(y)
@@ -117,6 +123,39 @@ def _sum_rule(add: JaxprEqn, producers, plan: PartialSum, out_spec: PartitionSpe
         ]
 
     return rule
+
+
+def scatter_add_on_block(eqn: JaxprEqn, operands, table_spec, mesh):
+    """A scatter-add run on this device's block of its table (inside ``shard_map``), the
+    table split at indexed dimensions by ``table_spec`` (Megatron's vocabulary-parallel
+    embedding gradient): the indices are global, so each index into a split dimension is
+    shifted by the block's start, and an update whose row falls outside the block is
+    dropped. Where the equation clips its indices, they are clipped to the whole table
+    first, as it would. Indexed dimensions are window-1 (``inserted_window_dims``), as the
+    ``indexed`` strategies that split them require."""
+    numbers = eqn.params["dimension_numbers"]
+    table, indices, *rest = operands
+    columns = [indices[..., k] for k in range(indices.shape[-1])]
+    shifted = False
+    for k, d in enumerate(numbers.scatter_dims_to_operand_dims):
+        axes = _names(table_spec[d]) if table_spec is not None and d < len(table_spec) else ()
+        if not axes:
+            continue
+        block = table.shape[d]
+        position = jnp.zeros((), indices.dtype)
+        for a in axes:
+            position = position * mesh.shape[a] + jax.lax.axis_index(a).astype(indices.dtype)
+        if eqn.params["mode"] != GatherScatterMode.FILL_OR_DROP:
+            whole = block * math.prod(mesh.shape[a] for a in axes)
+            columns[k] = jnp.clip(columns[k], 0, whole - 1)
+        columns[k] = columns[k] - position * block
+        shifted = True
+    if not shifted:
+        return bind_eqn(eqn, *operands)
+    params = dict(eqn.primitive.get_bind_params(eqn.params))
+    params["mode"] = GatherScatterMode.FILL_OR_DROP
+    with eqn.ctx.manager:
+        return eqn.primitive.bind(table, jnp.stack(columns, -1), *rest, **params)
 
 
 def _names(axes) -> tuple[str, ...]:

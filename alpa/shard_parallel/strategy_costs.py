@@ -191,13 +191,17 @@ def sums_partials(nodes: Sequence[Node], site: PartialSumSite, i: int, j: int) -
 def runs_blockwise(eqn: JaxprEqn, strategy: Strategy) -> bool:
     """Whether ``eqn`` computes, on each device's blocks of its operands under
     ``strategy``, that device's block of its partial result: a contraction or sum always
-    does; a scatter-add only while the table's indexed dimensions stay whole (its indices
-    are global)."""
+    does; a scatter-add where each indexed dimension of its table that is split is one
+    row wide in each update (``inserted_window_dims``): its global indices are then
+    shifted to the block (``partial_sums.scatter_add_on_block``)."""
     if eqn.primitive.name != "scatter-add":
         return True
     table = strategy.in_specs[0]
-    indexed = eqn.params["dimension_numbers"].scatter_dims_to_operand_dims
-    return all(not table[d] for d in indexed)
+    numbers = eqn.params["dimension_numbers"]
+    return all(
+        not table[d] or d in numbers.inserted_window_dims
+        for d in numbers.scatter_dims_to_operand_dims
+    )
 
 
 def partial_sum_discount(nodes: Sequence[Node], site: PartialSumSite) -> np.ndarray:

@@ -14,6 +14,7 @@ import re
 from collections import Counter
 
 import jax
+import jax.numpy as jnp
 import pytest
 from jax.extend.core import Literal
 from jax.sharding import PartitionSpec as P
@@ -842,3 +843,66 @@ def test_a_scatter_add_is_not_a_contraction():
     full = solve_auto_sharding(traced, mesh, AutoShardingOption(), comm_first=False)
     assert plan.solution.comm_first
     assert plan.objective - plan.compute < full.objective - full.compute
+
+
+# ----------------------------------------------------------------------------- embedding
+
+
+def _tied_lookup_step(mode: str | None):
+    """A tied input and output embedding (vocabulary 1024, hidden 8), the lookup by
+    ``jnp.take(..., mode=mode)`` (``None``: ``table[ids]``), summed cross-entropy, SGD."""
+
+    def step(params, batch):
+        def loss_fn(p):
+            table = p["embedding"]
+            if mode is None:
+                x = table[batch["ids"]]
+            else:
+                x = jnp.take(table, batch["ids"], axis=0, mode=mode)
+            logits = x @ table.T
+            labels = jax.nn.one_hot(batch["labels"], logits.shape[-1])
+            return -jnp.sum(labels * jax.nn.log_softmax(logits, axis=-1))
+
+        grads = alpa.grad(loss_fn)(params)
+        return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+
+    return step
+
+
+@pytest.mark.parametrize("mode", [None, "fill", "clip"])
+def test_vocabulary_split_embedding_gradient_is_reduced_once(mode):
+    """The tied embedding of Alpa's ``test_embedding_2d_mesh`` on (2, 2): the batch on
+    ``x``, the vocabulary on ``y`` (Megatron's vocabulary-parallel embedding). The table's
+    gradient is the lookup's scatter-add plus the output matmul's gradient, both partial
+    sums over ``x`` (the table is donated, so it arrives vocabulary-split too): the plan
+    adds them on each device and all-reduces the sum once
+    (``partial_sums.scatter_add_on_block``: the scatter-add runs on the device's vocabulary
+    block, its global ids shifted to the block, rows outside it dropped).
+
+    Oracles: one all-reduce of the table's ``[512, 8]`` block, and the objective's closed
+    form (Alpa's): that all-reduce over ``x``, two of the ``[4, 8, 8]`` activations over
+    ``y`` (the lookup's partial sums, the output matmul's input gradient) and two of the
+    ``[4, 8]`` softmax statistics over ``y`` (max, sum). Numbers equal ``jax.jit``, with
+    ids out of range where the lookup's mode defines them (dropped or clipped)."""
+    vocab, hidden = 1024, 8
+    keys = jax.random.split(jax.random.PRNGKey(3), 3)
+    params = {"embedding": jax.random.normal(keys[0], (vocab, hidden)) * 0.1}
+    ids = jax.random.randint(keys[1], (8, 8), 0, vocab)
+    if mode is not None:  # below 0 and past the end
+        ids = ids.at[0, :3].set(jnp.array([-2, vocab, vocab + 5]))
+    batch = {"ids": ids, "labels": jax.random.randint(keys[2], (8, 8), 0, vocab)}
+    step = _tied_lookup_step(mode)
+    expected_out = jax.jit(step)(params, batch)
+    mesh = unit_cost_mesh((2, 2))
+    p_step = alpa.parallelize(step, method=alpa.ShardParallel(devices=mesh), donate_argnums=(0,))
+    out = p_step(params, batch)
+    executable = p_step.get_last_executable()
+    assert_allclose(out, expected_out, rtol=1e-4, atol=1e-5)
+    assert out["embedding"].sharding.spec == P("y")
+    assert collective_shapes(executable.get_hlo_text(), "all-reduce").count("f32[512,8]") == 1
+    expected = (
+        mesh.all_reduce_cost(vocab * hidden * 4 / 2, 0)
+        + 2 * mesh.all_reduce_cost(8 * 8 * hidden * 4 / 2, 1)
+        + 2 * mesh.all_reduce_cost(8 * 8 * 4 / 2, 1)
+    )
+    assert executable.auto_sharding_objective == pytest.approx(expected, rel=0.01)
