@@ -353,9 +353,12 @@ class _Inliner:
         self.consts.append(value)
         return var
 
-    def emit(self, jaxpr: Jaxpr, env: dict, top: bool, eqns: list, add_const) -> None:
+    def emit(self, jaxpr: Jaxpr, env: dict, top: bool, eqns: list, add_const, outer=None) -> None:
         """Append ``jaxpr``'s equations to ``eqns``, its calls inlined, reading its
-        variables through ``env`` (and, below the top, writing fresh ones into it)."""
+        variables through ``env`` (and, below the top, writing fresh ones into it).
+        ``outer``: the name stack of the call being inlined, put before each equation's
+        own, as JAX does when it inlines: an equation of ``jax.grad(jax.jit(f))``'s
+        backward pass keeps ``transpose`` in its name (``grad_marking``)."""
 
         def read(v):
             return v if isinstance(v, Literal) else env.get(v, v)
@@ -365,6 +368,9 @@ class _Inliner:
             inlined = self.primitives is None or name in self.primitives
             body_param = _INLINE_PARAMS.get(name) if inlined else None
             body = eqn.params.get(body_param) if body_param else None
+            if outer is not None:
+                info = eqn.source_info
+                eqn = eqn.replace(source_info=info.replace(name_stack=outer + info.name_stack))
             if body is not None:
                 self._inline(eqn, body, read, env, eqns, add_const)
                 continue
@@ -390,7 +396,7 @@ class _Inliner:
             inner_env[cv] = add_const(cv.aval, c)
         for iv, arg in zip(inner.invars, eqn.invars, strict=True):
             inner_env[iv] = read(arg)
-        self.emit(inner, inner_env, False, eqns, add_const)
+        self.emit(inner, inner_env, False, eqns, add_const, eqn.source_info.name_stack)
         for ov, inner_out in zip(eqn.outvars, inner.outvars, strict=True):
             env[ov] = (
                 inner_out if isinstance(inner_out, Literal) else inner_env.get(inner_out, inner_out)

@@ -174,6 +174,54 @@ def test_mark_gradients_marks_what_jax_grad_returns():
     assert_allclose(run(marked.closed_jaxpr), run(traced.closed_jaxpr))
 
 
+def _embedding_step(tx):
+    """A token embedding looked up by ``jnp.take`` (a function JAX jits, so its transpose,
+    the scatter-add of the table's gradient, is one call equation in the backward pass)
+    and a dense head, differentiated by plain ``jax.grad``."""
+
+    def loss(params, batch):
+        h = jnp.take(params["embedding"], batch["ids"], axis=0).mean(axis=1)
+        return jnp.mean((h @ params["w"] - batch["y"]) ** 2)
+
+    def train_step(state, batch):
+        grads = jax.grad(loss)(state["params"], batch)
+        updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
+        return {"params": optax.apply_updates(state["params"], updates), "opt_state": opt_state}
+
+    return train_step
+
+
+def test_jax_grad_marker_follows_gradients_made_inside_inlined_calls():
+    """The embedding's gradient is made inside the transposed ``take`` call; once inlined,
+    its equations keep the call's ``transpose`` name (``trace.inline_calls``), so the
+    marker's operands are the parameters' gradients, the table's included, and not the
+    per-example cotangent it was scattered from. ZeRO-2 then reduce-scatters all of them
+    in one collective: 1 reduce-scatter, 1 all-gather, nothing all-reduced, numbers equal
+    to ``jax.jit``'s."""
+    rng = np.random.default_rng(0)
+    params = {
+        "embedding": jnp.asarray(rng.standard_normal((64, 16)), jnp.float32),
+        "w": jnp.asarray(rng.standard_normal((16, 8)), jnp.float32),
+    }
+    tx = optax.adam(1e-2)
+    state = {"params": params, "opt_state": tx.init(params)}
+    batch = {
+        "ids": jnp.asarray(rng.integers(0, 64, (32, 4)), jnp.int32),
+        "y": jnp.asarray(rng.standard_normal((32, 8)), jnp.float32),
+    }
+    step = _embedding_step(tx)
+    traced = _trace(step, (state, batch))
+    shapes = sorted(tuple(v.aval.shape) for v in gradient_vars(traced))
+    assert shapes == [(16, 8), (64, 16)]
+
+    p_step = alpa.parallelize(step, method=alpa.Zero2Parallel(devices=_logical_mesh()),
+                              donate_argnums=())  # fmt: skip
+    assert_allclose(p_step(state, batch), jax.jit(step)(state, batch), rtol=1e-5, atol=1e-5)
+    hlo = p_step.get_last_executable().get_hlo_text()
+    counts = count_communication_primitives(hlo, ignore_scalar_all_reduce=True)
+    assert counts == (2, 0, 1, 1, 0), counts
+
+
 def test_mark_gradients_leaves_a_step_without_backward_pass():
     traced = _trace(lambda params, batch: _loss(params, batch), (_init()[0]["params"], _init()[1]))
     assert not traced.has_backward_pass
