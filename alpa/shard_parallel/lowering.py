@@ -37,6 +37,7 @@ from alpa.shard_parallel.gradient_sync import (
 )
 from alpa.shard_parallel.micro_batches import batch_dims, stack_micro_batches
 from alpa.shard_parallel.partial_sums import partial_sum_overrides
+from alpa.shard_parallel.reduce_scatters import reduce_scatter_overrides
 from alpa.shard_parallel.row_sums import deferrable, deferred_rules, partial_spec
 from alpa.shard_parallel.sharding_plan import ShardingPlan
 from alpa.tracing import TracedStep, new_jaxpr
@@ -172,6 +173,7 @@ def _one_batch_step(traced: TracedStep, plan: ShardingPlan, mesh, var_shardings,
         overrides |= partial_sum_overrides(
             closed.jaxpr, plan.partial_sums, plan.var_specs, mesh, skip=set(overrides)
         )
+        overrides |= _reduce_scatters(traced, closed.jaxpr, plan, plan.var_specs, mesh, overrides)
     gathered = _gathering(traced, plan, mesh)
 
     def step(*leaves):
@@ -428,7 +430,18 @@ def _deferred_sums(traced, plan, split: GradSplit, mesh, data_axes, var_specs):
         overrides |= partial_sum_overrides(
             split.compute, plan.partial_sums, var_specs, mesh, skip=set(overrides)
         )
+        overrides |= _reduce_scatters(traced, split.compute, plan, var_specs, mesh, overrides)
     return deferred, overrides, num_data
+
+
+def _reduce_scatters(traced, jaxpr, plan: ShardingPlan, var_specs, mesh, overrides) -> dict:
+    """The plan's reduce-scatters in ``jaxpr`` (the step's or a part of it) written out
+    (``reduce_scatters.py``), where no other override computes the equation; the step's
+    inputs are held as ``plan.in_specs``."""
+    in_specs = dict(zip(traced.jaxpr.invars, plan.in_specs, strict=True))
+    return reduce_scatter_overrides(
+        jaxpr, var_specs, plan.operand_specs, in_specs, mesh, skip=set(overrides)
+    )
 
 
 def _carry(x, spec, mesh, data_axes):

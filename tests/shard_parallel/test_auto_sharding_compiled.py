@@ -906,3 +906,22 @@ def test_vocabulary_split_embedding_gradient_is_reduced_once(mode):
         + 2 * mesh.all_reduce_cost(8 * 8 * 4 / 2, 1)
     )
     assert executable.auto_sharding_objective == pytest.approx(expected, rel=0.01)
+
+
+# ----------------------------------------------------------------------------- reduce-scatter
+
+
+def test_planned_reduce_scatters_are_written_out():
+    """A 2-D plan with ``prefer_reduce_scatter`` (the batch on ``x``, Megatron on ``y``:
+    not one Alpa's order rewrites) reduce-scatters gradients where its strategies say so
+    (``... RS0->...``). XLA's partitioner would write each as an all-reduce and a slice,
+    which XLA on CPU keeps; the lowering writes them out (``reduce_scatters.py``). Oracles:
+    the compiled program holds exactly the reduce-scatters the plan prices, and its
+    numbers equal ``jax.jit``'s."""
+    state, batch, step = get_mlp_train_state_and_step(256, 32, num_layers=4)
+    option = {"prefer_reduce_scatter": True}
+    out, executable = _compile(step, state, batch, (2, 2), **option)
+    assert_allclose(out, jax.jit(step)(state, batch), rtol=1e-4, atol=1e-5)
+    planned = _plan_collectives(executable, **option)
+    assert planned["reduce_scatter"] > 0, planned
+    assert _counts(executable).reduce_scatter == planned["reduce_scatter"]
