@@ -323,14 +323,17 @@ def test_plan_is_deterministic(mlp_wide_hidden):
 
 def _resharding_collectives(src: Spec, dst: Spec) -> list[str]:
     """The collectives ``resharding_cost`` prices for ``src -> dst`` (``allow_all_to_all``),
-    one per mesh axis: an axis that moves to another dimension is an all-to-all (an
-    all-gather when it shared its dimension with the other axis), an axis that ``dst`` drops
-    is an all-gather, an axis only ``dst`` uses is a free slice."""
+    one per mesh axis: an axis that keeps its dimension and the axes before it there costs
+    nothing; one that moves to another dimension is an all-to-all when it split its
+    dimension alone; any other is an all-gather; an axis only ``dst`` uses is a free
+    slice."""
     kinds = []
     for axis in used_axes(src):
         src_dim, dst_dim = axis_dim(src, axis), axis_dim(dst, axis)
-        if src_dim == dst_dim and src[src_dim] == dst[dst_dim]:
-            continue
+        if src_dim == dst_dim:
+            k = src[src_dim].index(axis) + 1
+            if src[src_dim][:k] == dst[dst_dim][:k]:
+                continue
         moves = dst_dim is not None and len(src[src_dim]) == 1
         kinds.append("all_to_all" if moves else "all_gather")
     return kinds
