@@ -232,7 +232,7 @@ def _moves(src: Spec, axis: int, src_dim: int) -> bool:
     splits its dimension alone. (XLA also moves the minor axis of a mixed-shape dimension
     by one all-to-all, ``((), (0, 1)) -> ((1,), (0,))``, measured; it is priced here as an
     all-gather, more than it costs, because the all-to-all's own price is below its bytes:
-    docs/auto_sharding.md, Limitations.)"""
+    docs/auto_sharding.md, Known limits.)"""
     return len(src[src_dim]) == 1
 
 
