@@ -23,6 +23,7 @@ from jax.extend.core import Jaxpr, JaxprEqn, Var
 from jax.lax import GatherScatterMode
 from jax.sharding import PartitionSpec
 
+from alpa.device_mesh import entry_names
 from alpa.shard_parallel.row_sums import bind_eqn
 from alpa.shard_parallel.sharding_plan import PartialSum
 from alpa.shard_parallel.strategy_costs import partial_chain
@@ -83,7 +84,7 @@ def _sum_rule(add: JaxprEqn, producers, plan: PartialSum, out_spec: PartitionSpe
 
     def reduce(y):
         for axis in reduce_axes:
-            dim = next((d for d, axes in enumerate(out_spec) if axis in _names(axes)), None)
+            dim = next((d for d, axes in enumerate(out_spec) if axis in entry_names(axes)), None)
             if dim is None:
                 y = jax.lax.psum(y, axis)
             else:
@@ -138,7 +139,7 @@ def scatter_add_on_block(eqn: JaxprEqn, operands, table_spec, mesh):
     columns = [indices[..., k] for k in range(indices.shape[-1])]
     shifted = False
     for k, d in enumerate(numbers.scatter_dims_to_operand_dims):
-        axes = _names(table_spec[d]) if table_spec is not None and d < len(table_spec) else ()
+        axes = entry_names(table_spec[d]) if table_spec is not None and d < len(table_spec) else ()
         if not axes:
             continue
         block = table.shape[d]
@@ -156,9 +157,3 @@ def scatter_add_on_block(eqn: JaxprEqn, operands, table_spec, mesh):
     params["mode"] = GatherScatterMode.FILL_OR_DROP
     with eqn.ctx.manager:
         return eqn.primitive.bind(table, jnp.stack(columns, -1), *rest, **params)
-
-
-def _names(axes) -> tuple[str, ...]:
-    if axes is None:
-        return ()
-    return axes if isinstance(axes, tuple) else (axes,)

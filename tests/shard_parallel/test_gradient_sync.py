@@ -47,9 +47,9 @@ def _loss(params, batch):
     return jnp.mean((h - batch["y"]) ** 2)
 
 
-def _step_for(tx):
+def _step_for(tx, loss=_loss):
     def train_step(state, batch):
-        grads = jax.grad(_loss)(state["params"], batch)  # plain jax.grad, as Alpa's users
+        grads = jax.grad(loss)(state["params"], batch)  # plain jax.grad, as Alpa's users
         updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
         return {"params": optax.apply_updates(state["params"], updates), "opt_state": opt_state}
 
@@ -174,21 +174,12 @@ def test_mark_gradients_marks_what_jax_grad_returns():
     assert_allclose(run(marked.closed_jaxpr), run(traced.closed_jaxpr))
 
 
-def _embedding_step(tx):
+def _embedding_loss(params, batch):
     """A token embedding looked up by ``jnp.take`` (a function JAX jits, so its transpose,
     the scatter-add of the table's gradient, is one call equation in the backward pass)
-    and a dense head, differentiated by plain ``jax.grad``."""
-
-    def loss(params, batch):
-        h = jnp.take(params["embedding"], batch["ids"], axis=0).mean(axis=1)
-        return jnp.mean((h @ params["w"] - batch["y"]) ** 2)
-
-    def train_step(state, batch):
-        grads = jax.grad(loss)(state["params"], batch)
-        updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
-        return {"params": optax.apply_updates(state["params"], updates), "opt_state": opt_state}
-
-    return train_step
+    and a dense head."""
+    h = jnp.take(params["embedding"], batch["ids"], axis=0).mean(axis=1)
+    return jnp.mean((h @ params["w"] - batch["y"]) ** 2)
 
 
 def test_jax_grad_marker_follows_gradients_made_inside_inlined_calls():
@@ -209,7 +200,7 @@ def test_jax_grad_marker_follows_gradients_made_inside_inlined_calls():
         "ids": jnp.asarray(rng.integers(0, 64, (32, 4)), jnp.int32),
         "y": jnp.asarray(rng.standard_normal((32, 8)), jnp.float32),
     }
-    step = _embedding_step(tx)
+    step = _step_for(tx, _embedding_loss)
     traced = _trace(step, (state, batch))
     shapes = sorted(tuple(v.aval.shape) for v in gradient_vars(traced))
     assert shapes == [(16, 8), (64, 16)]
