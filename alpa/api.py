@@ -32,6 +32,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.sharding import NamedSharding
 
 from alpa.call_checks import (
     CompileWarnings,
@@ -568,7 +569,9 @@ def _is_auto_static(arg) -> bool:
 
 def traced_args(args, batch: Sequence[int], divisor: int) -> list:
     """Arguments for tracing: dynamic ones abstract, the batch leaves with a row per
-    example (:func:`leaves_with_rows`) with dim 0 divided."""
+    example (:func:`leaves_with_rows`) with dim 0 divided. A batch leaf the caller placed
+    with a ``NamedSharding`` keeps it where its shape stays (one micro-batch): the plan
+    takes it as placed (``placed_input_specs``), as any other argument."""
     out = list(args)
     rows = leaves_with_rows(args, batch)
     for i in batch:
@@ -577,9 +580,14 @@ def traced_args(args, batch: Sequence[int], divisor: int) -> list:
         for x, with_rows in zip(leaves, rows[i], strict=True):
             aval = abstractify(x)
             shape = tuple(aval.shape)
-            if with_rows:
-                shape = (shape[0] // divisor, *shape[1:])
-            shapes.append(jax.ShapeDtypeStruct(shape, aval.dtype, weak_type=aval.weak_type))
+            sharding = getattr(x, "sharding", None)
+            if with_rows and divisor != 1:
+                shape, sharding = (shape[0] // divisor, *shape[1:]), None
+            if not isinstance(sharding, NamedSharding):
+                sharding = None
+            shapes.append(
+                jax.ShapeDtypeStruct(shape, aval.dtype, weak_type=aval.weak_type, sharding=sharding)
+            )
         out[i] = jax.tree.unflatten(tree, shapes)
     return out
 

@@ -164,3 +164,18 @@ def test_arguments_placed_by_the_caller_keep_their_placement():
     with pytest.warns(UserWarning, match=r"1 argument leaves are placed on another mesh.*\['b'\]"):
         out = p_forward(elsewhere, batch)
     assert_allclose(out, jax.jit(forward)(w, batch), rtol=1e-4, atol=1e-4)
+
+
+def test_a_batch_placed_by_the_caller_keeps_its_placement():
+    """A batch argument's leaf placed by the caller (``x`` split by features over the
+    user's ``b`` axis) arrives as placed, as any other argument's: it was re-placed, split
+    by rows, because the batch was handed to the planner without its sharding."""
+    w, batch = _inputs()
+    forward = _forward(lambda h: h)
+    _, free = _compile(forward, w, batch, (2, 4))
+    x = len(free.plan.in_specs) - 2  # the batch's leaves come last: x, y
+    assert free.plan.in_specs[x] != P(None, "y")
+    placed = dict(batch, x=jax.device_put(batch["x"], NamedSharding(_user_mesh(), P(None, "b"))))
+    out, executable = _compile(forward, w, placed, (2, 4))
+    assert executable.plan.in_specs[x] == P(None, "y")
+    assert_allclose(out, jax.jit(forward)(w, batch), rtol=1e-4, atol=1e-4)
