@@ -13,13 +13,14 @@ Four views of hardware, from the most abstract to the most concrete:
   alpha-beta parameters per axis, used by the cost model and lowered to a
   ``jax.sharding.Mesh`` whose axes are ``Auto`` (DESIGN §3, §7).
 
-Collective costs along one logical axis with ``n`` devices, ``B`` bytes per device
-(alpha-beta model, DESIGN §4.3)::
+Collective costs along one logical axis with ``n`` devices, ``B`` bytes per device (for an
+all-to-all, the whole tensor the ``n`` devices exchange: ``n`` times each one's buffer, as
+in Alpa) (alpha-beta model, DESIGN §4.3)::
 
     all-gather       alpha + beta * (n-1)/n * B
     all-reduce       alpha + beta * 2(n-1)/n * B
     reduce-scatter   alpha + beta * (n-1)/n * B
-    all-to-all       alpha + beta * (n-1)/n**2 * B * n/2
+    all-to-all       alpha + beta * (n-1)/n**2 * B * 1.5
 
 An axis of one device communicates nothing and costs 0.
 """
@@ -226,8 +227,12 @@ class LogicalDeviceMesh:
         return 0.0 if n == 1 else alpha + beta * (n - 1) / n * num_bytes
 
     def all_to_all_cost(self, num_bytes: float, mesh_dim: int) -> float:
+        """Alpa's price: ``num_bytes`` is the whole tensor the axis's ``n`` devices
+        exchange among them (``n`` times each device's buffer), of which each device sends
+        ``(n - 1) / n**2``; Alpa's penalty of 1.5 matched it to all-to-alls measured on
+        GPUs."""
         n, alpha, beta = self._alpha_beta(mesh_dim)
-        return 0.0 if n == 1 else alpha + beta * (n - 1) / n / n * num_bytes * (n / 2)
+        return 0.0 if n == 1 else alpha + beta * (n - 1) / n / n * num_bytes * 1.5
 
     def with_alpha_beta(
         self, mesh_alpha: Sequence[float] | None, mesh_beta: Sequence[float] | None

@@ -229,8 +229,9 @@ def collective_bytes(hlo_text: str) -> dict[str, int]:
 
     The convention is the cost model's (``sharding_spec.Collective``): an all-reduce
     counts the buffer it reduces, an all-gather the result it gathers, a reduce-scatter
-    the operand it scatters (its result times the group size), an all-to-all the buffer
-    it exchanges, a collective-permute the buffer it sends. A tuple collective (XLA's
+    the operand it scatters (its result times the group size), an all-to-all the tensor
+    its group exchanges (its buffer times the group size), a collective-permute the buffer
+    it sends. A tuple collective (XLA's
     combined reductions) counts each element; a collective over groups of one device
     moves nothing and is not counted. Each collective counts once where it appears in
     the text: one in a loop body counts once, not once per trip."""
@@ -256,13 +257,13 @@ def collective_bytes(hlo_text: str) -> dict[str, int]:
         groups = replica_groups(line) if "replica_groups=" in line else ()
         size = max((len(g) for g in groups), default=0)
         if not size:  # one group of every device
-            if op == "reduce-scatter" and partitions is None:
-                raise ValueError(f"a reduce-scatter over an unknown group size: {line!r}")
+            if op in ("reduce-scatter", "all-to-all") and partitions is None:
+                raise ValueError(f"a {op} over an unknown group size: {line!r}")
             size = int(partitions.group(1)) if partitions else 0
         if size == 1:
             continue
         nbytes = _shape_bytes(shapes)
-        total[op] += nbytes * size if op == "reduce-scatter" else nbytes
+        total[op] += nbytes * size if op in ("reduce-scatter", "all-to-all") else nbytes
     return total
 
 

@@ -17,7 +17,7 @@ def test_collective_costs_closed_form():
     assert mesh.all_gather_cost(b, 1) == pytest.approx(2 + 0.1 * 3 / 4 * b)
     assert mesh.all_reduce_cost(b, 1) == pytest.approx(2 + 0.1 * 2 * 3 / 4 * b)
     assert mesh.reduce_scatter_cost(b, 0) == pytest.approx(1 + 0.5 * 1 / 2 * b)
-    assert mesh.all_to_all_cost(b, 1) == pytest.approx(2 + 0.1 * 3 / 16 * b * 2)
+    assert mesh.all_to_all_cost(b, 1) == pytest.approx(2 + 0.1 * 3 / 16 * b * 1.5)
     assert LogicalDeviceMesh((1, 8)).all_reduce_cost(b, 0) == 0.0
 
 

@@ -49,12 +49,13 @@ def test_collective_bytes_in_the_cost_models_convention():
   %cp = s8[16]{0} collective-permute(%g), source_target_pairs={{0,1},{1,0}}
 """
     # All-reduce: the buffers (a group of one device moves nothing); all-gather: the
-    # gathered result; reduce-scatter: the operand (result x group: all 4 devices).
+    # gathered result; reduce-scatter: the operand (result x group: all 4 devices);
+    # all-to-all: the tensor the group exchanges (buffer x group).
     assert collective_bytes(hlo) == {
         "all-reduce": 8 * 4 + 64 * 4 + 4,
         "all-gather": 8 * 4,
         "reduce-scatter": 4 * 2 * 4,
-        "all-to-all": 64 * 4,
+        "all-to-all": 64 * 4 * 2,
         "collective-permute": 16,
     }
     with pytest.raises(ValueError, match="unknown group size"):

@@ -238,10 +238,13 @@ class _Planning:
 
         def solve():
             # The stages' lowering reduces each partial result where it is computed (the
-            # ``ShardingPlan.partial_sums`` rewrite is not applied there yet): price it so.
+            # ``ShardingPlan.partial_sums`` rewrite is not applied there yet), and runs the
+            # forward and the backward as programs of their own, each resharding its own
+            # copy of a value: price it so.
             plan = plan_auto_sharding(
-                sub, mesh, option, fixed_in_specs=fixed, partial_sums=False, comm_first=False
-            )
+                sub, mesh, option, fixed_in_specs=fixed, partial_sums=False, comm_first=False,
+                shared_reshardings=False,
+            )  # fmt: skip
             return sub, plan
 
         key = (structure_key(sub), repr(mesh), repr(option), tuple(map(repr, fixed)))

@@ -439,7 +439,9 @@ class AutoShardingSolution:
         for node in self.graph.nodes:
             strategy = node.strategies[choice[node.id]]
             shape = tuple(node.outvars[0].aval.shape) if node.outvars else ()
-            spec = format_spec(strategy.out_specs[0], self.mesh) if strategy.out_specs else "-"
+            # A resharding node (shared_resharding) holds no value: the spec it reads.
+            specs = strategy.out_specs or strategy.in_specs
+            spec = format_spec(specs[0], self.mesh) if specs and specs[0] is not None else "-"
             cost = strategy.comm_cost + strategy.compute_cost + incoming[node.id]
             rows.append((node.label, shape, strategy.name, spec, cost))
         return rows
@@ -468,6 +470,7 @@ def plan_auto_sharding(
     fixed_in_specs: Sequence[PartitionSpec | None] | None = None,
     partial_sums: bool = True,
     comm_first: bool = True,
+    shared_reshardings: bool = True,
 ) -> ShardingPlan:
     """The ShardingPlan of a traced step on ``logical_mesh`` chosen by the ILP.
 
@@ -480,7 +483,9 @@ def plan_auto_sharding(
     ``partial_sums=False`` prices every reduction on its own, for a lowering that does not
     add partial results before reducing them (``strategy_graph.PartialSumSite``).
     ``comm_first=False`` solves the full objective, communication plus compute, from the
-    start (``ilp_solver.solve``).
+    start (``ilp_solver.solve``). ``shared_reshardings=False`` prices a resharding once per
+    reader, for a lowering that splits the step into several programs (a pipeline stage's
+    forward and backward), each resharding its own copy (``shared_resharding``).
     """
     if option.force_data_parallel or option.force_zero_stage_3:
         from alpa.shard_parallel.data_parallel import data_parallel_plan
@@ -497,12 +502,12 @@ def plan_auto_sharding(
         )
     if option.prefer_reduce_scatter and comm_first:
         plan = _reduce_scatter_in_alpas_order(
-            traced, logical_mesh, option, fixed_in_specs, partial_sums
+            traced, logical_mesh, option, fixed_in_specs, partial_sums, shared_reshardings
         )
         if plan is not None:
             return plan
     solution = solve_auto_sharding(
-        traced, logical_mesh, option, fixed_in_specs, partial_sums, comm_first
+        traced, logical_mesh, option, fixed_in_specs, partial_sums, comm_first, shared_reshardings
     )
     if global_config.print_auto_sharding_strategy:
         print(solution.format_table())
@@ -510,7 +515,7 @@ def plan_auto_sharding(
 
 
 def _reduce_scatter_in_alpas_order(
-    traced, logical_mesh, option, fixed_in_specs, partial_sums
+    traced, logical_mesh, option, fixed_in_specs, partial_sums, shared_reshardings
 ) -> ShardingPlan | None:
     """``prefer_reduce_scatter`` as Alpa applied it, where that is written out here: the
     all-reduce plan is solved first (communication first, no reduce-scatter strategies),
@@ -535,7 +540,10 @@ def _reduce_scatter_in_alpas_order(
     from alpa.shard_parallel.gradient_sync import marker_deferral, pure_data_parallel
 
     plain = replace(option, prefer_reduce_scatter=False).snapshot()
-    solution = solve_auto_sharding(traced, logical_mesh, plain, fixed_in_specs, partial_sums)
+    solution = solve_auto_sharding(
+        traced, logical_mesh, plain, fixed_in_specs, partial_sums,
+        shared_reshardings=shared_reshardings,
+    )  # fmt: skip
     plan = solution.to_sharding_plan()
     if not plan.data_axes:
         if global_config.print_auto_sharding_strategy:
@@ -632,6 +640,7 @@ def solve_auto_sharding(
     fixed_in_specs: Sequence[PartitionSpec | None] | None = None,
     partial_sums: bool = True,
     comm_first: bool = True,
+    shared_reshardings: bool = True,
 ) -> AutoShardingSolution:
     """Build the strategy graph of a traced step, solve the ILP, return the decision."""
     marker = traced.grad_marker()
@@ -656,6 +665,7 @@ def solve_auto_sharding(
         batch_dims=batch_dims,
         partial_sums=partial_sums,
         comm_first=comm_first,
+        shared_reshardings=shared_reshardings,
     )
 
 
@@ -730,6 +740,7 @@ def solve_jaxpr(
     batch_dims: Mapping | None = None,
     partial_sums: bool = True,
     comm_first: bool = True,
+    shared_reshardings: bool = True,
 ) -> AutoShardingSolution:
     """The auto-sharding decision for a flat ``ClosedJaxpr``.
 
@@ -747,6 +758,8 @@ def solve_jaxpr(
     knows the step.
     ``partial_sums`` prices an add of two partial results reduced alike as one reduction
     (the lowering must then add before reducing; ``partial_sums.py``).
+    ``shared_reshardings`` prices a resharding once for the readers of one spec
+    (``shared_resharding.py``; the lowering must then reshard once, in one program).
     ``comm_first`` picks the solve (``ilp_solver.solve``): the least communication, compute
     breaking ties, unless a contraction would then run on fewer devices than it can; with
     ``False``, the least communication plus compute.
@@ -780,6 +793,7 @@ def solve_jaxpr(
         allow_all_gather=option.allow_all_gather,
         allow_all_to_all=option.allow_all_to_all,
         carry_partial_sums=partial_sums,
+        share_reshardings=shared_reshardings,
     )
     if fixed_in_specs is not None and len(fixed_in_specs) != len(invars):
         raise ValueError(

@@ -121,7 +121,8 @@ class Groups:
             shapes = tuple(tuple(v.aval.shape) for v in node.outvars)
             specs = spec_hashes.get(id(node.strategies))
             if specs is None:
-                specs = hash(tuple(s.out_specs for s in node.strategies))
+                # (A resharding node holds no value: the specs it reads.)
+                specs = hash(tuple(s.out_specs or s.in_specs for s in node.strategies))
                 spec_hashes[id(node.strategies)] = specs
             initial.append(hash((op, shapes, specs)))
         # The rounds run on arrays: a node's new colour mixes its own, its operands' in

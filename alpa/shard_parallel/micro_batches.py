@@ -77,12 +77,14 @@ def stack_micro_batches(x, k: int, mesh, spec: PartitionSpec):
 def layout_change_cost(traced: TracedStep, plan, num_micro_batches: int | None) -> float:
     """Seconds, under the alpha-beta model, of laying the batch out as ``k`` micro-batches:
 
-        Σ_leaf Σ_{a ∈ axes(leaf)} all_to_all_cost(k · bytes(micro-batch of leaf) / n_leaf, a)
+        Σ_leaf Σ_{a ∈ axes(leaf)} all_to_all_cost(k · bytes(micro-batch of leaf) · n_a / n_leaf, a)
 
     over the batch leaves whose dim 0 the plan splits, ``axes(leaf)`` being the mesh axes
-    it is split over and ``n_leaf`` their number of devices: each device's share of the
-    whole leaf is exchanged once per step. An all-to-all over several axes is priced as
-    one along each. Zero with one micro-batch: the layout is already the micro-batch's."""
+    it is split over, ``n_leaf`` their number of devices and ``n_a`` axis ``a``'s: each
+    device's share of the whole leaf is exchanged once per step (an all-to-all is priced
+    on the tensor its axis's devices exchange, ``n_a`` shares). An all-to-all over several
+    axes is priced as one along each. Zero with one micro-batch: the layout is already the
+    micro-batch's."""
     k = num_micro_batches or 1
     mesh = plan.logical_mesh
     if k == 1:
@@ -98,7 +100,7 @@ def layout_change_cost(traced: TracedStep, plan, num_micro_batches: int | None) 
         dims = [axis_names.index(a) for a in ((first,) if isinstance(first, str) else first)]
         n = int(np.prod([mesh.shape[d] for d in dims]))
         per_device = k * aval.size * np.dtype(aval.dtype).itemsize / n
-        cost += sum(mesh.all_to_all_cost(per_device, d) for d in dims)
+        cost += sum(mesh.all_to_all_cost(per_device * mesh.shape[d], d) for d in dims)
     return cost
 
 

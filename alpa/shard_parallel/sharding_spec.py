@@ -175,8 +175,9 @@ COLLECTIVE_KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all")
 class Collective:
     """One collective over one logical mesh ``axis``. ``nbytes`` is per device, in the
     convention of ``LogicalDeviceMesh``'s costs: the buffer an all-reduce reduces, the
-    result an all-gather gathers, the operand a reduce-scatter scatters, the buffer an
-    all-to-all exchanges."""
+    result an all-gather gathers, the operand a reduce-scatter scatters, the tensor an
+    all-to-all exchanges among the axis's devices (each one's buffer times their number,
+    Alpa's convention)."""
 
     kind: str
     axis: int
@@ -209,8 +210,8 @@ def resharding_collectives(
         if _stays(src, dst, axis, src_dim, dst_dim):
             continue
         per_device = total_bytes / shards
-        if dst_dim is not None and allow_all_to_all and _moves(src, axis, src_dim):
-            out.append(Collective("all-to-all", axis, per_device))
+        if dst_dim is not None and allow_all_to_all and _moves(src, dst, axis, src_dim, dst_dim):
+            out.append(Collective("all-to-all", axis, per_device * mesh.shape[axis]))
             continue
         out.append(Collective("all-gather", axis, per_device * mesh.shape[axis]))
         shards //= mesh.shape[axis]
@@ -227,13 +228,14 @@ def _stays(src: Spec, dst: Spec, axis: int, src_dim: int, dst_dim: int | None) -
     return src[src_dim][:k] == dst[dst_dim][:k]
 
 
-def _moves(src: Spec, axis: int, src_dim: int) -> bool:
+def _moves(src: Spec, dst: Spec, axis: int, src_dim: int, dst_dim: int) -> bool:
     """Whether ``axis`` moves to another dimension by one all-to-all over it: where it
-    splits its dimension alone. (XLA also moves the minor axis of a mixed-shape dimension
-    by one all-to-all, ``((), (0, 1)) -> ((1,), (0,))``, measured; it is priced here as an
-    all-gather, more than it costs, because the all-to-all's own price is below its bytes:
-    docs/auto_sharding.md, Known limits.)"""
-    return len(src[src_dim]) == 1
+    splits its dimension alone, or is the minor axis of a mixed-shape dimension and becomes
+    the minor axis of the dimension it moves to (``((), (0, 1)) -> ((1,), (0,))``: one
+    all-to-all in XLA, measured)."""
+    if len(src[src_dim]) == 1:
+        return True
+    return src[src_dim][-1] == axis and tuple(dst[dst_dim]) == (*src[dst_dim], axis)
 
 
 def resharding_cost(

@@ -66,6 +66,7 @@ from alpa.shard_parallel.sharding_spec import (
     resharding_cost,
     user_partition_spec,
 )
+from alpa.shard_parallel.shared_resharding import share_reshardings
 from alpa.shard_parallel.strategy_costs import (
     PARTIAL_SUM_ADDS,
     combinable_reductions,
@@ -84,7 +85,7 @@ from alpa.shard_parallel.strategy_rules import (
     lookup_rule,
     replicated_strategy,
 )
-from alpa.tracing.jaxpr_util import REMAT_PRIMITIVES, live_eqns, planned_bodies
+from alpa.tracing.jaxpr_util import REMAT_PRIMITIVES, is_grad_marker, live_eqns, planned_bodies
 from alpa.tracing.primitive_def import pipeline_p
 
 # Equations whose outputs are their operands, unchanged (``random_clone``: a key's copy,
@@ -204,6 +205,10 @@ class GraphOptions:
     allow_all_to_all: bool = True
     # Price an add of two partial results reduced alike as one reduction (PartialSumSite).
     carry_partial_sums: bool = True
+    # Price a resharding once for the readers of one spec (shared_resharding): the step is
+    # one program up to the alpa.grad marker and one after it. False: once per reader (a
+    # pipeline stage's forward and backward are programs of their own).
+    share_reshardings: bool = True
 
 
 def build_strategy_graph(
@@ -269,6 +274,8 @@ def build_strategy_graph(
     output_sources = tuple(
         None if isinstance(v, Literal) else builder.sources[v] for v in jaxpr.outvars
     )
+    if options.share_reshardings:
+        builder.share_reshardings()
     if builder.foreign_constraints:
         meshes = sorted(
             {
@@ -387,6 +394,10 @@ class _Builder:
         self.body_inputs: list[Var] = []
         # The step's inputs (a scan's rows of them keep a node of their own: _loop_input).
         self.inputs: set[Var] = set()
+        # The reads that may share one resharding (``shared_resharding``), by value and jaxpr
+        # (with the number of alpa.grad markers before it: ``segment``).
+        self.shared_reads: dict[tuple[Source, str], list[int]] = {}
+        self.segment = 0
 
     def add_node(self, label, outvars, strategies, follow, combined=False, shared=False) -> int:
         """``shared``: ``strategies`` is an entry of the shared pricing cache, which keeps
@@ -447,6 +458,10 @@ class _Builder:
         if eqn.primitive.name in USER_SHARDINGS and self._add_user_constraint(t, eqn):
             return
         if eqn.primitive.name in ALIAS_PRIMITIVES:
+            if isinstance(t, int) and is_grad_marker(eqn):
+                # Gradient accumulation splits the step here (accumulate, then apply): a
+                # resharding is not shared across the marker.
+                self.segment += 1
             self._alias(t, eqn.invars, eqn.outvars)
             self.eqns.append(eqn)
             self.eqn_sources.append([])
@@ -507,7 +522,7 @@ class _Builder:
         self.node_eqn[node_id] = eqn
         site = self._partial_sum_site(t, eqn, node_id, result)
         # ``result`` is the rule cache's own entry only when a rule made it under a key.
-        self._add_edges(eqn, node_id, result, site, key is not None and rule is not None)
+        self._add_edges(t, eqn, node_id, result, site, key is not None and rule is not None)
 
     def _expandable(self, bodies) -> bool:
         """An equation's bodies can be planned in the graph: none closes over constants
@@ -550,7 +565,7 @@ class _Builder:
         self.eqns.append(eqn)
         self.eqn_sources.append([(node_id, 0)])
         self.node_eqn[node_id] = eqn
-        self._add_edges(eqn, node_id, result, None, False)
+        self._add_edges(t, eqn, node_id, result, None, False)
         return True
 
     def _add_scan(self, t: int | str, eqn: JaxprEqn) -> None:
@@ -800,10 +815,14 @@ class _Builder:
         return self._out_specs[node_id][k]
 
     def _add_edges(
-        self, eqn: JaxprEqn, node_id: int, result: NodeStrategies, site, shared: bool
+        self, t, eqn: JaxprEqn, node_id: int, result: NodeStrategies, site, shared: bool
     ) -> None:
         """``shared``: ``result`` is an entry of the shared rule cache (kept alive there),
-        so its operand specs are looked up by identity, as in :meth:`add_node`."""
+        so its operand specs are looked up by identity, as in :meth:`add_node`. The reads
+        that may share a resharding are noted in ``shared_reads`` (by value and by the
+        jaxpr ``t`` is in: a checkpoint's body reshards its own copy)."""
+        where = f"{self.segment}:{str(t).rpartition('/')[0]}"
+        follow = self.nodes[node_id].follow
         for j, var in enumerate(eqn.invars):
             if isinstance(var, Literal):
                 continue
@@ -825,11 +844,24 @@ class _Builder:
                 (total,),
                 lambda src=src_specs, dst=dst_specs, total=total: self._matrix(src, dst, total),
             )
-            if site is not None and j == site.other_index:
+            discounted = site is not None and j == site.other_index
+            if discounted:
                 cost = cost + partial_sum_discount(self.nodes, site)
             if self.scale != 1:
                 cost = cost * self.scale
+            elif not discounted and follow != src_id and any(d is not None for d in dst_specs):
+                self.shared_reads.setdefault(((src_id, k), where), []).append(len(self.edges))
             self.edges.append(Edge(src_id, node_id, cost, src_specs, dst_specs, total))
+
+    def share_reshardings(self) -> None:
+        """A resharding node for each value that readers may need in one spec
+        (:mod:`shared_resharding`)."""
+
+        def add_node(source: Source, strategies) -> int:
+            var = self.nodes[source[0]].outvars[source[1]]
+            return self.add_node(f"resharding of {var.aval.str_short()}", (), strategies, None)
+
+        share_reshardings(self.edges, self.shared_reads, add_node, self._matrix)
 
     def add_state_edge(self, source: Source, input_node: int, var) -> None:
         total = nbytes(var.aval.shape, itemsize(var.aval))

@@ -122,6 +122,7 @@ def _stage_solutions(executable, stage: int) -> list:
             fixed_in_specs=[table.get(v) for v in jaxpr.invars],
             partial_sums=False,
             comm_first=False,
+            shared_reshardings=False,
         )
         assert solution.objective == plan.objectives[stage][i], (stage, i)
         sharding = solution.to_sharding_plan()

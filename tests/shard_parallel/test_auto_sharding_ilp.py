@@ -130,7 +130,8 @@ def test_fixed_input_specs_are_planned_around():
     fixed to arrive split by features, the cheapest plan turns it into a batch split with
     an all-to-all and is data parallel from there: the ILP prices the fixed spec instead of
     choosing another. ``x`` has two readers (the first layer's matmul and its kernel
-    gradient), and the cost model prices a resharding per reading edge: two all-to-alls."""
+    gradient) that read it in one spec: one all-to-all, shared (``shared_resharding``), as
+    the program reshards it once."""
     mesh = cost_mesh((1, 4))
     closed, batch = mlp_step_jaxpr(batch=1024, hidden=16)
     free = solve_mlp(closed, mesh, batch_invars=batch)
@@ -141,7 +142,7 @@ def test_fixed_input_specs_are_planned_around():
     pairs = tuple((i, i) for i in range(4))
     pinned = solve_jaxpr(closed, mesh, batch_invars=batch, state_pairs=pairs, fixed_in_specs=fixed)
     x_bytes = 1024 * 16 * F32
-    assert pinned.objective == pytest.approx(dp + 2 * mesh.all_to_all_cost(x_bytes / 4, 1))
+    assert pinned.objective == pytest.approx(dp + mesh.all_to_all_cost(x_bytes, 1))
     assert pinned.to_sharding_plan().in_specs[4] == P(None, "y")
     assert free.to_sharding_plan().in_specs[4] == P("y")
 
@@ -317,7 +318,8 @@ def test_resharding_costs_follow_the_mesh_cost_functions():
     size = 1024.0
     assert resharding_cost(((), ()), ((0,), (1,)), size, mesh) == 0.0  # slicing is free
     assert resharding_cost(((1,), ()), ((), ()), size, mesh) == mesh.all_gather_cost(size, 1)
-    assert resharding_cost(((1,), ()), ((), (1,)), size, mesh) == mesh.all_to_all_cost(size / 4, 1)
+    # An all-to-all is priced on the tensor the axis's 4 devices exchange: the whole value.
+    assert resharding_cost(((1,), ()), ((), (1,)), size, mesh) == mesh.all_to_all_cost(size, 1)
     no_a2a = resharding_cost(((1,), ()), ((), (1,)), size, mesh, allow_all_to_all=False)
     assert no_a2a == mesh.all_gather_cost(size, 1)
     assert np.isclose(
@@ -334,6 +336,8 @@ def test_resharding_costs_follow_the_mesh_cost_functions():
         (((0,), ()), ((0, 1), ()), []),  # a slice
         (((0,), ()), ((), (0,)), ["all-to-all"]),
         (((0,), (1,)), ((), ()), ["all-gather", "all-gather"]),
+        (((0, 1), ()), ((0,), (1,)), ["all-to-all"]),  # the minor axis moves
+        (((), (0, 1)), ((1,), (0,)), ["all-to-all"]),
     ],
 )
 def test_resharding_collectives_are_those_xla_writes(src, dst, kinds):
@@ -341,7 +345,9 @@ def test_resharding_collectives_are_those_xla_writes(src, dst, kinds):
     mesh are those XLA compiles for the same resharding (oracle: the collectives counted
     in the HLO of a ``with_sharding_constraint`` from ``src`` to ``dst``), with the values
     unchanged. Gathering the minor axis of a dimension that both axes split (Alpa's mixed
-    mesh shape) is one all-gather over it; it was priced as two, one over each axis."""
+    mesh shape) is one all-gather over it; it was priced as two, one over each axis. Moving
+    that minor axis to become the minor axis of another dimension is one all-to-all; it
+    was priced as an all-gather."""
     from jax.sharding import Mesh, NamedSharding
 
     from alpa.shard_parallel.sharding_spec import resharding_collectives, to_partition_spec

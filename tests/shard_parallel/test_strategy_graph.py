@@ -87,16 +87,31 @@ def test_shared_rules_and_matrices_equal_fresh_ones(options):
     for edge in graph.edges:
         by_dst.setdefault(edge.dst, []).append(edge)
     eqn_of_node = {n: t for t, n in node_of_eqn.items()}
+    # Resharding nodes (shared_resharding): each holds its value in the producer's specs
+    # and those several readers may read; its readers' edges start from it.
+    resharding = {n.id for n in graph.nodes if n.label.startswith("resharding of")}
+    assert resharding
+    value_of: dict[int, object] = {}
     num_edges = 0
-    for dst, edges in by_dst.items():
+    for dst, edges in sorted(by_dst.items(), key=lambda item: item[0] in resharding):
         if dst in eqn_of_node:
             eqn = graph.jaxpr.eqns[eqn_of_node[dst]]
             operands = [(j, v) for j, v in enumerate(eqn.invars) if not isinstance(v, Literal)]
-            reads = [
-                (specs_of(graph.sources[v]),
-                 [s.in_specs[j] for s in graph.nodes[dst].strategies], v.aval)
-                for j, v in operands
-            ]  # fmt: skip
+            reads = []
+            for edge, (j, v) in zip(edges, operands, strict=True):
+                src_specs = specs_of(graph.sources[v])
+                if edge.src in resharding:
+                    value_of[edge.src] = v
+                    held = [s.in_specs[0] for s in graph.nodes[edge.src].strategies]
+                    distinct = list(dict.fromkeys(src_specs))
+                    assert held[: len(distinct)] == distinct
+                    src_specs = held
+                needs = [s.in_specs[j] for s in graph.nodes[dst].strategies]
+                reads.append((src_specs, needs, v.aval))
+        elif dst in resharding:
+            v = value_of[dst]
+            held = [s.in_specs[0] for s in graph.nodes[dst].strategies]
+            reads = [(specs_of(graph.sources[v]), held, v.aval)]
         else:  # state edges into an input node
             i = graph.input_nodes.index(dst)
             out = closed.jaxpr.outvars[pairs[i][1]]
