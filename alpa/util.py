@@ -231,10 +231,10 @@ def collective_bytes(hlo_text: str) -> dict[str, int]:
     counts the buffer it reduces, an all-gather the result it gathers, a reduce-scatter
     the operand it scatters (its result times the group size), an all-to-all the tensor
     its group exchanges (its buffer times the group size), a collective-permute the buffer
-    it sends. A tuple collective (XLA's
-    combined reductions) counts each element; a collective over groups of one device
-    moves nothing and is not counted. Each collective counts once where it appears in
-    the text: one in a loop body counts once, not once per trip."""
+    it sends. A tuple collective (XLA's combined reductions) counts each element; a
+    collective over groups of one device moves nothing and is not counted. Each collective
+    counts once where it appears in the text: one in a loop body counts once, not once per
+    trip."""
     total = dict.fromkeys(
         ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute"), 0
     )
