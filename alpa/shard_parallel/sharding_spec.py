@@ -9,7 +9,9 @@ appear: splitting over one device is the same as not splitting.
 Resharding a value from spec ``A`` to spec ``B`` (DESIGN §4.3) is priced as the cheapest
 sequence of collectives: an axis that splits the same dimension in both, with the same axes
 before it there, costs nothing; an axis that moves to another dimension is an all-to-all
-when it split its dimension alone (or an all-gather when all-to-all is not allowed); any
+when it split its dimension alone, or was the minor axis of a mixed-shape dimension and
+becomes the minor axis of the one it moves to (or an all-gather when all-to-all is not
+allowed, and otherwise); any
 other axis that ``A`` uses is an all-gather; an axis that only ``B`` uses is a local slice,
 which is free. (The collectives XLA writes for these reshardings, counted:
 ``test_auto_sharding_ilp``.)
@@ -209,11 +211,13 @@ def resharding_collectives(
         dst_dim = axis_dim(dst, axis)
         if _stays(src, dst, axis, src_dim, dst_dim):
             continue
-        per_device = total_bytes / shards
+        # The axis's devices hold this much of the value between them: the all-to-all's
+        # tensor, the all-gather's result.
+        group = total_bytes / shards * mesh.shape[axis]
         if dst_dim is not None and allow_all_to_all and _moves(src, dst, axis, src_dim, dst_dim):
-            out.append(Collective("all-to-all", axis, per_device * mesh.shape[axis]))
+            out.append(Collective("all-to-all", axis, group))
             continue
-        out.append(Collective("all-gather", axis, per_device * mesh.shape[axis]))
+        out.append(Collective("all-gather", axis, group))
         shards //= mesh.shape[axis]
     return tuple(c for c in out if mesh.shape[c.axis] > 1)
 

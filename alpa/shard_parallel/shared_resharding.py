@@ -8,13 +8,14 @@ MoE layer's backward reads each dispatched tensor a second time (its weight grad
 that the four all-to-alls of expert parallelism were priced as seven.
 
 :func:`share_reshardings` closes that gap with a *resharding node* per value read by two
-or more equations (in the same jaxpr, none following the producer) in a spec more than one
-of them could need: the node's strategies are the specs it may hold the value in, the
-producer's own and those shared readers' (a strategy ``"reshard"`` each, reading the value
-in that spec: the node has no value of its own, ``outvars`` and ``out_specs`` are empty;
-its edges name the spec, ``src_specs``); an edge from the
-producer prices resharding into it, and the readers' edges now start from it. Under the
-producer's spec the node is the old pricing (each reader reshards from the value as it is);
+or more equations of the same jaxpr (readers that follow the producer, and so read it in
+its own spec, are left out) in a spec more than one of them could need: the node's
+strategies are the specs it may hold the value in, the producer's own and those shared
+readers' (a strategy ``"reshard"`` each, reading the value in that spec: the node has no
+value of its own, ``outvars`` and ``out_specs`` are empty; its edges name the spec,
+``src_specs``); an edge from the producer prices resharding into it, and the readers'
+edges now start from it. Under the producer's spec the node is the old pricing (each
+reader reshards from the value as it is);
 under a reader's spec, the readers that take that spec pay once between them. So the
 optimum never prices more than before, and a plan whose readers share a spec is priced as
 the program runs it. A reader that needs yet another spec is priced from the node's spec,
@@ -36,7 +37,7 @@ from alpa.shard_parallel.strategy_rules import Strategy
 
 def share_reshardings(
     edges: list,
-    reads: Mapping[tuple[tuple[int, int], str], Sequence[int]],
+    reads: Mapping[tuple[tuple[int, int], tuple[int, str]], Sequence[int]],
     add_node: Callable[[tuple[int, int], tuple[Strategy, ...]], int],
     matrix: Callable[[tuple[Spec, ...], tuple[Spec | None, ...], float], object],
 ) -> None:
@@ -44,7 +45,8 @@ def share_reshardings(
     resharding node (module docstring), in place.
 
     ``edges``: the graph's edges (``strategy_graph.Edge``); ``reads[(source, jaxpr)]``: the
-    indices in ``edges`` of the reads of ``source``'s value in one jaxpr that may share a
+    indices in ``edges`` of the reads of ``source``'s value in one jaxpr (after a number of
+    ``alpa.grad`` markers, and at a checkpoint body's path) that may share a
     resharding (not scaled by a loop, not a partial sum's, the reader not following the
     producer); ``add_node(source, strategies)``: adds the resharding node of ``source``'s
     value, returning its id; ``matrix(src_specs, dst_specs, bytes)``: a resharding cost

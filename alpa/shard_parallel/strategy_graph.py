@@ -396,7 +396,7 @@ class _Builder:
         self.inputs: set[Var] = set()
         # The reads that may share one resharding (``shared_resharding``), by value and jaxpr
         # (with the number of alpa.grad markers before it: ``segment``).
-        self.shared_reads: dict[tuple[Source, str], list[int]] = {}
+        self.shared_reads: dict[tuple[Source, tuple[int, str]], list[int]] = {}
         self.segment = 0
 
     def add_node(self, label, outvars, strategies, follow, combined=False, shared=False) -> int:
@@ -821,7 +821,7 @@ class _Builder:
         so its operand specs are looked up by identity, as in :meth:`add_node`. The reads
         that may share a resharding are noted in ``shared_reads`` (by value and by the
         jaxpr ``t`` is in: a checkpoint's body reshards its own copy)."""
-        where = f"{self.segment}:{str(t).rpartition('/')[0]}"
+        where = (self.segment, str(t).rpartition("/")[0])
         follow = self.nodes[node_id].follow
         for j, var in enumerate(eqn.invars):
             if isinstance(var, Literal):
