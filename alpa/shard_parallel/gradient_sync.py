@@ -42,10 +42,12 @@ import numpy as np
 from jax.extend.core import Var
 from jax.sharding import PartitionSpec
 
+from alpa.device_mesh import entry_names
 from alpa.shard_parallel.micro_batches import batch_dims
 from alpa.shard_parallel.row_sums import (
     deferrable,
     deferred_rules,
+    partial_spec,
     scatter_dimension,
     sum_partials,
 )
@@ -59,10 +61,6 @@ from alpa.util import GRAD_SYNC_SCOPE
 
 def _data(data_axes: tuple[str, ...]):
     return data_axes if len(data_axes) > 1 else data_axes[0]
-
-
-def _split_at(dim: int, data_axes: tuple[str, ...]) -> PartitionSpec:
-    return PartitionSpec(*([None] * dim), _data(data_axes))
 
 
 def _rows(x, dim: int, n: int):
@@ -83,62 +81,68 @@ def _offsets(sizes: Sequence[int]) -> list[int]:
     return list(np.cumsum([0, *sizes]))
 
 
-def packed_reduce_scatter(partials: Sequence, dims: Sequence[int | None], mesh, data_axes) -> list:
-    """``Σ_d p[d]`` of each per-device partial sum ``p`` (``[n, *shape]``, split over
-    ``data_axes``), split at ``dims[j]`` over ``data_axes``: one ``psum_scatter`` of all
-    of them packed (module docstring). Partials of one dtype only.
+def packed_reduce_scatter(partials: Sequence, specs: Sequence, mesh, data_axes) -> list:
+    """``Σ_d p[d]`` of each per-device partial sum ``p`` (``[n, *shape]``, ``n`` split over
+    ``data_axes``, the rest as ``specs[j]`` splits it over the other axes), in ``specs[j]``:
+    one ``psum_scatter`` of all of them packed (module docstring). ``specs[j]`` splits one
+    dimension over ``data_axes``, the minor axes of its entry (:func:`minor_scatter_dimension`):
+    each device reduce-scatters its block of the sum over the other axes. Partials of one
+    dtype only.
 
-    A scalar with ``dims[j] = None`` (the loss) rides along whole: each device's row
+    A scalar with ``specs[j] = None`` (the loss) rides along whole: each device's row
     holds a copy of it, so each device receives the full sum, and the step needs no
     all-reduce of its own for it (``n`` copies of 4 bytes against one collective's
     latency)."""
     data_axes = tuple(data_axes)
     n = int(np.prod([mesh.shape[a] for a in data_axes]))
-    shapes = [tuple(p.shape[1:]) for p in partials]
-    sizes = [1 if d is None else int(np.prod(s)) // n for s, d in zip(shapes, dims, strict=True)]
+    dims = [None if s is None else minor_scatter_dimension(s, data_axes) for s in specs]
 
     def row(p, d):
         return jnp.broadcast_to(p.reshape(1, 1), (n, 1)) if d is None else _rows(p, d, n)
 
     def body(*locals_):
+        blocks = [tuple(p.shape[1:]) for p in locals_]
         packed = jnp.concatenate([row(p[0], d) for p, d in zip(locals_, dims, strict=True)], 1)
         mine = jax.lax.psum_scatter(packed, data_axes, scatter_dimension=0, tiled=True)
-        starts = _offsets(sizes)
+        starts = _offsets(
+            [1 if d is None else int(np.prod(b)) // n for b, d in zip(blocks, dims, strict=True)]
+        )
         return tuple(
             mine[0, a].reshape(())
             if d is None
             else mine[0, a:b].reshape(s[:d] + (s[d] // n,) + s[d + 1 :])
-            for a, b, s, d in zip(starts[:-1], starts[1:], shapes, dims, strict=True)
+            for a, b, s, d in zip(starts[:-1], starts[1:], blocks, dims, strict=True)
         )
 
     return list(
         jax.shard_map(
             body,
             mesh=mesh,
-            in_specs=tuple(PartitionSpec(_data(data_axes)) for _ in partials),
-            out_specs=tuple(
-                PartitionSpec() if d is None else _split_at(d, data_axes) for d in dims
+            in_specs=tuple(
+                PartitionSpec(_data(data_axes)) if s is None else partial_spec(s, data_axes)
+                for s in specs
             ),
-            axis_names=set(data_axes),
+            out_specs=tuple(PartitionSpec() if s is None else s for s in specs),
             check_vma=False,
         )(*partials)
     )
 
 
-def packed_all_gather(values: Sequence, dims: Sequence[int], mesh, data_axes) -> list:
-    """Each of ``values`` (split at ``dims[j]`` over ``data_axes``) whole on every
-    device: one ``all_gather`` of all of them packed. Values of one dtype only."""
+def packed_all_gather(values: Sequence, specs: Sequence, mesh, data_axes) -> list:
+    """Each of ``values`` (in ``specs[j]``, which splits one dimension over ``data_axes``,
+    the minor axes of its entry) whole over ``data_axes``, in ``specs[j]`` without them:
+    one ``all_gather`` of all of them packed. Values of one dtype only."""
     data_axes = tuple(data_axes)
     n = int(np.prod([mesh.shape[a] for a in data_axes]))
-    shapes = [tuple(v.shape) for v in values]
-    sizes = [int(np.prod(s)) // n for s in shapes]
+    dims = [minor_scatter_dimension(s, data_axes) for s in specs]
 
     def body(*blocks):
+        shapes = [tuple(b.shape) for b in blocks]
         packed = jnp.concatenate([b.reshape(1, -1) for b in blocks], axis=1)
         rows = jax.lax.all_gather(packed, data_axes, axis=0, tiled=True)
-        starts = _offsets(sizes)
+        starts = _offsets([int(np.prod(s)) for s in shapes])
         return tuple(
-            _unrows(rows[:, a:b], s, d, n)
+            _unrows(rows[:, a:b], s[:d] + (s[d] * n,) + s[d + 1 :], d, n)
             for a, b, s, d in zip(starts[:-1], starts[1:], shapes, dims, strict=True)
         )
 
@@ -146,12 +150,33 @@ def packed_all_gather(values: Sequence, dims: Sequence[int], mesh, data_axes) ->
         jax.shard_map(
             body,
             mesh=mesh,
-            in_specs=tuple(_split_at(d, data_axes) for d in dims),
-            out_specs=tuple(REPLICATED for _ in values),
-            axis_names=set(data_axes),
+            in_specs=tuple(specs),
+            out_specs=tuple(without_axes(s, data_axes) for s in specs),
             check_vma=False,
         )(*values)
     )
+
+
+def minor_scatter_dimension(spec: PartitionSpec | None, data_axes: tuple[str, ...]) -> int | None:
+    """The dimension whose entry in ``spec`` ends with ``data_axes`` (split over them last,
+    the device's block of it over the other axes split further), if one does."""
+    k = len(data_axes)
+    for d, axes in enumerate(spec or ()):
+        names = entry_names(axes)
+        if len(names) >= k and names[-k:] == tuple(data_axes):
+            return d
+    return None
+
+
+def without_axes(spec: PartitionSpec, axes: Sequence[str]) -> PartitionSpec:
+    """``spec`` with ``axes`` removed from its entries."""
+    entries = []
+    for entry in spec:
+        kept = tuple(a for a in entry_names(entry) if a not in axes)
+        entries.append(kept if len(kept) > 1 else kept[0] if kept else None)
+    while entries and entries[-1] is None:
+        entries.pop()
+    return PartitionSpec(*entries)
 
 
 def _by_dtype(indices: Sequence[int], values: Sequence) -> list[list[int]]:
@@ -171,8 +196,9 @@ def rides(ndim: int, dtype, scattered: Sequence) -> bool:
 
 def reduce_partials(values, is_partial, specs, mesh, data_axes, may_ride=None) -> list:
     """Each of ``values`` reduced as the plan wants it: a per-device partial sum
-    (``is_partial``) whose wanted spec (``specs``) splits it over exactly ``data_axes``
-    is reduce-scattered, packed with the others of its dtype; a scalar partial sum rides
+    (``is_partial``) whose wanted spec (``specs``) splits a dimension over ``data_axes``
+    (the minor axes of its entry: :func:`minor_scatter_dimension`) is reduce-scattered,
+    packed with the others of its dtype; a scalar partial sum rides
     in that packed reduce-scatter where ``may_ride[i]`` (default: all; ``False`` for a
     value nothing reads, which XLA then drops); any other partial sum is all-reduced
     (``row_sums.sum_partials``); the rest are returned as they are."""
@@ -183,36 +209,36 @@ def reduce_partials(values, is_partial, specs, mesh, data_axes, may_ride=None) -
 
 def _reduce_partials(values, is_partial, specs, mesh, data_axes, may_ride) -> list:
     out = list(values)
-    dims, whole = {}, []
+    wanted, whole = {}, []
     for i, (p, spec) in enumerate(zip(is_partial, specs, strict=True)):
         if not p:
             continue
-        dim = scatter_dimension(spec, data_axes)
-        if dim is None:
+        if minor_scatter_dimension(spec, data_axes) is None:
             whole.append(i)
         else:
-            dims[i] = dim
-    scattered = [values[i] for i in dims]
+            wanted[i] = spec
+    scattered = [values[i] for i in wanted]
     for i in whole:
         # values are per-device partials, [n, *shape]: a scalar's is [n]
         if may_ride[i] and rides(values[i].ndim - 1, values[i].dtype, scattered):
-            dims[i] = None
+            wanted[i] = None
         else:
             out[i] = sum_partials(values[i], mesh, data_axes, specs[i])
-    for group in _by_dtype(list(dims), values):
-        sums = packed_reduce_scatter([values[i] for i in group], [dims[i] for i in group],
+    for group in _by_dtype(list(wanted), values):
+        sums = packed_reduce_scatter([values[i] for i in group], [wanted[i] for i in group],
                                      mesh, data_axes)  # fmt: skip
         for i, s in zip(group, sums, strict=True):
             out[i] = s
     return out
 
 
-def gather_packed(values: list, dims: Mapping[int, int], mesh, data_axes) -> list:
-    """``values`` with those at the indices of ``dims`` (split at ``dims[i]`` over
-    ``data_axes``) gathered whole, packed by dtype."""
+def gather_packed(values: list, specs: Mapping[int, PartitionSpec], mesh, data_axes) -> list:
+    """``values`` with those at the indices of ``specs`` (in ``specs[i]``, split over
+    ``data_axes`` as :func:`packed_all_gather` takes them) gathered whole over
+    ``data_axes``, packed by dtype."""
     out = list(values)
-    for group in _by_dtype(list(dims), values):
-        whole = packed_all_gather([values[i] for i in group], [dims[i] for i in group],
+    for group in _by_dtype(list(specs), values):
+        whole = packed_all_gather([values[i] for i in group], [specs[i] for i in group],
                                   mesh, data_axes)  # fmt: skip
         for i, w in zip(group, whole, strict=True):
             out[i] = w
@@ -235,25 +261,31 @@ def pure_data_parallel(plan: ShardingPlan) -> tuple[str, ...]:
     return data_axes
 
 
-def _only_split(spec, data_axes) -> int | None:
-    """The dimension ``spec`` splits over exactly ``data_axes``, when it splits no other."""
-    if spec is None:
-        return None
-    dim = scatter_dimension(spec, data_axes)
-    if dim is None or sum(1 for axes in spec if axes) != 1:
-        return None
-    return dim
+def _entries(spec) -> tuple[tuple[str, ...], ...]:
+    entries = [entry_names(e) for e in spec or ()]
+    while entries and not entries[-1]:
+        entries.pop()
+    return tuple(entries)
+
+
+def _gathered_into(split, whole, data_axes) -> bool:
+    """Whether a value in spec ``split`` becomes one in ``whole`` by an all-gather over
+    ``data_axes`` that :func:`packed_all_gather` writes: ``split`` splits one dimension
+    over them (the minor axes of its entry), and is ``whole`` otherwise."""
+    if split is None or whole is None or minor_scatter_dimension(split, data_axes) is None:
+        return False
+    return _entries(without_axes(split, data_axes)) == _entries(whole)
 
 
 @dataclass(frozen=True)
 class PackedGathers:
     """The all-gathers a data-parallel plan's lowering packs, by position: step inputs
-    the plan receives split and pins whole (``inputs[i]`` the dimension split: ZeRO-3's
-    parameters), step outputs it computes split and returns whole (``outputs[o]``:
-    ZeRO-2's updated parameters)."""
+    the plan receives split and pins whole (``inputs[i]`` the spec they arrive in:
+    ZeRO-3's parameters), step outputs it computes split and returns whole
+    (``outputs[o]`` the spec they are computed in: ZeRO-2's updated parameters)."""
 
-    inputs: Mapping[int, int]
-    outputs: Mapping[int, int]
+    inputs: Mapping[int, PartitionSpec]
+    outputs: Mapping[int, PartitionSpec]
 
 
 def packed_gathers(traced: TracedStep, plan: ShardingPlan) -> PackedGathers:
@@ -265,18 +297,17 @@ def packed_gathers(traced: TracedStep, plan: ShardingPlan) -> PackedGathers:
     jaxpr = traced.jaxpr
     inputs = {}
     for i, (v, spec) in enumerate(zip(jaxpr.invars, plan.in_specs, strict=True)):
-        dim = _only_split(spec, data_axes)
-        if dim is not None and plan.var_specs.get(v) == REPLICATED:
-            inputs[i] = dim
+        if _gathered_into(spec, plan.var_specs.get(v), data_axes):
+            inputs[i] = spec
     made = {v for e in jaxpr.eqns for v in e.outvars}
     outputs, seen = {}, set()
     for o, (v, spec) in enumerate(zip(jaxpr.outvars, plan.out_specs, strict=True)):
-        if not isinstance(v, Var) or v not in made or v in seen or spec != REPLICATED:
+        if not isinstance(v, Var) or v not in made or v in seen:
             continue
         seen.add(v)
-        dim = _only_split(plan.var_specs.get(v), data_axes)
-        if dim is not None:
-            outputs[o] = dim
+        split = plan.var_specs.get(v)
+        if _gathered_into(split, spec, data_axes):
+            outputs[o] = split
     return PackedGathers(inputs, outputs)
 
 

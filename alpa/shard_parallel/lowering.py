@@ -191,16 +191,16 @@ class _Gathering:
     """The packed all-gathers of a data-parallel plan (``gradient_sync.packed_gathers``):
     of the step's inputs before it runs, of its outputs after."""
 
-    input_dims: dict
-    output_dims: dict
+    input_specs: dict
+    output_specs: dict
     mesh: Any
     data_axes: tuple[str, ...]
 
     def inputs(self, leaves) -> list:
-        return gather_packed(list(leaves), self.input_dims, self.mesh, self.data_axes)
+        return gather_packed(list(leaves), self.input_specs, self.mesh, self.data_axes)
 
     def outputs(self, outs) -> list:
-        return gather_packed(list(outs), self.output_dims, self.mesh, self.data_axes)
+        return gather_packed(list(outs), self.output_specs, self.mesh, self.data_axes)
 
 
 def _gathering(traced: TracedStep, plan: ShardingPlan, mesh) -> _Gathering:

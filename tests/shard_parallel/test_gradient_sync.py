@@ -220,10 +220,13 @@ def test_mark_gradients_leaves_a_step_without_backward_pass():
 
 
 @pytest.mark.parametrize(
-    "shapes, dims",
-    [([(16, 24), (4, 8, 6), (40,)], [0, 1, 0]), ([(3, 8)], [1])],
+    "shapes, specs",
+    [
+        ([(16, 24), (4, 8, 6), (40,)], [P("x"), P(None, "x"), P("x")]),
+        ([(3, 8)], [P(None, "x")]),
+    ],
 )
-def test_packed_collectives_are_the_unpacked_ones(shapes, dims):
+def test_packed_collectives_are_the_unpacked_ones(shapes, specs):
     """One reduce-scatter of per-device partial sums split at different dimensions gives
     each device its block of every sum; one all-gather gives back every tensor whole."""
     n = 8
@@ -233,18 +236,52 @@ def test_packed_collectives_are_the_unpacked_ones(shapes, dims):
     placed = [jax.device_put(p, NamedSharding(mesh, P("x"))) for p in partials]
 
     def both(*ps):
-        sums = packed_reduce_scatter(ps, dims, mesh, ("x",))
-        return sums, packed_all_gather(sums, dims, mesh, ("x",))
+        sums = packed_reduce_scatter(ps, specs, mesh, ("x",))
+        return sums, packed_all_gather(sums, specs, mesh, ("x",))
 
     compiled = jax.jit(both).lower(*placed).compile()
     sums, whole = compiled(*placed)
-    for p, s, w, d in zip(partials, sums, whole, dims, strict=True):
+    for p, s, w, spec in zip(partials, sums, whole, specs, strict=True):
         np.testing.assert_allclose(np.asarray(s), p.sum(0), rtol=1e-5, atol=1e-5)
-        assert s.sharding.spec == P(*([None] * d), "x")
+        assert s.sharding.spec == spec
         np.testing.assert_allclose(np.asarray(w), p.sum(0), rtol=1e-5, atol=1e-5)
         assert w.sharding.is_fully_replicated
     counts = count_communication_primitives(compiled.as_text())
     assert (counts.reduce_scatter, counts.all_gather, counts.all_reduce) == (1, 1, 0), counts
+
+
+def test_packed_collectives_keep_what_the_other_axis_splits():
+    """On a (4, 2) mesh, sums split over the model axis ``y`` and reduced over the data
+    axis ``x``: each device reduce-scatters its ``y`` block, ``x`` added as the minor axis
+    of one dimension (a column-split kernel's rows, a row-split kernel's columns, a split
+    bias's blocks split further). One reduce-scatter and one all-gather, and nothing else:
+    no value is gathered over ``y``."""
+    mesh = make_jax_mesh(jax.devices()[:8], (4, 2), ("x", "y"))
+    shapes = [(16, 24), (24, 16), (24,)]
+    specs = [P("x", "y"), P("y", "x"), P(("y", "x"))]
+    rng = np.random.default_rng(2)
+    partials = [rng.standard_normal((4, *s)).astype(np.float32) for s in shapes]
+    partial_specs = [P("x", None, "y"), P("x", "y"), P("x", "y")]
+    placed = [
+        jax.device_put(p, NamedSharding(mesh, s))
+        for p, s in zip(partials, partial_specs, strict=True)
+    ]
+
+    def both(*ps):
+        sums = packed_reduce_scatter(ps, specs, mesh, ("x",))
+        return sums, packed_all_gather(sums, specs, mesh, ("x",))
+
+    compiled = jax.jit(both).lower(*placed).compile()
+    sums, whole = compiled(*placed)
+    for p, s, w, spec, whole_spec in zip(
+        partials, sums, whole, specs, [P(None, "y"), P("y"), P("y")], strict=True
+    ):
+        np.testing.assert_allclose(np.asarray(s), p.sum(0), rtol=1e-5, atol=1e-5)
+        assert s.sharding.spec == spec
+        np.testing.assert_allclose(np.asarray(w), p.sum(0), rtol=1e-5, atol=1e-5)
+        assert w.sharding.spec == whole_spec
+    counts = count_communication_primitives(compiled.as_text())
+    assert (counts.reduce_scatter, counts.all_gather, counts.total) == (1, 1, 2), counts
 
 
 @pytest.mark.parametrize("num_micro_batches", [None, 2])
