@@ -67,6 +67,11 @@ def make_case(name: str):
         option = alpa.AutoShardingOption(force_batch_dim_to_mesh_dim=0, prefer_reduce_scatter=True)
         mesh = alpa.get_global_physical_mesh().get_logical_mesh((4, 2))
         return step, (params, batch), alpa.ShardParallel(devices=mesh, auto_sharding_option=option)
+    if name == "scattered_2d":  # Alpa's prefer_reduce_scatter rewrite of a 2-D plan
+        state, batch, step = get_mlp_train_state_and_step(64, 32, num_layers=4)
+        mesh = alpa.get_global_physical_mesh().get_logical_mesh((4, 2), [1, 1], [1, 0.1])
+        option = alpa.AutoShardingOption(prefer_reduce_scatter=True)
+        return step, (state, batch), alpa.ShardParallel(devices=mesh, auto_sharding_option=option)
     state, batch, step = get_mlp_train_state_and_step(32, 16, num_layers=2)
     methods = {
         "data_parallel": alpa.DataParallel,
@@ -88,6 +93,7 @@ def make_case(name: str):
 CASES = (
     "ilp_2d",
     "partial_sums",
+    "scattered_2d",
     "data_parallel",
     "zero3",
     "micro_batches",
@@ -180,7 +186,8 @@ def test_plan_from_json_in_a_fresh_process_compiles_the_same_hlo(recorded, name)
 def test_replay_does_not_search_and_matches_serial(recorded, no_search, name):
     original, path, _ = recorded[name]
     step, args, method = make_case(name)
-    if name in ("ilp_2d", "partial_sums", "micro_batches") or name.startswith("pipeshard"):
+    searching = ("ilp_2d", "partial_sums", "scattered_2d", "micro_batches")
+    if name in searching or name.startswith("pipeshard"):
         with pytest.raises(AssertionError, match="searched during a replay"):
             alpa.parallelize(step, method=method).plan(*args)  # the patches do bite
     expected = jax.jit(step)(*args)
@@ -214,6 +221,14 @@ def test_ilp_plan_records_partial_sums(recorded):
     ((ref, partial_sum),) = sharding.partial_sums.items()
     assert ref.startswith("eqn") and partial_sum.reduce_axes == ("x",)
     assert [len(specs) for specs in partial_sum.operand_specs] in ([2, 3], [3, 2])
+
+
+def test_a_rewritten_2d_plan_records_its_gradient_sync(recorded):
+    """The rewrite of a 2-D plan is recorded: a replay reduce-scatters the gradients at
+    the marker (the same program, checked above), with no search."""
+    plan = ParallelPlan.load(recorded["scattered_2d"][1]).sharding_plan
+    assert plan.sync_at_marker and plan.data_axes == ("x",)
+    assert any("x" in str(s) and "y" in str(s) for s in plan.grad_specs)
 
 
 def test_plan_json_round_trips(recorded):

@@ -17,12 +17,13 @@ from typing import Any
 from typing import Literal as TypingLiteral
 
 import jax
-from jax.extend.core import Literal, Var
+from jax.extend.core import Literal
 from jax.sharding import NamedSharding, PartitionSpec
 
 from alpa.device_mesh import LogicalDeviceMesh
 from alpa.global_env import global_config
 from alpa.shard_parallel import ilp_solver
+from alpa.shard_parallel.gradient_scatter import scattered_in_alpas_order
 from alpa.shard_parallel.gradient_sync import data_parallel_in_specs, written_sync
 from alpa.shard_parallel.memory_model import solve_within_budget
 from alpa.shard_parallel.sharding_plan import PartialSum, ShardingPlan
@@ -519,58 +520,18 @@ def _reduce_scatter_in_alpas_order(
 ) -> ShardingPlan | None:
     """``prefer_reduce_scatter`` as Alpa applied it, where that is written out here: the
     all-reduce plan is solved first (communication first, no reduce-scatter strategies),
-    then its gradient all-reduces are rewritten, and the objective reported is the
-    all-reduce plan's.
-
-    * A plan that reduces no gradient over a data axis (no batch split: Megatron's model
-      parallelism) has nothing to rewrite: it is the plan.
-    * A data-parallel plan (the batch over every device, every other input replicated)
-      becomes ZeRO-2's (``data_parallel_plan(zero_stage=2)``): the gradients reduce-
-      scattered in one packed collective, the optimizer update on each device's shard,
-      the updated parameters all-gathered in one (``gradient_sync``).
-    * ``None`` for any other plan (the batch on one axis of a 2-D mesh and the model on
-      the other, expert parallelism), or a data-parallel one with a gradient the packed
-      reduce-scatter cannot take (not a row sum deferred to the marker: a convolution's
-      kernel, an embedding's scatter-add; XLA would all-reduce it, slice the update and
-      gather each such parameter on its own): the ILP then solves with reduce-scatter
-      strategies (:func:`solve_auto_sharding`), communication against the sharded
-      update's compute.
-    """
-    from alpa.shard_parallel.data_parallel import data_parallel_plan
-    from alpa.shard_parallel.gradient_sync import marker_deferral, pure_data_parallel
-
+    then its gradient all-reduces are rewritten (``gradient_scatter``), and the objective
+    reported is the all-reduce plan's. ``None`` where the plan cannot be so rewritten:
+    the ILP then solves with its reduce-scatter strategies."""
     plain = replace(option, prefer_reduce_scatter=False).snapshot()
     solution = solve_auto_sharding(
         traced, logical_mesh, plain, fixed_in_specs, partial_sums,
         shared_reshardings=shared_reshardings,
     )  # fmt: skip
-    plan = solution.to_sharding_plan()
-    if not plan.data_axes:
-        if global_config.print_auto_sharding_strategy:
-            print(solution.format_table())
-        return plan
-    if not pure_data_parallel(plan) or fixed_in_specs is not None:
-        return None
-    others = [s for s, b in zip(plan.in_specs, traced.batch_invars, strict=True) if not b]
-    if any(any(axes is not None for axes in spec) for spec in others):
-        return None
-    zero2 = data_parallel_plan(traced, logical_mesh, zero_stage=2)
-    marker, found = traced.grad_marker(), marker_deferral(traced, zero2)
-    if marker is None or found is None or zero2.grad_specs is None:
-        return None
-    scattered = [
-        v
-        for v, spec in zip(marker.invars, zero2.grad_specs, strict=True)
-        if any(axes is not None for axes in spec)
-    ]
-    if not all(isinstance(v, Var) and v in found.deferred for v in scattered):
-        return None
-    return replace(
-        zero2,
-        objective=plan.objective,
-        compute_cost=plan.compute_cost,
-        method="auto-sharding: data parallel, gradients reduce-scattered (ZeRO-2)",
-    )
+    plan = scattered_in_alpas_order(traced, solution.to_sharding_plan(), fixed_in_specs)
+    if plan is not None and global_config.print_auto_sharding_strategy:
+        print(solution.format_table())
+    return plan
 
 
 def placed_input_specs(

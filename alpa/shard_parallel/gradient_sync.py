@@ -261,6 +261,17 @@ def pure_data_parallel(plan: ShardingPlan) -> tuple[str, ...]:
     return data_axes
 
 
+def sync_axes(plan: ShardingPlan) -> tuple[str, ...]:
+    """The axes over which the lowering reduces the gradients at the ``alpa.grad`` marker
+    and packs the gathers: the plan's data axes where they hold every device
+    (:func:`pure_data_parallel`), or where the plan asks for it (``sync_at_marker``:
+    Alpa's ``prefer_reduce_scatter`` rewrite of a plan that also splits the model)."""
+    pure = pure_data_parallel(plan)
+    if pure or not plan.sync_at_marker:
+        return pure
+    return tuple(plan.data_axes)
+
+
 def _entries(spec) -> tuple[tuple[str, ...], ...]:
     entries = [entry_names(e) for e in spec or ()]
     while entries and not entries[-1]:
@@ -290,8 +301,8 @@ class PackedGathers:
 
 def packed_gathers(traced: TracedStep, plan: ShardingPlan) -> PackedGathers:
     """The all-gathers :func:`gather_packed` writes out for ``plan`` (empty unless the
-    plan splits the batch over every device, :func:`pure_data_parallel`)."""
-    data_axes = pure_data_parallel(plan)
+    lowering reduces its gradients at the marker, :func:`sync_axes`)."""
+    data_axes = sync_axes(plan)
     if not data_axes:
         return PackedGathers({}, {})
     jaxpr = traced.jaxpr
@@ -331,10 +342,13 @@ def marker_deferral(traced: TracedStep, plan: ShardingPlan) -> MarkerDeferral | 
 
     Only row sums that the plan itself reduces over the data axes are deferred (it reads
     their batch dimensions split over exactly those axes), and only where the batch is
-    split over every device (:func:`pure_data_parallel`): elsewhere the per-device sums
-    would override the plan's own strategy for them."""
+    split over every device or the plan asks for it (:func:`sync_axes`): elsewhere the
+    per-device sums would override the plan's own strategy for them. Where other axes
+    split the model, a row sum that the plan also reduces over one of them (it sums a
+    dimension split over it: a sequence split over the model axis) is not deferred: its
+    partial sums would be all-reduced over that axis whole, at each addend."""
     marker = traced.grad_marker()
-    data_axes = pure_data_parallel(plan)
+    data_axes = sync_axes(plan)
     if marker is None or not data_axes:
         return None
     sizes = dict(zip(plan.logical_mesh.axis_names, plan.logical_mesh.shape, strict=True))
@@ -349,21 +363,43 @@ def marker_deferral(traced: TracedStep, plan: ShardingPlan) -> MarkerDeferral | 
         [e for e in jaxpr.eqns if e is not marker],
     )  # fmt: skip
     inputs = dict(zip(jaxpr.invars, plan.in_specs, strict=True))
+    others = {a for a, size in sizes.items() if size > 1 and a not in data_axes}
 
     def planned_over_data(eqn) -> bool:
         needs = plan.operand_specs.get(eqn) or (None,) * len(eqn.invars)
-        for v, need in zip(eqn.invars, needs, strict=True):
+        specs = [
+            need or plan.var_specs.get(v) or inputs.get(v)
+            for v, need in zip(eqn.invars, needs, strict=True)
+        ]
+        for v, spec in zip(eqn.invars, specs, strict=True):
             d = dims.get(v) if isinstance(v, Var) else None
-            spec = need or plan.var_specs.get(v) or inputs.get(v)
             if not d or spec is None:  # not a batch operand, or left to XLA
                 continue
-            axes = spec[d[0]] if d[0] < len(spec) else None
-            if (axes if isinstance(axes, tuple) else (axes,)) != data_axes:
+            if entry_names(spec[d[0]] if d[0] < len(spec) else None) != data_axes:
                 return False
-        return True
+        return not others or not _sums_over(eqn, specs, others)
 
     deferred = deferrable(before, dims, keep=planned_over_data)
     return MarkerDeferral(frozenset(deferred), dims, before) if deferred else None
+
+
+def _sums_over(eqn, specs, axes) -> bool:
+    """Whether ``eqn``, its operands in ``specs``, sums a dimension split over one of
+    ``axes`` (any split dimension, for a row sum other than a contraction or a
+    ``reduce_sum``)."""
+    name = eqn.primitive.name
+    if name == "dot_general":
+        (lhs_c, rhs_c), _ = eqn.params["dimension_numbers"]
+        summed = [set(lhs_c), set(rhs_c)]
+    elif name == "reduce_sum":
+        summed = [set(eqn.params["axes"])]
+    else:
+        summed = None
+    for i, spec in enumerate(specs):
+        for d, entry in enumerate(spec or ()):
+            if set(entry_names(entry)) & axes and (summed is None or d in summed[i]):
+                return True
+    return False
 
 
 def reduce_at_marker(traced: TracedStep, plan: ShardingPlan, mesh, var_shardings) -> dict:
@@ -381,7 +417,7 @@ def reduce_at_marker(traced: TracedStep, plan: ShardingPlan, mesh, var_shardings
     found = marker_deferral(traced, plan)
     if found is None:
         return {}
-    data_axes = pure_data_parallel(plan)
+    data_axes = sync_axes(plan)
     marker = traced.grad_marker()
     overrides = deferred_rules(
         found.before.eqns, found.dims, found.deferred, mesh, data_axes, plan.var_specs

@@ -57,6 +57,11 @@ class ShardingPlan:
         gradient accumulation reduces gradients over these axes once per step.
       grad_specs: specs for the gradients that ``alpa.grad`` marks, in the marker's operand
         order, or ``None`` to leave them to XLA (ZeRO shards them like the optimizer state).
+      sync_at_marker: the gradients' row sums are carried per device to the ``alpa.grad``
+        marker and reduced there over ``data_axes``, packed (``gradient_sync``), although
+        other axes split the model: Alpa's ``prefer_reduce_scatter`` rewrite of such a plan
+        (``gradient_scatter``). A plan that splits the batch over every device does so
+        without it.
       objective: the ILP objective when the plan came from the ILP, else ``None``:
         communication (collectives and reshardings) plus ``compute_cost``.
       compute_cost: the compute term of ``objective`` (seconds of work on one device).
@@ -71,6 +76,7 @@ class ShardingPlan:
     partial_sums: Mapping[Any, PartialSum] = field(default_factory=dict)
     data_axes: tuple[str, ...] = ()
     grad_specs: tuple[PartitionSpec | None, ...] | None = None
+    sync_at_marker: bool = False
     objective: float | None = None
     method: str = ""
     compute_cost: float | None = None

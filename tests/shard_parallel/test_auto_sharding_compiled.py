@@ -925,13 +925,18 @@ def test_vocabulary_split_embedding_gradient_is_reduced_once(mode):
 # ----------------------------------------------------------------------------- reduce-scatter
 
 
-def test_planned_reduce_scatters_are_written_out():
-    """A 2-D plan with ``prefer_reduce_scatter`` (the batch on ``x``, Megatron on ``y``:
-    not one Alpa's order rewrites) reduce-scatters gradients where its strategies say so
-    (``... RS0->...``). XLA's partitioner would write each as an all-reduce and a slice,
-    which XLA on CPU keeps; the lowering writes them out (``reduce_scatters.py``). Oracles:
-    the compiled program holds exactly the reduce-scatters the plan prices, and its
-    numbers equal ``jax.jit``'s."""
+def test_planned_reduce_scatters_are_written_out(monkeypatch):
+    """A 2-D plan of the ILP with ``prefer_reduce_scatter`` (the batch on ``x``, Megatron
+    on ``y``) reduce-scatters gradients where its strategies say so (``... RS0->...``).
+    Alpa's order rewrites this plan (``gradient_scatter``); the ILP's reduce-scatter
+    strategies are what plans it cannot rewrite take (a gradient reduced over both axes,
+    inputs the caller placed), here forced by leaving the rewrite out. XLA's partitioner
+    would write each as an all-reduce and a slice, which XLA on CPU keeps; the lowering
+    writes them out (``reduce_scatters.py``). Oracles: the compiled program holds exactly
+    the reduce-scatters the plan prices, and its numbers equal ``jax.jit``'s."""
+    from alpa.shard_parallel import auto_sharding
+
+    monkeypatch.setattr(auto_sharding, "scattered_in_alpas_order", lambda *args: None)
     state, batch, step = get_mlp_train_state_and_step(256, 32, num_layers=4)
     option = {"prefer_reduce_scatter": True}
     out, executable = _compile(step, state, batch, (2, 2), **option)

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import alpa
 from alpa.device_mesh import LocalPhysicalDeviceMesh
@@ -41,18 +42,19 @@ def _state_and_batch(tx):
     return {"params": params, "opt_state": tx.init(params)}, batch
 
 
-def _step_for(tx):
-    def loss(params, batch):
-        h = batch["x"]
-        for i in range(len(WIDTHS) - 1):
-            layer = params[f"layer{i}"]
-            h = h @ layer["kernel"] + layer["bias"]
-            if i < len(WIDTHS) - 2:
-                h = jax.nn.gelu(h)
-        return jnp.mean((h - batch["y"]) ** 2)
+def _loss(params, batch):
+    h = batch["x"]
+    for i in range(len(WIDTHS) - 1):
+        layer = params[f"layer{i}"]
+        h = h @ layer["kernel"] + layer["bias"]
+        if i < len(WIDTHS) - 2:
+            h = jax.nn.gelu(h)
+    return jnp.mean((h - batch["y"]) ** 2)
 
+
+def _step_for(tx, grad=jax.grad):
     def train_step(state, batch):
-        grads = jax.grad(loss)(state["params"], batch)
+        grads = grad(_loss)(state["params"], batch)
         updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
         return {"params": optax.apply_updates(state["params"], updates), "opt_state": opt_state}
 
@@ -129,8 +131,12 @@ def test_ilp_objective_with_adam_is_one_all_reduce_per_parameter():
     assert abs(objective - closed_form) <= len(leaves), (objective, closed_form)
 
 
-def _planned(step, state, batch, mesh, **option):
-    method = alpa.ShardParallel(devices=mesh, auto_sharding_option=AutoShardingOption(**option))
+def _planned(step, state, batch, mesh, num_micro_batches=None, **option):
+    method = alpa.ShardParallel(
+        devices=mesh,
+        num_micro_batches=num_micro_batches,
+        auto_sharding_option=AutoShardingOption(**option),
+    )
     p_step = alpa.parallelize(step, method=method, donate_argnums=())
     return p_step(state, batch), p_step.get_last_executable()
 
@@ -174,3 +180,76 @@ def test_a_plan_that_reduces_no_gradient_is_left_as_it_is():
     assert_allclose(got, expected, rtol=1e-4, atol=1e-4)
     assert option.plan.in_specs == plain.plan.in_specs
     assert option.auto_sharding_objective == pytest.approx(plain.auto_sharding_objective)
+
+
+@pytest.mark.parametrize("num_micro_batches", [None, 2])
+def test_a_2d_plan_keeps_its_decisions_and_scatters_its_gradients_over_the_data_axis(
+    num_micro_batches,
+):
+    """Alpa's order on a 2-D plan (the batch over ``x``, Megatron over ``y``): every
+    decision of the all-reduce plan before the gradients is kept, and its objective
+    reported; each gradient is reduce-scattered over ``x`` into its all-reduce spec split
+    further (the optimizer state likewise), all in one packed reduce-scatter of exactly
+    the gradients' blocks, and the updated parameters come back in one packed all-gather.
+    The activations' all-reduces over ``y`` are the all-reduce plan's; only the gradients'
+    all-reduce is gone. Numerics equal serial, with and without micro-batches."""
+    from collections import Counter
+
+    from alpa.shard_parallel.gradient_scatter import scattered_spec
+    from alpa.util import collective_shapes
+
+    tx = optax.adam(1e-2)
+    state, batch = _state_and_batch(tx)
+
+    step = _step_for(tx, grad=alpa.grad)  # alpa.grad: micro-batches need it
+    expected = jax.jit(step)(state, batch)
+    mesh = LocalPhysicalDeviceMesh(jax.devices()[:4]).get_logical_mesh((2, 2), [1, 1], [1, 0.1])
+    k = {"num_micro_batches": num_micro_batches}
+    _, plain = _planned(step, state, batch, mesh, **k)
+    got, rewritten = _planned(step, state, batch, mesh, prefer_reduce_scatter=True, **k)
+    assert_allclose(got, expected, rtol=2e-5, atol=2e-5)
+    assert plain.plan.data_axes == ("x",)
+    assert any("y" in str(s) for s in plain.plan.in_specs)  # a 2-D plan
+    assert rewritten.auto_sharding_objective == pytest.approx(plain.auto_sharding_objective)
+
+    leaves = jax.tree_util.tree_flatten_with_path((state, batch))[0]
+    local = 0
+    for (path, x), before, after in zip(
+        leaves, plain.plan.in_specs, rewritten.plan.in_specs, strict=True
+    ):
+        name = jax.tree_util.keystr(path)
+        if "opt_state" in name and x.ndim:
+            assert after == scattered_spec(before, x.shape, {"x": 2, "y": 2}, ("x",)), name
+            assert "x" in str(after), name
+        else:
+            assert after == before, name
+        if "'params'" in name and "opt_state" not in name:
+            local += x.size // (2 if "y" in str(before) else 1) // 2
+
+    hlo, plain_hlo = rewritten.get_hlo_text(), plain.get_hlo_text()
+    counts = count_communication_primitives(hlo)
+    assert (counts.reduce_scatter, counts.all_gather, counts.all_to_all) == (1, 1, 0), counts
+    assert collective_shapes(hlo, "reduce-scatter") == [f"f32[1,{local}]"]
+    reduced, plain_reduced = (Counter(collective_shapes(h, "all-reduce")) for h in (hlo, plain_hlo))
+    assert reduced <= plain_reduced
+    assert plain_reduced.total() - reduced.total() == len(jax.tree.leaves(state["params"]))
+
+
+def test_a_gradient_with_an_addend_the_plan_reduces_itself_is_not_rewritten():
+    """The tied embedding on (2, 2): the table's gradient, computed split over ``y``, adds
+    the output projection's row sum (carried to the marker) to the lookup's scatter-add
+    into the split gradient, which is not carried (only contractions and ``reduce_sum`` are
+    checked for sums over a model axis) and so is all-reduced over ``x`` by itself.
+    Rewritten, the step would all-reduce that addend and then reduce-scatter the sum: more
+    than the all-reduce plan's one reduction. So Alpa's order leaves this plan alone, and
+    the ILP's reduce-scatter strategies plan it; numerics equal serial."""
+    from alpa.shard_parallel.gradient_scatter import scattered_in_alpas_order
+    from alpa.testing import get_tied_embedding_step, run_auto_sharded
+
+    params, batch, step = get_tied_embedding_step()
+    _, plain = run_auto_sharded(step, params, batch, (2, 2))
+    assert plain.plan.data_axes == ("x",) and plain.plan.grad_specs[1] == P("y")
+    assert scattered_in_alpas_order(plain.traced, plain.plan) is None
+    out, planned = run_auto_sharded(step, params, batch, (2, 2), prefer_reduce_scatter=True)
+    assert not planned.plan.sync_at_marker
+    assert_allclose(out, jax.jit(step)(params, batch), rtol=1e-4, atol=1e-4)
