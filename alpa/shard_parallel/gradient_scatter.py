@@ -11,18 +11,20 @@ solves the all-reduce plan first and hands it to :func:`scattered_in_alpas_order
 * A data-parallel plan (the batch over every device, every other input replicated)
   becomes ZeRO-2's (``data_parallel_plan(zero_stage=2)``).
 * Any other plan that splits the batch (over one axis of a 2-D mesh, the model over the
-  other) keeps every decision it made before the ``alpa.grad`` marker; each gradient that
-  is a row sum of the batch (``gradient_sync.marker_deferral``) is reduce-scattered at the
-  marker into its all-reduce spec with the data axes added to one dimension
-  (:func:`scattered_spec`), the optimizer state is split alike, the update after the
-  marker is left to XLA on those shards, and each updated parameter is all-gathered back
-  into its spec. The lowering packs the reduce-scatters into one and the all-gathers into
-  one (``ShardingPlan.sync_at_marker``, ``gradient_sync``).
+  other) keeps every decision it made before the ``alpa.grad`` marker; each gradient
+  that is a row sum over the data axes alone (``gradient_sync.marker_deferral``) is
+  carried per device to the marker and reduce-scattered there into its all-reduce spec
+  with the data axes added to one dimension (:func:`scattered_spec`), the optimizer
+  state is split alike, the update after the marker is left to XLA on those shards, and
+  each updated parameter is all-gathered back into its spec. The lowering packs the
+  reduce-scatters into one and the all-gathers into one
+  (``ShardingPlan.sync_at_marker``, ``gradient_sync``).
 * ``None`` where no gradient can be so rewritten (a plan whose inputs the caller fixed,
   gradients that are not row sums deferred to the marker: a convolution's kernel, an
-  embedding's scatter-add in a data-parallel step): the ILP then solves with its
-  reduce-scatter strategies instead (``solve_auto_sharding``), communication against the
-  sharded update's compute.
+  embedding's scatter-add in a data-parallel step), or where a carried gradient adds a
+  value that the plan reduces by itself (:func:`_adds_a_reduced_value`): the ILP then
+  solves with its reduce-scatter strategies instead (``solve_auto_sharding``),
+  communication against the sharded update's compute.
 """
 
 from __future__ import annotations
@@ -157,7 +159,7 @@ def _scattered(traced: TracedStep, plan: ShardingPlan) -> ShardingPlan | None:
     out_specs = list(plan.out_specs)
     var_specs = {v: s for v, s in plan.var_specs.items() if v not in after}
     for o, (name, v) in enumerate(zip(output_leaf_names(traced), jaxpr.outvars, strict=True)):
-        split = scattered(out_specs[o], getattr(v, "aval", None)) if isinstance(v, Var) else None
+        split = scattered(out_specs[o], v.aval) if isinstance(v, Var) else None
         if split is None:
             continue
         if is_opt_state(name):
@@ -180,10 +182,10 @@ def _scattered(traced: TracedStep, plan: ShardingPlan) -> ShardingPlan | None:
 
 def _adds_a_reduced_value(v: Var, found, traced: TracedStep) -> bool:
     """Whether the deferred gradient ``v`` is made, through the linear operations that
-    carry its partial sums, from a value computed from the batch that is not deferred (an
-    embedding's scatter-add that the plan also sums over the model axis, added to the
-    output projection's gradient). The plan reduces such a value by itself, and then the
-    sum again: more than the all-reduce plan's one reduction of the sum."""
+    carry its partial sums, from a value computed from the batch that is not deferred (a
+    tied embedding's scatter-add into its table's gradient split over the model axis,
+    added to the output projection's gradient). The plan reduces such a value by itself,
+    and then the sum again: more than the all-reduce plan's one reduction of the sum."""
     producer = {u: e for e in found.before.eqns for u in e.outvars}
     from_batch = {u for u, b in zip(traced.jaxpr.invars, traced.batch_invars, strict=True) if b}
     for eqn in found.before.eqns:

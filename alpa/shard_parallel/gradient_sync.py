@@ -17,6 +17,12 @@ the ILP's plan on a 1-D data-parallel mesh) synchronises its replicas three ways
 * **Parameters** that ZeRO-3 receives split and reads whole are all-gathered, all in one
   ``all_gather`` at the start of the step (:func:`packed_gathers`).
 
+The same reduction at the marker serves a plan that splits the model over other axes
+and asks for it (``ShardingPlan.sync_at_marker``: Alpa's ``prefer_reduce_scatter``
+rewrite of a 2-D plan, ``gradient_scatter``): the gradients are then reduced over the
+plan's data axes only, and each packed collective works on every device's block, each
+value keeping the split of the other axes (:func:`sync_axes`).
+
 Packing is written out because XLA on CPU neither combines reduce-scatters or
 all-gathers nor turns an all-reduce and a slice into a reduce-scatter (measured: ZeRO-2
 on a 6-layer MLP compiled to one tuple all-reduce and 12 all-gathers). A packed
