@@ -92,7 +92,7 @@ def sharding_plan_to_json(plan: ShardingPlan) -> dict:
         "grad_specs": None
         if plan.grad_specs is None
         else [spec_to_json(s) for s in plan.grad_specs],
-        "sync_at_marker": plan.sync_at_marker,
+        "sync_groups": [list(group) for group in plan.sync_groups],
         "objective": plan.objective,
         "compute_cost": plan.compute_cost,
     }
@@ -118,7 +118,7 @@ def sharding_plan_from_json(data: Mapping) -> ShardingPlan:
         },
         data_axes=tuple(data["data_axes"]),
         grad_specs=None if grad_specs is None else tuple(spec_from_json(s) for s in grad_specs),
-        sync_at_marker=bool(data.get("sync_at_marker", False)),
+        sync_groups=tuple(tuple(group) for group in data.get("sync_groups", ())),
         objective=data["objective"],
         method=data["method"],
         compute_cost=data.get("compute_cost"),

@@ -114,32 +114,43 @@ def scattered_spec(
 
 def _scattered(traced: TracedStep, plan: ShardingPlan) -> ShardingPlan | None:
     """A plan that splits the batch over some axes and the model over others, its
-    gradients reduce-scattered at the marker (module docstring)."""
+    gradients reduce-scattered at the marker (module docstring). A gradient is reduced
+    over the axes that split its rows: the plan's data axes, or every axis where part of
+    the step splits the batch over all of them (the attention of an MoE layer whose
+    experts split the other axis)."""
     marker = traced.grad_marker()
     if plan.grad_specs is None:
         return None
-    data_axes = tuple(plan.data_axes)
     mesh = plan.logical_mesh
     sizes = dict(zip(mesh.axis_names, mesh.shape, strict=True))
-    found = marker_deferral(traced, replace(plan, sync_at_marker=True))
-    if found is None:
+    groups = _groups(traced, plan, sizes)
+    if not groups:
+        return None
+    group_of = {}  # marker operand -> the axes its partial sums are reduced over
+    for axes, found in groups:
+        for v in marker.invars:
+            if isinstance(v, Var) and v in found.deferred:
+                if _adds_a_reduced_value(v, found, traced):
+                    return None
+                group_of[v] = axes
+    grad_specs, by_layout = list(plan.grad_specs), {}
+    for i, (v, spec) in enumerate(zip(marker.invars, plan.grad_specs, strict=True)):
+        if v in group_of and spec is not None:
+            split = scattered_spec(spec, v.aval.shape, sizes, group_of[v])
+            if split is not None:
+                grad_specs[i] = split
+                by_layout.setdefault(_layout(v.aval, spec), set()).add(group_of[v])
+    if grad_specs == list(plan.grad_specs):
         return None
 
     def scattered(spec, aval):
-        if spec is None:
+        """A state value or an updated parameter laid out as a scattered gradient is: split
+        alike, over the axes of that gradient's group (none where gradients of that
+        layout are reduced over different groups)."""
+        found = by_layout.get(_layout(aval, spec)) if spec is not None else None
+        if not found or len(found) > 1:
             return None
-        return scattered_spec(spec, aval.shape, sizes, data_axes)
-
-    deferred = [isinstance(v, Var) and v in found.deferred for v in marker.invars]
-    pairs = zip(marker.invars, deferred, strict=True)
-    if any(d and _adds_a_reduced_value(v, found, traced) for v, d in pairs):
-        return None
-    grad_specs = list(plan.grad_specs)
-    for i, (v, spec) in enumerate(zip(marker.invars, plan.grad_specs, strict=True)):
-        if deferred[i]:
-            grad_specs[i] = scattered(spec, v.aval) or spec
-    if grad_specs == list(plan.grad_specs):
-        return None
+        return scattered_spec(spec, aval.shape, sizes, next(iter(found)))
 
     jaxpr = traced.jaxpr
     in_specs = list(plan.in_specs)
@@ -167,6 +178,7 @@ def _scattered(traced: TracedStep, plan: ShardingPlan) -> ShardingPlan | None:
         elif v in after:
             var_specs[v] = split  # an updated parameter: computed split, gathered
     update = set(update)
+    used = tuple(axes for axes, _ in groups if axes in group_of.values())
     return replace(
         plan,
         in_specs=tuple(in_specs),
@@ -175,9 +187,33 @@ def _scattered(traced: TracedStep, plan: ShardingPlan) -> ShardingPlan | None:
         operand_specs={e: s for e, s in plan.operand_specs.items() if e not in update},
         partial_sums={e: s for e, s in plan.partial_sums.items() if e not in update},
         grad_specs=tuple(grad_specs),
-        sync_at_marker=True,
-        method=f"{plan.method}, gradients reduce-scattered over {', '.join(data_axes)}",
+        sync_groups=used,
+        method=f"{plan.method}, gradients reduce-scattered over "
+        + "; ".join(", ".join(axes) for axes in used),
     )
+
+
+def _groups(traced: TracedStep, plan: ShardingPlan, sizes) -> list[tuple[tuple, object]]:
+    """``(axes, deferral)`` for the plan's data axes and, where they are not all its
+    axes, for all of them: the row sums each carries to the marker. A group whose
+    deferred values meet an earlier group's is left out (a value has one layout of
+    partial sums)."""
+    data_axes = tuple(plan.data_axes)
+    every = tuple(a for a in plan.logical_mesh.axis_names if sizes[a] > 1)
+    candidates = [data_axes] + ([every] if set(data_axes) < set(every) else [])
+    groups = []
+    for axes in candidates:
+        found = marker_deferral(traced, plan, axes)
+        if found is not None and not any(found.deferred & f.deferred for _, f in groups):
+            groups.append((axes, found))
+    return groups
+
+
+def _layout(aval, spec) -> tuple:
+    entries = [entry_names(e) for e in spec]
+    while entries and not entries[-1]:
+        entries.pop()
+    return tuple(aval.shape), tuple(entries)
 
 
 def _adds_a_reduced_value(v: Var, found, traced: TracedStep) -> bool:

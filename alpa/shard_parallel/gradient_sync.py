@@ -21,7 +21,7 @@ The same reduction at the marker serves a plan that splits the model over other 
 and asks for it (``ShardingPlan.sync_at_marker``: Alpa's ``prefer_reduce_scatter``
 rewrite of a 2-D plan, ``gradient_scatter``): the gradients are then reduced over the
 plan's data axes only, and each packed collective works on every device's block, each
-value keeping the split of the other axes (:func:`sync_axes`).
+value keeping the split of the other axes (:func:`sync_groups`).
 
 Packing is written out because XLA on CPU neither combines reduce-scatters or
 all-gathers nor turns an all-reduce and a slice into a reduce-scatter (measured: ZeRO-2
@@ -238,14 +238,19 @@ def _reduce_partials(values, is_partial, specs, mesh, data_axes, may_ride) -> li
     return out
 
 
-def gather_packed(values: list, specs: Mapping[int, PartitionSpec], mesh, data_axes) -> list:
-    """``values`` with those at the indices of ``specs`` (in ``specs[i]``, split over
-    ``data_axes`` as :func:`packed_all_gather` takes them) gathered whole over
-    ``data_axes``, packed by dtype."""
+def gather_packed(
+    values: list, specs: Mapping[int, tuple[PartitionSpec, tuple[str, ...]]], mesh
+) -> list:
+    """``values`` with those at the indices of ``specs`` (``(spec, axes)``: split in
+    ``spec`` over ``axes`` as :func:`packed_all_gather` takes them) gathered whole over
+    ``axes``, packed by dtype and axes."""
     out = list(values)
-    for group in _by_dtype(list(specs), values):
-        whole = packed_all_gather([values[i] for i in group], [specs[i] for i in group],
-                                  mesh, data_axes)  # fmt: skip
+    groups: dict = {}
+    for i, (_, axes) in specs.items():
+        groups.setdefault((jnp.dtype(values[i].dtype), tuple(axes)), []).append(i)
+    for (_, axes), group in groups.items():
+        whole = packed_all_gather([values[i] for i in group], [specs[i][0] for i in group],
+                                  mesh, axes)  # fmt: skip
         for i, w in zip(group, whole, strict=True):
             out[i] = w
     return out
@@ -267,15 +272,13 @@ def pure_data_parallel(plan: ShardingPlan) -> tuple[str, ...]:
     return data_axes
 
 
-def sync_axes(plan: ShardingPlan) -> tuple[str, ...]:
-    """The axes over which the lowering reduces the gradients at the ``alpa.grad`` marker
-    and packs the gathers: the plan's data axes where they hold every device
-    (:func:`pure_data_parallel`), or where the plan asks for it (``sync_at_marker``:
+def sync_groups(plan: ShardingPlan) -> tuple[tuple[str, ...], ...]:
+    """The groups of axes over which the lowering reduces the gradients at the
+    ``alpa.grad`` marker and packs the gathers: the plan's data axes where they hold every
+    device (:func:`pure_data_parallel`), else those the plan asks for (``sync_groups``:
     Alpa's ``prefer_reduce_scatter`` rewrite of a plan that also splits the model)."""
     pure = pure_data_parallel(plan)
-    if pure or not plan.sync_at_marker:
-        return pure
-    return tuple(plan.data_axes)
+    return (pure,) if pure else tuple(tuple(g) for g in plan.sync_groups)
 
 
 def _entries(spec) -> tuple[tuple[str, ...], ...]:
@@ -296,26 +299,30 @@ def _gathered_into(split, whole, data_axes) -> bool:
 
 @dataclass(frozen=True)
 class PackedGathers:
-    """The all-gathers a data-parallel plan's lowering packs, by position: step inputs
-    the plan receives split and pins whole (``inputs[i]`` the spec they arrive in:
-    ZeRO-3's parameters), step outputs it computes split and returns whole
-    (``outputs[o]`` the spec they are computed in: ZeRO-2's updated parameters)."""
+    """The all-gathers a data-parallel plan's lowering packs, by position, each as
+    ``(spec, axes)``: the spec the value is split in and the axes it is gathered over.
+    Step inputs the plan receives split and pins whole (``inputs[i]``: ZeRO-3's
+    parameters), step outputs it computes split and returns whole (``outputs[o]``:
+    ZeRO-2's updated parameters)."""
 
-    inputs: Mapping[int, PartitionSpec]
-    outputs: Mapping[int, PartitionSpec]
+    inputs: Mapping[int, tuple[PartitionSpec, tuple[str, ...]]]
+    outputs: Mapping[int, tuple[PartitionSpec, tuple[str, ...]]]
 
 
 def packed_gathers(traced: TracedStep, plan: ShardingPlan) -> PackedGathers:
     """The all-gathers :func:`gather_packed` writes out for ``plan`` (empty unless the
-    lowering reduces its gradients at the marker, :func:`sync_axes`)."""
-    data_axes = sync_axes(plan)
-    if not data_axes:
-        return PackedGathers({}, {})
+    lowering reduces its gradients at the marker, :func:`sync_groups`)."""
+    groups = sync_groups(plan)
+
+    def gathered(split, whole):
+        return next((g for g in groups if _gathered_into(split, whole, g)), None)
+
     jaxpr = traced.jaxpr
     inputs = {}
     for i, (v, spec) in enumerate(zip(jaxpr.invars, plan.in_specs, strict=True)):
-        if _gathered_into(spec, plan.var_specs.get(v), data_axes):
-            inputs[i] = spec
+        group = gathered(spec, plan.var_specs.get(v))
+        if group is not None:
+            inputs[i] = (spec, group)
     made = {v for e in jaxpr.eqns for v in e.outvars}
     outputs, seen = {}, set()
     for o, (v, spec) in enumerate(zip(jaxpr.outvars, plan.out_specs, strict=True)):
@@ -323,8 +330,9 @@ def packed_gathers(traced: TracedStep, plan: ShardingPlan) -> PackedGathers:
             continue
         seen.add(v)
         split = plan.var_specs.get(v)
-        if _gathered_into(split, spec, data_axes):
-            outputs[o] = split
+        group = gathered(split, spec)
+        if group is not None:
+            outputs[o] = (split, group)
     return PackedGathers(inputs, outputs)
 
 
@@ -342,19 +350,23 @@ class MarkerDeferral:
     before: object
 
 
-def marker_deferral(traced: TracedStep, plan: ShardingPlan) -> MarkerDeferral | None:
-    """Which gradients :func:`reduce_at_marker` reduces at the marker, ``None`` where it
-    reduces none.
+def marker_deferral(
+    traced: TracedStep, plan: ShardingPlan, data_axes: Sequence[str] | None = None
+) -> MarkerDeferral | None:
+    """Which gradients :func:`reduce_at_marker` reduces at the marker over ``data_axes``
+    (default: the first of :func:`sync_groups`), ``None`` where it reduces none.
 
-    Only row sums that the plan itself reduces over the data axes are deferred (it reads
+    Only row sums that the plan itself reduces over those axes are deferred (it reads
     their batch dimensions split over exactly those axes), and only where the batch is
-    split over every device or the plan asks for it (:func:`sync_axes`): elsewhere the
+    split over every device or the plan asks for it (:func:`sync_groups`): elsewhere the
     per-device sums would override the plan's own strategy for them. Where other axes
     split the model, a row sum that the plan also reduces over one of them (it sums a
     dimension split over it: a sequence split over the model axis) is not deferred: its
     partial sums would be all-reduced over that axis whole, at each addend."""
     marker = traced.grad_marker()
-    data_axes = sync_axes(plan)
+    if data_axes is None:
+        data_axes = next(iter(sync_groups(plan)), ())
+    data_axes = tuple(data_axes)
     if marker is None or not data_axes:
         return None
     sizes = dict(zip(plan.logical_mesh.axis_names, plan.logical_mesh.shape, strict=True))
@@ -414,27 +426,49 @@ def reduce_at_marker(traced: TracedStep, plan: ShardingPlan, mesh, var_shardings
     micro-batched step does after its loop.
 
     Each gradient that is a sum over the batch's rows reaching the marker through linear
-    operations is kept per device until the marker (:func:`marker_deferral`), where it is
-    all-reduced, or reduce-scattered into the plan's gradient spec when that splits it
-    over the data axes (ZeRO, ``prefer_reduce_scatter``), packed with the others
-    (:func:`reduce_partials`). Two such sums added (the tied input and output
-    embedding's gradient) are therefore reduced once, not twice. Empty (the plan's
-    constraints alone) where nothing is deferred."""
-    found = marker_deferral(traced, plan)
-    if found is None:
+    operations is kept per device until the marker (:func:`marker_deferral`, for each of
+    :func:`sync_groups`), where it is all-reduced, or reduce-scattered into the plan's
+    gradient spec when that splits it over its group's axes (ZeRO,
+    ``prefer_reduce_scatter``), packed with the others of its group
+    (:func:`reduce_partials`). Two such sums added (the tied input and output embedding's
+    gradient) are therefore reduced once, not twice. Empty (the plan's constraints alone)
+    where nothing is deferred."""
+    groups = deferred_groups(traced, plan)
+    if not groups:
         return {}
-    data_axes = sync_axes(plan)
     marker = traced.grad_marker()
-    overrides = deferred_rules(
-        found.before.eqns, found.dims, found.deferred, mesh, data_axes, plan.var_specs
-    )
+    inputs = dict(zip(traced.jaxpr.invars, plan.in_specs, strict=True))
+
+    def operand_specs(eqn) -> list:
+        needs = plan.operand_specs.get(eqn) or (None,) * len(eqn.invars)
+        return [
+            need or (plan.var_specs.get(v) or inputs.get(v) if isinstance(v, Var) else None)
+            for v, need in zip(eqn.invars, needs, strict=True)
+        ]
+
+    overrides = {}
+    for axes, found in groups:
+        overrides |= deferred_rules(
+            found.before.eqns, found.dims, found.deferred, mesh, axes, plan.var_specs,
+            operand_specs if plan.sync_at_marker else None,
+        )  # fmt: skip
     shardings = [var_shardings.get(out) for out in marker.outvars]
     specs = [None if s is None else s.spec for s in shardings]
-    is_partial = [isinstance(v, Var) and v in found.deferred for v in marker.invars]
     read = read_marker_outputs(traced)
+    members = [
+        [i for i, v in enumerate(marker.invars) if isinstance(v, Var) and v in found.deferred]
+        for _, found in groups
+    ]
 
     def reduce(operands):
-        outs = reduce_partials(operands, is_partial, specs, mesh, data_axes, read)
+        outs = list(operands)
+        for (axes, _), idx in zip(groups, members, strict=True):
+            sums = reduce_partials(
+                [operands[i] for i in idx], [True] * len(idx), [specs[i] for i in idx],
+                mesh, axes, [read[i] for i in idx],
+            )  # fmt: skip
+            for i, x in zip(idx, sums, strict=True):
+                outs[i] = x
         return [
             x if s is None else jax.lax.with_sharding_constraint(x, s)
             for x, s in zip(outs, shardings, strict=True)
@@ -442,6 +476,25 @@ def reduce_at_marker(traced: TracedStep, plan: ShardingPlan, mesh, var_shardings
 
     overrides[marker] = reduce
     return overrides
+
+
+def deferred_groups(traced: TracedStep, plan: ShardingPlan) -> list[tuple[tuple, MarkerDeferral]]:
+    """Per group of :func:`sync_groups` that defers something, ``(axes, deferral)``. The
+    groups' deferred values must be disjoint: a value carried as partial sums over two
+    groups at once has no one layout (``gradient_scatter`` plans only disjoint ones)."""
+    groups = []
+    for axes in sync_groups(plan):
+        found = marker_deferral(traced, plan, axes)
+        if found is None:
+            continue
+        for other, seen in groups:
+            if found.deferred & seen.deferred:
+                raise ValueError(
+                    f"{plan.method}: gradients reduced at the marker over {axes} and over "
+                    f"{other} share {len(found.deferred & seen.deferred)} values"
+                )
+        groups.append((tuple(axes), found))
+    return groups
 
 
 def read_marker_outputs(traced: TracedStep) -> list[bool]:

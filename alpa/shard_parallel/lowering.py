@@ -194,18 +194,17 @@ class _Gathering:
     input_specs: dict
     output_specs: dict
     mesh: Any
-    data_axes: tuple[str, ...]
 
     def inputs(self, leaves) -> list:
-        return gather_packed(list(leaves), self.input_specs, self.mesh, self.data_axes)
+        return gather_packed(list(leaves), self.input_specs, self.mesh)
 
     def outputs(self, outs) -> list:
-        return gather_packed(list(outs), self.output_specs, self.mesh, self.data_axes)
+        return gather_packed(list(outs), self.output_specs, self.mesh)
 
 
 def _gathering(traced: TracedStep, plan: ShardingPlan, mesh) -> _Gathering:
     gathers = packed_gathers(traced, plan)
-    return _Gathering(dict(gathers.inputs), dict(gathers.outputs), mesh, tuple(plan.data_axes))
+    return _Gathering(dict(gathers.inputs), dict(gathers.outputs), mesh)
 
 
 def _micro_batched_step(

@@ -275,12 +275,17 @@ def deferred_rules(
     mesh,
     data_axes: tuple[str, ...],
     var_specs: Mapping[Var, PartitionSpec] | None = None,
+    operand_specs: Callable[[JaxprEqn], list] | None = None,
 ) -> dict[JaxprEqn, Callable[[list], list]]:
     """For each of ``eqns`` that makes a deferred value, the function that computes its
     partial sums (``[n, ...]``, split over ``data_axes``) from its operands, as
     ``eval_jaxpr_with_constraints``'s ``overrides``. A value the plan pins in
     ``var_specs`` keeps its split over the other mesh axes (a vocabulary-parallel
-    embedding's gradient stays split over the model axis)."""
+    embedding's gradient stays split over the model axis). ``operand_specs(eqn)``, where
+    given, is the spec the plan reads each operand of ``eqn`` in (``None`` where it names
+    none): a contraction whose operands it names all is then computed on each device's
+    blocks as the plan lays them out over every axis (:func:`_manual_dot_specs`), not
+    left to XLA's propagation over the other axes."""
     n = int(np.prod([mesh.shape[a] for a in data_axes]))
     data = data_axes if len(data_axes) > 1 else data_axes[0]
     var_specs = var_specs or {}
@@ -292,7 +297,9 @@ def deferred_rules(
             positions = tuple(i for i, v in enumerate(eqn.outvars) if v in deferred)
             if positions:
                 body = bodies[eqn][0]
-                rules |= deferred_rules(body.eqns, dims, deferred, mesh, data_axes, var_specs)
+                rules |= deferred_rules(
+                    body.eqns, dims, deferred, mesh, data_axes, var_specs, operand_specs
+                )
                 shardings = tuple(
                     NamedSharding(mesh, _rule_spec(var_specs, eqn.outvars[i], data_axes))
                     for i in positions
@@ -310,7 +317,12 @@ def deferred_rules(
         if any(partial_in):
             rules[eqn] = _linear_rule(eqn, partial_in, n, partial_sharding)
         else:
-            rules[eqn] = _row_sum_rule(eqn, dims, mesh, data_axes, data, partial_sharding)
+            specs = None if operand_specs is None else operand_specs(eqn)
+            manual = _manual_dot_specs(eqn, specs, dims, data_axes)
+            if manual is not None:
+                rules[eqn] = _manual_row_sum_rule(eqn, mesh, data, manual, partial_sharding)
+            else:
+                rules[eqn] = _row_sum_rule(eqn, dims, mesh, data_axes, data, partial_sharding)
     return rules
 
 
@@ -398,6 +410,60 @@ def _row_sum_rule(eqn: JaxprEqn, dims, mesh, data_axes, data, partial_sharding):
 
     def rule(operands):
         sums = partial(*[jnp.asarray(x) for x in operands])
+        return [jax.lax.with_sharding_constraint(sums, partial_sharding)]
+
+    return rule
+
+
+def _entry(names: tuple[str, ...]):
+    return names if len(names) > 1 else names[0] if names else None
+
+
+def _manual_dot_specs(eqn: JaxprEqn, specs, dims, data_axes):
+    """``(operand specs, result entries)`` of a row-sum contraction computed on each
+    device's blocks over every axis: its operands in ``specs``, the batch dimension they
+    contract split over exactly ``data_axes``, no other contracted dimension split, the
+    other axes only on dimensions the result keeps (so each device's block of the result
+    is a partial sum over the data axes alone). ``None`` where that does not hold."""
+    from alpa.device_mesh import entry_names
+
+    if eqn.primitive.name != "dot_general" or specs is None or any(s is None for s in specs):
+        return None
+    lhs, rhs = (
+        [entry_names(e) for e in spec] + [()] * (v.aval.ndim - len(spec))
+        for spec, v in zip(specs, eqn.invars, strict=True)
+    )
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    batch = (_one_batch_dim(dims, eqn.invars[0]), _one_batch_dim(dims, eqn.invars[1]))
+    data = tuple(data_axes)
+    for i, j in zip(lc, rc, strict=True):
+        wanted = data if (i, j) == batch else ()
+        if lhs[i] != wanted or rhs[j] != wanted:
+            return None
+    for i, j in zip(lb, rb, strict=True):
+        if lhs[i] != rhs[j]:
+            return None
+    kept = [lhs[i] for i in lb]
+    kept += [lhs[d] for d in range(len(lhs)) if d not in lc and d not in lb]
+    kept += [rhs[d] for d in range(len(rhs)) if d not in rc and d not in rb]
+    if any(set(e) & set(data) for e in kept):
+        return None
+    operands = tuple(PartitionSpec(*[_entry(e) for e in x]) for x in (lhs, rhs))
+    return operands, tuple(_entry(e) for e in kept)
+
+
+def _manual_row_sum_rule(eqn: JaxprEqn, mesh, data, manual, partial_sharding):
+    operands, kept = manual
+    partial = jax.shard_map(
+        lambda *blocks: bind_eqn(eqn, *blocks)[None],
+        mesh=mesh,
+        in_specs=operands,
+        out_specs=PartitionSpec(data, *kept),
+        check_vma=False,
+    )
+
+    def rule(values):
+        sums = partial(*[jnp.asarray(x) for x in values])
         return [jax.lax.with_sharding_constraint(sums, partial_sharding)]
 
     return rule

@@ -57,11 +57,12 @@ class ShardingPlan:
         gradient accumulation reduces gradients over these axes once per step.
       grad_specs: specs for the gradients that ``alpa.grad`` marks, in the marker's operand
         order, or ``None`` to leave them to XLA (ZeRO shards them like the optimizer state).
-      sync_at_marker: the gradients' row sums are carried per device to the ``alpa.grad``
-        marker and reduced there over ``data_axes``, packed (``gradient_sync``), although
-        other axes split the model: Alpa's ``prefer_reduce_scatter`` rewrite of such a plan
-        (``gradient_scatter``). A plan that splits the batch over every device does so
-        without it.
+      sync_groups: groups of mesh axes over which the gradients' row sums are carried per
+        device to the ``alpa.grad`` marker and reduced there, packed, each gradient over
+        the group that splits its rows (``gradient_sync``), although other axes split the
+        model: Alpa's ``prefer_reduce_scatter`` rewrite of such a plan
+        (``gradient_scatter``; :attr:`sync_at_marker`). A plan that splits the batch over
+        every device does so without it.
       objective: the ILP objective when the plan came from the ILP, else ``None``:
         communication (collectives and reshardings) plus ``compute_cost``.
       compute_cost: the compute term of ``objective`` (seconds of work on one device).
@@ -76,7 +77,13 @@ class ShardingPlan:
     partial_sums: Mapping[Any, PartialSum] = field(default_factory=dict)
     data_axes: tuple[str, ...] = ()
     grad_specs: tuple[PartitionSpec | None, ...] | None = None
-    sync_at_marker: bool = False
+    sync_groups: tuple[tuple[str, ...], ...] = ()
     objective: float | None = None
     method: str = ""
     compute_cost: float | None = None
+
+    @property
+    def sync_at_marker(self) -> bool:
+        """Whether the plan asks for its gradients to be reduced at the marker
+        (``sync_groups``)."""
+        return bool(self.sync_groups)
