@@ -191,6 +191,7 @@ def _compile_within_budget(
                     plan.logical_mesh,
                     replace(option, memory_budget_per_device=model_budget),
                     fixed_in_specs=placed,
+                    num_micro_batches=method.num_micro_batches,
                 )
         except InfeasibleMemoryBudgetError:
             break
@@ -302,7 +303,10 @@ class ShardParallel(_AutoShardingOptionHolder, ParallelMethod):
         # Arguments the caller placed on this mesh keep their shardings: the ILP plans
         # around them.
         placed = placed_input_specs(traced, args, logical_mesh)
-        return plan_auto_sharding(traced, logical_mesh, option, fixed_in_specs=placed)
+        return plan_auto_sharding(
+            traced, logical_mesh, option, fixed_in_specs=placed,
+            num_micro_batches=self.num_micro_batches,
+        )  # fmt: skip
 
     def compile_executable(self, traced: TracedStep, args: Sequence[Any]) -> Executable:
         option = snapshot_for_compile(self.auto_sharding_option)

@@ -472,6 +472,7 @@ def plan_auto_sharding(
     partial_sums: bool = True,
     comm_first: bool = True,
     shared_reshardings: bool = True,
+    num_micro_batches: int | None = None,
 ) -> ShardingPlan:
     """The ShardingPlan of a traced step on ``logical_mesh`` chosen by the ILP.
 
@@ -487,6 +488,10 @@ def plan_auto_sharding(
     start (``ilp_solver.solve``). ``shared_reshardings=False`` prices a resharding once per
     reader, for a lowering that splits the step into several programs (a pipeline stage's
     forward and backward), each resharding its own copy (``shared_resharding``).
+    ``num_micro_batches``: the step's gradient accumulation, where it has one; with
+    ``prefer_reduce_scatter`` its gradients are then reduce-scattered over the plan's data
+    axes only (``gradient_scatter``: the micro-batched lowering carries partial sums over
+    one group of axes).
     """
     if option.force_data_parallel or option.force_zero_stage_3:
         from alpa.shard_parallel.data_parallel import data_parallel_plan
@@ -503,8 +508,9 @@ def plan_auto_sharding(
         )
     if option.prefer_reduce_scatter and comm_first:
         plan = _reduce_scatter_in_alpas_order(
-            traced, logical_mesh, option, fixed_in_specs, partial_sums, shared_reshardings
-        )
+            traced, logical_mesh, option, fixed_in_specs, partial_sums, shared_reshardings,
+            one_group=bool(num_micro_batches and num_micro_batches > 1),
+        )  # fmt: skip
         if plan is not None:
             return plan
     solution = solve_auto_sharding(
@@ -516,7 +522,7 @@ def plan_auto_sharding(
 
 
 def _reduce_scatter_in_alpas_order(
-    traced, logical_mesh, option, fixed_in_specs, partial_sums, shared_reshardings
+    traced, logical_mesh, option, fixed_in_specs, partial_sums, shared_reshardings, one_group
 ) -> ShardingPlan | None:
     """``prefer_reduce_scatter`` as Alpa applied it, where that is written out here: the
     all-reduce plan is solved first (communication first, no reduce-scatter strategies),
@@ -528,7 +534,9 @@ def _reduce_scatter_in_alpas_order(
         traced, logical_mesh, plain, fixed_in_specs, partial_sums,
         shared_reshardings=shared_reshardings,
     )  # fmt: skip
-    plan = scattered_in_alpas_order(traced, solution.to_sharding_plan(), fixed_in_specs)
+    plan = scattered_in_alpas_order(
+        traced, solution.to_sharding_plan(), fixed_in_specs, one_group=one_group
+    )
     if plan is not None and global_config.print_auto_sharding_strategy:
         print(solution.format_table())
     return plan

@@ -44,10 +44,12 @@ from alpa.tracing import TracedStep
 
 
 def scattered_in_alpas_order(
-    traced: TracedStep, plan: ShardingPlan, fixed_in_specs=None
+    traced: TracedStep, plan: ShardingPlan, fixed_in_specs=None, one_group: bool = False
 ) -> ShardingPlan | None:
     """``plan`` (the all-reduce plan, solved communication first) rewritten as Alpa's
-    ``prefer_reduce_scatter`` rewrote it (module docstring), ``None`` where it cannot be."""
+    ``prefer_reduce_scatter`` rewrote it (module docstring), ``None`` where it cannot be.
+    ``one_group``: reduce-scatter over the plan's data axes only (a step with
+    micro-batches: their lowering carries partial sums over one group of axes)."""
     if not plan.data_axes:
         return plan
     if fixed_in_specs is not None or traced.grad_marker() is None:
@@ -56,7 +58,7 @@ def scattered_in_alpas_order(
         others = [s for s, b in zip(plan.in_specs, traced.batch_invars, strict=True) if not b]
         if all(all(axes is None for axes in spec) for spec in others):
             return _zero2(traced, plan)
-    return _scattered(traced, plan)
+    return _scattered(traced, plan, one_group)
 
 
 def _zero2(traced: TracedStep, plan: ShardingPlan) -> ShardingPlan | None:
@@ -112,7 +114,7 @@ def scattered_spec(
     return None
 
 
-def _scattered(traced: TracedStep, plan: ShardingPlan) -> ShardingPlan | None:
+def _scattered(traced: TracedStep, plan: ShardingPlan, one_group: bool) -> ShardingPlan | None:
     """A plan that splits the batch over some axes and the model over others, its
     gradients reduce-scattered at the marker (module docstring). A gradient is reduced
     over the axes that split its rows: the plan's data axes, or every axis where part of
@@ -123,7 +125,7 @@ def _scattered(traced: TracedStep, plan: ShardingPlan) -> ShardingPlan | None:
         return None
     mesh = plan.logical_mesh
     sizes = dict(zip(mesh.axis_names, mesh.shape, strict=True))
-    groups = _groups(traced, plan, sizes)
+    groups = _groups(traced, plan, sizes)[: 1 if one_group else None]
     if not groups:
         return None
     group_of = {}  # marker operand -> the axes its partial sums are reduced over

@@ -29,6 +29,7 @@ import numpy as np
 from jax.extend.core import Jaxpr, JaxprEqn, Var
 from jax.sharding import NamedSharding, PartitionSpec
 
+from alpa.device_mesh import entry_names
 from alpa.tracing import jaxpr_util, new_jaxpr
 from alpa.tracing.primitive_def import passes_through
 
@@ -425,8 +426,6 @@ def _manual_dot_specs(eqn: JaxprEqn, specs, dims, data_axes):
     contract split over exactly ``data_axes``, no other contracted dimension split, the
     other axes only on dimensions the result keeps (so each device's block of the result
     is a partial sum over the data axes alone). ``None`` where that does not hold."""
-    from alpa.device_mesh import entry_names
-
     if eqn.primitive.name != "dot_general" or specs is None or any(s is None for s in specs):
         return None
     lhs, rhs = (
