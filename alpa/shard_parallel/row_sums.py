@@ -445,8 +445,9 @@ def _manual_dot_specs(eqn: JaxprEqn, specs, dims, data_axes):
     kept = [lhs[i] for i in lb]
     kept += [lhs[d] for d in range(len(lhs)) if d not in lc and d not in lb]
     kept += [rhs[d] for d in range(len(rhs)) if d not in rc and d not in rb]
-    if any(set(e) & set(data) for e in kept):
-        return None
+    axes = [a for e in kept for a in e]
+    if set(axes) & set(data) or len(axes) != len(set(axes)):
+        return None  # an axis on two of the result's dimensions: blocks the devices lack
     operands = tuple(PartitionSpec(*[_entry(e) for e in x]) for x in (lhs, rhs))
     return operands, tuple(_entry(e) for e in kept)
 

@@ -322,3 +322,24 @@ def test_a_returned_loss_rides_in_the_packed_reduce_scatter(num_micro_batches):
         _, accumulate_grad, apply_grad = hlo.split("HloModule")
         assert count_communication_primitives(accumulate_grad) == (1, 0, 0, 1, 0)
         assert count_communication_primitives(apply_grad) == (1, 0, 1, 0, 0)
+
+
+def test_a_carried_contraction_runs_on_blocks_only_where_they_make_its_block():
+    """A weight gradient ``x^T dy`` carried to the marker over ``x`` runs on each device's
+    blocks over every axis (``row_sums._manual_dot_specs``) where that gives each device
+    its block of the result: the batch contracted over ``x`` alone, ``y`` on one kept
+    dimension. Not where ``y`` splits both kept dimensions (each device would hold one
+    block of each operand, not the pairs the result needs), nor where it splits a
+    contracted one (the block would be a partial sum over ``y`` too)."""
+    from alpa.shard_parallel.row_sums import _manual_dot_specs
+
+    a, b = jnp.zeros((8, 4)), jnp.zeros((8, 6))
+    contract_rows = (((0,), (0,)), ((), ()))
+    eqn = jax.make_jaxpr(lambda a, b: jax.lax.dot_general(a, b, contract_rows))(a, b).jaxpr.eqns[-1]
+    assert eqn.primitive.name == "dot_general"
+    dims = {v: (0,) for v in eqn.invars}
+    got = _manual_dot_specs(eqn, [P("x"), P("x", "y")], dims, ("x",))
+    assert got == ((P("x", None), P("x", "y")), (None, "y"))
+    assert _manual_dot_specs(eqn, [P("x", "y"), P("x", "y")], dims, ("x",)) is None
+    assert _manual_dot_specs(eqn, [P(("x", "y")), P(("x", "y"))], dims, ("x",)) is None
+    assert _manual_dot_specs(eqn, [P("x"), None], dims, ("x",)) is None
