@@ -936,7 +936,7 @@ def test_planned_reduce_scatters_are_written_out(monkeypatch):
     the reduce-scatters the plan prices, and its numbers equal ``jax.jit``'s."""
     from alpa.shard_parallel import auto_sharding
 
-    monkeypatch.setattr(auto_sharding, "scattered_in_alpas_order", lambda *args: None)
+    monkeypatch.setattr(auto_sharding, "scattered_in_alpas_order", lambda *args, **kwargs: None)
     state, batch, step = get_mlp_train_state_and_step(256, 32, num_layers=4)
     option = {"prefer_reduce_scatter": True}
     out, executable = _compile(step, state, batch, (2, 2), **option)
