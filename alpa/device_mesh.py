@@ -314,6 +314,11 @@ def entry_names(entry) -> tuple[str, ...]:
     return (entry,) if isinstance(entry, str) else tuple(entry)
 
 
+def spec_entry(names: tuple[str, ...]):
+    """The ``PartitionSpec`` entry of mesh axes ``names``: the inverse of :func:`entry_names`."""
+    return names if len(names) > 1 else names[0] if names else None
+
+
 # ----------------------------------------------------------------------------- physical meshes
 
 

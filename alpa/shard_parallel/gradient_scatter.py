@@ -36,7 +36,7 @@ from dataclasses import replace
 from jax.extend.core import Var
 from jax.sharding import PartitionSpec
 
-from alpa.device_mesh import entry_names
+from alpa.device_mesh import entry_names, spec_entry
 from alpa.shard_parallel.data_parallel import data_parallel_plan, is_opt_state, output_leaf_names
 from alpa.shard_parallel.gradient_sync import marker_deferral, pure_data_parallel
 from alpa.shard_parallel.sharding_plan import ShardingPlan
@@ -100,8 +100,8 @@ def scattered_spec(
 
     def split(d: int) -> PartitionSpec:
         axes = entries[d] + data_axes
-        new = [e if len(e) > 1 else e[0] if e else None for e in entries]
-        new[d] = axes if len(axes) > 1 else axes[0]
+        new = [spec_entry(e) for e in entries]
+        new[d] = spec_entry(axes)
         return PartitionSpec(*new)
 
     for d, size in enumerate(shape):

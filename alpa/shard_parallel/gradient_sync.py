@@ -48,7 +48,7 @@ import numpy as np
 from jax.extend.core import Var
 from jax.sharding import PartitionSpec
 
-from alpa.device_mesh import entry_names
+from alpa.device_mesh import entry_names, spec_entry
 from alpa.shard_parallel.micro_batches import batch_dims
 from alpa.shard_parallel.row_sums import (
     deferrable,
@@ -179,7 +179,7 @@ def without_axes(spec: PartitionSpec, axes: Sequence[str]) -> PartitionSpec:
     entries = []
     for entry in spec:
         kept = tuple(a for a in entry_names(entry) if a not in axes)
-        entries.append(kept if len(kept) > 1 else kept[0] if kept else None)
+        entries.append(spec_entry(kept))
     while entries and entries[-1] is None:
         entries.pop()
     return PartitionSpec(*entries)
@@ -380,15 +380,11 @@ def marker_deferral(
         jaxpr, jaxpr.constvars, jaxpr.invars, marker.invars,
         [e for e in jaxpr.eqns if e is not marker],
     )  # fmt: skip
-    inputs = dict(zip(jaxpr.invars, plan.in_specs, strict=True))
+    read_specs = _read_specs(traced, plan)
     others = {a for a, size in sizes.items() if size > 1 and a not in data_axes}
 
     def planned_over_data(eqn) -> bool:
-        needs = plan.operand_specs.get(eqn) or (None,) * len(eqn.invars)
-        specs = [
-            need or plan.var_specs.get(v) or inputs.get(v)
-            for v, need in zip(eqn.invars, needs, strict=True)
-        ]
+        specs = read_specs(eqn)
         for v, spec in zip(eqn.invars, specs, strict=True):
             d = dims.get(v) if isinstance(v, Var) else None
             if not d or spec is None:  # not a batch operand, or left to XLA
@@ -399,6 +395,22 @@ def marker_deferral(
 
     deferred = deferrable(before, dims, keep=planned_over_data)
     return MarkerDeferral(frozenset(deferred), dims, before) if deferred else None
+
+
+def _read_specs(traced: TracedStep, plan: ShardingPlan):
+    """``read_specs(eqn)``: per operand of ``eqn``, the spec the plan reads it in (its
+    resharding edge's, else the value's pinned spec or the step input's), ``None`` where
+    the plan names none."""
+    inputs = dict(zip(traced.jaxpr.invars, plan.in_specs, strict=True))
+
+    def read_specs(eqn) -> list:
+        needs = plan.operand_specs.get(eqn) or (None,) * len(eqn.invars)
+        return [
+            need or (plan.var_specs.get(v) or inputs.get(v) if isinstance(v, Var) else None)
+            for v, need in zip(eqn.invars, needs, strict=True)
+        ]
+
+    return read_specs
 
 
 def _sums_over(eqn, specs, axes) -> bool:
@@ -437,15 +449,7 @@ def reduce_at_marker(traced: TracedStep, plan: ShardingPlan, mesh, var_shardings
     if not groups:
         return {}
     marker = traced.grad_marker()
-    inputs = dict(zip(traced.jaxpr.invars, plan.in_specs, strict=True))
-
-    def operand_specs(eqn) -> list:
-        needs = plan.operand_specs.get(eqn) or (None,) * len(eqn.invars)
-        return [
-            need or (plan.var_specs.get(v) or inputs.get(v) if isinstance(v, Var) else None)
-            for v, need in zip(eqn.invars, needs, strict=True)
-        ]
-
+    operand_specs = _read_specs(traced, plan)
     overrides = {}
     for axes, found in groups:
         overrides |= deferred_rules(

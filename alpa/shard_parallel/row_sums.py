@@ -29,7 +29,7 @@ import numpy as np
 from jax.extend.core import Jaxpr, JaxprEqn, Var
 from jax.sharding import NamedSharding, PartitionSpec
 
-from alpa.device_mesh import entry_names
+from alpa.device_mesh import entry_names, spec_entry
 from alpa.tracing import jaxpr_util, new_jaxpr
 from alpa.tracing.primitive_def import passes_through
 
@@ -369,7 +369,7 @@ def partial_spec(spec: PartitionSpec | None, data_axes: tuple[str, ...]) -> Part
     for axes in spec or ():
         axes = axes if isinstance(axes, tuple) else (axes,) if axes else ()
         kept = tuple(a for a in axes if a not in data_axes)
-        rest.append(kept if len(kept) > 1 else kept[0] if kept else None)
+        rest.append(spec_entry(kept))
     return PartitionSpec(data, *rest)
 
 
@@ -416,10 +416,6 @@ def _row_sum_rule(eqn: JaxprEqn, dims, mesh, data_axes, data, partial_sharding):
     return rule
 
 
-def _entry(names: tuple[str, ...]):
-    return names if len(names) > 1 else names[0] if names else None
-
-
 def _manual_dot_specs(eqn: JaxprEqn, specs, dims, data_axes):
     """``(operand specs, result entries)`` of a row-sum contraction computed on each
     device's blocks over every axis: its operands in ``specs``, the batch dimension they
@@ -448,8 +444,8 @@ def _manual_dot_specs(eqn: JaxprEqn, specs, dims, data_axes):
     axes = [a for e in kept for a in e]
     if set(axes) & set(data) or len(axes) != len(set(axes)):
         return None  # an axis on two of the result's dimensions: blocks the devices lack
-    operands = tuple(PartitionSpec(*[_entry(e) for e in x]) for x in (lhs, rhs))
-    return operands, tuple(_entry(e) for e in kept)
+    operands = tuple(PartitionSpec(*[spec_entry(e) for e in x]) for x in (lhs, rhs))
+    return operands, tuple(spec_entry(e) for e in kept)
 
 
 def _manual_row_sum_rule(eqn: JaxprEqn, mesh, data, manual, partial_sharding):
