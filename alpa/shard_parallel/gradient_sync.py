@@ -185,11 +185,24 @@ def without_axes(spec: PartitionSpec, axes: Sequence[str]) -> PartitionSpec:
     return PartitionSpec(*entries)
 
 
-def _by_dtype(indices: Sequence[int], values: Sequence) -> list[list[int]]:
+def _packs(indices: Sequence[int], values: Sequence, dims: Sequence, by_dimension: bool):
+    """``indices`` grouped into packs: by dtype, and by ``dims[i]`` where ``by_dimension``."""
     groups: dict = {}
     for i in indices:
-        groups.setdefault(jnp.dtype(values[i].dtype), []).append(i)
+        key = (jnp.dtype(values[i].dtype), dims[i] if by_dimension else None)
+        groups.setdefault(key, []).append(i)
     return list(groups.values())
+
+
+def packs_by_dimension(plan: ShardingPlan) -> bool:
+    """Whether the lowering packs the gradients' reduce-scatters and the parameters'
+    all-gathers of ``plan`` per tensor dimension they split, as well as per dtype: in
+    Alpa's ``prefer_reduce_scatter`` rewrite of a plan that also splits the model
+    (``sync_groups``, ``gradient_scatter``), whose collectives XLA's combiners grouped
+    by that dimension (a 2-D MLP's column-split kernels scattered on their rows, its
+    row-split ones on their columns: two reduce-scatters, two all-gathers). The same
+    bytes, one latency more per dimension. A data-parallel plan packs by dtype alone."""
+    return bool(plan.sync_groups) and not pure_data_parallel(plan)
 
 
 def rides(ndim: int, dtype, scattered: Sequence) -> bool:
@@ -200,20 +213,25 @@ def rides(ndim: int, dtype, scattered: Sequence) -> bool:
     return ndim == 0 and np.dtype(dtype) in {np.dtype(x.dtype) for x in scattered}
 
 
-def reduce_partials(values, is_partial, specs, mesh, data_axes, may_ride=None) -> list:
+def reduce_partials(
+    values, is_partial, specs, mesh, data_axes, may_ride=None, by_dimension=False
+) -> list:
     """Each of ``values`` reduced as the plan wants it: a per-device partial sum
     (``is_partial``) whose wanted spec (``specs``) splits a dimension over ``data_axes``
     (the minor axes of its entry: :func:`minor_scatter_dimension`) is reduce-scattered,
-    packed with the others of its dtype; a scalar partial sum rides
-    in that packed reduce-scatter where ``may_ride[i]`` (default: all; ``False`` for a
+    packed with the others of its dtype (and of its scattered dimension, where
+    ``by_dimension``: :func:`packs_by_dimension`); a scalar partial sum rides
+    in the first such pack of its dtype where ``may_ride[i]`` (default: all; ``False`` for a
     value nothing reads, which XLA then drops); any other partial sum is all-reduced
     (``row_sums.sum_partials``); the rest are returned as they are."""
     may_ride = [True] * len(values) if may_ride is None else list(may_ride)
     with jax.named_scope(GRAD_SYNC_SCOPE):
-        return _reduce_partials(values, is_partial, specs, mesh, tuple(data_axes), may_ride)
+        return _reduce_partials(
+            values, is_partial, specs, mesh, tuple(data_axes), may_ride, by_dimension
+        )
 
 
-def _reduce_partials(values, is_partial, specs, mesh, data_axes, may_ride) -> list:
+def _reduce_partials(values, is_partial, specs, mesh, data_axes, may_ride, by_dimension) -> list:
     out = list(values)
     wanted, whole = {}, []
     for i, (p, spec) in enumerate(zip(is_partial, specs, strict=True)):
@@ -224,13 +242,17 @@ def _reduce_partials(values, is_partial, specs, mesh, data_axes, may_ride) -> li
         else:
             wanted[i] = spec
     scattered = [values[i] for i in wanted]
+    packs = _packs(
+        list(wanted), values, [minor_scatter_dimension(s, data_axes) for s in specs], by_dimension
+    )
     for i in whole:
         # values are per-device partials, [n, *shape]: a scalar's is [n]
         if may_ride[i] and rides(values[i].ndim - 1, values[i].dtype, scattered):
             wanted[i] = None
+            next(g for g in packs if values[g[0]].dtype == values[i].dtype).append(i)
         else:
             out[i] = sum_partials(values[i], mesh, data_axes, specs[i])
-    for group in _by_dtype(list(wanted), values):
+    for group in packs:
         sums = packed_reduce_scatter([values[i] for i in group], [wanted[i] for i in group],
                                      mesh, data_axes)  # fmt: skip
         for i, s in zip(group, sums, strict=True):
@@ -239,16 +261,21 @@ def _reduce_partials(values, is_partial, specs, mesh, data_axes, may_ride) -> li
 
 
 def gather_packed(
-    values: list, specs: Mapping[int, tuple[PartitionSpec, tuple[str, ...]]], mesh
+    values: list,
+    specs: Mapping[int, tuple[PartitionSpec, tuple[str, ...]]],
+    mesh,
+    by_dimension: bool = False,
 ) -> list:
     """``values`` with those at the indices of ``specs`` (``(spec, axes)``: split in
     ``spec`` over ``axes`` as :func:`packed_all_gather` takes them) gathered whole over
-    ``axes``, packed by dtype and axes."""
+    ``axes``, packed by dtype and axes (and by the dimension split, where
+    ``by_dimension``: :func:`packs_by_dimension`)."""
     out = list(values)
     groups: dict = {}
-    for i, (_, axes) in specs.items():
-        groups.setdefault((jnp.dtype(values[i].dtype), tuple(axes)), []).append(i)
-    for (_, axes), group in groups.items():
+    for i, (spec, axes) in specs.items():
+        dim = minor_scatter_dimension(spec, tuple(axes)) if by_dimension else None
+        groups.setdefault((jnp.dtype(values[i].dtype), tuple(axes), dim), []).append(i)
+    for (_, axes, _), group in groups.items():
         whole = packed_all_gather([values[i] for i in group], [specs[i][0] for i in group],
                                   mesh, axes)  # fmt: skip
         for i, w in zip(group, whole, strict=True):
@@ -469,7 +496,7 @@ def reduce_at_marker(traced: TracedStep, plan: ShardingPlan, mesh, var_shardings
         for (axes, _), idx in zip(groups, members, strict=True):
             sums = reduce_partials(
                 [operands[i] for i in idx], [True] * len(idx), [specs[i] for i in idx],
-                mesh, axes, [read[i] for i in idx],
+                mesh, axes, [read[i] for i in idx], packs_by_dimension(plan),
             )  # fmt: skip
             for i, x in zip(idx, sums, strict=True):
                 outs[i] = x

@@ -32,6 +32,7 @@ from alpa.shard_parallel.constrained_eval import eval_jaxpr_with_constraints, pi
 from alpa.shard_parallel.gradient_sync import (
     gather_packed,
     packed_gathers,
+    packs_by_dimension,
     reduce_at_marker,
     reduce_partials,
 )
@@ -194,17 +195,18 @@ class _Gathering:
     input_specs: dict
     output_specs: dict
     mesh: Any
+    by_dimension: bool
 
     def inputs(self, leaves) -> list:
-        return gather_packed(list(leaves), self.input_specs, self.mesh)
+        return gather_packed(list(leaves), self.input_specs, self.mesh, self.by_dimension)
 
     def outputs(self, outs) -> list:
-        return gather_packed(list(outs), self.output_specs, self.mesh)
+        return gather_packed(list(outs), self.output_specs, self.mesh, self.by_dimension)
 
 
 def _gathering(traced: TracedStep, plan: ShardingPlan, mesh) -> _Gathering:
     gathers = packed_gathers(traced, plan)
-    return _Gathering(dict(gathers.inputs), dict(gathers.outputs), mesh)
+    return _Gathering(dict(gathers.inputs), dict(gathers.outputs), mesh, packs_by_dimension(plan))
 
 
 def _micro_batched_step(
@@ -288,7 +290,7 @@ def micro_batched_parts(
     jaxpr = closed.jaxpr
     is_batch = traced.batch_invars
     data_axes = tuple(plan.data_axes) if mesh.size > 1 else ()
-    var_specs = plan.var_specs
+    var_specs, by_dim = plan.var_specs, packs_by_dimension(plan)
     if grad_shardings is not None and mesh.size > 1:
         var_shardings, var_specs = _pin_gradients(split, var_shardings, var_specs, grad_shardings)
 
@@ -370,11 +372,10 @@ def micro_batched_parts(
         return [a + o for a, o in zip(acc, outs, strict=True)]
 
     def finish(acc, keep=None):
-        keep = keep or (True,) * len(acc)
-        kept = [i for i, k in enumerate(keep) if k]
+        kept = [i for i, k in enumerate(keep or (True,) * len(acc)) if k]
         specs = [grad_spec(split.marker_outvars[i]) for i in kept]
-        partial = [is_partial[i] for i in kept]
-        return reduce_partials([acc[i] for i in kept], partial, specs, mesh, data_axes)
+        values, partial = [acc[i] for i in kept], [is_partial[i] for i in kept]
+        return reduce_partials(values, partial, specs, mesh, data_axes, None, by_dim)
 
     def apply(leaves, grads):
         outs = eval_jaxpr_with_constraints(

@@ -189,13 +189,16 @@ def test_a_2d_plan_keeps_its_decisions_and_scatters_its_gradients_over_the_data_
     """Alpa's order on a 2-D plan (the batch over ``x``, Megatron over ``y``): every
     decision of the all-reduce plan before the gradients is kept, and its objective
     reported; each gradient is reduce-scattered over ``x`` into its all-reduce spec split
-    further (the optimizer state likewise), all in one packed reduce-scatter of exactly
-    the gradients' blocks, and the updated parameters come back in one packed all-gather.
-    The activations' all-reduces over ``y`` are the all-reduce plan's; only the gradients'
-    all-reduce is gone. Numerics equal serial, with and without micro-batches."""
+    further (the optimizer state likewise), packed per dimension scattered as XLA's
+    combiner grouped Alpa's (the column-split kernels on their rows, the row-split ones
+    on their columns: two reduce-scatters, each of exactly its gradients' blocks), and
+    the updated parameters come back in two packed all-gathers. The activations'
+    all-reduces over ``y`` are the all-reduce plan's; only the gradients' all-reduce is
+    gone. Numerics equal serial, with and without micro-batches."""
     from collections import Counter
 
     from alpa.shard_parallel.gradient_scatter import scattered_spec
+    from alpa.shard_parallel.gradient_sync import minor_scatter_dimension
     from alpa.util import collective_shapes
 
     tx = optax.adam(1e-2)
@@ -213,7 +216,7 @@ def test_a_2d_plan_keeps_its_decisions_and_scatters_its_gradients_over_the_data_
     assert rewritten.auto_sharding_objective == pytest.approx(plain.auto_sharding_objective)
 
     leaves = jax.tree_util.tree_flatten_with_path((state, batch))[0]
-    local = 0
+    local = Counter()  # scattered dimension -> elements of the gradients' blocks
     for (path, x), before, after in zip(
         leaves, plain.plan.in_specs, rewritten.plan.in_specs, strict=True
     ):
@@ -224,12 +227,18 @@ def test_a_2d_plan_keeps_its_decisions_and_scatters_its_gradients_over_the_data_
         else:
             assert after == before, name
         if "'params'" in name and "opt_state" not in name:
-            local += x.size // (2 if "y" in str(before) else 1) // 2
+            split = scattered_spec(before, x.shape, {"x": 2, "y": 2}, ("x",))
+            local[minor_scatter_dimension(split, ("x",))] += (
+                x.size // (2 if "y" in str(before) else 1) // 2
+            )
 
     hlo, plain_hlo = rewritten.get_hlo_text(), plain.get_hlo_text()
     counts = count_communication_primitives(hlo)
-    assert (counts.reduce_scatter, counts.all_gather, counts.all_to_all) == (1, 1, 0), counts
-    assert collective_shapes(hlo, "reduce-scatter") == [f"f32[1,{local}]"]
+    assert sorted(local) == [0, 1]
+    assert (counts.reduce_scatter, counts.all_gather, counts.all_to_all) == (2, 2, 0), counts
+    assert sorted(collective_shapes(hlo, "reduce-scatter")) == sorted(
+        f"f32[1,{n}]" for n in local.values()
+    )
     reduced, plain_reduced = (Counter(collective_shapes(h, "all-reduce")) for h in (hlo, plain_hlo))
     assert reduced <= plain_reduced
     assert plain_reduced.total() - reduced.total() == len(jax.tree.leaves(state["params"]))
