@@ -93,6 +93,7 @@ def sharding_plan_to_json(plan: ShardingPlan) -> dict:
         if plan.grad_specs is None
         else [spec_to_json(s) for s in plan.grad_specs],
         "sync_groups": [list(group) for group in plan.sync_groups],
+        "gather_bound": plan.gather_bound,
         "objective": plan.objective,
         "compute_cost": plan.compute_cost,
     }
@@ -119,6 +120,7 @@ def sharding_plan_from_json(data: Mapping) -> ShardingPlan:
         data_axes=tuple(data["data_axes"]),
         grad_specs=None if grad_specs is None else tuple(spec_from_json(s) for s in grad_specs),
         sync_groups=tuple(tuple(group) for group in data.get("sync_groups", ())),
+        gather_bound=data.get("gather_bound"),
         objective=data["objective"],
         method=data["method"],
         compute_cost=data.get("compute_cost"),

@@ -382,7 +382,13 @@ class _FixedPlanParallel(_AutoShardingOptionHolder, ParallelMethod):
             logical_mesh = resolve_logical_mesh(self.devices, mesh_shape, require_devices)
             return plan_auto_sharding(traced, logical_mesh, option)
         logical_mesh = resolve_logical_mesh(self.devices, require_devices=require_devices)
-        return data_parallel_plan(traced, logical_mesh, stage, type(self).__name__)
+        return data_parallel_plan(
+            traced,
+            logical_mesh,
+            stage,
+            type(self).__name__,
+            gather_bound=option.force_zero_stage_3_all_gather_threshold,
+        )
 
     def compile_executable(self, traced: TracedStep, args: Sequence[Any]) -> Executable:
         option = snapshot_for_compile(self.auto_sharding_option)

@@ -174,12 +174,13 @@ class AutoShardingOption:
         program equals ``DataParallel``'s (``Zero2Parallel``'s with
         ``prefer_reduce_scatter``).
       force_zero_stage_3: shard parameters and optimizer state as ZeRO stage 3 does
-        (all-gather parameters before use).
-      force_zero_stage_3_all_gather_threshold: accepted and checked for Alpa's scripts
-        (in Alpa, the byte bound of each combined all-gather); the compiled ZeRO-3 plan
-        does not read it: every parameter is split and gathered in one packed all-gather.
-        Only :func:`solve_jaxpr` asked directly with ``force_zero_stage_3`` reads it, as
-        the size from which a parameter must be split over every device.
+        (all-gather parameters before their use in the forward pass, and again before
+        the backward pass reads them: ``param_gathers``).
+      force_zero_stage_3_all_gather_threshold: the bytes of whole tensors that one packed
+        all-gather of ZeRO-3's parameters may hold, as Alpa's combiner bound them
+        (``ShardingPlan.gather_bound``). :func:`solve_jaxpr` asked directly with
+        ``force_zero_stage_3`` also reads it, as the size from which a parameter must be
+        split over every device.
       allow_all_gather: strategies that all-gather a value are allowed.
       allow_all_to_all: strategies that need an all-to-all are allowed.
       allow_replicated_parameters: parameters may stay replicated on every device.
@@ -497,7 +498,12 @@ def plan_auto_sharding(
         from alpa.shard_parallel.data_parallel import data_parallel_plan
 
         stage = 3 if option.force_zero_stage_3 else 2 if option.prefer_reduce_scatter else 0
-        return data_parallel_plan(traced, logical_mesh, zero_stage=stage)
+        return data_parallel_plan(
+            traced,
+            logical_mesh,
+            zero_stage=stage,
+            gather_bound=option.force_zero_stage_3_all_gather_threshold,
+        )
     if not option.enable_auto_sharding:
         jaxpr = traced.closed_jaxpr.jaxpr
         return ShardingPlan(

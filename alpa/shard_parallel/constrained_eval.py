@@ -30,6 +30,7 @@ def eval_jaxpr_with_constraints(
     constraints: dict,
     operand_constraints: dict | None = None,
     overrides: dict | None = None,
+    rebinds: dict | None = None,
 ) -> list:
     """Evaluate ``jaxpr``, pinning every var in ``constraints`` to its sharding.
 
@@ -49,6 +50,11 @@ def eval_jaxpr_with_constraints(
     ``overrides[eqn]``, where given, computes ``eqn``'s outputs from its operands as read,
     and they are stored as returned, unconstrained: gradient accumulation's deferred row
     sums (``row_sums.deferred_rules``), whose values have a shape of their own.
+
+    ``rebinds[eqn](read)``, where given, runs before ``eqn`` and returns new values of
+    some vars (stored as returned, unconstrained), which ``eqn`` and the equations after it
+    read: ZeRO-3's parameters gathered before their first use in each pass and split
+    again after (``param_gathers``).
     """
     env: dict[Var, Any] = {}
     resharded: dict[tuple[Var, Any], Any] = {}
@@ -75,8 +81,13 @@ def eval_jaxpr_with_constraints(
         env[v] = c
     for v, a in zip(jaxpr.invars, args, strict=True):
         write(v, a)
-    overrides = overrides or {}
+    overrides, rebinds = overrides or {}, rebinds or {}
     for eqn in jaxpr.eqns:
+        if eqn in rebinds:
+            new = rebinds[eqn](read)
+            env.update(new)
+            for key in [k for k in resharded if k[0] in new]:
+                del resharded[key]
         override = overrides.get(eqn)
         if override is not None and not isinstance(override, DeferredBody):
             outs = override([read(v) for v in eqn.invars])

@@ -52,7 +52,11 @@ def data_parallel_plan(
     logical_mesh: LogicalDeviceMesh,
     zero_stage: int = 0,
     method: str = "data parallel",
+    gather_bound: int = 1 << 25,
 ) -> ShardingPlan:
+    """Data parallelism's plan (the batch over every device), ZeRO-2's or ZeRO-3's.
+    ``gather_bound``: ZeRO-3's bound on each packed all-gather of parameters
+    (``ShardingPlan.gather_bound``)."""
     if zero_stage not in (0, 2, 3):
         raise ValueError(f"zero_stage must be 0, 2 or 3, got {zero_stage!r}")
     mesh = replace(logical_mesh, shape=(logical_mesh.num_devices, 1), axis_names=MESH_AXIS_NAMES)
@@ -108,6 +112,7 @@ def data_parallel_plan(
         var_specs=var_specs,
         data_axes=(DATA_AXIS,),
         grad_specs=grad_specs,
+        gather_bound=gather_bound if zero_stage == 3 else None,
         method=method,
     )
 

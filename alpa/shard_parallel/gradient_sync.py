@@ -50,6 +50,7 @@ from jax.sharding import PartitionSpec
 
 from alpa.device_mesh import entry_names, spec_entry
 from alpa.shard_parallel.micro_batches import batch_dims
+from alpa.shard_parallel.param_gathers import gather_schedule
 from alpa.shard_parallel.row_sums import (
     deferrable,
     deferred_rules,
@@ -574,7 +575,8 @@ class WrittenSync:
 def written_sync(traced: TracedStep, plan: ShardingPlan) -> WrittenSync | None:
     """What the lowering of ``plan`` packs (module docstring), ``None`` where it packs
     nothing: the gradients it reduce-scatters at the marker and the tensors it
-    all-gathers at the start and end of the step, grouped by dtype as packed."""
+    all-gathers (ZeRO-3's parameters, in the packs of the forward pass:
+    ``param_gathers``; ZeRO-2's updated parameters), grouped as packed."""
     data_axes = pure_data_parallel(plan)
     if not data_axes:
         return None
@@ -595,7 +597,14 @@ def written_sync(traced: TracedStep, plan: ShardingPlan) -> WrittenSync | None:
                     (scattered if split else whole).append(v.aval)
     riding = [a for a in whole if rides(a.ndim, a.dtype, scattered)]
     gathers = packed_gathers(traced, plan)
-    gathered = _bytes_by_dtype([traced.jaxpr.invars[i].aval for i in gathers.inputs])
+    if plan.gather_bound is not None and gathers.inputs:
+        # ZeRO-3's packs of the forward pass. The backward's gathers again (which trade
+        # communication for memory) are not priced: Alpa's objective, the all-reduce
+        # plan's, did not count them either.
+        schedule = gather_schedule(traced, sorted(gathers.inputs), plan.gather_bound)
+        gathered = tuple(schedule.pack_bytes(traced.jaxpr, backward=False))
+    else:
+        gathered = _bytes_by_dtype([traced.jaxpr.invars[i].aval for i in gathers.inputs])
     gathered += _bytes_by_dtype([traced.jaxpr.outvars[o].aval for o in gathers.outputs])
     if not scattered and not gathered:
         return None

@@ -19,15 +19,17 @@ across devices **once per step**, after it (``micro_batches.py``).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend.core import Jaxpr, Literal, Var
+from jax.extend.core import Jaxpr, JaxprEqn, Literal, Var
 from jax.sharding import NamedSharding, PartitionSpec
 
+from alpa.device_mesh import spec_entry
 from alpa.shard_parallel.constrained_eval import eval_jaxpr_with_constraints, pinned
 from alpa.shard_parallel.gradient_sync import (
     gather_packed,
@@ -37,6 +39,7 @@ from alpa.shard_parallel.gradient_sync import (
     reduce_partials,
 )
 from alpa.shard_parallel.micro_batches import batch_dims, stack_micro_batches
+from alpa.shard_parallel.param_gathers import GatherSchedule, Pack, gather_schedule
 from alpa.shard_parallel.partial_sums import partial_sum_overrides
 from alpa.shard_parallel.reduce_scatters import reduce_scatter_overrides
 from alpa.shard_parallel.row_sums import deferrable, deferred_rules, partial_spec
@@ -176,15 +179,82 @@ def _one_batch_step(traced: TracedStep, plan: ShardingPlan, mesh, var_shardings,
         )
         overrides |= _reduce_scatters(traced, closed.jaxpr, plan, plan.var_specs, mesh, overrides)
     gathered = _gathering(traced, plan, mesh)
+    schedule = None
+    if plan.gather_bound is not None and gathered.input_specs:
+        schedule = gather_schedule(traced, sorted(gathered.input_specs), plan.gather_bound)
+        # The gathered inputs arrive split; the schedule binds them whole where read.
+        split = {closed.jaxpr.invars[i] for i in gathered.input_specs}
+        var_shardings = {v: s for v, s in var_shardings.items() if v not in split}
 
     def step(*leaves):
-        leaves = gathered.inputs(leaves)
+        rebinds = None
+        if schedule is None:
+            leaves = gathered.inputs(leaves)
+        else:
+            rebinds = _gather_rebinds(
+                schedule, closed.jaxpr, leaves, gathered.input_specs, mesh, gathered.by_dimension
+            )
         outs = eval_jaxpr_with_constraints(
-            closed.jaxpr, closed.consts, leaves, var_shardings, operand_shardings, overrides
+            closed.jaxpr,
+            closed.consts,
+            leaves,
+            var_shardings,
+            operand_shardings,
+            overrides,
+            rebinds,
         )
         return gathered.outputs(outs)
 
     return step
+
+
+def _gather_rebinds(
+    schedule: GatherSchedule,
+    jaxpr: Jaxpr,
+    leaves: Sequence,
+    specs: Mapping[int, tuple],
+    mesh,
+    by_dimension: bool = False,
+) -> dict[JaxprEqn, Callable]:
+    """The ``rebinds`` of ``eval_jaxpr_with_constraints`` that carry out ``schedule``
+    (ZeRO-3's gathers, ``param_gathers``) on the step's inputs ``leaves`` (the gathered
+    ones split, as ``specs[i] = (spec, axes)`` says: ``gradient_sync.PackedGathers``)."""
+    rebinds: dict[JaxprEqn, list[Callable]] = {}
+
+    def gather(pack: Pack) -> Callable:
+        def rebind(read) -> dict:
+            values = [leaves[i] for i in pack.inputs]
+            packed = {k: specs[i] for k, i in enumerate(pack.inputs)}
+            if pack.wait is not None:
+                # A column of its own (an element per device, dropped after) keeps this
+                # pack from being the same all-gather as a forward one, which XLA's CSE
+                # merges where the barrier is expanded first (CPU).
+                axes = specs[pack.inputs[0]][1]
+                n = int(np.prod([mesh.shape[a] for a in axes]))
+                packed[len(values)] = (PartitionSpec(spec_entry(axes)), axes)
+                values = [*values, jnp.zeros((n,), values[0].dtype)]
+                values, _ = jax.lax.optimization_barrier((values, read(pack.wait)))
+            whole = gather_packed(values, packed, mesh, by_dimension)
+            return {jaxpr.invars[i]: w for i, w in zip(pack.inputs, whole, strict=False)}
+
+        return rebind
+
+    for pack in schedule.packs:
+        rebinds.setdefault(jaxpr.eqns[pack.at], []).append(gather(pack))
+    if schedule.release is not None:
+        split = {jaxpr.invars[i]: leaves[i] for i in specs}
+        rebinds.setdefault(jaxpr.eqns[schedule.release], []).append(lambda read: split)
+
+    def chained(hooks):
+        def run(read) -> dict:
+            out = {}
+            for hook in hooks:
+                out |= hook(read)
+            return out
+
+        return run
+
+    return {eqn: chained(hooks) for eqn, hooks in rebinds.items()}
 
 
 @dataclass(frozen=True)

@@ -63,6 +63,11 @@ class ShardingPlan:
         model: Alpa's ``prefer_reduce_scatter`` rewrite of such a plan
         (``gradient_scatter``; :attr:`sync_at_marker`). A plan that splits the batch over
         every device does so without it.
+      gather_bound: ZeRO-3's (``force_zero_stage_3_all_gather_threshold``): the bytes of
+        whole tensors one packed all-gather of parameters may hold; the parameters are
+        then gathered before their first use in the forward and again in the backward
+        pass (``param_gathers``). ``None``: the gathered inputs in one pack, before the
+        step, kept whole.
       objective: the ILP objective when the plan came from the ILP, else ``None``:
         communication (collectives and reshardings) plus ``compute_cost``.
       compute_cost: the compute term of ``objective`` (seconds of work on one device).
@@ -78,6 +83,7 @@ class ShardingPlan:
     data_axes: tuple[str, ...] = ()
     grad_specs: tuple[PartitionSpec | None, ...] | None = None
     sync_groups: tuple[tuple[str, ...], ...] = ()
+    gather_bound: int | None = None
     objective: float | None = None
     method: str = ""
     compute_cost: float | None = None

@@ -112,12 +112,40 @@ def test_zero3_shards_and_gathers_parameters(mlp):
     assert _local_bytes(out.params) * N == param_bytes
     in_specs = executable.get_input_placement_specs()[0]
     assert all(s.sharding_specs[0] == P("x") for s in jax.tree.leaves(in_specs.params))
-    # Every parameter tensor is gathered before its use, all in one packed all-gather;
-    # the gradients are reduce-scattered in one, and the optimizer state is never gathered.
+    # Every parameter tensor is gathered before its use in the forward pass, all in one
+    # packed all-gather, and the kernel the backward pass reads again (Dense_1's, for its
+    # input's gradient; Dense_0's input has none) is gathered again there rather than
+    # kept whole between the passes (param_gathers.py; with one element more per device,
+    # so that XLA's CSE cannot merge it with a forward gather); the gradients are
+    # reduce-scattered in one, and the optimizer state is never gathered.
     hlo = executable.get_hlo_text()
-    assert count_communication_primitives(hlo) == (2, 0, 1, 1, 0)
+    assert count_communication_primitives(hlo) == (3, 0, 2, 1, 0)
     shard = param_bytes // 4 // N
-    assert collective_shapes(hlo, "all-gather") == [f"f32[{N},{shard}]"]
+    again = out.params["Dense_1"]["kernel"].size // N + 1
+    assert sorted(collective_shapes(hlo, "all-gather")) == sorted(
+        [f"f32[{N},{shard}]", f"f32[{N},{again}]"]
+    )
+
+
+@pytest.mark.parametrize("bound, forward", [(1, 4), ((HIDDEN * HIDDEN + HIDDEN) * 4, 2)])
+def test_zero3_gathers_are_packed_up_to_the_threshold(mlp, bound, forward):
+    """``force_zero_stage_3_all_gather_threshold`` bounds each packed all-gather, as Alpa's
+    combiner was bounded: in the order of first use, each pack at most ``bound`` bytes of
+    whole tensors (one byte: a tensor per pack, 4 in the forward pass; one layer's kernel
+    and bias: a pack per layer). The backward pass gathers Dense_1's kernel again, in a
+    pack of its own (one element more per device: not merged with the forward's one-tensor
+    pack). Numerics equal serial."""
+    method = alpa.Zero3Parallel()
+    method.as_option.force_zero_stage_3_all_gather_threshold = bound
+    out, executable, expected = _run(mlp, method)
+    assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
+    hlo = executable.get_hlo_text()
+    assert count_communication_primitives(hlo) == (forward + 2, 0, forward + 1, 1, 0)
+    kernel, bias = HIDDEN * HIDDEN // N, HIDDEN // N
+    layer = [f"f32[{N},{kernel + bias}]"] * 2
+    shapes = [f"f32[{N},{s}]" for s in [kernel, bias] * 2] if forward == 4 else layer
+    again = f"f32[{N},{kernel + 1}]"
+    assert sorted(collective_shapes(hlo, "all-gather")) == sorted([*shapes, again])
 
 
 def test_batch_norm_like_state_and_aux_with_micro_batches():
