@@ -8,9 +8,10 @@ before the backward's use of each parameter, combined by XLA up to
 ``force_zero_stage_3_all_gather_threshold`` bytes):
 
 * a parameter is gathered before its first use in the forward pass (up to the loss, the
-  first operand of the ``alpa.grad`` marker) and, where the backward pass reads it again
-  (a kernel, for its input's gradient), gathered again before that: between the two only
-  its split value need stay live. After the marker the update reads the split value;
+  first operand of the ``alpa.grad`` marker; below, without it) and, where the backward
+  pass reads it again (a kernel, for its input's gradient), gathered again before that:
+  between the two only its split value need stay live. After the marker the update
+  reads the split value;
 * gathers are packed in the order of first use, per dtype, each pack at most
   ``bound`` bytes of whole tensors (a tensor larger than that is a pack of its own), and
   issued before the first use of any of its members;
@@ -20,11 +21,13 @@ before the backward's use of each parameter, combined by XLA up to
   never the same all-gather as a forward pack, which XLA's CSE would merge (on CPU the
   barrier is expanded before CSE runs).
 
-Without ``alpa.grad``'s marker of the loss (a step differentiated with ``jax.grad``),
-there is one pass: each parameter is gathered once, packed alike, and kept. The
-micro-batched lowering does not use this schedule: each micro-batch gathers every
-parameter in one packed all-gather and keeps it through its backward pass. Here the schedule; the lowering
-(``lowering._gather_rebinds``) writes it out, ``gradient_sync.written_sync`` prices it.
+Where the marker does not hold the loss (a step differentiated with ``jax.grad``, its
+gradients marked by ``parallelize``), the forward pass is taken to end at the last of the
+parameters' first uses. Without a marker there is one pass: each parameter is gathered
+once, packed alike, and kept. The micro-batched lowering does not use this schedule:
+each micro-batch gathers every parameter in one packed all-gather and keeps it through
+its backward pass. Here the schedule; the lowering (``lowering._gather_rebinds``) writes
+it out, ``gradient_sync.written_sync`` prices it.
 """
 
 from __future__ import annotations
@@ -77,6 +80,8 @@ def gather_schedule(traced: TracedStep, gathered: Sequence[int], bound: int) -> 
         marker_at = next(j for j, e in enumerate(jaxpr.eqns) if e is marker)
         loss = _loss(traced, marker)
         loss_at = next((j for j, e in enumerate(jaxpr.eqns[:marker_at]) if loss in e.outvars), None)
+        if loss_at is None:
+            loss_at = _last_first_use(jaxpr, gathered, marker_at)
     end = len(jaxpr.eqns) if marker_at is None else marker_at
     phases = [(0, end)] if loss_at is None else [(0, loss_at + 1), (loss_at + 1, marker_at)]
     packs = []
@@ -94,6 +99,20 @@ def gather_schedule(traced: TracedStep, gathered: Sequence[int], bound: int) -> 
             wait = _computed_operand(jaxpr, jaxpr.eqns[at]) if start > 0 else None
             packs.append(Pack(at, tuple(members), wait, start > 0))
     return GatherSchedule(tuple(packs), None if loss_at is None else marker_at)
+
+
+def _last_first_use(jaxpr: Jaxpr, gathered: Sequence[int], stop: int) -> int | None:
+    """Where the forward pass ends when the loss is not marked (``jax.grad``): at the last
+    of the gathered parameters' first uses (every parameter is read in the forward pass
+    before the backward pass reads any; a parameter that the forward pass reads again
+    after that, a tied embedding, is then gathered again for it)."""
+    wanted = {jaxpr.invars[i] for i in gathered}
+    first = {}
+    for j, eqn in enumerate(jaxpr.eqns[:stop]):
+        for v in eqn.invars:
+            if isinstance(v, Var) and v in wanted:
+                first.setdefault(v, j)
+    return max(first.values(), default=None)
 
 
 def _loss(traced: TracedStep, marker: JaxprEqn) -> Var | None:
