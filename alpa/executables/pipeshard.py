@@ -43,7 +43,8 @@ from alpa.runtime.memory import allocation_bytes, device_peak_bytes, step_peak_b
 from alpa.runtime.placement import PlacementSpec, caller_placements, is_placed
 from alpa.shard_parallel.compile import full_batch_avals
 from alpa.shard_parallel.constrained_eval import eval_jaxpr_with_constraints
-from alpa.shard_parallel.row_sums import deferred_rules, sum_partials
+from alpa.shard_parallel.gradient_sync import reduce_partials
+from alpa.shard_parallel.row_sums import deferred_rules
 from alpa.tracing import leaf_signature, new_jaxpr
 from alpa.tracing.jaxpr_util import backward_slice, is_var, nested_eqns, planned_bodies
 from alpa.tracing.primitive_def import pipeline_p
@@ -187,9 +188,15 @@ class StagePrograms:
 
         def fn(*args):
             inputs = list(args[:num_in])
-            for i, sharding in reduced_specs.items():  # the step's one gradient reduction
-                total = sum_partials(inputs[i], mesh, data_axes, sharding.spec)
-                inputs[i] = jax.lax.with_sharding_constraint(total, sharding)
+            # The step's one gradient reduction: reduce-scatters packed into one
+            # (ZeRO-2's), the rest all-reduced (gradient_sync.reduce_partials).
+            order = list(reduced_specs)
+            totals = reduce_partials(
+                [inputs[i] for i in order], [True] * len(order),
+                [reduced_specs[i].spec for i in order], mesh, data_axes,
+            )  # fmt: skip
+            for i, total in zip(order, totals, strict=True):
+                inputs[i] = jax.lax.with_sharding_constraint(total, reduced_specs[i])
             results = eval_jaxpr_with_constraints(
                 sub, closed.consts, inputs, constraints, operand_constraints, overrides
             )

@@ -19,12 +19,12 @@ inside the backward, once per micro-batch. As on one mesh
   (a value of its own, :attr:`DeferredSums.partials`), donated and updated in the backward
   like every accumulator.
 * **apply-grad**: the first apply computation that reads the gradient sums the slices
-  (``row_sums.sum_partials``): one all-reduce per gradient per step, or, with
-  ``prefer_reduce_scatter=True``, one reduce-scatter into the gradient's ZeRO-2 sharding
-  (:func:`zero2_specs`), after which the optimizer updates ``1/n`` of each parameter and
-  the updated parameters are all-gathered once. When a later apply computation reads the
-  gradient too (a global-norm clip reads it at two levels), the first one also writes the
-  reduced value for it.
+  (``gradient_sync.reduce_partials``): one all-reduce per gradient per step, or, with
+  ``prefer_reduce_scatter=True``, a reduce-scatter into the gradient's ZeRO-2 sharding
+  (:func:`zero2_specs`), the stage's packed into one, after which the optimizer
+  updates ``1/n`` of each parameter and the updated parameters are all-gathered once.
+  When a later apply computation reads the gradient too (a global-norm clip reads it at
+  two levels), the first one also writes the reduced value for it.
 
 Only gradients whose every reader is an apply computation on their own stage are
 deferred (a gradient the step returns, or that another stage reads, is reduced where it
