@@ -29,6 +29,7 @@ from alpa.pipeline_parallel.computation import (
     StageComputation,
     step_arguments,
 )
+from alpa.pipeline_parallel.deferred_sums import splits_over
 from alpa.pipeline_parallel.pipeshard_plan import PipeshardPlan
 from alpa.pipeline_parallel.stage_sharding import DATA_AXES, value_spec
 from alpa.pipeline_parallel.user_shardings import input_names
@@ -43,7 +44,8 @@ from alpa.runtime.memory import allocation_bytes, device_peak_bytes, step_peak_b
 from alpa.runtime.placement import PlacementSpec, caller_placements, is_placed
 from alpa.shard_parallel.compile import full_batch_avals
 from alpa.shard_parallel.constrained_eval import eval_jaxpr_with_constraints
-from alpa.shard_parallel.gradient_sync import reduce_partials
+from alpa.shard_parallel.data_parallel import zero_spec
+from alpa.shard_parallel.gradient_sync import gather_packed, reduce_partials
 from alpa.shard_parallel.row_sums import deferred_rules
 from alpa.tracing import leaf_signature, new_jaxpr
 from alpa.tracing.jaxpr_util import backward_slice, is_var, nested_eqns, planned_bodies
@@ -170,6 +172,36 @@ class StagePrograms:
         sums = [a for a in kernel.accumulate if a.reads_sum]
         return self.computation(comp, kernel, sums)
 
+    def _gathered_outputs(self, comp: StageComputation, kept) -> dict:
+        """ZeRO-2's updated parameters in an apply computation of a stage whose deferred
+        gradients are reduce-scattered over its data axes (split over them in the sharding
+        table: ``deferred_sums.zero2_specs``): each kept output that the stage returns whole,
+        computed from a value split over them (a scattered gradient, the split optimizer
+        state), by position in ``kept``, as ``(split spec, data axes)``: computed on each
+        device's shard and all-gathered in one packed all-gather
+        (``gradient_sync.gather_packed``), instead of XLA gathering each update."""
+        deferred, s = self.program.deferred, comp.stage
+        data_axes = () if deferred is None else tuple(deferred.stage_axes.get(s, ()))
+        grads = [v for v in deferred.partials if self.program.home.get(v) == s] if data_axes else []
+        if comp.kind != "apply" or not any(
+            splits_over(self.sharding(v, s).spec, data_axes) for v in grads
+        ):
+            return {}
+        n = int(np.prod([self.meshes[s].shape[a] for a in data_axes]))
+        reached = {v for v in comp.invars if splits_over(self.sharding(v, s).spec, data_axes)}
+        for eqn in comp.eqns:
+            if any(is_var(v) and v in reached for v in eqn.invars):
+                reached.update(eqn.outvars)
+        gathers = {}
+        for k, i in enumerate(kept):
+            v = comp.outvars[i]
+            if not is_var(v) or v not in reached or any(self.sharding(v, s).spec):
+                continue
+            spec = zero_spec(v.aval.shape, n, data_axes)
+            if any(spec):
+                gathers[k] = (spec, data_axes)
+        return gathers
+
     def computation(self, comp: StageComputation, kernel: Kernel | None = None, sums=()):
         closed = self.plan.traced.closed_jaxpr
         sub = _sub_jaxpr(closed.jaxpr, comp.eqns, comp.invars, comp.outvars)
@@ -185,6 +217,9 @@ class StagePrograms:
         overrides = self._deferred_rules(comp)
         reduced_specs = {i: self.sharding(comp.invars[i], comp.stage) for i in reduces}
         data_axes = self.program.deferred.stage_axes[comp.stage] if reduces else ()
+        gathers = self._gathered_outputs(comp, kept)
+        for k, (spec, _) in gathers.items():  # computed on each device's shard
+            constraints[comp.outvars[kept[k]]] = NamedSharding(mesh, spec)
 
         def fn(*args):
             inputs = list(args[:num_in])
@@ -200,7 +235,8 @@ class StagePrograms:
             results = eval_jaxpr_with_constraints(
                 sub, closed.consts, inputs, constraints, operand_constraints, overrides
             )
-            outs = [results[i] for i in kept] + [inputs[i] for i in publishes]
+            outs = gather_packed([results[i] for i in kept], gathers, mesh)
+            outs += [inputs[i] for i in publishes]
             running = iter(args[num_in:])
             for a in accumulate:
                 value = results[a.outvar_index]

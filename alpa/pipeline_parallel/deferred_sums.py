@@ -22,7 +22,8 @@ inside the backward, once per micro-batch. As on one mesh
   (``gradient_sync.reduce_partials``): one all-reduce per gradient per step, or, with
   ``prefer_reduce_scatter=True``, a reduce-scatter into the gradient's ZeRO-2 sharding
   (:func:`zero2_specs`), the stage's packed into one, after which the optimizer
-  updates ``1/n`` of each parameter and the updated parameters are all-gathered once.
+  updates ``1/n`` of each parameter and the updated parameters are all-gathered once,
+  packed too.
   When a later apply computation reads the gradient too (a global-norm clip reads it at
   two levels), the first one also writes the reduced value for it.
 

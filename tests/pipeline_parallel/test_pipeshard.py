@@ -532,7 +532,8 @@ def test_zero2_stage_gathers_parameters_once_per_step(clip):
     parameters and optimizer state donated. Per stage (w [16, 16], b [16]): the backward,
     run once per micro-batch, has no collective at all; apply-grad, once per step,
     reduce-scatters the 2 gradients in one packed reduce-scatter (each device's rows of
-    both, 4 x 16 + 4 elements) and all-gathers the 2 updated parameters (the clip's
+    both, 4 x 16 + 4 elements) and all-gathers the 2 updated parameters, computed on
+    those rows, in one packed all-gather (the clip's
     norm adds only all-reduces of scalars); adam's moments stay split 4 ways, the
     parameters replicated; numerics equal serial."""
     from alpa.util import collective_shapes, count_communication_primitives
@@ -575,7 +576,7 @@ def test_zero2_stage_gathers_parameters_once_per_step(clip):
         gathered = sorted(s for h in applies for s in collective_shapes(h, "all-gather"))
         reduced = [s for h in applies for s in collective_shapes(h, "all-reduce")]
         assert scattered == [f"f32[1,{4 * 16 + 4}]"], scattered
-        assert gathered == ["f32[16,16]", "f32[16]"], gathered
+        assert gathered == [f"f32[4,{4 * 16 + 4}]"], gathered
         assert all(s == "f32[]" for s in reduced) and (not reduced or clip), reduced
 
 
