@@ -38,7 +38,7 @@ from jax.sharding import PartitionSpec
 
 from alpa.device_mesh import entry_names, spec_entry
 from alpa.shard_parallel.data_parallel import data_parallel_plan, is_opt_state, output_leaf_names
-from alpa.shard_parallel.gradient_sync import marker_deferral, pure_data_parallel
+from alpa.shard_parallel.gradient_sync import marker_deferral, pure_data_parallel, spec_entries
 from alpa.shard_parallel.sharding_plan import ShardingPlan
 from alpa.tracing import TracedStep
 
@@ -212,10 +212,7 @@ def _groups(traced: TracedStep, plan: ShardingPlan, sizes) -> list[tuple[tuple, 
 
 
 def _layout(aval, spec) -> tuple:
-    entries = [entry_names(e) for e in spec]
-    while entries and not entries[-1]:
-        entries.pop()
-    return tuple(aval.shape), tuple(entries)
+    return tuple(aval.shape), spec_entries(spec)
 
 
 def _adds_a_reduced_value(v: Var, found, traced: TracedStep) -> bool:

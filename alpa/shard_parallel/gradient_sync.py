@@ -66,10 +66,6 @@ from alpa.util import GRAD_SYNC_SCOPE
 # ----------------------------------------------------------------------------- packing
 
 
-def _data(data_axes: tuple[str, ...]):
-    return data_axes if len(data_axes) > 1 else data_axes[0]
-
-
 def _rows(x, dim: int, n: int):
     """``x`` whole as ``[n, M]``: row ``i`` is block ``i`` of ``x`` along ``dim``."""
     shape = x.shape
@@ -126,7 +122,7 @@ def packed_reduce_scatter(partials: Sequence, specs: Sequence, mesh, data_axes) 
             body,
             mesh=mesh,
             in_specs=tuple(
-                PartitionSpec(_data(data_axes)) if s is None else partial_spec(s, data_axes)
+                PartitionSpec(spec_entry(data_axes)) if s is None else partial_spec(s, data_axes)
                 for s in specs
             ),
             out_specs=tuple(PartitionSpec() if s is None else s for s in specs),
@@ -234,18 +230,17 @@ def reduce_partials(
 
 def _reduce_partials(values, is_partial, specs, mesh, data_axes, may_ride, by_dimension) -> list:
     out = list(values)
+    dims = [minor_scatter_dimension(s, data_axes) for s in specs]
     wanted, whole = {}, []
     for i, (p, spec) in enumerate(zip(is_partial, specs, strict=True)):
         if not p:
             continue
-        if minor_scatter_dimension(spec, data_axes) is None:
+        if dims[i] is None:
             whole.append(i)
         else:
             wanted[i] = spec
     scattered = [values[i] for i in wanted]
-    packs = _packs(
-        list(wanted), values, [minor_scatter_dimension(s, data_axes) for s in specs], by_dimension
-    )
+    packs = _packs(list(wanted), values, dims, by_dimension)
     for i in whole:
         # values are per-device partials, [n, *shape]: a scalar's is [n]
         if may_ride[i] and rides(values[i].ndim - 1, values[i].dtype, scattered):
@@ -309,7 +304,9 @@ def sync_groups(plan: ShardingPlan) -> tuple[tuple[str, ...], ...]:
     return (pure,) if pure else tuple(tuple(g) for g in plan.sync_groups)
 
 
-def _entries(spec) -> tuple[tuple[str, ...], ...]:
+def spec_entries(spec) -> tuple[tuple[str, ...], ...]:
+    """The mesh axes of each entry of ``spec`` (``None``: none), trailing empty ones
+    dropped, so that specs that split alike compare equal."""
     entries = [entry_names(e) for e in spec or ()]
     while entries and not entries[-1]:
         entries.pop()
@@ -322,7 +319,7 @@ def _gathered_into(split, whole, data_axes) -> bool:
     over them (the minor axes of its entry), and is ``whole`` otherwise."""
     if split is None or whole is None or minor_scatter_dimension(split, data_axes) is None:
         return False
-    return _entries(without_axes(split, data_axes)) == _entries(whole)
+    return spec_entries(without_axes(split, data_axes)) == spec_entries(whole)
 
 
 @dataclass(frozen=True)

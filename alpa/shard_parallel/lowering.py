@@ -191,9 +191,7 @@ def _one_batch_step(traced: TracedStep, plan: ShardingPlan, mesh, var_shardings,
         if schedule is None:
             leaves = gathered.inputs(leaves)
         else:
-            rebinds = _gather_rebinds(
-                schedule, closed.jaxpr, leaves, gathered.input_specs, mesh, gathered.by_dimension
-            )
+            rebinds = _gather_rebinds(schedule, closed.jaxpr, leaves, gathered.input_specs, mesh)
         outs = eval_jaxpr_with_constraints(
             closed.jaxpr,
             closed.consts,
@@ -214,11 +212,11 @@ def _gather_rebinds(
     leaves: Sequence,
     specs: Mapping[int, tuple],
     mesh,
-    by_dimension: bool = False,
 ) -> dict[JaxprEqn, Callable]:
     """The ``rebinds`` of ``eval_jaxpr_with_constraints`` that carry out ``schedule``
     (ZeRO-3's gathers, ``param_gathers``) on the step's inputs ``leaves`` (the gathered
-    ones split, as ``specs[i] = (spec, axes)`` says: ``gradient_sync.PackedGathers``)."""
+    ones split, as ``specs[i] = (spec, axes)`` says: ``gradient_sync.PackedGathers``; a
+    data-parallel plan's, packed by dtype alone)."""
     rebinds: dict[JaxprEqn, list[Callable]] = {}
 
     def gather(pack: Pack) -> Callable:
@@ -234,7 +232,7 @@ def _gather_rebinds(
                 packed[len(values)] = (PartitionSpec(spec_entry(axes)), axes)
                 values = [*values, jnp.zeros((n,), values[0].dtype)]
                 values, _ = jax.lax.optimization_barrier((values, read(pack.wait)))
-            whole = gather_packed(values, packed, mesh, by_dimension)
+            whole = gather_packed(values, packed, mesh)
             return {jaxpr.invars[i]: w for i, w in zip(pack.inputs, whole, strict=False)}
 
         return rebind
@@ -521,7 +519,7 @@ def _carry(x, spec, mesh, data_axes):
     axes, although its buffers there differ until :func:`_uncarry` and the reduction. No
     data moves. Alpa's accumulated gradients between its accumulate programs were such
     values; only the micro-batched programs pass them, from one to the next."""
-    data = data_axes if len(data_axes) > 1 else data_axes[0]
+    data = spec_entry(tuple(data_axes))
     local = jax.shard_map(
         lambda p: p[0],
         mesh=mesh,
@@ -535,7 +533,7 @@ def _carry(x, spec, mesh, data_axes):
 
 def _uncarry(x, spec, mesh, data_axes):
     """The inverse of :func:`_carry`: each device's buffer as its slice of ``[n, ...]``."""
-    data = data_axes if len(data_axes) > 1 else data_axes[0]
+    data = spec_entry(tuple(data_axes))
     stacked = jax.shard_map(
         lambda a: a[None],
         mesh=mesh,

@@ -86,11 +86,7 @@ def gather_schedule(traced: TracedStep, gathered: Sequence[int], bound: int) -> 
     phases = [(0, end)] if loss_at is None else [(0, loss_at + 1), (loss_at + 1, marker_at)]
     packs = []
     for start, stop in phases:
-        first_use = {}
-        for j in range(start, stop):
-            for v in jaxpr.eqns[j].invars:
-                if isinstance(v, Var):
-                    first_use.setdefault(v, j)
+        first_use = _first_uses(jaxpr, gathered, start, stop)
         users = sorted(
             (first_use[jaxpr.invars[i]], i) for i in gathered if jaxpr.invars[i] in first_use
         )
@@ -106,13 +102,19 @@ def _last_first_use(jaxpr: Jaxpr, gathered: Sequence[int], stop: int) -> int | N
     of the gathered parameters' first uses (every parameter is read in the forward pass
     before the backward pass reads any; a parameter that the forward pass reads again
     after that, a tied embedding, is then gathered again for it)."""
+    return max(_first_uses(jaxpr, gathered, 0, stop).values(), default=None)
+
+
+def _first_uses(jaxpr: Jaxpr, gathered: Sequence[int], start: int, stop: int) -> dict:
+    """Per step input at a position in ``gathered``, the index of the first of the
+    equations ``start .. stop - 1`` that reads it (absent where none does)."""
     wanted = {jaxpr.invars[i] for i in gathered}
     first = {}
-    for j, eqn in enumerate(jaxpr.eqns[:stop]):
-        for v in eqn.invars:
+    for j in range(start, stop):
+        for v in jaxpr.eqns[j].invars:
             if isinstance(v, Var) and v in wanted:
                 first.setdefault(v, j)
-    return max(first.values(), default=None)
+    return first
 
 
 def _loss(traced: TracedStep, marker: JaxprEqn) -> Var | None:

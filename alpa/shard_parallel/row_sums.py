@@ -288,7 +288,7 @@ def deferred_rules(
     blocks as the plan lays them out over every axis (:func:`_manual_dot_specs`), not
     left to XLA's propagation over the other axes."""
     n = int(np.prod([mesh.shape[a] for a in data_axes]))
-    data = data_axes if len(data_axes) > 1 else data_axes[0]
+    data = spec_entry(tuple(data_axes))
     var_specs = var_specs or {}
     eqns = list(eqns)
     bodies = bodies_passing_row_sums(eqns)
@@ -357,14 +357,14 @@ def _rule_spec(var_specs, v: Var, data_axes: tuple[str, ...]) -> PartitionSpec:
     spec = var_specs.get(v)
     if spec is not None:
         return partial_spec(spec, data_axes)
-    data = tuple(data_axes) if len(data_axes) > 1 else data_axes[0]
+    data = spec_entry(tuple(data_axes))
     return PartitionSpec(data, *[PartitionSpec.UNCONSTRAINED] * len(v.aval.shape))
 
 
 def partial_spec(spec: PartitionSpec | None, data_axes: tuple[str, ...]) -> PartitionSpec:
     """The spec of a value's per-device partial sums ``[n, ...]``: ``n`` over the data
     axes, the value's own dimensions as ``spec`` splits them over the other axes."""
-    data = tuple(data_axes) if len(data_axes) > 1 else data_axes[0]
+    data = spec_entry(tuple(data_axes))
     rest = []
     for axes in spec or ():
         axes = axes if isinstance(axes, tuple) else (axes,) if axes else ()
@@ -491,7 +491,7 @@ def sum_partials(x, mesh, data_axes: tuple[str, ...], spec: PartitionSpec | None
     then receives only its block (ZeRO-2's sharded gradients). XLA on CPU never turns an
     all-reduce followed by a slice into a reduce-scatter (DESIGN §7), so the scatter is
     written out here; other axes of ``spec`` are left to the caller's constraint."""
-    data = data_axes if len(data_axes) > 1 else data_axes[0]
+    data = spec_entry(tuple(data_axes))
     dim = scatter_dimension(spec, data_axes)
     if dim is None:
         body, out_spec = (lambda p: jax.lax.psum(p[0], data_axes)), PartitionSpec()
