@@ -34,10 +34,13 @@ from alpa.tracing import TracedStep
 DATA_AXIS = "x"
 
 
-def zero_spec(shape: tuple[int, ...], num_devices: int, axes=DATA_AXIS) -> PartitionSpec:
+def zero_spec(
+    shape: tuple[int, ...], num_devices: int, axes=DATA_AXIS, first_only: bool = False
+) -> PartitionSpec:
     """Shard the first dimension that ``num_devices`` divides over mesh axis (or axes)
-    ``axes``; else replicate."""
-    for dim, size in enumerate(shape):
+    ``axes``; else replicate. ``first_only``: dimension 0 or none (ZeRO-2's gradients and
+    optimizer state, as Alpa's reduce-scatter rewrite split them)."""
+    for dim, size in enumerate(shape[:1] if first_only else shape):
         if size % num_devices == 0 and size >= num_devices:
             return PartitionSpec(*([None] * dim + [axes]))
     return REPLICATED
@@ -64,7 +67,7 @@ def data_parallel_plan(
 
     def state_spec(name: str, shape) -> PartitionSpec:
         sharded = (zero_stage == 3) or (zero_stage == 2 and is_opt_state(name))
-        return zero_spec(shape, n) if sharded else REPLICATED
+        return zero_spec(shape, n, first_only=zero_stage == 2) if sharded else REPLICATED
 
     rows = batch_rows(traced)
     in_specs = []
@@ -102,7 +105,9 @@ def data_parallel_plan(
     grad_specs = None
     marker = traced.grad_marker()
     if zero_stage and marker is not None:
-        grad_specs = tuple(zero_spec(v.aval.shape, n) for v in marker.outvars)
+        grad_specs = tuple(
+            zero_spec(v.aval.shape, n, first_only=zero_stage == 2) for v in marker.outvars
+        )
     if zero_stage == 2:
         var_specs = updated_on_shards(traced, n, out_names, out_specs)
     return ShardingPlan(
@@ -138,7 +143,7 @@ def updated_on_shards(
             continue
         if is_opt_state(name):
             continue
-        split = zero_spec(v.aval.shape, n)
+        split = zero_spec(v.aval.shape, n, first_only=True)
         if split != REPLICATED:
             pins[v] = split
     return pins

@@ -104,6 +104,37 @@ def test_zero2_shards_optimizer_state(mlp):
     assert collective_shapes(hlo, "all-gather") == [f"f32[{N},{shard}]"]
 
 
+def test_zero2_all_reduces_a_gradient_whose_dim_0_does_not_split():
+    """As Alpa's reduce-scatter rewrite: ZeRO-2 scatters each gradient over its dimension
+    0; a ``[2, 16]`` table (a token-type embedding) does not split over 8 devices there, so
+    its gradient is all-reduced and its optimizer state kept whole, while the kernel's
+    gradient rides in the packed reduce-scatter."""
+    import optax
+    from flax.training.train_state import TrainState
+
+    params = {"table": jnp.ones((2, 16)) * 0.1, "kernel": jnp.ones((16, 16)) * 0.01}
+    state = TrainState.create(apply_fn=None, params=params, tx=optax.adam(1e-2))
+    batch = {"x": jnp.arange(64 * 16.0).reshape(64, 16) / 1000, "y": jnp.ones((64, 16))}
+
+    def step(state, batch):
+        def loss(p):
+            out = batch["x"] @ p["kernel"] + p["table"][0] + p["table"][1] * 2
+            return jnp.mean((out - batch["y"]) ** 2)
+
+        return state.apply_gradients(grads=alpa.grad(loss)(state.params))
+
+    expected = jax.jit(step)(state, batch)
+    p_step = alpa.parallelize(step, method=alpa.Zero2Parallel(), donate_argnums=())
+    out = p_step(state, batch)
+    assert_allclose(out.params, expected.params, rtol=1e-5, atol=1e-6)
+    hlo = p_step.get_last_executable().get_hlo_text()
+    assert collective_shapes(hlo, "all-reduce") == ["f32[2,16]"]
+    assert collective_shapes(hlo, "reduce-scatter") == ["f32[1,32]"]  # the kernel, 256 / 8
+    mu = out.opt_state[0].mu
+    assert mu["table"].sharding.is_fully_replicated
+    assert mu["kernel"].sharding.spec == P("x")
+
+
 def test_zero3_shards_and_gathers_parameters(mlp):
     out, executable, _ = _run(mlp, alpa.Zero3Parallel())
     for leaf in jax.tree.leaves(out.params):
