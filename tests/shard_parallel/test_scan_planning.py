@@ -250,8 +250,13 @@ def test_the_scanned_gpt_has_the_gradients_of_jit():
     (_, loss, got), (_, ref_loss, expected) = p_step(state, batch), jax.jit(step)(state, batch)
     assert_allclose(loss, ref_loss, rtol=1e-5, atol=0)
     # The key bias's gradient is zero in exact arithmetic (softmax ignores a shift shared
-    # by all keys): both sides hold rounding noise of ~1e-10 there.
-    assert_allclose(got, expected, rtol=1e-4, atol=1e-7)
+    # by all keys): both sides hold rounding noise of ~1e-10 there. Elsewhere an element
+    # that sums to near zero differs by float32 rounding of its leaf's scale (the position
+    # embedding's, 0.04: 1.3e-7 apart at 1.3e-4 on jaxlib 0.10.2), not of its own.
+    assert jax.tree.structure(got) == jax.tree.structure(expected)
+    for g, e in zip(jax.tree.leaves(got), jax.tree.leaves(expected), strict=True):
+        scale = float(np.max(np.abs(np.asarray(e))))
+        assert_allclose(g, e, rtol=1e-4, atol=max(1e-7, 1e-5 * scale))
     specs = p_step.get_last_executable().get_input_placement_specs()[0].params
     assert _block_sharding(specs)[0] > 0.5  # the numbers came from a split plan
 
