@@ -668,17 +668,18 @@ def _forced_batch_dims(traced, logical_mesh, option) -> Mapping | None:
     if axis is None:
         return None
     from alpa.shard_parallel.data_parallel import batch_rows
-    from alpa.shard_parallel.micro_batches import batch_dims
+    from alpa.shard_parallel.micro_batches import batch_dims, leaves_with_rows
+    from alpa.tracing.batch_dims import static_batch_dims
 
     # Batch dimensions are those that shrink ``size`` times at ``1/size`` of the batch; on
     # an axis of one device (nothing to split: the batch stays whole) any divisor of the
-    # batch size finds them.
+    # batch size finds them, and a batch of one row has those the jaxpr's rules carry.
     size = _effective_mesh(logical_mesh, option).shape[axis]
     if size == 1:
         rows = batch_rows(traced) or 1
         size = next((d for d in range(2, rows + 1) if rows % d == 0), 1)
         if size == 1:
-            return None
+            return static_batch_dims(traced.jaxpr, leaves_with_rows(traced), 1, partial=True)
     return batch_dims(traced, size)
 
 

@@ -136,8 +136,15 @@ def force_batch_axis(
             for d, spec in zip(dims, specs, strict=True)
         )
 
+    merged_in, merged_out = _merged_free_dims(eqn, ins)
+
     def keeps(strategy: Strategy) -> bool:
-        return kept(outs, strategy.out_specs) and kept(ins, strategy.in_specs)
+        return (
+            kept(outs, strategy.out_specs)
+            and kept(ins, strategy.in_specs)
+            and not any(_splits(strategy.in_specs[i], d) for i, d in merged_in)
+            and not any(_splits(strategy.out_specs[0], d) for d in merged_out)
+        )
 
     return tuple(
         s if keeps(s) else replace(s, comm_cost=s.comm_cost + FORBIDDEN_COST) for s in strategies
@@ -264,3 +271,35 @@ def itemsize(aval) -> int:
         return int(np.dtype(dtype).itemsize)
     except TypeError:
         return 4
+
+
+def _splits(spec, dim: int) -> bool:
+    return spec is not None and bool(spec[dim])
+
+
+def _merged_free_dims(eqn: JaxprEqn, ins) -> tuple[tuple[tuple[int, int], ...], tuple[int, ...]]:
+    """Where a ``dot_general`` operand's batch dimension is one of its free dimensions
+    (neither contracted nor a batch dimension of the dot: ``x`` of ``x @ w``), its other
+    free dimensions (``(operand, dim)``) and theirs in the result: Alpa's dot decomposer
+    merged an operand's free dimensions into one before its batch-dimension analysis, so
+    a forced batch dimension took them along (the sequence of a ``[B, S, H] @ [H, D]``
+    dense layer is not split apart from the batch)."""
+    if eqn.primitive.name != "dot_general":
+        return (), ()
+    (contract_l, contract_r), (batch_l, batch_r) = eqn.params["dimension_numbers"]
+    frees = [
+        [d for d in range(v.aval.ndim) if d not in c and d not in b]
+        for v, c, b in zip(
+            eqn.invars[:2], (contract_l, contract_r), (batch_l, batch_r), strict=True
+        )
+    ]
+    first_out = (len(batch_l), len(batch_l) + len(frees[0]))
+    in_dims, out_dims = [], []
+    for i, (free, dims) in enumerate(zip(frees, ins[:2], strict=True)):
+        if dims is None or len(dims) != 1 or dims[0] not in free:
+            continue
+        for k, d in enumerate(free):
+            if d != dims[0]:
+                in_dims.append((i, d))
+                out_dims.append(first_out[i] + k)
+    return tuple(in_dims), tuple(out_dims)

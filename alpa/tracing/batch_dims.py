@@ -87,9 +87,13 @@ class _Slots:
         self.of: dict = {}  # var -> its slots
         self.derived: list = []  # (out slot, fn() -> factors or None): recomputed
 
+    #: A batch of one row: a dimension of size 1 may hold it (``static_batch_dims``'s
+    #: ``partial``), where otherwise it holds no rows.
+    unit_rows = False
+
     def new(self, size: int, state=None) -> int:
         self.parent.append(len(self.parent))
-        self.state.append(NONE if size == 1 else state)
+        self.state.append(NONE if size == 1 and not self.unit_rows else state)
         self.size.append(size)
         return len(self.parent) - 1
 
@@ -111,6 +115,9 @@ class _Slots:
             self.state[r] = factors
             return True
         if self.state[r] != factors:
+            if self.unit_rows:  # one row: the factors' strides tell nothing apart
+                self.state[r] = self.state[r] or factors
+                return False
             raise _Unknown("a dimension would hold two different sets of rows")
         return False
 
@@ -120,7 +127,9 @@ class _Slots:
             return
         sa, sb = self.state[ra], self.state[rb]
         if sa is not None and sb is not None and sa != sb:
-            raise _Unknown("operands hold different rows")
+            if not self.unit_rows:
+                raise _Unknown("operands hold different rows")
+            sa = sa or sb
         self.parent[rb] = ra
         self.state[ra] = sa if sa is not None else sb
 
@@ -433,14 +442,21 @@ def _groups(shape: tuple[int, ...], new: tuple[int, ...]):
         yield gi, gj
 
 
-def static_batch_dims(jaxpr: Jaxpr, batch_invars: Sequence[bool], num_data: int):
+def static_batch_dims(
+    jaxpr: Jaxpr, batch_invars: Sequence[bool], num_data: int, partial: bool = False
+):
     """Per variable of ``jaxpr`` (its inputs and every equation's outputs, and those of
     the bodies it reads), the dimensions that hold rows of the batch: those a trace at ``1 /
     num_data`` of the batch would show ``num_data`` times smaller, ``None`` for one
     that shrinks otherwise (``micro_batches.batch_dims``'s answer). ``None`` where this
-    module cannot tell, for any variable: the caller traces again."""
+    module cannot tell, for any variable: the caller traces again.
+
+    ``partial``: a dimension this module cannot tell holds no rows, rather than no answer
+    at all; for a batch of one row (``num_data`` 1), where sizes tell nothing apart and
+    no retrace at a fraction of the batch exists, the rows that the rules do carry."""
     analysis = _Analysis()
     s = analysis.s
+    s.unit_rows = partial and num_data == 1
     for v, is_batch in zip(jaxpr.invars, batch_invars, strict=True):
         shape = _shape(v)
         if is_batch and shape and shape[0] % num_data:
@@ -467,6 +483,8 @@ def static_batch_dims(jaxpr: Jaxpr, batch_invars: Sequence[bool], num_data: int)
     result = {}
     for v in [*jaxpr.invars, *(o for e in jaxpr.eqns for o in e.outvars)]:
         dims = [s.get(slot) for slot in s.slots(v)]
+        if partial:
+            dims = [NONE if d is None else d for d in dims]
         if any(d is None for d in dims):
             if v in read:
                 return None

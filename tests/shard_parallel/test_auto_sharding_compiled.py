@@ -803,6 +803,40 @@ def test_forced_batch_axis_of_one_device_keeps_the_batch_whole(mlp_wide_batch):
     assert _split_batch_dims(executable, force_batch_dim_to_mesh_dim=0) == []
 
 
+@pytest.mark.parametrize("batch_size, seq_len", [(16, 32), (1, 64)])
+def test_forced_batch_keeps_a_dense_layers_sequence_with_its_batch(batch_size, seq_len):
+    """Alpa merged the free dimensions of a dot's operand (``[B, S, H] @ [H, D]`` as
+    ``[B * S, H] @ [H, D]``) before it forced the batch dimension, so a dense layer's
+    sequence goes where its batch goes. Forced onto the one-device axis of (1, 4), BERT
+    layers are therefore Megatron, with a batch of 16 rows and of one (whose batch
+    dimensions the jaxpr's rules find: no retrace at a fraction of one row exists); left
+    to split the sequence, the ILP would reshuffle it with all-to-alls between the dense
+    layers and the heads. Oracles: every collective of the program is an all-reduce of
+    one ``[B, S, H]`` activation over axis 1 (Megatron's: the dense layers' outputs and
+    input gradients; no all-to-all, no all-gather), the objective is that many of them
+    by the closed form, and numerics equal serial."""
+    from alpa.testing import get_bert_layer_train_state_and_step
+    from alpa.util import collective_shapes
+
+    hidden = 32
+    state, batch, step = get_bert_layer_train_state_and_step(
+        batch_size, seq_len, 2, hidden, num_heads=8, seed=0
+    )
+    expected = jax.jit(step)(state, batch)
+    out, executable = _compile(step, state, batch, (1, 4), force_batch_dim_to_mesh_dim=0)
+    assert_allclose(out, expected, rtol=1e-4, atol=1e-4)
+    hlo = executable.get_hlo_text()
+    counts = _counts(executable)
+    assert counts.total == counts.all_reduce, counts
+    reduced = collective_shapes(hlo, "all-reduce")
+    assert set(reduced) == {f"f32[{batch_size},{seq_len},{hidden}]"}, reduced
+    mesh = executable.plan.logical_mesh
+    activation = batch_size * seq_len * hidden * 4
+    assert executable.auto_sharding_objective == pytest.approx(
+        len(reduced) * mesh.all_reduce_cost(activation, 1), rel=1e-6
+    )
+
+
 def _split_batch_dims(executable, **option) -> list[str]:
     """Labels of the plan's values whose one batch dimension is split over some axis."""
     return _batch_dims_where(executable, bool, 2, **option)
