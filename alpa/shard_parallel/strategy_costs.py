@@ -26,6 +26,7 @@ from jax.extend.core import DropVar, JaxprEqn, Literal, Var, jaxprs_in_params
 from alpa.device_mesh import LogicalDeviceMesh
 from alpa.shard_parallel.sharding_spec import FORBIDDEN_COST, nbytes, num_shards
 from alpa.shard_parallel.strategy_rules import Strategy
+from alpa.shard_parallel.strategy_rules_contraction import dot_free_dims
 from alpa.tracing.flops import eqn_flops
 
 if TYPE_CHECKING:
@@ -286,20 +287,12 @@ def _merged_free_dims(eqn: JaxprEqn, ins) -> tuple[tuple[tuple[int, int], ...], 
     dense layer is not split apart from the batch)."""
     if eqn.primitive.name != "dot_general":
         return (), ()
-    (contract_l, contract_r), (batch_l, batch_r) = eqn.params["dimension_numbers"]
-    frees = [
-        [d for d in range(v.aval.ndim) if d not in c and d not in b]
-        for v, c, b in zip(
-            eqn.invars[:2], (contract_l, contract_r), (batch_l, batch_r), strict=True
-        )
-    ]
-    first_out = (len(batch_l), len(batch_l) + len(frees[0]))
     in_dims, out_dims = [], []
-    for i, (free, dims) in enumerate(zip(frees, ins[:2], strict=True)):
-        if dims is None or len(dims) != 1 or dims[0] not in free:
+    for i, (free, dims) in enumerate(zip(dot_free_dims(eqn), ins[:2], strict=True)):
+        if dims is None or len(dims) != 1 or dims[0] not in (d for d, _ in free):
             continue
-        for k, d in enumerate(free):
+        for d, o in free:
             if d != dims[0]:
                 in_dims.append((i, d))
-                out_dims.append(first_out[i] + k)
+                out_dims.append(o)
     return tuple(in_dims), tuple(out_dims)

@@ -115,20 +115,34 @@ def _contraction_strategies(eqn, ctx, roles, ranks, shapes, partial_roles, in_co
     return _heavy_filter(ctx, strategies)
 
 
+def dot_free_dims(eqn: JaxprEqn) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """Per operand of a ``dot_general``, its free dimensions (neither contracted nor a
+    batch dimension of the dot) as ``(operand dim, result dim)``: the result holds the
+    batch dimensions, then the lhs's free ones, then the rhs's."""
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    lhs, rhs = shape_of(eqn.invars[0]), shape_of(eqn.invars[1])
+    lhs_free = [d for d in range(len(lhs)) if d not in lc and d not in lb]
+    rhs_free = [d for d in range(len(rhs)) if d not in rc and d not in rb]
+    first_rhs = len(lb) + len(lhs_free)
+    return (
+        tuple((d, len(lb) + i) for i, d in enumerate(lhs_free)),
+        tuple((d, first_rhs + i) for i, d in enumerate(rhs_free)),
+    )
+
+
 @register(lax.dot_general_p)
 def dot_general_rule(eqn: JaxprEqn, ctx: RuleContext) -> NodeStrategies:
     (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
     lhs, rhs = shape_of(eqn.invars[0]), shape_of(eqn.invars[1])
     out = shape_of(eqn.outvars[0])
-    lhs_free = [d for d in range(len(lhs)) if d not in lc and d not in lb]
-    rhs_free = [d for d in range(len(rhs)) if d not in rc and d not in rb]
+    lhs_free, rhs_free = dot_free_dims(eqn)
     roles = []
     for i, (a, b) in enumerate(zip(lb, rb, strict=True)):
         roles.append(("batch", (a, b, i)))
-    for i, d in enumerate(lhs_free):
-        roles.append(("lhs", (d, None, len(lb) + i)))
-    for i, d in enumerate(rhs_free):
-        roles.append(("rhs", (None, d, len(lb) + len(lhs_free) + i)))
+    for d, o in lhs_free:
+        roles.append(("lhs", (d, None, o)))
+    for d, o in rhs_free:
+        roles.append(("rhs", (None, d, o)))
     for a, b in zip(lc, rc, strict=True):
         roles.append(("contract", (a, b, None)))
     strategies = _contraction_strategies(
