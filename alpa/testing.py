@@ -463,3 +463,16 @@ def program_text(hlo: str | list[str]) -> str | list[str]:
         return [program_text(h) for h in hlo]
     blocks = [b for b in hlo.split("\n\n") if not b.startswith(_DEBUG_SECTIONS)]
     return re.sub(r", metadata=\{[^}]*\}", "", "\n\n".join(blocks))
+
+
+def entry_shapes(hlo: str) -> tuple[list[str], list[str]]:
+    """The shapes (``f32[16,4]``) of an HLO module's entry parameters and of its results,
+    in order, from its ``entry_computation_layout={(params)->results}``."""
+    start = hlo.index("entry_computation_layout={") + len("entry_computation_layout={")
+    depth, end = 1, start
+    while depth:
+        depth += {"{": 1, "}": -1}.get(hlo[end], 0)
+        end += 1
+    params, results = hlo[start : end - 1].split(")->")
+    shape = r"[a-z]+[0-9]*\[[\d,]*\]"
+    return re.findall(shape, params), re.findall(shape, results)

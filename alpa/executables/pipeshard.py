@@ -212,7 +212,6 @@ class StagePrograms:
         accumulate = () if kernel is None else kernel.accumulate
         reduces = () if kernel is None else kernel.reduces
         publishes = () if kernel is None else kernel.publishes
-        num_in = len(comp.invars)
         mesh = self.meshes[comp.stage]
         overrides = self._deferred_rules(comp)
         reduced_specs = {i: self.sharding(comp.invars[i], comp.stage) for i in reduces}
@@ -221,8 +220,10 @@ class StagePrograms:
         for k, (spec, _) in gathers.items():  # computed on each device's shard
             constraints[comp.outvars[kept[k]]] = NamedSharding(mesh, spec)
 
+        num_sums = len(sums)
+
         def fn(*args):
-            inputs = list(args[:num_in])
+            inputs = list(args[num_sums:])
             # The step's one gradient reduction: reduce-scatters packed into one
             # (ZeRO-2's), the rest all-reduced (gradient_sync.reduce_partials).
             order = list(reduced_specs)
@@ -237,7 +238,7 @@ class StagePrograms:
             )
             outs = gather_packed([results[i] for i in kept], gathers, mesh)
             outs += [inputs[i] for i in publishes]
-            running = iter(args[num_in:])
+            running = iter(args[:num_sums])
             for a in accumulate:
                 value = results[a.outvar_index]
                 if a.scale is not None:
@@ -247,8 +248,9 @@ class StagePrograms:
 
         fn.__name__ = comp.name
         partials = self.program.deferred.partials if reduces else {}
-        in_vars = [partials[v] if i in reduces else v for i, v in enumerate(comp.invars)]
-        in_vars += [a.marker_out for a in sums]
+        # The running sums first, as Alpa's backward took its donated accumulators.
+        in_vars = [a.marker_out for a in sums]
+        in_vars += [partials[v] if i in reduces else v for i, v in enumerate(comp.invars)]
         out_vars = [comp.outvars[i] for i in kept] + [comp.invars[i] for i in publishes]
         out_vars += [a.marker_out for a in accumulate]
         in_shardings = [self.sharding(v, comp.stage) for v in in_vars]
@@ -261,9 +263,24 @@ class StagePrograms:
             fn,
             in_shardings=in_shardings,
             out_shardings=out_shardings,
-            donate_argnums=tuple(range(num_in, len(in_vars))),
+            donate_argnums=tuple(range(num_sums)),
         )
         return jitted, structs, out_shardings
+
+
+def hlo_order(program) -> list[int]:
+    """The indices of ``program``'s computations in Alpa's order of stage programs: the
+    forwards by stage, the backwards (and weight-gradient parts) from the last stage to the
+    first, then apply-grad by stage."""
+    rank = {"forward": 0, "backward": 1, "weight": 1, "apply": 2}
+    comps = program.computations
+
+    def key(i):
+        c = comps[i]
+        r = rank.get(c.kind, 3)
+        return (r, -c.stage if r == 1 else c.stage, c.kind == "weight", i)
+
+    return sorted(range(len(comps)), key=key)
 
 
 def input_placement_specs(
@@ -459,10 +476,25 @@ class PipeshardDriverExecutable(Executable):
         return self._compiled[index]
 
     def get_hlo_text(self) -> list[str]:
-        """One HLO module per stage computation: forward, backward, apply-grad, in that order."""
-        return [
-            self._compiled_computation(i).as_text() for i in range(len(self.program.computations))
-        ]
+        """One HLO module per stage computation, as a ``RUN`` calls it (a backward takes its
+        gradients' running sums first), in Alpa's order: the forwards by stage, the
+        backwards as the first micro-batch runs them (the last stage's first), then
+        apply-grad by stage."""
+        return [self._compiled_run(i).as_text() for i in hlo_order(self.program)]
+
+    def get_hlo_names(self) -> list[str]:
+        """The name of each program ``get_hlo_text`` returns, in its order
+        (``stage1_backward``)."""
+        return [self.program.computations[i].name for i in hlo_order(self.program)]
+
+    def _compiled_run(self, index: int):
+        """The compiled program a ``RUN`` of computation ``index`` calls (its kernel's),
+        else, where no ``RUN`` calls it, the computation alone."""
+        kernels = self.plan.instructions.kernels
+        k = next((k for k, kernel in enumerate(kernels) if kernel.computation == index), None)
+        if k is None:
+            return self._compiled_computation(index)
+        return self._kernels[k]
 
     def get_stage_allocation_size(self) -> list[int]:
         """Per stage computation, the bytes XLA allocates per device (args + temps + outputs)."""

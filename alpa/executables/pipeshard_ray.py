@@ -215,7 +215,7 @@ class PipeshardRayExecutable(Executable):
                     jitted,
                     structs,
                     outs,
-                    range(num_in, len(structs)),
+                    range(len(structs) - num_in),  # the running sums come first
                 )
                 b.emit(
                     WorkerOp.RUN,

@@ -208,7 +208,8 @@ class _Emitter:
         if missing:
             self.instructions.append(Instruction(Op.ALLOC, stage, (), missing, computation=index))
             self.present.update(missing)
-        ins += [key for key, a in zip(sums, kernel.accumulate, strict=True) if a.reads_sum]
+        # The running sums are the kernel's first inputs (StagePrograms.computation).
+        ins = [key for key, a in zip(sums, kernel.accumulate, strict=True) if a.reads_sum] + ins
         written = [comp.outvars[i] for i in kernel.kept]
         written += [comp.invars[i] for i in kernel.publishes]
         for key, v in zip(outs, written, strict=True):

@@ -46,8 +46,8 @@ class Accumulation:
 class Kernel:
     """What a ``RUN`` calls: computation ``computation`` of the program, returning its
     outputs ``kept`` (indices into its ``outvars``), then its inputs ``publishes``, then
-    the ``accumulate``d values; its inputs are its ``invars`` followed by the running sums
-    that are read.
+    the ``accumulate``d values; its inputs are the running sums that are read (donated:
+    first, as Alpa's backward took its accumulators) followed by its ``invars``.
 
     ``reduces`` (indices into ``invars``): gradients that arrive as per-device partial
     sums (``deferred_sums``), their ``[n, ...]`` accumulators in place of the gradient,

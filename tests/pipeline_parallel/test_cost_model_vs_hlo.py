@@ -101,7 +101,8 @@ def _kept_bytes(executable, forward, backward) -> int:
 def test_collective_bytes_and_activations_match_the_compiled_stages(model):
     executable = _compiled_stages(model)
     cost = executable.plan.cost
-    comps = executable.program.computations
+    by_name = {c.name: c for c in executable.program.computations}
+    comps = [by_name[name] for name in executable.get_hlo_names()]
     texts = executable.get_hlo_text()
     for stage in range(executable.plan.num_stages):
         mine = [(c, t) for c, t in zip(comps, texts, strict=True) if c.stage == stage]

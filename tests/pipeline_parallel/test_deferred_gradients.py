@@ -109,8 +109,7 @@ def test_ilp_stages_reduce_gradients_once_per_step(model):
     assert deferred is not None and deferred.stage_axes == {0: ("x",), 1: ("x",)}
     # Every parameter gradient but none is carried as partial sums.
     assert len(deferred.partials) >= len(executable.program.accumulated) - 1
-    names = [c.name for c in executable.program.computations]
-    hlo = dict(zip(names, executable.get_hlo_text(), strict=True))
+    hlo = dict(zip(executable.get_hlo_names(), executable.get_hlo_text(), strict=True))
     for stage in range(2):
         backward = collectives(hlo[f"stage{stage}_backward"])
         assert not [c for c in backward if c[1] == X_GROUPS], (stage, backward)
@@ -168,9 +167,7 @@ def test_a_gradient_split_over_the_data_axis_is_reduced_per_micro_batch_into_its
     )
     assert sums == pytest.approx(plan.cost.parameter_memory[1], rel=0.01)
     # The model's collectives against the compiled stage 1.
-    texts = dict(
-        zip([c.name for c in program.computations], executable.get_hlo_text(), strict=True)
-    )
+    texts = dict(zip(executable.get_hlo_names(), executable.get_hlo_text(), strict=True))
     per_micro: dict = {}
     for name in ("stage1_forward", "stage1_backward"):
         for kind, nbytes in collective_bytes(texts[name]).items():
@@ -226,7 +223,6 @@ def test_a_key_in_the_batch_does_not_stop_the_deferral():
     deferred = executable.program.deferred
     assert deferred is not None and set(deferred.stage_axes) == {0, 1}
     assert len(deferred.partials) == 2  # w1's and w2's gradients
-    names = [c.name for c in executable.program.computations]
-    hlo = dict(zip(names, executable.get_hlo_text(), strict=True))
+    hlo = dict(zip(executable.get_hlo_names(), executable.get_hlo_text(), strict=True))
     for stage in range(2):
         assert collectives(hlo[f"stage{stage}_backward"]) == [], stage

@@ -16,6 +16,7 @@ from jax.extend.core import Literal
 import alpa
 from alpa.parallel_method import PipeshardParallel
 from alpa.pipeline_parallel.stage_construction import ManualStageOption, UniformStageOption
+from alpa.testing import entry_shapes
 
 BATCH = 16
 
@@ -277,6 +278,25 @@ def test_executable_helpers(tmp_path):
     assert all(n.startswith(("stage0_apply", "stage1_apply")) for n in names[4:])
     hlo = executable.get_hlo_text()
     assert isinstance(hlo, list) and len(hlo) == len(names) and "HloModule" in hlo[0]
+    # Alpa's order: the forwards, the backwards from the last stage, apply-grad; each
+    # program as a RUN calls it, a backward taking its gradients' running sums first.
+    hlo_names = executable.get_hlo_names()
+    assert hlo_names[:4] == [
+        "stage0_forward",
+        "stage1_forward",
+        "stage1_backward",
+        "stage0_backward",
+    ]
+    assert sorted(hlo_names) == sorted(names)
+    texts = dict(zip(hlo_names, hlo, strict=True))
+    programs = executable.stage_programs
+    for kernel in executable.instructions.kernels:
+        comp = executable.program.computations[kernel.computation]
+        sums = [a.marker_out for a in kernel.accumulate if a.reads_sum]
+        assert sums or comp.kind != "backward", comp.name
+        per_device = [programs.sharding(v, comp.stage).shard_shape(v.aval.shape) for v in sums]
+        shapes = [f"f32[{','.join(map(str, shape))}]" for shape in per_device]
+        assert entry_shapes(texts[comp.name])[0][: len(sums)] == shapes, comp.name
     # Each computation allocates at least its arguments, each as its stage holds it.
     programs = executable.stage_programs
     for comp, size in zip(
@@ -480,8 +500,7 @@ def test_remat_layer_matches_serial_and_keeps_fewer_activations():
 
 
 def _hlo_by_computation(executable) -> dict[str, str]:
-    names = [c.name for c in executable.program.computations]
-    return dict(zip(names, executable.get_hlo_text(), strict=True))
+    return dict(zip(executable.get_hlo_names(), executable.get_hlo_text(), strict=True))
 
 
 def _data_parallel_two_stages():

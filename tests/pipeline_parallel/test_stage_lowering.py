@@ -195,8 +195,7 @@ def _priced_collectives(executable, stage: int) -> dict[str, Counter]:
 @pytest.mark.parametrize("remat", [False, True])
 def test_stage_programs_perform_the_collectives_their_plans_priced(remat):
     executable, _ = _executable(remat)
-    names = [c.name for c in executable.program.computations]
-    texts = dict(zip(names, executable.get_hlo_text(), strict=True))
+    texts = dict(zip(executable.get_hlo_names(), executable.get_hlo_text(), strict=True))
     kinds = set()
     for stage in range(executable.plan.num_stages):
         for name, priced in _priced_collectives(executable, stage).items():

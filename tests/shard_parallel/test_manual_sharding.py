@@ -8,7 +8,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import alpa
-from alpa.testing import assert_allclose
+from alpa.testing import assert_allclose, entry_shapes
 from alpa.util import count_communication_primitives
 
 B, D, H = 16, 32, 64
@@ -150,17 +150,9 @@ def test_in_axis_resources_length_is_checked():
 
 
 def _entry_shapes(hlo: str) -> tuple[list[str], list[str]]:
-    """The f32 shapes of a module's parameters and of its results, from its
-    ``entry_computation_layout={(params)->results}``."""
-    import re
-
-    start = hlo.index("entry_computation_layout={") + len("entry_computation_layout={")
-    depth, end = 1, start
-    while depth:
-        depth += {"{": 1, "}": -1}.get(hlo[end], 0)
-        end += 1
-    params, results = hlo[start : end - 1].split(")->")
-    return re.findall(r"f32\[[\d,]*\]", params), re.findall(r"f32\[[\d,]*\]", results)
+    """The f32 shapes of a module's parameters and of its results."""
+    params, results = entry_shapes(hlo)
+    return [p for p in params if p.startswith("f32")], [r for r in results if r.startswith("f32")]
 
 
 def test_micro_batches_carry_each_gradient_in_its_parameters_shard():
