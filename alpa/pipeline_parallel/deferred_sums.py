@@ -2,9 +2,10 @@
 
 A stage runs its forward and backward computations once per micro-batch with the
 micro-batch split over its *data axes*: every axis of its submesh for a data-parallel
-stage (``force_data_parallel=True``, or auto-sharding off), the logical mesh axes the ILP
-splits the batch over for a stage the ILP plans (``stage_data_axes``; none for a purely
-model-parallel stage, which has no gradient reduction at all). Left to XLA's partitioner,
+stage (``force_data_parallel=True``, or a one-device submesh), the logical mesh axes the
+ILP splits the batch over for a stage the ILP plans (``stage_data_axes``; none for a purely
+model-parallel stage, which has no gradient reduction at all, and for a stage with
+auto-sharding off, which XLA partitions: ``propagated_stages``). Left to XLA's partitioner,
 every gradient (a sum over the micro-batch's rows) would be all-reduced over those axes
 inside the backward, once per micro-batch. As on one mesh
 (``shard_parallel/micro_batches.py``), such a row sum is *deferred* instead:

@@ -43,6 +43,7 @@ from alpa.pipeline_parallel.layer_construction import (
     resolve_layer_option,
 )
 from alpa.pipeline_parallel.pipeshard_plan import PipeshardDecisions, PipeshardPlan, layout_of
+from alpa.pipeline_parallel.propagated_stages import propagates
 from alpa.pipeline_parallel.runtime_emitter import emit_instructions
 from alpa.pipeline_parallel.schedule_choice import choose, price_schedules
 from alpa.pipeline_parallel.schedules import AUTO, SPLIT_BACKWARD_SCHEDULES, make_schedule
@@ -295,7 +296,12 @@ def _plan_one_schedule(
         program = split_weight_gradients(program)
     schedule = _schedule(program, options, stage_plan)
     mesh_sizes = [m.num_devices for m in logical_meshes]
-    data_parallel = [not uses_ilp(o, n) for o, n in zip(stage_opts, mesh_sizes, strict=True)]
+    # Per stage: data parallel (no ILP), or left to XLA's propagation (propagated_stages).
+    propagated = [propagates(o, n) for o, n in zip(stage_opts, mesh_sizes, strict=True)]
+    data_parallel = [
+        not uses_ilp(o, n) and not p
+        for o, n, p in zip(stage_opts, mesh_sizes, propagated, strict=True)
+    ]
     if decisions is None:
         stage_specs, objectives, inner = _stage_shardings(
             traced, program, args, options, logical_meshes, stage_opts, data_parallel, names
@@ -307,7 +313,7 @@ def _plan_one_schedule(
             dict(decisions.body_specs), _on_program(decisions.operand_specs, traced, program)
         )
     program = _draw_and_defer(
-        traced, program, options, stage_specs, logical_meshes, data_parallel, names
+        traced, program, options, stage_specs, logical_meshes, data_parallel, propagated, names
     )
     instructions = emit_instructions(program, schedule, names)
     buffer_specs, reshards = resolve_buffers(
@@ -420,11 +426,19 @@ def _stage_shardings(
 
 
 def _draw_and_defer(
-    traced, program, options: PipeshardOptions, stage_specs, logical_meshes, data_parallel, names
+    traced,
+    program,
+    options: PipeshardOptions,
+    stage_specs,
+    logical_meshes,
+    data_parallel,
+    propagated,
+    names,
 ) -> PipelineProgram:
     """``program`` with each micro-batch drawing its rows of the full batch's random
     numbers, and every stage's gradients reduced once per step (``names`` gains the new
-    values)."""
+    values), except in the stages left to XLA's propagation (``propagated``), whose
+    backward all-reduces them."""
     if options.num_micro_batches > 1:
         # Micro-batch j draws its rows of the full batch's random numbers (batch_draws).
         draws = micro_batch_draws(traced)
@@ -435,6 +449,7 @@ def _draw_and_defer(
     # Every stage's gradients: reduced once per step over its data axes, in apply-grad.
     mesh_sizes, mesh_shapes = _mesh_sizes_and_shapes(logical_meshes)
     data_axes = stage_data_axes(traced, program, stage_specs, mesh_shapes, data_parallel, DATA_AXES)
+    data_axes = [() if p else axes for axes, p in zip(data_axes, propagated, strict=True)]
     axis_sizes = [dict(zip(DATA_AXES, shape, strict=True)) for shape in mesh_shapes]
     planned = [not dp for dp in data_parallel]
     deferred = defer_gradient_sums(

@@ -12,8 +12,10 @@ mesh, so every computation that writes or reads it there (and every ``LOAD``,
 * Apply-grad computations are planned afterwards, one at a time; their inputs that
   already have a sharding on the mesh (parameters, accumulated gradients) keep it, and
   the ILP plans around it (``fixed_in_specs``), as it does around the user's pins.
-* Values the ILP does not name (or all values, with ``force_data_parallel=True`` or
-  ``enable_auto_sharding=False``) are data parallel (:func:`data_parallel_spec`): split
+* A stage with ``enable_auto_sharding=False`` is not planned: its values take XLA's
+  propagation from the user's pins (``propagated_stages``).
+* Values the ILP does not name (or all values, with ``force_data_parallel=True``) are
+  data parallel (:func:`data_parallel_spec`): split
   along dimension 0 over all devices of the submesh when the forward or backward computes
   them from the batch and it divides, else replicated. With ``prefer_reduce_scatter``, a
   data-parallel stage is ZeRO-2 (``deferred_sums.zero2_specs``).
@@ -44,6 +46,7 @@ from jax.sharding import PartitionSpec
 
 from alpa.device_mesh import MESH_AXIS_NAMES, LogicalDeviceMesh
 from alpa.pipeline_parallel.computation import PipelineProgram, StageComputation
+from alpa.pipeline_parallel.propagated_stages import propagate_into, propagates, stage_comps
 from alpa.shard_parallel.auto_sharding import (
     AutoShardingOption,
     donated_state_pairs,
@@ -140,6 +143,9 @@ def plan_stage_shardings(
         objectives: list[float] = []
         inner = InnerSpecs()
         mesh, option = logical_meshes[s], options[s]
+        if propagates(option, mesh.num_devices):
+            _propagate_stage(table, s, traced, program, mesh, names)
+            return table, objectives, inner
         if not uses_ilp(option, mesh.num_devices):
             return table, objectives, inner
         planning = _Planning(s, program, mesh, option, names, traced, shared)
@@ -167,6 +173,17 @@ def plan_stage_shardings(
         if stage_objectives:
             objectives[s] = stage_objectives
     return table, objectives, inner
+
+
+def _propagate_stage(table: dict, s: int, traced, program, mesh, names) -> None:
+    """Stage ``s``'s table entries from XLA's propagation (``propagated_stages``)."""
+    for comps in stage_comps(program, s):
+        sub, produced = merged_step(traced, program, comps, mesh.num_devices, names, f"stage{s}")
+        propagate_into(table, s, sub, produced, mesh)
+        if comps[0].kind != "apply":
+            for out, operand in program.accumulated.items():
+                if program.home[out] == s and (operand, s) in table:
+                    table[(out, s)] = table[(operand, s)]
 
 
 @dataclasses.dataclass

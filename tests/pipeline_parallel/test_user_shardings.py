@@ -11,8 +11,11 @@ from conftest import devices_or_skip
 from jax.sharding import PartitionSpec as P
 
 import alpa
+from alpa.device_mesh import ClusterSpec
 from alpa.parallel_method import PipeshardParallel
 from alpa.pipeline_parallel.user_shardings import stage_inputs
+from alpa.testing import entry_shapes
+from alpa.util import count_communication_primitives
 
 HIDDEN, BATCH = 16, 16
 
@@ -322,3 +325,90 @@ def test_stage_input_shard_specs_replay_at_another_batch_size():
     assert pinned.stage_input_shard_specs == specs
     assert free.stage_input_shard_specs != specs  # 64 rows: the ILP splits them
 
+
+def _off_method(option=None):
+    """Two stages on (1, 2) submeshes with auto-sharding off, as Alpa's manual-sharding
+    tests build them."""
+    stage_option = alpa.ManualStageOption([[0], [1]], [(1, 2), (1, 2)], [(1, 2), (1, 2)])
+    return PipeshardParallel(
+        num_micro_batches=2,
+        stage_option=stage_option,
+        manual_sharding_option=option,
+        default_auto_sharding_option=alpa.AutoShardingOption(enable_auto_sharding=False),
+    )
+
+
+def test_auto_sharding_off_leaves_the_stages_to_xla_propagation_from_the_pins():
+    """``AutoShardingOption(enable_auto_sharding=False)`` (Alpa's meaning): a stage's values
+    take what XLA's propagation derives from the pins, nothing else is split. Stage 0 pins
+    Megatron's first layer over "model": the batch stays whole there (a data-parallel stage
+    would split it), the hidden activation is split by columns. Stage 1 pins the targets'
+    rows over "data": XLA splits its micro-batch and all-reduces the gradients in the
+    backward, so none is carried as partial sums, and the accumulated gradients have the
+    parameters' shapes. ``get_hlo_text`` lists the programs in Alpa's order (forwards,
+    backwards from the last stage, apply-grad), each backward taking its running sums
+    first. Numbers equal serial."""
+    devices_or_skip(8)
+    option = alpa.ManualShardingOption(
+        None,
+        submesh_axis_names=(("dummy", "model"), ("dummy", "data")),
+        in_axis_resources=(
+            {"w0": P(None, "model"), "b0": P("model"), "w1": P(), "b1": P()},
+            None,
+            (None, P("data")),
+        ),
+    )
+    executable, _ = _run(_off_method(option))
+    program = executable.program
+    assert program.deferred is None
+    half = BATCH // 2  # a micro-batch
+    assert _input_shard_shape(executable, "argument 2[0]", 0) == (half, HIDDEN)
+    assert _input_shard_shape(executable, "argument 0['w0']", 0) == (HIDDEN, HIDDEN // 2)
+    assert _input_shard_shape(executable, "argument 2[1]", 1) == (half // 2, HIDDEN)
+    (activation,) = [
+        v for v in stage_inputs(program, 1) if v not in set(executable.traced.jaxpr.invars)
+    ]
+    assert _input_shard_shape(executable, activation, 1) == (half, HIDDEN)  # unpinned: whole
+    texts = executable.get_hlo_text()
+    names = ["forward", "forward", "backward", "backward", "apply", "apply"]
+    stages = [0, 1, 1, 0, 0, 1]
+    assert len(texts) == 6
+    for text, kind, s in zip(texts, names, stages, strict=True):
+        assert f"stage{s}_{kind}" in text.splitlines()[0], text.splitlines()[0]
+    params, _ = entry_shapes(texts[2])
+    assert params[:2] == ["f32[16,16]", "f32[16]"], params  # w1's and b1's running sums
+    assert count_communication_primitives(texts[2]).all_reduce >= 1
+    assert count_communication_primitives(texts[3]).all_reduce == 0  # Megatron's backward
+
+
+def test_auto_sharding_off_without_pins_runs_a_stage_replicated():
+    """Nothing pinned and auto-sharding off: every value of every stage is whole on every
+    device of its submesh (Alpa's meaning; this used to be data parallel), so no program
+    communicates. Numbers equal serial."""
+    devices_or_skip(8)
+    executable, _ = _run(_off_method())
+    assert executable.program.deferred is None
+    assert _input_shard_shape(executable, "argument 2[0]", 0) == (BATCH // 2, HIDDEN)
+    for text in executable.get_hlo_text():
+        assert count_communication_primitives(text).total == 0
+
+
+def test_auto_sharding_off_needs_the_stages_devices_to_plan():
+    """The shardings of a stage left to XLA come from a compile: planning it for a cluster
+    that is not here says so, and how to get a plan."""
+    cluster = ClusterSpec(2, 16, 1e13, 1 << 34, 1e11, 1e10)
+    stage_option = alpa.ManualStageOption([[0], [1]], [(1, 16), (1, 16)], [(1, 16), (1, 16)])
+    method = PipeshardParallel(
+        devices=cluster,
+        num_micro_batches=2,
+        stage_option=stage_option,
+        default_auto_sharding_option=alpa.AutoShardingOption(enable_auto_sharding=False),
+    )
+    params, batch = _setup()
+    tx = optax.sgd(0.1)
+    step = alpa.parallelize(_step(alpa.value_and_grad, tx), method=method, batch_argnums=(2,))
+    with pytest.raises(
+        ValueError,
+        match=r"enable_auto_sharding=False\), so .* on 16 devices; this process has 8",
+    ):
+        step.plan(params, tx.init(params), batch)
