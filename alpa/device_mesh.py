@@ -51,7 +51,7 @@ class ClusterSpec:
     ``fuses_elementwise``: whether the device's XLA backend leaves chains of elementwise
     operations unwritten, computed inside the kernel that reads them (XLA:GPU does; the
     virtual CPU devices' figures match a model without it): the stage cost model's
-    temporaries follow it (``stage_cost.temporary_bytes``).
+    temporaries follow it (``layer_facts.temporary_bytes``).
     """
 
     num_nodes: int

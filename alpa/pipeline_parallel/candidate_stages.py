@@ -21,7 +21,7 @@ search. :func:`shared_mesh_candidates` builds one candidate for each, from the D
   with the logical shape and options of a DP stage on that submesh (``(1, n)`` and the
   first stage's options when none is);
 * **stages**: the ``L`` layers cut into ``2 p`` contiguous stages whose largest FLOP sum
-  (forward and backward, ``stage_cost.layer_flops``) is the least (a DP over the cuts;
+  (forward and backward, ``stage_problem.layer_flops``) is the least (a DP over the cuts;
   the meshes are equal, so FLOPs are time);
 * **price**: the analytic stage model's latencies and memory of those stages
   (``PipeshardPlan.price_stages``), the schedule's timeline for time and its in-flight
@@ -43,7 +43,7 @@ import numpy as np
 from alpa.pipeline_parallel.schedule_choice import ScheduleCandidate, price_schedule
 from alpa.pipeline_parallel.schedules import SHARED_MESH_SCHEDULES, make_schedule
 from alpa.pipeline_parallel.stage_construction import ManualStageOption, StagePlan, submesh_shape
-from alpa.pipeline_parallel.stage_cost import layer_flops
+from alpa.pipeline_parallel.stage_problem import layer_flops
 from alpa.pipeline_parallel.stage_search import stages_for_schedule
 from alpa.pipeline_parallel.stage_sharding import stage_options
 

@@ -32,6 +32,7 @@ from alpa.pipeline_parallel.computation import (
 from alpa.pipeline_parallel.layer_construction import (
     LayerAssignment,
 )
+from alpa.pipeline_parallel.layer_facts import per_device_bytes
 from alpa.pipeline_parallel.schedule_choice import (
     choose,
     held_memory,
@@ -40,12 +41,8 @@ from alpa.pipeline_parallel.schedule_choice import (
 )
 from alpa.pipeline_parallel.schedules import PipelineSchedule
 from alpa.pipeline_parallel.stage_construction import ManualStageOption, StageContext, StagePlan
-from alpa.pipeline_parallel.stage_cost import (
-    LogicalConfig,
-    StagePlanCost,
-    per_device_bytes,
-    predict_stage_plan,
-)
+from alpa.pipeline_parallel.stage_cost import StagePlanCost, predict_stage_plan
+from alpa.pipeline_parallel.stage_problem import LogicalConfig
 from alpa.pipeline_parallel.stage_search import layer_problem
 from alpa.pipeline_parallel.stage_sharding import (
     DATA_AXES,

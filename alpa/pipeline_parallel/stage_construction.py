@@ -131,7 +131,7 @@ class AutoStageOption:
         or ``"manual"`` (then ``manually_specified_submeshes``).
       manually_specified_submeshes: ``(hosts, devices_per_host)`` shapes for ``"manual"``.
       submesh_logical_shape_space: logical views of each submesh
-        (``stage_cost.get_logical_configs``), default ``"single_node_model_parallel"``.
+        (``stage_problem.get_logical_configs``), default ``"single_node_model_parallel"``.
       stage_imbalance_tolerance: a number ``t >= 0``: a stage of layers ``i..j`` on ``n``
         of the cluster's ``N`` devices is a candidate only if ``n / N`` is within a
         factor ``1 + t`` of the stage's share of the step's FLOPs (forward and backward,
@@ -170,7 +170,7 @@ class AutoStageOption:
     layer_profile_mode: str = "composite"
 
     def __post_init__(self):
-        from alpa.pipeline_parallel.stage_cost import LOGICAL_SHAPE_SPACES
+        from alpa.pipeline_parallel.stage_problem import LOGICAL_SHAPE_SPACES
 
         if self.layer_profile_mode not in ("composite", "individual"):
             raise ValueError(

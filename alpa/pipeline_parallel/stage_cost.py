@@ -3,8 +3,9 @@
 The DP (``stage_dp.training_dp``) reads two tables indexed ``[i, j, m, c]``: the latency
 of one micro-batch through a stage of layers ``i..j`` (inclusive) on submesh choice ``m``
 with logical configuration ``c``, and how many stages may follow it (its memory). A
-:class:`StageCostModel` fills them from a :class:`StageProblem`: the step split with one
-stage per layer, the submesh choices and, per submesh, its logical configurations.
+``stage_problem.StageCostModel`` fills them from a ``stage_problem.StageProblem``: the
+step split with one stage per layer, the submesh choices and, per submesh, its logical
+configurations (what each layer reads: ``layer_facts``).
 
 Two models:
 
@@ -36,7 +37,7 @@ Two models:
   it; split over the submesh in a data-parallel configuration), or under ``r = 1`` only
   the batch values entering the stage, plus, once, one micro-batch's activations while
   its backward recomputes them; and once, the temporaries of its largest layer
-  (:func:`temporary_bytes`: the jaxpr's liveness, leaving out the elementwise values XLA
+  (``layer_facts.temporary_bytes``: the jaxpr's liveness, leaving out the elementwise values XLA
   fuses away where the cluster's backend fuses, ``ClusterSpec.fuses_elementwise``) and
   the cotangent its backward sends to the stage before.
   Under 1F1B a stage followed by ``k`` stages holds
@@ -44,7 +45,7 @@ Two models:
   per_micro_batch) - 1`` (``-1``, and an ``inf`` latency, when not even one fits). The
   layer ILPs run without the budget; on a submesh where the replicated state of an
   average stage cannot fit next to its micro-batches in flight, its configurations ask
-  the ILP to split parameters (:func:`split_parameters_under_memory_pressure`).
+  the ILP to split parameters (``stage_problem.split_parameters_under_memory_pressure``).
 
   :func:`predict_stage_plan` prices any stage plan (manual ones too) with the same
   model, so a hand plan and the DP's compare on equal terms.
@@ -58,7 +59,6 @@ Two models:
 from __future__ import annotations
 
 import dataclasses
-import functools
 import hashlib
 import json
 import math
@@ -67,20 +67,19 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
-from jax.sharding import PartitionSpec
 
-from alpa.device_mesh import ClusterSpec, VirtualPhysicalMesh, entry_names
-from alpa.pipeline_parallel.computation import PipelineProgram
 from alpa.pipeline_parallel.deferred_sums import splits_over
-from alpa.pipeline_parallel.stage_sharding import (
-    equations_key,
-    merged_step,
-    structure_key,
-    uses_ilp,
+from alpa.pipeline_parallel.layer_facts import (
+    LayerFacts,
+    held_values,
+    per_device_bytes,
+    temporary_bytes,
 )
+from alpa.pipeline_parallel.stage_problem import LogicalConfig, StageCosts, StageProblem
+from alpa.pipeline_parallel.stage_sharding import equations_key, structure_key, uses_ilp
 from alpa.shard_parallel import ilp_solver
 from alpa.shard_parallel.auto_sharding import (
     AutoShardingOption,
@@ -88,363 +87,10 @@ from alpa.shard_parallel.auto_sharding import (
     solve_auto_sharding,
 )
 from alpa.shard_parallel.milp import taking_turns
-from alpa.shard_parallel.row_sums import bodies_passing_row_sums
 from alpa.shard_parallel.sharding_spec import Collective
-from alpa.shard_parallel.strategy_rules import ELEMENTWISE, REDUCTIONS
 from alpa.tracing import TracedStep
-from alpa.tracing.flops import jaxpr_flops
-from alpa.tracing.jaxpr_util import is_var, nbytes, nested_eqns
-from alpa.tracing.primitive_def import passes_through
+from alpa.tracing.jaxpr_util import nbytes
 from alpa.util import map_on_threads
-
-LOGICAL_SHAPE_SPACES = (
-    "single_node_model_parallel",
-    "all",
-    "same_as_physical",
-    "data_parallel_only",
-    "model_parallel_only",
-)
-
-
-@dataclass(frozen=True)
-class LogicalConfig:
-    """One way to view a submesh: a 2-D logical shape and ``AutoShardingOption`` fields."""
-
-    shape: tuple[int, int]
-    option_items: tuple[tuple[str, Any], ...] = ()
-
-    @property
-    def option_dict(self) -> dict:
-        return dict(self.option_items)
-
-
-def get_logical_configs(
-    submesh: Sequence[int], space: str, batch_size: int | None = None
-) -> tuple[LogicalConfig, ...]:
-    """The logical configurations of a ``(hosts, devices_per_host)`` submesh in ``space``.
-
-    ``single_node_model_parallel`` (Alpa's default): ``(n / mp, mp)`` with the batch on
-    axis 0 for every model-parallel degree ``mp`` within one host whose data-parallel
-    degree divides ``batch_size``, and ``(n, 1)`` with the ILP free; ``all``: the same
-    with ``mp`` up to ``n``; ``same_as_physical``: the physical shape;
-    ``data_parallel_only``: ``(n, 1)``; ``model_parallel_only``: ``(1, n)``.
-    """
-    if space not in LOGICAL_SHAPE_SPACES:
-        raise ValueError(
-            f"submesh_logical_shape_space must be one of {LOGICAL_SHAPE_SPACES}, got {space!r}"
-        )
-    hosts, per_host = int(submesh[0]), int(submesh[1])
-    n = hosts * per_host
-    forced = (("force_batch_dim_to_mesh_dim", 0),)
-    if space == "same_as_physical":
-        return (LogicalConfig((hosts, per_host)),)
-    if space == "data_parallel_only":
-        return (LogicalConfig((n, 1), forced),)
-    if space == "model_parallel_only":
-        return (LogicalConfig((1, n), forced),)
-    max_mp = per_host if space == "single_node_model_parallel" else n
-    configs = [LogicalConfig((n, 1))]
-    for mp in range(2, max_mp + 1):
-        dp = n // mp
-        if n % mp == 0 and (batch_size is None or batch_size % dp == 0):
-            configs.append(LogicalConfig((dp, mp), forced))
-    return tuple(configs)
-
-
-@dataclass(frozen=True, eq=False)
-class StageProblem:
-    """What a stage cost model needs.
-
-    Attributes:
-      traced: the traced step (at micro-batch size).
-      program: the step split with one stage per layer (stage ``l`` = layer ``l``).
-      names: a readable name for every value (for messages).
-      submesh_choices: ``(hosts, devices_per_host)`` per submesh choice ``m``.
-      configs: per submesh choice, its logical configurations ``c``.
-      cluster: the hardware the plan is for.
-      option: the ``AutoShardingOption`` each configuration's fields update.
-      memory_budget: bytes per device a stage may use.
-      num_micro_batches: micro-batches per step (the gradient reductions, once per step,
-        are amortised over them).
-      remat: each stage's backward recomputes its forward (stage-level remat).
-    """
-
-    traced: TracedStep
-    program: PipelineProgram
-    names: dict
-    submesh_choices: tuple[tuple[int, int], ...]
-    configs: tuple[tuple[LogicalConfig, ...], ...]
-    cluster: ClusterSpec
-    option: AutoShardingOption
-    memory_budget: float
-    num_micro_batches: int = 1
-    remat: bool = False
-
-    @property
-    def num_layers(self) -> int:
-        return self.program.num_stages
-
-    @functools.cached_property
-    def layer_facts(self) -> list[_LayerFacts]:
-        """Every layer's facts (FLOPs, state, activations), computed once."""
-        return [_layer_facts(self, layer) for layer in range(self.num_layers)]
-
-    @property
-    def num_configs(self) -> int:
-        return max(len(c) for c in self.configs)
-
-    def layer_comps(self, layers: Sequence[int]) -> list:
-        layers = list(layers)
-        comps = []
-        # Program order: forwards in layer order, then backwards in reverse.
-        for kind, order in (("forward", layers), ("backward", layers[::-1])):
-            for layer in order:
-                comp = self.program.computation(layer, kind)
-                if comp is not None and comp.eqns:
-                    comps.append(comp)
-        return comps
-
-    def stage_step(self, first: int, last: int, num_devices: int) -> tuple[TracedStep, set]:
-        """Layers ``first..last``'s forward and backward as one step (``merged_step``)."""
-        comps = self.layer_comps(range(first, last + 1))
-        return merged_step(
-            self.traced, self.program, comps, num_devices, self.names, f"layers{first}_{last}"
-        )
-
-    def logical_mesh(self, m: int, config: LogicalConfig):
-        hosts, per_host = self.submesh_choices[m]
-        virtual = VirtualPhysicalMesh(hosts, per_host, cluster=self.cluster)
-        return virtual.get_logical_mesh(config.shape)
-
-    def config_option(self, config: LogicalConfig) -> AutoShardingOption:
-        return dataclasses.replace(self.option, **config.option_dict)
-
-
-@dataclass(frozen=True)
-class StageCosts:
-    """The DP's inputs, with what they were made of (for the plan's report)."""
-
-    compute_cost: np.ndarray  # [i, j, m, c], seconds per micro-batch, inf = infeasible
-    max_n_succ_stages: np.ndarray  # [i, j, m, c]
-    memory: np.ndarray  # [i, j, m, c], bytes per device with one micro-batch in flight
-
-
-class StageCostModel(Protocol):
-    """Fills the DP's tables for a :class:`StageProblem`."""
-
-    def __call__(self, problem: StageProblem) -> StageCosts: ...
-
-
-def split_parameters_under_memory_pressure(problem: StageProblem, num_devices: int) -> StageProblem:
-    """``problem`` with ``allow_replicated_parameters=False`` in the configurations of
-    every multi-device submesh on which replicated state cannot fit next to the
-    activations a stage there keeps. A stage on ``n`` of the cluster's ``D`` devices holds
-    ``k = L * n / D`` of the ``L`` layers on average and is one of ``D / n`` stages, so
-    under 1F1B the first of them keeps ``D / n`` micro-batches in flight. When the
-    replicated state of ``k`` layers (parameters, optimizer state and gradient sums whole;
-    the largest layer's, times ``k``) plus ``D / n`` micro-batches of their activations
-    (split over the ``n`` devices, as a data-parallel stage splits them; under stage
-    remat, only the batch values entering a layer) exceed ``memory_budget``, the ILP must
-    split the parameters there (Alpa's option of that name). The layer ILPs are otherwise
-    solved without the budget, which they would keep data parallel where communication
-    says so. The stages compile with the configuration's option, so the plan priced is
-    the plan run."""
-    if problem.option.force_data_parallel or not problem.option.allow_replicated_parameters:
-        return problem
-    facts = problem.layer_facts
-    state = max(f.state_bytes for f in facts)
-    if problem.remat:
-        activation = max(f.entering_bytes + f.batch_arg_bytes for f in facts)
-    else:
-        activation = max(f.activation_bytes for f in facts)
-    configs = []
-    for (hosts, per_host), choices in zip(problem.submesh_choices, problem.configs, strict=True):
-        n = hosts * per_host
-        layers = problem.num_layers * n / num_devices
-        in_flight = num_devices / n
-        average_stage = layers * (state + in_flight * activation / n)
-        if n > 1 and average_stage > problem.memory_budget:
-            choices = tuple(
-                LogicalConfig(
-                    c.shape,
-                    tuple(sorted({**c.option_dict, "allow_replicated_parameters": False}.items())),
-                )
-                for c in choices
-            )
-        configs.append(choices)
-    return dataclasses.replace(problem, configs=tuple(configs))
-
-
-# ----------------------------------------------------------------------------- per layer
-
-
-@dataclass(frozen=True)
-class _LayerFacts:
-    flops: float  # forward and backward
-    forward_flops: float
-    state_bytes: float  # parameters, optimizer state and gradient sums of the layer
-    param_bytes: float  # the parameters its forward/backward read
-    activation_bytes: float  # per micro-batch: batch values its forward keeps for its backward
-    entering_bytes: float  # per micro-batch: what it reads from earlier layers
-    batch_arg_bytes: float  # per micro-batch: the step's batch arguments its forward reads
-    kept: tuple  # the values counted in activation_bytes
-    entering: tuple  # the values counted in entering_bytes
-    batch_args: tuple  # the values counted in batch_arg_bytes
-    gradients: dict  # the row sums that make its parameters' gradients -> those gradients
-
-
-#: Primitives through which a row sum reaches the gradient marker unchanged in kind: a
-#: reduction of their result is a reduction of the row sum (``micro_batches``' linear set,
-#: restricted to what the split leaves between a row sum and the marker).
-_PASS_TO_GRADIENT = frozenset(
-    {
-        "add",
-        "add_any",
-        "transpose",
-        "convert_element_type",
-        "reshape",
-        "copy",
-        "squeeze",
-        "expand_dims",
-        "pipeline_marker",
-        "mul",
-        "neg",
-    }
-)
-_ROW_SUM_PRIMITIVES = frozenset(
-    {"dot_general", "reduce_sum", "scatter-add", "conv_general_dilated"}
-)
-
-
-def _gradient_row_sums(program: PipelineProgram, comps) -> dict:
-    """The values of ``comps`` that are row sums making a gradient ``alpa.grad`` marks,
-    each with the marked operands it makes: found from each marked operand back through
-    :data:`_PASS_TO_GRADIENT` equations, and into the bodies that return row sums as they
-    are (a checkpoint's outputs, a scan's stacked outputs:
-    ``row_sums.bodies_passing_row_sums``), as ``deferred_sums`` defers them."""
-    eqns = nested_eqns([e for c in comps for e in c.eqns])
-    producer = {v: e for e in eqns for v in e.outvars}
-    bodies = bodies_passing_row_sums(eqns)
-    sums_of: dict = {}  # value -> the row sums it is made of, each value walked once
-
-    def row_sums(start) -> frozenset:
-        stack = [start]
-        while stack:
-            v = stack[-1]
-            if v in sums_of:
-                stack.pop()
-                continue
-            eqn = producer.get(v)
-            name = eqn.primitive.name if eqn is not None else None
-            passes = name in _PASS_TO_GRADIENT or _sums_nothing(eqn)
-            if eqn in bodies and eqn.outvars.index(v) >= bodies[eqn][1]:
-                inner = bodies[eqn][0].outvars[eqn.outvars.index(v)]
-                if not is_var(inner):
-                    sums_of[v] = frozenset()
-                elif inner not in sums_of:
-                    stack.append(inner)
-                    continue
-                else:
-                    sums_of[v] = sums_of[inner]
-            elif name in _ROW_SUM_PRIMITIVES and not passes:
-                sums_of[v] = frozenset((v,))
-            elif not passes:
-                sums_of[v] = frozenset()
-            else:
-                # A marker's output is its operand of the same position, not the others.
-                operands = eqn.invars
-                if passes_through(eqn):
-                    operands = [eqn.invars[eqn.outvars.index(v)]]
-                operands = [x for x in operands if is_var(x)]
-                pending = [x for x in operands if x not in sums_of]
-                if pending:  # their sums first (a jaxpr has no cycles)
-                    stack.extend(pending)
-                    continue
-                sums_of[v] = frozenset().union(*(sums_of[x] for x in operands))
-            stack.pop()
-        return sums_of[start]
-
-    found: dict = {}
-    for operand in program.accumulated.values():
-        for v in row_sums(operand):
-            found[v] = (*found.get(v, ()), operand)
-    return found
-
-
-def _sums_nothing(eqn) -> bool:
-    """A ``reduce_sum`` over dimensions of size 1 only (a broadcast bias's transpose after
-    its row sum): a reshape, not the row sum."""
-    return (
-        eqn is not None
-        and eqn.primitive.name == "reduce_sum"
-        and all(eqn.invars[0].aval.shape[a] == 1 for a in eqn.params["axes"])
-    )
-
-
-def _layer_facts(problem: StageProblem, layer: int) -> _LayerFacts:
-    program = problem.program
-    invars = set(program.closed_jaxpr.jaxpr.invars)
-    comps = problem.layer_comps([layer])
-    forward = program.computation(layer, "forward")
-    backward = program.computation(layer, "backward")
-    flops = jaxpr_flops(e for c in comps for e in c.eqns)
-    forward_flops = jaxpr_flops(forward.eqns) if forward is not None else 0.0
-    read = {v for c in comps for v in c.invars}
-    params = [v for v in read if v in invars and v not in program.batch_dependent]
-    param_bytes = float(sum(nbytes(v) for v in params))
-    state = [
-        v
-        for v in invars
-        if v not in program.batch_dependent and layer in program.input_stages.get(v, ())
-    ]
-    state_bytes = float(sum(nbytes(v) for v in state)) + param_bytes  # + gradient sums
-    kept: set = set()
-    if forward is not None and backward is not None:
-        # Per micro-batch: what depends on the batch. Weights the forward hands on to the
-        # backward (a marker passes them along) are the parameters' own buffers, in state.
-        kept = set(forward.outvars) & set(backward.invars) & program.batch_dependent
-    entering: list = []
-    batch_args: list = []
-    if forward is not None:
-        for v in forward.invars:
-            if not is_var(v) or v not in program.batch_dependent:
-                continue
-            if v in invars:
-                batch_args.append(v)
-            elif program.home.get(v, layer) < layer:
-                entering.append(v)
-    total = lambda vs: float(sum(nbytes(v) for v in vs))  # noqa: E731
-    return _LayerFacts(
-        flops=flops,
-        forward_flops=forward_flops,
-        state_bytes=state_bytes,
-        param_bytes=param_bytes,
-        activation_bytes=total(kept),
-        entering_bytes=total(entering),
-        batch_arg_bytes=total(batch_args),
-        kept=tuple(kept),
-        entering=tuple(entering),
-        batch_args=tuple(batch_args),
-        gradients=_gradient_row_sums(program, comps),
-    )
-
-
-def layer_flops(problem: StageProblem) -> np.ndarray:
-    """Per layer ``l``, :math:`F_l`: the FLOPs (``tracing.flops``) of its forward and
-    backward, as the analytic model counts them (Alpa's stage imbalance bound weighs
-    layers by the same sum)."""
-    return np.array([_layer_facts(problem, layer).flops for layer in range(problem.num_layers)])
-
-
-def per_device_bytes(aval, spec: PartitionSpec | None, mesh_shape, axis_names) -> float:
-    total = float(np.prod(aval.shape, dtype=np.float64) * aval.dtype.itemsize)  # keys too
-    if spec is None:
-        return total
-    split = 1
-    for entry in spec:
-        for axis in entry_names(entry):
-            split *= mesh_shape[list(axis_names).index(axis)]
-    return total / split
 
 
 @dataclass(frozen=True)
@@ -465,7 +111,7 @@ class LayerPlanCost:
       batch_arg_bytes: per micro-batch, the step's batch arguments it reads.
       temporary_bytes: what its forward and backward hold only while they run: the
         most bytes of the values they compute and free again (not its inputs, outputs
-        or kept activations) live at once (:func:`temporary_bytes`).
+        or kept activations) live at once (``layer_facts.temporary_bytes``).
     """
 
     communication: float
@@ -479,59 +125,8 @@ class LayerPlanCost:
     temporary_bytes: float = 0.0
 
 
-# Equations whose results XLA's fusion can leave unmaterialised: elementwise arithmetic and
-# the layout changes it folds into the reading kernel's indexing.
-_FUSIBLE = frozenset(
-    {p if isinstance(p, str) else p.name for p in ELEMENTWISE}
-    | {"broadcast_in_dim", "reshape", "squeeze", "expand_dims", "iota"}
-)
-# Readers into which such a value fuses: the fusible equations and the reductions (XLA's
-# input fusion computes a reduction's operand inside the reduction).
-_FUSES_INTO = _FUSIBLE | {p.name for p in REDUCTIONS}
-
-
-def temporary_bytes(jaxpr, held, bytes_of, fused: bool = True) -> float:
-    """The most bytes per device of values ``jaxpr``'s equations compute and free again
-    that are live at once: each from the equation that computes it to its last read
-    (one never read: its own equation only), ``held`` values (inputs, outputs, what the
-    forward keeps for the backward, counted elsewhere) excepted. XLA's buffer reuse is
-    this liveness. With ``fused``, a value that XLA's fusion never writes to memory is
-    left out: one computed by a fusible equation (elementwise, broadcast, reshape) and
-    read only by fusible equations or reductions (``docs/pipeline.md`` compares the
-    figure with XLA's on GPU: without fusion the cross-entropy of a 51200-word vocabulary
-    counts three fp32 copies of the logits that XLA:GPU never writes)."""
-    eqns = jaxpr.eqns
-    if not eqns:
-        return 0.0
-    last: dict = {}
-    fuses: dict = {}
-    for t, eqn in enumerate(eqns):
-        reader_fuses = eqn.primitive.name in _FUSES_INTO
-        for v in eqn.invars:
-            if is_var(v):
-                last[v] = t
-                fuses[v] = fuses.get(v, True) and reader_fuses
-    change = np.zeros(len(eqns) + 1)
-    for t, eqn in enumerate(eqns):
-        computed_in_fusion = fused and eqn.primitive.name in _FUSIBLE
-        for v in eqn.outvars:
-            if not is_var(v) or v in held:
-                continue
-            if computed_in_fusion and fuses.get(v, True):
-                continue
-            size = bytes_of(v)
-            change[t] += size
-            change[max(last.get(v, t), t) + 1] -= size
-    return float(max(np.cumsum(change).max(), 0.0))
-
-
-def _held(step: TracedStep, facts: _LayerFacts) -> set:
-    jaxpr = step.closed_jaxpr.jaxpr
-    return {*jaxpr.invars, *jaxpr.constvars, *jaxpr.outvars, *facts.kept}
-
-
 def _data_parallel_layer(
-    problem: StageProblem, facts: _LayerFacts, step: TracedStep, m: int, config
+    problem: StageProblem, facts: LayerFacts, step: TracedStep, m: int, config
 ) -> LayerPlanCost:
     """A layer with no ILP (its ``step`` on the submesh): everything batch-dependent
     split over the ``n`` devices, parameters replicated, one all-reduce of its gradients
@@ -555,7 +150,7 @@ def _data_parallel_layer(
         batch_arg_bytes=facts.batch_arg_bytes / n,
         temporary_bytes=temporary_bytes(
             step.closed_jaxpr.jaxpr,
-            _held(step, facts),
+            held_values(step, facts),
             lambda v: nbytes(v) / n if v in batch else float(nbytes(v)),
             fused=problem.cluster.fuses_elementwise,
         ),
@@ -563,7 +158,7 @@ def _data_parallel_layer(
 
 
 def _ilp_layer(
-    problem: StageProblem, facts: _LayerFacts, step: TracedStep, m: int, config: LogicalConfig
+    problem: StageProblem, facts: LayerFacts, step: TracedStep, m: int, config: LogicalConfig
 ) -> LayerPlanCost:
     """One layer's ``step`` planned by the ILP on submesh choice ``m`` with ``config``."""
     mesh = problem.logical_mesh(m, config)
@@ -642,7 +237,7 @@ def _ilp_layer(
         batch_arg_bytes=local(facts.batch_args),
         temporary_bytes=temporary_bytes(
             step.closed_jaxpr.jaxpr,
-            _held(step, facts),
+            held_values(step, facts),
             planned,
             fused=problem.cluster.fuses_elementwise,
         ),

@@ -71,11 +71,11 @@ class DPResult:
 
 
 def layer_problem(context: StageContext, choices, configs, option, budget):
-    """The :class:`~alpa.pipeline_parallel.stage_cost.StageProblem` of ``context``'s
+    """The :class:`~alpa.pipeline_parallel.stage_problem.StageProblem` of ``context``'s
     layers (one stage per layer) on the submesh ``choices``, each with its logical
     ``configs``, under the ``AutoShardingOption`` ``option`` and a memory ``budget``."""
     from alpa.pipeline_parallel.computation import split_computations
-    from alpa.pipeline_parallel.stage_cost import StageProblem
+    from alpa.pipeline_parallel.stage_problem import StageProblem
 
     layers, traced = context.layers, context.traced
     program = split_computations(
@@ -100,8 +100,8 @@ def layer_problem(context: StageContext, choices, configs, option, budget):
 
 
 def stage_problem(option: AutoStageOption, context: StageContext):
-    """The :class:`~alpa.pipeline_parallel.stage_cost.StageProblem` of ``context``."""
-    from alpa.pipeline_parallel.stage_cost import (
+    """The :class:`~alpa.pipeline_parallel.stage_problem.StageProblem` of ``context``."""
+    from alpa.pipeline_parallel.stage_problem import (
         get_logical_configs,
         split_parameters_under_memory_pressure,
     )
@@ -141,7 +141,7 @@ def plan_auto_stages(option: AutoStageOption, context: StageContext) -> StagePla
             f"{context.schedule!r} places two stages on each mesh and needs "
             "UniformStageOption or ManualStageOption"
         )
-    from alpa.pipeline_parallel.stage_cost import StageCosts, layer_flops
+    from alpa.pipeline_parallel.stage_problem import StageCosts, layer_flops
 
     problem = stage_problem(option, context)
     L, M, C = problem.num_layers, len(problem.submesh_choices), problem.num_configs

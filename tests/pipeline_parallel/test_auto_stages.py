@@ -19,13 +19,15 @@ import alpa
 from alpa.device_mesh import ClusterSpec
 from alpa.model.gpt import GPTConfig, get_gpt_train_state_and_step
 from alpa.model.mlp import MLPModel, get_mlp_train_state_and_step
+from alpa.pipeline_parallel.layer_facts import compute_layer_facts
 from alpa.pipeline_parallel.stage_construction import (
     AutoStageOption,
     get_last_dp_result,
     place_submeshes,
 )
-from alpa.pipeline_parallel.stage_cost import AnalyticStageCost, MeasuredStageCost, StageCosts
+from alpa.pipeline_parallel.stage_cost import AnalyticStageCost, MeasuredStageCost
 from alpa.pipeline_parallel.stage_imbalance import imbalance_mask
+from alpa.pipeline_parallel.stage_problem import StageCosts
 from alpa.testing import assert_allclose
 from alpa.tracing.flops import jaxpr_flops
 
@@ -339,7 +341,6 @@ def test_activations_are_the_batch_values_a_forward_keeps():
     bytes; the loss layer keeps two f32[4, 64], 2,048 bytes. Layers 1..3 also hand their
     kernel (f32[64, 64]) on to their backward, which is the parameter's buffer, not a
     per-micro-batch one."""
-    from alpa.pipeline_parallel import stage_cost
 
     seen = []
 
@@ -349,7 +350,7 @@ def test_activations_are_the_batch_values_a_forward_keeps():
 
     _plan((64,) * 4, ClusterSpec.preset("cpu"), AutoStageOption(cost_model=recording))
     (problem,) = seen
-    facts = [stage_cost._layer_facts(problem, layer) for layer in range(4)]
+    facts = [compute_layer_facts(problem.program, layer) for layer in range(4)]
     assert [f.activation_bytes for f in facts] == [1280, 1280, 1280, 2048]
 
 

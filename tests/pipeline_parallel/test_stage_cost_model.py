@@ -24,6 +24,7 @@ from test_auto_stages import make_train_step, mlp_state
 import alpa
 from alpa.device_mesh import ClusterSpec
 from alpa.pipeline_parallel import stage_cost
+from alpa.pipeline_parallel.layer_facts import temporary_bytes
 from alpa.pipeline_parallel.stage_construction import AutoStageOption
 from alpa.pipeline_parallel.stage_cost import AnalyticStageCost
 
@@ -215,12 +216,12 @@ def test_temporaries_are_the_fullest_point_of_the_liveness_of_what_is_not_held()
     a = jaxpr.eqns[0].outvars[0]
     held = {*jaxpr.invars, *jaxpr.outvars}
     size = lambda v: float(np.prod(v.aval.shape) * v.aval.dtype.itemsize)  # noqa: E731
-    unfused = functools.partial(stage_cost.temporary_bytes, fused=False)
+    unfused = functools.partial(temporary_bytes, fused=False)
     assert unfused(jaxpr, held, size) == 384
     assert unfused(jaxpr, held | {a}, size) == 256
     assert unfused(jaxpr, held, lambda v: size(v) / 4) == 96
-    assert stage_cost.temporary_bytes(jaxpr, held, size) == 128
-    assert stage_cost.temporary_bytes(jaxpr, held | {a}, size) == 0
+    assert temporary_bytes(jaxpr, held, size) == 128
+    assert temporary_bytes(jaxpr, held | {a}, size) == 0
 
 
 def test_fused_temporaries_keep_what_a_matmul_or_a_non_fusible_reader_needs():
@@ -244,13 +245,13 @@ def test_fused_temporaries_keep_what_a_matmul_or_a_non_fusible_reader_needs():
     x, w = jnp.ones((4, 16)), jnp.ones((16, 8))
     jaxpr = jax.make_jaxpr(f)(x, w, jnp.ones((8, 8))).jaxpr
     held = {*jaxpr.invars, *jaxpr.outvars}
-    assert stage_cost.temporary_bytes(jaxpr, held, size) == 384
+    assert temporary_bytes(jaxpr, held, size) == 384
     jaxpr = jax.make_jaxpr(g)(x, w).jaxpr
     held = {*jaxpr.invars, *jaxpr.outvars}
     assert [e.primitive.name for e in jaxpr.eqns] == ["dot_general", "tanh", "mul", "reduce_sum"]
-    assert stage_cost.temporary_bytes(jaxpr, held, size) == 128  # x @ w alone
+    assert temporary_bytes(jaxpr, held, size) == 128  # x @ w alone
     # Unfused, each of the three lives until the next reads it: two at a time.
-    assert stage_cost.temporary_bytes(jaxpr, held, size, fused=False) == 256
+    assert temporary_bytes(jaxpr, held, size, fused=False) == 256
 
 
 def _dense_stack_step(checkpointed: bool):
