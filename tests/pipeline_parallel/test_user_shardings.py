@@ -134,6 +134,21 @@ def test_manual_sharding_option_with_axis_names_per_submesh(mesh_axis_names):
     assert _input_shard_shape(executable, "argument 0['w1']", 1) == (HIDDEN // 4, HIDDEN)
 
 
+def _model_then_data(batch_specs, **kwargs) -> alpa.ManualShardingOption:
+    """Stage 0's submesh names its axes ("dummy", "model") and pins w0 and b0 by columns
+    over "model"; stage 1's names them ("dummy", "data"); the batch takes ``batch_specs``."""
+    return alpa.ManualShardingOption(
+        None,
+        submesh_axis_names=(("dummy", "model"), ("dummy", "data")),
+        in_axis_resources=(
+            {"w0": P(None, "model"), "b0": P("model"), "w1": P(), "b1": P()},
+            None,
+            batch_specs,
+        ),
+        **kwargs,
+    )
+
+
 @pytest.mark.parametrize("intermediate_axes", [None, (("data", 1),)], ids=str)
 def test_pipeline_intermediate_axes_split_the_values_between_stages(intermediate_axes):
     """Alpa's ``ManualShardingOption(pipeline_intermediate_axes=((axis, dim),))``: the
@@ -143,16 +158,7 @@ def test_pipeline_intermediate_axes_split_the_values_between_stages(intermediate
     as without the option. Without it the ILP keeps the activation whole on stage 1.
     Numbers equal serial."""
     devices_or_skip(8)
-    option = alpa.ManualShardingOption(
-        None,
-        submesh_axis_names=(("dummy", "model"), ("dummy", "data")),
-        in_axis_resources=(
-            {"w0": P(None, "model"), "b0": P("model"), "w1": P(), "b1": P()},
-            None,
-            (None, None),
-        ),
-        pipeline_intermediate_axes=intermediate_axes,
-    )
+    option = _model_then_data((None, None), pipeline_intermediate_axes=intermediate_axes)
     stage_option = alpa.ManualStageOption([[0], [1]], [(1, 2), (1, 2)], [(1, 2), (1, 2)])
     method = PipeshardParallel(
         num_micro_batches=2, stage_option=stage_option, manual_sharding_option=option
@@ -349,15 +355,7 @@ def test_auto_sharding_off_leaves_the_stages_to_xla_propagation_from_the_pins():
     backwards from the last stage, apply-grad), each backward taking its running sums
     first. Numbers equal serial."""
     devices_or_skip(8)
-    option = alpa.ManualShardingOption(
-        None,
-        submesh_axis_names=(("dummy", "model"), ("dummy", "data")),
-        in_axis_resources=(
-            {"w0": P(None, "model"), "b0": P("model"), "w1": P(), "b1": P()},
-            None,
-            (None, P("data")),
-        ),
-    )
+    option = _model_then_data((None, P("data")))
     executable, _ = _run(_off_method(option))
     program = executable.program
     assert program.deferred is None
