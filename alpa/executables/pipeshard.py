@@ -228,21 +228,12 @@ class PipeshardDriverExecutable(Executable):
         gradients' running sums first), in Alpa's order: the forwards by stage, the
         backwards as the first micro-batch runs them (the last stage's first), then
         apply-grad by stage."""
-        return [self._compiled_run(i).as_text() for i in hlo_order(self.program)]
+        return [self._compiled_computation(i).as_text() for i in hlo_order(self.program)]
 
     def get_hlo_names(self) -> list[str]:
         """The name of each program ``get_hlo_text`` returns, in its order
         (``stage1_backward``)."""
         return [self.program.computations[i].name for i in hlo_order(self.program)]
-
-    def _compiled_run(self, index: int):
-        """The compiled program a ``RUN`` of computation ``index`` calls (its kernel's),
-        else, where no ``RUN`` calls it, the computation alone."""
-        kernels = self.plan.instructions.kernels
-        k = next((k for k, kernel in enumerate(kernels) if kernel.computation == index), None)
-        if k is None:
-            return self._compiled_computation(index)
-        return self._kernels[k]
 
     def get_stage_allocation_size(self) -> list[int]:
         """Per stage computation, the bytes XLA allocates per device (args + temps + outputs)."""

@@ -153,9 +153,7 @@ def plan_stage_shardings(
         comps = [c for c in comps if c is not None and c.eqns]
         if comps:
             objectives.append(planning.plan_into(table, inner, comps))
-        for out, operand in program.accumulated.items():
-            if program.home[out] == s and (operand, s) in table:
-                table[(out, s)] = table[(operand, s)]
+        _accumulated_as_operands(table, program, s)
         for comp in program.computations:
             if comp.stage == s and comp.kind == "apply" and comp.eqns:
                 objectives.append(planning.plan_into(table, inner, [comp]))
@@ -181,9 +179,15 @@ def _propagate_stage(table: dict, s: int, traced, program, mesh, names) -> None:
         sub, produced = merged_step(traced, program, comps, mesh.num_devices, names, f"stage{s}")
         propagate_into(table, s, sub, produced, mesh)
         if comps[0].kind != "apply":
-            for out, operand in program.accumulated.items():
-                if program.home[out] == s and (operand, s) in table:
-                    table[(out, s)] = table[(operand, s)]
+            _accumulated_as_operands(table, program, s)
+
+
+def _accumulated_as_operands(table: dict, program, s: int) -> None:
+    """Each gradient stage ``s`` accumulates (an ``alpa.grad`` marker's output) in the
+    spec of the value its backward computes."""
+    for out, operand in program.accumulated.items():
+        if program.home[out] == s and (operand, s) in table:
+            table[(out, s)] = table[(operand, s)]
 
 
 @dataclasses.dataclass

@@ -74,7 +74,10 @@ def check_against_serial(step_fn, state, batch, method, steps=2):
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 @pytest.mark.parametrize("num_micro_batches", [1, 4, 16])
-def test_mlp_auto_layers_and_stages_match_serial(schedule, num_micro_batches):
+def test_mlp_auto_layers_and_stages_match_serial(
+    schedule, num_micro_batches, tmp_path, monkeypatch
+):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # get_last_dp_result's file
     state, batch = mlp_state()
     method = alpa.PipeshardParallel(
         num_micro_batches=num_micro_batches,
@@ -542,7 +545,10 @@ def test_stage_imbalance_tolerance_keeps_every_stage_in_its_band():
     assert unbounded.stage_plan.predicted_cost < 25.6
 
 
-def test_stage_imbalance_tolerance_applies_to_cached_tables_which_stay_unbounded():
+def test_stage_imbalance_tolerance_applies_to_cached_tables_which_stay_unbounded(
+    tmp_path, monkeypatch
+):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # get_last_dp_result's file
     work, comm = [1.0, 1.0, 4.0, 1.0], 0.05
     bounded, _ = _planned_with_flops({"stage_imbalance_tolerance": 0.5}, work, comm)
     path = get_last_dp_result()[0]
