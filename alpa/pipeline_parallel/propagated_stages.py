@@ -23,7 +23,6 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from alpa.device_mesh import MESH_AXIS_NAMES, LogicalDeviceMesh
-from alpa.pipeline_parallel.computation import PipelineProgram, StageComputation
 from alpa.shard_parallel.auto_sharding import AutoShardingOption
 from alpa.shard_parallel.constrained_eval import eval_jaxpr_with_constraints
 from alpa.tracing import TracedStep
@@ -64,15 +63,6 @@ def propagate_into(
     for v, sharding in zip(outvars, compiled.output_shardings, strict=True):
         if is_var(v) and v in produced:
             table.setdefault((v, s), _spec_of(sharding, v.aval.ndim))
-
-
-def stage_comps(program: PipelineProgram, s: int) -> list[list[StageComputation]]:
-    """The computations of stage ``s`` in the groups they are compiled in to read their
-    shardings: forward, backward and weight-gradient together, then each apply one."""
-    first = [program.computation(s, kind) for kind in ("forward", "backward", "weight")]
-    groups = [[c for c in first if c is not None and c.eqns]]
-    groups += [[c] for c in program.computations if c.stage == s and c.kind == "apply" and c.eqns]
-    return [g for g in groups if g]
 
 
 def _local_mesh(s: int, mesh: LogicalDeviceMesh) -> Mesh:

@@ -198,6 +198,4 @@ def layer_flops(problem: StageProblem) -> np.ndarray:
     """Per layer ``l``, :math:`F_l`: the FLOPs (``tracing.flops``) of its forward and
     backward, as the analytic model counts them (Alpa's stage imbalance bound weighs
     layers by the same sum)."""
-    return np.array(
-        [compute_layer_facts(problem.program, layer).flops for layer in range(problem.num_layers)]
-    )
+    return np.array([facts.flops for facts in problem.layer_facts])

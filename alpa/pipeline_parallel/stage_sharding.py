@@ -46,7 +46,7 @@ from jax.sharding import PartitionSpec
 
 from alpa.device_mesh import MESH_AXIS_NAMES, LogicalDeviceMesh
 from alpa.pipeline_parallel.computation import PipelineProgram, StageComputation
-from alpa.pipeline_parallel.propagated_stages import propagate_into, propagates, stage_comps
+from alpa.pipeline_parallel.propagated_stages import propagate_into, propagates
 from alpa.shard_parallel.auto_sharding import (
     AutoShardingOption,
     donated_state_pairs,
@@ -144,19 +144,30 @@ def plan_stage_shardings(
         inner = InnerSpecs()
         mesh, option = logical_meshes[s], options[s]
         if propagates(option, mesh.num_devices):
-            _propagate_stage(table, s, traced, program, mesh, names)
+
+            def plan_group(comps) -> None:
+                sub, produced = merged_step(
+                    traced, program, comps, mesh.num_devices, names, f"stage{s}"
+                )
+                propagate_into(table, s, sub, produced, mesh)
+
+        elif uses_ilp(option, mesh.num_devices):
+            planning = _Planning(s, program, mesh, option, names, traced, shared)
+
+            def plan_group(comps) -> None:
+                objectives.append(planning.plan_into(table, inner, comps))
+
+        else:
             return table, objectives, inner
-        if not uses_ilp(option, mesh.num_devices):
-            return table, objectives, inner
-        planning = _Planning(s, program, mesh, option, names, traced, shared)
-        comps = [program.computation(s, kind) for kind in ("forward", "backward", "weight")]
-        comps = [c for c in comps if c is not None and c.eqns]
-        if comps:
-            objectives.append(planning.plan_into(table, inner, comps))
-        _accumulated_as_operands(table, program, s)
-        for comp in program.computations:
-            if comp.stage == s and comp.kind == "apply" and comp.eqns:
-                objectives.append(planning.plan_into(table, inner, [comp]))
+        forward_backward, applies = _stage_groups(program, s)
+        if forward_backward:
+            plan_group(forward_backward)
+        # Each accumulated gradient in the spec of the value its backward computes.
+        for out, operand in program.accumulated.items():
+            if program.home[out] == s and (operand, s) in table:
+                table[(out, s)] = table[(operand, s)]
+        for comp in applies:
+            plan_group([comp])
         return table, objectives, inner
 
     stages = range(program.num_stages)
@@ -173,21 +184,15 @@ def plan_stage_shardings(
     return table, objectives, inner
 
 
-def _propagate_stage(table: dict, s: int, traced, program, mesh, names) -> None:
-    """Stage ``s``'s table entries from XLA's propagation (``propagated_stages``)."""
-    for comps in stage_comps(program, s):
-        sub, produced = merged_step(traced, program, comps, mesh.num_devices, names, f"stage{s}")
-        propagate_into(table, s, sub, produced, mesh)
-        if comps[0].kind != "apply":
-            _accumulated_as_operands(table, program, s)
-
-
-def _accumulated_as_operands(table: dict, program, s: int) -> None:
-    """Each gradient stage ``s`` accumulates (an ``alpa.grad`` marker's output) in the
-    spec of the value its backward computes."""
-    for out, operand in program.accumulated.items():
-        if program.home[out] == s and (operand, s) in table:
-            table[(out, s)] = table[(operand, s)]
+def _stage_groups(
+    program: PipelineProgram, s: int
+) -> tuple[list[StageComputation], list[StageComputation]]:
+    """The computations of stage ``s`` with equations, in the groups the intra-op pass
+    plans them in (the ILP's, or a compile's for a stage left to XLA): its forward,
+    backward and weight-gradient ones together, then each apply-grad one on its own."""
+    first = [program.computation(s, kind) for kind in ("forward", "backward", "weight")]
+    applies = [c for c in program.computations if c.stage == s and c.kind == "apply" and c.eqns]
+    return [c for c in first if c is not None and c.eqns], applies
 
 
 @dataclasses.dataclass
