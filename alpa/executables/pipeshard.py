@@ -45,6 +45,7 @@ from alpa.runtime.memory import allocation_bytes, device_peak_bytes, step_peak_b
 from alpa.runtime.placement import PlacementSpec, caller_placements, is_placed
 from alpa.shard_parallel.compile import full_batch_avals
 from alpa.tracing import leaf_signature
+from alpa.xla_compile import compile_lowered
 
 
 class PipeshardDriverExecutable(Executable):
@@ -120,16 +121,18 @@ class PipeshardDriverExecutable(Executable):
         avals = [self._var_of[key[0]].aval for key in keys]
         signature = (tuple((a.shape, a.dtype) for a in avals), shardings)
         if signature not in self._zeros:
-            self._zeros[signature] = self.stage_programs.zeros(keys).lower().compile()
+            self._zeros[signature] = compile_lowered(
+                self.stage_programs.zeros(keys).lower(), self.devices[0].platform
+            )
         return self._zeros[signature]
 
     def _compile_kernel(self, kernel: Kernel):
         jitted, structs, _ = self.stage_programs.kernel(kernel)
-        return jitted.lower(*structs).compile()
+        return compile_lowered(jitted.lower(*structs), self.devices[0].platform)
 
     def _compile(self, comp: StageComputation):
         jitted, structs, _ = self.stage_programs.computation(comp)
-        return jitted.lower(*structs).compile()
+        return compile_lowered(jitted.lower(*structs), self.devices[0].platform)
 
     # -- Executable interface
 

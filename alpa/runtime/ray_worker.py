@@ -59,6 +59,7 @@ from alpa.runtime.worker_program import (
     WorkerProgram,
     local_slices,
 )
+from alpa.xla_compile import compile_lowered
 
 #: How long a ``RECV`` waits, in total, before it gives up (the driver aborts much
 #: sooner when a peer dies; this only bounds a hang nobody reports).
@@ -390,7 +391,7 @@ class MeshHostWorker:
             jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
             for a, s in zip(exported.in_avals, in_shardings, strict=True)
         ]
-        return jitted.lower(*structs).compile()
+        return compile_lowered(jitted.lower(*structs), self._devices()[0].platform)
 
     def hlo_text(self, program_id: int, fn: int) -> str:
         return self._programs[program_id].fns[fn].as_text()

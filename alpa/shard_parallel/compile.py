@@ -16,6 +16,7 @@ from alpa.global_env import global_config
 from alpa.shard_parallel.lowering import build_micro_batched_parts, build_step_function
 from alpa.shard_parallel.sharding_plan import ShardingPlan
 from alpa.tracing import TracedStep
+from alpa.xla_compile import compile_lowered
 
 logger = logging.getLogger(__name__)
 
@@ -73,9 +74,13 @@ def compile_plan(traced: TracedStep, plan: ShardingPlan, num_micro_batches: int 
     lowered = jitted.lower(
         *jax.tree.unflatten(in_tree, full_batch_avals(traced, num_micro_batches))
     )
-    compiled = lowered.compile()
+    compiled = compile_lowered(lowered, _platform(mesh))
     _log_compile(traced, plan, tic)
     return compiled, in_shardings
+
+
+def _platform(mesh) -> str:
+    return mesh.devices.flat[0].platform
 
 
 def _log_compile(traced: TracedStep, plan: ShardingPlan, tic: float) -> None:
@@ -187,6 +192,7 @@ class MicroBatchedProgram:
     def __init__(self, traced: TracedStep, plan: ShardingPlan, mesh, k: int, in_shardings):
         first = build_micro_batched_parts(traced, plan, mesh, k)
         self.k = k
+        self._platform = _platform(mesh)
         self.in_tree, self.out_tree = traced.in_tree, traced.out_tree
         avals = full_batch_avals(traced, k)
         self._batch_at = [i for i, b in enumerate(first.is_batch) if b]
@@ -221,10 +227,12 @@ class MicroBatchedProgram:
         out_shardings = [None if s is None else NamedSharding(mesh, s) for s in plan.out_specs]
         donated = tuple(n for n, i in enumerate(self._param_at) if traced.donated_invars[i])
         jitted = jax.jit(functions.apply, out_shardings=out_shardings, donate_argnums=donated)
-        return jitted.lower(*self._params, *grads).compile()
+        return compile_lowered(jitted.lower(*self._params, *grads), self._platform)
 
     def _compile_accumulate(self, functions: _PartFunctions) -> None:
-        self.prepare = jax.jit(functions.prepare).lower(self._batch).compile()
+        self.prepare = compile_lowered(
+            jax.jit(functions.prepare).lower(self._batch), self._platform
+        )
         first_shardings, last_shardings, carry_shardings = self.prepare.output_shardings
         first_avals, last_avals, carry_avals = jax.eval_shape(functions.prepare, self._batch)
         first = [_struct(a, s) for a, s in zip(first_avals, first_shardings, strict=True)]
@@ -233,16 +241,18 @@ class MicroBatchedProgram:
         self._micro_batch = micro_batch
         self.accumulate = None
         if self.k > 1:
-            self.accumulate = (
-                jax.jit(functions.accumulate, out_shardings=carry_shardings, donate_argnums=(2,))
-                .lower(self._params, first, carry)
-                .compile()
+            self.accumulate = compile_lowered(
+                jax.jit(
+                    functions.accumulate, out_shardings=carry_shardings, donate_argnums=(2,)
+                ).lower(self._params, first, carry),
+                self._platform,
             )
         grad_out = list(self.apply.input_shardings[0][len(self._params) :])
-        self.accumulate_last = (
-            jax.jit(functions.accumulate_last, out_shardings=grad_out, donate_argnums=(2,))
-            .lower(self._params, micro_batch, carry)
-            .compile()
+        self.accumulate_last = compile_lowered(
+            jax.jit(functions.accumulate_last, out_shardings=grad_out, donate_argnums=(2,)).lower(
+                self._params, micro_batch, carry
+            ),
+            self._platform,
         )
 
     @property
