@@ -17,13 +17,22 @@ batch's arrays) is replicated. A leaf is optimizer state when its path holds
 ``opt_state`` (flax ``TrainState``, or any pytree that follows that name). A leaf is
 sharded along its first dimension that ``n`` divides; leaves with none (scalars such as
 Adam's step count) stay replicated.
+
+ZeRO-2 leaves a gradient whose optimizer state is *factored* whole
+(:func:`factored_gradients`): where the update computes, from that gradient, state of
+another shape than the gradient's (Adafactor's row and column statistics of a matrix).
+Such state is already small (``n + m`` for an ``n x m`` parameter), and an update from a
+slice of the gradient's rows would need the column statistics of every device: one
+all-reduce and one all-gather per parameter, chained behind each other. The gradient is
+all-reduced instead (packed with the others), and its state and update stay whole.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
+import numpy as np
 from jax.extend.core import Var
 from jax.sharding import PartitionSpec
 
@@ -65,17 +74,21 @@ def data_parallel_plan(
     mesh = replace(logical_mesh, shape=(logical_mesh.num_devices, 1), axis_names=MESH_AXIS_NAMES)
     n = mesh.num_devices
 
-    def state_spec(name: str, shape) -> PartitionSpec:
+    factored = factored_gradients(traced) if zero_stage == 2 else Factored()
+
+    def state_spec(name: str, shape, v=None) -> PartitionSpec:
+        if isinstance(v, Var) and v in factored.state:
+            return REPLICATED
         sharded = (zero_stage == 3) or (zero_stage == 2 and is_opt_state(name))
         return zero_spec(shape, n, first_only=zero_stage == 2) if sharded else REPLICATED
 
     rows = batch_rows(traced)
     in_specs = []
-    for aval, is_batch, name in zip(
-        traced.in_avals, traced.batch_invars, traced.leaf_names, strict=True
+    for v, aval, is_batch, name in zip(
+        traced.jaxpr.invars, traced.in_avals, traced.batch_invars, traced.leaf_names, strict=True
     ):
         if not is_batch:
-            in_specs.append(state_spec(name, aval.shape))
+            in_specs.append(state_spec(name, aval.shape, v))
             continue
         if aval.ndim == 0 or aval.shape[0] != rows:  # no row per example: a PRNG key
             in_specs.append(REPLICATED)
@@ -90,7 +103,7 @@ def data_parallel_plan(
 
     out_names = output_leaf_names(traced)
     out_specs = tuple(
-        state_spec(name, v.aval.shape)
+        state_spec(name, v.aval.shape, v)
         for name, v in zip(out_names, traced.jaxpr.outvars, strict=True)
     )
     var_specs = {}
@@ -106,10 +119,13 @@ def data_parallel_plan(
     marker = traced.grad_marker()
     if zero_stage and marker is not None:
         grad_specs = tuple(
-            zero_spec(v.aval.shape, n, first_only=zero_stage == 2) for v in marker.outvars
+            REPLICATED
+            if i in factored.gradients
+            else zero_spec(v.aval.shape, n, first_only=zero_stage == 2)
+            for i, v in enumerate(marker.outvars)
         )
     if zero_stage == 2:
-        var_specs = updated_on_shards(traced, n, out_names, out_specs)
+        var_specs = updated_on_shards(traced, n, out_names, out_specs, factored.updated)
     return ShardingPlan(
         logical_mesh=mesh,
         in_specs=tuple(in_specs),
@@ -123,12 +139,13 @@ def data_parallel_plan(
 
 
 def updated_on_shards(
-    traced: TracedStep, n: int, out_names: list[str], out_specs
+    traced: TracedStep, n: int, out_names: list[str], out_specs, whole=frozenset()
 ) -> dict[Var, PartitionSpec]:
     """ZeRO-2's outputs computed on each device's shard and returned whole: those the
     step returns replicated (parameters, not optimizer state) that it computes from the
-    gradients (after the ``alpa.grad`` marker), each pinned split like its gradient. The
-    lowering all-gathers them together (``gradient_sync.packed_gathers``)."""
+    gradients (after the ``alpa.grad`` marker), each pinned split like its gradient, but
+    those in ``whole`` (computed from a factored gradient, :func:`factored_gradients`).
+    The lowering all-gathers them together (``gradient_sync.packed_gathers``)."""
     marker = traced.grad_marker()
     if marker is None:
         return {}
@@ -139,7 +156,7 @@ def updated_on_shards(
             downstream.update(eqn.outvars)
     pins = {}
     for v, name, spec in zip(jaxpr.outvars, out_names, out_specs, strict=True):
-        if not isinstance(v, Var) or v not in downstream or spec != REPLICATED:
+        if not isinstance(v, Var) or v not in downstream or spec != REPLICATED or v in whole:
             continue
         if is_opt_state(name):
             continue
@@ -147,6 +164,76 @@ def updated_on_shards(
         if split != REPLICATED:
             pins[v] = split
     return pins
+
+
+@dataclass(frozen=True)
+class Factored:
+    """What ZeRO-2 keeps whole for its factored gradients (:func:`factored_gradients`):
+    the gradients (indices into the marker's values), the optimizer state they update
+    (the step's input and output variables) and the other outputs computed from them
+    (the updated parameters)."""
+
+    gradients: frozenset[int] = frozenset()
+    state: frozenset[Var] = frozenset()
+    updated: frozenset[Var] = frozenset()
+
+
+def factored_gradients(traced: TracedStep) -> Factored:
+    """The gradients at the ``alpa.grad`` marker whose optimizer state is factored: from
+    which, through values of more than one element, the step computes an optimizer-state
+    output of another shape than the gradient's (module docstring). Scalars carry no
+    row of a gradient (a global norm, a step count), so flow through them is not followed.
+    An equation is read as a whole: each output may come from each input."""
+    marker = traced.grad_marker()
+    if marker is None:
+        return Factored()
+    jaxpr = traced.jaxpr
+    names = output_leaf_names(traced)
+    # Per value: the gradients and the optimizer-state inputs it is computed from.
+    from_grads: dict[Var, frozenset[int]] = {
+        v: frozenset({i}) for i, v in enumerate(marker.outvars) if _carries(v)
+    }
+    from_state: dict[Var, frozenset[Var]] = {
+        v: frozenset({v})
+        for v, name in zip(jaxpr.invars, traced.leaf_names, strict=True)
+        if is_opt_state(name) and _carries(v)
+    }
+    start = jaxpr.eqns.index(marker) + 1
+    for eqn in jaxpr.eqns[start:]:
+        ins = [v for v in eqn.invars if isinstance(v, Var) and _carries(v)]
+        g = frozenset().union(*(from_grads.get(v, ()) for v in ins))
+        s_ = frozenset().union(*(from_state.get(v, ()) for v in ins))
+        for out in eqn.outvars:
+            if _carries(out):
+                if g:
+                    from_grads[out] = g
+                if s_:
+                    from_state[out] = s_
+    factored = set()
+    state_outs = [
+        v for v, name in zip(jaxpr.outvars, names, strict=True)
+        if isinstance(v, Var) and is_opt_state(name) and _carries(v)
+    ]  # fmt: skip
+    for v in state_outs:
+        for i in from_grads.get(v, ()):
+            if v.aval.shape != marker.outvars[i].aval.shape:
+                factored.add(i)
+    if not factored:
+        return Factored()
+    whole_state, updated = set(), set()
+    for v, name in zip(jaxpr.outvars, names, strict=True):
+        if isinstance(v, Var) and from_grads.get(v, frozenset()) & factored:
+            if is_opt_state(name):
+                whole_state.add(v)
+                whole_state.update(from_state.get(v, ()))
+            else:
+                updated.add(v)
+    return Factored(frozenset(factored), frozenset(whole_state), frozenset(updated))
+
+
+def _carries(v) -> bool:
+    """Whether ``v`` is a value of more than one element (:func:`factored_gradients`)."""
+    return isinstance(v, Var) and int(np.prod(getattr(v.aval, "shape", ()))) > 1
 
 
 def batch_rows(traced: TracedStep) -> int | None:

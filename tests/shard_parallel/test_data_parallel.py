@@ -135,6 +135,52 @@ def test_zero2_all_reduces_a_gradient_whose_dim_0_does_not_split():
     assert mu["kernel"].sharding.spec == P("x")
 
 
+def test_zero2_keeps_a_factored_gradient_and_its_state_whole():
+    """Adafactor factors a matrix's second moment into row and column statistics. ZeRO-2
+    all-reduces such a gradient (packed with the others) and keeps its small state and its
+    update whole: an update from a slice of the rows would need every device's column
+    statistics, one all-reduce and one all-gather per matrix, chained behind each other
+    (14 collectives here before). The biases' unfactored state is still split and their
+    gradients reduce-scattered, packed."""
+    import optax
+    from flax.training.train_state import TrainState
+
+    from alpa.model.mlp import MLPModel
+
+    model = MLPModel(hidden_size=HIDDEN, num_layers=LAYERS)
+    x = jnp.arange(BATCH * HIDDEN, dtype=jnp.float32).reshape(BATCH, HIDDEN) / 1000
+    tx = optax.adafactor(1e-2, min_dim_size_to_factor=4)
+    state = TrainState.create(
+        apply_fn=model.apply, params=model.init(jax.random.PRNGKey(0), x), tx=tx
+    )
+    batch = {"x": x, "y": jnp.ones_like(x)}
+
+    def step(state, batch):
+        def loss(p):
+            return jnp.mean((state.apply_fn(p, batch["x"]) - batch["y"]) ** 2)
+
+        return state.apply_gradients(grads=alpa.grad(loss)(state.params))
+
+    expected = jax.jit(step)(state, batch)
+    p_step = alpa.parallelize(step, method=alpa.Zero2Parallel(), donate_argnums=())
+    out = p_step(state, batch)
+    assert_allclose(out, expected, rtol=1e-5, atol=1e-6)
+    hlo = p_step.get_last_executable().get_hlo_text()
+    # One all-reduce (the kernels' gradients, with the scalars of the biases' updates),
+    # one reduce-scatter and one all-gather (the biases, 2 x 32 / 8 each), nothing else.
+    counts = count_communication_primitives(hlo, ignore_scalar_all_reduce=True)
+    assert counts == (3, 1, 1, 1, 0), counts
+    assert collective_shapes(hlo, "reduce-scatter") == [f"f32[1,{LAYERS * HIDDEN // N}]"]
+    assert collective_shapes(hlo, "all-reduce").count(f"f32[{HIDDEN},{HIDDEN}]") == LAYERS
+    factored = out.opt_state[0]
+    for layer in out.params["params"]:
+        assert factored.v_row["params"][layer]["kernel"].sharding.is_fully_replicated
+        assert factored.v_col["params"][layer]["kernel"].sharding.is_fully_replicated
+        assert factored.v["params"][layer]["bias"].sharding.spec == P("x")
+    for leaf in jax.tree.leaves(out.params):
+        assert leaf.sharding.is_fully_replicated
+
+
 def test_zero3_shards_and_gathers_parameters(mlp):
     out, executable, _ = _run(mlp, alpa.Zero3Parallel())
     for leaf in jax.tree.leaves(out.params):
