@@ -12,6 +12,11 @@ all-reduces; CPU made 9 of them) and the scheduler recomputes early, keeping the
 activations remat was meant to drop (``tests/test_xla_compile.py`` measures both). alpa's
 programs therefore compile on CPU with that pass off, as the GPU pipeline runs it: the
 barriers then reach the scheduler, which honours them, and are dropped at emission.
+
+``hlo_text(compiled)`` is the optimized HLO that ``get_hlo_text()`` returns, printed as
+Alpa's XLA printed it: each operand with its shape (``gather(f32[64,32]{1,0} %p, ...)``,
+where XLA's printer now writes ``gather(%p, ...)``), so that programs that read shapes
+off Alpa's HLO text read them here too.
 """
 
 from __future__ import annotations
@@ -37,6 +42,20 @@ def compiler_options(platform: str) -> dict[str, str] | None:
     names = [n for flag in from_env for n in flag.split(",") if n]
     names += [p for p in passes if p not in names]
     return {"xla_disable_hlo_passes": ",".join(names)}
+
+
+def hlo_text(compiled: jax.stages.Compiled) -> str:
+    """The optimized HLO of ``compiled``, each operand printed with its shape (module
+    docstring); ``compiled.as_text()`` where the executable keeps no HLO modules."""
+    try:
+        from jaxlib._hlo import HloPrintOptions
+
+        modules = compiled.runtime_executable().hlo_modules()
+    except (ImportError, AttributeError, NotImplementedError):
+        return compiled.as_text()
+    options = HloPrintOptions()
+    options.print_operand_shape = True
+    return "\n\n".join(m.to_string(options) for m in modules)
 
 
 def compile_lowered(lowered: jax.stages.Lowered, platform: str) -> jax.stages.Compiled:

@@ -1,4 +1,5 @@
-"""``alpa.xla_compile``: the XLA options alpa compiles its programs with.
+"""``alpa.xla_compile``: the XLA options alpa compiles its programs with, and the HLO text
+it prints.
 
 Oracle: a Megatron MLP of 3 checkpointed blocks (each two column/row pairs) on 4 devices,
 pinned with ``jax.jit`` shardings, so that its all-reduces can be counted by hand: 2 in
@@ -86,3 +87,28 @@ def test_compiler_options_keep_the_passes_xla_flags_disable(monkeypatch):
     assert options == {"xla_disable_hlo_passes": "algsimp,cse,cse_barrier_expander"}
     monkeypatch.setenv("XLA_FLAGS", "--xla_disable_hlo_passes=cse_barrier_expander")
     assert compiler_options("cpu") == {"xla_disable_hlo_passes": "cse_barrier_expander"}
+
+
+def test_hlo_text_prints_each_operand_with_its_shape():
+    """``get_hlo_text()`` prints the optimized HLO as Alpa's XLA printed it: an operand
+    with its shape, so that a program reading a shard's shape off an instruction's operands
+    (``gather(f32[8,32]``: the batch of 64 over 8 devices) finds it; XLA's printer now
+    writes the operand's name alone. The collectives read off it are the same."""
+    import alpa
+
+    def step(w, x):
+        def loss(w):
+            h = (x @ w)[:, jnp.arange(16)]
+            return jnp.mean(h**2)
+
+        return w - 0.1 * alpa.grad(loss)(w)
+
+    w, x = jnp.ones((32, 32)) / 32, jnp.arange(64 * 32.0).reshape(64, 32) / 2048
+    p_step = alpa.parallelize(step, method=alpa.DataParallel(), batch_argnums=(1,))
+    assert_allclose(p_step(w, x), jax.jit(step)(w, x), rtol=1e-5, atol=1e-6)
+    executable = p_step.get_last_executable()
+    text = executable.get_hlo_text()
+    assert "gather(f32[8,32]{1,0} %" in text
+    assert "gather(f32[8,32]" not in executable.compiled.as_text()  # XLA's own printer
+    assert count_communication_primitives(text) == (1, 1, 0, 0, 0)
+    assert collective_shapes(text, "all-reduce") == ["f32[32,32]"]

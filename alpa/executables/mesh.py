@@ -32,6 +32,7 @@ from alpa.shard_parallel.micro_batches import layout_change_cost
 from alpa.shard_parallel.sharding_plan import ShardingPlan
 from alpa.tracing import TracedStep, leaf_signature
 from alpa.util import grad_sync_channel_ids
+from alpa.xla_compile import hlo_text
 
 logger = logging.getLogger(__name__)
 
@@ -147,15 +148,17 @@ class MeshExecutable(PricedPlan, Executable):
         """The optimized, SPMD-partitioned HLO that runs on each device. With micro-batches
         Alpa's two modules, accumulate (the last micro-batch's, with the gradient
         synchronisation) then apply (``compile.MicroBatchedProgram.as_text``)."""
-        return self.compiled.as_text()
+        if isinstance(self.compiled, MicroBatchedProgram):
+            return self.compiled.as_text()
+        return hlo_text(self.compiled)
 
     def get_program_texts(self) -> dict[str, str]:
         """The HLO of each program a step runs, by name: ``{"step": ...}``, or with
         micro-batches ``prepare``, ``accumulate`` (when more than one),
         ``accumulate_last`` and ``apply`` (``compile.MicroBatchedProgram``)."""
         if isinstance(self.compiled, MicroBatchedProgram):
-            return {name: c.as_text() for name, c in self.compiled.parts}
-        return {"step": self.compiled.as_text()}
+            return {name: hlo_text(c) for name, c in self.compiled.parts}
+        return {"step": hlo_text(self.compiled)}
 
     def get_total_allocation_size(self) -> int:
         """Bytes one device allocates for this step (arguments, outputs, temporaries),

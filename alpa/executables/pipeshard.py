@@ -45,7 +45,7 @@ from alpa.runtime.memory import allocation_bytes, device_peak_bytes, step_peak_b
 from alpa.runtime.placement import PlacementSpec, caller_placements, is_placed
 from alpa.shard_parallel.compile import full_batch_avals
 from alpa.tracing import leaf_signature
-from alpa.xla_compile import compile_lowered
+from alpa.xla_compile import compile_lowered, hlo_text
 
 
 class PipeshardDriverExecutable(Executable):
@@ -231,7 +231,7 @@ class PipeshardDriverExecutable(Executable):
         gradients' running sums first), in Alpa's order: the forwards by stage, the
         backwards as the first micro-batch runs them (the last stage's first), then
         apply-grad by stage."""
-        return [self._compiled_computation(i).as_text() for i in hlo_order(self.program)]
+        return [hlo_text(self._compiled_computation(i)) for i in hlo_order(self.program)]
 
     def get_hlo_names(self) -> list[str]:
         """The name of each program ``get_hlo_text`` returns, in its order

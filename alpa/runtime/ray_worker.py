@@ -59,7 +59,7 @@ from alpa.runtime.worker_program import (
     WorkerProgram,
     local_slices,
 )
-from alpa.xla_compile import compile_lowered
+from alpa.xla_compile import compile_lowered, hlo_text
 
 #: How long a ``RECV`` waits, in total, before it gives up (the driver aborts much
 #: sooner when a peer dies; this only bounds a hang nobody reports).
@@ -394,7 +394,7 @@ class MeshHostWorker:
         return compile_lowered(jitted.lower(*structs), self._devices()[0].platform)
 
     def hlo_text(self, program_id: int, fn: int) -> str:
-        return self._programs[program_id].fns[fn].as_text()
+        return hlo_text(self._programs[program_id].fns[fn])
 
     def peak_memory(self) -> int:
         """Peak bytes a device of this worker allocated: the allocator's figure where the

@@ -16,7 +16,7 @@ from alpa.global_env import global_config
 from alpa.shard_parallel.lowering import build_micro_batched_parts, build_step_function
 from alpa.shard_parallel.sharding_plan import ShardingPlan
 from alpa.tracing import TracedStep
-from alpa.xla_compile import compile_lowered
+from alpa.xla_compile import compile_lowered, hlo_text
 
 logger = logging.getLogger(__name__)
 
@@ -291,4 +291,4 @@ class MicroBatchedProgram:
     def as_text(self) -> str:
         """Alpa's two modules of a micro-batched step: ``accumulate_last``'s HLO (the
         gradient synchronisation inside), then ``apply``'s."""
-        return self.accumulate_last.as_text() + self.apply.as_text()
+        return hlo_text(self.accumulate_last) + hlo_text(self.apply)
