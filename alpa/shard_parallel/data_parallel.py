@@ -32,13 +32,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-import numpy as np
 from jax.extend.core import Var
 from jax.sharding import PartitionSpec
 
 from alpa.device_mesh import MESH_AXIS_NAMES, LogicalDeviceMesh
 from alpa.shard_parallel.sharding_plan import REPLICATED, ShardingPlan
 from alpa.tracing import TracedStep
+from alpa.tracing.jaxpr_util import grad_marker_index
 
 DATA_AXIS = "x"
 
@@ -198,8 +198,7 @@ def factored_gradients(traced: TracedStep) -> Factored:
         for v, name in zip(jaxpr.invars, traced.leaf_names, strict=True)
         if is_opt_state(name) and _carries(v)
     }
-    start = jaxpr.eqns.index(marker) + 1
-    for eqn in jaxpr.eqns[start:]:
+    for eqn in jaxpr.eqns[grad_marker_index(jaxpr.eqns) + 1 :]:
         ins = [v for v in eqn.invars if isinstance(v, Var) and _carries(v)]
         g = frozenset().union(*(from_grads.get(v, ()) for v in ins))
         s_ = frozenset().union(*(from_state.get(v, ()) for v in ins))
@@ -233,7 +232,7 @@ def factored_gradients(traced: TracedStep) -> Factored:
 
 def _carries(v) -> bool:
     """Whether ``v`` is a value of more than one element (:func:`factored_gradients`)."""
-    return isinstance(v, Var) and int(np.prod(getattr(v.aval, "shape", ()))) > 1
+    return isinstance(v, Var) and getattr(v.aval, "size", 1) > 1
 
 
 def batch_rows(traced: TracedStep) -> int | None:
