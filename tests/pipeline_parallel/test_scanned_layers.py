@@ -101,16 +101,15 @@ def test_scanned_and_unrolled_gpt_get_the_same_stages():
     assert len(scanned.device_ranges) > 1  # a pipeline, not one stage
     # The layers' own ILPs differ a little: a scan's body is planned once for all its
     # iterations, its carry one spec that every reader in the body shares, where the
-    # written-out blocks are planned one by one. The first and the last stage (4 and 8
-    # devices) cost the same; the two-device stages are priced 2.5 % faster and hold
-    # their blocks' parameters whole (their forward runs data parallel): 18 % more
-    # memory.
+    # written-out blocks are planned one by one. The last stage (8 devices) costs the
+    # same; the two-device stages are priced 0.6 % faster scanned, with 3 % more memory
+    # per device (the last stage 7 % less). The first stage (4 devices) is priced 1.5 %
+    # faster scanned: its written-out blocks' ILP is solved to its untied optimum
+    # (``ilp_shrink.TIE_ROUNDS``), and a stage's latency is not that ILP's objective (it
+    # amortises the gradient reductions over the micro-batches), so the plan the 3-round
+    # tie had forced was priced 355.8 us, as the scanned one is, and the optimum 361.1 us.
     np.testing.assert_allclose(scanned_cost.latencies, unrolled_cost.latencies, rtol=0.03)
-    np.testing.assert_allclose(
-        np.array(scanned_cost.latencies)[[0, -1]],
-        np.array(unrolled_cost.latencies)[[0, -1]],
-        rtol=1e-4,
-    )
+    np.testing.assert_allclose(scanned_cost.latencies[-1], unrolled_cost.latencies[-1], rtol=1e-4)
     np.testing.assert_allclose(scanned_cost.memory, unrolled_cost.memory, rtol=0.2)
 
 
