@@ -27,16 +27,16 @@ def test_tied_layers_reach_the_untied_optimum(monkeypatch):
     state, batch, step = get_gpt_train_state_and_step(config, 8, abstract=True)
     traced = trace_step(step, (state, batch), (), (1,), (0,), ("state", "batch"))
     mesh = LogicalDeviceMesh((2, 4), (1.0, 1.0), (1.0, 0.1))
-    graph = solve_jaxpr(
+    planned = solve_jaxpr(
         traced.closed_jaxpr,
         mesh,
         AutoShardingOption(),
         traced.batch_invars,
         None,
         donated_state_pairs(traced),
-    ).graph
+    )
+    graph, tied = planned.graph, planned.solution  # the planner's own (tied) solve
 
-    tied = ilp_solver.solve(graph)
     monkeypatch.setattr(ilp_solver, "TIE_LAYERS_ABOVE_GROUPS", 10**9)
     untied = ilp_solver.solve(graph)
 
