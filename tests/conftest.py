@@ -13,9 +13,25 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # is imported, Ray resolves a node's 127.0.0.1 to the machine's address and a second
 # simulated node cannot reach the first.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+# XLA's CPU code generation, made cheaper for the suite: compiling dominates its time (the
+# programs are small, each runs a few times) and most of a compile is LLVM and the fusion
+# emitters, not the HLO passes the tests read. LLVM at -O0 leaves the optimized HLO and
+# XLA's memory analysis byte for byte the same; the legacy fusion emitters fuse elementwise
+# work differently (fusions, not collectives, shardings or schedules), and the numbers
+# tests compare come from ``jax.jit`` compiled under the same flags. Together they halve
+# the suite's compile time. A flag already in ``XLA_FLAGS`` is kept (set
+# ``--xla_cpu_use_fusion_emitters=true --xla_backend_optimization_level=2`` for XLA's
+# defaults). Subprocesses and Ray's CPU workers inherit them.
+TEST_XLA_FLAGS = {
+    "xla_force_host_platform_device_count": str(NUM_DEVICES),
+    "xla_backend_optimization_level": "0",
+    "xla_cpu_use_fusion_emitters": "false",
+}
 _flags = os.environ.get("XLA_FLAGS", "")
-if "xla_force_host_platform_device_count" not in _flags:
-    os.environ["XLA_FLAGS"] = f"{_flags} --xla_force_host_platform_device_count={NUM_DEVICES}"
+for _name, _value in TEST_XLA_FLAGS.items():
+    if _name not in _flags:
+        _flags = f"{_flags} --{_name}={_value}"
+os.environ["XLA_FLAGS"] = _flags.strip()
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
