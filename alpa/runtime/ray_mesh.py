@@ -26,6 +26,7 @@ from __future__ import annotations
 import itertools
 import logging
 import math
+import os
 import time
 import uuid
 import weakref
@@ -55,6 +56,15 @@ _POLL_S = 1.0
 
 
 # ----------------------------------------------------------------------------- waiting
+
+
+def cpu_worker_xla_flags(devices: int) -> str:
+    """The ``XLA_FLAGS`` of a CPU host worker with ``devices`` virtual devices: the
+    driver's own flags (its code generation, its dumps), so that a worker compiles a
+    program as the driver would, with the device count replaced by the host's."""
+    count = "--xla_force_host_platform_device_count"
+    own = [f for f in os.environ.get("XLA_FLAGS", "").split() if f.split("=")[0] != count]
+    return " ".join([*own, f"{count}={devices}"])
 
 
 def wait_workers(calls: Sequence[tuple[Any, str]], on_failure=None) -> list[Any]:
@@ -284,7 +294,7 @@ class DistributedPhysicalDeviceMesh(PhysicalDeviceMesh):
             if cluster.platform == "gpu":
                 options["num_gpus"] = per_host
             else:
-                flags = f"--xla_force_host_platform_device_count={per_host}"
+                flags = cpu_worker_xla_flags(per_host)
                 options["runtime_env"] = {"env_vars": {"XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}}
             self.workers.append(
                 actor_class.options(**options).remote(mesh_id, host, len(host_ids), per_host)

@@ -101,6 +101,16 @@ def test_cluster_comes_from_ray_nodes(ray_cluster):
     ]
     assert all(info["num_local_devices"] == DEVICES_PER_NODE for info in mesh.worker_info)
     assert all(info["num_devices"] == 2 * DEVICES_PER_NODE for info in mesh.worker_info)
+    # Each worker compiles with the driver's XLA flags (tests/conftest.py's code
+    # generation), its own device count in place of the driver's.
+    import ray
+
+    flags = ray.get(
+        [w.__ray_call__.remote(lambda _: os.environ["XLA_FLAGS"]) for w in mesh.workers]
+    )
+    count = "--xla_force_host_platform_device_count"
+    driver = [f for f in os.environ["XLA_FLAGS"].split() if not f.startswith(count)]
+    assert driver and all(f.split() == [*driver, f"{count}={DEVICES_PER_NODE}"] for f in flags)
 
 
 def test_bad_cluster_arguments(ray_cluster):
