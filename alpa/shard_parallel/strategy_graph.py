@@ -7,27 +7,12 @@ turn the producer's output under its strategy ``i`` into what the consumer needs
 strategy ``j`` (DESIGN §4.1-4.3, paper §4.2). Identity-like equations (the pipeline marker,
 optimization barriers, sharding constraints) are not nodes: their outputs *are* their operands.
 
-A checkpoint (``remat2``, from ``jax.checkpoint`` / ``flax.linen.remat``) is planned like any
-other code: its body's equations are nodes, its body's inputs are its operands and its results
-are its body's results (no node of its own). In a differentiated step the forward pass is
-plain equations and the backward pass holds a ``remat2`` that recomputes the forward before
-using it; both copies of the forward get strategies, so a checkpointed layer is split as it
-would be without the checkpoint, and the lowering keeps the ``remat2`` (and so the
-recomputation) around the planned body. ``StrategyGraph.jaxpr`` lists the equations planned,
-in program order: the step's, each ``remat2`` preceded by its body's (recursively), so that
-liveness sees the body's values come and go. Its ``eqns`` are those the plan names (the
-``remat2`` itself and aliases have no node); it is a view, not a jaxpr to evaluate.
-
-A ``scan`` is planned the same way, as one iteration of its loop (:meth:`_Builder._add_scan`):
-its body's equations are nodes whose costs count ``length`` times; each carry and each row
-of a stacked input is a node of its own (``StrategyGraph.body_inputs``), the carry tied to
-one spec across iterations by an edge from the body's new value, a row of a step input read
-from it through an edge, a row of a value the step computes following that value's spec;
-each stacked output follows the body value it stacks. The branches of a ``cond`` are planned
-together (:meth:`_Builder._add_cond`): each branch's equations are nodes, and each result is a node
-that every branch's value is resharded into, so that the branches return one sharding.
-``StrategyGraph.control_flow`` lists the scans and conds planned; the lowering keeps each
-one a loop or a branch.
+Equations with bodies are planned in the graph too (:mod:`strategy_graph_bodies`): a
+checkpoint's, scan's, while loop's or cond's equations are nodes like the step's, a loop's
+costs counted per iteration, its carries and rows nodes of their own.
+``StrategyGraph.jaxpr`` lists the equations planned, in program order (each body's before
+the equation that holds it), so that liveness sees the body's values come and go; it is a
+view, not a jaxpr to evaluate.
 
 A node that *follows* an operand (``Node.follow``) has strategies in one-to-one
 correspondence with the producer's; the solver gives both one decision variable.
@@ -35,17 +20,13 @@ The graph also records liveness: for each program point, the values alive there,
 memory budget can be imposed per point.
 
 A stack of identical layers repeats the same equations on the same shapes, so the builder
-does each piece of work once: a strategy rule runs once per distinct (primitive, parameters,
-operand and result shapes and dtypes, operand specs) (rules read nothing else, in particular
-not literal values or variable identity), and one read-only cost matrix serves every edge
-with the same producer specs, consumer specs and byte size.
+does each piece of work once (:mod:`strategy_graph_caches`).
 """
 
 from __future__ import annotations
 
-import threading
 import warnings
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
@@ -62,7 +43,6 @@ from alpa.shard_parallel.sharding_spec import (
     from_partition_spec,
     nbytes,
     num_shards,
-    replicated,
     resharding_cost,
     user_partition_spec,
 )
@@ -78,12 +58,15 @@ from alpa.shard_parallel.strategy_costs import (
     partial_sum_discount,
     priced_strategies,
 )
+from alpa.shard_parallel.strategy_graph_bodies import BodyPlanning
+from alpa.shard_parallel.strategy_graph_caches import by_identity, rule_key, shared_caches
 from alpa.shard_parallel.strategy_rules import (
     NodeStrategies,
     RuleContext,
     Strategy,
     lookup_rule,
     replicated_strategy,
+    whole_value_strategy,
 )
 from alpa.tracing.jaxpr_util import REMAT_PRIMITIVES, is_grad_marker, live_eqns, planned_bodies
 from alpa.tracing.primitive_def import pipeline_p
@@ -98,11 +81,6 @@ ALIAS_PRIMITIVES = {
 #: ``NamedSharding``: ``with_sharding_constraint`` (and its transpose) and ``reshard``
 #: (``jax.sharding.reshard``; JAX's own, of the scalar seed of a gradient).
 USER_SHARDINGS = {"sharding_constraint": "sharding", "reshard": "dst_sharding"}
-
-#: How many iterations a ``while`` loop's condition and body are priced at: its trip count
-#: is known only when it runs (a ``fori_loop`` with static bounds is a ``scan``, priced at
-#: its own count).
-WHILE_TRIP_COUNT = 1
 
 #: Source of a value: (node id, output index).
 Source = tuple[int, int]
@@ -248,7 +226,7 @@ def build_strategy_graph(
     )
     builder.reads.update(v for v in jaxpr.outvars if isinstance(v, Var))
     for var in jaxpr.constvars:
-        builder.add_node(f"constant {var}", (var,), (_whole(var),), None)
+        builder.add_node(f"constant {var}", (var,), (whole_value_strategy(var),), None)
     input_nodes = []
     builder.inputs = set(jaxpr.invars)
     all_specs: dict[tuple[int, ...], list[Spec]] = {}
@@ -320,43 +298,13 @@ def build_strategy_graph(
     )
 
 
-def _whole(var) -> Strategy:
-    return Strategy("replicated", (replicated(len(var.aval.shape)),), ())
-
-
-#: How many (mesh, options) pairs keep their builder caches (:func:`_shared_caches`).
-SHARED_CACHE_LIMIT = 64
-_shared: OrderedDict = OrderedDict()
-_shared_lock = threading.Lock()
-_CACHE_NAMES = ("priced", "cost", "matrix", "rule", "shards", "bytes", "outputs", "operands")
-
-
-def _shared_caches(mesh: LogicalDeviceMesh, options: GraphOptions) -> dict[str, dict]:
-    """The builder caches of every graph built on ``mesh`` (by value: shape, axis names,
-    rates) with ``options``, the last :data:`SHARED_CACHE_LIMIT` pairs kept. Their entries
-    depend only on the mesh, the options and their own keys, so the graphs of different
-    programs share them: the stage-cost ILPs of a model's distinct layers on one logical
-    submesh run each equation's strategy rule, pricing and resharding matrices once.
-    Threads share them too: an entry computed twice is computed alike."""
-    key = (mesh, options)
-    with _shared_lock:
-        caches = _shared.get(key)
-        if caches is None:
-            caches = _shared[key] = {name: {} for name in _CACHE_NAMES}
-            while len(_shared) > SHARED_CACHE_LIMIT:
-                _shared.popitem(last=False)
-        else:
-            _shared.move_to_end(key)
-    return caches
-
-
-class _Builder:
+class _Builder(BodyPlanning):
     def __init__(self, mesh: LogicalDeviceMesh, options: GraphOptions, combinable: set[int]):
         self.mesh = mesh
         self.options = options
         self.combinable = combinable
         self.batch_axis: tuple[Mapping, int] | None = None
-        caches = _shared_caches(mesh, options)
+        caches = shared_caches(mesh, options)
         self._priced_cache: dict = caches["priced"]
         self.nodes: list[Node] = []
         self.edges: list[Edge] = []
@@ -410,7 +358,7 @@ class _Builder:
             aval = var.aval
             size = nbytes(getattr(aval, "shape", ()), itemsize(aval))
             if shared:
-                specs, sizes = _by_identity(
+                specs, sizes = by_identity(
                     self._outputs_cache,
                     (strategies,),
                     (k, size),
@@ -488,7 +436,7 @@ class _Builder:
             operand_specs,
         )
         rule = lookup_rule(eqn.primitive)
-        key = _rule_key(eqn, operand_specs)
+        key = rule_key(eqn, operand_specs)
         if rule is None:
             self.unknown.add(eqn.primitive.name)
             result = replicated_strategy(eqn)
@@ -524,28 +472,6 @@ class _Builder:
         # ``result`` is the rule cache's own entry only when a rule made it under a key.
         self._add_edges(t, eqn, node_id, result, site, key is not None and rule is not None)
 
-    def _expandable(self, bodies) -> bool:
-        """An equation's bodies can be planned in the graph: none closes over constants
-        and each is new to it (``trace_step`` gives every body variables of its own; a body
-        object shared by two equations is planned once, the other equation stays opaque)."""
-        ids = {id(body) for body in bodies}
-        return (
-            not any(body.constvars for body in bodies)
-            and len(ids) == len(bodies)
-            and not ids & self.expanded
-        )
-
-    def _add_remat(self, t: int | str, eqn: JaxprEqn) -> None:
-        """A checkpoint's body is planned in place: its inputs are the equation's operands,
-        its results the equation's (which has no node of its own)."""
-        body = eqn.params["jaxpr"]
-        self._alias(t, eqn.invars, body.invars)
-        for u, inner in enumerate(body.eqns):
-            self.add_eqn(f"{t}/{u}", inner)
-        self._alias(t, body.outvars, eqn.outvars)
-        self.eqns.append(eqn)
-        self.eqn_sources.append([])
-
     def _add_user_constraint(self, t: int | str, eqn: JaxprEqn) -> bool:
         """Pin the value of the user's ``with_sharding_constraint`` ``eqn`` to its spec:
         a node of one strategy that reads the operand in that spec (the edge prices the
@@ -567,182 +493,6 @@ class _Builder:
         self.node_eqn[node_id] = eqn
         self._add_edges(t, eqn, node_id, result, None, False)
         return True
-
-    def _add_scan(self, t: int | str, eqn: JaxprEqn) -> None:
-        """Plan the body of the scan ``eqn`` once, as one iteration of the loop.
-
-        The body's equations are nodes (path ``t/u``) whose costs count ``length`` times.
-        Its constants are the scan's operands (read whole every iteration). Each carry is
-        a node of its own that fixes the carry's spec for every iteration: an edge from
-        the initial value prices resharding it once before the loop, and one from the
-        body's new value back to it prices resharding that value every iteration. Each
-        stacked input's slice is a node whose spec is the stacked operand's on the
-        non-scanned axes (the scanned axis whole: each iteration reads its own row): of a
-        step input, fed by an edge from it priced once; of a value the step computes, its
-        spec (:meth:`_row_of`). Each stacked output follows the body's value it stacks.
-        The scan's final carries are the carry nodes' values.
-        """
-        params = eqn.params
-        body = params["jaxpr"].jaxpr
-        n_consts, n_carry, length = params["num_consts"], params["num_carry"], params["length"]
-        self._alias(t, eqn.invars[:n_consts], body.invars[:n_consts])
-        carry_nodes = [
-            self._loop_input(f"carry of eqn {t}", init, var, stacked=False)
-            for init, var in zip(
-                eqn.invars[n_consts : n_consts + n_carry],
-                body.invars[n_consts : n_consts + n_carry],
-                strict=True,
-            )
-        ]
-        for x, var in zip(
-            eqn.invars[n_consts + n_carry :], body.invars[n_consts + n_carry :], strict=True
-        ):
-            self._loop_input(f"row of eqn {t}", x, var, stacked=True)
-        outer = self.scale
-        self.scale = outer * length
-        try:
-            for u, inner in enumerate(body.eqns):
-                self.add_eqn(f"{t}/{u}", inner)
-            self._close_carries(carry_nodes, body.outvars[:n_carry])
-        finally:
-            self.scale = outer
-        out_sources = self._final_carries(carry_nodes, eqn.outvars[:n_carry])
-        for y, var in zip(body.outvars[n_carry:], eqn.outvars[n_carry:], strict=True):
-            if isinstance(var, DropVar):
-                continue
-            if isinstance(y, Literal):
-                node = self.add_node(f"stacked literal of eqn {t}", (var,), (_whole(var),), None)
-            else:
-                source = self.sources[y]
-                stacked = tuple(
-                    Strategy("stack", (((),) + spec,), (spec,)) for spec in self._specs_of(source)
-                )
-                node = self.add_node(f"stacked output of eqn {t}", (var,), stacked, source[0])
-            out_sources.append((node, 0))
-        self.eqns.append(eqn)
-        self.eqn_sources.append(out_sources)
-        self.control_flow.append(eqn)
-
-    def _add_while(self, t: int | str, eqn: JaxprEqn) -> None:
-        """Plan a ``while`` loop as a scan without rows: each carry a node tied to one
-        spec across iterations, the condition's and the body's equations nodes (paths
-        ``t/cond/u``, ``t/body/u``) whose costs count :data:`WHILE_TRIP_COUNT` times (the
-        real count is known only when the loop runs)."""
-        params = eqn.params
-        cond, body = params["cond_jaxpr"].jaxpr, params["body_jaxpr"].jaxpr
-        n_cond, n_body = params["cond_nconsts"], params["body_nconsts"]
-        inits = eqn.invars[n_cond + n_body :]
-        carry_nodes = [
-            self._loop_input(f"carry of eqn {t}", init, var, stacked=False)
-            for init, var in zip(inits, body.invars[n_body:], strict=True)
-        ]
-        self._alias(t, eqn.invars[:n_cond], cond.invars[:n_cond])
-        self._alias(t, eqn.invars[n_cond : n_cond + n_body], body.invars[:n_body])
-        for var, node in zip(cond.invars[n_cond:], carry_nodes, strict=True):
-            self.sources[var] = (node, 0)  # the condition reads the carries as they are
-            self.body_inputs.append(var)
-        outer = self.scale
-        self.scale = outer * WHILE_TRIP_COUNT
-        try:
-            for part, jaxpr in (("cond", cond), ("body", body)):
-                for u, inner in enumerate(jaxpr.eqns):
-                    self.add_eqn(f"{t}/{part}/{u}", inner)
-            self._close_carries(carry_nodes, body.outvars)
-        finally:
-            self.scale = outer
-        self.eqns.append(eqn)
-        self.eqn_sources.append(self._final_carries(carry_nodes, eqn.outvars))
-        self.control_flow.append(eqn)
-
-    def _close_carries(self, carry_nodes: list[int], new_values) -> None:
-        """Edges that reshard each iteration's new carry into its carry's spec."""
-        for node, new in zip(carry_nodes, new_values, strict=True):
-            if isinstance(new, Literal) or self.sources[new][0] == node:
-                continue
-            self._body_edge(self.sources[new], node, new)
-
-    def _final_carries(self, carry_nodes: list[int], outvars) -> list[Source]:
-        """A loop's final carries are its carry nodes' values."""
-        sources = []
-        for node, var in zip(carry_nodes, outvars, strict=True):
-            if not isinstance(var, DropVar):
-                self.sources[var] = (node, 0)
-                sources.append((node, 0))
-        return sources
-
-    def _add_cond(self, t: int | str, eqn: JaxprEqn) -> None:
-        """Plan the branches of the ``cond`` ``eqn`` together.
-
-        Each branch reads the operands as they are (its inputs alias them) and its
-        equations are nodes (path ``t/b{i}/u``), priced as if every branch ran: an upper
-        bound of the step, as only one runs. Each result of the ``cond`` is a node of its
-        own, with any spec; an edge from each branch's value prices resharding it into
-        that spec, so that every branch returns the result in one sharding (as the
-        lowering pins it).
-        """
-        branches = eqn.params["branches"]
-        for i, branch in enumerate(branches):
-            body = branch.jaxpr
-            self._alias(t, eqn.invars[1:], body.invars)
-            for u, inner in enumerate(body.eqns):
-                self.add_eqn(f"{t}/b{i}/{u}", inner)
-        out_sources: list[Source] = []
-        for k, var in enumerate(eqn.outvars):
-            strategies = self._any_spec("result", var)
-            node = self.add_node(f"result of eqn {t}", (var,), strategies, None)
-            for branch in branches:
-                value = branch.jaxpr.outvars[k]
-                if not isinstance(value, Literal):
-                    self._body_edge(self.sources[value], node, value)
-            out_sources.append((node, 0))
-        self.eqns.append(eqn)
-        self.eqn_sources.append(out_sources)
-        self.control_flow.append(eqn)
-
-    def _any_spec(self, name: str, var, stacked: bool = False) -> tuple[Strategy, ...]:
-        """One strategy per spec of ``var``, reading its operand in that spec (with a
-        leading scanned axis whole, ``stacked``)."""
-        return tuple(
-            Strategy(name, (spec,), ((((),) + spec) if stacked else spec,))
-            for spec in enumerate_specs(
-                tuple(var.aval.shape), self.mesh, self.options.allow_mixed_mesh_shape
-            )
-        )
-
-    def _loop_input(self, label: str, outer, var: Var, stacked: bool) -> int:
-        """The node of a scan body's carry or row ``var``, fed by ``outer`` (the initial
-        carry, or the stacked operand: read with its scanned axis whole)."""
-        if stacked and not isinstance(outer, Literal) and outer not in self.inputs:
-            return self._row_of(label, outer, var)
-        strategies = self._any_spec("row" if stacked else "carry", var, stacked)
-        node = self.add_node(label, (var,), strategies, None)
-        self.body_inputs.append(var)
-        if not isinstance(outer, Literal):
-            self._body_edge(self.sources[outer], node, outer, operand=True)
-        return node
-
-    def _row_of(self, label: str, outer, var: Var) -> int:
-        """A scan's row ``var`` of a stacked operand ``outer`` that the step computes (a
-        forward scan's stacked residuals, read by the backward's transposed scan): it
-        follows the operand, each iteration reading its row in the operand's spec on the
-        other axes, as the iterations written out read their rows of it, and every reader
-        in the body reshards it as it needs (an edge each). An operand split on the
-        scanned axis is gathered there once, before the loop.
-
-        A row of a step input (a stacked parameter) keeps a node of its own, read from the
-        input through one edge (``_loop_input``): the parameter is stored in one spec and
-        each scan reads its rows in another if that is cheaper."""
-        source = self.sources[outer]
-        total = nbytes(outer.aval.shape, itemsize(outer.aval))
-        strategies = []
-        for spec in self._specs_of(source):
-            whole = ((),) + tuple(spec[1:])
-            cost = 0.0 if tuple(spec) == whole else self._reshard(tuple(spec), whole, total)
-            cost *= self.scale
-            strategies.append(Strategy("row", (tuple(spec[1:]),), (tuple(spec),), comm_cost=cost))
-        node = self.add_node(label, (var,), tuple(strategies), source[0])
-        self.body_inputs.append(var)
-        return node
 
     def _body_edge(self, source: Source, node: int, var, operand: bool = False) -> None:
         """An edge from ``source`` to ``node``, a scan's carry or row or a cond's result:
@@ -791,7 +541,7 @@ class _Builder:
             if isinstance(alias, DropVar | Literal):
                 continue
             if isinstance(value, Literal):
-                self.add_node(f"literal of eqn {t}", (alias,), (_whole(alias),), None)
+                self.add_node(f"literal of eqn {t}", (alias,), (whole_value_strategy(alias),), None)
             else:
                 self.sources[alias] = self.sources[value]
 
@@ -832,13 +582,13 @@ class _Builder:
                 return tuple(s.in_specs[j] for s in result.strategies)
 
             if shared:
-                dst_specs = _by_identity(self._operands_cache, (result,), (j,), operand_specs)
+                dst_specs = by_identity(self._operands_cache, (result,), (j,), operand_specs)
             else:
                 dst_specs = operand_specs()
             total = nbytes(var.aval.shape, itemsize(var.aval))
             src_specs = self._specs_of((src_id, k))
             # The same two spec tuples meet again in every repeated block of the graph.
-            cost = _by_identity(
+            cost = by_identity(
                 self._edge_matrices,
                 (src_specs, dst_specs),
                 (total,),
@@ -900,47 +650,6 @@ class _Builder:
             )  # fmt: skip
             self._cost_cache[key] = cost
         return cost
-
-
-def _by_identity(cache: dict, objects: tuple, extra: tuple, make: Callable):
-    """``make()``, kept in ``cache`` under the identities of ``objects`` (and ``extra``)
-    rather than their hashes: spec tuples and strategy lists are costly to hash and recur
-    as the very same objects. Each entry holds ``objects``, so their ids stay theirs."""
-    key = (*map(id, objects), *extra)
-    hit = cache.get(key)
-    # Tuple equality tests each pair by identity first: the same objects compare in one
-    # step each; equal ones (an id reused after a collection) give the same value anyway.
-    if hit is not None and hit[0] == objects:
-        return hit[1]
-    value = make()
-    cache[key] = (objects, value)
-    return value
-
-
-def _rule_key(eqn: JaxprEqn, operand_specs) -> tuple | None:
-    """What a strategy rule reads: the primitive, its parameters, the operands' and results'
-    shapes and dtypes (and which operands are literals), and the operands' specs.
-
-    Two equations with equal keys get the same strategies, so the rule runs once for all the
-    layers of a stack. ``None`` when a parameter is unhashable (the rule then always runs).
-    """
-    try:
-        params = tuple(sorted(eqn.params.items()))
-        key = (
-            eqn.primitive,
-            params,
-            tuple(_aval_key(v.aval, isinstance(v, Literal)) for v in eqn.invars),
-            tuple(_aval_key(v.aval, False) for v in eqn.outvars),
-            operand_specs,
-        )
-        hash(key)
-    except TypeError:
-        return None
-    return key
-
-
-def _aval_key(aval, literal: bool) -> tuple:
-    return (literal, tuple(getattr(aval, "shape", ())), getattr(aval, "dtype", None))
 
 
 def live_points(graph: StrategyGraph) -> list[tuple[Source, ...]]:

@@ -128,6 +128,12 @@ def replicated_strategy(eqn: JaxprEqn, name: str = "replicated") -> NodeStrategi
     return NodeStrategies((Strategy(name, outs, ins),))
 
 
+def whole_value_strategy(var) -> Strategy:
+    """The one strategy of a value that reads nothing (a constant or a literal given a
+    node): whole on every device."""
+    return Strategy("replicated", (replicated(len(var.aval.shape)),), ())
+
+
 def generator_strategies(eqn: JaxprEqn, ctx: RuleContext) -> NodeStrategies:
     """An op without tensor operands may produce its output in any spec, for free."""
     out_shape = shape_of(eqn.outvars[0])

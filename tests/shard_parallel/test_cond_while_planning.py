@@ -3,8 +3,9 @@ scan's (issue 30, item 3).
 
 Each branch's equations are nodes of the strategy graph, priced as if every branch ran, and
 each result of the ``cond`` is a node that every branch's value is resharded into, so the
-branches return one sharding (``strategy_graph._Builder._add_cond``); the lowering keeps the
-``cond`` and pins each branch's values and results (``constrained_eval._cond_with_constraints``).
+branches return one sharding (``strategy_graph_bodies.BodyPlanning._add_cond``); the
+lowering keeps the ``cond`` and pins each branch's values and results
+(``constrained_eval._cond_with_constraints``).
 Oracles, on the 8 virtual CPU devices:
 
 * a ``cond`` of two copies of one column-parallel layer is planned as the step that runs
@@ -33,7 +34,7 @@ import alpa
 from alpa.model.gpt import FlaxGPTForLMModule, GPTConfig, get_gpt_train_state_and_step
 from alpa.model.model_util import create_train_state
 from alpa.shard_parallel.auto_sharding import solve_auto_sharding
-from alpa.shard_parallel.strategy_graph import WHILE_TRIP_COUNT
+from alpa.shard_parallel.strategy_graph_bodies import WHILE_TRIP_COUNT
 from alpa.testing import assert_allclose
 from alpa.testing import run_auto_sharded as _compile
 from alpa.testing import unit_cost_mesh as _mesh
