@@ -38,26 +38,38 @@ def _check_threshold(name: str, threshold):
     return threshold
 
 
-def _check_budget(name: str, budget):
-    if budget is not None and (
-        isinstance(budget, bool) or not isinstance(budget, int | float) or not budget > 0
-    ):
-        raise ValueError(
-            f"AutoShardingOption.{name} must be None or a positive number of bytes, got {budget!r}"
-        )
-    return budget
+def _positive_or_none(what: str):
+    """The check of a field that is ``None`` or a positive number (``what`` it counts)."""
+
+    def check(name: str, value):
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, int | float) or not value > 0
+        ):
+            raise ValueError(f"AutoShardingOption.{name} must be None or {what}, got {value!r}")
+        return value
+
+    return check
+
+
+_check_budget = _positive_or_none("a positive number of bytes")
+_check_time_limit = _positive_or_none("positive seconds")
+
+
+def _pair(value, element_ok) -> tuple | None:
+    """``value`` as a tuple of two elements that pass ``element_ok``, else ``None``."""
+    try:
+        pair = tuple(value)
+    except TypeError:
+        return None
+    ok = len(pair) == 2 and all(not isinstance(v, bool) and element_ok(v) for v in pair)
+    return pair if ok else None
 
 
 def _check_mesh_shape(name: str, shape):
     if shape is None:
         return None
-    try:
-        dims = tuple(shape)
-    except TypeError:
-        dims = ()
-    if len(dims) != 2 or not all(
-        isinstance(d, int) and not isinstance(d, bool) and d >= 1 for d in dims
-    ):
+    dims = _pair(shape, lambda d: isinstance(d, int) and d >= 1)
+    if dims is None:
         raise ValueError(
             f"AutoShardingOption.{name} must be None or two positive ints, got {shape!r}"
         )
@@ -67,28 +79,13 @@ def _check_mesh_shape(name: str, shape):
 def _check_alpha_beta(name: str, value):
     if value is None:
         return None
-    try:
-        pair = tuple(value)
-    except TypeError:
-        pair = ()
-    if len(pair) != 2 or not all(
-        isinstance(v, int | float) and not isinstance(v, bool) and v >= 0 for v in pair
-    ):
+    pair = _pair(value, lambda v: isinstance(v, int | float) and v >= 0)
+    if pair is None:
         raise ValueError(
             f"AutoShardingOption.{name} must be None or two non-negative numbers "
             f"(one per logical mesh axis), got {value!r}"
         )
     return tuple(float(v) for v in pair)
-
-
-def _check_time_limit(name: str, limit):
-    if limit is not None and (
-        isinstance(limit, bool) or not isinstance(limit, int | float) or not limit > 0
-    ):
-        raise ValueError(
-            f"AutoShardingOption.{name} must be None or positive seconds, got {limit!r}"
-        )
-    return limit
 
 
 #: Per field, the check an assignment goes through (it returns the value to store).
