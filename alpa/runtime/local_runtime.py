@@ -41,7 +41,7 @@ from alpa.runtime.instructions import (
     activation_keys,
 )
 from alpa.runtime.placement import leaf_placer
-from alpa.runtime.ray_worker import jitted_concat, jitted_mean
+from alpa.runtime.worker_ops import jitted_concat, jitted_mean
 
 
 @dataclass

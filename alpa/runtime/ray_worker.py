@@ -16,14 +16,10 @@ What a worker holds:
   compile time; each :class:`ExportedFn` is deserialized and compiled here, on this
   worker's devices.
 
-A step is one call of :meth:`run_step`: it walks the program with a handler per opcode.
-Values bound for another mesh leave through ``SEND``: the worker slices the pieces of the
-tile plan from its own shards and hands them straight to the destination workers
-(:meth:`deliver`, through Ray's object store), never through the driver; a ``RECV`` waits
-for its pieces (or an :meth:`abort` from the driver, when another worker failed) and
-assembles its devices' tiles. Each piece crosses once per destination host; a tile several
-devices of the host keep is copied to them locally. The worker counts the bytes it sends
-and receives.
+A step is one call of :meth:`run_step`: it walks the program with a handler per opcode
+(``worker_ops``). Values bound for another mesh leave through ``SEND`` and arrive through
+``RECV``, worker to worker, never through the driver (``worker_transfers``, the
+:class:`~alpa.runtime.worker_transfers.MeshTransfers` half of this class).
 
 The class is plain Python; ``ray_mesh`` wraps it with ``ray.remote`` (threaded, so that
 ``deliver`` and ``abort`` run while a step waits in a ``RECV``).
@@ -31,10 +27,8 @@ The class is plain Python; ``ray_mesh`` wraps it with ``ray.remote`` (threaded, 
 
 from __future__ import annotations
 
-import functools
 import os
 import socket
-import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -43,34 +37,14 @@ import numpy as np
 
 from alpa.runtime.instructions import InFlight
 from alpa.runtime.memory import allocation_bytes, device_peak_bytes
-from alpa.runtime.nccl_transport import (
-    HostRole,
-    NcclGroup,
-    RankLayout,
-    nccl_available,
-    new_unique_id,
-)
-from alpa.runtime.worker_program import (
-    ExportedFn,
-    Layout,
-    TransferPlan,
-    WorkerInstruction,
-    WorkerOp,
-    WorkerProgram,
-    local_slices,
-)
+from alpa.runtime.nccl_transport import nccl_available
+from alpa.runtime.worker_ops import HANDLERS, LoadedProgram
+from alpa.runtime.worker_program import ExportedFn, Layout, WorkerProgram
+from alpa.runtime.worker_transfers import MeshTransfers
 from alpa.xla_compile import compile_lowered, hlo_text
 
-#: How long a ``RECV`` waits, in total, before it gives up (the driver aborts much
-#: sooner when a peer dies; this only bounds a hang nobody reports).
-RECV_TIMEOUT_S = 600.0
 
-
-class StepAborted(RuntimeError):
-    """A step stopped because the driver aborted it (another worker failed)."""
-
-
-class MeshHostWorker:
+class MeshHostWorker(MeshTransfers):
     """See the module docstring."""
 
     def __init__(
@@ -88,18 +62,12 @@ class MeshHostWorker:
         self.num_hosts = num_hosts
         self.num_devices_per_host = num_devices_per_host
         self._buffers: dict[str, Any] = {}
-        self._programs: dict[int, _LoadedProgram] = {}
-        self._peers: dict[tuple[int, int], Any] = {}
-        self._mailbox: dict[tuple, dict[int, np.ndarray]] = {}
-        self._cond = threading.Condition()
-        self._aborted: dict[int, str] = {}
+        self._programs: dict[int, LoadedProgram] = {}
         self._meshes: dict[tuple, Any] = {}
         self._own_devices = None if devices is None else list(devices)
-        self._nccl_groups: dict[tuple[int, int], Any] = {}  # (src mesh, dst mesh) -> group
         self._readers: dict[str, list] = {}  # data loaders: [iterator, batches read, call]
-        self.bytes_sent = 0
-        self.bytes_received = 0
         self._peak_in_flight: dict[int, int] = {}  # program id -> last step's peak
+        self._init_transfers()
 
     # -- setup
 
@@ -135,28 +103,6 @@ class MeshHostWorker:
             "pid": os.getpid(),
             "nccl": nccl_available(),
         }
-
-    # -- NCCL (GPU meshes)
-
-    def nccl_unique_id(self):
-        return new_unique_id()
-
-    def init_nccl_group(
-        self,
-        src_mesh: int,
-        dst_mesh: int,
-        unique_id,
-        src_mesh_shape: tuple[int, int],
-        dst_mesh_shape: tuple[int, int],
-        src_host: int | None,
-        dst_host: int | None,
-    ) -> None:
-        """Open this worker's ranks of the NCCL group of a mesh pair (a collective: every
-        worker of both meshes calls it at once). Ranks: the source mesh's devices, then
-        the destination mesh's (``nccl_transport.RankLayout``)."""
-        layout = RankLayout(tuple(src_mesh_shape), tuple(dst_mesh_shape))
-        ranks = layout.local_ranks(HostRole(src_host, dst_host))
-        self._nccl_groups[(src_mesh, dst_mesh)] = NcclGroup(unique_id, layout.world_size, ranks)
 
     # -- devices and layouts
 
@@ -362,7 +308,7 @@ class MeshHostWorker:
 
         self._peers.update(peers)
         fns = [self._compile(fn) for fn in program.fns]
-        self._programs[program_id] = _LoadedProgram(program, fns)
+        self._programs[program_id] = LoadedProgram(program, fns)
         return [
             [
                 Layout(tuple(s.mesh.devices.shape), tuple(s.mesh.axis_names), s.spec)
@@ -437,7 +383,7 @@ class MeshHostWorker:
         in_flight = InFlight(1)
         try:
             for ins, born, dead in zip(program.instructions, loaded.born, loaded.dead, strict=True):
-                _HANDLERS[ins.op](self, loaded, ins, env, resolved, step_id)
+                HANDLERS[ins.op](self, loaded, ins, env, resolved, step_id)
                 for micro_batch in born:
                     in_flight.written(0, micro_batch)
                 for slot in ins.free:
@@ -462,232 +408,3 @@ class MeshHostWorker:
         """The most micro-batches whose buffers (written by a ``RUN``) this worker held at
         once during the last step of program ``program_id``."""
         return self._peak_in_flight.get(program_id, 0)
-
-    def abort(self, step_id: int, reason: str) -> None:
-        """Make the step's waiting ``RECV`` (if any) raise: another worker failed."""
-        with self._cond:
-            self._aborted[step_id] = reason
-            self._cond.notify_all()
-
-    # -- moves between meshes
-
-    def deliver(self, tag: tuple, pieces: dict[int, np.ndarray]) -> None:
-        """Pieces of a transfer from another mesh's worker (called by that worker)."""
-        with self._cond:
-            self._mailbox.setdefault(tag, {}).update(pieces)
-            self.bytes_received += sum(p.nbytes for p in pieces.values())
-            self._cond.notify_all()
-
-    def _send(self, value, plan: TransferPlan, tag: tuple, dst_mesh: int) -> None:
-        """Push this host's pieces of ``plan`` to the destination workers."""
-        shards = {}
-        devices = self._devices()
-        index_of = {d: i for i, d in enumerate(devices)}
-        for shard in value.addressable_shards:
-            shards[index_of[shard.device]] = shard
-        group = self._nccl_groups.get((self.mesh_id, dst_mesh))
-        if group is not None:  # GPUs: device buffers straight to the receiving devices
-            src_num_devices = len(plan.src_boxes)
-            sends = []
-            for i, piece in plan.pieces_from(self.host):
-                local = local_slices(piece.box, plan.src_boxes[piece.src_device])
-                receiver = piece.dst_devices[i % len(piece.dst_devices)]
-                data = shards[piece.src_device].data[local]
-                sends.append((data, piece.src_device, src_num_devices + receiver))
-            group.send_pieces(sends)
-            self.bytes_sent += sum(int(data.nbytes) for data, _, _ in sends)
-            return
-        by_host: dict[int, dict[int, np.ndarray]] = {}
-        for i, piece in plan.pieces_from(self.host):
-            local = local_slices(piece.box, plan.src_boxes[piece.src_device])
-            data = np.array(np.asarray(shards[piece.src_device].data)[local], order="C")
-            by_host.setdefault(piece.dst_host, {})[i] = data
-        for host, pieces in by_host.items():
-            self._peers[(dst_mesh, host)].deliver.remote(tag, pieces)
-            self.bytes_sent += sum(p.nbytes for p in pieces.values())
-
-    def _receive(self, plan: TransferPlan, tag: tuple, step_id: int | None, src_mesh: int):
-        """Wait for this host's pieces of ``plan``; assemble the destination array."""
-        group = self._nccl_groups.get((src_mesh, self.mesh_id))
-        if group is not None:
-            src_num_devices = len(plan.src_boxes)
-            mine = plan.pieces_to(self.host)
-            recvs = [
-                (
-                    tuple(hi - lo for lo, hi in piece.box),
-                    plan.dtype,
-                    src_num_devices + piece.dst_devices[i % len(piece.dst_devices)],
-                    piece.src_device,
-                )
-                for i, piece in mine
-            ]
-            arrived = group.recv_pieces(recvs)
-            self.bytes_received += sum(int(x.nbytes) for x in arrived)
-            return self._assemble(plan, {i: x for (i, _), x in zip(mine, arrived, strict=True)})
-        expected = {i for i, _ in plan.pieces_to(self.host)}
-        deadline = time.monotonic() + RECV_TIMEOUT_S
-        with self._cond:
-            while not expected <= self._mailbox.get(tag, {}).keys():
-                if step_id is not None and step_id in self._aborted:
-                    raise StepAborted(self._aborted[step_id])
-                if time.monotonic() > deadline:
-                    raise TimeoutError(
-                        f"mesh {self.mesh_id} host {self.host}: pieces of {tag} did not "
-                        f"arrive within {RECV_TIMEOUT_S} s"
-                    )
-                self._cond.wait(timeout=0.5)
-            received = self._mailbox.pop(tag)
-        return self._assemble(plan, received)
-
-    def _assemble(self, plan: TransferPlan, received: dict[int, Any]):
-        """This host's part of the destination array from its pieces (host or device
-        arrays, by piece index)."""
-        import jax
-
-        sharding = self._sharding(plan.dst_layout)
-        devices = list(sharding.mesh.devices.flat)
-        # One buffer per distinct tile: the devices of a piece share its tile, so a
-        # replicated destination assembles the value once and copies it to each device.
-        # A piece that is a whole tile is used as it arrived (on GPUs, on its device).
-        tiles: dict = {}
-        for i, piece in plan.pieces_to(self.host):
-            tile_box = plan.dst_boxes[piece.dst_devices[0]]
-            if piece.box == tile_box:
-                tiles[tile_box] = received[i]
-                continue
-            if tile_box not in tiles:
-                tiles[tile_box] = np.empty([hi - lo for lo, hi in tile_box], plan.dtype)
-            tiles[tile_box][local_slices(piece.box, tile_box)] = np.asarray(received[i])
-        # Each tile goes to the first device that keeps it, then device to device to the
-        # others (separate buffers: on CPU, device_put may alias the host array).
-        placed: dict = {}
-        arrays = []
-        for d, device in enumerate(devices):
-            if device.process_index != jax.process_index():
-                continue
-            tile_box = plan.dst_boxes[d]
-            source = placed.get(tile_box, tiles[tile_box])
-            if isinstance(source, np.ndarray) and tile_box not in placed:
-                source = np.array(source)  # the tile may be a piece Ray's object store owns
-            arrays.append(jax.device_put(source, device))
-            placed.setdefault(tile_box, arrays[-1])
-        return jax.make_array_from_single_device_arrays(plan.shape, sharding, arrays)
-
-    def send_buffer(
-        self, name: str, plan: TransferPlan, tag: tuple, dst_mesh: int, dst_workers: list
-    ) -> None:
-        """Outside a step: send buffer ``name`` to the workers of another mesh (the
-        driver moves an argument that lives on the wrong mesh this way)."""
-        self._peers.update({(dst_mesh, h): w for h, w in enumerate(dst_workers)})
-        self._send(self._get(name), plan, tag, dst_mesh)
-
-    def recv_buffer(self, name: str, plan: TransferPlan, tag: tuple, src_mesh: int) -> None:
-        self._buffers[name] = self._receive(plan, tag, None, src_mesh)
-
-
-class _LoadedProgram:
-    def __init__(self, program: WorkerProgram, fns: list[Callable]):
-        self.program = program
-        self.fns = fns
-        self.unstack: dict[tuple, Callable] = {}  # per LOAD: the compiled split
-        # Per instruction, the micro-batches of the buffers it writes (a RUN) and frees
-        # that the in-flight count is about (WorkerProgram.micro_batch_of).
-        tag = program.micro_batch_of or (None,) * program.num_slots
-        self.born = [
-            tuple(tag[s] for s in ins.out_slots if tag[s] is not None)
-            if ins.op is WorkerOp.RUN
-            else ()
-            for ins in program.instructions
-        ]
-        self.dead = [
-            tuple(tag[s] for s in ins.free if tag[s] is not None) for ins in program.instructions
-        ]
-
-
-# ----------------------------------------------------------------------------- handlers
-
-
-def _input(w: MeshHostWorker, lp: _LoadedProgram, ins: WorkerInstruction, env, args, step):
-    env[ins.out_slots[0]] = w._place(args[ins.arg], ins.layout)
-
-
-def _load(w: MeshHostWorker, lp: _LoadedProgram, ins: WorkerInstruction, env, args, step):
-    """The ``k`` micro-batches of a batch argument: one placement of the whole batch as
-    ``[k, size, ...]`` (each micro-batch laid out as the mesh wants it), then one compiled
-    split on the devices."""
-    import jax
-    from jax.sharding import PartitionSpec
-
-    k = len(ins.out_slots)
-    value = args[ins.arg]
-    if k == 1:
-        env[ins.out_slots[0]] = w._place(value, ins.layout)
-        return
-    sharding = w._sharding(ins.layout)
-    data = np.asarray(value)
-    data = data.reshape((k, ins.micro_batch_size) + data.shape[1:])
-    stacked_layout = Layout(
-        ins.layout.mesh_shape, ins.layout.axis_names, PartitionSpec(None, *ins.layout.spec)
-    )
-    stacked = w._place(data, stacked_layout)
-    key = (ins.arg, k, ins.layout)
-    if key not in lp.unstack:
-        lp.unstack[key] = jax.jit(lambda s: [s[m] for m in range(k)], out_shardings=[sharding] * k)
-    for slot, part in zip(ins.out_slots, lp.unstack[key](stacked), strict=True):
-        env[slot] = part
-
-
-def _run(w: MeshHostWorker, lp: _LoadedProgram, ins: WorkerInstruction, env, args, step):
-    outs = lp.fns[ins.fn](*[env[i] for i in ins.in_slots])
-    for slot, value in zip(ins.out_slots, outs, strict=True):
-        env[slot] = value
-
-
-def _zeros(w: MeshHostWorker, lp: _LoadedProgram, ins: WorkerInstruction, env, args, step):
-    for slot, value in zip(ins.out_slots, lp.fns[ins.fn](), strict=True):
-        env[slot] = value
-
-
-def _send(w: MeshHostWorker, lp: _LoadedProgram, ins: WorkerInstruction, env, args, step):
-    w._send(env[ins.in_slots[0]], ins.transfer, (step, ins.tag), ins.peer_mesh)
-
-
-def _recv(w: MeshHostWorker, lp: _LoadedProgram, ins: WorkerInstruction, env, args, step):
-    env[ins.out_slots[0]] = w._receive(ins.transfer, (step, ins.tag), step, ins.peer_mesh)
-
-
-def _concat(w: MeshHostWorker, lp: _LoadedProgram, ins: WorkerInstruction, env, args, step):
-    env[ins.out_slots[0]] = jitted_concat()(*[env[i] for i in ins.in_slots])
-
-
-def _mean(w: MeshHostWorker, lp: _LoadedProgram, ins: WorkerInstruction, env, args, step):
-    env[ins.out_slots[0]] = jitted_mean()(*[env[i] for i in ins.in_slots])
-
-
-@functools.cache
-def jitted_concat() -> Callable:
-    """``CONCAT``, compiled: per-micro-batch values joined along axis 0 (made on first use,
-    after this process has set up jax; the local runtime uses it too)."""
-    import jax
-
-    return jax.jit(lambda *xs: jax.numpy.concatenate(xs, axis=0))
-
-
-@functools.cache
-def jitted_mean() -> Callable:
-    """``MEAN``, compiled: the mean of per-micro-batch values (a scalar loss)."""
-    import jax
-
-    return jax.jit(lambda *xs: sum(xs[1:], xs[0]) / len(xs))
-
-
-_HANDLERS: dict[WorkerOp, Callable] = {
-    WorkerOp.INPUT: _input,
-    WorkerOp.LOAD: _load,
-    WorkerOp.RUN: _run,
-    WorkerOp.ZEROS: _zeros,
-    WorkerOp.SEND: _send,
-    WorkerOp.RECV: _recv,
-    WorkerOp.CONCAT: _concat,
-    WorkerOp.MEAN: _mean,
-}
