@@ -44,11 +44,8 @@ from alpa.shard_parallel.sharding_spec import (
     user_partition_spec,
 )
 from alpa.shard_parallel.strategy_costs import sums_partials
-from alpa.shard_parallel.strategy_graph import (
-    GraphOptions,
-    StrategyGraph,
-    build_strategy_graph,
-)
+from alpa.shard_parallel.strategy_graph import build_strategy_graph
+from alpa.shard_parallel.strategy_graph_record import GraphOptions, StrategyGraph
 
 # ----------------------------------------------------------------------------- planning
 
@@ -252,7 +249,7 @@ def plan_auto_sharding(
     ``fixed_in_specs[i]``, when not ``None``, is the sharding input ``i`` arrives in (over
     ``logical_mesh.axis_names``): the ILP plans around it instead of choosing it.
     ``partial_sums=False`` prices every reduction on its own, for a lowering that does not
-    add partial results before reducing them (``strategy_graph.PartialSumSite``).
+    add partial results before reducing them (``strategy_graph_record.PartialSumSite``).
     ``comm_first=False`` solves the full objective, communication plus compute, from the
     start (``ilp_solver.solve``). ``shared_reshardings=False`` prices a resharding once per
     reader, for a lowering that splits the step into several programs (a pipeline stage's

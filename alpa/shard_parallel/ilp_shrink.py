@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from alpa.shard_parallel.strategy_graph import StrategyGraph
+from alpa.shard_parallel.strategy_graph_record import StrategyGraph
 
 #: Graphs with more decision groups than this get repeated structure tied (step 4).
 TIE_LAYERS_ABOVE_GROUPS = 150

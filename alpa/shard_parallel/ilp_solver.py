@@ -50,7 +50,7 @@ from alpa.shard_parallel.sharding_spec import (
     resharding_collectives,
 )
 from alpa.shard_parallel.strategy_costs import combined_latency, sums_partials, work_shards
-from alpa.shard_parallel.strategy_graph import StrategyGraph, live_points
+from alpa.shard_parallel.strategy_graph_record import StrategyGraph, live_points
 
 
 class InfeasibleMemoryBudgetError(ValueError):

@@ -18,7 +18,7 @@ from jax.extend.core import Literal, Var
 
 from alpa.shard_parallel import ilp_solver
 from alpa.shard_parallel.sharding_spec import nbytes, num_shards, replicated
-from alpa.shard_parallel.strategy_graph import Node, StrategyGraph
+from alpa.shard_parallel.strategy_graph_record import Node, StrategyGraph
 from alpa.shard_parallel.strategy_rules import Strategy
 
 
@@ -28,7 +28,7 @@ def xla_memory_graph(graph: StrategyGraph, state_pairs: Sequence[tuple[int, int]
     XLA reports a step's allocation per device as arguments + outputs + temporaries -
     donated aliases: the caller's arguments and the step's results are allocations of the
     whole step, and intermediates share the temporary heap, resharded copies of operands
-    included. The solver's liveness (``strategy_graph.live_points``) instead frees an input
+    included. The solver's liveness (``strategy_graph_record.live_points``) instead frees an input
     after its last read, allocates an output where it is computed, and knows no copies,
     which undercounts what XLA holds. This graph has the same nodes, strategies and costs,
     plus zero-cost *copy nodes*, and the jaxpr the liveness is read from is rewritten so

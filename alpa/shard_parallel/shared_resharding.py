@@ -44,7 +44,7 @@ def share_reshardings(
     """Route the reads of each value that several readers may need in one spec through a
     resharding node (module docstring), in place.
 
-    ``edges``: the graph's edges (``strategy_graph.Edge``); ``reads[(source, jaxpr)]``: the
+    ``edges``: the graph's edges (``strategy_graph_record.Edge``); ``reads[(source, jaxpr)]``: the
     indices in ``edges`` of the reads of ``source``'s value in one jaxpr (after a number of
     ``alpa.grad`` markers, and at a checkpoint body's path) that may share a
     resharding (not scaled by a loop, not a partial sum's, the reader not following the

@@ -10,7 +10,8 @@ collectives the strategy runs. Two effects of XLA are priced here rather than in
   out (:func:`priced_strategies`) and the solver adds it once per axis
   (:func:`combined_latency`).
 * An add of two partial results reduced alike is reduced once, not twice
-  (:func:`partial_sum_discount`, over :class:`~alpa.shard_parallel.strategy_graph.PartialSumSite`).
+  (:func:`partial_sum_discount`, over
+  :class:`~alpa.shard_parallel.strategy_graph_record.PartialSumSite`).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from alpa.shard_parallel.strategy_rules_contraction import dot_free_dims
 from alpa.tracing.flops import eqn_flops
 
 if TYPE_CHECKING:
-    from alpa.shard_parallel.strategy_graph import Node, PartialSumSite, StrategyGraph
+    from alpa.shard_parallel.strategy_graph_record import Node, PartialSumSite, StrategyGraph
 
 
 #: Primitives whose FLOPs are priced at the device's FLOP rate (the others are

@@ -37,7 +37,7 @@ from alpa.shard_parallel.strategy_costs import itemsize
 from alpa.shard_parallel.strategy_rules import Strategy, whole_value_strategy
 
 if TYPE_CHECKING:
-    from alpa.shard_parallel.strategy_graph import Source
+    from alpa.shard_parallel.strategy_graph_record import Source
 
 #: How many iterations a ``while`` loop's condition and body are priced at: its trip count
 #: is known only when it runs (a ``fori_loop`` with static bounds is a ``scan``, priced at

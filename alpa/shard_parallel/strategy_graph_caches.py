@@ -22,7 +22,7 @@ from jax.extend.core import JaxprEqn, Literal
 from alpa.device_mesh import LogicalDeviceMesh
 
 if TYPE_CHECKING:
-    from alpa.shard_parallel.strategy_graph import GraphOptions
+    from alpa.shard_parallel.strategy_graph_record import GraphOptions
 
 #: How many (mesh, options) pairs keep their builder caches (:func:`shared_caches`).
 SHARED_CACHE_LIMIT = 64

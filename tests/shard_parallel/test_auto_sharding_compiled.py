@@ -453,7 +453,7 @@ def test_gpt_layers_split_attention_heads(num_layers):
       column-parallel MLP input layer;
     * the input gradient of query, key and value, ``dq @ Wq.T + dk @ Wk.T + dv @ Wv.T``: three
       partial sums over the split heads. The first add sums two partial results reduced
-      alike, so they are reduced once (``strategy_graph.PartialSumSite``; the lowering adds
+      alike, so they are reduced once (``strategy_graph_record.PartialSumSite``; the lowering adds
       them on each device first, ``partial_sums.py``); the second add reads that sum, no
       longer a partial result: 2 all-reduces, where Megatron has 3. (Before the partial-sum
       rule the plan avoided the three all-reduces by all-gathering the head-split

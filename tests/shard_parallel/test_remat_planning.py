@@ -36,7 +36,8 @@ from alpa.model.model_util import create_train_state
 from alpa.parallel_plan import ParallelPlan
 from alpa.shard_parallel.auto_sharding import solve_auto_sharding
 from alpa.shard_parallel.constrained_eval import eval_jaxpr_with_constraints
-from alpa.shard_parallel.strategy_graph import GraphOptions, build_strategy_graph, live_points
+from alpa.shard_parallel.strategy_graph import build_strategy_graph
+from alpa.shard_parallel.strategy_graph_record import GraphOptions, live_points
 from alpa.testing import assert_allclose, program_text
 from alpa.testing import run_auto_sharded as _compile
 from alpa.testing import unit_cost_mesh as _mesh

@@ -17,7 +17,8 @@ from jax.extend.core import Literal
 from alpa.device_mesh import LogicalDeviceMesh
 from alpa.shard_parallel.sharding_spec import resharding_cost
 from alpa.shard_parallel.strategy_costs import priced_strategies
-from alpa.shard_parallel.strategy_graph import GraphOptions, build_strategy_graph
+from alpa.shard_parallel.strategy_graph import build_strategy_graph
+from alpa.shard_parallel.strategy_graph_record import GraphOptions
 from alpa.shard_parallel.strategy_rules import RuleContext, lookup_rule, replicated_strategy
 
 
