@@ -65,7 +65,7 @@ def count_communication_primitives(
 
 
 #: The name scope of the gradients' once-per-step reduction
-#: (``shard_parallel.gradient_sync.reduce_partials``): its collectives carry it in their
+#: (``shard_parallel.packed_collectives.reduce_partials``): its collectives carry it in their
 #: HLO metadata.
 GRAD_SYNC_SCOPE = "alpa_grad_sync"
 

@@ -28,7 +28,7 @@ from alpa.runtime.placement import PlacementSpec
 from alpa.shard_parallel.compile import full_batch_avals
 from alpa.shard_parallel.constrained_eval import eval_jaxpr_with_constraints
 from alpa.shard_parallel.data_parallel import zero_spec
-from alpa.shard_parallel.gradient_sync import gather_packed, reduce_partials
+from alpa.shard_parallel.packed_collectives import gather_packed, reduce_partials
 from alpa.shard_parallel.row_sums import deferred_rules
 from alpa.tracing import new_jaxpr
 from alpa.tracing.jaxpr_util import backward_slice, is_var, nested_eqns, planned_bodies
@@ -162,7 +162,7 @@ class StagePrograms:
         computed from a value split over them (a scattered gradient, the split optimizer
         state), by position in ``kept``, as ``(split spec, data axes)``: computed on each
         device's shard and all-gathered in one packed all-gather
-        (``gradient_sync.gather_packed``), instead of XLA gathering each update."""
+        (``packed_collectives.gather_packed``), instead of XLA gathering each update."""
         deferred, s = self.program.deferred, comp.stage
         data_axes = () if deferred is None else tuple(deferred.stage_axes.get(s, ()))
         grads = [v for v in deferred.partials if self.program.home.get(v) == s] if data_axes else []
@@ -208,7 +208,7 @@ class StagePrograms:
         def fn(*args):
             inputs = list(args[num_sums:])
             # The step's one gradient reduction: reduce-scatters packed into one
-            # (ZeRO-2's), the rest all-reduced (gradient_sync.reduce_partials).
+            # (ZeRO-2's), the rest all-reduced (packed_collectives.reduce_partials).
             order = list(reduced_specs)
             totals = reduce_partials(
                 [inputs[i] for i in order], [True] * len(order),

@@ -20,7 +20,7 @@ inside the backward, once per micro-batch. As on one mesh
   (a value of its own, :attr:`DeferredSums.partials`), donated and updated in the backward
   like every accumulator.
 * **apply-grad**: the first apply computation that reads the gradient sums the slices
-  (``gradient_sync.reduce_partials``): one all-reduce per gradient per step, or, with
+  (``packed_collectives.reduce_partials``): one all-reduce per gradient per step, or, with
   ``prefer_reduce_scatter=True``, a reduce-scatter into the gradient's ZeRO-2 sharding
   (:func:`zero2_specs`), the stage's packed into one, after which the optimizer
   updates ``1/n`` of each parameter and the updated parameters are all-gathered once,

@@ -31,14 +31,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from alpa.device_mesh import spec_entry
 from alpa.shard_parallel.constrained_eval import eval_jaxpr_with_constraints, pinned
-from alpa.shard_parallel.gradient_sync import (
-    gather_packed,
-    packed_gathers,
-    packs_by_dimension,
-    reduce_at_marker,
-    reduce_partials,
-)
+from alpa.shard_parallel.gradient_sync import packed_gathers, packs_by_dimension, reduce_at_marker
 from alpa.shard_parallel.micro_batches import batch_dims, stack_micro_batches
+from alpa.shard_parallel.packed_collectives import gather_packed, reduce_partials
 from alpa.shard_parallel.param_gathers import GatherSchedule, Pack, gather_schedule
 from alpa.shard_parallel.partial_sums import partial_sum_overrides
 from alpa.shard_parallel.reduce_scatters import reduce_scatter_overrides

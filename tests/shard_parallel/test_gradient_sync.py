@@ -15,7 +15,7 @@ import alpa
 from alpa.device_mesh import LocalPhysicalDeviceMesh, make_jax_mesh
 from alpa.shard_parallel.constrained_eval import eval_jaxpr_with_constraints
 from alpa.shard_parallel.grad_marking import gradient_vars, mark_gradients
-from alpa.shard_parallel.gradient_sync import packed_all_gather, packed_reduce_scatter
+from alpa.shard_parallel.packed_collectives import packed_all_gather, packed_reduce_scatter
 from alpa.testing import assert_allclose
 from alpa.tracing.trace import trace_step
 from alpa.util import collective_shapes, count_communication_primitives

@@ -198,7 +198,7 @@ def test_a_2d_plan_keeps_its_decisions_and_scatters_its_gradients_over_the_data_
     from collections import Counter
 
     from alpa.shard_parallel.gradient_scatter import scattered_spec
-    from alpa.shard_parallel.gradient_sync import minor_scatter_dimension
+    from alpa.shard_parallel.packed_collectives import minor_scatter_dimension
     from alpa.util import collective_shapes
 
     tx = optax.adam(1e-2)
