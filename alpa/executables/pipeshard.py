@@ -27,11 +27,9 @@ from alpa.device_mesh import make_jax_mesh
 from alpa.executables.base import Executable, check_dispatch_args
 from alpa.executables.stage_programs import StagePrograms, hlo_order, input_placement_specs
 from alpa.pipeline_parallel import plan_view
-from alpa.pipeline_parallel.computation import (
-    StageComputation,
-    step_arguments,
-)
+from alpa.pipeline_parallel.computation import StageComputation
 from alpa.pipeline_parallel.pipeshard_plan import PipeshardPlan
+from alpa.pipeline_parallel.program_rewrites import step_arguments
 from alpa.pipeline_parallel.stage_sharding import DATA_AXES
 from alpa.pipeline_parallel.user_shardings import input_names
 from alpa.runtime.instructions import (

@@ -31,8 +31,8 @@ import jax
 from alpa.executables.base import Executable, check_dispatch_args
 from alpa.executables.distributed import abstract_mesh, serialize_jitted
 from alpa.executables.stage_programs import StagePrograms, input_placement_specs
-from alpa.pipeline_parallel.computation import step_arguments
 from alpa.pipeline_parallel.pipeshard_plan import PipeshardPlan
+from alpa.pipeline_parallel.program_rewrites import step_arguments
 from alpa.pipeline_parallel.stage_sharding import DATA_AXES
 from alpa.runtime.instructions import ConstOutput, MicroBatchOutput, Op, activation_keys
 from alpa.runtime.placement import PlacementSpec, caller_placements

@@ -8,7 +8,7 @@ Two options decide the cut of the forward pass (the loss function):
   equations into ``layer_num`` contiguous layers (paper §5.2, ``layer_clustering``): every
   layer's FLOPs within ``(1 ± layer_eps)`` times the average, and the least bytes crossing
   layer boundaries. ``remat_mode="coarse_grained_remat"`` then recomputes each stage's
-  forward in its backward (``computation.rematerialize``);
+  forward in its backward (``program_rewrites.rematerialize``);
   ``remat_mode="fine_grained_remat"`` first wraps ``fine_grained_remat_layer_num``
   clustered segments of the loss function in ``jax.checkpoint`` (``remat``), so that a
   layer is a run of whole checkpointed segments. An inference step (no ``alpa.grad``) is
@@ -106,7 +106,7 @@ class ManualLayerOption:
 
     Attributes:
       remat_layer: each stage's backward recomputes the forward activations of its
-        stage instead of keeping them from the forward (``computation.rematerialize``).
+        stage instead of keeping them from the forward (``program_rewrites.rematerialize``).
     """
 
     remat_layer: bool = False
@@ -184,7 +184,7 @@ class AutoLayerOption:
 
     @property
     def remat_layer(self) -> bool:
-        """Stage-level rematerialization (``computation.rematerialize``)."""
+        """Stage-level rematerialization (``program_rewrites.rematerialize``)."""
         return self.remat_mode == "coarse_grained_remat"
 
     def _clustered(self, eqns: Sequence[JaxprEqn], where: str) -> Segments:

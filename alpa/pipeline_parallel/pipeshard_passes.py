@@ -25,12 +25,7 @@ from typing import Any
 
 from alpa.device_mesh import ClusterSpec, LogicalDeviceMesh, VirtualPhysicalMesh
 from alpa.pipeline_parallel.candidate_stages import dp_candidates, shared_mesh_candidates
-from alpa.pipeline_parallel.computation import (
-    PipelineProgram,
-    draw_rows_of_full_batch,
-    rematerialize,
-    split_computations,
-)
+from alpa.pipeline_parallel.computation import PipelineProgram, split_computations
 from alpa.pipeline_parallel.deferred_sums import (
     defer_gradient_sums,
     stage_data_axes,
@@ -43,6 +38,7 @@ from alpa.pipeline_parallel.layer_construction import (
     resolve_layer_option,
 )
 from alpa.pipeline_parallel.pipeshard_plan import PipeshardDecisions, PipeshardPlan, layout_of
+from alpa.pipeline_parallel.program_rewrites import draw_rows_of_full_batch, rematerialize
 from alpa.pipeline_parallel.propagated_stages import propagates
 from alpa.pipeline_parallel.runtime_emitter import emit_instructions
 from alpa.pipeline_parallel.schedule_choice import choose, price_schedules

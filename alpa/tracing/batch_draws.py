@@ -31,7 +31,7 @@ The passes:
   micro-batches take. The one-mesh lowering feeds it to its micro-batch loop
   (``shard_parallel/lowering.py``); a pipeline rewrites the stage computations that draw
   with :func:`row_id_rewriter` and ``LOAD`` s the row ids like a batch argument
-  (``pipeline_parallel/computation.draw_rows_of_full_batch``).
+  (``program_rewrites.draw_rows_of_full_batch``).
 
 Draws that the fast path does not cover (another PRNG implementation, partitionable
 threefry off, a batch of keys, more than ``2**32`` elements) draw the full-batch shape and
