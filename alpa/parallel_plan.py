@@ -24,10 +24,10 @@ What a plan records:
   instruction lists follow from these and are derived again;
 * both: ``num_micro_batches``, the cluster shape, and where every input is placed.
 
-Values and equations of the traced jaxpr are named by position (:func:`value_refs`:
+Values and equations of the traced jaxpr are named by position (``plan_refs.value_refs``:
 ``in3`` is input 3, ``eqn12.0`` output 0 of equation 12, ``const0`` a constant), which a
 fresh trace of the same function reproduces. A plan keeps a fingerprint of the step it was
-made for (:func:`step_fingerprint`); applied to any other step it raises ``ValueError``.
+made for (``plan_refs.step_fingerprint``); applied to any other step it raises ``ValueError``.
 Devices are not recorded: a replay runs on the method's ``devices`` (default: the global
 mesh), which must have the recorded number of devices.
 
@@ -38,15 +38,12 @@ The JSON form of each part is in :mod:`alpa.plan_json`; the method that replays 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-from jax.extend.core import DropVar, Jaxpr, JaxprEqn, Var
+from jax.extend.core import Jaxpr
 
 from alpa.pipeline_parallel.layer_construction import (
     AutoLayerOption,
@@ -72,80 +69,18 @@ from alpa.plan_json import (
     stage_plan_from_json,
     stage_plan_to_json,
 )
+from alpa.plan_refs import aval_text, eqn_refs, step_fingerprint, value_refs
 from alpa.runtime.placement import PlacementSpec
 from alpa.shard_parallel.auto_sharding import AutoShardingOption
 from alpa.shard_parallel.compile import full_batch_avals
 from alpa.shard_parallel.sharding_plan import ShardingPlan
 from alpa.tracing import TracedStep
-from alpa.tracing.jaxpr_util import planned_bodies
 
 if TYPE_CHECKING:  # the executables import this record; it knows only their interface
     from alpa.executables.base import Executable
 
 #: Version of the JSON layout ``ParallelPlan.to_json`` writes.
 PLAN_FORMAT = 1
-
-# ----------------------------------------------------------------------------- naming
-
-
-def value_refs(jaxpr: Jaxpr) -> dict[Var, str]:
-    """A name for every value of ``jaxpr`` by its position: ``const{i}``, ``in{i}``,
-    ``eqn{t}.{k}`` (output ``k`` of equation ``t``). The auto-sharding plan also pins the
-    values inside checkpoint (``remat2``) and ``scan`` bodies and ``cond`` branches: in the
-    body of equation ``t``, ``eqn{t}/`` followed by the body's own names (``eqn3/in0``,
-    ``eqn3/eqn5.0``), in branch ``i`` ``eqn{t}/b{i}/`` (``eqn3/b1/eqn0.0``), recursively."""
-    refs: dict[Var, str] = {}
-    for i, v in enumerate(jaxpr.constvars):
-        refs[v] = f"const{i}"
-
-    def name(jaxpr: Jaxpr, prefix: str) -> None:
-        for i, v in enumerate(jaxpr.invars):
-            refs.setdefault(v, f"{prefix}in{i}")
-        for t, eqn in enumerate(jaxpr.eqns):
-            for k, v in enumerate(eqn.outvars):
-                if isinstance(v, Var) and not isinstance(v, DropVar):
-                    refs.setdefault(v, f"{prefix}eqn{t}.{k}")
-            for suffix, body in planned_bodies(eqn):
-                name(body, f"{prefix}eqn{t}/{suffix}")
-
-    name(jaxpr, "")
-    return refs
-
-
-def eqn_refs(jaxpr: Jaxpr) -> dict[str, JaxprEqn]:
-    """Every equation of ``jaxpr`` by a name of its position: ``eqn{t}``, and in the body of
-    a checkpoint or scan equation ``t``, ``eqn{t}/eqn{u}`` (``eqn{t}/b{i}/eqn{u}`` in a
-    ``cond``'s branch ``i``) (as :func:`value_refs`)."""
-    refs: dict[str, JaxprEqn] = {}
-
-    def name(jaxpr: Jaxpr, prefix: str) -> None:
-        for t, eqn in enumerate(jaxpr.eqns):
-            refs[f"{prefix}eqn{t}"] = eqn
-            for suffix, body in planned_bodies(eqn):
-                name(body, f"{prefix}eqn{t}/{suffix}")
-
-    name(jaxpr, "")
-    return refs
-
-
-def step_fingerprint(traced: TracedStep) -> str:
-    """A hash of what a plan depends on: the printed jaxpr (every equation with its
-    shapes), the input avals, and which inputs are batch and donated."""
-    # A parameter printed as a Python object may carry its address; it is not the step's.
-    text = re.sub(r" at 0x[0-9a-fA-F]+", "", str(traced.closed_jaxpr))
-    parts = [
-        text,
-        repr([_aval_text(a) for a in traced.in_avals]),
-        repr(traced.batch_invars),
-        repr(traced.donated_invars),
-    ]
-    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
-
-
-def _aval_text(aval) -> str:
-    weak = "~" if getattr(aval, "weak_type", False) else ""
-    return f"{weak}{np.dtype(aval.dtype).name}{list(aval.shape)}"
-
 
 # ----------------------------------------------------------------------------- records
 
@@ -178,7 +113,7 @@ class PipelinePlan:
       layer_option: the layer option the step was traced with (``alpa.grad`` cuts the
         loss function as it says, so a replay traces under it again).
       decisions: layers, stages, per-stage options and logical meshes, and the sharding
-        table keyed by ``(value ref, stage)`` (:func:`value_refs`).
+        table keyed by ``(value ref, stage)`` (``plan_refs.value_refs``).
       split_rows: whether the step's stacked parameters were split by rows
         (``stacked_rows``): the refs name values of the split step, which a replay makes
         again.
@@ -198,14 +133,14 @@ class ParallelPlan:
       method: what made the plan (``"auto-sharding ILP"``, ``"DataParallel"``,
         ``"PipeshardParallel"``, ...).
       step_name: the step function's name.
-      fingerprint: :func:`step_fingerprint` of the traced step.
+      fingerprint: ``plan_refs.step_fingerprint`` of the traced step.
       input_names: per input leaf, its name (``argument 1['x']``).
       input_avals: per input leaf, its dtype and shape as the caller passes it (the
         full batch).
       cluster_info: the devices the plan was made for.
       num_micro_batches: micro-batches per step (``None``: no gradient accumulation).
       sharding_plan: for one mesh, the ``ShardingPlan``, its values named by
-        :func:`value_refs` and its logical mesh without devices.
+        ``plan_refs.value_refs`` and its logical mesh without devices.
       pipeline_plan: for a pipeline, its :class:`PipelinePlan`.
       input_placement_specs: per input leaf (full batch), the meshes and specs it is
         placed on.
@@ -329,7 +264,7 @@ class ParallelPlan:
         """Raise ``ValueError`` unless ``traced`` is the step this plan was made for."""
         if step_fingerprint(traced) == self.fingerprint:
             return
-        here = tuple(_aval_text(a) for a in full_batch_avals(traced, self.num_micro_batches))
+        here = tuple(aval_text(a) for a in full_batch_avals(traced, self.num_micro_batches))
         if len(here) != len(self.input_avals):
             detail = (
                 f"it has {len(self.input_avals)} input leaves, {traced.name} is called with "
@@ -495,7 +430,7 @@ def _step_fields(traced: TracedStep, num_micro_batches: int | None) -> dict:
         "step_name": traced.name,
         "fingerprint": step_fingerprint(traced),
         "input_names": tuple(traced.leaf_names),
-        "input_avals": tuple(_aval_text(a) for a in avals),
+        "input_avals": tuple(aval_text(a) for a in avals),
         "batch_inputs": _flags(traced.batch_invars),
         "donated_inputs": _flags(traced.donated_invars),
     }

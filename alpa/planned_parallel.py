@@ -2,7 +2,7 @@
 
 ``alpa.plan_to_method(plan)`` returns this method. It searches nothing (no ILP, no stage
 DP): the recorded decisions, whose values and equations are named by position
-(:func:`~alpa.parallel_plan.value_refs`), are bound to the values and equations of a fresh
+(:func:`~alpa.plan_refs.value_refs`), are bound to the values and equations of a fresh
 trace of the step, after checking that the trace is the recorded step (its fingerprint,
 inputs and outputs); a plan applied to another step raises ``ValueError``. Compiling the
 bound plan gives the recorded executable.
@@ -19,13 +19,14 @@ from jax.extend.core import Jaxpr
 
 from alpa.device_mesh import LogicalDeviceMesh
 from alpa.executables.base import Executable
-from alpa.parallel_plan import ParallelPlan, eqn_refs, value_refs
+from alpa.parallel_plan import ParallelPlan
 from alpa.pipeline_parallel.pipeshard_passes import (
     PipeshardOptions,
     pipeline_step,
     plan_pipeshard,
 )
 from alpa.pipeshard_method import PipeshardParallel
+from alpa.plan_refs import eqn_refs, value_refs
 from alpa.shard_method import ParallelMethod, _compile_one_mesh, resolve_logical_mesh
 from alpa.shard_parallel.sharding_plan import ShardingPlan
 from alpa.tracing import TracedStep

@@ -189,6 +189,7 @@ _FORBIDDEN = {
         "alpa.runtime",
         "alpa.executables",
         "alpa.parallel_plan",
+        "alpa.plan_refs",
         *_METHODS,
     ),
     "alpa.shard_parallel": (
@@ -196,6 +197,7 @@ _FORBIDDEN = {
         "alpa.runtime",
         "alpa.executables",
         "alpa.parallel_plan",
+        "alpa.plan_refs",
         *_METHODS,
     ),
     # The runtime runs instruction lists and imports no compiler pass.
@@ -205,12 +207,19 @@ _FORBIDDEN = {
         "alpa.pipeline_parallel",
         "alpa.executables",
         "alpa.parallel_plan",
+        "alpa.plan_refs",
         *_METHODS,
     ),
-    "alpa.pipeline_parallel": ("alpa.executables", "alpa.parallel_plan", *_METHODS),
+    "alpa.pipeline_parallel": (
+        "alpa.executables",
+        "alpa.parallel_plan",
+        "alpa.plan_refs",
+        *_METHODS,
+    ),
     "alpa.executables": _METHODS,
     "alpa.parallel_plan": _METHODS,
     "alpa.plan_json": _METHODS,
+    "alpa.plan_refs": _METHODS,
 }
 
 

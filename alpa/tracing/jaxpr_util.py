@@ -110,7 +110,7 @@ REMAT_PRIMITIVES = frozenset({"remat2", "checkpoint"})
 
 def planned_bodies(eqn: JaxprEqn) -> tuple[tuple[str, Jaxpr], ...]:
     """The bodies the auto-sharding plan reaches into, each with the name its values take
-    after the equation's (``parallel_plan.value_refs``): that of a checkpoint (``remat2``)
+    after the equation's (``plan_refs.value_refs``): that of a checkpoint (``remat2``)
     or of a ``scan`` (``""``), the branches of a ``cond`` (``"b0/"``, ``"b1/"``, ...), the
     condition and body of a ``while`` (``"cond/"``, ``"body/"``); none for any other
     equation. ``trace_step`` gives each such body variables of its own, so
