@@ -215,7 +215,8 @@ class AutoStageOption:
             )
 
     def cost_model_instance(self, devices: Sequence[Any] | None):
-        from alpa.pipeline_parallel.stage_cost import AnalyticStageCost, MeasuredStageCost
+        from alpa.pipeline_parallel.measured_stage_cost import MeasuredStageCost
+        from alpa.pipeline_parallel.stage_cost import AnalyticStageCost
 
         if self.use_hlo_cost_model or self.cost_model == "analytic":
             return AnalyticStageCost()

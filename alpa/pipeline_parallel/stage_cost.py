@@ -50,24 +50,17 @@ Two models:
   :func:`predict_stage_plan` prices any stage plan (manual ones too) with the same
   model, so a hand plan and the DP's compare on equal terms.
 
-* :class:`MeasuredStageCost`: compiles every candidate stage on the real submesh
-  (``ShardParallel``'s intra-op pass and lowering) and times it; results are cached on
-  disk keyed by the stage's jaxpr, submesh, logical shape and options, so a stage is
-  measured once per machine. Memory as in the analytic model.
+* ``measured_stage_cost.MeasuredStageCost``: compiles and times every candidate stage on
+  the real submesh; memory as in the analytic model.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import math
-import os
-import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
@@ -79,11 +72,9 @@ from alpa.pipeline_parallel.layer_facts import (
     temporary_bytes,
 )
 from alpa.pipeline_parallel.stage_problem import LogicalConfig, StageCosts, StageProblem
-from alpa.pipeline_parallel.stage_sharding import equations_key, structure_key, uses_ilp
+from alpa.pipeline_parallel.stage_sharding import equations_key, uses_ilp
 from alpa.shard_parallel import ilp_solver
 from alpa.shard_parallel.auto_sharding import (
-    AutoShardingOption,
-    plan_auto_sharding,
     solve_auto_sharding,
 )
 from alpa.shard_parallel.milp import taking_turns
@@ -244,7 +235,7 @@ def _ilp_layer(
     )
 
 
-class _LayerPlans:
+class LayerPlans:
     """Every layer's :func:`_ilp_layer` on every configuration, solved up front, one ILP per
     distinct (layer jaxpr, submesh, configuration); ``get(layer, m, config)`` reads it.
 
@@ -306,7 +297,7 @@ class _LayerPlans:
         return self._solved[key]
 
 
-def _stage_memory(problem: StageProblem, plans: _LayerPlans):
+def stage_memory(problem: StageProblem, plans: LayerPlans):
     """``memory(i, j, m, c, config) -> (state, per_micro_batch, once)`` bytes per device of
     a stage of layers ``i..j`` (module docstring): its state, the activations it keeps per
     micro-batch in flight, and what it holds once: the temporaries of its forward or
@@ -336,7 +327,7 @@ def _stage_memory(problem: StageProblem, plans: _LayerPlans):
     return memory
 
 
-def _fill(problem: StageProblem, latency_of, memory_of) -> StageCosts:
+def fill_tables(problem: StageProblem, latency_of, memory_of) -> StageCosts:
     """Tables from per-(layers, m, c) latency and (state, per micro-batch, once) bytes per
     device."""
     L, M, C = problem.num_layers, len(problem.submesh_choices), problem.num_configs
@@ -396,7 +387,7 @@ class AnalyticStageCost:
         cluster = problem.cluster
         bandwidth = self.cross_mesh_bandwidth or cluster.inter_node_bandwidth
         facts = problem.layer_facts
-        plans = _LayerPlans(problem, facts, self.workers)
+        plans = LayerPlans(problem, facts, self.workers)
         remat = 1.0 if problem.remat else 0.0
         micro = max(1, problem.num_micro_batches)
 
@@ -421,11 +412,11 @@ class AnalyticStageCost:
                 params += facts[layer].param_bytes * cost.param_fraction
             return dict(per_micro), dict(once), params
 
-        return latency, _stage_memory(problem, plans), collective_bytes
+        return latency, stage_memory(problem, plans), collective_bytes
 
     def __call__(self, problem: StageProblem) -> StageCosts:
         latency, memory, _ = self.stage_model(problem)
-        return _fill(problem, latency, memory)
+        return fill_tables(problem, latency, memory)
 
 
 @dataclass(frozen=True)
@@ -506,114 +497,3 @@ def predict_stage_plan(
         tuple(activations),
         tuple(params),
     )
-
-
-class MeasuredStageCost:
-    """Latency measured by compiling and running every candidate stage on its submesh.
-
-    Args:
-      devices: the devices submeshes are cut from (default ``jax.devices()``).
-      cache_file: a JSON file of measured latencies (default
-        ``~/.cache/alpa/stage_costs.json``); entries are keyed by the stage's jaxpr,
-        submesh, logical shape and options.
-      repeat: timed runs per stage (the median is kept), after one warm-up run.
-    """
-
-    def __init__(
-        self, devices: Sequence[Any] | None = None, cache_file: str | None = None, repeat: int = 3
-    ):
-        self.devices = devices
-        self.cache_file = cache_file or os.path.join(
-            os.path.expanduser("~"), ".cache", "alpa", "stage_costs.json"
-        )
-        self.repeat = repeat
-        self.measured = 0  # stages compiled and timed by the last call (not from the cache)
-
-    def __call__(self, problem: StageProblem) -> StageCosts:
-        import jax
-
-        from alpa.device_mesh import LocalPhysicalDeviceMesh
-        from alpa.util import progress
-
-        devices = list(self.devices or jax.devices())
-        cache = self._load()
-        facts = problem.layer_facts
-        L = problem.num_layers
-        candidates = [
-            (i, j, m, c, config)
-            for m, configs in enumerate(problem.configs)
-            for c, config in enumerate(configs)
-            for i in range(L)
-            for j in range(i, L)
-        ]
-        latencies: dict = {}
-        self.measured = 0
-        for i, j, m, c, config in progress(candidates, desc="measuring stages"):
-            n = int(np.prod(problem.submesh_choices[m]))
-            if n > len(devices):
-                continue
-            step, _ = problem.stage_step(i, j, n)
-            option = problem.config_option(config)
-            key = hashlib.sha256(
-                json.dumps(
-                    [
-                        structure_key(step),
-                        list(problem.submesh_choices[m]),
-                        list(config.shape),
-                        repr(option),
-                        devices[0].platform,
-                    ]
-                ).encode()
-            ).hexdigest()
-            if key not in cache:
-                mesh = LocalPhysicalDeviceMesh(devices[:n]).get_logical_mesh(config.shape)
-                cache[key] = self._time(step, mesh, option)
-                self.measured += 1
-            latencies[(i, j, m, c)] = cache[key]
-        self._save(cache)
-
-        def latency(i, j, m, c, config):
-            return latencies.get((i, j, m, c), np.inf)
-
-        memory = _stage_memory(problem, _LayerPlans(problem, facts))
-        return _fill(problem, latency, memory)
-
-    def _time(self, step: TracedStep, mesh, option: AutoShardingOption) -> float:
-        import jax
-        import jax.numpy as jnp
-
-        from alpa.shard_parallel.compile import compile_plan
-
-        plan = plan_auto_sharding(
-            step, mesh, option, partial_sums=False, comm_first=False, shared_reshardings=False
-        )  # as the stages run
-        compiled, in_shardings = compile_plan(step, plan, None)
-        args = [
-            jax.device_put(jnp.zeros(a.shape, a.dtype), s)
-            for a, s in zip(step.in_avals, in_shardings, strict=True)
-        ]
-
-        def launch():
-            return compiled(*jax.tree.unflatten(step.in_tree, args))
-
-        jax.block_until_ready(launch())
-        times = []
-        for _ in range(self.repeat):
-            start = time.perf_counter()
-            jax.block_until_ready(launch())
-            times.append(time.perf_counter() - start)
-        return float(np.median(times))
-
-    def _load(self) -> dict:
-        try:
-            with open(self.cache_file) as f:
-                return json.load(f)
-        except (OSError, ValueError):
-            return {}
-
-    def _save(self, cache: dict) -> None:
-        os.makedirs(os.path.dirname(os.path.abspath(self.cache_file)), exist_ok=True)
-        tmp = self.cache_file + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(cache, f)
-        os.replace(tmp, self.cache_file)

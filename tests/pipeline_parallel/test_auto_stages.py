@@ -20,12 +20,13 @@ from alpa.device_mesh import ClusterSpec
 from alpa.model.gpt import GPTConfig, get_gpt_train_state_and_step
 from alpa.model.mlp import MLPModel, get_mlp_train_state_and_step
 from alpa.pipeline_parallel.layer_facts import compute_layer_facts
+from alpa.pipeline_parallel.measured_stage_cost import MeasuredStageCost
 from alpa.pipeline_parallel.stage_construction import (
     AutoStageOption,
     get_last_dp_result,
     place_submeshes,
 )
-from alpa.pipeline_parallel.stage_cost import AnalyticStageCost, MeasuredStageCost
+from alpa.pipeline_parallel.stage_cost import AnalyticStageCost
 from alpa.pipeline_parallel.stage_imbalance import imbalance_mask
 from alpa.pipeline_parallel.stage_problem import StageCosts
 from alpa.testing import assert_allclose

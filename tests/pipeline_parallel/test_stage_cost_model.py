@@ -105,7 +105,7 @@ def test_ilp_gradient_reductions_are_split_from_the_per_micro_batch_collectives(
     space = AutoStageOption(cost_model=recording, submesh_logical_shape_space="data_parallel_only")
     _recorded(k=16, stage_option=space, rows=256)
     problem = seen["problem"]
-    plans = stage_cost._LayerPlans(problem, problem.layer_facts, workers=1)
+    plans = stage_cost.LayerPlans(problem, problem.layer_facts, workers=1)
     checked = 0
     for m, configs in enumerate(problem.configs):
         n = int(np.prod(problem.submesh_choices[m]))
@@ -138,7 +138,7 @@ def test_remat_keeps_only_what_enters_a_stage_and_recomputes_its_forward():
     state = sum(f.state_bytes for f in facts)
     forward = sum(f.forward_flops for f in facts)
     budget = plain_problem.memory_budget
-    plans = stage_cost._LayerPlans(plain_problem, facts, workers=1)
+    plans = stage_cost.LayerPlans(plain_problem, facts, workers=1)
     for m, (hosts, per_host) in enumerate(plain_problem.submesh_choices):
         n = hosts * per_host
         # Held once: the largest layer's temporaries (test_temporaries_are_...).
@@ -304,7 +304,7 @@ def test_a_checkpointed_layer_defers_its_gradient_reduction_as_a_written_out_one
         )
         alpa.parallelize(step, method=method).plan(params, batch)
         problem = seen["problem"]
-        plans = stage_cost._LayerPlans(problem, problem.layer_facts, workers=1)
+        plans = stage_cost.LayerPlans(problem, problem.layer_facts, workers=1)
         priced[checkpointed] = {
             (m, config.shape): plans.get(1, m, config)
             for m, configs in enumerate(problem.configs)
