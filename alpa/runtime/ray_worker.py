@@ -392,10 +392,7 @@ class MeshHostWorker(MeshTransfers):
                     in_flight.freed(0, micro_batch)
             self._peak_in_flight[program_id] = in_flight.peak[0]
         finally:
-            self._aborted.pop(step_id, None)
-            with self._cond:
-                for key in [k for k in self._mailbox if k[0] == step_id]:
-                    del self._mailbox[key]
+            self._end_step(step_id)
         outputs = [env[slot] for slot in program.outputs]
         # Finish the step before answering: the driver's wait then covers the computation
         # (and its errors), and every output is ready when the step returns.

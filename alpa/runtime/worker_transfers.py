@@ -10,9 +10,10 @@ once per destination host; a tile several devices of the host keep is copied to 
 locally. The worker counts the bytes it sends and receives.
 
 :class:`MeshTransfers` is a mixin of :class:`~alpa.runtime.ray_worker.MeshHostWorker`: it
-keeps its own state (:meth:`MeshTransfers._init_transfers`) and reads the worker's
-``mesh_id``, ``host``, buffers (``_buffers``, ``_get``) and layouts (``_devices``,
-``_sharding``).
+keeps its own state (:meth:`MeshTransfers._init_transfers`; the worker adds to ``_peers``
+the workers a loaded program sends to, and ends each step with :meth:`_end_step`) and
+reads the worker's ``mesh_id``, ``host``, buffers (``_buffers``, ``_get``) and layouts
+(``_devices``, ``_sharding``).
 """
 
 from __future__ import annotations
@@ -46,6 +47,13 @@ class MeshTransfers:
         self._nccl_groups: dict[tuple[int, int], Any] = {}  # (src mesh, dst mesh) -> group
         self.bytes_sent = 0
         self.bytes_received = 0
+
+    def _end_step(self, step_id: int) -> None:
+        """Forget step ``step_id``'s abort and the pieces of it still in the mailbox."""
+        self._aborted.pop(step_id, None)
+        with self._cond:
+            for key in [k for k in self._mailbox if k[0] == step_id]:
+                del self._mailbox[key]
 
     # -- NCCL (GPU meshes)
 
