@@ -11,14 +11,8 @@ Leaves are keyed as ``jax.jit`` keys them (``alpa.tracing.leaf_signature``): a P
 scalar is a weakly typed array, so ``TrainState.create``'s ``step=0`` and the ``step`` array
 the first call returns are the same key, and the step compiles once.
 
-A call that looks like the last one (same number of arguments, same static values, no new
-Python scalar among the dynamic ones) is a **cache hit**: the dynamic arguments go straight
-to the last executable's :meth:`~alpa.executables.base.Executable.dispatch`, for a one-mesh
-executable XLA's compiled program and its C++ fast path, so alpa adds one Python frame to
-what ``jax.jit`` costs. If the dispatch refuses the arguments (other shapes, an input
-committed to another sharding) the call takes the slow path: the full key, compilation if
-needed, placement of the inputs. An executable whose inputs keep arriving in another
-sharding gets a dispatch that places them first.
+A call that looks like the last one takes a fast path, straight to the last executable
+(:mod:`alpa.call_cache`).
 """
 
 from __future__ import annotations
@@ -34,6 +28,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
+from alpa.call_cache import MISS, CacheHit
 from alpa.call_checks import (
     CompileWarnings,
     DonationLog,
@@ -247,7 +242,7 @@ class ParallelizedFunc:
         self.method = method
         self._cache: dict[Any, Executable] = {}
         self._last_executable: Executable | None = None
-        self._hit: _CacheHit | None = None
+        self._hit: CacheHit | None = None
         self._donations = DonationLog()
         self.name = _function_name(fun)
         self._warnings = CompileWarnings(self.name)
@@ -443,7 +438,7 @@ class ParallelizedFunc:
         hit = self._hit
         if hit is not None:
             out = hit(args)
-            if out is not _MISS:
+            if out is not MISS:
                 self._donations.record(args, hit.donated)
                 return out
         executable, leaves, static = self._compile(args)
@@ -452,7 +447,7 @@ class ParallelizedFunc:
         outs = executable.launch(leaves)
         # The next call that looks like this one skips the key; if this executable's
         # dispatch just refused these arguments, its inputs arrive elsewhere: place first.
-        self._hit = _CacheHit(args, static, self.static_argnums == "auto", executable, placing)
+        self._hit = CacheHit(args, static, self.static_argnums == "auto", executable, placing)
         self._donations.record(args, self._hit.donated)
         return jax.tree.unflatten(executable.traced.out_tree, outs)
 
@@ -489,73 +484,6 @@ class ParallelizedFunc:
             else:
                 out.append(jax.tree.map(lambda _: next(placed), arg))
         return tuple(out)
-
-
-_MISS = object()
-_PYTHON_SCALARS = (bool, int, float, complex, str)
-
-
-class _CacheHit:
-    """What a call needs to reuse the last call's executable without building its key.
-
-    A call matches when it has as many positional arguments, equal static arguments (same
-    type and ``==``), and, with ``static_argnums="auto"``, no Python scalar where the last
-    call had a dynamic argument (it would be static, hence another executable). Shapes,
-    dtypes, pytree structure and placement are left to the executable's dispatch, which
-    refuses (``TypeError`` / ``ValueError``) what it was not compiled for.
-    """
-
-    __slots__ = (
-        "num_args",
-        "static",
-        "dynamic",
-        "donated",
-        "auto_static",
-        "executable",
-        "dispatch",
-    )
-
-    def __init__(self, args, static, auto_static: bool, executable: Executable, placing: bool):
-        self.num_args = len(args)
-        self.static = tuple((i, args[i]) for i in static)
-        self.dynamic = tuple(i for i in range(len(args)) if i not in static)
-        traced = executable.traced
-        self.donated = tuple(
-            pos
-            for pos, first in zip(
-                traced.dynamic_argnums, _first_leaves(traced.in_tree), strict=True
-            )
-            if first is not None and traced.donated_invars[first]
-        )
-        self.auto_static = auto_static
-        self.executable = executable
-        self.dispatch = executable.placing_dispatch() if placing else executable.dispatch
-
-    def __call__(self, args):
-        if len(args) != self.num_args:
-            return _MISS
-        for i, value in self.static:
-            arg = args[i]
-            if arg is not value and (type(arg) is not type(value) or arg != value):
-                return _MISS
-        dynamic = [args[i] for i in self.dynamic]
-        if self.auto_static and any(type(a) in _PYTHON_SCALARS for a in dynamic):
-            return _MISS
-        try:
-            out = self.dispatch(*dynamic)
-        except (TypeError, ValueError):
-            return _MISS
-        self.executable._last_outputs = out
-        return out
-
-
-def _first_leaves(in_tree) -> list[int | None]:
-    """Per dynamic argument, the index of its first leaf (``None``: it has none)."""
-    out, start = [], 0
-    for subtree in in_tree.children():
-        out.append(start if subtree.num_leaves else None)
-        start += subtree.num_leaves
-    return out
 
 
 def _is_auto_static(arg) -> bool:

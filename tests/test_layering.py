@@ -176,6 +176,7 @@ def test_the_cycle_check_finds_a_function_local_cycle(tmp_path):
 # re-exports every method, only for users.
 _METHODS = (
     "alpa.api",
+    "alpa.call_cache",
     "alpa.parallel_method",
     "alpa.shard_method",
     "alpa.pipeshard_method",
