@@ -143,10 +143,9 @@ def recorded(tmp_path_factory):
         paths[name] = str(folder / f"{name}.json")
         executable.get_parallel_plan().save(paths[name])
     out = folder / "replayed.json"
+    # The replay inherits the suite's XLA_FLAGS (tests/conftest.py: the device count and the
+    # code generation the original was compiled with), so that the two HLO texts compare.
     env = dict(os.environ)
-    # The suite's XLA_FLAGS (tests/conftest.py: the device count and the code generation
-    # the original was compiled with), so that the two HLO texts are comparable.
-    env["XLA_FLAGS"] = os.environ["XLA_FLAGS"]
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONPATH"] = os.pathsep.join([REPO, env.get("PYTHONPATH", "")])
     subprocess.run(
