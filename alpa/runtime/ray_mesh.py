@@ -58,15 +58,6 @@ _POLL_S = 1.0
 # ----------------------------------------------------------------------------- waiting
 
 
-def cpu_worker_xla_flags(devices: int) -> str:
-    """The ``XLA_FLAGS`` of a CPU host worker with ``devices`` virtual devices: the
-    driver's own flags (its code generation, its dumps), so that a worker compiles a
-    program as the driver would, with the device count replaced by the host's."""
-    count = "--xla_force_host_platform_device_count"
-    own = [f for f in os.environ.get("XLA_FLAGS", "").split() if f.split("=")[0] != count]
-    return " ".join([*own, f"{count}={devices}"])
-
-
 def wait_workers(calls: Sequence[tuple[Any, str]], on_failure=None) -> list[Any]:
     """The results of Ray calls ``[(object_ref, label), ...]`` in order.
 
@@ -254,6 +245,15 @@ class DeviceCluster:
 
 
 # ----------------------------------------------------------------------------- mesh
+
+
+def cpu_worker_xla_flags(devices: int) -> str:
+    """The ``XLA_FLAGS`` of a CPU host worker with ``devices`` virtual devices: the
+    driver's own flags (its code generation, its dumps), so that a worker compiles a
+    program as the driver would, with the device count replaced by the host's."""
+    count = "--xla_force_host_platform_device_count"
+    own = [f for f in os.environ.get("XLA_FLAGS", "").split() if f.split("=")[0] != count]
+    return " ".join([*own, f"{count}={devices}"])
 
 
 class DistributedPhysicalDeviceMesh(PhysicalDeviceMesh):
