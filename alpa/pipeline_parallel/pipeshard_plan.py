@@ -39,7 +39,7 @@ from alpa.pipeline_parallel.schedule_choice import (
     makespan,
     without_activations,
 )
-from alpa.pipeline_parallel.schedules import PipelineSchedule
+from alpa.pipeline_parallel.schedule_record import PipelineSchedule
 from alpa.pipeline_parallel.stage_construction import ManualStageOption, StageContext, StagePlan
 from alpa.pipeline_parallel.stage_cost import StagePlanCost, predict_stage_plan
 from alpa.pipeline_parallel.stage_problem import LogicalConfig

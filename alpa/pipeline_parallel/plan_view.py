@@ -21,7 +21,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from alpa.pipeline_parallel.schedules import PipelineSchedule, Task, task_dependencies
+from alpa.pipeline_parallel.schedule_record import PipelineSchedule, Task
+from alpa.pipeline_parallel.schedules import task_dependencies
 
 # Width of an apply-grad block, as a fraction of its stage's latency (it is not priced).
 APPLY_WIDTH = 0.05

@@ -32,7 +32,7 @@ import jax
 import numpy as np
 
 from alpa.pipeline_parallel.computation import PipelineProgram
-from alpa.pipeline_parallel.schedules import PipelineSchedule
+from alpa.pipeline_parallel.schedule_record import PipelineSchedule
 from alpa.runtime.instructions import (
     Accumulation,
     BufferKey,

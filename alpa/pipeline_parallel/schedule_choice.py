@@ -29,7 +29,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from alpa.pipeline_parallel.plan_view import timeline
-from alpa.pipeline_parallel.schedules import PipelineSchedule, make_schedule
+from alpa.pipeline_parallel.schedule_record import PipelineSchedule
+from alpa.pipeline_parallel.schedules import make_schedule
 
 #: The training schedules ``"auto"`` chooses from.
 CANDIDATES = ("gpipe", "1f1b", "zb-h1")

@@ -5,8 +5,8 @@ import itertools
 import pytest
 
 from alpa.pipeline_parallel.plan_view import timeline
+from alpa.pipeline_parallel.schedule_record import Task
 from alpa.pipeline_parallel.schedules import (
-    Task,
     make_schedule,
     schedules,
     task_dependencies,
