@@ -30,9 +30,11 @@ written by orbax-checkpoint, the maintained checkpoint library of JAX:
   gets that sharding (``ArrayRestoreArgs(sharding=...)``) and each device reads only its
   own slice of the stored array. The saved sharding does not matter: a state saved from
   8 devices restores onto 4, or onto another logical mesh shape. A pipeline's stacked
-  parameter split by rows (``alpa.StackedRows``, its spec's ``rows``) is the exception
-  both ways: saved from the host with its rows put together, and restored through the
-  host, each row then placed on its stage's mesh.
+  parameter split by rows (its spec's ``rows``) is read straight into the sharding over
+  its stages' devices where one says where its rows are (``PlacementSpec.rows_layout``),
+  as the step returns it. An ``alpa.StackedRows`` (rows no sharding describes) is the
+  exception both ways: saved from the host with its rows put together, and restored
+  through the host, each row then placed on its stage's mesh.
 * **The restored structure** is that of ``placement_specs`` (or of ``target=``): the
   specs of a ``TrainState`` form a ``TrainState`` whose leaves are specs, so a
   ``TrainState`` comes back, with the ``apply_fn`` and ``tx`` of the state the executable
@@ -306,9 +308,9 @@ def _restore(path: str, step: int, placement_specs: PyTree, target: PyTree) -> P
             path, args=ocp.args.PyTreeRestore(restore_args=jax.tree.unflatten(saved_tree, args))
         )
     values = jax.tree.leaves(restored)
-    # Ray placements and leaves split by rows were read on the driver: placed now.
+    # Ray placements and StackedRows leaves were read on the driver: placed now.
     values = [
-        place(x, spec) if _is_ray_spec(spec) or getattr(spec, "rows", ()) else x
+        place(x, spec) if _is_ray_spec(spec) or _rows_on_host(spec) else x
         for x, spec in zip(values, specs, strict=True)
     ]
     restored = jax.tree.unflatten(jax.tree.structure(restored), values)
@@ -359,6 +361,12 @@ def _is_ray_spec(spec: Any) -> bool:
     )
 
 
+def _rows_on_host(spec: Any) -> bool:
+    """Whether ``spec`` places a leaf split by rows that no one sharding describes (a
+    ``StackedRows``: read on the host, then placed part by part)."""
+    return bool(getattr(spec, "rows", ())) and spec.rows_layout.joined is None
+
+
 def _check_spec(spec: Any, leaf_path: str, saved_shape: Any, step: int) -> None:
     """``spec`` must be a ``PlacementSpec`` of the saved leaf's shape that a mesh holds."""
     if not isinstance(spec, PlacementSpec):
@@ -385,11 +393,17 @@ def _restore_args(spec: Any, meta: Any, leaf_path: str, step: int) -> Any:
     if isinstance(spec, jax.sharding.Sharding):
         return ocp.ArrayRestoreArgs(sharding=spec, global_shape=saved_shape)
     _check_spec(spec, leaf_path, saved_shape, step)
-    if _is_ray_spec(spec) or spec.rows:  # read on the driver, then placed (row by row)
+    if _is_ray_spec(spec) or _rows_on_host(spec):  # read on the driver, then placed
         return ocp.RestoreArgs(restore_type=np.ndarray, dtype=spec.aval.dtype)
     return ocp.ArrayRestoreArgs(
-        sharding=spec.placements[0], global_shape=saved_shape, dtype=spec.aval.dtype
+        sharding=_sharding_of(spec), global_shape=saved_shape, dtype=spec.aval.dtype
     )
+
+
+def _sharding_of(spec: PlacementSpec) -> jax.sharding.Sharding:
+    """The sharding a leaf is read into: its first mesh's, or for a leaf split by rows
+    the one over its stages' devices."""
+    return spec.rows_layout.joined if spec.rows else spec.placements[0]
 
 
 # ---------------------------------------------------------------------------------------
@@ -455,7 +469,7 @@ def _restore_parts(path: str, step: int, placement_specs: PyTree, target: PyTree
         if spec is None or isinstance(spec, jax.sharding.Sharding):
             local.setdefault(part, {})[leaf_path] = (spec, None)
             continue
-        if getattr(spec, "rows", ()):
+        if _rows_on_host(spec):
             local.setdefault(part, {})[leaf_path] = (None, spec.aval.dtype)
             by_rows[leaf_path] = spec
             continue
@@ -467,7 +481,7 @@ def _restore_parts(path: str, step: int, placement_specs: PyTree, target: PyTree
             mesh, layout = spec.placements[0]
             remote.setdefault((mesh.mesh_id, part), (mesh, []))[1].append((leaf_path, spec))
         else:
-            local.setdefault(part, {})[leaf_path] = (spec.placements[0], spec.aval.dtype)
+            local.setdefault(part, {})[leaf_path] = (_sharding_of(spec), spec.aval.dtype)
     calls, made = [], []
     for mesh, _ in remote.values():
         mesh._check_alive()  # specs of an executable compiled for a cluster shut down

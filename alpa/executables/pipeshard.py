@@ -104,6 +104,11 @@ class PipeshardDriverExecutable(Executable):
         self._last_outputs: list = []
         full = full_batch_avals(self.traced, plan.num_micro_batches)
         self._signatures = [leaf_signature(a) for a in full]
+        # Per leaf split by rows, where its parts live: one array where a sharding says it.
+        self._in_layouts, self._out_layouts = {}, {}
+        if self._row_split is not None:
+            self._in_layouts = _layouts(self.flat_input_placement_specs())
+            self._out_layouts = _layouts(self.flat_output_placement_specs())
 
     # -- compilation
 
@@ -154,12 +159,12 @@ class PipeshardDriverExecutable(Executable):
 
     def _run(self, flat_args: Sequence[Any]) -> list:
         if self._row_split is not None:
-            flat_args = self._row_split.split_args(flat_args)
+            flat_args = self._row_split.split_args(flat_args, self._in_layouts)
         args = step_arguments(self.program, flat_args, self.num_micro_batches)
         outputs = self.runtime.run(args, self._const_outputs, blocking=self.collect_trace)
         self._last_outputs = outputs
         if self._row_split is not None:
-            outputs = self._row_split.join_outputs(outputs)
+            outputs = self._row_split.join_outputs(outputs, self._out_layouts)
         return outputs
 
     def _check_batch(self, flat_args) -> None:
@@ -178,14 +183,14 @@ class PipeshardDriverExecutable(Executable):
         out = []
         step = self.plan.traced
         split = self._row_split
-        args = flat_args if split is None else split.split_args(flat_args)
+        args = flat_args if split is None else split.split_args(flat_args, self._in_layouts)
         for v, arg, is_batch in zip(step.jaxpr.invars, args, step.batch_invars, strict=True):
             sharding = None if is_batch else self._sharding(v, self.program.input_stages[v][0])
             if sharding is None or is_placed(arg, sharding):
                 out.append(arg)
             else:
                 out.append(jax.device_put(arg, sharding))
-        return out if split is None else split.join_inputs(out)
+        return out if split is None else split.join_inputs(out, self._in_layouts)
 
     def flat_input_placement_specs(self) -> list[PlacementSpec]:
         specs = input_placement_specs(
@@ -443,3 +448,8 @@ class PipeshardDriverExecutable(Executable):
     def live_buffers_after_step(self) -> list:
         """Buffers of the last step still referenced besides inputs and outputs (none)."""
         return list(self.runtime.leftover)
+
+
+def _layouts(specs: Sequence[PlacementSpec]) -> dict:
+    """Per leaf split by rows (by position), its ``stage_rows.RowsLayout``."""
+    return {i: spec.rows_layout for i, spec in enumerate(specs) if spec.rows}
