@@ -368,11 +368,14 @@ class ParallelizedFunc:
         cuts: dict = {}  # the layer clustering's cuts, shared with the retraces
         traces: dict = {}  # divisor -> its trace: every pass asking for one shares it
         rows = leaves_with_rows(args, batch)
+        # The retraces outlive the call (the executable keeps them): they hold the
+        # arguments' shapes, never the arrays, which the caller may let go.
+        shapes = abstract_args(args, static)
 
         def trace_at(divisor: int) -> TracedStep:
             if divisor in traces:
                 return traces[divisor]
-            abstract = traced_args(args, batch, divisor)
+            abstract = traced_args(shapes, batch, divisor)
             # The method's options that act while tracing (PipeshardParallel's layer
             # option, read by alpa.grad's layer rewrite) hold for every (re)trace, and
             # a retrace cuts the layers where the first trace did.
@@ -382,7 +385,7 @@ class ParallelizedFunc:
             with_rows = [
                 r
                 for i in traced.dynamic_argnums
-                for r in rows.get(i, [False] * len(jax.tree.leaves(args[i])))
+                for r in rows.get(i, [False] * len(jax.tree.leaves(shapes[i])))
             ]
             traced = dataclasses.replace(
                 traced,
@@ -493,6 +496,23 @@ def _is_auto_static(arg) -> bool:
         return False
     leaves = jax.tree.leaves(arg)
     return not any(_is_array_leaf(x) for x in leaves)
+
+
+def abstract_args(args, static: Sequence[int]) -> list:
+    """``args`` with every leaf of a dynamic argument as a ``jax.ShapeDtypeStruct`` (its
+    ``NamedSharding`` kept, which tracing reads), the static ones as they are."""
+
+    def struct(x):
+        if isinstance(x, jax.ShapeDtypeStruct):
+            return x
+        aval = abstractify(x)
+        sharding = getattr(x, "sharding", None)
+        sharding = sharding if isinstance(sharding, NamedSharding) else None
+        return jax.ShapeDtypeStruct(
+            aval.shape, aval.dtype, weak_type=aval.weak_type, sharding=sharding
+        )
+
+    return [a if i in static else jax.tree.map(struct, a) for i, a in enumerate(args)]
 
 
 def traced_args(args, batch: Sequence[int], divisor: int) -> list:

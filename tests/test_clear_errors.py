@@ -196,15 +196,21 @@ def test_reusing_a_donated_train_state_shard_parallel():
     assert_allclose(keep(s3, batch), keep(s3, batch))
 
 
-def test_reusing_a_train_state_pipeshard_parallel():
-    # The pipeshard runtime places every input on its stage's mesh (a copy), so reusing
-    # the state is no error there: both calls compute the same step.
+def test_reusing_a_donated_train_state_pipeshard_parallel():
+    # A pipelined step donates the state it replaces, as the one-mesh methods do: the
+    # state a call returned, passed again after the next call consumed it, is named.
     state, batch, train_step = _mlp(add_manual_pipeline_marker=True)
-    ref = jax.jit(train_step)(_copy(state), batch)
+    ref = jax.jit(train_step)(jax.jit(train_step)(_copy(state), batch), batch)
     f = alpa.parallelize(train_step, method=_pipeshard())
-    first = f(state, batch)
-    assert_allclose(f(state, batch), first)
-    assert_allclose(first, ref)
+    s1 = f(state, batch)
+    s2 = f(s1, batch)
+    assert all(x.is_deleted() for x in jax.tree.leaves(s1))
+    with pytest.raises(ValueError, match=DONATED):
+        f(s1, batch)
+    assert_allclose(s2, ref)
+    # With donate_argnums=() nothing is donated: the same state twice gives the same result.
+    keep = alpa.parallelize(train_step, method=_pipeshard(), donate_argnums=())
+    assert_allclose(keep(s2, batch), keep(s2, batch))
 
 
 # ----------------------------------------------------------------------------- 5. manual specs

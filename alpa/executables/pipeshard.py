@@ -36,6 +36,7 @@ from alpa.runtime.instructions import (
     ConstOutput,
     Kernel,
     Op,
+    donated_inputs,
     simulate_memory,
 )
 from alpa.runtime.local_runtime import LocalPipelineRuntime, RuntimeContext
@@ -70,7 +71,15 @@ class PipeshardDriverExecutable(Executable):
         ]
         self.stage_specs, self.stage_objectives = plan.stage_specs, plan.objectives
         self.stage_programs = StagePrograms(plan, self.meshes)
-        self._kernels = [self._compile_kernel(kernel) for kernel in instructions.kernels]
+        # The state a step replaces is donated where its last reader runs (the apply).
+        donated = {
+            names[v] for v, d in zip(traced.jaxpr.invars, traced.donated_invars, strict=True) if d
+        }
+        self._donated = donated_inputs(instructions, donated)
+        self._kernels = [
+            self._compile_kernel(kernel, self._donated.get(k, ()))
+            for k, kernel in enumerate(instructions.kernels)
+        ]
         self._compiled: dict[int, Any] = {
             kernel.computation: compiled
             for kernel, compiled in zip(instructions.kernels, self._kernels, strict=True)
@@ -129,8 +138,8 @@ class PipeshardDriverExecutable(Executable):
             )
         return self._zeros[signature]
 
-    def _compile_kernel(self, kernel: Kernel):
-        jitted, structs, _ = self.stage_programs.kernel(kernel)
+    def _compile_kernel(self, kernel: Kernel, donate: Sequence[int] = ()):
+        jitted, structs, _ = self.stage_programs.kernel(kernel, donate)
         return compile_lowered(jitted.lower(*structs), self.devices[0].platform)
 
     def _compile(self, comp: StageComputation):
@@ -162,9 +171,9 @@ class PipeshardDriverExecutable(Executable):
             flat_args = self._row_split.split_args(flat_args, self._in_layouts)
         args = step_arguments(self.program, flat_args, self.num_micro_batches)
         outputs = self.runtime.run(args, self._const_outputs, blocking=self.collect_trace)
-        self._last_outputs = outputs
         if self._row_split is not None:
             outputs = self._row_split.join_outputs(outputs, self._out_layouts)
+        self._last_outputs = outputs
         return outputs
 
     def _check_batch(self, flat_args) -> None:
@@ -279,7 +288,10 @@ class PipeshardDriverExecutable(Executable):
             return int(np.prod(shard)) * aval.dtype.itemsize
 
         return step_peak_bytes(
-            self.instructions, buffer_bytes, lambda k: allocation_bytes(self._kernels[k])
+            self.instructions,
+            buffer_bytes,
+            lambda k: allocation_bytes(self._kernels[k]),
+            self._donated,
         )
 
     def _kernel_rows(self, figures) -> list[dict]:
