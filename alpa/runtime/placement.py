@@ -108,9 +108,13 @@ def place(value: Any, spec: PlacementSpec) -> Any:
 
 
 def whole(x: Any) -> Any:
-    """``x``, or, for a :class:`StackedRows` (rows on several meshes), its rows put
-    together on the host: what a program of one mesh reads it as."""
-    return np.asarray(x) if isinstance(x, StackedRows) else x
+    """``x``, or, for a :class:`StackedRows` (rows on several meshes) or a Ray
+    ``DistributedArray`` handed to a local step, its value on the host: what a program of
+    one local mesh reads it as (a ``DistributedArray`` of a mesh shut down raises, naming
+    its mesh, unless it was fetched before)."""
+    if isinstance(x, StackedRows) or getattr(x, "is_distributed_array", False):
+        return np.asarray(x)
+    return x
 
 
 def is_placed(x: Any, sharding: Any) -> bool:
