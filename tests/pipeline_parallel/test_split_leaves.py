@@ -63,18 +63,20 @@ def _method(logical_shapes):
 
 @pytest.fixture(scope="module", params=["one mesh shape", "two mesh shapes"])
 def trained(request):
-    """Two steps of the pipeline and of ``jax.jit``: ``(p_step, first, got, expected)``."""
+    """Two steps of the pipeline and of ``jax.jit``: ``(kind, executable, first, got,
+    expected)`` (the executable itself: each test starts with alpa shut down, after which
+    the parallelized function would compile again)."""
     logical = [(1, 4)] * 2 if request.param == "one mesh shape" else [(1, 4), (2, 2)]
     params, batch = _params_and_batch()
     p_step = alpa.parallelize(_step, method=_method(logical), donate_argnums=())
     first = p_step(params, batch)
     got = p_step(first, batch)
     expected = jax.jit(_step)(jax.jit(_step)(params, batch), batch)
-    return request.param, p_step, first, got, expected
+    return request.param, p_step.get_last_executable(), first, got, expected
 
 
 def test_the_split_leaf_is_one_array_where_a_sharding_says_so(trained):
-    kind, p_step, first, got, expected = trained
+    kind, executable, first, got, expected = trained
     assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
     w = got["w"]
     assert w.shape == (LAYERS, H, H) and w.dtype == jnp.float32
@@ -90,8 +92,7 @@ def test_the_split_leaf_is_one_array_where_a_sharding_says_so(trained):
     assert rows == {d: (0, 2) if d < 4 else (2, 4) for d in range(8)}
     # The step's input placement specs say the same: restored or placed, ``w`` is
     # that array.
-    params, batch = _params_and_batch()
-    spec = p_step.get_executable(params, batch).get_input_placement_specs()[0]["w"]
+    spec = executable.get_input_placement_specs()[0]["w"]
     assert spec.rows_layout.joined == w.sharding
 
 
@@ -155,10 +156,10 @@ def test_each_use_of_the_leaf_gives_numpys_numbers(trained, tmp_path):
 
 
 def test_a_checkpoint_of_the_split_leaf_restores_bit_equal(trained, tmp_path):
-    kind, p_step, _, got, _ = trained
-    params, batch = _params_and_batch()
+    kind, executable, _, got, _ = trained
+    _, batch = _params_and_batch()
     alpa.save_checkpoint(tmp_path, got, 2)
-    specs = p_step.get_executable(params, batch).get_input_placement_specs()[0]
+    specs = executable.get_input_placement_specs()[0]
     restored = alpa.restore_checkpoint(tmp_path, 2, specs)
     for name in ("w", "b"):
         assert np.array_equal(np.asarray(restored[name]), np.asarray(got[name])), name
@@ -169,7 +170,7 @@ def test_a_checkpoint_of_the_split_leaf_restores_bit_equal(trained, tmp_path):
         assert isinstance(restored["w"], alpa.StackedRows)
         assert [r.sharding for r in restored["w"].rows] == [r.sharding for r in got["w"].rows]
     # and the step continues from it as from what it returned
-    assert_allclose(p_step(restored, batch), p_step(got, batch), rtol=0, atol=0)
+    assert_allclose(executable(restored, batch), executable(got, batch), rtol=0, atol=0)
 
 
 def test_stacked_rows_of_mismatched_parts_are_refused():
