@@ -416,11 +416,13 @@ def _check_spec(spec: Any, leaf_path: str, saved_shape: Any, step: int) -> None:
 
 def _check_dtype(spec: Any, saved_dtype: Any, leaf_path: str, step: int, cast: bool) -> None:
     """A leaf is read in its spec's dtype: another saved dtype is a silent cast, which
-    the caller must ask for."""
+    the caller must ask for. A 64-bit leaf read as JAX reads it (``int64`` as ``int32``
+    without ``jax_enable_x64``: a Python or numpy scalar saved, a host array) is not a
+    cast of the caller's making."""
     if cast or saved_dtype is None or not isinstance(spec, PlacementSpec):
         return
     saved, wanted = np.dtype(saved_dtype), np.dtype(spec.aval.dtype)
-    if saved != wanted:
+    if saved != wanted and np.dtype(jax.dtypes.canonicalize_dtype(saved)) != wanted:
         raise ValueError(
             f"leaf {leaf_path!r} is {saved.name} in the checkpoint of step {step}, but its "
             f"placement spec expects {wanted.name}: restoring would cast it. Pass "

@@ -2,6 +2,7 @@
 executable's placement specs (the same meshes, other mesh shapes, pipeline stages),
 continue training equal to the serial run; atomicity under a killed save; bad input."""
 
+import dataclasses
 import os
 import shutil
 import signal
@@ -402,6 +403,12 @@ def test_a_checkpoint_of_another_dtype_is_not_cast_silently(tmp_path):
     cast = alpa.restore_checkpoint(tmp_path, 1, {"w": bf16}, cast_dtypes=True)
     assert cast["w"].dtype == jnp.bfloat16
     np.testing.assert_array_equal(np.asarray(cast["w"], np.float32), np.ones((4, 2)))
+    # A 64-bit host leaf (a Python number, a numpy array) is read as JAX reads it.
+    alpa.save_checkpoint(tmp_path, {"w": np.ones((4, 2)), "n": 3}, 2)
+    int32 = PlacementSpec(jax.core.ShapedArray((), jnp.int32), (0,), (None,), (sharding,))
+    f32 = dataclasses.replace(bf16, aval=jax.core.ShapedArray((4, 2), jnp.float32))
+    back = alpa.restore_checkpoint(tmp_path, 2, {"w": f32, "n": int32})
+    assert back["w"].dtype == jnp.float32 and int(back["n"]) == 3
 
 
 # ---- bad input
@@ -443,8 +450,7 @@ def _spec(shape):
 
 
 def test_specs_that_do_not_match_the_checkpoint_name_the_leaf(tmp_path):
-    zeros = {"w": np.zeros((4, 2), np.float32), "b": np.zeros(2, np.float32)}
-    alpa.save_checkpoint(tmp_path, {"params": zeros}, 1)
+    alpa.save_checkpoint(tmp_path, {"params": {"w": np.zeros((4, 2)), "b": np.zeros(2)}}, 1)
     with pytest.raises(
         ValueError,
         match=r"placement_specs do not match the structure of the checkpoint .*checkpoint_1: "
