@@ -32,7 +32,7 @@ _EXPORTS = {
     "timers": "alpa.timer",
     "DeviceCluster": "alpa.runtime.ray_mesh",
     "DistributedArray": "alpa.runtime.ray_mesh",
-    "StackedRows": "alpa.runtime.placement",
+    "StackedRows": "alpa.runtime.stacked_array",
     "DistributedPhysicalDeviceMesh": "alpa.runtime.ray_mesh",
     "prefetch": "alpa.runtime.ray_mesh",
     "grad": "alpa.api",
@@ -154,13 +154,13 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and editors
     )
     from alpa.pipeshard_method import PipeshardParallel, get_3d_parallel_method  # noqa: F401
     from alpa.planned_parallel import PlannedParallel, plan_to_method  # noqa: F401
-    from alpa.runtime.placement import StackedRows  # noqa: F401
     from alpa.runtime.ray_mesh import (  # noqa: F401
         DeviceCluster,
         DistributedArray,
         DistributedPhysicalDeviceMesh,
         prefetch,
     )
+    from alpa.runtime.stacked_array import StackedRows  # noqa: F401
     from alpa.serialization import restore_checkpoint, save_checkpoint  # noqa: F401
     from alpa.shard_method import (  # noqa: F401
         DataParallel,

@@ -28,6 +28,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
+from alpa import cluster
 from alpa.call_cache import MISS, CacheHit
 from alpa.call_checks import (
     CompileWarnings,
@@ -36,6 +37,7 @@ from alpa.call_checks import (
     check_batch_is_not_differentiated,
     check_batch_is_not_state,
     check_not_deleted,
+    check_not_shut_down,
     check_static_args,
     is_train_state,
     reused_donation_error,
@@ -351,6 +353,7 @@ class ParallelizedFunc:
             tuple(leaf_signature(x) for x in leaves),
             batch,
             donate,
+            self._cluster_generation(),
         )
         executable = self._cache.get(key)
         if executable is None:
@@ -364,15 +367,36 @@ class ParallelizedFunc:
         self._last_executable = executable
         return executable, leaves, static
 
+    def _cluster_generation(self) -> int | None:
+        """The global cluster's generation when the method runs on it (no ``devices`` of
+        its own): after ``alpa.shutdown()`` and another ``init`` the step is compiled
+        again, for the new cluster, never run on the old one's devices."""
+        return cluster.generation() if getattr(self.method, "devices", None) is None else None
+
     def _trace(self, args, static, batch, donate, names, k: int) -> TracedStep:
         cuts: dict = {}  # the layer clustering's cuts, shared with the retraces
         traces: dict = {}  # divisor -> its trace: every pass asking for one shares it
         rows = leaves_with_rows(args, batch)
+        # The retraces outlive the call (the executable keeps them): they hold the
+        # arguments' shapes, never the arrays, which the caller may let go.
+        shapes = abstract_args(args, static)
 
         def trace_at(divisor: int) -> TracedStep:
             if divisor in traces:
                 return traces[divisor]
-            abstract = traced_args(args, batch, divisor)
+            try:
+                traces[divisor] = trace_once(divisor)
+            except Exception as e:
+                # The first trace's error, or a retrace's (a pass asking for the step at
+                # another batch size): either says what alpa split as the batch.
+                notes = getattr(e, "__notes__", ())
+                if batch and not any(n.startswith("alpa traced ") for n in notes):
+                    e.add_note(self._batch_note(shapes, batch, k, divisor))
+                raise
+            return traces[divisor]
+
+        def trace_once(divisor) -> TracedStep:
+            abstract = traced_args(shapes, batch, divisor)
             # The method's options that act while tracing (PipeshardParallel's layer
             # option, read by alpa.grad's layer rewrite) hold for every (re)trace, and
             # a retrace cuts the layers where the first trace did.
@@ -382,7 +406,7 @@ class ParallelizedFunc:
             with_rows = [
                 r
                 for i in traced.dynamic_argnums
-                for r in rows.get(i, [False] * len(jax.tree.leaves(args[i])))
+                for r in rows.get(i, [False] * len(jax.tree.leaves(shapes[i])))
             ]
             traced = dataclasses.replace(
                 traced,
@@ -391,21 +415,15 @@ class ParallelizedFunc:
                 ),
             )
             traced = dataclasses.replace(traced, retrace=lambda d: trace_at(divisor * d))
-            traced = self.method.finish_trace(traced)
-            traces[divisor] = traced
-            return traced
+            return self.method.finish_trace(traced)
 
-        try:
-            traced = trace_at(k)
-        except Exception as e:
-            if batch:
-                e.add_note(self._batch_note(args, batch, k))
-            raise
+        traced = trace_at(k)
         check_batch_is_not_differentiated(traced, batch_argnums_phrase(self.batch_argnums))
         return traced
 
-    def _batch_note(self, args, batch, k: int) -> str:
-        """What alpa split as the batch, for an error raised while tracing: a call whose
+    def _batch_note(self, args, batch, k: int, divisor=None) -> str:
+        """What alpa split as the batch, for an error raised while tracing (``k``
+        micro-batches; at ``divisor``, a retrace at another batch size): a call whose
         arguments are in another order than ``batch_argnums`` says shows there."""
         split = []
         for pos in batch:
@@ -417,6 +435,8 @@ class ParallelizedFunc:
             where = f"argument {pos}{jax.tree_util.keystr(path)}"
             more = f" and {len(leaves) - 1} more leaves" if len(leaves) > 1 else ""
             per = f" ({rows // k} rows per micro-batch)" if k > 1 else ""
+            if divisor is not None and divisor != k:
+                per = f" (traced again with {int(rows / divisor)} rows)"
             split.append(f"{where} (dim 0 of {rows}){more}{per}")
         return (
             f"alpa traced {self.name} with {', '.join(split)} as the batch "
@@ -443,11 +463,15 @@ class ParallelizedFunc:
                 return out
         executable, leaves, static = self._compile(args)
         check_not_deleted(self.name, leaves, lambda: self._flatten(args, static)[1])
+        check_not_shut_down(self.name, leaves, lambda: self._flatten(args, static)[1])
         placing = hit is not None and hit.executable is executable
         outs = executable.launch(leaves)
         # The next call that looks like this one skips the key; if this executable's
         # dispatch just refused these arguments, its inputs arrive elsewhere: place first.
-        self._hit = CacheHit(args, static, self.static_argnums == "auto", executable, placing)
+        self._hit = CacheHit(
+            args, static, self.static_argnums == "auto", executable, placing,
+            self._cluster_generation(),
+        )  # fmt: skip
         self._donations.record(args, self._hit.donated)
         return jax.tree.unflatten(executable.traced.out_tree, outs)
 
@@ -493,6 +517,23 @@ def _is_auto_static(arg) -> bool:
         return False
     leaves = jax.tree.leaves(arg)
     return not any(_is_array_leaf(x) for x in leaves)
+
+
+def abstract_args(args, static: Sequence[int]) -> list:
+    """``args`` with every leaf of a dynamic argument as a ``jax.ShapeDtypeStruct`` (its
+    ``NamedSharding`` kept, which tracing reads), the static ones as they are."""
+
+    def struct(x):
+        if isinstance(x, jax.ShapeDtypeStruct):
+            return x
+        aval = abstractify(x)
+        sharding = getattr(x, "sharding", None)
+        sharding = sharding if isinstance(sharding, NamedSharding) else None
+        return jax.ShapeDtypeStruct(
+            aval.shape, aval.dtype, weak_type=aval.weak_type, sharding=sharding
+        )
+
+    return [a if i in static else jax.tree.map(struct, a) for i, a in enumerate(args)]
 
 
 def traced_args(args, batch: Sequence[int], divisor: int) -> list:

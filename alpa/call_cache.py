@@ -12,6 +12,7 @@ sharding gets a dispatch that places them first.
 
 from __future__ import annotations
 
+from alpa import cluster
 from alpa.executables.base import Executable
 
 #: What :meth:`CacheHit.__call__` returns when the call does not match.
@@ -30,6 +31,7 @@ class CacheHit:
     """
 
     __slots__ = (
+        "generation",
         "num_args",
         "static",
         "dynamic",
@@ -39,7 +41,16 @@ class CacheHit:
         "dispatch",
     )
 
-    def __init__(self, args, static, auto_static: bool, executable: Executable, placing: bool):
+    def __init__(
+        self,
+        args,
+        static,
+        auto_static: bool,
+        executable: Executable,
+        placing: bool,
+        generation: int | None = None,
+    ):
+        self.generation = generation  # of the global cluster it runs on (None: its own)
         self.num_args = len(args)
         self.static = tuple((i, args[i]) for i in static)
         self.dynamic = tuple(i for i in range(len(args)) if i not in static)
@@ -58,6 +69,8 @@ class CacheHit:
     def __call__(self, args):
         if len(args) != self.num_args:
             return MISS
+        if self.generation is not None and self.generation != cluster.generation():
+            return MISS  # alpa.shutdown() since: compile for the new cluster
         for i, value in self.static:
             arg = args[i]
             if arg is not value and (type(arg) is not type(value) or arg != value):

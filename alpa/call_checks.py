@@ -15,6 +15,7 @@ it is wrong and how to fix it:
   Input gradients of a real batch (adversarial training) differentiate one leaf of it,
   so an argument of one leaf is left alone: the rule never fires on a real batch;
 * :class:`DonationLog`: an argument donated to an earlier call, passed again;
+* :func:`check_not_shut_down`: a Ray ``DistributedArray`` whose mesh was shut down;
 * :class:`CompileWarnings`: warnings, once per parallelized function, about what makes
   compiles wasteful.
 """
@@ -196,6 +197,20 @@ def check_not_deleted(name: str, leaves: Sequence[Any], leaf_names: Callable[[],
         "a parallelized step (donate_argnums) or deleted. Pass the value that call returned "
         "instead"
     )
+
+
+def check_not_shut_down(name: str, leaves: Sequence[Any], leaf_names: Callable[[], list]) -> None:
+    """A Ray ``DistributedArray`` whose mesh was shut down (and that was not fetched
+    before) holds no data any more: named here, with what lived where and what to do,
+    where JAX would say only that it is not a valid JAX type."""
+    for i, x in enumerate(leaves):
+        if not getattr(x, "is_distributed_array", False) or x._fetched is not None:
+            continue
+        if x.mesh.is_shut_down:
+            try:
+                x._check()
+            except RuntimeError as e:
+                raise RuntimeError(f"{leaf_names()[i]} of {name}: {e}") from None
 
 
 # ----------------------------------------------------------------------------- warnings

@@ -225,6 +225,78 @@ def damaged_metadata(path: str, step: int, part: str, rel: str, error: BaseExcep
     return _damaged(path, step, part, rel, f"cannot be read ({type(error).__name__}: {error})")
 
 
+def missing_checksums(path: str, step: int) -> DamagedCheckpointError:
+    """The error for a step without its checksum file: every step alpa saves has one,
+    written last, so it was deleted (or the step was written by something else), and
+    the step's files cannot be checked."""
+    return DamagedCheckpointError(
+        f"checkpoint of step {step} ({path}) has no checksum file {CHECKSUMS_FILE!r}: every "
+        "step alpa saves ends with one, so it was deleted or the step was not written by "
+        "alpa.save_checkpoint, and a damaged file would restore as different values. Pass "
+        "verify=False to restore it without checking, or restore another step "
+        "(alpa.serialization.checkpoint_steps lists them)."
+    )
+
+
+def find_damage(
+    path: str, step: int, part: str, directory: str, read_values: bool = True
+) -> DamagedCheckpointError | None:
+    """The error naming the file of step ``path`` that is damaged (after a read failed,
+    or before one that skips the checksums), found by its checksum where the step has
+    them (every byte read again), else by reading the orbax checkpoint at ``directory``
+    (the step, or one of its parts) file by file: its JSON files parsed, its OCDBT
+    database's manifest and tree read, with ``read_values`` every value too (tensorstore
+    names the file whose checksum or decoding fails). ``None`` when no file is at fault."""
+    if has_checksums(path) and read_values:
+        try:
+            verify(path, step, contents=True)
+        except DamagedCheckpointError as e:
+            return e
+    found = locate_damage(directory, read_values)
+    if found is not None and has_checksums(path):
+        try:  # the checksum's word, where it has one, for the file found
+            verify(path, step, contents=True)
+        except DamagedCheckpointError as e:
+            return e
+    if found is None:
+        return None
+    rel, what = found
+    rel = os.path.relpath(os.path.join(directory, rel), path)
+    return _damaged(path, step, part, rel, what)
+
+
+#: The JSON files of an orbax checkpoint that its reader parses.
+_JSON_FILES = ("_METADATA", "_sharding")
+
+
+def locate_damage(directory: str, read_values: bool = True) -> tuple[str, str] | None:
+    """``(file relative to directory, what is wrong)`` for the first file of the orbax
+    checkpoint at ``directory`` that cannot be read, without checksums (its JSON files,
+    its OCDBT manifest and tree, with ``read_values`` its data); ``None`` if every one
+    reads."""
+    for name in _JSON_FILES:
+        full = os.path.join(directory, name)
+        if not os.path.isfile(full):
+            continue
+        try:
+            with open(full, encoding="utf-8") as f:
+                json.load(f)
+        except (OSError, ValueError) as e:  # UnicodeDecodeError is a ValueError
+            return name, f"cannot be read ({type(e).__name__}: {e})"
+    try:
+        import tensorstore as ts
+
+        store = ts.KvStore.open({"driver": "ocdbt", "base": f"file://{directory}/"}).result()
+        keys = store.list().result()
+        for key in keys if read_values else ():
+            store.read(key).result()
+    except Exception as e:  # tensorstore raises ValueError subclasses with the file's path
+        named = re.search(r'local file "([^"]+)"', str(e))
+        if named:
+            return os.path.relpath(named.group(1), directory), f"cannot be read ({e})"
+    return None
+
+
 def _damaged(path: str, step: int, part: str, rel: str, what: str) -> DamagedCheckpointError:
     return DamagedCheckpointError(
         f"checkpoint of step {step} ({path}) is damaged: part {part!r}, file {rel!r} {what}. "

@@ -8,6 +8,7 @@ compile, so that nothing imports back up to ``alpa.api``.
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import time
 import warnings
@@ -26,6 +27,9 @@ _global_cluster: Any = None  # alpa.runtime.ray_mesh.DeviceCluster under init("r
 _started_ray = False
 _init_args: tuple | None = None  # what the explicit alpa.init was called with
 _global_virtual_mesh: VirtualPhysicalMesh | None = None  # set_global_virtual_physical_mesh
+#: Counts the ``shutdown`` s: an executable compiled for the global cluster is for the
+#: cluster of the generation it was compiled in (``generation()``).
+_generation = 0
 
 
 def init(
@@ -92,7 +96,6 @@ def init(
 
 
 def _init_ray(cluster_address, num_nodes, num_devices_per_node, namespace):
-    global _started_ray
     try:
         import ray
     except ImportError as e:  # pragma: no cover - ray is a dependency
@@ -109,14 +112,67 @@ def _init_ray(cluster_address, num_nodes, num_devices_per_node, namespace):
             if cluster_address is not None:
                 raise
             logger.warning("no running Ray cluster found: starting a local one")
-            ray.init(
-                namespace=namespace,
-                include_dashboard=False,
-                log_to_driver=False,
-                _node_ip_address="127.0.0.1",
-            )
-            _started_ray = True
+            _start_local_ray(namespace)
     return DeviceCluster(num_nodes, num_devices_per_node)
+
+
+def _start_local_ray(namespace: str) -> None:
+    """Start a one-node Ray for this machine, reachable from it only: every one of its
+    processes listens on the loopback address (:func:`_local_only_ray`); ``shutdown``
+    stops it."""
+    global _started_ray
+    import ray
+
+    _local_only_ray(True)
+    try:
+        ray.init(
+            address="local",  # a new one, never a cluster some other process started
+            namespace=namespace,
+            include_dashboard=False,
+            log_to_driver=False,
+            _node_ip_address="127.0.0.1",
+        )
+    except BaseException:
+        _local_only_ray(False)
+        raise
+    _started_ray = True
+
+
+#: Ray's switch for clusters that reach other machines (``ray_constants``): off, a node
+#: address of 127.0.0.1 stays loopback and every Ray process listens there; on (Ray's
+#: default on Linux), Ray resolves 127.0.0.1 to the machine's routable address and its
+#: servers listen on every interface.
+_RAY_CLUSTERS_VARIABLE = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+_saved_ray_clusters: tuple | None = None  # (the variable, Ray's constant) before alpa's Ray
+
+
+def _local_only_ray(on: bool) -> None:
+    """Make the Ray that alpa starts for this machine reachable from it only (``on``),
+    or put back what was there before (``on=False``). Ray reads the switch from the
+    environment when it is imported (its constant, which the driver's ``ray.init``
+    reads) and its node processes inherit the variable; both are set while alpa's own
+    Ray runs, so a cluster joined later (``alpa.init("ray", cluster_address=...)``, or
+    ``ray.init`` by the user after ``alpa.shutdown()``) is as Ray makes it."""
+    global _saved_ray_clusters
+    from ray._private import ray_constants
+
+    if on:
+        _saved_ray_clusters = (
+            os.environ.get(_RAY_CLUSTERS_VARIABLE),
+            ray_constants.ENABLE_RAY_CLUSTER,
+        )
+        os.environ[_RAY_CLUSTERS_VARIABLE] = "0"
+        ray_constants.ENABLE_RAY_CLUSTER = False
+        return
+    if _saved_ray_clusters is None:
+        return
+    variable, constant = _saved_ray_clusters
+    if variable is None:
+        os.environ.pop(_RAY_CLUSTERS_VARIABLE, None)
+    else:
+        os.environ[_RAY_CLUSTERS_VARIABLE] = variable
+    ray_constants.ENABLE_RAY_CLUSTER = constant
+    _saved_ray_clusters = None
 
 
 #: An HTTP/2 client's first bytes (RFC 9113 §3.4): the preface and an empty SETTINGS frame.
@@ -164,15 +220,30 @@ def shutdown() -> None:
     global _global_physical_mesh, _global_cluster, _started_ray, _global_virtual_mesh, _init_args
     _global_virtual_mesh = None
     _init_args = None
+    _new_generation()
     if _global_cluster is not None:
         _global_cluster.shutdown()
         if _started_ray:
             import ray
 
             ray.shutdown()
+            _local_only_ray(False)
             _started_ray = False
     _global_physical_mesh = None
     _global_cluster = None
+
+
+def _new_generation() -> None:
+    global _generation
+    _generation += 1
+
+
+def generation() -> int:
+    """Which cluster the global one is: a number that changes at every ``shutdown`` (the
+    next ``init``, explicit or implicit, is of the new one), so that what was compiled for
+    the global cluster is compiled again for the next (``alpa.init("local",
+    num_devices_per_node=4)`` after 8 devices)."""
+    return _generation
 
 
 def get_global_cluster():

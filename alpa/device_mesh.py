@@ -36,6 +36,9 @@ from typing import Any
 import numpy as np
 
 MESH_AXIS_NAMES = ("x", "y")
+#: The leading axis of the mesh of a pipeline's leaf whose rows its stages hold (one
+#: position per stage mesh, each of ``MESH_AXIS_NAMES``): ``runtime.stage_rows``.
+STAGE_AXIS_NAME = "stages"
 
 
 # ----------------------------------------------------------------------------- cluster

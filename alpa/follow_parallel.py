@@ -126,7 +126,7 @@ class CreateStateParallel(ParallelMethod):
     def plan(self, traced: TracedStep, args: Sequence[Any]) -> ShardingPlan:
         """For a one-mesh training step: its mesh, every input replicated, every output
         in the training step's sharding of that state leaf."""
-        target, specs = self._target(traced)
+        target, specs = self._state_target(traced)
         if not isinstance(target, MeshExecutable | DistributedMeshExecutable):
             raise TypeError(
                 f"the plan of a CreateStateParallel is a ShardingPlan for a one-mesh "
@@ -137,7 +137,7 @@ class CreateStateParallel(ParallelMethod):
 
     def compile_executable(self, traced: TracedStep, args: Sequence[Any]) -> Executable:
         with timed("planning"):
-            target, specs = self._target(traced)
+            target, specs = self._state_target(traced)
         with timed("compile"):
             if isinstance(target, MeshExecutable | DistributedMeshExecutable):
                 plan = _creation_plan(traced, target.plan.logical_mesh, specs)
@@ -148,8 +148,41 @@ class CreateStateParallel(ParallelMethod):
             f"CreateStateParallel does not support a train_step compiled to {type(target).__name__}"
         )
 
+    def _state_target(self, traced: TracedStep) -> tuple[Executable, list[PlacementSpec]]:
+        """:meth:`_target`, after checking that ``traced`` returns a state of the structure
+        ``train_step`` took before; an error compiling ``train_step`` says what alpa
+        passed it as the state."""
+        step = self.train_step.__name__
+        returned = _describe(traced.out_tree)
+        last = getattr(self.train_step, "_last_executable", None)
+        if last is not None and last.traced.in_tree.children():
+            taken = last.traced.in_tree.children()[0]
+            if taken != traced.out_tree:
+                raise ValueError(
+                    f"{traced.name} returns {returned}, but {step} takes "
+                    f"{_describe(taken)} as its first argument, the state: "
+                    f"CreateStateParallel creates the state {step} takes; return the whole "
+                    "state (e.g. the TrainState), not part of it such as its parameters"
+                )
+        try:
+            return self._target(traced)
+        except Exception as e:
+            e.add_note(
+                f"CreateStateParallel compiled {step} with what {traced.name} returns, "
+                f"{returned}, as its first argument (the state); {traced.name} must return "
+                f"the whole state {step} takes (e.g. a TrainState), not its parameters alone"
+            )
+            raise
+
     def __repr__(self) -> str:
         return f"CreateStateParallel(train_step={self.train_step.__name__})"
+
+
+def _describe(tree) -> str:
+    """A pytree structure in words: ``a dict of 4 leaves (keys ['Dense_0', ...])``."""
+    example = jax.tree.unflatten(tree, [0] * tree.num_leaves)
+    keys = f" (keys {sorted(example)[:4]})" if isinstance(example, dict) else ""
+    return f"a {type(example).__name__} of {tree.num_leaves} leaves{keys}"
 
 
 def _creation_plan(

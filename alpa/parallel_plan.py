@@ -55,6 +55,8 @@ from alpa.pipeline_parallel.pipeshard_plan import (
     PipeshardPlan,
 )
 from alpa.plan_json import (
+    InconsistentPlanError,
+    check_pipeline_decisions,
     layer_option_from_json,
     layer_option_to_json,
     mesh_from_json,
@@ -370,6 +372,8 @@ class ParallelPlan:
             raise ValueError(
                 f"{source} is not a whole ParallelPlan: it has no field {e.args[0]!r}"
             ) from None
+        except InconsistentPlanError as e:
+            raise InconsistentPlanError(f"{source}: the pipeline_plan's {e}") from None
 
     def save(self, path: str) -> None:
         """Write the plan to ``path`` as JSON."""
@@ -550,6 +554,7 @@ def _pipeline_plan_from_json(data: Mapping) -> PipelinePlan:
             for ref, s, specs in data.get("operand_specs", [])
         },
     )
+    check_pipeline_decisions(decisions)  # an edited file's stages, before they reach a pass
     return PipelinePlan(
         data["pipeline_schedule"],
         layer_option_from_json(data["layer_option"]),

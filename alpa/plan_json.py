@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
+from typing import Any
 
 import jax
 import numpy as np
@@ -201,3 +202,101 @@ def stage_plan_from_json(data: Mapping) -> StagePlan:
         memory=floats(data["memory"]),
         predicted_cost=data["predicted_cost"],
     )
+
+
+# ----------------------------------------------------------------------------- checks
+
+
+class InconsistentPlanError(ValueError):
+    """A plan's pipeline part whose fields disagree (a stage that one field names and
+    another has not): what an edited plan file can hold."""
+
+
+def check_pipeline_decisions(decisions: Any) -> None:
+    """Raise :class:`InconsistentPlanError`, naming the field, the bad value and what was
+    expected, unless every per-stage field of a pipeline plan's ``decisions`` (a
+    ``PipeshardDecisions``) has one entry per stage, every stage a plan names exists, and
+    each stage's devices, submesh and logical mesh agree."""
+    stage_plan = decisions.stage_plan
+    num = len(stage_plan.device_ranges)
+    per_stage = {
+        "stage_plan.logical_shapes": stage_plan.logical_shapes,
+        "stage_plan.submesh_shapes": stage_plan.submesh_shapes,
+        "stage_plan.autosharding_option_dicts": stage_plan.autosharding_option_dicts,
+        "options": decisions.options,
+        "logical_meshes": decisions.logical_meshes,
+    }
+    for name, values in per_stage.items():
+        if len(values) != num:
+            raise InconsistentPlanError(
+                f"{name} has {len(values)} entries but stage_plan.device_ranges has {num} "
+                f"(one per stage): expected {num}"
+            )
+    stages = f"{num} stage" + ("s" if num != 1 else "")
+    expected = f"a stage in 0..{num - 1} (stage_plan.device_ranges has {stages})"
+    layers = stage_plan.layer_to_stage
+    if len(layers) != decisions.layers.num_layers:
+        raise InconsistentPlanError(
+            f"stage_plan.layer_to_stage={list(layers)} has {len(layers)} entries but the plan "
+            f"has {decisions.layers.num_layers} layers (layers.num_layers): expected one stage "
+            "per layer"
+        )
+    for layer, stage in enumerate(layers):
+        if not 0 <= stage < num:
+            raise InconsistentPlanError(
+                f"stage_plan.layer_to_stage={list(layers)} puts layer {layer} on stage {stage}: "
+                f"expected {expected}"
+            )
+    if list(layers) != sorted(layers):
+        raise InconsistentPlanError(
+            f"stage_plan.layer_to_stage={list(layers)} is not in order: expected each stage's "
+            "layers after the previous stage's (a pipeline runs its stages in order)"
+        )
+    for stage in range(num):
+        if stage not in layers:
+            raise InconsistentPlanError(
+                f"stage {stage} has no layer in stage_plan.layer_to_stage={list(layers)}: "
+                "expected every stage to hold at least one layer"
+            )
+        _check_stage_mesh(decisions, stage)
+    tables = {
+        "stage_specs": decisions.stage_specs,
+        "body_specs": decisions.body_specs,
+        "operand_specs": decisions.operand_specs,
+    }
+    for name, table in tables.items():
+        for ref, stage in table:
+            if not 0 <= stage < num:
+                raise InconsistentPlanError(
+                    f"{name} has an entry for {ref!r} on stage {stage}: expected {expected}"
+                )
+    for stage in decisions.objectives:
+        if not 0 <= stage < num:
+            raise InconsistentPlanError(f"objectives names stage {stage}: expected {expected}")
+
+
+def _check_stage_mesh(decisions: Any, stage: int) -> None:
+    """Stage ``stage``'s devices, submesh shape and logical shapes agree."""
+    stage_plan = decisions.stage_plan
+    start, stop = stage_plan.device_ranges[stage]
+    sizes = {
+        "stage_plan.device_ranges": (stop - start, [start, stop]),
+        "stage_plan.submesh_shapes": (
+            int(np.prod(stage_plan.submesh_shapes[stage])),
+            list(stage_plan.submesh_shapes[stage]),
+        ),
+        "stage_plan.logical_shapes": (
+            int(np.prod(stage_plan.logical_shapes[stage])),
+            list(stage_plan.logical_shapes[stage]),
+        ),
+    }
+    if len({n for n, _ in sizes.values()}) != 1:
+        said = ", ".join(f"{name}[{stage}]={v} ({n} devices)" for name, (n, v) in sizes.items())
+        raise InconsistentPlanError(f"stage {stage} has {said}: expected one number of devices")
+    mesh_shape = tuple(decisions.logical_meshes[stage].shape)
+    if mesh_shape != tuple(stage_plan.logical_shapes[stage]):
+        raise InconsistentPlanError(
+            f"logical_meshes[{stage}] has shape {list(mesh_shape)} but "
+            f"stage_plan.logical_shapes[{stage}]={list(stage_plan.logical_shapes[stage])}: "
+            "expected the same shape"
+        )

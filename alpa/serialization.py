@@ -30,9 +30,11 @@ written by orbax-checkpoint, the maintained checkpoint library of JAX:
   gets that sharding (``ArrayRestoreArgs(sharding=...)``) and each device reads only its
   own slice of the stored array. The saved sharding does not matter: a state saved from
   8 devices restores onto 4, or onto another logical mesh shape. A pipeline's stacked
-  parameter split by rows (``alpa.StackedRows``, its spec's ``rows``) is the exception
-  both ways: saved from the host with its rows put together, and restored through the
-  host, each row then placed on its stage's mesh.
+  parameter split by rows (its spec's ``rows``) is read straight into the sharding over
+  its stages' devices where one says where its rows are (``PlacementSpec.rows_layout``),
+  as the step returns it. An ``alpa.StackedRows`` (rows no sharding describes) is the
+  exception both ways: saved from the host with its rows put together, and restored
+  through the host, each row then placed on its stage's mesh.
 * **The restored structure** is that of ``placement_specs`` (or of ``target=``): the
   specs of a ``TrainState`` form a ``TrainState`` whose leaves are specs, so a
   ``TrainState`` comes back, with the ``apply_fn`` and ``tx`` of the state the executable
@@ -137,6 +139,7 @@ def restore_checkpoint(
     *,
     target: PyTree | None = None,
     verify: bool = True,
+    cast_dtypes: bool = False,
 ) -> PyTree:
     """The state saved as ``step`` under ``ckpt_dir``, each leaf placed where
     ``placement_specs`` says.
@@ -154,7 +157,10 @@ def restore_checkpoint(
       verify: check every file of the step against the checksums its save wrote before
         reading it (one more read of the step's files: +15% on a 1 GiB restore as
         measured in ``docs/checkpoints.md``). ``False`` skips the check of the data, not of the
-        metadata.
+        metadata, and restores a step whose checksum file is missing (``True`` refuses it).
+      cast_dtypes: read a leaf saved in another dtype than its placement spec's into the
+        spec's dtype (``float32`` weights into a ``bfloat16`` step); ``False``: such a leaf
+        is an error naming it and both dtypes.
 
     Returns:
       the restored pytree: in the structure of ``target``, else of ``placement_specs``,
@@ -162,22 +168,37 @@ def restore_checkpoint(
 
     Raises:
       DamagedCheckpointError: a file of the step differs from what its save wrote, or
-        its metadata cannot be read; the message names the step, the part and the file.
+        its metadata cannot be read, or (with ``verify``) its checksum file is missing;
+        the message names the step, the part and the file.
     """
     directory = _check_dir_arg(ckpt_dir)
-    if not isinstance(verify, bool):
-        raise TypeError(f"verify={verify!r} ({type(verify).__name__}) must be a bool")
+    for name, flag in (("verify", verify), ("cast_dtypes", cast_dtypes)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name}={flag!r} ({type(flag).__name__}) must be a bool")
     if not os.path.isdir(directory):
         raise FileNotFoundError(f"checkpoint directory {directory} does not exist")
     step = _latest_step(directory) if step is None else _check_step_arg(step)
     path = _step_path(directory, step)
     if files.has_checksums(path):
         files.verify(path, step, contents=verify)
+    elif verify:
+        raise files.missing_checksums(path, step)
     else:
-        logger.warning("checkpoint %s has no checksums (saved before alpa wrote them)", path)
+        logger.warning(
+            "checkpoint %s has no %s: restored without checking its files (verify=False)",
+            path,
+            files.CHECKSUMS_FILE,
+        )
+    if not verify and not os.path.exists(os.path.join(path, _PARTS_FILE)):
+        # Unchecked: orbax still must not meet a damaged metadata file, which it reports
+        # as a missing tree (and leaves a callback on a closed event loop). Its JSON
+        # files and its database's manifest and tree are read first (no values).
+        damage = files.find_damage(path, step, files.WHOLE_STATE, path, read_values=False)
+        if damage is not None:
+            raise damage
     if os.path.exists(os.path.join(path, _PARTS_FILE)):
-        return _restore_parts(path, step, placement_specs, target)
-    return _restore(path, step, placement_specs, target)
+        return _restore_parts(path, step, placement_specs, target, cast_dtypes)
+    return _restore(path, step, placement_specs, target, cast_dtypes)
 
 
 def checkpoint_steps(ckpt_dir: str | os.PathLike) -> list[int]:
@@ -289,7 +310,7 @@ def _savable(x: Any, path: str) -> Any:
 # ---------------------------------------------------------------------------------------
 
 
-def _restore(path: str, step: int, placement_specs: PyTree, target: PyTree) -> PyTree:
+def _restore(path: str, step: int, placement_specs: PyTree, target: PyTree, cast: bool) -> PyTree:
     with ocp.PyTreeCheckpointer() as checkpointer:
         saved = _saved_tree(checkpointer, path, step)
         saved_leaves, saved_tree = jax.tree.flatten(saved)
@@ -299,16 +320,23 @@ def _restore(path: str, step: int, placement_specs: PyTree, target: PyTree) -> P
         else:
             specs = _specs_by_saved_leaf(placement_specs, saved_paths, path)
         args = [
-            _restore_args(spec, meta, leaf_path, step)
+            _restore_args(spec, meta, leaf_path, step, cast)
             for spec, meta, leaf_path in zip(specs, saved_leaves, saved_paths, strict=True)
         ]
-        restored = checkpointer.restore(
-            path, args=ocp.args.PyTreeRestore(restore_args=jax.tree.unflatten(saved_tree, args))
-        )
+        try:
+            restored = checkpointer.restore(
+                path,
+                args=ocp.args.PyTreeRestore(restore_args=jax.tree.unflatten(saved_tree, args)),
+            )
+        except (OSError, ValueError) as e:  # tensorstore's error for a file it cannot decode
+            damage = files.find_damage(path, step, files.WHOLE_STATE, path)
+            if damage is None:
+                raise
+            raise damage from e
     values = jax.tree.leaves(restored)
-    # Ray placements and leaves split by rows were read on the driver: placed now.
+    # Ray placements and StackedRows leaves were read on the driver: placed now.
     values = [
-        place(x, spec) if _is_ray_spec(spec) or getattr(spec, "rows", ()) else x
+        place(x, spec) if _is_ray_spec(spec) or _rows_on_host(spec) else x
         for x, spec in zip(values, specs, strict=True)
     ]
     restored = jax.tree.unflatten(jax.tree.structure(restored), values)
@@ -327,7 +355,12 @@ def _saved_tree(checkpointer: Any, path: str, step: int) -> PyTree:
             raise ValueError("orbax finds no tree metadata in it")
         return metadata.tree
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-        raise files.damaged_metadata(path, step, files.WHOLE_STATE, "_METADATA", e) from e
+        # orbax's metadata reads _METADATA, _sharding and the OCDBT database's files:
+        # the one at fault is named, by its checksum or by reading each.
+        damage = files.find_damage(path, step, files.WHOLE_STATE, path)
+        if damage is None:
+            damage = files.damaged_metadata(path, step, files.WHOLE_STATE, "_METADATA", e)
+        raise damage from e
 
 
 def _specs_by_saved_leaf(placement_specs: PyTree, saved_paths: list[str], path: str) -> list:
@@ -359,6 +392,12 @@ def _is_ray_spec(spec: Any) -> bool:
     )
 
 
+def _rows_on_host(spec: Any) -> bool:
+    """Whether ``spec`` places a leaf split by rows that no one sharding describes (a
+    ``StackedRows``: read on the host, then placed part by part)."""
+    return bool(getattr(spec, "rows", ())) and spec.rows_layout.joined is None
+
+
 def _check_spec(spec: Any, leaf_path: str, saved_shape: Any, step: int) -> None:
     """``spec`` must be a ``PlacementSpec`` of the saved leaf's shape that a mesh holds."""
     if not isinstance(spec, PlacementSpec):
@@ -375,7 +414,24 @@ def _check_spec(spec: Any, leaf_path: str, saved_shape: Any, step: int) -> None:
         raise ValueError(f"leaf {leaf_path!r}: no mesh holds it in its placement spec")
 
 
-def _restore_args(spec: Any, meta: Any, leaf_path: str, step: int) -> Any:
+def _check_dtype(spec: Any, saved_dtype: Any, leaf_path: str, step: int, cast: bool) -> None:
+    """A leaf is read in its spec's dtype: another saved dtype is a silent cast, which
+    the caller must ask for. A 64-bit leaf read as JAX reads it (``int64`` as ``int32``
+    without ``jax_enable_x64``: a Python or numpy scalar saved, a host array) is not a
+    cast of the caller's making."""
+    if cast or saved_dtype is None or not isinstance(spec, PlacementSpec):
+        return
+    saved, wanted = np.dtype(saved_dtype), np.dtype(spec.aval.dtype)
+    if saved != wanted and np.dtype(jax.dtypes.canonicalize_dtype(saved)) != wanted:
+        raise ValueError(
+            f"leaf {leaf_path!r} is {saved.name} in the checkpoint of step {step}, but its "
+            f"placement spec expects {wanted.name}: restoring would cast it. Pass "
+            "cast_dtypes=True to restore_checkpoint to cast it, or placement specs of an "
+            f"executable compiled for {saved.name}"
+        )
+
+
+def _restore_args(spec: Any, meta: Any, leaf_path: str, step: int, cast: bool) -> Any:
     """orbax's restore arguments for one saved leaf (``meta``, its metadata) read into
     ``spec``."""
     saved_shape = getattr(meta, "shape", None)
@@ -385,11 +441,18 @@ def _restore_args(spec: Any, meta: Any, leaf_path: str, step: int) -> Any:
     if isinstance(spec, jax.sharding.Sharding):
         return ocp.ArrayRestoreArgs(sharding=spec, global_shape=saved_shape)
     _check_spec(spec, leaf_path, saved_shape, step)
-    if _is_ray_spec(spec) or spec.rows:  # read on the driver, then placed (row by row)
+    _check_dtype(spec, getattr(meta, "dtype", None), leaf_path, step, cast)
+    if _is_ray_spec(spec) or _rows_on_host(spec):  # read on the driver, then placed
         return ocp.RestoreArgs(restore_type=np.ndarray, dtype=spec.aval.dtype)
     return ocp.ArrayRestoreArgs(
-        sharding=spec.placements[0], global_shape=saved_shape, dtype=spec.aval.dtype
+        sharding=_sharding_of(spec), global_shape=saved_shape, dtype=spec.aval.dtype
     )
+
+
+def _sharding_of(spec: PlacementSpec) -> jax.sharding.Sharding:
+    """The sharding a leaf is read into: its first mesh's, or for a leaf split by rows
+    the one over its stages' devices."""
+    return spec.rows_layout.joined if spec.rows else spec.placements[0]
 
 
 # ---------------------------------------------------------------------------------------
@@ -431,7 +494,9 @@ def _save_parts(staging: str, skeleton: PyTree, paths: list, leaves: list) -> li
     return sorted(set(parts.values()))
 
 
-def _restore_parts(path: str, step: int, placement_specs: PyTree, target: PyTree) -> PyTree:
+def _restore_parts(
+    path: str, step: int, placement_specs: PyTree, target: PyTree, cast: bool
+) -> PyTree:
     """Each leaf read from its part where its spec places it (module docstring)."""
     from alpa.runtime.ray_mesh import DistributedArray, wait_workers
 
@@ -455,11 +520,12 @@ def _restore_parts(path: str, step: int, placement_specs: PyTree, target: PyTree
         if spec is None or isinstance(spec, jax.sharding.Sharding):
             local.setdefault(part, {})[leaf_path] = (spec, None)
             continue
-        if getattr(spec, "rows", ()):
+        recorded = record["avals"].get(leaf_path)  # a leaf the driver wrote has none
+        _check_dtype(spec, recorded[1] if recorded else None, leaf_path, step, cast)
+        if _rows_on_host(spec):
             local.setdefault(part, {})[leaf_path] = (None, spec.aval.dtype)
             by_rows[leaf_path] = spec
             continue
-        recorded = record["avals"].get(leaf_path)  # a leaf the driver wrote has none
         aval = getattr(spec, "aval", None)
         saved_shape = recorded[0] if recorded else getattr(aval, "shape", None)
         _check_spec(spec, leaf_path, saved_shape, step)
@@ -467,7 +533,7 @@ def _restore_parts(path: str, step: int, placement_specs: PyTree, target: PyTree
             mesh, layout = spec.placements[0]
             remote.setdefault((mesh.mesh_id, part), (mesh, []))[1].append((leaf_path, spec))
         else:
-            local.setdefault(part, {})[leaf_path] = (spec.placements[0], spec.aval.dtype)
+            local.setdefault(part, {})[leaf_path] = (_sharding_of(spec), spec.aval.dtype)
     calls, made = [], []
     for mesh, _ in remote.values():
         mesh._check_alive()  # specs of an executable compiled for a cluster shut down

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax.errors import ScopeParamShapeError
 from jax.sharding import PartitionSpec as P
 
 import alpa
@@ -196,15 +197,21 @@ def test_reusing_a_donated_train_state_shard_parallel():
     assert_allclose(keep(s3, batch), keep(s3, batch))
 
 
-def test_reusing_a_train_state_pipeshard_parallel():
-    # The pipeshard runtime places every input on its stage's mesh (a copy), so reusing
-    # the state is no error there: both calls compute the same step.
+def test_reusing_a_donated_train_state_pipeshard_parallel():
+    # A pipelined step donates the state it replaces, as the one-mesh methods do: the
+    # state a call returned, passed again after the next call consumed it, is named.
     state, batch, train_step = _mlp(add_manual_pipeline_marker=True)
-    ref = jax.jit(train_step)(_copy(state), batch)
+    ref = jax.jit(train_step)(jax.jit(train_step)(_copy(state), batch), batch)
     f = alpa.parallelize(train_step, method=_pipeshard())
-    first = f(state, batch)
-    assert_allclose(f(state, batch), first)
-    assert_allclose(first, ref)
+    s1 = f(state, batch)
+    s2 = f(s1, batch)
+    assert all(x.is_deleted() for x in jax.tree.leaves(s1))
+    with pytest.raises(ValueError, match=DONATED):
+        f(s1, batch)
+    assert_allclose(s2, ref)
+    # With donate_argnums=() nothing is donated: the same state twice gives the same result.
+    keep = alpa.parallelize(train_step, method=_pipeshard(), donate_argnums=())
+    assert_allclose(keep(s2, batch), keep(s2, batch))
 
 
 # ----------------------------------------------------------------------------- 5. manual specs
@@ -253,6 +260,21 @@ def test_manual_spec_that_repeats_a_mesh_axis():
         "uses mesh axis 'data' more than once",
     ):
         _pipeshard(manual_sharding_option=option)
+
+
+def test_manual_sharding_option_naming_one_axis_twice():
+    """Two mesh axes of one name: refused where the option is made, not by JAX's
+    ``DuplicateSpecError`` about a spec the user did not write."""
+    with pytest.raises(
+        ValueError,
+        match=r"mesh_axis_names=\('data', 'data'\) names the mesh axis 'data' twice: "
+        r"expected a distinct name for each mesh axis",
+    ):
+        alpa.ManualShardingOption(mesh_axis_names=("data", "data"))
+    with pytest.raises(
+        ValueError, match=r"submesh_axis_names\[1\]=\('x', 'x'\) names the mesh axis 'x' twice"
+    ):
+        alpa.ManualShardingOption(None, submesh_axis_names=(("x", "y"), ("x", "x")))
 
 
 # ----------------------------------------------------------------------------- 6. jax.grad
@@ -380,3 +402,75 @@ def test_arguments_in_another_order_say_what_was_split_as_the_batch():
     ) in notes
     # The right order runs and matches serial.
     np.testing.assert_allclose(f(params, batch), eval_step(params, batch), rtol=1e-6)
+
+    # A step written (batch, params) called in that order: alpa's default batch_argnums
+    # splits the parameters into micro-batches, and flax's own error says the kernel has
+    # half its rows; the note says which argument alpa split.
+    def swapped(batch, params):
+        return eval_step(params, batch)
+
+    g = alpa.parallelize(swapped, method=alpa.ShardParallel(num_micro_batches=2))
+    with pytest.raises(ScopeParamShapeError) as info:
+        g(batch, params)
+    assert (
+        "alpa traced swapped with argument 1['params']['bias'] (dim 0 of 8) and 1 more leaves "
+        "(4 rows per micro-batch) as the batch (batch_argnums=(1,), the default"
+    ) in "\n".join(info.value.__notes__)
+
+    # A retrace (a pass asking for the step at another batch size) says the same.
+    def fixed_size(params, batch):  # written for one batch size
+        return eval_step(params, batch) + batch["x"].reshape(B, H).sum()
+
+    h = alpa.parallelize(fixed_size, donate_argnums=())
+    traced = h.get_executable(params, batch).traced
+    with pytest.raises(TypeError) as info:
+        traced.retrace(2)
+    assert (
+        "alpa traced fixed_size with argument 1['x'] (dim 0 of 32) and 1 more leaves "
+        "(traced again with 16 rows) as the batch"
+    ) in "\n".join(info.value.__notes__)
+
+
+def test_create_state_returning_the_parameters_alone():
+    """``CreateStateParallel``'s function returns the parameters where ``train_step``
+    takes the whole ``TrainState``: named by structure when ``train_step`` has been
+    compiled, else the ``AttributeError`` of ``train_step`` gets a note saying what alpa
+    passed it (it was ``'dict' object has no attribute 'params'`` alone)."""
+    state, batch, train_step = _mlp()
+    p_step = alpa.parallelize(train_step, method=alpa.DataParallel(), donate_argnums=())
+
+    def create_params():
+        return jax.tree.map(jnp.zeros_like, state.params)
+
+    create = alpa.parallelize(create_params, method=alpa.CreateStateParallel(p_step, (batch,)))
+    with pytest.raises(AttributeError, match="'dict' object has no attribute 'params'") as info:
+        create()
+    assert (
+        "CreateStateParallel compiled train_step with what create_params returns, a dict of 4 "
+        "leaves (keys ['Dense_0', 'Dense_1']), as its first argument (the state); "
+        "create_params must return the whole state train_step takes (e.g. a TrainState)"
+    ) in "\n".join(info.value.__notes__)
+    p_step(state, batch)
+    with pytest.raises(
+        ValueError,
+        match=r"create_params returns a dict of 4 leaves \(keys \['Dense_0', 'Dense_1'\]\), but "
+        r"train_step takes a TrainState of \d+ leaves as its first argument, the state: "
+        r"CreateStateParallel creates the state train_step takes",
+    ):
+        create()
+
+
+def test_a_function_compiled_before_a_new_init_runs_on_the_new_cluster():
+    """``alpa.shutdown(); alpa.init("local", num_devices_per_node=4)``: a function
+    compiled for the 8 devices of the cluster before compiles again for the 4 of the new
+    one, on the fast path too (it ran on 8 devices, silently)."""
+    state, batch, train_step = _mlp()
+    f = alpa.parallelize(train_step, method=alpa.DataParallel(), donate_argnums=())
+    assert len(f(state, batch).params["Dense_0"]["kernel"].sharding.device_set) == 8
+    f(state, batch)  # a cache hit from now on
+    alpa.shutdown()
+    alpa.init("local", num_devices_per_node=4)
+    for _ in range(2):  # compiled again, then the fast path
+        out = f(state, batch)
+        assert out.params["Dense_0"]["kernel"].sharding.device_set == set(jax.devices()[:4])
+    assert_allclose(out.params, jax.jit(train_step)(state, batch).params)

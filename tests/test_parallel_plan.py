@@ -279,6 +279,80 @@ def test_damaged_plan_files_name_the_file(recorded, tmp_path):
         ParallelPlan.from_json("[1, 2]")
 
 
+def _edited(text: str, edit) -> str:
+    data = json.loads(text)
+    edit(data["pipeline_plan"], data["pipeline_plan"]["stage_plan"])
+    return json.dumps(data)
+
+
+def _one_stage(pipeline, stages, keep_specs: bool = False):
+    """The two-stage plan edited into one stage of all eight devices."""
+    stages.update(
+        layer_to_stage=[0, 0], device_ranges=[[0, 8]], submesh_shapes=[[1, 8]],
+        logical_shapes=[[1, 8]], autosharding_option_dicts=[None],
+    )  # fmt: skip
+    pipeline["options"] = pipeline["options"][:1]
+    pipeline["logical_meshes"] = pipeline["logical_meshes"][:1]
+    pipeline["logical_meshes"][0]["shape"] = [1, 8]
+    pipeline["objectives"] = pipeline["objectives"][:1]
+    if not keep_specs:
+        for table in ("stage_specs", "body_specs", "operand_specs"):
+            pipeline[table] = [row for row in pipeline[table] if row[1] == 0]
+
+
+def test_an_edited_pipeline_plan_names_the_field_it_contradicts(recorded, tmp_path):
+    """A plan file whose stages disagree between its fields is refused when loaded, with
+    the field, its value and what was expected (it was an ``IndexError`` in
+    ``deferred_sums``, an ``AssertionError`` of the runtime emitter, or a stage's
+    specs dropped without a word); edited consistently, it replays."""
+    with open(recorded["pipeshard_uniform"][1]) as f:
+        text = f.read()
+    path = tmp_path / "edited.json"
+    where = r"'.*edited\.json': the pipeline_plan's "
+    two = r"expected a stage in 0\.\.1 \(stage_plan\.device_ranges has 2 stages\)"
+
+    def cut_device_ranges(_, stages):
+        stages["device_ranges"] = stages["device_ranges"][:1]
+
+    def specs_of_stage_5(pipeline, _):
+        ref, _, spec = pipeline["stage_specs"][0]
+        pipeline["stage_specs"].append([ref, 5, spec])
+
+    cases = {
+        r"stage_plan\.layer_to_stage=\[0, 2\] puts layer 1 on stage 2: " + two: (
+            lambda _, stages: stages.update(layer_to_stage=[0, 2])
+        ),
+        r"stage_plan\.logical_shapes has 2 entries but stage_plan\.device_ranges has 1 "
+        r"\(one per stage\): expected 1": cut_device_ranges,
+        r"stage_plan\.layer_to_stage=\[1, 0\] is not in order": (
+            lambda _, stages: stages.update(layer_to_stage=[1, 0])
+        ),
+        r"stage_specs has an entry for '[^']+' on stage 5: " + two: specs_of_stage_5,
+        r"stage_specs has an entry for '[^']+' on stage 1: expected a stage in 0\.\.0 "
+        r"\(stage_plan\.device_ranges has 1 stage\)": (
+            lambda pipeline, stages: _one_stage(pipeline, stages, keep_specs=True)
+        ),
+        r"stage 0 has stage_plan\.device_ranges\[0\]=\[0, 8\] \(8 devices\), "
+        r"stage_plan\.submesh_shapes\[0\]=\[1, 4\] \(4 devices\), .*expected one number "
+        r"of devices": lambda pipeline, stages: (
+            _one_stage(pipeline, stages),
+            stages.update(submesh_shapes=[[1, 4]]),
+        ),
+    }
+    for message, edit in cases.items():
+        path.write_text(_edited(text, edit))
+        with pytest.raises(ValueError, match=where + message):
+            ParallelPlan.load(path)
+    # The same stages, consistently edited into one: replayed, as serial computes.
+    path.write_text(_edited(text, _one_stage))
+    state, batch, step = get_mlp_train_state_and_step(32, 16, num_layers=2)
+    expected = jax.jit(step)(state, batch)
+    method = alpa.plan_to_method(ParallelPlan.load(path))
+    replayed = alpa.parallelize(step, method=method)
+    assert_allclose(replayed(state, batch).params, expected.params, rtol=1e-5, atol=1e-6)
+    assert replayed.get_last_executable().plan.stage_plan.device_ranges == ((0, 8),)
+
+
 def test_pipeshard_plan_records_stages(recorded):
     plan = ParallelPlan.load(recorded["pipeshard_auto"][1])
     pipeline = plan.pipeline_plan

@@ -2,11 +2,13 @@
 executable's placement specs (the same meshes, other mesh shapes, pipeline stages),
 continue training equal to the serial run; atomicity under a killed save; bad input."""
 
+import dataclasses
 import os
 import shutil
 import signal
 
 import jax
+import jax.numpy as jnp
 import killed_save  # tests/ is on sys.path, as for conftest
 import numpy as np
 import orbax.checkpoint as ocp
@@ -327,9 +329,8 @@ def test_damaged_metadata_is_an_error_naming_the_file(tmp_path):
     metadata.write_bytes(b"#" * metadata.stat().st_size)  # same size: only the CRC knows
     with pytest.raises(DamagedCheckpointError, match=r"part 'state', file '_METADATA' has CRC"):
         alpa.restore_checkpoint(tmp_path, 3)
-    with pytest.raises(
-        DamagedCheckpointError, match=r"part 'state', file '_METADATA' cannot be read"
-    ):
+    # Without verify, the failed read is followed by the checksums, which name it too.
+    with pytest.raises(DamagedCheckpointError, match=r"part 'state', file '_METADATA' has CRC"):
         alpa.restore_checkpoint(tmp_path, 3, verify=False)
     checksums = tmp_path / "checkpoint_3" / "alpa_checksums.json"
     checksums.write_text("{")
@@ -339,6 +340,75 @@ def test_damaged_metadata_is_an_error_naming_the_file(tmp_path):
         alpa.restore_checkpoint(tmp_path, 3)
     with pytest.raises(TypeError, match=r"verify=1 \(int\) must be a bool"):
         alpa.restore_checkpoint(tmp_path, 3, verify=1)
+
+
+def _flip(path) -> None:
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def test_a_step_without_its_checksum_file_is_refused_unless_asked(tmp_path):
+    """Every step alpa saves ends with its checksums: one without them (the file deleted)
+    is not taken for one saved before checksums existed, whose damage would restore as
+    other values; with verify=False it restores, unchecked."""
+    saved = killed_save.state(5)
+    alpa.save_checkpoint(tmp_path, saved, 3)
+    (tmp_path / "checkpoint_3" / "alpa_checksums.json").unlink()
+    with pytest.raises(
+        DamagedCheckpointError,
+        match=r"checkpoint of step 3 \(.*checkpoint_3\) has no checksum file "
+        r"'alpa_checksums.json': every step alpa saves ends with one, so it was deleted .* "
+        r"Pass verify=False to restore it without checking",
+    ):
+        alpa.restore_checkpoint(tmp_path, 3)
+    restored = alpa.restore_checkpoint(tmp_path, 3, verify=False)
+    np.testing.assert_array_equal(restored["params"]["w"], saved["params"]["w"])
+
+
+@pytest.mark.parametrize("checksums", ["kept", "deleted"])
+def test_damage_outside_the_data_names_its_file_without_verify(tmp_path, checksums):
+    """With verify=False, or no checksum file, a damaged ``_sharding``, OCDBT manifest or
+    root data file (``d/...``, the database's tree) is named, by its checksum where the
+    step has one, else by reading each file (it was reported as ``_METADATA``)."""
+    alpa.save_checkpoint(tmp_path, jax.tree.map(jnp.asarray, killed_save.state(5)), 3)
+    step_dir = tmp_path / "checkpoint_3"
+    (root_data,) = os.listdir(step_dir / "d")
+    found = "has CRC-32 \\w+, the save wrote" if checksums == "kept" else "cannot be read"
+    for rel in ("_sharding", "manifest.ocdbt", f"d/{root_data}"):
+        damaged = tmp_path / rel.replace("/", "_")
+        shutil.copytree(step_dir, damaged / "checkpoint_3")
+        if checksums == "deleted":
+            (damaged / "checkpoint_3" / "alpa_checksums.json").unlink()
+        _flip(damaged / "checkpoint_3" / rel)
+        with pytest.raises(
+            DamagedCheckpointError,
+            match=rf"checkpoint of step 3 \(.*\) is damaged: part 'state', file '{rel}' {found}",
+        ):
+            alpa.restore_checkpoint(damaged, 3, verify=False)
+
+
+def test_a_checkpoint_of_another_dtype_is_not_cast_silently(tmp_path):
+    alpa.save_checkpoint(tmp_path, {"w": np.ones((4, 2), np.float32)}, 1)
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    bf16 = PlacementSpec(jax.core.ShapedArray((4, 2), jnp.bfloat16), (0,), (None,), (sharding,))
+    with pytest.raises(
+        ValueError,
+        match=r"leaf 'w' is float32 in the checkpoint of step 1, but its placement spec "
+        r"expects bfloat16: restoring would cast it. Pass cast_dtypes=True",
+    ):
+        alpa.restore_checkpoint(tmp_path, 1, {"w": bf16})
+    cast = alpa.restore_checkpoint(tmp_path, 1, {"w": bf16}, cast_dtypes=True)
+    assert cast["w"].dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(cast["w"], np.float32), np.ones((4, 2)))
+    # A 64-bit host leaf (a Python number, a numpy array) is read as JAX reads it.
+    alpa.save_checkpoint(tmp_path, {"w": np.ones((4, 2)), "n": 3}, 2)
+    int32 = PlacementSpec(jax.core.ShapedArray((), jnp.int32), (0,), (None,), (sharding,))
+    f32 = dataclasses.replace(bf16, aval=jax.core.ShapedArray((4, 2), jnp.float32))
+    back = alpa.restore_checkpoint(tmp_path, 2, {"w": f32, "n": int32})
+    assert back["w"].dtype == jnp.float32 and int(back["n"]) == 3
 
 
 # ---- bad input

@@ -20,6 +20,7 @@ The executable owns where every leaf lives (its placement specs) and its compile
 from __future__ import annotations
 
 import abc
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -27,6 +28,7 @@ import jax
 
 from alpa.parallel_plan import ParallelPlan
 from alpa.runtime.placement import PlacementSpec, leaf_placer
+from alpa.runtime.stacked_array import StackedRows
 from alpa.tracing import TracedStep, leaf_signature
 
 
@@ -86,10 +88,25 @@ class Executable(abc.ABC):
     def dump_debug_info(self, folder: str) -> None: ...
 
     def sync(self) -> None:
-        """Wait until every computation launched so far has finished."""
-        for array in jax.tree.leaves(getattr(self, "_last_outputs", ())):
-            if isinstance(array, jax.Array) and not array.is_deleted():
+        """Wait until every computation launched so far has finished (that wrote an
+        output the caller still holds)."""
+        for ref in self._last_outputs:
+            array = ref()
+            if array is not None and not array.is_deleted():
                 array.block_until_ready()
+
+    @property
+    def _last_outputs(self) -> list:
+        return self.__dict__.get("_last_output_refs", [])
+
+    @_last_outputs.setter
+    def _last_outputs(self, outputs: Any) -> None:
+        # Weakly: the executable must not keep a state alive that the caller let go.
+        leaves = jax.tree.leaves(outputs)
+        leaves += [r for x in leaves if isinstance(x, StackedRows) for r in x.rows]
+        self.__dict__["_last_output_refs"] = [
+            weakref.ref(x) for x in leaves if isinstance(x, jax.Array)
+        ]
 
     def get_parallel_plan(self):
         """Every decision of this compile (mesh, shardings; for a pipeline its layers and

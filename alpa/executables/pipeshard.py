@@ -36,6 +36,7 @@ from alpa.runtime.instructions import (
     ConstOutput,
     Kernel,
     Op,
+    donated_inputs,
     simulate_memory,
 )
 from alpa.runtime.local_runtime import LocalPipelineRuntime, RuntimeContext
@@ -70,7 +71,15 @@ class PipeshardDriverExecutable(Executable):
         ]
         self.stage_specs, self.stage_objectives = plan.stage_specs, plan.objectives
         self.stage_programs = StagePrograms(plan, self.meshes)
-        self._kernels = [self._compile_kernel(kernel) for kernel in instructions.kernels]
+        # The state a step replaces is donated where its last reader runs (the apply).
+        donated = {
+            names[v] for v, d in zip(traced.jaxpr.invars, traced.donated_invars, strict=True) if d
+        }
+        self._donated = donated_inputs(instructions, donated)
+        self._kernels = [
+            self._compile_kernel(kernel, self._donated.get(k, ()))
+            for k, kernel in enumerate(instructions.kernels)
+        ]
         self._compiled: dict[int, Any] = {
             kernel.computation: compiled
             for kernel, compiled in zip(instructions.kernels, self._kernels, strict=True)
@@ -104,6 +113,11 @@ class PipeshardDriverExecutable(Executable):
         self._last_outputs: list = []
         full = full_batch_avals(self.traced, plan.num_micro_batches)
         self._signatures = [leaf_signature(a) for a in full]
+        # Per leaf split by rows, where its parts live: one array where a sharding says it.
+        self._in_layouts, self._out_layouts = {}, {}
+        if self._row_split is not None:
+            self._in_layouts = _layouts(self.flat_input_placement_specs())
+            self._out_layouts = _layouts(self.flat_output_placement_specs())
 
     # -- compilation
 
@@ -124,8 +138,8 @@ class PipeshardDriverExecutable(Executable):
             )
         return self._zeros[signature]
 
-    def _compile_kernel(self, kernel: Kernel):
-        jitted, structs, _ = self.stage_programs.kernel(kernel)
+    def _compile_kernel(self, kernel: Kernel, donate: Sequence[int] = ()):
+        jitted, structs, _ = self.stage_programs.kernel(kernel, donate)
         return compile_lowered(jitted.lower(*structs), self.devices[0].platform)
 
     def _compile(self, comp: StageComputation):
@@ -154,12 +168,12 @@ class PipeshardDriverExecutable(Executable):
 
     def _run(self, flat_args: Sequence[Any]) -> list:
         if self._row_split is not None:
-            flat_args = self._row_split.split_args(flat_args)
+            flat_args = self._row_split.split_args(flat_args, self._in_layouts)
         args = step_arguments(self.program, flat_args, self.num_micro_batches)
         outputs = self.runtime.run(args, self._const_outputs, blocking=self.collect_trace)
-        self._last_outputs = outputs
         if self._row_split is not None:
-            outputs = self._row_split.join_outputs(outputs)
+            outputs = self._row_split.join_outputs(outputs, self._out_layouts)
+        self._last_outputs = outputs
         return outputs
 
     def _check_batch(self, flat_args) -> None:
@@ -178,14 +192,14 @@ class PipeshardDriverExecutable(Executable):
         out = []
         step = self.plan.traced
         split = self._row_split
-        args = flat_args if split is None else split.split_args(flat_args)
+        args = flat_args if split is None else split.split_args(flat_args, self._in_layouts)
         for v, arg, is_batch in zip(step.jaxpr.invars, args, step.batch_invars, strict=True):
             sharding = None if is_batch else self._sharding(v, self.program.input_stages[v][0])
             if sharding is None or is_placed(arg, sharding):
                 out.append(arg)
             else:
                 out.append(jax.device_put(arg, sharding))
-        return out if split is None else split.join_inputs(out)
+        return out if split is None else split.join_inputs(out, self._in_layouts)
 
     def flat_input_placement_specs(self) -> list[PlacementSpec]:
         specs = input_placement_specs(
@@ -274,7 +288,10 @@ class PipeshardDriverExecutable(Executable):
             return int(np.prod(shard)) * aval.dtype.itemsize
 
         return step_peak_bytes(
-            self.instructions, buffer_bytes, lambda k: allocation_bytes(self._kernels[k])
+            self.instructions,
+            buffer_bytes,
+            lambda k: allocation_bytes(self._kernels[k]),
+            self._donated,
         )
 
     def _kernel_rows(self, figures) -> list[dict]:
@@ -443,3 +460,8 @@ class PipeshardDriverExecutable(Executable):
     def live_buffers_after_step(self) -> list:
         """Buffers of the last step still referenced besides inputs and outputs (none)."""
         return list(self.runtime.leftover)
+
+
+def _layouts(specs: Sequence[PlacementSpec]) -> dict:
+    """Per leaf split by rows (by position), its ``stage_rows.RowsLayout``."""
+    return {i: spec.rows_layout for i, spec in enumerate(specs) if spec.rows}

@@ -147,13 +147,14 @@ class StagePrograms:
         struct = jax.ShapeDtypeStruct(aval.shape, aval.dtype, sharding=self.key_sharding(src))
         return jax.jit(lambda x: (x,), out_shardings=(out,)), [struct], [out]
 
-    def kernel(self, kernel: Kernel):
+    def kernel(self, kernel: Kernel, donate: Sequence[int] = ()):
         """What a ``RUN`` of ``kernel`` calls: the stage computation, its kept outputs,
         then each accumulated value (``sum + scale * value``, the sums donated); returns
-        ``(jitted, input structs, output shardings)``."""
+        ``(jitted, input structs, output shardings)``. ``donate``: positions of further
+        arguments whose buffers it may reuse (``instructions.donated_inputs``)."""
         comp = self.program.computations[kernel.computation]
         sums = [a for a in kernel.accumulate if a.reads_sum]
-        return self.computation(comp, kernel, sums)
+        return self.computation(comp, kernel, sums, donate)
 
     def _gathered_outputs(self, comp: StageComputation, kept) -> dict:
         """ZeRO-2's updated parameters in an apply computation of a stage whose deferred
@@ -185,7 +186,7 @@ class StagePrograms:
                 gathers[k] = (spec, data_axes)
         return gathers
 
-    def computation(self, comp: StageComputation, kernel: Kernel | None = None, sums=()):
+    def computation(self, comp: StageComputation, kernel: Kernel | None = None, sums=(), donate=()):
         closed = self.plan.traced.closed_jaxpr
         sub = _sub_jaxpr(closed.jaxpr, comp.eqns, comp.invars, comp.outvars)
         # The intermediate values the stage's plan names are pinned to their sharding, and
@@ -246,7 +247,7 @@ class StagePrograms:
             fn,
             in_shardings=in_shardings,
             out_shardings=out_shardings,
-            donate_argnums=tuple(range(num_sums)),
+            donate_argnums=tuple(sorted({*range(num_sums), *donate})),
         )
         return jitted, structs, out_shardings
 

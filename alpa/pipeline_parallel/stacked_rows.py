@@ -26,9 +26,10 @@ its own blocks:
   it.
 
 The outputs computed part by part from split inputs (the updated parameters and optimizer
-state) are the parts' outputs (any other output is returned whole), and
-:class:`StackedRows` gives them back to the caller as one array-like value whose parts stay
-on their stages' meshes; passed to the step again, each part is read where it is. An input
+state) are the parts' outputs (any other output is returned whole), and the executable
+gives them back to the caller as one value whose parts stay on their stages' meshes
+(``runtime.stage_rows``: one ``jax.Array`` where a sharding can say where the rows are,
+else a ``StackedRows``); passed to the step again, each part is read where it is. An input
 is split when slices of its rows read it (directly or through markers), or when it has the
 shape of one that is (its optimizer state, cut the same way), and the rewrite never
 concatenates it.
@@ -46,7 +47,8 @@ import numpy as np
 from jax import lax
 from jax.extend.core import ClosedJaxpr, JaxprEqn, Literal
 
-from alpa.runtime.placement import StackedRows, stacked_parts
+from alpa.runtime.stacked_array import StackedRows
+from alpa.runtime.stage_rows import join_parts, rows_layout, split_leaf
 from alpa.tracing import TracedStep
 from alpa.tracing.jaxpr_util import bind_eqn, is_var, read
 from alpa.tracing.primitive_def import pipeline_p
@@ -124,40 +126,49 @@ class RowSplit:
     inputs: dict
     outputs: dict
 
-    def split_args(self, leaves: Sequence[Any]) -> list:
+    def split_args(self, leaves: Sequence[Any], layouts: dict | None = None) -> list:
         """The leaves of ``traced`` from those of ``original``: a split leaf becomes its
-        rows (a :class:`StackedRows` gives its own)."""
+        parts, cut from its shards where ``layouts`` (per split leaf, a
+        ``stage_rows.RowsLayout``) has a joined sharding (``stage_rows.split_leaf``), else
+        a :class:`StackedRows`' own parts, or slices."""
         out: list = []
         for i, x in enumerate(leaves):
             bounds = self.inputs.get(i)
             if bounds is None:
                 out.append(x)
-            elif isinstance(x, StackedRows) and x.sizes == _sizes(bounds):
-                out.extend(x.rows)
-            else:
-                out.extend(stacked_parts(x, _sizes(bounds)))
+                continue
+            layout = (layouts or {}).get(i)
+            if layout is None:
+                layout = rows_layout(_sizes(bounds), [None] * (len(bounds) - 1), 0)
+            out.extend(split_leaf(x, layout))
         return out
 
-    def join_outputs(self, outputs: Sequence[Any]) -> list:
-        """The outputs of ``original`` from those of ``traced``: a split output's rows
-        are one :class:`StackedRows`."""
-        return _join(outputs, self.outputs, len(self.original.jaxpr.outvars))
+    def join_outputs(self, outputs: Sequence[Any], layouts: dict | None = None) -> list:
+        """The outputs of ``original`` from those of ``traced``: a split output's parts
+        are one ``jax.Array`` where ``layouts`` has a joined sharding for it, else one
+        :class:`StackedRows`."""
+        avals = [v.aval for v in self.original.jaxpr.outvars]
+        return _join(outputs, self.outputs, avals, layouts)
 
-    def join_inputs(self, leaves: Sequence[Any]) -> list:
+    def join_inputs(self, leaves: Sequence[Any], layouts: dict | None = None) -> list:
         """The leaves of ``original`` from those of ``traced`` (placed rows, say)."""
-        return _join(leaves, self.inputs, len(self.original.in_avals))
+        return _join(leaves, self.inputs, self.original.in_avals, layouts)
 
 
-def _join(values: Sequence[Any], split: dict, size: int) -> list:
+def _join(values: Sequence[Any], split: dict, avals: Sequence[Any], layouts) -> list:
     out: list = []
     it = iter(values)
-    for i in range(size):
+    for i, aval in enumerate(avals):
         bounds = split.get(i)
         if bounds is None:
             out.append(next(it))
+            continue
+        parts = [next(it) for _ in bounds[1:]]
+        layout = (layouts or {}).get(i)
+        if layout is None:
+            out.append(StackedRows(parts, _sizes(bounds)))
         else:
-            sizes = _sizes(bounds)
-            out.append(StackedRows([next(it) for _ in sizes], sizes))
+            out.append(join_parts(parts, layout, aval.shape))
     return out
 
 

@@ -241,3 +241,31 @@ def simulate_memory(program: PipelineInstructions) -> list[int]:
                 alive.remove(key)
                 live[key[2]] -= program.nbytes[key]
     return peak
+
+
+def donated_inputs(program: PipelineInstructions, donated: set[str]) -> dict[int, tuple]:
+    """Per kernel, the positions of its arguments whose buffers a ``RUN`` of it may
+    reuse: a step input the caller donated (its value name in ``donated``) whose last
+    reader that ``RUN`` is, when it is the kernel's only ``RUN`` in a step (the apply
+    computation that replaces the state) and no step output is read from the buffer.
+    Donating it there frees the previous state as the new one is written, as a one-mesh
+    step's ``donate_argnums`` do."""
+    last: dict[BufferKey, int] = {}
+    for i, ins in enumerate(program.instructions):
+        for key in ins.inputs:
+            last[key] = i
+    runs: dict[int, int] = {}
+    for ins in program.instructions:
+        if ins.op is Op.RUN:
+            runs[ins.computation] = runs.get(ins.computation, 0) + 1
+    kept = program.output_keys()
+    out: dict[int, list[int]] = {}
+    for key in sorted(program.persistent, key=str):
+        i = last.get(key)
+        if key[0] not in donated or key in kept or i is None:
+            continue
+        ins = program.instructions[i]
+        if ins.op is not Op.RUN or runs[ins.computation] != 1 or ins.inputs.count(key) != 1:
+            continue
+        out.setdefault(ins.computation, []).append(ins.inputs.index(key))
+    return {k: tuple(sorted(v)) for k, v in out.items()}

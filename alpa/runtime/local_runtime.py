@@ -288,7 +288,7 @@ class LocalPipelineRuntime:
         self._outputs = list(program.outputs)
         self._times: list[float] = []
         self._returned: list[float | None] = []
-        self._last_env: list = []
+        self._last_alive: frozenset[int] = frozenset()  # slots holding a value at the end
 
     def run(self, flat_args: Sequence[Any], consts: dict, blocking: bool = False) -> list:
         env: list[Any] = [None] * self._num_slots
@@ -317,7 +317,9 @@ class LocalPipelineRuntime:
             queued.clear()
         self._times = times
         self._returned = returned or [None] * len(self._steps)
-        self._last_env = env
+        # Which slots still held a value (the step's values themselves are not kept:
+        # the caller may let go of its inputs and outputs).
+        self._last_alive = frozenset(i for i, value in enumerate(env) if value is not None)
         outputs = []
         for output in self._outputs:
             if isinstance(output, LiteralOutput):
@@ -350,11 +352,7 @@ class LocalPipelineRuntime:
         """Buffers of the last step still alive besides inputs and outputs (none)."""
         keep = set(self.program.persistent) | self.program.output_keys()
         return sorted(
-            (
-                key
-                for key, i in self._slot.items()
-                if i < len(self._last_env) and self._last_env[i] is not None and key not in keep
-            ),
+            (key for key, i in self._slot.items() if i in self._last_alive and key not in keep),
             key=str,
         )
 

@@ -28,7 +28,9 @@ def device_peak_bytes(devices: Sequence[Any]) -> int | None:
     return None
 
 
-def step_peak_bytes(instructions: Any, buffer_bytes: Any, run_bytes: Any) -> list[int]:
+def step_peak_bytes(
+    instructions: Any, buffer_bytes: Any, run_bytes: Any, donated: dict | None = None
+) -> list[int]:
     """Per mesh, the most bytes one device holds at once during a step, from XLA's figures.
 
     At every ``RUN``, the device holds what XLA allocates for the program it runs
@@ -41,7 +43,9 @@ def step_peak_bytes(instructions: Any, buffer_bytes: Any, run_bytes: Any) -> lis
     than at the ``RUN`` before or after it, bar a transfer's received buffer.
 
     ``instructions`` is a ``PipelineInstructions``; buffers are freed after their last
-    reading instruction (``Instruction.free``), as both runtimes free them.
+    reading instruction (``Instruction.free``), as both runtimes free them, and the
+    inputs a ``RUN`` of kernel ``k`` consumes (``donated[k]``, positions of its
+    arguments: ``instructions.donated_inputs``) after it.
     """
     from alpa.runtime.instructions import Op
 
@@ -61,4 +65,7 @@ def step_peak_bytes(instructions: Any, buffer_bytes: Any, run_bytes: Any) -> lis
         for key in ins.free:
             if key not in instructions.persistent:
                 live[key[2]].discard(key)
+        if ins.op is Op.RUN:
+            for position in (donated or {}).get(ins.computation, ()):
+                live[ins.mesh].discard(ins.inputs[position])
     return peak

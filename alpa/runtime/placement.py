@@ -1,8 +1,8 @@
 """Where a step's leaves live: a :class:`PlacementSpec` per leaf, and putting an array
 there (locally a ``jax.sharding.Sharding``, on Ray a mesh and a ``Layout``); a leaf whose
-rows live on several meshes is a :class:`StackedRows`, and :func:`caller_placements`
-gives the caller's view of the leaves a pipeline split so. Used by the executables and by
-the local runtime."""
+rows live on several meshes is one ``jax.Array`` over their devices or a ``StackedRows``
+(``runtime.stage_rows``), and :func:`caller_placements` gives the caller's view of the
+leaves a pipeline split so. Used by the executables and by the local runtime."""
 
 from __future__ import annotations
 
@@ -14,6 +14,20 @@ from typing import Any
 import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
+
+from alpa.runtime.stacked_array import StackedRows, stacked_parts
+from alpa.runtime.stage_rows import RowsLayout, join_parts, rows_layout
+
+__all__ = [
+    "PlacementSpec",
+    "StackedRows",
+    "caller_placements",
+    "is_placed",
+    "leaf_placer",
+    "place",
+    "stacked_parts",
+    "whole",
+]
 
 
 @dataclass(frozen=True)
@@ -29,7 +43,8 @@ class PlacementSpec:
         for an output that no mesh holds (a value computed on the driver).
       rows: for a leaf a pipeline splits into its rows (``stacked_rows``), the
         ``PlacementSpec`` of each row: :func:`place` puts each row where its stage reads
-        it (a :class:`StackedRows`). The fields above place the whole array on the
+        it (one ``jax.Array`` in :attr:`rows_layout`'s ``joined`` sharding where there
+        is one, else a ``StackedRows``). The fields above place the whole array on the
         first row's mesh (what reads only one placement, a ``FollowParallel``, uses).
     """
 
@@ -38,6 +53,18 @@ class PlacementSpec:
     sharding_specs: tuple[Any, ...]
     placements: tuple[Any, ...] = field(default=(), compare=False)
     rows: tuple = field(default=(), compare=False)
+
+    @property
+    def rows_layout(self) -> RowsLayout | None:
+        """For a leaf split by rows, where its parts live (``stage_rows.RowsLayout``);
+        ``None`` for any other leaf."""
+        if not self.rows:
+            return None
+        sizes = tuple(
+            s.aval.shape[0] if len(s.aval.shape) == len(self.aval.shape) else 1 for s in self.rows
+        )
+        shardings = [s.placements[0] if s.placements else None for s in self.rows]
+        return rows_layout(sizes, shardings, len(self.aval.shape))
 
 
 def place(value: Any, spec: PlacementSpec) -> Any:
@@ -49,15 +76,24 @@ def place(value: Any, spec: PlacementSpec) -> Any:
     if not spec.placements:
         raise ValueError(f"no mesh holds a leaf of {spec.aval}: there is nowhere to place it")
     if spec.rows:  # each row (or block of rows) on its own stage's mesh
-        sizes = tuple(
-            s.aval.shape[0] if len(s.aval.shape) == len(spec.aval.shape) else 1 for s in spec.rows
-        )
-        if isinstance(value, StackedRows) and value.sizes == sizes:
+        layout = spec.rows_layout
+        if layout.joined is not None:  # one array over the stages' devices
+            if (
+                isinstance(value, StackedRows)
+                and value.sizes == layout.sizes
+                and all(isinstance(r, jax.Array) for r in value.rows)
+            ):
+                return join_parts(value.rows, layout, spec.aval.shape)
+            value = whole(value)
+            return (
+                value if is_placed(value, layout.joined) else jax.device_put(value, layout.joined)
+            )
+        if isinstance(value, StackedRows) and value.sizes == layout.sizes:
             rows = value.rows
         else:
-            rows = stacked_parts(value, sizes)
+            rows = stacked_parts(value, layout.sizes)
         placed = [place(x, s) for x, s in zip(rows, spec.rows, strict=True)]
-        return StackedRows(placed, sizes)
+        return StackedRows(placed, layout.sizes)
     target = spec.placements[0]
     value = whole(value)
     if isinstance(target, tuple):  # Ray: (mesh, Layout)
@@ -72,9 +108,13 @@ def place(value: Any, spec: PlacementSpec) -> Any:
 
 
 def whole(x: Any) -> Any:
-    """``x``, or, for a :class:`StackedRows` (rows on several meshes), its rows put
-    together on the host: what a program of one mesh reads it as."""
-    return np.asarray(x) if isinstance(x, StackedRows) else x
+    """``x``, or, for a :class:`StackedRows` (rows on several meshes) or a Ray
+    ``DistributedArray`` handed to a local step, its value on the host: what a program of
+    one local mesh reads it as (a ``DistributedArray`` of a mesh shut down raises, naming
+    its mesh, unless it was fetched before)."""
+    if isinstance(x, StackedRows) or getattr(x, "is_distributed_array", False):
+        return np.asarray(x)
+    return x
 
 
 def is_placed(x: Any, sharding: Any) -> bool:
@@ -106,96 +146,6 @@ def leaf_placer(shardings: Sequence[Any]) -> Callable[[list], list]:
         return leaves
 
     return place
-
-
-class StackedRows:
-    """A stacked array (``[L, ...]``) held as its rows (``[...]`` each) or blocks of rows
-    (``[n, ...]``), each on the mesh of the pipeline stage that reads it: what a pipelined
-    step returns for a stacked parameter it split (``pipeline_parallel.stacked_rows``).
-    Pass it back to the step and each part stays where it is; read it (``np.asarray``,
-    ``jnp.asarray``, indexing) and the parts are put together (on the host).
-
-    ``sizes`` gives the number of rows of each part (default: one each); a part of one
-    row is held without the leading axis, a block of several with it."""
-
-    is_stacked_rows = True
-
-    def __init__(self, rows: Sequence[Any], sizes: Sequence[int] | None = None):
-        if not rows:
-            raise ValueError("StackedRows needs at least one row")
-        self.rows = list(rows)
-        self.sizes = tuple(sizes) if sizes is not None else (1,) * len(self.rows)
-        if len(self.sizes) != len(self.rows) or min(self.sizes) < 1:
-            raise ValueError(
-                f"StackedRows: sizes {self.sizes} must give each of the {len(self.rows)} "
-                "parts a number of rows >= 1"
-            )
-        first = self.rows[0]
-        self.dtype = first.dtype
-        row_shape = tuple(first.shape) if self.sizes[0] == 1 else tuple(first.shape[1:])
-        self.shape = (sum(self.sizes), *row_shape)
-        self.weak_type = bool(getattr(first, "weak_type", False))
-
-    @property
-    def ndim(self) -> int:
-        return len(self.shape)
-
-    @property
-    def size(self) -> int:
-        return int(np.prod(self.shape))
-
-    @property
-    def nbytes(self) -> int:
-        return self.size * np.dtype(self.dtype).itemsize
-
-    def __len__(self) -> int:
-        return self.shape[0]
-
-    def __array__(self, dtype=None, copy=None):
-        del copy
-        parts = [
-            np.asarray(r)[None] if n == 1 else np.asarray(r)
-            for r, n in zip(self.rows, self.sizes, strict=True)
-        ]
-        out = np.concatenate(parts)
-        return out if dtype is None else out.astype(dtype)
-
-    def __jax_array__(self):
-        # ``jnp.asarray(x)``: the rows are on several meshes, put together on the host.
-        return jax.numpy.asarray(np.asarray(self))
-
-    def __getitem__(self, index):
-        return np.asarray(self)[index]
-
-    def block_until_ready(self):
-        for r in self.rows:
-            jax.block_until_ready(r)
-        return self
-
-    def is_deleted(self) -> bool:
-        return any(getattr(r, "is_deleted", lambda: False)() for r in self.rows)
-
-    def delete(self) -> None:
-        for r in self.rows:
-            if hasattr(r, "delete"):
-                r.delete()
-
-    def __repr__(self) -> str:
-        return (
-            f"StackedRows(shape={self.shape}, dtype={self.dtype}, rows={len(self.rows)}"
-            + ("" if set(self.sizes) == {1} else f", sizes={self.sizes}")
-            + ")"
-        )
-
-
-def stacked_parts(value: Any, sizes: Sequence[int]) -> list:
-    """``value`` (``[sum(sizes), ...]``) cut into parts of ``sizes`` rows: a part of one
-    row without the leading axis (``value[a]``), a block with it (``value[a:b]``)."""
-    parts, start = [], 0
-    for n in sizes:
-        parts.append(value[start] if n == 1 else value[start : start + n])
-        start += n
-    return parts
 
 
 def caller_placements(split: Any, specs: Sequence[Any], outputs: bool = False) -> list:

@@ -20,7 +20,7 @@ from typing import Literal as TypingLiteral
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from alpa.device_mesh import LogicalDeviceMesh
+from alpa.device_mesh import STAGE_AXIS_NAME, LogicalDeviceMesh
 from alpa.global_env import global_config
 from alpa.shard_parallel import ilp_solver
 from alpa.shard_parallel.auto_sharding_option import (  # noqa: F401  (Alpa's import path)
@@ -147,7 +147,9 @@ def placed_input_specs(
         spec = None
         if isinstance(sharding, NamedSharding):
             spec = user_partition_spec(sharding, mesh)
-            if spec is None and tuple(sharding.mesh.axis_names) != tuple(mesh.axis_names):
+            # alpa's own meshes: a stage's, or a pipeline's stages' (rows split by stage)
+            ours = (tuple(mesh.axis_names), (STAGE_AXIS_NAME, *mesh.axis_names))
+            if spec is None and tuple(sharding.mesh.axis_names) not in ours:
                 foreign.append(f"{name} (on {sharding.mesh})")
         specs.append(spec)
     if foreign and warn:

@@ -77,6 +77,9 @@ class ManualShardingOption:
                     f"dimension of a value), got {axes!r}"
                 )
             object.__setattr__(self, "pipeline_intermediate_axes", pairs)
+        for stage, stage_names in enumerate(self.submesh_axis_names or ()):
+            if isinstance(stage_names, tuple | list):
+                _check_distinct(stage_names, f"submesh_axis_names[{stage}]")
         names = self.mesh_axis_names
         if names is None and self.submesh_axis_names is not None:
             return  # a pipeline's: every stage names its own axes (as in Alpa)
@@ -86,7 +89,19 @@ class ManualShardingOption:
             or not all(isinstance(n, str) for n in names)
         ):
             raise ValueError(f"mesh_axis_names must be a tuple of 1 or 2 axis names, got {names!r}")
+        _check_distinct(names, "mesh_axis_names")
         object.__setattr__(self, "mesh_axis_names", tuple(names))
+
+
+def _check_distinct(names: Sequence[str], what: str) -> None:
+    """A mesh's axes need names of their own: a spec names the axis it splits over."""
+    repeated = sorted({n for n in names if list(names).count(n) > 1})
+    if repeated:
+        raise ValueError(
+            f"{what}={tuple(names)!r} names the mesh axis {repeated[0]!r} twice: expected "
+            "a distinct name for each mesh axis (a PartitionSpec names the axis it splits "
+            "a dimension over), e.g. ('data', 'model')"
+        )
 
 
 def _is_spec_leaf(x) -> bool:

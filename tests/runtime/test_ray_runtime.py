@@ -4,12 +4,15 @@ every method, cross-mesh resharding byte for byte, what the driver sends, what s
 on the workers, and a worker killed mid-step."""
 
 import gc
+import ipaddress
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
@@ -35,6 +38,7 @@ pytestmark = [
 ]
 
 DEVICES_PER_NODE = 4
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.fixture(scope="module")
@@ -878,6 +882,12 @@ def test_after_shutdown_a_save_a_stale_function_and_old_values_raise_at_once(ray
     p_new = alpa.parallelize(step, method=alpa.DataParallel(devices=other))
     with pytest.raises(RuntimeError, match=value_gone):
         p_new(state, batch)  # hung in the resharding before
+    # A step on this process's devices names the argument (it was JAX's "not a valid JAX
+    # type"); the leaf fetched before the shutdown would be read from its host copy.
+    local = alpa.DataParallel(devices=alpa.LocalPhysicalDeviceMesh())
+    p_local = alpa.parallelize(step, method=local, donate_argnums=())
+    with pytest.raises(RuntimeError, match=r"argument 0\.step of train_step: " + value_gone):
+        p_local(state, batch)
     with pytest.raises(RuntimeError, match=value_gone):
         np.asarray(kernel)
     with pytest.raises(RuntimeError, match=gone):
@@ -983,3 +993,73 @@ def test_scanned_gpt_rows_stay_on_their_stage_meshes(ray_cluster, tmp_path):
     expected, expected_loss = jitted(expected, batch)
     assert_allclose(loss, expected_loss, rtol=1e-5, atol=1e-6)
     assert_allclose(got.params, expected.params, rtol=1e-4, atol=1e-6)
+
+
+_STARTED_RAY_SOCKETS = textwrap.dedent(
+    """
+    import ipaddress, json, os, sys
+    import psutil
+    import alpa
+    from alpa import cluster
+
+    cluster._start_local_ray("sockets")  # what alpa.init("ray") does when no Ray answers
+    alpa.init("ray", num_devices_per_node=2)
+    alpa.get_global_cluster().get_physical_mesh()  # a mesh worker actor, listening too
+    import ray
+
+    session = os.path.basename(ray._private.worker._global_node.get_session_dir_path())
+    me = psutil.Process()
+    ours = {me.pid: me}
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            if any(session in part for part in p.info["cmdline"] or ()):
+                ours[p.pid] = p
+        except psutil.Error:
+            pass
+    for p in list(ours.values()):
+        ours.update((c.pid, c) for c in p.children(recursive=True))
+    bound = []
+    for p in ours.values():
+        try:
+            for c in p.net_connections(kind="inet"):
+                if c.status == psutil.CONN_LISTEN or c.type == 2:  # TCP listening, UDP
+                    bound.append([p.name(), c.laddr.ip, c.laddr.port])
+        except psutil.Error:
+            pass
+    names = sorted({p.name() for p in ours.values()})
+    alpa.shutdown()
+    restored = os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")
+    print(json.dumps({"bound": bound, "names": names, "restored": restored}))
+    """
+)
+
+
+def test_a_ray_that_alpa_starts_listens_on_loopback_only(tmp_path):
+    """A Ray that ``alpa.init("ray")`` starts for this machine: every socket its processes
+    (GCS, raylet, agents, workers, the driver) listen on is a loopback address. Ray 2.60
+    resolves a node address of 127.0.0.1 to the machine's routable one, and its servers
+    listen on every interface, unless clusters are marked local-only, which the test
+    suite does (tests/conftest.py): the subprocess runs without that mark."""
+    pytest.importorskip("psutil")
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "RAY_ADDRESS")
+    }
+    env["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # a socket path is short
+    env["PYTHONPATH"] = os.pathsep.join([REPO, env.get("PYTHONPATH", "")])
+    try:
+        out = subprocess.run(
+            [sys.executable, "-c", _STARTED_RAY_SOCKETS],
+            env=env, capture_output=True, text=True, timeout=300, check=True,
+        )  # fmt: skip
+    finally:
+        shutil.rmtree(env["RAY_TMPDIR"], ignore_errors=True)
+    found = json.loads(out.stdout.strip().splitlines()[-1])
+    assert {"gcs_server", "raylet"} <= set(found["names"]), found["names"]
+    assert len(found["bound"]) >= 4, found
+    for name, ip, port in found["bound"]:
+        address = ipaddress.ip_address(ip)
+        address = getattr(address, "ipv4_mapped", None) or address
+        assert address.is_loopback, f"{name} listens on {ip}:{port}"
+    assert found["restored"] is None  # the environment is as it was before alpa's Ray
