@@ -6,7 +6,8 @@ own; the other two should put the state exactly where the training step wants it
 
 * ``CreateStateParallel(train_step, other_args)`` parallelizes the state-creation function
   so that every leaf of the state it returns is *created* in the sharding that the
-  compiled ``train_step(state, *other_args)`` reads it in: on the train step's mesh (for a
+  compiled ``train_step(state, other_args)`` reads it in (``other_args`` is the step's
+  second argument, as in Alpa: the batch): on the train step's mesh (for a
   pipeline, the leaf's stage mesh), with each device computing and holding only its shard
   (the output sharding is imposed on XLA's compilation of the creation function, whose
   random initializers are partitionable). The first training step then moves nothing.
@@ -27,6 +28,8 @@ on the training step's stages, with the inference schedule.
 from __future__ import annotations
 
 import dataclasses
+import inspect
+import math
 import os
 import warnings
 from collections.abc import Sequence
@@ -73,6 +76,52 @@ def _check_parallelized(value, name: str) -> None:
         )
 
 
+def _positional_range(fun) -> tuple[int, float] | None:
+    """How many positional arguments ``fun`` takes: ``(required, most)`` (``most`` is
+    ``inf`` with ``*args``), or ``None`` when its signature cannot be read."""
+    try:
+        signature = inspect.signature(fun)
+    except (TypeError, ValueError):
+        return None
+    required, most = 0, 0.0
+    for p in signature.parameters.values():
+        if p.kind is p.VAR_POSITIONAL:
+            most = math.inf
+        elif p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+            most += 1
+            required += p.default is p.empty
+    return required, most
+
+
+def _step_args(train_step, other_args: Any) -> tuple[Any, ...]:
+    """The arguments after the state that ``CreateStateParallel`` compiles ``train_step``
+    with: Alpa's ``(other_args,)`` whenever the step takes two arguments; the elements of
+    a tuple or list ``other_args`` when the step needs exactly that many more (Alpa's
+    reading could not call it)."""
+    fun = getattr(train_step, "fun", train_step)
+    counts = _positional_range(fun)
+    if counts is None:
+        return (other_args,)
+    required, most = counts
+    if required <= 2 <= most:
+        return (other_args,)
+    if isinstance(other_args, tuple | list) and required <= 1 + len(other_args) <= most:
+        return tuple(other_args)
+    name = getattr(train_step, "__name__", "train_step")
+    takes = f"{required}" if required == most else f"{required} to {most:g}"
+    given = (
+        f"a {type(other_args).__name__} of {len(other_args)}"
+        if isinstance(other_args, tuple | list)
+        else f"a {type(other_args).__name__}"
+    )
+    raise TypeError(
+        f"CreateStateParallel({name}, other_args) calls {name}(state, other_args), as Alpa "
+        f"does, but {name}{inspect.signature(fun)} takes {takes} positional arguments; "
+        f"other_args is {given}. Pass the one argument after the state, or a tuple of the "
+        f"{required - 1} arguments after it"
+    )
+
+
 def _output_avals(traced: TracedStep):
     """The step's outputs as ``jax.ShapeDtypeStruct`` s, in the output pytree."""
     avals = [
@@ -104,22 +153,31 @@ class CreateStateParallel(ParallelMethod):
     Args:
       train_step: the parallelized training step (``alpa.parallelize``); its first
         argument is the state.
-      other_args: the training step's other arguments (arrays or
-        ``jax.ShapeDtypeStruct`` s, e.g. a batch), to compile it for.
+      other_args: the training step's second argument, as in Alpa (a batch: a dict of
+        arrays or ``jax.ShapeDtypeStruct`` s); the step is compiled as
+        ``train_step(state, other_args)``. For a step that needs more arguments after the
+        state (which Alpa could not follow), a tuple or list of exactly those arguments.
     """
 
-    def __init__(self, train_step, other_args: Sequence[Any]):
+    def __init__(self, train_step, other_args: Any):
         _check_parallelized(train_step, "train_step")
-        if not isinstance(other_args, Sequence) or isinstance(other_args, str):
-            raise TypeError(
-                "other_args must be a sequence of train_step's other arguments, got "
-                f"{type(other_args).__name__}"
-            )
         self.train_step = train_step
-        self.other_args = tuple(other_args)
+        self.other_args = other_args
+        self._step_args = _step_args(train_step, other_args)
 
     def _target(self, traced: TracedStep) -> tuple[Executable, list[PlacementSpec]]:
-        target = self.train_step.get_executable(_output_avals(traced), *self.other_args)
+        try:
+            target = self.train_step.get_executable(_output_avals(traced), *self._step_args)
+        except Exception as error:
+            other = self.other_args
+            if len(self._step_args) == 1 and isinstance(other, tuple | list) and len(other) == 1:
+                error.add_note(
+                    f"CreateStateParallel compiled {self.train_step.__name__}(state, "
+                    f"other_args) with other_args={type(other).__name__} of one element as "
+                    "its second argument, as Alpa does; if that element is the batch, pass "
+                    "it itself: CreateStateParallel(train_step, batch)"
+                )
+            raise
         what = f"the state that {traced.name} returns"
         return target, _first_argument_specs(target, traced.out_tree, what)
 

@@ -96,7 +96,7 @@ def test_create_state_in_train_step_sharding(method):
     create_state, train_step, _ = _functions()
     batch = _batch(0)
     p_train = alpa.parallelize(train_step, method=method())
-    p_create = alpa.parallelize(create_state, method=alpa.CreateStateParallel(p_train, (batch,)))
+    p_create = alpa.parallelize(create_state, method=alpa.CreateStateParallel(p_train, batch))
     rng = jax.random.key(0)
     state = p_create(rng)
 
@@ -132,7 +132,7 @@ def test_create_state_pipeshard_leaves_on_their_stage_mesh():
             num_micro_batches=2, layer_option="manual", stage_option="uniform"
         ),
     )
-    p_create = alpa.parallelize(create_state, method=alpa.CreateStateParallel(p_train, (batch,)))
+    p_create = alpa.parallelize(create_state, method=alpa.CreateStateParallel(p_train, batch))
     rng = jax.random.key(1)
     state = p_create(rng)
     expected = jax.jit(create_state)(rng)
@@ -146,6 +146,41 @@ def test_create_state_pipeshard_leaves_on_their_stage_mesh():
     state = p_train(state, batch)
     expected = jitted(expected, batch)
     assert_allclose(state, expected)
+
+
+def test_create_state_other_args_is_the_second_argument_as_in_alpa():
+    """Alpa compiles ``train_step(state, other_args)``: a dict batch is passed as it is, a
+    one-tuple is a one-tuple (and the error says so); a step that needs more arguments
+    takes a tuple of them; a tuple that fits neither reading is refused by name."""
+    create_state, train_step, _ = _functions()
+    batch = _batch(0)
+    p_train = alpa.parallelize(train_step, method=alpa.DataParallel())
+    one_tuple = alpa.parallelize(create_state, method=alpa.CreateStateParallel(p_train, (batch,)))
+    with pytest.raises(TypeError, match="tuple indices must be integers") as caught:
+        one_tuple(jax.random.key(0))
+    assert "with other_args=tuple of one element as its second argument, as Alpa does" in (
+        "\n".join(caught.value.__notes__)
+    )
+    assert "CreateStateParallel(train_step, batch)" in caught.value.__notes__[-1]
+
+    def scaled_step(state, batch, scale):
+        return train_step(state, jax.tree.map(lambda x: x * scale, batch))
+
+    p_scaled = alpa.parallelize(scaled_step, method=alpa.DataParallel())
+    p_create = alpa.parallelize(
+        create_state, method=alpa.CreateStateParallel(p_scaled, (batch, np.float32(2)))
+    )
+    state = p_create(jax.random.key(0))
+    assert_allclose(state, jax.jit(create_state)(jax.random.key(0)))
+    _check_created_in_place(state, p_scaled.get_executable(state, batch, np.float32(2)))
+    with pytest.raises(
+        TypeError,
+        match=r"^CreateStateParallel\(scaled_step, other_args\) calls scaled_step\(state, "
+        r"other_args\), as Alpa does, but scaled_step\(state, batch, scale\) takes 3 positional "
+        r"arguments; other_args is a dict\. Pass the one argument after the state, or a tuple "
+        r"of the 2 arguments after it$",
+    ):
+        alpa.CreateStateParallel(p_scaled, batch)
 
 
 @pytest.mark.parametrize("method", [alpa.ShardParallel, alpa.Zero3Parallel], ids=str)

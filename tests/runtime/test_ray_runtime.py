@@ -573,7 +573,7 @@ def test_create_state_and_follow_on_a_ray_mesh(ray_cluster):
     rng = np.random.default_rng(0)
     batch = {k: rng.standard_normal((32, 16), dtype=np.float32) for k in ("x", "y")}
     p_train = alpa.parallelize(train_step, method=alpa.Zero3Parallel(devices=mesh))
-    p_create = alpa.parallelize(create_state, method=alpa.CreateStateParallel(p_train, (batch,)))
+    p_create = alpa.parallelize(create_state, method=alpa.CreateStateParallel(p_train, batch))
     p_eval = alpa.parallelize(  # an evaluation step keeps the state: nothing donated
         lambda s, b: loss(s.params, b), method=alpa.FollowParallel(p_train), donate_argnums=()
     )
@@ -620,7 +620,7 @@ def test_create_state_and_follow_a_pipeline_on_ray(ray_cluster):
         return create_train_state(rng, model, [batch["x"]])
 
     p_train = alpa.parallelize(train_step, method=_two_stages_one_per_node(2, "1f1b"))
-    p_create = alpa.parallelize(create_state, method=alpa.CreateStateParallel(p_train, (batch,)))
+    p_create = alpa.parallelize(create_state, method=alpa.CreateStateParallel(p_train, batch))
     p_eval = alpa.parallelize(
         lambda s, b: mlp_inference_step(s, b)[1],
         method=alpa.FollowParallel(p_train, num_micro_batches=2),
