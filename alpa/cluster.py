@@ -275,3 +275,19 @@ def get_global_num_devices() -> int:
 def global_virtual_mesh_if_set() -> VirtualPhysicalMesh | None:
     """The mesh of ``set_global_virtual_physical_mesh``, or ``None``."""
     return _global_virtual_mesh
+
+
+def mesh_by_id(mesh_id: int):
+    """The mesh that ``PlacementSpec.mesh_ids`` names ``mesh_id``: under ``"local"`` the
+    mesh of ``init`` (id 0), under Ray a running mesh of the cluster; a ``ValueError``
+    naming the id and the meshes there are, otherwise."""
+    if _global_cluster is not None:
+        mesh = _global_cluster.mesh_by_id(mesh_id)
+        known = sorted(m.mesh_id for m in _global_cluster._meshes.values() if not m.is_shut_down)
+    else:
+        local = get_global_physical_mesh()
+        mesh = local if mesh_id == local.mesh_id else None
+        known = [local.mesh_id]
+    if mesh is None:
+        raise ValueError(f"no mesh has id {mesh_id!r}; the meshes of alpa.init have ids {known}")
+    return mesh

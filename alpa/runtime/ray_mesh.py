@@ -223,6 +223,14 @@ class DeviceCluster:
                     "longer use (mesh.shutdown(), or alpa.shutdown() and alpa.init again)"
                 )
 
+    def mesh_by_id(self, mesh_id: int) -> DistributedPhysicalDeviceMesh | None:
+        """The running mesh of id ``mesh_id`` (a ``PlacementSpec``'s ``mesh_ids``), or
+        ``None``."""
+        for mesh in self._meshes.values():
+            if mesh.mesh_id == mesh_id and not mesh.is_shut_down:
+                return mesh
+        return None
+
     def get_virtual_physical_mesh(
         self, host_ids: Sequence[int] | None = None, num_devices_per_host: int | None = None
     ) -> VirtualPhysicalMesh:
@@ -403,6 +411,13 @@ class DistributedPhysicalDeviceMesh(PhysicalDeviceMesh):
         name = uuid.uuid4().hex
         self.call("put", [name], [value], [layout])
         return DistributedArray(self, name, value.shape, value.dtype, layout)
+
+    def tile_placement(self, mesh_shape, axis_names, partition_spec) -> tuple:
+        return self, Layout(tuple(mesh_shape), tuple(axis_names), partition_spec)
+
+    def put_tiled(self, value: Any, mesh_shape, axis_names, partition_spec) -> DistributedArray:
+        _, layout = self.tile_placement(mesh_shape, axis_names, partition_spec)
+        return self.put(np.asarray(value), layout)
 
     def schedule_delete(self, name: str) -> None:
         """Forget buffer ``name`` on the workers (batched with the next ones)."""
