@@ -8,7 +8,9 @@ compile, so that nothing imports back up to ``alpa.api``.
 from __future__ import annotations
 
 import logging
+import os
 import socket
+import sys
 import time
 import warnings
 from collections.abc import Sequence
@@ -116,7 +118,10 @@ def _init_ray(cluster_address, num_nodes, num_devices_per_node, namespace):
                 _node_ip_address="127.0.0.1",
             )
             _started_ray = True
-    return DeviceCluster(num_nodes, num_devices_per_node)
+    # A Ray alpa started runs on this machine with this Python: its workers import what
+    # this process imports (a data loader's input_iter_func from a module on sys.path).
+    import_path = {"PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    return DeviceCluster(num_nodes, num_devices_per_node, import_path if _started_ray else None)
 
 
 #: An HTTP/2 client's first bytes (RFC 9113 §3.4): the preface and an empty SETTINGS frame.

@@ -22,7 +22,8 @@ abstract values). They work for one-mesh methods (``ShardParallel``, ``DataParal
 ``Zero2Parallel``, ``Zero3Parallel``) and for ``PipeshardParallel``, on the local and the
 Ray runtime: ``CreateStateParallel`` creates each leaf of a pipeline's state on its stage's
 submesh (one program per submesh); ``FollowParallel`` runs an evaluation step as a pipeline
-on the training step's stages, with the inference schedule.
+on the training step's stages, with the inference schedule, cut into one layer per stage
+where it first reads each stage's parameters (Alpa's ``layer_option="follow"``).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from fractions import Fraction
 from typing import Any
 
 import jax
-from jax.extend.core import ClosedJaxpr
+from jax.extend.core import ClosedJaxpr, Var
 from jax.sharding import PartitionSpec
 
 from alpa.device_mesh import LogicalDeviceMesh
@@ -46,8 +47,9 @@ from alpa.executables.distributed import DistributedMeshExecutable
 from alpa.executables.mesh import MeshExecutable, compile_shard_executable
 from alpa.executables.pipeshard import PipeshardDriverExecutable
 from alpa.executables.pipeshard_ray import PipeshardRayExecutable
-from alpa.pipeline_parallel.layer_construction import AutoLayerOption, ManualLayerOption
+from alpa.pipeline_parallel.layer_construction import ManualLayerOption
 from alpa.pipeline_parallel.schedules import check_schedule_name
+from alpa.pipeline_parallel.segments import is_boundary
 from alpa.pipeline_parallel.user_shardings import stage_inputs
 from alpa.pipeshard_method import PipeshardParallel
 from alpa.runtime.placement import PlacementSpec
@@ -57,6 +59,7 @@ from alpa.shard_parallel.auto_sharding import AutoShardingOption, plan_auto_shar
 from alpa.shard_parallel.sharding_plan import ShardingPlan
 from alpa.timer import timed
 from alpa.tracing import TracedStep, leaf_signature, new_jaxpr
+from alpa.tracing.primitive_def import mark_pipeline_boundary
 
 REPLICATED = PartitionSpec()
 
@@ -120,6 +123,71 @@ def _step_args(train_step, other_args: Any) -> tuple[Any, ...]:
         f"other_args is {given}. Pass the one argument after the state, or a tuple of the "
         f"{required - 1} arguments after it"
     )
+
+
+def _following_layers(
+    traced: TracedStep, pinned: Sequence[PlacementSpec], mesh_ids: Sequence[Any], num_stages: int
+) -> TracedStep:
+    """``traced`` cut into ``num_stages`` layers by the stages its followed leaves
+    (``pinned``, on the source's meshes ``mesh_ids``) live on, as Alpa's
+    ``FollowLayerOption``: scanning the equations in order, each goes to the latest stage
+    whose followed leaves have been read so far; a boundary (``mark_pipeline_boundary``)
+    is put where the next stage begins, and the step's own boundaries are dropped. Its
+    retraces (micro-batches) are cut the same way."""
+    stage_of = {
+        v: mesh_ids.index(spec.mesh_ids[0])
+        for v, spec in zip(traced.jaxpr.invars, pinned, strict=False)
+        if spec.mesh_ids and spec.mesh_ids[0] in mesh_ids
+    }
+
+    def cut(step: TracedStep) -> TracedStep:
+        jaxpr = step.jaxpr
+        by_var = dict(
+            zip(jaxpr.invars, (stage_of.get(v) for v in traced.jaxpr.invars), strict=True)
+        )
+        eqns, layer = [], 0
+        for eqn in jaxpr.eqns:
+            if is_boundary(eqn):
+                continue
+            reads = [
+                by_var[v] for v in eqn.invars if isinstance(v, Var) and by_var.get(v) is not None
+            ]
+            stage = max([layer, *reads])
+            if stage > layer + 1:
+                raise ValueError(
+                    f"FollowParallel(layer_option='follow'): {step.name} reads no followed "
+                    f"leaf of stage {layer + 1} between those of stages {layer} and {stage}, "
+                    "so it cannot be cut into one layer per stage; mark its layers with "
+                    "mark_pipeline_boundary() and pass layer_option='manual'"
+                )
+            if stage > layer:
+                eqns.append(_BOUNDARY.replace(source_info=eqn.source_info))
+                layer = stage
+            eqns.append(eqn)
+        if layer != num_stages - 1:
+            raise ValueError(
+                f"FollowParallel(layer_option='follow'): {step.name} reads followed leaves "
+                f"of stages 0..{layer} only, of the {num_stages} stages it follows; mark its "
+                "layers with mark_pipeline_boundary() and pass layer_option='manual'"
+            )
+        closed = ClosedJaxpr(
+            new_jaxpr(jaxpr, jaxpr.constvars, jaxpr.invars, jaxpr.outvars, eqns),
+            step.closed_jaxpr.consts,
+        )
+        return dataclasses.replace(step, closed_jaxpr=closed, retrace=again(step.retrace))
+
+    def again(retrace):
+        return None if retrace is None else (lambda d: cut(retrace(d)))
+
+    return cut(traced)
+
+
+def _boundary_eqn():
+    """A ``mark_pipeline_boundary()`` equation, to insert into a jaxpr."""
+    return jax.make_jaxpr(mark_pipeline_boundary)().jaxpr.eqns[0]
+
+
+_BOUNDARY = _boundary_eqn()
 
 
 def _output_avals(traced: TracedStep):
@@ -338,9 +406,10 @@ class FollowParallel(ParallelMethod):
         first argument (default: those of ``src_func``'s last executable).
       pipeline_schedule: for a pipelined ``src_func``: the schedule of this step
         (``"inference"`` for an evaluation step).
-      layer_option: for a pipelined ``src_func``: how this step's layers are cut
-        (default: at its ``mark_pipeline_boundary`` calls; ``"follow"``: with the
-        source's layer option).
+      layer_option: for a pipelined ``src_func``: how this step's layers are cut:
+        ``"follow"`` (the default, Alpa's) one layer per stage of ``src_func``, each
+        starting where the step first reads a followed leaf of that stage; ``"manual"``
+        at its ``mark_pipeline_boundary()`` calls; or a layer option.
 
     The first argument is this step's first argument as ``src_func`` takes it, or (Alpa's
     convention for an evaluation step) the ``params`` of the state ``src_func`` takes.
@@ -354,7 +423,7 @@ class FollowParallel(ParallelMethod):
         num_micro_batches: int | None = None,
         get_input_placement_specs=None,
         pipeline_schedule: str = "inference",
-        layer_option=None,
+        layer_option="follow",
     ):
         _check_parallelized(src_func, "src_func")
         if get_input_placement_specs is not None and not callable(get_input_placement_specs):
@@ -410,7 +479,8 @@ class FollowParallel(ParallelMethod):
         ``PipeshardPlan`` on its stages, for a pipelined source)."""
         source = self._source()
         if isinstance(source, _PIPELINES):
-            return self._pipeline(traced, args, source).plan(traced, args)
+            pipeline, traced = self._pipeline(traced, args, source)
+            return pipeline.plan(traced, args)
         self._check_one_mesh(source)
         pinned = self._pinned_specs(traced, source)
         fixed = [s.sharding_specs[0] for s in pinned]
@@ -428,14 +498,32 @@ class FollowParallel(ParallelMethod):
 
     def _pipeline(
         self, traced: TracedStep, args: Sequence[Any], source: Executable
-    ) -> PipeshardParallel:
-        """A pipeline on the source's stages (its stage option replayed on its devices,
-        layers as the step marks them), each stage reading the followed argument's leaves
-        it shares with the source's same stage in the source's sharding."""
+    ) -> tuple[PipeshardParallel, TracedStep]:
+        """A pipeline on the source's stages (its stage option replayed on its devices),
+        each stage reading the followed argument's leaves it shares with the source's same
+        stage in the source's sharding; and the step as that pipeline cuts it.
 
-        layer_option = self.layer_option or ManualLayerOption()
-        if layer_option == "follow":  # Alpa's: layers as the source made them
-            layer_option = source.plan.layer_option
+        Layers, by ``layer_option``: ``"follow"`` (the default, Alpa's) cuts an
+        evaluation step into one layer per source stage, where the followed leaves of
+        each stage are first read (:func:`_following_layers`); ``"manual"`` at its
+        ``mark_pipeline_boundary()`` calls; a layer option object as it says."""
+        pinned = self._pinned_specs(traced, source)
+        # A placement names a local pipeline's meshes by stage, a Ray pipeline's by mesh id.
+        meshes = getattr(source, "meshes", [])
+        mesh_ids = [getattr(m, "mesh_id", s) for s, m in enumerate(meshes)]
+        stage_option = source.plan.stage_option()
+        layer_option = self.layer_option
+        if layer_option in (None, "follow"):
+            if traced.grad_marker() is None:
+                num_stages = len(stage_option.forward_stage_layer_ids)
+                traced = _following_layers(traced, pinned, mesh_ids, num_stages)
+                stage_option = dataclasses.replace(
+                    stage_option, forward_stage_layer_ids=[[i] for i in range(num_stages)]
+                )
+            # The cut is now the step's boundaries (a training step: its own).
+            layer_option = ManualLayerOption()
+        elif layer_option == "manual":
+            layer_option = ManualLayerOption()
 
         def method(stage_input_shardings=None) -> PipeshardParallel:
             return PipeshardParallel(
@@ -445,25 +533,21 @@ class FollowParallel(ParallelMethod):
                 num_micro_batches=self.num_micro_batches or 1,
                 pipeline_schedule=self.pipeline_schedule,
                 layer_option=layer_option,
-                stage_option=source.plan.stage_option(),
+                stage_option=stage_option,
                 stage_input_shardings=stage_input_shardings,
             )
 
         try:
             program = method().plan(traced, args).program
         except ValueError as e:
-            if self.layer_option is None and isinstance(source.plan.layer_option, AutoLayerOption):
+            if self.layer_option == "manual":
                 e.add_note(
-                    f"the followed step's layers were cut by {source.plan.layer_option!r}; "
-                    "FollowParallel(..., layer_option='follow') cuts this step the same way "
-                    "(the default, 'manual', cuts it at its mark_pipeline_boundary() calls)"
+                    "FollowParallel(..., layer_option='manual') cuts this step at its "
+                    "mark_pipeline_boundary() calls; the default, layer_option='follow', "
+                    "cuts it where it reads the parameters of each stage it follows"
                 )
             raise
-        pinned = self._pinned_specs(traced, source)
         leaf_of = {v: i for i, v in enumerate(traced.jaxpr.invars[: len(pinned)])}
-        # A placement names a local pipeline's meshes by stage, a Ray pipeline's by mesh id.
-        meshes = getattr(source, "meshes", [])
-        mesh_ids = [getattr(m, "mesh_id", s) for s, m in enumerate(meshes)]
         shardings = []
         for stage in range(program.num_stages):
             row = []
@@ -474,13 +558,13 @@ class FollowParallel(ParallelMethod):
                 else:  # not followed, or the source reads it on another stage
                     row.append(None)
             shardings.append(row)
-        return method(shardings)
+        return method(shardings), traced
 
     def compile_executable(self, traced: TracedStep, args: Sequence[Any]) -> Executable:
         source = self._source()
         if isinstance(source, _PIPELINES):
             with timed("planning"):
-                pipeline = self._pipeline(traced, args, source)
+                pipeline, traced = self._pipeline(traced, args, source)
             return pipeline.compile_executable(traced, args)
         self._check_one_mesh(source)
         num_micro_batches = self.num_micro_batches

@@ -115,9 +115,16 @@ class DeviceCluster:
       host_info: per host, Ray's node record (``NodeID``, ``NodeManagerAddress``,
         ``Resources``).
       platform: ``"gpu"`` or ``"cpu"``.
+      worker_env: environment variables every mesh worker starts with (a Ray that
+        ``alpa.init`` started gives them this process's ``PYTHONPATH``).
     """
 
-    def __init__(self, num_nodes: int | None = None, num_devices_per_node: int | None = None):
+    def __init__(
+        self,
+        num_nodes: int | None = None,
+        num_devices_per_node: int | None = None,
+        worker_env: dict[str, str] | None = None,
+    ):
         import ray
 
         nodes = [n for n in ray.nodes() if n["Alive"]]
@@ -148,6 +155,7 @@ class DeviceCluster:
         self.host_info = [
             {k: n[k] for k in ("NodeID", "NodeManagerAddress", "Resources")} for n in nodes
         ]
+        self.worker_env = dict(worker_env or {})
         self.num_devices_per_host = per_node
         self.spec = self._cluster_spec(nodes)
         self._meshes: dict[tuple, DistributedPhysicalDeviceMesh] = {}
@@ -325,10 +333,10 @@ class DistributedPhysicalDeviceMesh(PhysicalDeviceMesh):
             }
             if cluster.platform == "gpu":
                 options["num_gpus"] = per_host
-                options["runtime_env"] = {"env_vars": gpu_worker_env_vars()}
+                env = gpu_worker_env_vars()
             else:
-                flags = cpu_worker_xla_flags(per_host)
-                options["runtime_env"] = {"env_vars": {"XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}}
+                env = {"XLA_FLAGS": cpu_worker_xla_flags(per_host), "JAX_PLATFORMS": "cpu"}
+            options["runtime_env"] = {"env_vars": {**cluster.worker_env, **env}}
             self.workers.append(
                 actor_class.options(**options).remote(mesh_id, host, len(host_ids), per_host)
             )
