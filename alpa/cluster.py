@@ -106,6 +106,8 @@ def _init_ray(cluster_address, num_nodes, num_devices_per_node, namespace):
         if cluster_address is not None:
             _check_reachable(cluster_address)
         try:
+            if cluster_address is None and not _auto_cluster_answers():
+                raise ConnectionError("no Ray cluster answers")
             ray.init(address=address, namespace=namespace, log_to_driver=False)
         except ConnectionError:
             if cluster_address is not None:
@@ -122,6 +124,26 @@ def _init_ray(cluster_address, num_nodes, num_devices_per_node, namespace):
     # this process imports (a data loader's input_iter_func from a module on sys.path).
     import_path = {"PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
     return DeviceCluster(num_nodes, num_devices_per_node, import_path if _started_ray else None)
+
+
+def _auto_cluster_answers() -> bool:
+    """Whether the cluster ``ray.init(address="auto")`` would join answers. Ray takes the
+    one ``ray start`` recorded, else any Ray process it finds on this machine, and waits
+    without limit for one that is gone or going (a killed run's, one shutting down)."""
+    from ray._private.services import canonicalize_bootstrap_address
+
+    try:
+        address = canonicalize_bootstrap_address("auto")
+    except (ConnectionError, ValueError):
+        return False
+    if address is None:
+        return False
+    try:
+        _check_reachable(address)
+    except ConnectionError as e:
+        logger.warning("the Ray cluster at %s does not answer (%s)", address, e)
+        return False
+    return True
 
 
 #: An HTTP/2 client's first bytes (RFC 9113 §3.4): the preface and an empty SETTINGS frame.

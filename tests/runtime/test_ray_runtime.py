@@ -983,3 +983,33 @@ def test_scanned_gpt_rows_stay_on_their_stage_meshes(ray_cluster, tmp_path):
     expected, expected_loss = jitted(expected, batch)
     assert_allclose(loss, expected_loss, rtol=1e-5, atol=1e-6)
     assert_allclose(got.params, expected.params, rtol=1e-4, atol=1e-6)
+
+
+def test_a_ray_cluster_that_does_not_answer_is_not_joined(ray_cluster, monkeypatch, caplog):
+    """``alpa.init("ray")`` without an address joins the cluster ``ray.init("auto")``
+    finds only when it answers: Ray would wait without limit for one that is gone (a
+    killed run's processes) or shutting down, and alpa starts its own instead."""
+    import socket
+
+    import ray._private.services as services
+
+    from alpa.cluster import _auto_cluster_answers
+
+    alpa.global_config.ray_connect_timeout, before = 2.0, alpa.global_config.ray_connect_timeout
+    try:
+        with socket.socket() as closed:  # bound, not listening: refused
+            closed.bind(("127.0.0.1", 0))
+            host, port = closed.getsockname()
+            monkeypatch.setattr(
+                services, "canonicalize_bootstrap_address", lambda a, *_: f"{host}:{port}"
+            )
+            with caplog.at_level("WARNING", logger="alpa"):
+                assert _auto_cluster_answers() is False
+            assert f"the Ray cluster at {host}:{port} does not answer" in caplog.text
+        monkeypatch.setattr(services, "canonicalize_bootstrap_address", lambda a, *_: None)
+        assert _auto_cluster_answers() is False  # none recorded or running
+        address = ray_cluster.address  # the control: a cluster that answers is joined
+        monkeypatch.setattr(services, "canonicalize_bootstrap_address", lambda a, *_: address)
+        assert _auto_cluster_answers() is True
+    finally:
+        alpa.global_config.ray_connect_timeout = before
