@@ -182,6 +182,11 @@ class DistributedMeshExecutable(PricedPlan, Executable):
         """Steps on Ray return when every worker finished; nothing is left to wait for."""
 
     @property
+    def physical_mesh(self):
+        """Alpa's name of the mesh the step runs on (its workers: ``.workers``)."""
+        return self.mesh
+
+    @property
     def bytes_sent_last_step(self) -> int:
         """Bytes the driver sent for the last step (host inputs and messages)."""
         return self.launcher.bytes_sent_last_step

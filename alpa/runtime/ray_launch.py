@@ -181,9 +181,9 @@ class RayStepLauncher:
         try:
             self.last_step_seconds = wait_workers(calls, on_failure=abort)
         except RuntimeError:
-            for out in outputs:
+            for out in outputs:  # the workers that finished the step hold these: free them
                 for x in out:
-                    x._mark_donated()
+                    x.delete()
             raise
         self.bytes_sent_last_step = sent
         self._moved = []

@@ -34,14 +34,19 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
+import ray
 
 from alpa.runtime.instructions import InFlight
 from alpa.runtime.memory import allocation_bytes, device_peak_bytes
 from alpa.runtime.nccl_transport import nccl_available
 from alpa.runtime.worker_ops import HANDLERS, LoadedProgram
-from alpa.runtime.worker_program import ExportedFn, Layout, WorkerProgram
+from alpa.runtime.worker_program import ExportedFn, Layout, WorkerOp, WorkerProgram
 from alpa.runtime.worker_transfers import MeshTransfers
 from alpa.xla_compile import compile_lowered, hlo_text
+
+#: The concurrency group (one thread) of the calls that must run in the order the driver
+#: sent them: freeing buffers, and listing those left.
+BOOKKEEPING = "bookkeeping"
 
 
 class MeshHostWorker(MeshTransfers):
@@ -67,6 +72,8 @@ class MeshHostWorker(MeshTransfers):
         self._own_devices = None if devices is None else list(devices)
         self._readers: dict[str, list] = {}  # data loaders: [iterator, batches read, call]
         self._peak_in_flight: dict[int, int] = {}  # program id -> last step's peak
+        self._traced: set[int] = set()  # programs whose RUNs are waited for and timed
+        self._run_times: dict[int, list] = {}  # program id -> last step's (op, start, stop)
         self._init_transfers()
 
     # -- setup
@@ -247,9 +254,24 @@ class MeshHostWorker(MeshTransfers):
         for name, path in zip(names, paths, strict=True):
             self._buffers[name] = values[path]
 
+    @ray.method(concurrency_group=BOOKKEEPING)
     def delete(self, names: Sequence[str]) -> None:
         for name in names:
             self._buffers.pop(name, None)
+
+    @ray.method(concurrency_group=BOOKKEEPING)
+    def get_live_buffer_uuids(self) -> list[str]:
+        """Alpa's: the names of the buffers this worker holds, after every ``delete`` the
+        driver sent before this call (both run in order, in one thread)."""
+        return sorted(self._buffers)
+
+    def device_buffers(self, name: str) -> list[np.ndarray]:
+        """Every device's block of buffer ``name`` on this host, in the order of its mesh's
+        devices (Alpa's ``get_buffers``; replicas included)."""
+        x = self._get(name)
+        position = {d: i for i, d in enumerate(x.sharding.mesh.devices.flat)}
+        shards = sorted(x.addressable_shards, key=lambda s: position[s.device])
+        return [np.asarray(s.data) for s in shards]
 
     def _get(self, name: str):
         try:
@@ -359,6 +381,8 @@ class MeshHostWorker(MeshTransfers):
 
     def unload_program(self, program_id: int) -> None:
         self._programs.pop(program_id, None)
+        self._run_times.pop(program_id, None)
+        self._traced.discard(program_id)
 
     def run_step(
         self,
@@ -381,9 +405,17 @@ class MeshHostWorker(MeshTransfers):
         for name in consumed:
             self._buffers.pop(name, None)
         in_flight = InFlight(1)
+        traced = program_id in self._traced
+        times = self._run_times[program_id] = []
         try:
-            for ins, born, dead in zip(program.instructions, loaded.born, loaded.dead, strict=True):
+            for i, (ins, born, dead) in enumerate(
+                zip(program.instructions, loaded.born, loaded.dead, strict=True)
+            ):
+                start = time.time()
                 HANDLERS[ins.op](self, loaded, ins, env, resolved, step_id)
+                if traced and ins.op is WorkerOp.RUN:
+                    jax.block_until_ready([env[slot] for slot in ins.out_slots])
+                    times.append((i, start, time.time()))
                 for micro_batch in born:
                     in_flight.written(0, micro_batch)
                 for slot in ins.free:
@@ -400,6 +432,18 @@ class MeshHostWorker(MeshTransfers):
         for name, value in zip(output_names, outputs, strict=True):
             self._buffers[name] = value
         return time.perf_counter() - tic
+
+    def trace_runs(self, program_id: int, on: bool) -> None:
+        """From the next step of program ``program_id`` on, wait for each ``RUN`` and
+        record when it started and stopped (``collect_trace``), or stop doing so."""
+        if on:
+            self._traced.add(program_id)
+        else:
+            self._traced.discard(program_id)
+
+    def run_times(self, program_id: int) -> list[tuple[int, float, float]]:
+        """The last traced step's ``RUN`` s: (instruction index, start, stop), wall clock."""
+        return list(self._run_times.get(program_id, ()))
 
     def peak_live_micro_batches(self, program_id: int) -> int:
         """The most micro-batches whose buffers (written by a ``RUN``) this worker held at
