@@ -102,12 +102,12 @@ def _init_ray(cluster_address, num_nodes, num_devices_per_node, namespace):
     from alpa.runtime.ray_mesh import DeviceCluster
 
     if not ray.is_initialized():
-        address = cluster_address or "auto"
+        address = cluster_address or _running_cluster()
         if cluster_address is not None:
             _check_reachable(cluster_address)
         try:
-            if cluster_address is None and not _auto_cluster_answers():
-                raise ConnectionError("no Ray cluster answers")
+            if address is None:
+                raise ConnectionError("no running Ray cluster")
             ray.init(address=address, namespace=namespace, log_to_driver=False)
         except ConnectionError:
             if cluster_address is not None:
@@ -126,24 +126,27 @@ def _init_ray(cluster_address, num_nodes, num_devices_per_node, namespace):
     return DeviceCluster(num_nodes, num_devices_per_node, import_path if _started_ray else None)
 
 
-def _auto_cluster_answers() -> bool:
-    """Whether the cluster ``ray.init(address="auto")`` would join answers. Ray takes the
-    one ``ray start`` recorded, else any Ray process it finds on this machine, and waits
-    without limit for one that is gone or going (a killed run's, one shutting down)."""
-    from ray._private.services import canonicalize_bootstrap_address
+def _running_cluster() -> str | None:
+    """The address of the Ray cluster to join when ``alpa.init("ray")`` is given none:
+    ``RAY_ADDRESS``, else the cluster ``ray start`` last started here (Alpa's
+    ``ray.init(address="auto")``), if it answers; else ``None``. Ray's ``"auto"`` would also
+    take any Ray process it finds on the machine, such as another program's private
+    instance or one of a run that was killed or is shutting down, and wait for it
+    without limit."""
+    from ray._private.services import get_ray_address_from_environment
 
     try:
-        address = canonicalize_bootstrap_address("auto")
+        address = get_ray_address_from_environment(None, None)
     except (ConnectionError, ValueError):
-        return False
+        return None
     if address is None:
-        return False
+        return None
     try:
         _check_reachable(address)
     except ConnectionError as e:
         logger.warning("the Ray cluster at %s does not answer (%s)", address, e)
-        return False
-    return True
+        return None
+    return address
 
 
 #: An HTTP/2 client's first bytes (RFC 9113 §3.4): the preface and an empty SETTINGS frame.

@@ -1141,30 +1141,30 @@ def test_scanned_gpt_rows_stay_on_their_stage_meshes(ray_cluster, tmp_path):
 
 
 def test_a_ray_cluster_that_does_not_answer_is_not_joined(ray_cluster, monkeypatch, caplog):
-    """``alpa.init("ray")`` without an address joins the cluster ``ray.init("auto")``
-    finds only when it answers: Ray would wait without limit for one that is gone (a
-    killed run's processes) or shutting down, and alpa starts its own instead."""
+    """``alpa.init("ray")`` without an address joins ``RAY_ADDRESS`` or the cluster ``ray
+    start`` recorded, and only when it answers: Ray would wait without limit for one that
+    is gone (a killed run's processes) or shutting down, and alpa starts its own instead."""
     import socket
 
     import ray._private.services as services
 
-    from alpa.cluster import _auto_cluster_answers
+    from alpa.cluster import _running_cluster
 
     alpa.global_config.ray_connect_timeout, before = 2.0, alpa.global_config.ray_connect_timeout
     try:
         with socket.socket() as closed:  # bound, not listening: refused
             closed.bind(("127.0.0.1", 0))
             host, port = closed.getsockname()
-            monkeypatch.setattr(
-                services, "canonicalize_bootstrap_address", lambda a, *_: f"{host}:{port}"
-            )
+            monkeypatch.setenv("RAY_ADDRESS", f"{host}:{port}")
             with caplog.at_level("WARNING", logger="alpa"):
-                assert _auto_cluster_answers() is False
+                assert _running_cluster() is None
             assert f"the Ray cluster at {host}:{port} does not answer" in caplog.text
-        monkeypatch.setattr(services, "canonicalize_bootstrap_address", lambda a, *_: None)
-        assert _auto_cluster_answers() is False  # none recorded or running
-        address = ray_cluster.address  # the control: a cluster that answers is joined
-        monkeypatch.setattr(services, "canonicalize_bootstrap_address", lambda a, *_: address)
-        assert _auto_cluster_answers() is True
+        monkeypatch.delenv("RAY_ADDRESS")
+        monkeypatch.setattr(services, "find_bootstrap_address", lambda *_: None)
+        # No address and no `ray start`: another program's Ray processes are not joined.
+        assert _running_cluster() is None
+        address = ray_cluster.address  # the control: a recorded cluster that answers
+        monkeypatch.setattr(services, "find_bootstrap_address", lambda *_: address)
+        assert _running_cluster() == address
     finally:
         alpa.global_config.ray_connect_timeout = before
