@@ -409,6 +409,6 @@ def test_parallelize_a_partial_and_global_config_refuses_unknown_settings():
     expected = jax.jit(partial)(state, batch)
     assert_allclose(p_step(state, batch), expected)
 
-    with pytest.raises(AttributeError, match="global_config has no setting 'nccl_mode'"):
-        alpa.global_config.nccl_mode = "cupy"
-    assert not hasattr(alpa.global_config, "nccl_mode")
+    with pytest.raises(AttributeError, match="global_config has no setting 'ncl_mode'"):
+        alpa.global_config.ncl_mode = "cupy"
+    assert not hasattr(alpa.global_config, "ncl_mode")

@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from alpa.global_env import global_config
 from alpa.pipeline_parallel.schedules import SHARED_MESH_SCHEDULES
 from alpa.pipeline_parallel.stage_construction import (
     AutoStageOption,
@@ -108,11 +109,13 @@ def stage_problem(option: AutoStageOption, context: StageContext):
     from alpa.shard_parallel.auto_sharding import AutoShardingOption
 
     traced = context.traced
+    # Alpa's global override of the submesh choices, checked as manual ones.
+    forced = global_config.overwrite_submesh_choices
     choices = get_submesh_choices(
         context.num_hosts,
         context.num_devices_per_host,
-        option.submesh_physical_shape_space,
-        option.manually_specified_submeshes,
+        option.submesh_physical_shape_space if forced is None else "manual",
+        option.manually_specified_submeshes if forced is None else forced,
     )
     batch = [
         a.shape[0]

@@ -256,6 +256,30 @@ def cpu_worker_xla_flags(devices: int) -> str:
     return " ".join([*own, f"{count}={devices}"])
 
 
+def gpu_worker_env_vars() -> dict[str, str]:
+    """The environment of a GPU host worker, from Alpa's settings of ``global_config``:
+    XLA's memory fraction and preallocation, its autotuning level (after the driver's own
+    ``XLA_FLAGS``), and NCCL over AWS EFA when ``use_aws_efa`` is set."""
+    flags = os.environ.get("XLA_FLAGS", "").split()
+    flags = [f for f in flags if f.split("=")[0] != "--xla_gpu_autotune_level"]
+    flags.append(f"--xla_gpu_autotune_level={global_config.xla_gpu_autotune_level}")
+    env = {
+        "XLA_PYTHON_CLIENT_MEM_FRACTION": str(global_config.xla_client_mem_fraction),
+        "XLA_PYTHON_CLIENT_PREALLOCATE": global_config.xla_client_client_preallocate,
+        "XLA_FLAGS": " ".join(flags),
+    }
+    if global_config.use_aws_efa:
+        env.update(
+            {
+                "FI_PROVIDER": "efa",
+                "FI_EFA_USE_DEVICE_RDMA": "1",
+                "LD_LIBRARY_PATH": os.environ.get("LD_LIBRARY_PATH", ""),
+                "NCCL_PROTO": "simple",
+            }
+        )
+    return env
+
+
 class DistributedPhysicalDeviceMesh(PhysicalDeviceMesh):
     """Devices of ``host_ids`` (``num_devices_per_host`` each), owned by one
     ``MeshHostWorker`` per host."""
@@ -293,6 +317,7 @@ class DistributedPhysicalDeviceMesh(PhysicalDeviceMesh):
             }
             if cluster.platform == "gpu":
                 options["num_gpus"] = per_host
+                options["runtime_env"] = {"env_vars": gpu_worker_env_vars()}
             else:
                 flags = cpu_worker_xla_flags(per_host)
                 options["runtime_env"] = {"env_vars": {"XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}}
@@ -384,7 +409,7 @@ class DistributedPhysicalDeviceMesh(PhysicalDeviceMesh):
         if self.is_shut_down:
             return
         self._pending_deletes.append(name)
-        if len(self._pending_deletes) >= 64:
+        if len(self._pending_deletes) >= global_config.delete_remote_arrays_threshold:
             self.flush_deletes()
 
     def flush_deletes(self, wait: bool = False) -> None:
