@@ -442,9 +442,10 @@ def get_num_hosts_and_num_devices(args: Any) -> tuple[int, int]:
     """``(num_hosts, num_devices_per_host)`` of Alpa's benchmark scripts, from their parsed
     command line ``args``: ``args.num_hosts`` and ``args.num_devices_per_host`` when given
     (both, or neither); else with ``args.local``, one host and this process's devices; else
-    the Ray cluster (``ray.init(address="auto")`` unless Ray is initialized): its alive
-    nodes, each with its GPUs, or on CPU-only nodes the virtual devices a Ray mesh gives a
-    node by default (``alpa.runtime.ray_mesh.DEFAULT_CPU_DEVICES_PER_NODE``)."""
+    the cluster of ``alpa.init("ray")``, or the Ray cluster (``ray.init(address="auto")``
+    unless Ray is initialized): its alive nodes, each with its GPUs, or on CPU-only nodes
+    the virtual devices a Ray mesh gives a node by default
+    (``alpa.runtime.ray_mesh.DEFAULT_CPU_DEVICES_PER_NODE``)."""
     num_hosts = getattr(args, "num_hosts", None)
     per_host = getattr(args, "num_devices_per_host", None)
     if (num_hosts is None) != (per_host is None):
@@ -458,8 +459,12 @@ def get_num_hosts_and_num_devices(args: Any) -> tuple[int, int]:
         return 1, len(jax.local_devices())
     import ray
 
+    from alpa.cluster import get_ray_cluster
     from alpa.runtime.ray_mesh import DEFAULT_CPU_DEVICES_PER_NODE
 
+    cluster = get_ray_cluster()
+    if cluster is not None:  # alpa.init("ray") decided them
+        return cluster.num_hosts, cluster.num_devices_per_host
     if not ray.is_initialized():
         ray.init(address="auto")
     nodes = [n for n in ray.nodes() if n["Alive"]]

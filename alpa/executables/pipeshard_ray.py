@@ -35,6 +35,7 @@ from alpa.pipeline_parallel.pipeshard_plan import PipeshardPlan
 from alpa.pipeline_parallel.program_rewrites import step_arguments
 from alpa.pipeline_parallel.stage_sharding import DATA_AXES
 from alpa.runtime.instructions import ConstOutput, MicroBatchOutput, Op, activation_keys
+from alpa.runtime.mesh_group import PhysicalMeshGroup
 from alpa.runtime.placement import PlacementSpec, caller_placements
 from alpa.runtime.ray_launch import MeshOutput, RayStepLauncher
 from alpa.runtime.ray_mesh import DistributedPhysicalDeviceMesh
@@ -129,6 +130,7 @@ class PipeshardRayExecutable(Executable):
         self._const_outputs = stages.const_outputs(const_names)
         activations = activation_keys(plan.instructions)
         self._programs = [b.build(activations) for b in builders]
+        self.mesh_group = PhysicalMeshGroup(self.meshes, [m.mesh_id for m in self.meshes])
         self.launcher = RayStepLauncher(
             self.meshes,
             self._programs,
@@ -330,6 +332,9 @@ class PipeshardRayExecutable(Executable):
                 outputs.append(jax.numpy.asarray(value))
         self._last_outputs = outputs
         return outputs if split is None else split.join_outputs(outputs)
+
+    def step_seconds(self) -> list[list[float]]:
+        return self.launcher.mesh_step_seconds
 
     def sync(self) -> None:
         """Steps on Ray return when every worker finished; nothing is left to wait for."""

@@ -43,8 +43,7 @@ from flax import struct
 from flax.training import train_state
 from flax.training.dynamic_scale import DynamicScaleResult
 
-#: The value :func:`init_dummy` fills every parameter with, as Alpa's.
-DUMMY_VALUE = 1e-8
+from alpa.runtime.worker_program import DUMMY_VALUE
 
 
 def _cast(tree: Any, dtype: Any) -> Any:

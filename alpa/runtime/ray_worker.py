@@ -35,11 +35,12 @@ from typing import Any
 
 import numpy as np
 
+from alpa.device_memory import MemoryStats
 from alpa.runtime.instructions import InFlight
 from alpa.runtime.memory import allocation_bytes, device_peak_bytes
 from alpa.runtime.nccl_transport import nccl_available
 from alpa.runtime.worker_ops import HANDLERS, LoadedProgram
-from alpa.runtime.worker_program import ExportedFn, Layout, WorkerProgram
+from alpa.runtime.worker_program import DummyValue, ExportedFn, Layout, WorkerProgram
 from alpa.runtime.worker_transfers import MeshTransfers
 from alpa.xla_compile import compile_lowered, hlo_text
 
@@ -67,6 +68,8 @@ class MeshHostWorker(MeshTransfers):
         self._own_devices = None if devices is None else list(devices)
         self._readers: dict[str, list] = {}  # data loaders: [iterator, batches read, call]
         self._peak_in_flight: dict[int, int] = {}  # program id -> last step's peak
+        self._memory = MemoryStats(self._local_devices)
+        self._program_bytes: dict[int, int] = {}  # program id -> XLA's largest allocation
         self._init_transfers()
 
     # -- setup
@@ -113,6 +116,11 @@ class MeshHostWorker(MeshTransfers):
             return self._own_devices
         return sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
 
+    def _local_devices(self) -> list:
+        import jax
+
+        return [d for d in self._devices() if d.process_index == jax.process_index()]
+
     def _sharding(self, layout: Layout):
         from jax.sharding import NamedSharding
 
@@ -124,10 +132,15 @@ class MeshHostWorker(MeshTransfers):
         return NamedSharding(self._meshes[key], layout.spec)
 
     def _place(self, value: Any, layout: Layout):
-        """A host array or a buffer of this worker, laid out as ``layout``."""
+        """A host array, a buffer of this worker or a ``DummyValue``, laid out as
+        ``layout``."""
         import jax
 
         sharding = self._sharding(layout)
+        if isinstance(value, DummyValue):
+            from alpa.runtime.placement import dummy_array
+
+            return dummy_array(value.shape, value.dtype, sharding)
         if isinstance(value, jax.Array):
             if value.sharding == sharding or value.sharding.is_equivalent_to(sharding, value.ndim):
                 return value
@@ -290,6 +303,28 @@ class MeshHostWorker(MeshTransfers):
             "unnamed_bytes": sum(unnamed.values()),
         }
 
+    # -- Alpa's memory statistics (alpa.device_memory) and synchronization
+
+    def sync(self) -> None:
+        """Wait until every buffer this worker holds is computed."""
+        import jax
+
+        jax.block_until_ready(list(self._buffers.values()))
+        self._memory.observe()
+
+    def memory_allocated(self) -> int:
+        return self._memory.allocated()
+
+    def max_memory_allocated(self) -> int:
+        return self._memory.max_allocated()
+
+    def reset_memory_stats(self) -> None:
+        self._memory.reset()
+
+    def allocation_size(self, program_id: int) -> int:
+        """XLA's bytes per device for the largest function of program ``program_id``."""
+        return self._program_bytes[program_id]
+
     def counters(self) -> dict:
         return {"bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received}
 
@@ -309,6 +344,7 @@ class MeshHostWorker(MeshTransfers):
         self._peers.update(peers)
         fns = [self._compile(fn) for fn in program.fns]
         self._programs[program_id] = LoadedProgram(program, fns)
+        self._program_bytes[program_id] = max((allocation_bytes(f) for f in fns), default=0)
         return [
             [
                 Layout(tuple(s.mesh.devices.shape), tuple(s.mesh.axis_names), s.spec)
@@ -359,6 +395,7 @@ class MeshHostWorker(MeshTransfers):
 
     def unload_program(self, program_id: int) -> None:
         self._programs.pop(program_id, None)
+        self._program_bytes.pop(program_id, None)
 
     def run_step(
         self,
@@ -399,7 +436,9 @@ class MeshHostWorker(MeshTransfers):
         jax.block_until_ready(outputs)
         for name, value in zip(output_names, outputs, strict=True):
             self._buffers[name] = value
-        return time.perf_counter() - tic
+        seconds = time.perf_counter() - tic
+        self._memory.observe(self._program_bytes[program_id])
+        return seconds
 
     def peak_live_micro_batches(self, program_id: int) -> int:
         """The most micro-batches whose buffers (written by a ``RUN``) this worker held at

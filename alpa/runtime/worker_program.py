@@ -13,8 +13,8 @@ outputs get.
   (:class:`WorkerOp`). Buffers live in integer slots; after an instruction its ``free``
   slots are dropped. The ops:
 
-  - ``INPUT``: step argument ``arg`` (a host array or a buffer the worker holds) into
-    ``out_slots[0]``, laid out as ``layouts[layout]``.
+  - ``INPUT``: step argument ``arg`` (a host array, a buffer the worker holds, or a
+    :class:`DummyValue`) into ``out_slots[0]``, laid out as ``layouts[layout]``.
   - ``LOAD``: the ``k`` micro-batches of step argument ``arg`` into ``out_slots``.
   - ``RUN``: ``out_slots = fns[fn](in_slots)``.
   - ``ZEROS``: ``out_slots = fns[fn]()`` (accumulators).
@@ -47,6 +47,23 @@ class Layout:
     mesh_shape: tuple[int, int]
     axis_names: tuple[str, ...]
     spec: Any  # jax.sharding.PartitionSpec
+
+
+#: The value of every element of a dummy argument (Alpa's: ``1e-8``, 0 for integers).
+DUMMY_VALUE = 1e-8
+
+
+@dataclass(frozen=True)
+class DummyValue:
+    """A step argument the driver has only the shape and dtype of (a
+    ``jax.ShapeDtypeStruct`` under ``global_config.use_dummy_value_for_benchmarking``):
+    the worker fills each of its devices' shards with :data:`DUMMY_VALUE` itself."""
+
+    shape: tuple[int, ...]
+    dtype: Any
+
+    def host(self) -> np.ndarray:
+        return np.full(self.shape, DUMMY_VALUE, self.dtype)
 
 
 @dataclass(frozen=True)
