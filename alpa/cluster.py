@@ -18,6 +18,7 @@ from typing import Any
 import jax
 
 from alpa.device_mesh import LocalPhysicalDeviceMesh, VirtualPhysicalMesh
+from alpa.flax_patches import install_flax_patches
 
 logger = logging.getLogger("alpa")
 
@@ -58,6 +59,7 @@ def init(
         (``num_devices_per_node=k`` takes the first ``k`` of them).
     """
     global _global_physical_mesh, _global_cluster, _init_args
+    install_flax_patches()  # Alpa's additions to flax, which its programs use from here on
     args = (cluster, cluster_address, num_nodes, num_devices_per_node, namespace, devices)
     if _global_physical_mesh is not None or _global_cluster is not None:
         if _init_args is not None and args != _init_args:

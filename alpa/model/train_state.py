@@ -24,9 +24,9 @@ gradient accumulation and pipelining need.
 
 **init_dummy.** Alpa's benchmarks initialize a model with ``model.init_dummy(rng, *inputs)``:
 every parameter filled with ``1e-8``, without running the initializers. Alpa added the method
-to every flax ``Module`` by patching flax at import; here nothing is patched: the models of
-``alpa.model`` that Alpa's scripts call it on have it (:class:`DummyInit`), and
-:func:`init_dummy` does the same for any module.
+to every flax ``Module`` by patching flax at import; here nothing is patched at import: the
+models of ``alpa.model`` have it (:class:`DummyInit`), ``alpa.init()`` adds it to every flax
+module (``alpa.flax_patches``), and :func:`init_dummy` does the same for any module.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from flax import struct
 from flax.training import train_state
 from flax.training.dynamic_scale import DynamicScaleResult
 
-from alpa.runtime.worker_program import DUMMY_VALUE
+from alpa.flax_patches import init_dummy  # noqa: F401 (Alpa's path: alpa.model.model_util)
 
 
 def _cast(tree: Any, dtype: Any) -> Any:
@@ -191,18 +191,10 @@ class DynamicScale(struct.PyTreeNode):
         return unscaled
 
 
-def init_dummy(module: Any, *args: Any, **kwargs: Any) -> Any:
-    """The variables ``module.init(*args, **kwargs)`` would return, each filled with
-    ``1e-8`` (:data:`DUMMY_VALUE`, 0 for integers) instead of running the initializers:
-    only shapes are traced, and the values are placed on the default device at once."""
-    avals = jax.eval_shape(module.init, *args, **kwargs)
-    return jax.device_put(jax.tree.map(lambda x: np.full(x.shape, DUMMY_VALUE, x.dtype), avals))
-
-
 class DummyInit:
     """Gives a flax module Alpa's ``init_dummy`` method (:func:`init_dummy`)."""
 
     def init_dummy(self, *args: Any, **kwargs: Any) -> Any:
         """``init`` with every parameter ``1e-8``: Alpa's fast initialization for
-        benchmarks (``alpa.model.train_state.init_dummy``)."""
+        benchmarks (``alpa.flax_patches.init_dummy``)."""
         return init_dummy(self, *args, **kwargs)

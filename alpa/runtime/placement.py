@@ -103,7 +103,7 @@ def dummy_array(shape: Sequence[int], dtype: Any, sharding: Any) -> Any:
     """An array of ``shape`` in ``sharding`` (``None``: a host array) whose every element
     is ``DUMMY_VALUE``, each device's shard made on the host and copied to its device (no
     program compiled)."""
-    from alpa.runtime.worker_program import DUMMY_VALUE
+    from alpa.flax_patches import DUMMY_VALUE
 
     if sharding is None:
         return np.full(shape, DUMMY_VALUE, dtype)

@@ -37,6 +37,8 @@ from typing import Any
 
 import numpy as np
 
+from alpa.flax_patches import DUMMY_VALUE
+
 Box = tuple[tuple[int, int], ...]
 
 
@@ -47,10 +49,6 @@ class Layout:
     mesh_shape: tuple[int, int]
     axis_names: tuple[str, ...]
     spec: Any  # jax.sharding.PartitionSpec
-
-
-#: The value of every element of a dummy argument (Alpa's: ``1e-8``, 0 for integers).
-DUMMY_VALUE = 1e-8
 
 
 @dataclass(frozen=True)
