@@ -30,7 +30,7 @@ _global_virtual_mesh: VirtualPhysicalMesh | None = None  # set_global_virtual_ph
 
 
 def init(
-    cluster: str = "local",
+    cluster: str = "ray",
     cluster_address: str | None = None,
     num_nodes: int | None = None,
     num_devices_per_node: int | None = None,
@@ -40,12 +40,16 @@ def init(
 ) -> None:
     """Connect alpa to a cluster. A second ``init`` before ``shutdown`` does nothing.
 
+    Without any ``init``, the first ``parallelize`` call runs on the local devices (an
+    implied ``init("local")``); an explicit ``alpa.init()`` is Alpa's, whose default
+    cluster is Ray.
+
     Args:
-      cluster: ``"local"``: the devices of this process (GPUs, or virtual CPU devices).
-        ``"ray"``: the Ray cluster this process is connected to (``ray.init()`` called
-        before), else the one at ``cluster_address``, else a running one
-        (``address="auto"``), else a new local one; mesh workers own the devices
-        (``docs/ray.md``).
+      cluster: ``"ray"`` (the default, as Alpa's): the Ray cluster this process is
+        connected to (``ray.init()`` called before), else the one at ``cluster_address``,
+        else a running one (``address="auto"``), else a new local one; mesh workers own the
+        devices (``docs/ray.md``). ``"local"``: the devices of this process (GPUs, or
+        virtual CPU devices).
       cluster_address: with ``"ray"``, the address of the Ray cluster to connect to
         (``host:port`` of its head, or ``ray://host:port``). One where no gRPC server
         answers within ``global_config.ray_connect_timeout`` seconds (default 10) raises

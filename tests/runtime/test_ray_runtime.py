@@ -1074,3 +1074,16 @@ def test_alpas_benchmark_api_on_a_ray_pipeline(ray_cluster):
     group.sync_workers()
     memory = group.get_max_memory_allocated_per_mesh()
     assert len(memory) == 2 and min(memory) > 0 and group.get_max_memory_allocated() == max(memory)
+
+
+def test_init_without_arguments_joins_ray_as_alpas(ray_cluster):
+    """``alpa.init()`` is Alpa's: its default cluster is Ray (the one this process is
+    connected to). Last in this file: it starts the cluster's meshes afresh."""
+    alpa.shutdown()
+    try:
+        alpa.init(num_devices_per_node=DEVICES_PER_NODE)
+        cluster = alpa.get_global_cluster()
+        assert isinstance(cluster, alpa.DeviceCluster) and cluster.num_hosts == 2
+    finally:
+        alpa.shutdown()
+        alpa.init("ray", num_devices_per_node=DEVICES_PER_NODE)
