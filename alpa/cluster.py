@@ -8,7 +8,9 @@ compile, so that nothing imports back up to ``alpa.api``.
 from __future__ import annotations
 
 import logging
+import os
 import socket
+import sys
 import time
 import warnings
 from collections.abc import Sequence
@@ -110,6 +112,8 @@ def _init_ray(cluster_address, num_nodes, num_devices_per_node, namespace):
         if cluster_address is not None:
             _check_reachable(cluster_address)
         try:
+            if cluster_address is None and not _auto_cluster_answers():
+                raise ConnectionError("no Ray cluster answers")
             ray.init(address=address, namespace=namespace, log_to_driver=False)
         except ConnectionError:
             if cluster_address is not None:
@@ -122,7 +126,30 @@ def _init_ray(cluster_address, num_nodes, num_devices_per_node, namespace):
                 _node_ip_address="127.0.0.1",
             )
             _started_ray = True
-    return DeviceCluster(num_nodes, num_devices_per_node)
+    # A Ray alpa started runs on this machine with this Python: its workers import what
+    # this process imports (a data loader's input_iter_func from a module on sys.path).
+    import_path = {"PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    return DeviceCluster(num_nodes, num_devices_per_node, import_path if _started_ray else None)
+
+
+def _auto_cluster_answers() -> bool:
+    """Whether the cluster ``ray.init(address="auto")`` would join answers. Ray takes the
+    one ``ray start`` recorded, else any Ray process it finds on this machine, and waits
+    without limit for one that is gone or going (a killed run's, one shutting down)."""
+    from ray._private.services import canonicalize_bootstrap_address
+
+    try:
+        address = canonicalize_bootstrap_address("auto")
+    except (ConnectionError, ValueError):
+        return False
+    if address is None:
+        return False
+    try:
+        _check_reachable(address)
+    except ConnectionError as e:
+        logger.warning("the Ray cluster at %s does not answer (%s)", address, e)
+        return False
+    return True
 
 
 #: An HTTP/2 client's first bytes (RFC 9113 §3.4): the preface and an empty SETTINGS frame.
@@ -281,3 +308,19 @@ def get_global_num_devices() -> int:
 def global_virtual_mesh_if_set() -> VirtualPhysicalMesh | None:
     """The mesh of ``set_global_virtual_physical_mesh``, or ``None``."""
     return _global_virtual_mesh
+
+
+def mesh_by_id(mesh_id: int):
+    """The mesh that ``PlacementSpec.mesh_ids`` names ``mesh_id``: under ``"local"`` the
+    mesh of ``init`` (id 0), under Ray a running mesh of the cluster; a ``ValueError``
+    naming the id and the meshes there are, otherwise."""
+    if _global_cluster is not None:
+        mesh = _global_cluster.mesh_by_id(mesh_id)
+        known = sorted(m.mesh_id for m in _global_cluster._meshes.values() if not m.is_shut_down)
+    else:
+        local = get_global_physical_mesh()
+        mesh = local if mesh_id == local.mesh_id else None
+        known = [local.mesh_id]
+    if mesh is None:
+        raise ValueError(f"no mesh has id {mesh_id!r}; the meshes of alpa.init have ids {known}")
+    return mesh

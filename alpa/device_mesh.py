@@ -266,6 +266,28 @@ class LogicalDeviceMesh:
         ``num_bytes`` of results."""
         return flops / self.device_flops + num_bytes / self.memory_bandwidth
 
+    def make_tile_spec(self, array: Any, tensor_dims: Sequence[int], mesh_dims: Sequence[int]):
+        """Alpa's: the jax-0.3 ``ShardingSpec`` (``alpa.pxla_spec``) that cuts dimension
+        ``tensor_dims[i]`` of ``array`` (anything with a ``shape``) over mesh axis
+        ``mesh_dims[i]`` for each pair ``i`` (of the shorter list, as Alpa's ``zip``), and
+        replicates it over the mesh's other axes."""
+        from alpa.pxla_spec import Chunked, NoSharding, Replicated, ShardedAxis, ShardingSpec
+
+        ndim = len(array.shape)
+        tensor_dims, mesh_dims = list(tensor_dims), list(mesh_dims)
+        for name, dims, bound in (("tensor_dims", tensor_dims, ndim), ("mesh_dims", mesh_dims, 2)):
+            if len(set(dims)) != len(dims) or any(not 0 <= d < bound for d in dims):
+                raise ValueError(
+                    f"make_tile_spec: {name}={dims} must be distinct dimensions in [0, {bound})"
+                )
+        sharding: list[Any] = [NoSharding()] * ndim
+        mapping: list[Any] = [Replicated(n) for n in self.shape]
+        # As Alpa: the pairs of the shorter list (Alpa's own tests pass [0, 1] with [0]).
+        for i, (tensor_dim, mesh_dim) in enumerate(zip(tensor_dims, mesh_dims, strict=False)):
+            sharding[tensor_dim] = Chunked([self.shape[mesh_dim]])
+            mapping[mesh_dim] = ShardedAxis(i)
+        return ShardingSpec(sharding, mapping)
+
     def get_jax_mesh(self):
         """The ``jax.sharding.Mesh`` with Auto axes that this logical mesh lowers to."""
         if self.devices is None:
@@ -468,6 +490,36 @@ class PhysicalDeviceMesh(abc.ABC):
     ) -> PhysicalDeviceMesh:
         """The mesh of ``device_indices[i]`` of host ``host_indices[i]``, for each ``i``."""
 
+    def shard_args_to_arrays(
+        self,
+        avals: Sequence[Any],
+        shard_indices: Sequence[Any] | None,
+        sharding_specs: Sequence[Any],
+        args: Sequence[Any],
+    ) -> list[Any]:
+        """Alpa's: ``args[i]`` placed on this mesh as the jax-0.3 ``sharding_specs[i]``
+        says (``alpa.pxla_spec``; ``shard_indices[i]`` are its per-device blocks, checked),
+        as a ``jax.Array`` here or a ``DistributedArray`` on Ray workers."""
+        from alpa.pxla_spec import tile_layout
+
+        indices = [None] * len(args) if shard_indices is None else shard_indices
+        out = []
+        for aval, index, spec, arg in zip(avals, indices, sharding_specs, args, strict=True):
+            if tuple(np.shape(arg)) != tuple(aval.shape):
+                raise ValueError(f"an argument of shape {np.shape(arg)} for aval {aval}")
+            out.append(self.put_tiled(arg, *tile_layout(aval, index, spec, self.num_devices)))
+        return out
+
+    @abc.abstractmethod
+    def tile_placement(self, mesh_shape, axis_names, partition_spec) -> Any:
+        """Where ``partition_spec`` over ``axis_names`` puts a value on this mesh's devices
+        seen as ``mesh_shape`` (row-major): a ``NamedSharding`` here, a ``(mesh,
+        Layout)`` pair on Ray (a ``PlacementSpec``'s placement)."""
+
+    @abc.abstractmethod
+    def put_tiled(self, value: Any, mesh_shape, axis_names, partition_spec) -> Any:
+        """``value`` placed as :meth:`tile_placement` says."""
+
     @abc.abstractmethod
     def shutdown(self) -> None:
         """Free what the mesh holds."""
@@ -522,6 +574,8 @@ class LocalPhysicalDeviceMesh(PhysicalDeviceMesh):
         self._memory = MemoryStats(lambda: self.devices)
 
     num_hosts = 1
+    #: Alpa's mesh id: the one mesh of this process is mesh 0 of its placement specs.
+    mesh_id = 0
 
     @property
     def num_devices_per_host(self) -> int:
@@ -557,6 +611,17 @@ class LocalPhysicalDeviceMesh(PhysicalDeviceMesh):
         if not indices or any(not 0 <= i < self.num_devices for i in indices):
             raise ValueError(f"device_indices must be in [0, {self.num_devices}), got {indices}")
         return LocalPhysicalDeviceMesh([self.devices[i] for i in indices], self.cluster)
+
+    def tile_placement(self, mesh_shape, axis_names, partition_spec) -> Any:
+        from jax.sharding import NamedSharding
+
+        mesh = make_jax_mesh(self.devices, mesh_shape, axis_names)
+        return NamedSharding(mesh, partition_spec)
+
+    def put_tiled(self, value: Any, mesh_shape, axis_names, partition_spec) -> Any:
+        import jax
+
+        return jax.device_put(value, self.tile_placement(mesh_shape, axis_names, partition_spec))
 
     def shutdown(self) -> None:
         """Nothing to free: the devices belong to this process."""

@@ -6,7 +6,8 @@ own; the other two should put the state exactly where the training step wants it
 
 * ``CreateStateParallel(train_step, other_args)`` parallelizes the state-creation function
   so that every leaf of the state it returns is *created* in the sharding that the
-  compiled ``train_step(state, *other_args)`` reads it in: on the train step's mesh (for a
+  compiled ``train_step(state, other_args)`` reads it in (``other_args`` is the step's
+  second argument, as in Alpa: the batch): on the train step's mesh (for a
   pipeline, the leaf's stage mesh), with each device computing and holding only its shard
   (the output sharding is imposed on XLA's compilation of the creation function, whose
   random initializers are partitionable). The first training step then moves nothing.
@@ -21,12 +22,15 @@ abstract values). They work for one-mesh methods (``ShardParallel``, ``DataParal
 ``Zero2Parallel``, ``Zero3Parallel``) and for ``PipeshardParallel``, on the local and the
 Ray runtime: ``CreateStateParallel`` creates each leaf of a pipeline's state on its stage's
 submesh (one program per submesh); ``FollowParallel`` runs an evaluation step as a pipeline
-on the training step's stages, with the inference schedule.
+on the training step's stages, with the inference schedule, cut into one layer per stage
+where it first reads each stage's parameters (Alpa's ``layer_option="follow"``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
+import math
 import os
 import warnings
 from collections.abc import Sequence
@@ -34,7 +38,7 @@ from fractions import Fraction
 from typing import Any
 
 import jax
-from jax.extend.core import ClosedJaxpr
+from jax.extend.core import ClosedJaxpr, Var
 from jax.sharding import PartitionSpec
 
 from alpa.device_mesh import LogicalDeviceMesh
@@ -43,8 +47,9 @@ from alpa.executables.distributed import DistributedMeshExecutable
 from alpa.executables.mesh import MeshExecutable, compile_shard_executable
 from alpa.executables.pipeshard import PipeshardDriverExecutable
 from alpa.executables.pipeshard_ray import PipeshardRayExecutable
-from alpa.pipeline_parallel.layer_construction import AutoLayerOption, ManualLayerOption
+from alpa.pipeline_parallel.layer_construction import ManualLayerOption
 from alpa.pipeline_parallel.schedules import check_schedule_name
+from alpa.pipeline_parallel.segments import is_boundary
 from alpa.pipeline_parallel.user_shardings import stage_inputs
 from alpa.pipeshard_method import PipeshardParallel
 from alpa.runtime.placement import PlacementSpec
@@ -54,6 +59,7 @@ from alpa.shard_parallel.auto_sharding import AutoShardingOption, plan_auto_shar
 from alpa.shard_parallel.sharding_plan import ShardingPlan
 from alpa.timer import timed
 from alpa.tracing import TracedStep, leaf_signature, new_jaxpr
+from alpa.tracing.primitive_def import mark_pipeline_boundary
 
 REPLICATED = PartitionSpec()
 
@@ -71,6 +77,117 @@ def _check_parallelized(value, name: str) -> None:
             f"{name} must be a function returned by alpa.parallelize, got "
             f"{type(value).__name__}: {value!r}"
         )
+
+
+def _positional_range(fun) -> tuple[int, float] | None:
+    """How many positional arguments ``fun`` takes: ``(required, most)`` (``most`` is
+    ``inf`` with ``*args``), or ``None`` when its signature cannot be read."""
+    try:
+        signature = inspect.signature(fun)
+    except (TypeError, ValueError):
+        return None
+    required, most = 0, 0.0
+    for p in signature.parameters.values():
+        if p.kind is p.VAR_POSITIONAL:
+            most = math.inf
+        elif p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+            most += 1
+            required += p.default is p.empty
+    return required, most
+
+
+def _step_args(train_step, other_args: Any) -> tuple[Any, ...]:
+    """The arguments after the state that ``CreateStateParallel`` compiles ``train_step``
+    with: Alpa's ``(other_args,)`` whenever the step takes two arguments; the elements of
+    a tuple or list ``other_args`` when the step needs exactly that many more (Alpa's
+    reading could not call it)."""
+    fun = getattr(train_step, "fun", train_step)
+    counts = _positional_range(fun)
+    if counts is None:
+        return (other_args,)
+    required, most = counts
+    if required <= 2 <= most:
+        return (other_args,)
+    if isinstance(other_args, tuple | list) and required <= 1 + len(other_args) <= most:
+        return tuple(other_args)
+    name = getattr(train_step, "__name__", "train_step")
+    takes = f"{required}" if required == most else f"{required} to {most:g}"
+    given = (
+        f"a {type(other_args).__name__} of {len(other_args)}"
+        if isinstance(other_args, tuple | list)
+        else f"a {type(other_args).__name__}"
+    )
+    raise TypeError(
+        f"CreateStateParallel({name}, other_args) calls {name}(state, other_args), as Alpa "
+        f"does, but {name}{inspect.signature(fun)} takes {takes} positional arguments; "
+        f"other_args is {given}. Pass the one argument after the state, or a tuple of the "
+        f"{required - 1} arguments after it"
+    )
+
+
+def _following_layers(
+    traced: TracedStep, pinned: Sequence[PlacementSpec], mesh_ids: Sequence[Any], num_stages: int
+) -> TracedStep:
+    """``traced`` cut into ``num_stages`` layers by the stages its followed leaves
+    (``pinned``, on the source's meshes ``mesh_ids``) live on, as Alpa's
+    ``FollowLayerOption``: scanning the equations in order, each goes to the latest stage
+    whose followed leaves have been read so far; a boundary (``mark_pipeline_boundary``)
+    is put where the next stage begins, and the step's own boundaries are dropped. Its
+    retraces (micro-batches) are cut the same way."""
+    stage_of = {
+        v: mesh_ids.index(spec.mesh_ids[0])
+        for v, spec in zip(traced.jaxpr.invars, pinned, strict=False)
+        if spec.mesh_ids and spec.mesh_ids[0] in mesh_ids
+    }
+
+    def cut(step: TracedStep) -> TracedStep:
+        jaxpr = step.jaxpr
+        by_var = dict(
+            zip(jaxpr.invars, (stage_of.get(v) for v in traced.jaxpr.invars), strict=True)
+        )
+        eqns, layer = [], 0
+        for eqn in jaxpr.eqns:
+            if is_boundary(eqn):
+                continue
+            reads = [
+                by_var[v] for v in eqn.invars if isinstance(v, Var) and by_var.get(v) is not None
+            ]
+            stage = max([layer, *reads])
+            if stage > layer + 1:
+                raise ValueError(
+                    f"FollowParallel(layer_option='follow'): {step.name} reads no followed "
+                    f"leaf of stage {layer + 1} between those of stages {layer} and {stage}, "
+                    "so it cannot be cut into one layer per stage; mark its layers with "
+                    "mark_pipeline_boundary() and pass layer_option='manual'"
+                )
+            if stage > layer:
+                eqns.append(_BOUNDARY.replace(source_info=eqn.source_info))
+                layer = stage
+            eqns.append(eqn)
+        if layer != num_stages - 1:
+            raise ValueError(
+                f"FollowParallel(layer_option='follow'): {step.name} reads followed leaves "
+                f"of stages 0..{layer} only, of the {num_stages} stages it follows; mark its "
+                "layers with mark_pipeline_boundary() and pass layer_option='manual'"
+            )
+        closed = ClosedJaxpr(
+            new_jaxpr(jaxpr, jaxpr.constvars, jaxpr.invars, jaxpr.outvars, eqns),
+            step.closed_jaxpr.consts,
+        )
+        return dataclasses.replace(step, closed_jaxpr=closed, retrace=again(step.retrace))
+
+    def again(retrace):
+        return None if retrace is None else (lambda d: cut(retrace(d)))
+
+    return cut(traced)
+
+
+def _boundary_eqn():
+    """A ``mark_pipeline_boundary()`` equation, to insert into a jaxpr."""
+    return jax.make_jaxpr(mark_pipeline_boundary)().jaxpr.eqns[0]
+
+
+_BOUNDARY = _boundary_eqn()
 
 
 def _output_avals(traced: TracedStep):
@@ -104,22 +221,31 @@ class CreateStateParallel(ParallelMethod):
     Args:
       train_step: the parallelized training step (``alpa.parallelize``); its first
         argument is the state.
-      other_args: the training step's other arguments (arrays or
-        ``jax.ShapeDtypeStruct`` s, e.g. a batch), to compile it for.
+      other_args: the training step's second argument, as in Alpa (a batch: a dict of
+        arrays or ``jax.ShapeDtypeStruct`` s); the step is compiled as
+        ``train_step(state, other_args)``. For a step that needs more arguments after the
+        state (which Alpa could not follow), a tuple or list of exactly those arguments.
     """
 
-    def __init__(self, train_step, other_args: Sequence[Any]):
+    def __init__(self, train_step, other_args: Any):
         _check_parallelized(train_step, "train_step")
-        if not isinstance(other_args, Sequence) or isinstance(other_args, str):
-            raise TypeError(
-                "other_args must be a sequence of train_step's other arguments, got "
-                f"{type(other_args).__name__}"
-            )
         self.train_step = train_step
-        self.other_args = tuple(other_args)
+        self.other_args = other_args
+        self._step_args = _step_args(train_step, other_args)
 
     def _target(self, traced: TracedStep) -> tuple[Executable, list[PlacementSpec]]:
-        target = self.train_step.get_executable(_output_avals(traced), *self.other_args)
+        try:
+            target = self.train_step.get_executable(_output_avals(traced), *self._step_args)
+        except Exception as error:
+            other = self.other_args
+            if len(self._step_args) == 1 and isinstance(other, tuple | list) and len(other) == 1:
+                error.add_note(
+                    f"CreateStateParallel compiled {self.train_step.__name__}(state, "
+                    f"other_args) with other_args={type(other).__name__} of one element as "
+                    "its second argument, as Alpa does; if that element is the batch, pass "
+                    "it itself: CreateStateParallel(train_step, batch)"
+                )
+            raise
         what = f"the state that {traced.name} returns"
         return target, _first_argument_specs(target, traced.out_tree, what)
 
@@ -280,9 +406,10 @@ class FollowParallel(ParallelMethod):
         first argument (default: those of ``src_func``'s last executable).
       pipeline_schedule: for a pipelined ``src_func``: the schedule of this step
         (``"inference"`` for an evaluation step).
-      layer_option: for a pipelined ``src_func``: how this step's layers are cut
-        (default: at its ``mark_pipeline_boundary`` calls; ``"follow"``: with the
-        source's layer option).
+      layer_option: for a pipelined ``src_func``: how this step's layers are cut:
+        ``"follow"`` (the default, Alpa's) one layer per stage of ``src_func``, each
+        starting where the step first reads a followed leaf of that stage; ``"manual"``
+        at its ``mark_pipeline_boundary()`` calls; or a layer option.
 
     The first argument is this step's first argument as ``src_func`` takes it, or (Alpa's
     convention for an evaluation step) the ``params`` of the state ``src_func`` takes.
@@ -296,7 +423,7 @@ class FollowParallel(ParallelMethod):
         num_micro_batches: int | None = None,
         get_input_placement_specs=None,
         pipeline_schedule: str = "inference",
-        layer_option=None,
+        layer_option="follow",
     ):
         _check_parallelized(src_func, "src_func")
         if get_input_placement_specs is not None and not callable(get_input_placement_specs):
@@ -352,7 +479,8 @@ class FollowParallel(ParallelMethod):
         ``PipeshardPlan`` on its stages, for a pipelined source)."""
         source = self._source()
         if isinstance(source, _PIPELINES):
-            return self._pipeline(traced, args, source).plan(traced, args)
+            pipeline, traced = self._pipeline(traced, args, source)
+            return pipeline.plan(traced, args)
         self._check_one_mesh(source)
         pinned = self._pinned_specs(traced, source)
         fixed = [s.sharding_specs[0] for s in pinned]
@@ -370,14 +498,32 @@ class FollowParallel(ParallelMethod):
 
     def _pipeline(
         self, traced: TracedStep, args: Sequence[Any], source: Executable
-    ) -> PipeshardParallel:
-        """A pipeline on the source's stages (its stage option replayed on its devices,
-        layers as the step marks them), each stage reading the followed argument's leaves
-        it shares with the source's same stage in the source's sharding."""
+    ) -> tuple[PipeshardParallel, TracedStep]:
+        """A pipeline on the source's stages (its stage option replayed on its devices),
+        each stage reading the followed argument's leaves it shares with the source's same
+        stage in the source's sharding; and the step as that pipeline cuts it.
 
-        layer_option = self.layer_option or ManualLayerOption()
-        if layer_option == "follow":  # Alpa's: layers as the source made them
-            layer_option = source.plan.layer_option
+        Layers, by ``layer_option``: ``"follow"`` (the default, Alpa's) cuts an
+        evaluation step into one layer per source stage, where the followed leaves of
+        each stage are first read (:func:`_following_layers`); ``"manual"`` at its
+        ``mark_pipeline_boundary()`` calls; a layer option object as it says."""
+        pinned = self._pinned_specs(traced, source)
+        # A placement names a local pipeline's meshes by stage, a Ray pipeline's by mesh id.
+        meshes = getattr(source, "meshes", [])
+        mesh_ids = [getattr(m, "mesh_id", s) for s, m in enumerate(meshes)]
+        stage_option = source.plan.stage_option()
+        layer_option = self.layer_option
+        if layer_option in (None, "follow"):
+            if traced.grad_marker() is None:
+                num_stages = len(stage_option.forward_stage_layer_ids)
+                traced = _following_layers(traced, pinned, mesh_ids, num_stages)
+                stage_option = dataclasses.replace(
+                    stage_option, forward_stage_layer_ids=[[i] for i in range(num_stages)]
+                )
+            # The cut is now the step's boundaries (a training step: its own).
+            layer_option = ManualLayerOption()
+        elif layer_option == "manual":
+            layer_option = ManualLayerOption()
 
         def method(stage_input_shardings=None) -> PipeshardParallel:
             return PipeshardParallel(
@@ -387,25 +533,21 @@ class FollowParallel(ParallelMethod):
                 num_micro_batches=self.num_micro_batches or 1,
                 pipeline_schedule=self.pipeline_schedule,
                 layer_option=layer_option,
-                stage_option=source.plan.stage_option(),
+                stage_option=stage_option,
                 stage_input_shardings=stage_input_shardings,
             )
 
         try:
             program = method().plan(traced, args).program
         except ValueError as e:
-            if self.layer_option is None and isinstance(source.plan.layer_option, AutoLayerOption):
+            if self.layer_option == "manual":
                 e.add_note(
-                    f"the followed step's layers were cut by {source.plan.layer_option!r}; "
-                    "FollowParallel(..., layer_option='follow') cuts this step the same way "
-                    "(the default, 'manual', cuts it at its mark_pipeline_boundary() calls)"
+                    "FollowParallel(..., layer_option='manual') cuts this step at its "
+                    "mark_pipeline_boundary() calls; the default, layer_option='follow', "
+                    "cuts it where it reads the parameters of each stage it follows"
                 )
             raise
-        pinned = self._pinned_specs(traced, source)
         leaf_of = {v: i for i, v in enumerate(traced.jaxpr.invars[: len(pinned)])}
-        # A placement names a local pipeline's meshes by stage, a Ray pipeline's by mesh id.
-        meshes = getattr(source, "meshes", [])
-        mesh_ids = [getattr(m, "mesh_id", s) for s, m in enumerate(meshes)]
         shardings = []
         for stage in range(program.num_stages):
             row = []
@@ -416,13 +558,13 @@ class FollowParallel(ParallelMethod):
                 else:  # not followed, or the source reads it on another stage
                     row.append(None)
             shardings.append(row)
-        return method(shardings)
+        return method(shardings), traced
 
     def compile_executable(self, traced: TracedStep, args: Sequence[Any]) -> Executable:
         source = self._source()
         if isinstance(source, _PIPELINES):
             with timed("planning"):
-                pipeline = self._pipeline(traced, args, source)
+                pipeline, traced = self._pipeline(traced, args, source)
             return pipeline.compile_executable(traced, args)
         self._check_one_mesh(source)
         num_micro_batches = self.num_micro_batches

@@ -20,7 +20,7 @@ from jax.sharding import AbstractMesh, AxisType, NamedSharding
 
 from alpa.executables.base import Executable, check_dispatch_args
 from alpa.executables.mesh import PricedPlan
-from alpa.runtime.placement import PlacementSpec
+from alpa.runtime.placement import PlacementSpec, place
 from alpa.runtime.ray_launch import MeshOutput, RayStepLauncher, TransferPlanner
 from alpa.runtime.ray_mesh import DistributedPhysicalDeviceMesh
 from alpa.runtime.worker_program import (
@@ -200,7 +200,12 @@ class DistributedMeshExecutable(PricedPlan, Executable):
         return self.launcher.bytes_sent_last_step
 
     def preshard_flat_args(self, flat_args: Sequence[Any]) -> list[Any]:
-        return list(flat_args)  # placed by the workers at the step
+        """Each leaf as a ``DistributedArray`` on the mesh, laid out as the step reads it
+        (Alpa's ``preshard_dynamic_args``): a step then sends none of them."""
+        return [
+            place(x, spec)
+            for x, spec in zip(flat_args, self.flat_input_placement_specs(), strict=True)
+        ]
 
     # -- what was compiled
 

@@ -36,7 +36,7 @@ from alpa.pipeline_parallel.program_rewrites import step_arguments
 from alpa.pipeline_parallel.stage_sharding import DATA_AXES
 from alpa.runtime.instructions import ConstOutput, MicroBatchOutput, Op, activation_keys
 from alpa.runtime.mesh_group import PhysicalMeshGroup
-from alpa.runtime.placement import PlacementSpec, caller_placements
+from alpa.runtime.placement import PlacementSpec, caller_placements, place
 from alpa.runtime.ray_launch import MeshOutput, RayStepLauncher
 from alpa.runtime.ray_mesh import DistributedPhysicalDeviceMesh
 from alpa.runtime.resharding import worker_transfer_plan
@@ -340,7 +340,14 @@ class PipeshardRayExecutable(Executable):
         """Steps on Ray return when every worker finished; nothing is left to wait for."""
 
     def preshard_flat_args(self, flat_args: Sequence[Any]) -> list[Any]:
-        return list(flat_args)  # the workers place every argument at the step
+        """Each leaf as a ``DistributedArray`` on the mesh of the first stage that reads
+        it, laid out as that stage reads it (a split stacked leaf as its rows on their
+        stages'): a step then sends none of them."""
+        specs = self.flat_input_placement_specs()
+        return [
+            place(x, spec) if spec.placements else x
+            for x, spec in zip(flat_args, specs, strict=True)
+        ]
 
     # -- what was compiled
 

@@ -39,6 +39,17 @@ class PlacementSpec:
     placements: tuple[Any, ...] = field(default=(), compare=False)
     rows: tuple = field(default=(), compare=False)
 
+    def __post_init__(self):
+        # Alpa's aval is a ShapedArray: the same leaf compares equal whether its spec was
+        # made from a traced value, an argument's abstract value or a ShapeDtypeStruct.
+        aval = self.aval
+        if hasattr(aval, "shape") and hasattr(aval, "dtype"):
+            weak = bool(getattr(aval, "weak_type", False))
+            aval = jax.core.ShapedArray(tuple(aval.shape), aval.dtype, weak_type=weak)
+            object.__setattr__(self, "aval", aval)
+        object.__setattr__(self, "mesh_ids", tuple(self.mesh_ids))
+        object.__setattr__(self, "sharding_specs", tuple(self.sharding_specs))
+
 
 def place(value: Any, spec: PlacementSpec) -> Any:
     """``value`` (a host or device array) placed where ``spec`` says the step reads it: on

@@ -115,9 +115,16 @@ class DeviceCluster:
       host_info: per host, Ray's node record (``NodeID``, ``NodeManagerAddress``,
         ``Resources``).
       platform: ``"gpu"`` or ``"cpu"``.
+      worker_env: environment variables every mesh worker starts with (a Ray that
+        ``alpa.init`` started gives them this process's ``PYTHONPATH``).
     """
 
-    def __init__(self, num_nodes: int | None = None, num_devices_per_node: int | None = None):
+    def __init__(
+        self,
+        num_nodes: int | None = None,
+        num_devices_per_node: int | None = None,
+        worker_env: dict[str, str] | None = None,
+    ):
         import ray
 
         nodes = [n for n in ray.nodes() if n["Alive"]]
@@ -148,6 +155,7 @@ class DeviceCluster:
         self.host_info = [
             {k: n[k] for k in ("NodeID", "NodeManagerAddress", "Resources")} for n in nodes
         ]
+        self.worker_env = dict(worker_env or {})
         self.num_devices_per_host = per_node
         self.spec = self._cluster_spec(nodes)
         self._meshes: dict[tuple, DistributedPhysicalDeviceMesh] = {}
@@ -222,6 +230,14 @@ class DeviceCluster:
                     f"another mesh, a new mesh needs {per_host}: shut down the meshes you no "
                     "longer use (mesh.shutdown(), or alpa.shutdown() and alpa.init again)"
                 )
+
+    def mesh_by_id(self, mesh_id: int) -> DistributedPhysicalDeviceMesh | None:
+        """The running mesh of id ``mesh_id`` (a ``PlacementSpec``'s ``mesh_ids``), or
+        ``None``."""
+        for mesh in self._meshes.values():
+            if mesh.mesh_id == mesh_id and not mesh.is_shut_down:
+                return mesh
+        return None
 
     def get_virtual_physical_mesh(
         self, host_ids: Sequence[int] | None = None, num_devices_per_host: int | None = None
@@ -317,10 +333,10 @@ class DistributedPhysicalDeviceMesh(PhysicalDeviceMesh):
             }
             if cluster.platform == "gpu":
                 options["num_gpus"] = per_host
-                options["runtime_env"] = {"env_vars": gpu_worker_env_vars()}
+                env = gpu_worker_env_vars()
             else:
-                flags = cpu_worker_xla_flags(per_host)
-                options["runtime_env"] = {"env_vars": {"XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}}
+                env = {"XLA_FLAGS": cpu_worker_xla_flags(per_host), "JAX_PLATFORMS": "cpu"}
+            options["runtime_env"] = {"env_vars": {**cluster.worker_env, **env}}
             self.workers.append(
                 actor_class.options(**options).remote(mesh_id, host, len(host_ids), per_host)
             )
@@ -405,6 +421,13 @@ class DistributedPhysicalDeviceMesh(PhysicalDeviceMesh):
         name = uuid.uuid4().hex
         self.call("put", [name], [value], [layout])
         return DistributedArray(self, name, value.shape, value.dtype, layout)
+
+    def tile_placement(self, mesh_shape, axis_names, partition_spec) -> tuple:
+        return self, Layout(tuple(mesh_shape), tuple(axis_names), partition_spec)
+
+    def put_tiled(self, value: Any, mesh_shape, axis_names, partition_spec) -> DistributedArray:
+        _, layout = self.tile_placement(mesh_shape, axis_names, partition_spec)
+        return self.put(np.asarray(value), layout)
 
     def schedule_delete(self, name: str) -> None:
         """Forget buffer ``name`` on the workers (batched with the next ones)."""

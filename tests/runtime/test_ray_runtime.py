@@ -573,7 +573,7 @@ def test_create_state_and_follow_on_a_ray_mesh(ray_cluster):
     rng = np.random.default_rng(0)
     batch = {k: rng.standard_normal((32, 16), dtype=np.float32) for k in ("x", "y")}
     p_train = alpa.parallelize(train_step, method=alpa.Zero3Parallel(devices=mesh))
-    p_create = alpa.parallelize(create_state, method=alpa.CreateStateParallel(p_train, (batch,)))
+    p_create = alpa.parallelize(create_state, method=alpa.CreateStateParallel(p_train, batch))
     p_eval = alpa.parallelize(  # an evaluation step keeps the state: nothing donated
         lambda s, b: loss(s.params, b), method=alpa.FollowParallel(p_train), donate_argnums=()
     )
@@ -620,7 +620,7 @@ def test_create_state_and_follow_a_pipeline_on_ray(ray_cluster):
         return create_train_state(rng, model, [batch["x"]])
 
     p_train = alpa.parallelize(train_step, method=_two_stages_one_per_node(2, "1f1b"))
-    p_create = alpa.parallelize(create_state, method=alpa.CreateStateParallel(p_train, (batch,)))
+    p_create = alpa.parallelize(create_state, method=alpa.CreateStateParallel(p_train, batch))
     p_eval = alpa.parallelize(
         lambda s, b: mlp_inference_step(s, b)[1],
         method=alpa.FollowParallel(p_train, num_micro_batches=2),
@@ -983,6 +983,36 @@ def test_scanned_gpt_rows_stay_on_their_stage_meshes(ray_cluster, tmp_path):
     expected, expected_loss = jitted(expected, batch)
     assert_allclose(loss, expected_loss, rtol=1e-5, atol=1e-6)
     assert_allclose(got.params, expected.params, rtol=1e-4, atol=1e-6)
+
+
+def test_a_ray_cluster_that_does_not_answer_is_not_joined(ray_cluster, monkeypatch, caplog):
+    """``alpa.init("ray")`` without an address joins the cluster ``ray.init("auto")``
+    finds only when it answers: Ray would wait without limit for one that is gone (a
+    killed run's processes) or shutting down, and alpa starts its own instead."""
+    import socket
+
+    import ray._private.services as services
+
+    from alpa.cluster import _auto_cluster_answers
+
+    alpa.global_config.ray_connect_timeout, before = 2.0, alpa.global_config.ray_connect_timeout
+    try:
+        with socket.socket() as closed:  # bound, not listening: refused
+            closed.bind(("127.0.0.1", 0))
+            host, port = closed.getsockname()
+            monkeypatch.setattr(
+                services, "canonicalize_bootstrap_address", lambda a, *_: f"{host}:{port}"
+            )
+            with caplog.at_level("WARNING", logger="alpa"):
+                assert _auto_cluster_answers() is False
+            assert f"the Ray cluster at {host}:{port} does not answer" in caplog.text
+        monkeypatch.setattr(services, "canonicalize_bootstrap_address", lambda a, *_: None)
+        assert _auto_cluster_answers() is False  # none recorded or running
+        address = ray_cluster.address  # the control: a cluster that answers is joined
+        monkeypatch.setattr(services, "canonicalize_bootstrap_address", lambda a, *_: address)
+        assert _auto_cluster_answers() is True
+    finally:
+        alpa.global_config.ray_connect_timeout = before
 
 
 # ----------------------------------------------------------------------------- benchmarks
