@@ -659,6 +659,11 @@ _ALPA_NAMES = {
     "DistributedArray": "alpa.runtime.ray_mesh",
     "DistributedPhysicalDeviceMesh": "alpa.runtime.ray_mesh",
     "DeviceCluster": "alpa.runtime.ray_mesh",
+    "MeshHostWorker": "alpa.runtime.ray_worker",
+    "ReplicatedDistributedArray": "alpa.runtime.remote_arrays",
+    "RemoteArrayRef": "alpa.runtime.remote_arrays",
+    "create_remote_array_refs": "alpa.runtime.remote_arrays",
+    "prefetch": "alpa.runtime.ray_mesh",
 }
 
 

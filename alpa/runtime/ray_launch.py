@@ -38,6 +38,7 @@ from alpa.runtime.ray_mesh import (
     shut_down_error,
     wait_workers,
 )
+from alpa.runtime.remote_arrays import ReplicatedDistributedArray
 from alpa.runtime.worker_program import (
     DummyValue,
     Layout,
@@ -139,6 +140,9 @@ class RayStepLauncher:
             consumed = []
             for leaf, layout in self.mesh_args[i]:
                 x = flat_args[leaf]
+                if isinstance(x, ReplicatedDistributedArray):  # the replica on this mesh
+                    on = x.is_replicated_on_mesh(mesh)
+                    x = x.get_replica_on_mesh(mesh) if on else x.replica
                 if isinstance(x, DistributedArray) and x.mesh.is_shut_down:
                     if x._fetched is None:
                         x._check()  # raises: its data went with its mesh

@@ -487,6 +487,9 @@ class DistributedPhysicalDeviceMesh(PhysicalDeviceMesh):
 class DistributedArray:
     """A value on a distributed mesh, seen from the driver (see the module docstring).
 
+    Alpa's ``DistributedArray(mesh, aval, sharding_spec, remote_ref, indices)`` (an array
+    its workers fill with ``put_buffers``) is accepted too: ``alpa.runtime.remote_arrays``.
+
     ``np.asarray(x)`` or ``x._value`` fetches it (and keeps the copy: the value never
     changes). A handle exists only once its value is computed (steps on Ray return when
     their workers are done), so ``block_until_ready()`` returns at once.
@@ -501,6 +504,10 @@ class DistributedArray:
         layout: Layout,
         weak_type: bool = False,
     ):
+        if not isinstance(name, str):  # Alpa's (mesh, aval, sharding_spec, remote_ref, indices)
+            from alpa.runtime.remote_arrays import alpa_array_args
+
+            name, shape, dtype, layout = alpa_array_args(mesh, name, shape, dtype, layout)
         self.mesh = mesh
         self.name = name
         self.shape = tuple(shape)

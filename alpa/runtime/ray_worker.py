@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -70,6 +71,9 @@ class MeshHostWorker(MeshTransfers):
         self._peak_in_flight: dict[int, int] = {}  # program id -> last step's peak
         self._memory = MemoryStats(self._local_devices)
         self._program_bytes: dict[int, int] = {}  # program id -> XLA's largest allocation
+        self._remote_shards: dict[str, list] = {}  # put_buffers' shards awaiting a layout
+        self._remote_expected: dict[str, list] = {}  # layouts awaiting put_buffers
+        self._remote_lock = threading.Lock()
         self._init_transfers()
 
     # -- setup
@@ -259,6 +263,62 @@ class MeshHostWorker(MeshTransfers):
         block(values)
         for name, path in zip(names, paths, strict=True):
             self._buffers[name] = values[path]
+
+    # -- buffers a program's own function fills (Alpa's weight loading: remote_arrays)
+
+    @property
+    def host_id(self) -> int:
+        """Alpa's name of this worker's host index in its mesh."""
+        return self.host
+
+    @property
+    def local_devices(self) -> list:
+        """This worker's devices, in the order of their shards in ``put_buffers`` (and of
+        ``Layout.shard_indices``, host by host)."""
+        return self._local_devices()
+
+    def put_buffers(
+        self, uuids: Any, datas: Sequence[Any], num_batch: int = 1, batch_dim: int = 0
+    ) -> None:
+        """Alpa's: ``datas[k]`` is local device ``k``'s shard of buffer ``uuids`` (with
+        ``num_batch`` > 1, of the ``num_batch`` buffers ``uuids``, each shard split along
+        ``batch_dim``). The buffer becomes an array once its driver handle says its layout
+        (``expect_buffers``)."""
+        from alpa.runtime.remote_arrays import buffer_name
+
+        uuids = list(uuids) if isinstance(uuids, list | tuple | np.ndarray) else [uuids]
+        if len(datas) != len(self.local_devices) or len(uuids) != num_batch:
+            raise ValueError(
+                f"put_buffers: {len(datas)} shards for {len(self.local_devices)} local devices "
+                f"and {len(uuids)} buffer ids for num_batch={num_batch}"
+            )
+        parts = [np.split(np.asarray(d), num_batch, batch_dim) for d in datas]
+        with self._remote_lock:
+            for b, uuid in enumerate(uuids):
+                name = buffer_name(uuid)
+                self._remote_shards[name] = [p[b] for p in parts]
+                self._adopt_remote(name)
+
+    def expect_buffers(self, names, layouts, shapes, dtypes) -> None:
+        """The layout, shape and dtype of buffers ``put_buffers`` fills (in either order)."""
+        with self._remote_lock:
+            for name, *expected in zip(names, layouts, shapes, dtypes, strict=True):
+                self._remote_expected[name] = expected
+                self._adopt_remote(name)
+
+    def _adopt_remote(self, name: str) -> None:
+        if name not in self._remote_shards or name not in self._remote_expected:
+            return
+        import jax
+
+        layout, shape, dtype = self._remote_expected.pop(name)
+        shards = self._remote_shards.pop(name)
+        sharding = self._sharding(layout)
+        arrays = [
+            jax.device_put(np.asarray(data, dtype), device)
+            for data, device in zip(shards, self.local_devices, strict=True)
+        ]
+        self._buffers[name] = jax.make_array_from_single_device_arrays(shape, sharding, arrays)
 
     def delete(self, names: Sequence[str]) -> None:
         for name in names:

@@ -50,6 +50,27 @@ class Layout:
     axis_names: tuple[str, ...]
     spec: Any  # jax.sharding.PartitionSpec
 
+    def shard_indices(self, shape: tuple[int, ...]) -> list[tuple[slice, ...]]:
+        """Per device of the mesh, in the workers' order (row-major over ``mesh_shape``:
+        host by host, each host's devices in order), the slice of an array of ``shape``
+        that device holds (what ``NamedSharding.devices_indices_map`` gives)."""
+        sizes = dict(zip(self.axis_names, self.mesh_shape, strict=True))
+        entries = tuple(self.spec) + (None,) * (len(shape) - len(tuple(self.spec)))
+        indices = []
+        for flat in range(math.prod(self.mesh_shape)):
+            coords = dict(
+                zip(self.axis_names, np.unravel_index(flat, self.mesh_shape), strict=True)
+            )
+            index = []
+            for size, entry in zip(shape, entries, strict=True):
+                axes = () if entry is None else (entry,) if isinstance(entry, str) else entry
+                part, parts = 0, 1
+                for axis in axes:
+                    part, parts = part * sizes[axis] + int(coords[axis]), parts * sizes[axis]
+                index.append(slice(part * (size // parts), (part + 1) * (size // parts)))
+            indices.append(tuple(index))
+        return indices
+
 
 @dataclass(frozen=True)
 class DummyValue:

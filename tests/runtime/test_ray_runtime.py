@@ -1106,6 +1106,86 @@ def test_alpas_benchmark_api_on_a_ray_pipeline(ray_cluster):
     assert len(memory) == 2 and min(memory) > 0 and group.get_max_memory_allocated() == max(memory)
 
 
+def test_weights_loaded_by_the_mesh_workers_as_alpas_serving(ray_cluster, tmp_path):
+    """Alpa's OPT serving loads its weights on the workers, never through the driver: per
+    parameter a buffer reserved on each mesh that reads it (``create_remote_array_refs``),
+    its handle ``DistributedArray(mesh, aval, spec, ref, indices)`` (a
+    ``ReplicatedDistributedArray`` when several meshes read it: the tied embedding), and
+    a function on every worker that reads its devices' slices from disk and hands them
+    over with ``put_buffers``. The inference step then computes ``jax.jit``'s logits."""
+    from alpa.device_mesh import (
+        DistributedArray,
+        ReplicatedDistributedArray,
+        create_remote_array_refs,
+    )
+    from alpa.model.gpt import GPTConfig, get_gpt_train_state_and_step
+
+    config = GPTConfig(
+        hidden_size=32, num_layers=2, num_heads=4, seq_len=8, vocab_size=64,
+        add_manual_pipeline_markers=True,
+    )  # fmt: skip
+    state, batch, _ = get_gpt_train_state_and_step(config, 8)
+    params = state.params
+
+    def logits(params, batch):
+        return state.apply_fn({"params": params}, batch["input_ids"], batch["position_ids"])
+
+    stages = alpa.ManualStageOption(
+        [[0], [1]], [(1, DEVICES_PER_NODE)] * 2, [(2, 2), (1, DEVICES_PER_NODE)], [{}, {}]
+    )
+    method = alpa.PipeshardParallel(
+        num_micro_batches=2,
+        pipeline_schedule="inference",
+        layer_option="manual",
+        stage_option=stages,
+    )
+    p_logits = alpa.parallelize(logits, method=method, donate_argnums=())
+    avals = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+    executable = p_logits.get_executable(avals, batch)
+    for i, leaf in enumerate(jax.tree.leaves(params)):
+        np.save(tmp_path / f"{i}.npy", np.asarray(leaf))
+    infos = jax.tree.leaves(
+        executable.get_input_placement_specs()[0], is_leaf=lambda x: hasattr(x, "mesh_ids")
+    )
+    group = executable.mesh_group
+    uuids, indices, mesh_ids, arrays = [], [], [], []
+    for info in infos:
+        per_mesh = []
+        for mesh_id, spec, (_, layout) in zip(
+            info.mesh_ids, info.sharding_specs, info.placements, strict=True
+        ):
+            mesh = group[mesh_id]
+            refs, ids = create_remote_array_refs(mesh)
+            index = layout.shard_indices(info.aval.shape)  # Alpa: pxla.spec_to_indices
+            per_mesh.append((mesh, DistributedArray(mesh, info.aval, spec, refs[0], index)))
+            uuids.append(ids[0]), indices.append(index), mesh_ids.append(mesh_id)
+        meshes, handles = zip(*per_mesh, strict=True)
+        arrays.append(
+            handles[0] if len(handles) == 1 else ReplicatedDistributedArray(meshes, handles)
+        )
+    assert any(isinstance(a, ReplicatedDistributedArray) for a in arrays)
+    leaf_of = [i for i, info in enumerate(infos) for _ in info.mesh_ids]
+
+    def load(worker, path, uuids, indices, mesh_ids, leaf_of):
+        for uuid, index, mesh_id, leaf in zip(uuids, indices, mesh_ids, leaf_of, strict=True):
+            if mesh_id == worker.mesh_id:
+                data = np.load(f"{path}/{leaf}.npy")
+                first = worker.host_id * len(worker.local_devices)
+                shards = [data[index[first + k]] for k in range(len(worker.local_devices))]
+                worker.put_buffers(uuid, shards)
+
+    calls = [
+        w.__ray_call__.remote(load, str(tmp_path), uuids, indices, mesh_ids, leaf_of)
+        for mesh in group
+        for w in mesh.workers
+    ]
+    ray = pytest.importorskip("ray")
+    ray.get(calls)
+    loaded = jax.tree.unflatten(jax.tree.structure(params), arrays)
+    assert_allclose(jax.tree.map(np.asarray, loaded), params)
+    assert_allclose(p_logits(loaded, batch), jax.jit(logits)(params, batch), rtol=1e-5, atol=1e-5)
+
+
 def test_init_without_arguments_joins_ray_as_alpas(ray_cluster):
     """``alpa.init()`` is Alpa's: its default cluster is Ray (the one this process is
     connected to). Last in this file: it starts the cluster's meshes afresh."""
