@@ -238,6 +238,11 @@ class LocalDeviceCluster:
     def num_devices(self) -> int:
         return self.num_devices_per_host
 
+    @property
+    def host_info(self) -> list[dict]:
+        """The one host, as a Ray ``DeviceCluster`` lists its nodes."""
+        return self._mesh.host_info
+
     def _checked(self, host_ids, num_devices_per_host) -> int:
         if host_ids is not None and list(host_ids) != [0]:
             raise ValueError(

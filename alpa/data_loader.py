@@ -566,7 +566,12 @@ class MeshDriverDataLoader:
                             leaves, names, layouts, shapes, strict=True
                         )
                     ]
-                wait_workers(calls)
+                try:
+                    wait_workers(calls)
+                except RuntimeError:
+                    for _, mesh, name, _, _ in made:  # what the other workers made of it
+                        mesh.schedule_delete(name)
+                    raise
                 placed: list[Any] = [None] * len(self._specs)
                 for j, mesh, name, layout, shape in made:
                     placed[j] = DistributedArray(

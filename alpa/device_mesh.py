@@ -520,6 +520,11 @@ class PhysicalDeviceMesh(abc.ABC):
     def put_tiled(self, value: Any, mesh_shape, axis_names, partition_spec) -> Any:
         """``value`` placed as :meth:`tile_placement` says."""
 
+    def sync_move_workers(self) -> None:
+        """Alpa's: wait for checkpoint shards moving from a local cache in the background.
+        Saves here are done when they return: nothing to wait for."""
+        return None
+
     @abc.abstractmethod
     def shutdown(self) -> None:
         """Free what the mesh holds."""

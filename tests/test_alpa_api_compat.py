@@ -91,6 +91,7 @@ def test_local_cluster_slices_meshes_as_alpa_programs_do():
     alpa.init("local")
     cluster = alpa.get_global_cluster()
     assert (cluster.num_hosts, cluster.num_devices_per_host, cluster.num_devices) == (1, 8, 8)
+    assert [h["NodeID"] for h in cluster.host_info] == ["local"]  # Alpa's scripts count hosts
     assert cluster.get_physical_mesh([0], 2).devices == tuple(jax.devices()[:2])
     assert cluster.get_physical_mesh().num_devices == 8
     virtual = cluster.get_virtual_physical_mesh([0], 4)

@@ -20,6 +20,7 @@ The executable owns where every leaf lives (its placement specs) and its compile
 from __future__ import annotations
 
 import abc
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -85,9 +86,28 @@ class Executable(abc.ABC):
     @abc.abstractmethod
     def dump_debug_info(self, folder: str) -> None: ...
 
+    @property
+    def _last_outputs(self) -> list[Any]:
+        """The last step's output arrays that the caller still holds: the executable keeps
+        only weak references, so that an output the caller drops (a state, a loss) is
+        freed, here and on Ray workers, as soon as the caller lets go of it."""
+        refs = self.__dict__.get("_last_output_refs", ())
+        return [x for x in (ref() for ref in refs) if x is not None]
+
+    @_last_outputs.setter
+    def _last_outputs(self, outputs: Any) -> None:
+        refs = []
+        for x in jax.tree.leaves(outputs):
+            try:
+                refs.append(weakref.ref(x))
+            except TypeError:  # a Python scalar output: nothing to wait for or free
+                continue
+        self.__dict__["_last_output_refs"] = refs
+
     def sync(self) -> None:
-        """Wait until every computation launched so far has finished."""
-        for array in jax.tree.leaves(getattr(self, "_last_outputs", ())):
+        """Wait until the computations of the last step whose outputs are still held have
+        finished."""
+        for array in self._last_outputs:
             if isinstance(array, jax.Array) and not array.is_deleted():
                 array.block_until_ready()
 
@@ -121,6 +141,12 @@ class Executable(abc.ABC):
         if return_all_costs:
             return [list(mesh) for mesh in zip(*steps, strict=True)]
         return [max(step) for step in steps]
+
+    def sync_move_workers(self) -> None:
+        """Alpa's: wait for the checkpoint shards that a save with ``local_cache_dir``
+        left moving in the background. A save here writes straight to the checkpoint
+        folder and is done when it returns, so there is nothing to wait for."""
+        return None
 
     def get_parallel_plan(self):
         """Every decision of this compile (mesh, shardings; for a pipeline its layers and

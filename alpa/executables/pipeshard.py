@@ -27,6 +27,7 @@ from jax.sharding import NamedSharding
 from alpa.device_mesh import LocalPhysicalDeviceMesh, make_jax_mesh
 from alpa.executables.base import Executable, check_dispatch_args
 from alpa.executables.stage_programs import StagePrograms, hlo_order, input_placement_specs
+from alpa.executables.stage_trace import StageTrace
 from alpa.global_env import global_config
 from alpa.pipeline_parallel import plan_view
 from alpa.pipeline_parallel.computation import StageComputation
@@ -103,7 +104,8 @@ class PipeshardDriverExecutable(Executable):
         self._const_outputs = self.stage_programs.const_outputs(
             {o.name for o in instructions.outputs if isinstance(o, ConstOutput)}
         )
-        self.collect_trace = False
+        self.collect_trace = False  # this executable's own switch (or global_config's)
+        self.stage_trace = StageTrace(len(program.computations))
         self._last_outputs: list = []
         self._step_seconds: list[list[float]] = []
         # Alpa's mesh_group: each submesh's devices, by the mesh ids of the placement specs.
@@ -167,18 +169,41 @@ class PipeshardDriverExecutable(Executable):
         if self._row_split is not None:
             flat_args = self._row_split.split_args(flat_args)
         args = step_arguments(self.program, flat_args, self.num_micro_batches)
+        trace = self.collect_trace or global_config.collect_trace
         timed = global_config.pipeline_sync_for_timer
         if timed:
             self.sync()
         tic = time.perf_counter()
-        outputs = self.runtime.run(args, self._const_outputs, blocking=self.collect_trace)
+        outputs = self.runtime.run(args, self._const_outputs, blocking=trace)
         if timed:
             jax.block_until_ready(outputs)
             self._step_seconds.append([time.perf_counter() - tic])
+        if trace:
+            self._record_trace()
         self._last_outputs = outputs
         if self._row_split is not None:
             outputs = self._row_split.join_outputs(outputs)
         return outputs
+
+    def _record_trace(self) -> None:
+        """The last step's stage computations, each waited for, into ``stage_trace``."""
+        to_wall = time.time() - time.perf_counter()  # the runtime's clock is perf_counter
+        instructions = self.instructions
+        for ins, event in zip(instructions.instructions, self.runtime.events, strict=True):
+            if ins.op is Op.RUN:
+                computation = instructions.kernels[ins.computation].computation
+                self.stage_trace.add(computation, event.start + to_wall, event.end + to_wall)
+
+    def get_stage_execution_info(self) -> list[list[tuple]]:
+        """Alpa's: per stage computation, when each of its traced runs started and
+        stopped, and on which hosts and devices (``stage_trace``; steps run with
+        ``global_config.collect_trace`` set)."""
+        computations = self.program.computations
+
+        def where(c: int):
+            return (0,), tuple(self.meshes[computations[c].stage].devices.flat)
+
+        return self.stage_trace.info(where)
 
     def _check_batch(self, flat_args) -> None:
         k = self.num_micro_batches

@@ -200,9 +200,9 @@ class RayStepLauncher:
                 [max(next(seconds) for _ in mesh.workers) for mesh in self.meshes]
             )
         except RuntimeError:
-            for out in outputs:
+            for out in outputs:  # the workers that finished the step hold these: free them
                 for x in out:
-                    x._mark_donated()
+                    x.delete()
             raise
         self.bytes_sent_last_step = sent
         self._moved = []

@@ -35,15 +35,20 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
+import ray
 
 from alpa.device_memory import MemoryStats
 from alpa.runtime.instructions import InFlight
 from alpa.runtime.memory import allocation_bytes, device_peak_bytes
 from alpa.runtime.nccl_transport import nccl_available
 from alpa.runtime.worker_ops import HANDLERS, LoadedProgram
-from alpa.runtime.worker_program import DummyValue, ExportedFn, Layout, WorkerProgram
+from alpa.runtime.worker_program import DummyValue, ExportedFn, Layout, WorkerOp, WorkerProgram
 from alpa.runtime.worker_transfers import MeshTransfers
 from alpa.xla_compile import compile_lowered, hlo_text
+
+#: The concurrency group (one thread) of the calls that must run in the order the driver
+#: sent them: freeing buffers, and listing those left.
+BOOKKEEPING = "bookkeeping"
 
 
 class MeshHostWorker(MeshTransfers):
@@ -74,6 +79,8 @@ class MeshHostWorker(MeshTransfers):
         self._remote_shards: dict[str, list] = {}  # put_buffers' shards awaiting a layout
         self._remote_expected: dict[str, list] = {}  # layouts awaiting put_buffers
         self._remote_lock = threading.Lock()
+        self._traced: set[int] = set()  # programs whose RUNs are waited for and timed
+        self._run_times: dict[int, list] = {}  # program id -> last step's (op, start, stop)
         self._init_transfers()
 
     # -- setup
@@ -284,8 +291,6 @@ class MeshHostWorker(MeshTransfers):
         ``num_batch`` > 1, of the ``num_batch`` buffers ``uuids``, each shard split along
         ``batch_dim``). The buffer becomes an array once its driver handle says its layout
         (``expect_buffers``)."""
-        from alpa.runtime.remote_arrays import buffer_name
-
         uuids = list(uuids) if isinstance(uuids, list | tuple | np.ndarray) else [uuids]
         if len(datas) != len(self.local_devices) or len(uuids) != num_batch:
             raise ValueError(
@@ -295,9 +300,8 @@ class MeshHostWorker(MeshTransfers):
         parts = [np.split(np.asarray(d), num_batch, batch_dim) for d in datas]
         with self._remote_lock:
             for b, uuid in enumerate(uuids):
-                name = buffer_name(uuid)
-                self._remote_shards[name] = [p[b] for p in parts]
-                self._adopt_remote(name)
+                self._remote_shards[str(uuid)] = [p[b] for p in parts]
+                self._adopt_remote(str(uuid))
 
     def expect_buffers(self, names, layouts, shapes, dtypes) -> None:
         """The layout, shape and dtype of buffers ``put_buffers`` fills (in either order)."""
@@ -320,9 +324,24 @@ class MeshHostWorker(MeshTransfers):
         ]
         self._buffers[name] = jax.make_array_from_single_device_arrays(shape, sharding, arrays)
 
+    @ray.method(concurrency_group=BOOKKEEPING)
     def delete(self, names: Sequence[str]) -> None:
         for name in names:
             self._buffers.pop(name, None)
+
+    @ray.method(concurrency_group=BOOKKEEPING)
+    def get_live_buffer_uuids(self) -> list[str]:
+        """Alpa's: the names of the buffers this worker holds, after every ``delete`` the
+        driver sent before this call (both run in order, in one thread)."""
+        return sorted(self._buffers)
+
+    def device_buffers(self, name: str) -> list[np.ndarray]:
+        """Every device's block of buffer ``name`` on this host, in the order of its mesh's
+        devices (Alpa's ``get_buffers``; replicas included)."""
+        x = self._get(name)
+        position = {d: i for i, d in enumerate(x.sharding.mesh.devices.flat)}
+        shards = sorted(x.addressable_shards, key=lambda s: position[s.device])
+        return [np.asarray(s.data) for s in shards]
 
     def _get(self, name: str):
         try:
@@ -456,6 +475,8 @@ class MeshHostWorker(MeshTransfers):
     def unload_program(self, program_id: int) -> None:
         self._programs.pop(program_id, None)
         self._program_bytes.pop(program_id, None)
+        self._run_times.pop(program_id, None)
+        self._traced.discard(program_id)
 
     def run_step(
         self,
@@ -478,9 +499,17 @@ class MeshHostWorker(MeshTransfers):
         for name in consumed:
             self._buffers.pop(name, None)
         in_flight = InFlight(1)
+        traced = program_id in self._traced
+        times = self._run_times[program_id] = []
         try:
-            for ins, born, dead in zip(program.instructions, loaded.born, loaded.dead, strict=True):
+            for i, (ins, born, dead) in enumerate(
+                zip(program.instructions, loaded.born, loaded.dead, strict=True)
+            ):
+                start = time.time()
                 HANDLERS[ins.op](self, loaded, ins, env, resolved, step_id)
+                if traced and ins.op is WorkerOp.RUN:
+                    jax.block_until_ready([env[slot] for slot in ins.out_slots])
+                    times.append((i, start, time.time()))
                 for micro_batch in born:
                     in_flight.written(0, micro_batch)
                 for slot in ins.free:
@@ -499,6 +528,18 @@ class MeshHostWorker(MeshTransfers):
         seconds = time.perf_counter() - tic
         self._memory.observe(self._program_bytes[program_id])
         return seconds
+
+    def trace_runs(self, program_id: int, on: bool) -> None:
+        """From the next step of program ``program_id`` on, wait for each ``RUN`` and
+        record when it started and stopped (``collect_trace``), or stop doing so."""
+        if on:
+            self._traced.add(program_id)
+        else:
+            self._traced.discard(program_id)
+
+    def run_times(self, program_id: int) -> list[tuple[int, float, float]]:
+        """The last traced step's ``RUN`` s: (instruction index, start, stop), wall clock."""
+        return list(self._run_times.get(program_id, ()))
 
     def peak_live_micro_batches(self, program_id: int) -> int:
         """The most micro-batches whose buffers (written by a ``RUN``) this worker held at

@@ -40,28 +40,17 @@ _counter = itertools.count()
 
 @dataclass(frozen=True)
 class RemoteArrayRef:
-    """A buffer name reserved on ``device_mesh`` (Alpa's ``RemoteArrayRef``)."""
+    """Alpa's handle of a buffer on a mesh's workers: its mesh and name (``uuid``)."""
 
     device_mesh: Any
-    uuid: int
-
-    @property
-    def name(self) -> str:
-        """The name the mesh's workers hold the buffer under."""
-        return buffer_name(self.uuid)
+    uuid: str
 
 
-def create_remote_array_refs(device_mesh: Any, number: int = 1) -> tuple[list, list[int]]:
+def create_remote_array_refs(device_mesh: Any, number: int = 1) -> tuple[list, list[str]]:
     """``number`` buffer names reserved on ``device_mesh``: ``(refs, uuids)``, as Alpa's;
     a worker stores a buffer under ``uuid`` with ``put_buffers(uuid, datas)``."""
-    uuids = [next(_counter) for _ in range(number)]
+    uuids = [f"remote-{next(_counter)}" for _ in range(number)]
     return [RemoteArrayRef(device_mesh, u) for u in uuids], uuids
-
-
-def buffer_name(uuid: int | str) -> str:
-    """The name of the buffer that ``put_buffers(uuid, ...)`` fills (the driver numbers
-    its reserved buffers; every other buffer is named by a random hex string)."""
-    return uuid if isinstance(uuid, str) else f"remote-{int(uuid)}"
 
 
 def _normalized(indices: Sequence[Sequence[slice]], shape: Sequence[int]) -> list[tuple]:
@@ -108,8 +97,8 @@ def alpa_array_args(mesh: Any, aval: Any, spec: Any, ref: RemoteArrayRef, indice
         raise ValueError("remote_ref was reserved on another mesh than the array's")
     shape, dtype = tuple(aval.shape), np.dtype(aval.dtype)
     layout = layout_of(mesh.num_devices, spec, shape, indices)
-    mesh.call("expect_buffers", [ref.name], [layout], [shape], [dtype])
-    return ref.name, shape, dtype, layout
+    mesh.call("expect_buffers", [ref.uuid], [layout], [shape], [dtype])
+    return ref.uuid, shape, dtype, layout
 
 
 class ReplicatedDistributedArray:

@@ -688,6 +688,9 @@ def test_data_loaders_place_batches_on_the_mesh_workers(ray_cluster, tmp_path):
     worker_pids = {w["pid"] for w in alpa.get_global_physical_mesh().worker_info}
     assert {c[3] for c in calls} == worker_pids  # read by the two mesh workers
     assert os.getpid() not in worker_pids
+    # Alpa's: each batch is the list of its leaves, in the order of the specs' leaves.
+    assert all(isinstance(leaves, list) and len(leaves) == 2 for leaves in from_hosts)
+    from_hosts = [jax.tree.unflatten(jax.tree.structure(specs), b) for b in from_hosts]
     # A bad host batch is an error of the worker that read it, at its batch.
     short = alpa.MeshDriverDataLoader(32, 4 * 32, input_iter_func, specs)  # 3 batches of data
     with pytest.raises(RuntimeError, match=r"host 1 .*\n?.*batch 2 of input_iter_func\(64, 128"):
@@ -719,6 +722,158 @@ def test_data_loaders_place_batches_on_the_mesh_workers(ray_cluster, tmp_path):
         for batch in loaded:
             trained = p_step(trained, batch)
         assert_allclose(trained.params, serial.params)
+
+
+def test_data_loader_with_alpas_placement_specs_on_ray(ray_cluster):
+    """``PlacementSpec(aval, (mesh_id,), (sharding_spec,))`` as Alpa's programs write them,
+    with jax-0.3 specs (``make_tile_spec``), on a mesh over both hosts; the workers read
+    tuples of leaves."""
+    from alpa.pxla_spec import Chunked, NoSharding, ShardedAxis, ShardingSpec
+    from alpa.runtime.placement import PlacementSpec
+
+    mesh = alpa.get_global_physical_mesh()
+    data = np.arange(4 * 32 * 8, dtype=np.float32).reshape(4 * 32, 8)
+
+    def input_iter_func(start, end, batch_size):
+        for i in range(start, end, batch_size):
+            yield data[i : i + batch_size], data[i : i + batch_size, 0].astype(np.int32)
+
+    x_aval = jax.core.ShapedArray((32, 8), np.float32)
+    y_spec = ShardingSpec((Chunked([2 * DEVICES_PER_NODE]),), (ShardedAxis(0),))
+    specs = [
+        PlacementSpec(
+            x_aval,
+            (mesh.mesh_id,),
+            (mesh.get_logical_mesh().make_tile_spec(x_aval, [0, 1], [0, 1]),),
+        ),  # fmt: skip
+        PlacementSpec(jax.core.ShapedArray((32,), np.int32), (mesh.mesh_id,), (y_spec,)),
+    ]
+    loader = alpa.MeshDriverDataLoader(32, 4 * 32, input_iter_func, specs)
+    assert loader.read_ranges == [(0, 64, 16), (64, 128, 16)]  # rows halved over the hosts
+    batches = list(loader)
+    assert len(batches) == 4
+    for k, (x, y) in enumerate(batches):
+        assert isinstance(x, alpa.DistributedArray) and x.mesh is mesh
+        assert x.layout == Layout((2, DEVICES_PER_NODE), ("x", "y"), P("x", "y"))
+        assert y.layout == Layout((2 * DEVICES_PER_NODE,), ("x",), P("x"))
+        # Row r of batch k: the host of r reads rows [h * 64, (h + 1) * 64) 16 at a time.
+        rows = np.concatenate([data[h * 64 + k * 16 : h * 64 + (k + 1) * 16] for h in (0, 1)])
+        np.testing.assert_array_equal(np.asarray(x), rows)
+        np.testing.assert_array_equal(np.asarray(y), rows[:, 0].astype(np.int32))
+    assert NoSharding() == NoSharding()
+
+
+# ----------------------------------------------------------------------------- Alpa's arrays
+
+
+def test_alpas_tile_specs_remote_buffers_save_and_load(ray_cluster, tmp_path):
+    """Alpa's DistributedArray API on a (2, 2) view of one host's 4 devices: arrays placed
+    by ``shard_args_to_arrays`` as ``make_tile_spec`` says, every device's block read
+    back by ``get_remote_buffers``, one copy saved and loaded in another layout."""
+    mesh = alpa.get_global_cluster().get_physical_mesh((0,), DEVICES_PER_NODE)
+    logical = mesh.get_logical_mesh([2, 2])
+    data = np.arange(8, dtype=np.int32).reshape(4, 2)
+    aval = jax.core.ShapedArray(data.shape, np.int32)
+    spec = logical.make_tile_spec(data, [0, 1], [0, 1])
+    indices = spec.indices(data.shape).flatten()
+    (x,) = mesh.shard_args_to_arrays((aval,), (indices,), (spec,), (data,))
+    assert isinstance(x, alpa.DistributedArray) and x.device_mesh is mesh
+    assert x.layout == Layout((2, 2), ("x", "y"), P("x", "y"))
+    blocks = mesh.get_remote_buffers(x.remote_ref, batching=True)
+    assert np.array(blocks).tolist() == [[[0], [2]], [[1], [3]], [[4], [6]], [[5], [7]]]
+    ((block,),) = mesh.get_remote_buffers([x.remote_ref], [[(0, 3)]])  # host 0, device 3
+    np.testing.assert_array_equal(block, blocks[3])
+
+    ckpt, cache = str(tmp_path / "ckpt"), str(tmp_path / "cache")
+    x.save(ckpt, cache)
+    mesh.sync_move_workers()
+    rows = logical.make_tile_spec(data, [0, 1], [0])  # as Alpa: the pairs of the shorter list
+    y = alpa.DistributedArray.load(ckpt, aval, mesh, rows)
+    assert y.layout == Layout((2, 2), ("x", "y"), P("x", None))
+    half = [[[0, 1], [2, 3]]] * 2 + [[[4, 5], [6, 7]]] * 2
+    assert np.array(mesh.get_remote_buffers(y.remote_ref)).tolist() == half
+    np.testing.assert_array_equal(np.asarray(y), data)
+    with pytest.raises(FileNotFoundError, match=r"no array saved there"):
+        alpa.DistributedArray.load(str(tmp_path), aval, mesh, rows)
+
+
+def test_alpas_live_buffer_uuids_see_every_freed_buffer(ray_cluster):
+    """Alpa's memory-leak check: with ``delete_remote_arrays_threshold = 0`` every buffer
+    the driver lets go of is gone from the workers by the next
+    ``get_live_buffer_uuids``, which lists exactly the arrays the driver still holds.
+    ``preshard_dynamic_args`` puts the arguments on the workers first."""
+    import ray
+
+    before = alpa.global_config.delete_remote_arrays_threshold
+    alpa.global_config.delete_remote_arrays_threshold = 0
+    try:
+        for method, markers in [
+            (alpa.ShardParallel(num_micro_batches=2), False),
+            (_two_stages_one_per_node(2, "1f1b"), True),
+        ]:
+            state, batch, step = get_mlp_train_state_and_step(
+                32, 16, add_manual_pipeline_marker=markers
+            )
+            p_step = alpa.parallelize(step, method=method)
+            state, batch = p_step.preshard_dynamic_args(state, batch)
+            executable = p_step.get_last_executable()
+            leaves = jax.tree.leaves((state, batch))
+            assert all(isinstance(x, alpa.DistributedArray) for x in leaves)
+            placed = jax.tree.leaves(executable.get_input_placement_specs(), is_leaf=_is_placement)
+            assert [(x.mesh, x.layout) for x in leaves] == [s.placements[0] for s in placed]
+            for _ in range(2):
+                state = p_step(state, batch)
+            assert executable.bytes_sent_last_step < 4096 * 4  # the batch is on the workers
+            del state, batch, leaves
+            gc.collect()
+            handles = [
+                x
+                for x in gc.get_objects()
+                if isinstance(x, alpa.DistributedArray) and not x.is_deleted()
+            ]
+            meshes = getattr(executable, "meshes", None) or [executable.physical_mesh]
+            for mesh in meshes:
+                held = {x.name for x in handles if x.mesh is mesh}
+                for worker in mesh.workers:
+                    live = set(ray.get(worker.get_live_buffer_uuids.remote()))
+                    assert live == held, (type(executable).__name__, mesh, live - held)
+    finally:
+        alpa.global_config.delete_remote_arrays_threshold = before
+
+
+def test_collect_trace_on_ray_times_every_stage_computation(ray_cluster):
+    method = _two_stages_one_per_node(2, "1f1b")
+    state, batch, step = get_mlp_train_state_and_step(32, 16, add_manual_pipeline_marker=True)
+    p_step = alpa.parallelize(step, method=method)
+    state = p_step(state, batch)  # not traced
+    executable = p_step.get_last_executable()
+    assert all(runs == [] for runs in executable.get_stage_execution_info())
+    alpa.global_config.collect_trace = True
+    try:
+        before = time.time()
+        for _ in range(2):
+            state = p_step(state, batch)
+        after = time.time()
+    finally:
+        alpa.global_config.collect_trace = False
+    state = p_step(state, batch)  # not traced: the workers stopped timing
+    info = executable.get_stage_execution_info()
+    computations = executable.program.computations
+    assert len(info) == len(computations)
+    for comp, runs in zip(computations, info, strict=True):
+        # Per step: a forward and a backward per micro-batch, each apply-grad once.
+        assert len(runs) == (2 if comp.kind == "apply" else 4), comp.name
+        mesh = executable.meshes[comp.stage]
+        for start, stop, hosts, devices in runs:
+            assert before <= start <= stop <= after
+            assert hosts == mesh.host_ids and devices == tuple(range(DEVICES_PER_NODE))
+    # One mesh runs one computation at a time: its traced runs do not overlap.
+    for stage in (0, 1):
+        spans = sorted(
+            run[:2] for c, runs in zip(computations, info, strict=True) if c.stage == stage
+            for run in runs
+        )  # fmt: skip
+        assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:], strict=False))
 
 
 # ----------------------------------------------------------------------------- checkpoints
