@@ -35,6 +35,7 @@ from alpa.call_checks import (
     batch_argnums_phrase,
     check_batch_is_not_differentiated,
     check_batch_is_not_state,
+    check_concrete,
     check_not_deleted,
     check_static_args,
     is_train_state,
@@ -443,6 +444,7 @@ class ParallelizedFunc:
                 return out
         executable, leaves, static = self._compile(args)
         check_not_deleted(self.name, leaves, lambda: self._flatten(args, static)[1])
+        check_concrete(self.name, leaves, lambda: self._flatten(args, static)[1])
         placing = hit is not None and hit.executable is executable
         outs = executable.launch(leaves)
         # The next call that looks like this one skips the key; if this executable's

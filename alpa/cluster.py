@@ -20,6 +20,7 @@ from typing import Any
 import jax
 
 from alpa.device_mesh import LocalPhysicalDeviceMesh, VirtualPhysicalMesh
+from alpa.flax_patches import install_flax_patches
 
 logger = logging.getLogger("alpa")
 
@@ -31,7 +32,7 @@ _global_virtual_mesh: VirtualPhysicalMesh | None = None  # set_global_virtual_ph
 
 
 def init(
-    cluster: str = "local",
+    cluster: str = "ray",
     cluster_address: str | None = None,
     num_nodes: int | None = None,
     num_devices_per_node: int | None = None,
@@ -41,12 +42,16 @@ def init(
 ) -> None:
     """Connect alpa to a cluster. A second ``init`` before ``shutdown`` does nothing.
 
+    Without any ``init``, the first ``parallelize`` call runs on the local devices (an
+    implied ``init("local")``); an explicit ``alpa.init()`` is Alpa's, whose default
+    cluster is Ray.
+
     Args:
-      cluster: ``"local"``: the devices of this process (GPUs, or virtual CPU devices).
-        ``"ray"``: the Ray cluster this process is connected to (``ray.init()`` called
-        before), else the one at ``cluster_address``, else a running one
-        (``address="auto"``), else a new local one; mesh workers own the devices
-        (``docs/ray.md``).
+      cluster: ``"ray"`` (the default, as Alpa's): the Ray cluster this process is
+        connected to (``ray.init()`` called before), else the one at ``cluster_address``,
+        else a running one (``address="auto"``), else a new local one; mesh workers own the
+        devices (``docs/ray.md``). ``"local"``: the devices of this process (GPUs, or
+        virtual CPU devices).
       cluster_address: with ``"ray"``, the address of the Ray cluster to connect to
         (``host:port`` of its head, or ``ray://host:port``). One where no gRPC server
         answers within ``global_config.ray_connect_timeout`` seconds (default 10) raises
@@ -60,6 +65,7 @@ def init(
         (``num_devices_per_node=k`` takes the first ``k`` of them).
     """
     global _global_physical_mesh, _global_cluster, _init_args
+    install_flax_patches()  # Alpa's additions to flax, which its programs use from here on
     args = (cluster, cluster_address, num_nodes, num_devices_per_node, namespace, devices)
     if _global_physical_mesh is not None or _global_cluster is not None:
         if _init_args is not None and args != _init_args:

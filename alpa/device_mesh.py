@@ -35,6 +35,8 @@ from typing import Any
 
 import numpy as np
 
+from alpa.device_memory import MemoryStats
+
 MESH_AXIS_NAMES = ("x", "y")
 
 
@@ -177,6 +179,9 @@ class LogicalDeviceMesh:
     axis_names: tuple[str, str] = MESH_AXIS_NAMES
     device_flops: float = 1000.0
     memory_bandwidth: float = 10.0
+    #: The physical mesh this is a view of (``PhysicalDeviceMesh.get_logical_mesh``): a
+    #: method given the view runs there, also when its devices are another process's.
+    physical_mesh: Any = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
         shape = tuple(self.shape)
@@ -433,6 +438,7 @@ def _logical_view(
         devices=devices,
         device_flops=cluster.device_flops,
         memory_bandwidth=cluster.memory_bandwidth,
+        physical_mesh=mesh if isinstance(mesh, PhysicalDeviceMesh) else None,
     )
     return hardware.with_alpha_beta(mesh_alpha or None, mesh_beta or None)
 
@@ -523,6 +529,24 @@ class PhysicalDeviceMesh(abc.ABC):
     def shutdown(self) -> None:
         """Free what the mesh holds."""
 
+    # Alpa's memory statistics and synchronization (``alpa.device_memory``).
+
+    @abc.abstractmethod
+    def sync_workers(self) -> None:
+        """Wait until every computation launched on the mesh's devices has finished."""
+
+    @abc.abstractmethod
+    def get_memory_allocated(self) -> int:
+        """Bytes a device of the mesh holds now (the most over its devices)."""
+
+    @abc.abstractmethod
+    def get_max_memory_allocated(self) -> int:
+        """The most bytes a device of the mesh held since :meth:`reset_memory_stats`."""
+
+    @abc.abstractmethod
+    def reset_memory_stats(self) -> None:
+        """Start :meth:`get_max_memory_allocated` again from what is held now."""
+
 
 class LocalPhysicalDeviceMesh(PhysicalDeviceMesh):
     """Devices of this process, seen as one host.
@@ -552,6 +576,7 @@ class LocalPhysicalDeviceMesh(PhysicalDeviceMesh):
                 )
         self.devices = tuple(devices)
         self.cluster = cluster or ClusterSpec.local()
+        self._memory = MemoryStats(lambda: self.devices)
 
     num_hosts = 1
     #: Alpa's mesh id: the one mesh of this process is mesh 0 of its placement specs.
@@ -606,6 +631,25 @@ class LocalPhysicalDeviceMesh(PhysicalDeviceMesh):
     def shutdown(self) -> None:
         """Nothing to free: the devices belong to this process."""
 
+    def sync_workers(self) -> None:
+        """Wait for every live array on the mesh's devices: the outputs of every
+        computation launched on them (the mesh's "workers" are this process)."""
+        import jax
+
+        wanted = set(self.devices)
+        arrays = [a for a in jax.live_arrays() if not a.is_deleted() and wanted & a.devices()]
+        jax.block_until_ready(arrays)
+        self._memory.observe()
+
+    def get_memory_allocated(self) -> int:
+        return self._memory.allocated()
+
+    def get_max_memory_allocated(self) -> int:
+        return self._memory.max_allocated()
+
+    def reset_memory_stats(self) -> None:
+        self._memory.reset()
+
     def __repr__(self) -> str:
         return f"LocalPhysicalDeviceMesh({len(self.devices)} x {self.devices[0].platform})"
 
@@ -620,6 +664,11 @@ _ALPA_NAMES = {
     "DistributedArray": "alpa.runtime.ray_mesh",
     "DistributedPhysicalDeviceMesh": "alpa.runtime.ray_mesh",
     "DeviceCluster": "alpa.runtime.ray_mesh",
+    "MeshHostWorker": "alpa.runtime.ray_worker",
+    "ReplicatedDistributedArray": "alpa.runtime.remote_arrays",
+    "RemoteArrayRef": "alpa.runtime.remote_arrays",
+    "create_remote_array_refs": "alpa.runtime.remote_arrays",
+    "prefetch": "alpa.runtime.ray_mesh",
 }
 
 

@@ -111,6 +111,37 @@ class Executable(abc.ABC):
             if isinstance(array, jax.Array) and not array.is_deleted():
                 array.block_until_ready()
 
+    def hit_dispatch(self, placing: bool) -> Any:
+        """What a cache hit of the parallelized function calls (``call_cache``):
+        :meth:`dispatch`, or with ``placing`` :meth:`placing_dispatch`."""
+        return self.placing_dispatch() if placing else self.dispatch
+
+    def step_seconds(self) -> list[list[float]]:
+        """Per step this executable ran and timed, per mesh, its seconds (see
+        :meth:`get_execution_time_costs`)."""
+        return getattr(self, "_step_seconds", [])
+
+    def get_execution_time_costs(
+        self, timer_name: str | None = None, return_all_costs: bool = False
+    ) -> list:
+        """Alpa's step timer: the seconds each step this executable ran took, in order
+        (Alpa's benchmarks drop the first, warm-up ones); with ``return_all_costs``, per
+        mesh the list of its seconds. A step's time is its slowest mesh's. On Ray each
+        mesh's workers time their part of every step (from its arguments to its outputs
+        computed); on the local runtime a step is timed from its call until its outputs
+        are computed, while ``global_config.shard_parallel_sync_for_timer`` (one mesh) or
+        ``pipeline_sync_for_timer`` (a pipeline) is set, and not otherwise (a step is
+        then XLA's asynchronous dispatch, whose time says nothing of the computation)."""
+        if timer_name not in (None, "overall"):
+            raise ValueError(
+                f"timer_name={timer_name!r}: an executable times whole steps, its only timer "
+                "is 'overall' (or None)"
+            )
+        steps = self.step_seconds()
+        if return_all_costs:
+            return [list(mesh) for mesh in zip(*steps, strict=True)]
+        return [max(step) for step in steps]
+
     def sync_move_workers(self) -> None:
         """Alpa's: wait for the checkpoint shards that a save with ``local_cache_dir``
         left moving in the background. A save here writes straight to the checkpoint

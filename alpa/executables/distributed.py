@@ -181,6 +181,14 @@ class DistributedMeshExecutable(PricedPlan, Executable):
     def sync(self) -> None:
         """Steps on Ray return when every worker finished; nothing is left to wait for."""
 
+    def step_seconds(self) -> list[list[float]]:
+        return self.launcher.mesh_step_seconds
+
+    def get_total_allocation_size(self) -> int:
+        """Bytes one device allocates for this step (arguments, outputs, temporaries), from
+        XLA's memory analysis as the mesh's first worker compiled it."""
+        return self.mesh.call("allocation_size", self.launcher.program_id)[0]
+
     @property
     def physical_mesh(self):
         """Alpa's name of the mesh the step runs on (its workers: ``.workers``)."""

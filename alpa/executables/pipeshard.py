@@ -24,7 +24,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from alpa.device_mesh import make_jax_mesh
+from alpa.device_mesh import LocalPhysicalDeviceMesh, make_jax_mesh
 from alpa.executables.base import Executable, check_dispatch_args
 from alpa.executables.stage_programs import StagePrograms, hlo_order, input_placement_specs
 from alpa.executables.stage_trace import StageTrace
@@ -43,7 +43,8 @@ from alpa.runtime.instructions import (
 )
 from alpa.runtime.local_runtime import LocalPipelineRuntime, RuntimeContext
 from alpa.runtime.memory import allocation_bytes, device_peak_bytes, step_peak_bytes
-from alpa.runtime.placement import PlacementSpec, caller_placements, is_placed
+from alpa.runtime.mesh_group import PhysicalMeshGroup
+from alpa.runtime.placement import PlacementSpec, caller_placements, is_abstract, place_leaf
 from alpa.shard_parallel.compile import full_batch_avals
 from alpa.tracing import leaf_signature
 from alpa.xla_compile import compile_lowered, hlo_text
@@ -106,6 +107,12 @@ class PipeshardDriverExecutable(Executable):
         self.collect_trace = False  # this executable's own switch (or global_config's)
         self.stage_trace = StageTrace(len(program.computations))
         self._last_outputs: list = []
+        self._step_seconds: list[list[float]] = []
+        # Alpa's mesh_group: each submesh's devices, by the mesh ids of the placement specs.
+        self.mesh_group = PhysicalMeshGroup(
+            [LocalPhysicalDeviceMesh(list(m.devices.flat)) for m in self.meshes],
+            range(len(self.meshes)),
+        )
         full = full_batch_avals(self.traced, plan.num_micro_batches)
         self._signatures = [leaf_signature(a) for a in full]
 
@@ -157,11 +164,20 @@ class PipeshardDriverExecutable(Executable):
         return self._run(flat_args)
 
     def _run(self, flat_args: Sequence[Any]) -> list:
+        if any(is_abstract(x) for x in flat_args):  # dummy values, made where they are read
+            flat_args = self.preshard_flat_args(flat_args)
         if self._row_split is not None:
             flat_args = self._row_split.split_args(flat_args)
         args = step_arguments(self.program, flat_args, self.num_micro_batches)
         trace = self.collect_trace or global_config.collect_trace
+        timed = global_config.pipeline_sync_for_timer
+        if timed:
+            self.sync()
+        tic = time.perf_counter()
         outputs = self.runtime.run(args, self._const_outputs, blocking=trace)
+        if timed:
+            jax.block_until_ready(outputs)
+            self._step_seconds.append([time.perf_counter() - tic])
         if trace:
             self._record_trace()
         self._last_outputs = outputs
@@ -208,10 +224,7 @@ class PipeshardDriverExecutable(Executable):
         args = flat_args if split is None else split.split_args(flat_args)
         for v, arg, is_batch in zip(step.jaxpr.invars, args, step.batch_invars, strict=True):
             sharding = None if is_batch else self._sharding(v, self.program.input_stages[v][0])
-            if sharding is None or is_placed(arg, sharding):
-                out.append(arg)
-            else:
-                out.append(jax.device_put(arg, sharding))
+            out.append(place_leaf(arg, sharding))
         return out if split is None else split.join_inputs(out)
 
     def flat_input_placement_specs(self) -> list[PlacementSpec]:

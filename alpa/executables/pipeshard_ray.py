@@ -37,6 +37,7 @@ from alpa.pipeline_parallel.pipeshard_plan import PipeshardPlan
 from alpa.pipeline_parallel.program_rewrites import step_arguments
 from alpa.pipeline_parallel.stage_sharding import DATA_AXES
 from alpa.runtime.instructions import ConstOutput, MicroBatchOutput, Op, activation_keys
+from alpa.runtime.mesh_group import PhysicalMeshGroup
 from alpa.runtime.placement import PlacementSpec, caller_placements, place
 from alpa.runtime.ray_launch import MeshOutput, RayStepLauncher
 from alpa.runtime.ray_mesh import DistributedPhysicalDeviceMesh, wait_workers
@@ -132,6 +133,7 @@ class PipeshardRayExecutable(Executable):
         self._const_outputs = stages.const_outputs(const_names)
         activations = activation_keys(plan.instructions)
         self._programs = [b.build(activations) for b in builders]
+        self.mesh_group = PhysicalMeshGroup(self.meshes, [m.mesh_id for m in self.meshes])
         self._computation_of = [b.computation_of for b in builders]
         self.stage_trace = StageTrace(len(plan.program.computations))
         self._tracing = False
@@ -344,6 +346,9 @@ class PipeshardRayExecutable(Executable):
                 outputs.append(jax.numpy.asarray(value))
         self._last_outputs = outputs
         return outputs if split is None else split.join_outputs(outputs)
+
+    def step_seconds(self) -> list[list[float]]:
+        return self.launcher.mesh_step_seconds
 
     def sync(self) -> None:
         """Steps on Ray return when every worker finished; nothing is left to wait for."""

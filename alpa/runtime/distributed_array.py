@@ -20,11 +20,11 @@ from __future__ import annotations
 import math
 import os
 import weakref
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from alpa.runtime.remote_arrays import RemoteArrayRef, alpa_array_args
 from alpa.runtime.worker_program import Layout
 
 if TYPE_CHECKING:
@@ -34,16 +34,11 @@ if TYPE_CHECKING:
 ARRAY_FOLDER = "distributed_array"
 
 
-@dataclass(frozen=True)
-class RemoteArrayRef:
-    """Alpa's handle of a buffer on a mesh's workers: its mesh and name (``uuid``)."""
-
-    device_mesh: Any
-    uuid: str
-
-
 class DistributedArray:
     """A value on a distributed mesh, seen from the driver (see the module docstring).
+
+    Alpa's ``DistributedArray(mesh, aval, sharding_spec, remote_ref, indices)`` (an array
+    its workers fill with ``put_buffers``) is accepted too: ``alpa.runtime.remote_arrays``.
 
     ``np.asarray(x)`` or ``x._value`` fetches it (and keeps the copy: the value never
     changes). A handle exists only once its value is computed (steps on Ray return when
@@ -59,6 +54,8 @@ class DistributedArray:
         layout: Layout,
         weak_type: bool = False,
     ):
+        if not isinstance(name, str):  # Alpa's (mesh, aval, sharding_spec, remote_ref, indices)
+            name, shape, dtype, layout = alpa_array_args(mesh, name, shape, dtype, layout)
         self.mesh = mesh
         self.name = name
         self.shape = tuple(shape)

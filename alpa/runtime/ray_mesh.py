@@ -47,7 +47,7 @@ from alpa.runtime.distributed_array import (  # noqa: F401 (Alpa's path of prefe
     prefetch,
     shut_down_error,
 )
-from alpa.runtime.worker_program import Layout
+from alpa.runtime.worker_program import DummyValue, Layout
 
 logger = logging.getLogger("alpa")
 
@@ -412,9 +412,11 @@ class DistributedPhysicalDeviceMesh(PhysicalDeviceMesh):
         )
 
     def put(self, value: Any, layout: Layout) -> DistributedArray:
-        """A host array placed on this mesh as ``layout`` (a ``Layout`` whose logical
-        shape has this mesh's number of devices)."""
-        value = np.asarray(value)
+        """A host array (or a ``DummyValue``, which the workers fill) placed on this mesh
+        as ``layout`` (a ``Layout`` whose logical shape has this mesh's number of
+        devices)."""
+        if not isinstance(value, DummyValue):
+            value = np.asarray(value)
         if math.prod(layout.mesh_shape) != self.num_devices:
             raise ValueError(
                 f"layout mesh_shape {layout.mesh_shape} has {math.prod(layout.mesh_shape)} "
@@ -488,6 +490,20 @@ class DistributedPhysicalDeviceMesh(PhysicalDeviceMesh):
     def _check_alive(self) -> None:
         if self.is_shut_down:
             raise shut_down_error(f"mesh {self.mesh_id}", self)
+
+    # Alpa's memory statistics (alpa.device_memory, on each worker) and synchronization.
+
+    def sync_workers(self) -> None:
+        self.call("sync")
+
+    def get_memory_allocated(self) -> int:
+        return max(self.call("memory_allocated"))
+
+    def get_max_memory_allocated(self) -> int:
+        return max(self.call("max_memory_allocated"))
+
+    def reset_memory_stats(self) -> None:
+        self.call("reset_memory_stats")
 
     def shutdown(self) -> None:
         import ray

@@ -1168,3 +1168,187 @@ def test_a_ray_cluster_that_does_not_answer_is_not_joined(ray_cluster, monkeypat
         assert _running_cluster() == address
     finally:
         alpa.global_config.ray_connect_timeout = before
+
+
+# ----------------------------------------------------------------------------- benchmarks
+
+
+def test_alpas_benchmark_api_on_a_ray_mesh(ray_cluster):
+    """What Alpa's benchmark driver reads of a one-mesh step on Ray:
+    ``ShardParallel(devices=mesh.get_logical_mesh(shape))``, the workers' step times,
+    ``get_total_allocation_size``, the mesh's memory statistics and ``sync_workers``."""
+    import argparse
+
+    from alpa.executables.distributed import DistributedMeshExecutable
+    from alpa.util import get_num_hosts_and_num_devices
+
+    args = argparse.Namespace(num_hosts=None, num_devices_per_host=None, local=False)
+    assert get_num_hosts_and_num_devices(args) == (2, DEVICES_PER_NODE)
+    mesh = alpa.get_global_cluster().get_physical_mesh([0], DEVICES_PER_NODE)
+    state, batch, step = get_mlp_train_state_and_step(16, 8, num_layers=2)
+    expected = _serial(step, state, batch, 3)
+    logical = mesh.get_logical_mesh((2, 2))
+    p_step = alpa.parallelize(step, method=alpa.ShardParallel(devices=logical))
+    walls = []
+    for _ in range(3):
+        tic = time.perf_counter()
+        state = p_step(state, batch)
+        walls.append(time.perf_counter() - tic)
+    assert_allclose(state.params, expected.params)
+    executable = p_step.get_last_executable()
+    assert isinstance(executable, DistributedMeshExecutable)
+    assert executable.physical_mesh is mesh and executable.plan.logical_mesh.shape == (2, 2)
+    # The workers timed each step; the driver waited for each at least that long.
+    costs = executable.get_execution_time_costs()
+    assert len(costs) == 3 and all(0 < c <= w for c, w in zip(costs, walls, strict=True))
+    allocation = executable.get_total_allocation_size()
+    assert allocation > 0
+    # Memory: the bytes a worker's devices hold, exactly; the peak since a reset.
+    mesh.sync_workers()
+    mesh.reset_memory_stats()
+    before = mesh.get_memory_allocated()
+    assert mesh.get_max_memory_allocated() == before
+    x = mesh.put(np.ones((256, 64), np.float32), Layout((2, 2), ("x", "y"), P("x")))
+    mesh.sync_workers()
+    assert mesh.get_memory_allocated() == before + 128 * 64 * 4  # half the rows per device
+    x.delete()
+    mesh.flush_deletes(wait=True)
+    assert mesh.get_memory_allocated() == before
+    assert mesh.get_max_memory_allocated() == before + 128 * 64 * 4
+    state = p_step(state, batch)
+    assert mesh.get_max_memory_allocated() >= allocation  # what XLA allocates for a step
+    # A worker's exception reaches the driver, naming the mesh and host.
+    with pytest.raises(RuntimeError, match=r"mesh \d+ host 0 \(node 127\.0\.0\.1 .*\): KeyError"):
+        mesh.call("allocation_size", -1)
+
+
+def test_alpas_benchmark_api_on_a_ray_pipeline(ray_cluster):
+    """A pipelined step on Ray called with an abstract state under
+    ``use_dummy_value_for_benchmarking`` runs on dummy values made on the workers;
+    ``executable.mesh_group`` places arguments by their placement specs' mesh ids, times
+    the steps per mesh and reports each mesh's memory."""
+    from alpa.global_env import global_config
+
+    state, batch, step = get_mlp_train_state_and_step(16, 8, add_manual_pipeline_marker=True)
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype), state)
+    dummy = jax.tree.map(lambda x: np.full(np.shape(x), 1e-8, np.asarray(x).dtype), state)
+    p_step = alpa.parallelize(step, method=_two_stages_one_per_node(2, "1f1b"))
+    executable = p_step.get_executable(abstract, batch)
+    with pytest.raises(ValueError, match=r"argument 0\.step of train_step is abstract"):
+        p_step(abstract, batch)
+    global_config.use_dummy_value_for_benchmarking = True
+    try:
+        out = p_step(abstract, batch)
+        out = p_step(out, batch)
+        specs = jax.tree.leaves(
+            executable.get_input_placement_specs()[0], is_leaf=lambda x: hasattr(x, "mesh_ids")
+        )
+        group = executable.mesh_group
+        placed = group.shard_args_to_arrays(specs, jax.tree.leaves(abstract))
+    finally:
+        global_config.use_dummy_value_for_benchmarking = False
+    assert_allclose(out.params, _serial(step, dummy, batch, 2).params)
+    assert list(group) == executable.meshes and len(group) == 2
+    for spec, x in zip(specs, placed, strict=True):
+        assert x.mesh is group[spec.mesh_ids[0]] is spec.placements[0][0]
+        assert x.layout == spec.placements[0][1]
+        assert np.all(np.asarray(x) == np.asarray(1e-8, x.dtype))
+    per_mesh = executable.get_execution_time_costs(return_all_costs=True)
+    assert len(per_mesh) == 2 and [len(m) for m in per_mesh] == [2, 2]
+    assert executable.get_execution_time_costs() == [max(s) for s in zip(*per_mesh, strict=True)]
+    group.sync_workers()
+    memory = group.get_max_memory_allocated_per_mesh()
+    assert len(memory) == 2 and min(memory) > 0 and group.get_max_memory_allocated() == max(memory)
+
+
+def test_weights_loaded_by_the_mesh_workers_as_alpas_serving(ray_cluster, tmp_path):
+    """Alpa's OPT serving loads its weights on the workers, never through the driver: per
+    parameter a buffer reserved on each mesh that reads it (``create_remote_array_refs``),
+    its handle ``DistributedArray(mesh, aval, spec, ref, indices)`` (a
+    ``ReplicatedDistributedArray`` when several meshes read it: the tied embedding), and
+    a function on every worker that reads its devices' slices from disk and hands them
+    over with ``put_buffers``. The inference step then computes ``jax.jit``'s logits."""
+    from alpa.device_mesh import (
+        DistributedArray,
+        ReplicatedDistributedArray,
+        create_remote_array_refs,
+    )
+    from alpa.model.gpt import GPTConfig, get_gpt_train_state_and_step
+
+    config = GPTConfig(
+        hidden_size=32, num_layers=2, num_heads=4, seq_len=8, vocab_size=64,
+        add_manual_pipeline_markers=True,
+    )  # fmt: skip
+    state, batch, _ = get_gpt_train_state_and_step(config, 8)
+    params = state.params
+
+    def logits(params, batch):
+        return state.apply_fn({"params": params}, batch["input_ids"], batch["position_ids"])
+
+    stages = alpa.ManualStageOption(
+        [[0], [1]], [(1, DEVICES_PER_NODE)] * 2, [(2, 2), (1, DEVICES_PER_NODE)], [{}, {}]
+    )
+    method = alpa.PipeshardParallel(
+        num_micro_batches=2,
+        pipeline_schedule="inference",
+        layer_option="manual",
+        stage_option=stages,
+    )
+    p_logits = alpa.parallelize(logits, method=method, donate_argnums=())
+    avals = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+    executable = p_logits.get_executable(avals, batch)
+    for i, leaf in enumerate(jax.tree.leaves(params)):
+        np.save(tmp_path / f"{i}.npy", np.asarray(leaf))
+    infos = jax.tree.leaves(
+        executable.get_input_placement_specs()[0], is_leaf=lambda x: hasattr(x, "mesh_ids")
+    )
+    group = executable.mesh_group
+    uuids, indices, mesh_ids, arrays = [], [], [], []
+    for info in infos:
+        per_mesh = []
+        for mesh_id, spec, (_, layout) in zip(
+            info.mesh_ids, info.sharding_specs, info.placements, strict=True
+        ):
+            mesh = group[mesh_id]
+            refs, ids = create_remote_array_refs(mesh)
+            index = layout.shard_indices(info.aval.shape)  # Alpa: pxla.spec_to_indices
+            per_mesh.append((mesh, DistributedArray(mesh, info.aval, spec, refs[0], index)))
+            uuids.append(ids[0]), indices.append(index), mesh_ids.append(mesh_id)
+        meshes, handles = zip(*per_mesh, strict=True)
+        arrays.append(
+            handles[0] if len(handles) == 1 else ReplicatedDistributedArray(meshes, handles)
+        )
+    assert any(isinstance(a, ReplicatedDistributedArray) for a in arrays)
+    leaf_of = [i for i, info in enumerate(infos) for _ in info.mesh_ids]
+
+    def load(worker, path, uuids, indices, mesh_ids, leaf_of):
+        for uuid, index, mesh_id, leaf in zip(uuids, indices, mesh_ids, leaf_of, strict=True):
+            if mesh_id == worker.mesh_id:
+                data = np.load(f"{path}/{leaf}.npy")
+                first = worker.host_id * len(worker.local_devices)
+                shards = [data[index[first + k]] for k in range(len(worker.local_devices))]
+                worker.put_buffers(uuid, shards)
+
+    calls = [
+        w.__ray_call__.remote(load, str(tmp_path), uuids, indices, mesh_ids, leaf_of)
+        for mesh in group
+        for w in mesh.workers
+    ]
+    ray = pytest.importorskip("ray")
+    ray.get(calls)
+    loaded = jax.tree.unflatten(jax.tree.structure(params), arrays)
+    assert_allclose(jax.tree.map(np.asarray, loaded), params)
+    assert_allclose(p_logits(loaded, batch), jax.jit(logits)(params, batch), rtol=1e-5, atol=1e-5)
+
+
+def test_init_without_arguments_joins_ray_as_alpas(ray_cluster):
+    """``alpa.init()`` is Alpa's: its default cluster is Ray (the one this process is
+    connected to). Last in this file: it starts the cluster's meshes afresh."""
+    alpa.shutdown()
+    try:
+        alpa.init(num_devices_per_node=DEVICES_PER_NODE)
+        cluster = alpa.get_global_cluster()
+        assert isinstance(cluster, alpa.DeviceCluster) and cluster.num_hosts == 2
+    finally:
+        alpa.shutdown()
+        alpa.init("ray", num_devices_per_node=DEVICES_PER_NODE)
