@@ -210,6 +210,11 @@ class LogicalDeviceMesh:
     def num_devices(self) -> int:
         return self.shape[0] * self.shape[1]
 
+    def __getstate__(self) -> dict:
+        # A pickled view (Alpa's scripts pickle a ParallelPlan) leaves the physical mesh
+        # behind: a handle of this process's devices or workers, not part of the record.
+        return {**self.__dict__, "physical_mesh": None}
+
     @property
     def id_mesh(self) -> np.ndarray:
         return np.arange(self.num_devices).reshape(self.shape)
