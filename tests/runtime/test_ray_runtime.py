@@ -763,6 +763,38 @@ def test_data_loader_with_alpas_placement_specs_on_ray(ray_cluster):
     assert NoSharding() == NoSharding()
 
 
+def test_worker_env_gives_mesh_workers_the_drivers_import_path(ray_cluster, tmp_path, monkeypatch):
+    """The cluster's ``worker_env`` reaches the mesh workers it starts: with this
+    process's ``PYTHONPATH`` (what a Ray that ``alpa.init`` started gets), a data loader's
+    ``input_iter_func`` from a module only this process's path holds runs on them."""
+    from alpa.pxla_spec import Chunked, ShardedAxis, ShardingSpec
+    from alpa.runtime.placement import PlacementSpec
+
+    (tmp_path / "c64_rows.py").write_text(
+        "import numpy as np\n"
+        "def rows(start, end, batch_size):\n"
+        "    for i in range(start, end, batch_size):\n"
+        "        yield (np.arange(i, i + batch_size, dtype=np.float32),)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import c64_rows
+
+    cluster = alpa.get_global_cluster()
+    spec = ShardingSpec((Chunked([1]),), (ShardedAxis(0),))
+    aval = jax.core.ShapedArray((8,), np.float32)
+
+    def load(mesh):
+        specs = [PlacementSpec(aval, (mesh.mesh_id,), (spec,))]
+        return [np.asarray(x) for (x,) in alpa.MeshDriverDataLoader(8, 16, c64_rows.rows, specs)]
+
+    # The control: workers started without it cannot import the module.
+    with pytest.raises(RuntimeError, match="No module named 'c64_rows'"):
+        load(cluster.get_physical_mesh((1,), 1, first_device=3))
+    monkeypatch.setattr(cluster, "worker_env", {"PYTHONPATH": str(tmp_path)})
+    batches = load(cluster.get_physical_mesh((0,), 1, first_device=3))
+    np.testing.assert_array_equal(np.concatenate(batches), np.arange(16, dtype=np.float32))
+
+
 # ----------------------------------------------------------------------------- Alpa's arrays
 
 
