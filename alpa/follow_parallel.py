@@ -128,8 +128,10 @@ class FollowParallel(ParallelMethod):
         (``"inference"`` for an evaluation step).
       layer_option: for a pipelined ``src_func``: how this step's layers are cut:
         ``"follow"`` (the default, Alpa's) one layer per stage of ``src_func``, each
-        starting where the step first reads a followed leaf of that stage; ``"manual"``
-        at its ``mark_pipeline_boundary()`` calls; or a layer option.
+        starting where the step first reads a followed leaf of that stage (a scanned
+        model whose stacked rows ``src_func`` split between stages: cut as ``src_func``'s
+        layer option cut it); ``"manual"`` at its ``mark_pipeline_boundary()`` calls; or
+        a layer option.
 
     The first argument is this step's first argument as ``src_func`` takes it, or (Alpa's
     convention for an evaluation step) the ``params`` of the state ``src_func`` takes.
@@ -225,15 +227,21 @@ class FollowParallel(ParallelMethod):
 
         Layers, by ``layer_option``: ``"follow"`` (the default, Alpa's) cuts an
         evaluation step into one layer per source stage, where the followed leaves of
-        each stage are first read (:func:`_following_layers`); ``"manual"`` at its
-        ``mark_pipeline_boundary()`` calls; a layer option object as it says."""
+        each stage are first read (:func:`_following_layers`), or, when the source split
+        a followed stacked leaf's rows between stages, as the source's layer option cut
+        it; ``"manual"`` at its ``mark_pipeline_boundary()`` calls; a layer option object
+        as it says."""
         pinned = self._pinned_specs(traced, source)
         # A placement names a local pipeline's meshes by stage, a Ray pipeline's by mesh id.
         meshes = getattr(source, "meshes", [])
         mesh_ids = [getattr(m, "mesh_id", s) for s, m in enumerate(meshes)]
         stage_option = source.plan.stage_option()
         layer_option = self.layer_option
-        if layer_option in (None, "follow"):
+        if layer_option in (None, "follow") and any(spec.rows for spec in pinned):
+            # A stacked leaf the source split between stages (a scanned model's rows) is
+            # split the same way only by the cut that split it: the source's own.
+            layer_option = source.plan.layer_option
+        elif layer_option in (None, "follow"):
             if traced.grad_marker() is None:
                 num_stages = len(stage_option.forward_stage_layer_ids)
                 traced = _following_layers(traced, pinned, mesh_ids, num_stages)
