@@ -889,6 +889,7 @@ def test_collect_trace_on_ray_times_every_stage_computation(ray_cluster):
     finally:
         alpa.global_config.collect_trace = False
     state = p_step(state, batch)  # not traced: the workers stopped timing
+    assert executable.sync_move_workers() is None  # Alpa's: saves here finish in place
     info = executable.get_stage_execution_info()
     computations = executable.program.computations
     assert len(info) == len(computations)
