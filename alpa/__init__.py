@@ -48,7 +48,7 @@ _EXPORTS = {
     "DataParallel": "alpa.shard_method",
     "get_3d_parallel_method": "alpa.pipeshard_method",
     "ParallelMethod": "alpa.shard_method",
-    "CreateStateParallel": "alpa.follow_parallel",
+    "CreateStateParallel": "alpa.create_state_parallel",
     "FollowParallel": "alpa.follow_parallel",
     "PipeshardParallel": "alpa.pipeshard_method",
     "ShardParallel": "alpa.shard_method",
@@ -75,6 +75,7 @@ _EXPORTS = {
 _SUBMODULES = (
     "api",
     "cluster",
+    "create_state_parallel",
     "data_loader",
     "device_mesh",
     "executable",
@@ -131,6 +132,7 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and editors
         set_global_virtual_physical_mesh,
         shutdown,
     )
+    from alpa.create_state_parallel import CreateStateParallel  # noqa: F401
     from alpa.data_loader import DataLoader, MeshDriverDataLoader  # noqa: F401
     from alpa.device_mesh import (  # noqa: F401
         ClusterSpec,
@@ -139,7 +141,7 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and editors
         PhysicalDeviceMesh,
         VirtualPhysicalMesh,
     )
-    from alpa.follow_parallel import CreateStateParallel, FollowParallel  # noqa: F401
+    from alpa.follow_parallel import FollowParallel  # noqa: F401
     from alpa.global_env import global_config, set_seed  # noqa: F401
     from alpa.parallel_plan import ParallelPlan  # noqa: F401
     from alpa.pipeline_parallel.layer_construction import (  # noqa: F401

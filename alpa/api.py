@@ -36,6 +36,7 @@ from alpa.call_checks import (
     batch_argnums_phrase,
     check_batch_is_not_differentiated,
     check_batch_is_not_state,
+    check_concrete,
     check_not_deleted,
     check_not_shut_down,
     check_static_args,
@@ -464,6 +465,7 @@ class ParallelizedFunc:
         executable, leaves, static = self._compile(args)
         check_not_deleted(self.name, leaves, lambda: self._flatten(args, static)[1])
         check_not_shut_down(self.name, leaves, lambda: self._flatten(args, static)[1])
+        check_concrete(self.name, leaves, lambda: self._flatten(args, static)[1])
         placing = hit is not None and hit.executable is executable
         outs = executable.launch(leaves)
         # The next call that looks like this one skips the key; if this executable's

@@ -2,9 +2,10 @@
 
 A call that looks like the last one (same number of arguments, same static values, no new
 Python scalar among the dynamic ones) is a **cache hit**: the dynamic arguments go straight
-to the last executable's :meth:`~alpa.executables.base.Executable.dispatch`, for a one-mesh
-executable XLA's compiled program and its C++ fast path, so alpa adds one Python frame to
-what ``jax.jit`` costs. If the dispatch refuses the arguments (other shapes, an input
+to the last executable's :meth:`~alpa.executables.base.Executable.dispatch` (through its
+``hit_dispatch``), for a one-mesh executable XLA's compiled program and its C++ fast path,
+so alpa adds two Python frames (one reads the step timer's setting) to what ``jax.jit``
+costs. If the dispatch refuses the arguments (other shapes, an input
 committed to another sharding) the call takes the slow path: the full key, compilation if
 needed, placement of the inputs. An executable whose inputs keep arriving in another
 sharding gets a dispatch that places them first.
@@ -64,7 +65,7 @@ class CacheHit:
         )
         self.auto_static = auto_static
         self.executable = executable
-        self.dispatch = executable.placing_dispatch() if placing else executable.dispatch
+        self.dispatch = executable.hit_dispatch(placing)
 
     def __call__(self, args):
         if len(args) != self.num_args:

@@ -213,6 +213,29 @@ def check_not_shut_down(name: str, leaves: Sequence[Any], leaf_names: Callable[[
                 raise RuntimeError(f"{leaf_names()[i]} of {name}: {e}") from None
 
 
+def check_concrete(name: str, leaves: Sequence[Any], leaf_names: Callable[[], list]) -> None:
+    """An abstract input (``jax.ShapeDtypeStruct``, ``jax.core.ShapedArray``) runs only as
+    dummy values, under ``global_config.use_dummy_value_for_benchmarking`` (Alpa's
+    benchmarks compile and time a step on a state they never allocate); otherwise it is
+    named here, before anything is sent to a device or a worker."""
+    from alpa.global_env import global_config
+
+    abstract = (jax.ShapeDtypeStruct, jax.core.ShapedArray)
+    if global_config.use_dummy_value_for_benchmarking or not any(
+        isinstance(x, abstract) for x in leaves
+    ):
+        return
+    leaf, x = next(
+        (n, x) for n, x in zip(leaf_names(), leaves, strict=True) if isinstance(x, abstract)
+    )
+    raise ValueError(
+        f"{leaf} of {name} is abstract ({x}), without data: a step runs on arrays. "
+        "get_executable(...) and plan(...) take abstract arguments; to run the step on dummy "
+        "values made where it reads them (a benchmark's timing), set "
+        "alpa.global_config.use_dummy_value_for_benchmarking = True"
+    )
+
+
 # ----------------------------------------------------------------------------- warnings
 
 

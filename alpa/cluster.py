@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import sys
 import time
 import warnings
 from collections.abc import Sequence
@@ -19,6 +20,7 @@ from typing import Any
 import jax
 
 from alpa.device_mesh import LocalPhysicalDeviceMesh, VirtualPhysicalMesh
+from alpa.flax_patches import install_flax_patches
 
 logger = logging.getLogger("alpa")
 
@@ -33,7 +35,7 @@ _generation = 0
 
 
 def init(
-    cluster: str = "local",
+    cluster: str = "ray",
     cluster_address: str | None = None,
     num_nodes: int | None = None,
     num_devices_per_node: int | None = None,
@@ -43,12 +45,16 @@ def init(
 ) -> None:
     """Connect alpa to a cluster. A second ``init`` before ``shutdown`` does nothing.
 
+    Without any ``init``, the first ``parallelize`` call runs on the local devices (an
+    implied ``init("local")``); an explicit ``alpa.init()`` is Alpa's, whose default
+    cluster is Ray.
+
     Args:
-      cluster: ``"local"``: the devices of this process (GPUs, or virtual CPU devices).
-        ``"ray"``: the Ray cluster this process is connected to (``ray.init()`` called
-        before), else the one at ``cluster_address``, else a running one
-        (``address="auto"``), else a new local one; mesh workers own the devices
-        (``docs/ray.md``).
+      cluster: ``"ray"`` (the default, as Alpa's): the Ray cluster this process is
+        connected to (``ray.init()`` called before), else the one at ``cluster_address``,
+        else a running one (``address="auto"``), else a new local one; mesh workers own the
+        devices (``docs/ray.md``). ``"local"``: the devices of this process (GPUs, or
+        virtual CPU devices).
       cluster_address: with ``"ray"``, the address of the Ray cluster to connect to
         (``host:port`` of its head, or ``ray://host:port``). One where no gRPC server
         answers within ``global_config.ray_connect_timeout`` seconds (default 10) raises
@@ -62,6 +68,7 @@ def init(
         (``num_devices_per_node=k`` takes the first ``k`` of them).
     """
     global _global_physical_mesh, _global_cluster, _init_args
+    install_flax_patches()  # Alpa's additions to flax, which its programs use from here on
     args = (cluster, cluster_address, num_nodes, num_devices_per_node, namespace, devices)
     if _global_physical_mesh is not None or _global_cluster is not None:
         if _init_args is not None and args != _init_args:
@@ -103,17 +110,45 @@ def _init_ray(cluster_address, num_nodes, num_devices_per_node, namespace):
     from alpa.runtime.ray_mesh import DeviceCluster
 
     if not ray.is_initialized():
-        address = cluster_address or "auto"
+        address = cluster_address or _running_cluster()
         if cluster_address is not None:
             _check_reachable(cluster_address)
         try:
+            if address is None:
+                raise ConnectionError("no running Ray cluster")
             ray.init(address=address, namespace=namespace, log_to_driver=False)
         except ConnectionError:
             if cluster_address is not None:
                 raise
             logger.warning("no running Ray cluster found: starting a local one")
             _start_local_ray(namespace)
-    return DeviceCluster(num_nodes, num_devices_per_node)
+    # A Ray alpa started runs on this machine with this Python: its workers import what
+    # this process imports (a data loader's input_iter_func from a module on sys.path).
+    import_path = {"PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    return DeviceCluster(num_nodes, num_devices_per_node, import_path if _started_ray else None)
+
+
+def _running_cluster() -> str | None:
+    """The address of the Ray cluster to join when ``alpa.init("ray")`` is given none:
+    ``RAY_ADDRESS``, else the cluster ``ray start`` last started here (Alpa's
+    ``ray.init(address="auto")``), if it answers; else ``None``. Ray's ``"auto"`` would also
+    take any Ray process it finds on the machine, such as another program's private
+    instance or one of a run that was killed or is shutting down, and wait for it
+    without limit."""
+    from ray._private.services import get_ray_address_from_environment
+
+    try:
+        address = get_ray_address_from_environment(None, None)
+    except (ConnectionError, ValueError):
+        return None
+    if address is None:
+        return None
+    try:
+        _check_reachable(address)
+    except ConnectionError as e:
+        logger.warning("the Ray cluster at %s does not answer (%s)", address, e)
+        return None
+    return address
 
 
 def _start_local_ray(namespace: str) -> None:
@@ -276,6 +311,11 @@ class LocalDeviceCluster:
     def num_devices(self) -> int:
         return self.num_devices_per_host
 
+    @property
+    def host_info(self) -> list[dict]:
+        """The one host, as a Ray ``DeviceCluster`` lists its nodes."""
+        return self._mesh.host_info
+
     def _checked(self, host_ids, num_devices_per_host) -> int:
         if host_ids is not None and list(host_ids) != [0]:
             raise ValueError(
@@ -346,3 +386,19 @@ def get_global_num_devices() -> int:
 def global_virtual_mesh_if_set() -> VirtualPhysicalMesh | None:
     """The mesh of ``set_global_virtual_physical_mesh``, or ``None``."""
     return _global_virtual_mesh
+
+
+def mesh_by_id(mesh_id: int):
+    """The mesh that ``PlacementSpec.mesh_ids`` names ``mesh_id``: under ``"local"`` the
+    mesh of ``init`` (id 0), under Ray a running mesh of the cluster; a ``ValueError``
+    naming the id and the meshes there are, otherwise."""
+    if _global_cluster is not None:
+        mesh = _global_cluster.mesh_by_id(mesh_id)
+        known = sorted(m.mesh_id for m in _global_cluster._meshes.values() if not m.is_shut_down)
+    else:
+        local = get_global_physical_mesh()
+        mesh = local if mesh_id == local.mesh_id else None
+        known = [local.mesh_id]
+    if mesh is None:
+        raise ValueError(f"no mesh has id {mesh_id!r}; the meshes of alpa.init have ids {known}")
+    return mesh

@@ -48,6 +48,7 @@ transfers with the step.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import itertools
 import math
 import uuid
@@ -58,6 +59,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from alpa.pxla_spec import is_sharding_spec, tile_layout
 from alpa.runtime.placement import PlacementSpec, place
 
 __all__ = ["DataLoader", "MeshDriverDataLoader"]
@@ -122,13 +124,39 @@ def _spec_leaves(placement_specs: Any) -> tuple[list[str], list[PlacementSpec], 
                 "gives them, one per argument leaf)"
             )
         if not spec.placements:
-            raise ValueError(
-                f"placement_specs leaf {name} ({spec.aval}) is held by no mesh, so it cannot "
-                "be placed"
-            )
+            spec = _resolved(name, spec)
         names.append(name)
         specs.append(spec)
     return names, specs, tree
+
+
+def _resolved(name: str, spec: PlacementSpec) -> PlacementSpec:
+    """A spec as Alpa's programs write it, ``PlacementSpec(aval, mesh_ids,
+    sharding_specs)`` with jax-0.3 ``ShardingSpec`` s (``alpa.pxla_spec``) or local
+    ``jax.sharding.Sharding`` s, with its placements on the meshes of ``alpa.init``."""
+    from alpa.cluster import mesh_by_id
+
+    if not spec.mesh_ids:
+        raise ValueError(
+            f"placement_specs leaf {name} ({spec.aval}) is held by no mesh (mesh_ids=()), so "
+            "it cannot be placed"
+        )
+    placements = []
+    for mesh_id, sharding in zip(spec.mesh_ids, spec.sharding_specs, strict=True):
+        if isinstance(sharding, jax.sharding.Sharding):
+            placements.append(sharding)
+            continue
+        if not is_sharding_spec(sharding):
+            raise TypeError(
+                f"placement_specs leaf {name}: sharding_specs holds {sharding!r} "
+                f"({type(sharding).__name__}); a PlacementSpec made by hand takes a "
+                "ShardingSpec per mesh (LogicalDeviceMesh.make_tile_spec), or a "
+                "jax.sharding.Sharding on the local runtime"
+            )
+        mesh = mesh_by_id(mesh_id)
+        layout = tile_layout(spec.aval, None, sharding, mesh.num_devices)
+        placements.append(mesh.tile_placement(*layout))
+    return dataclasses.replace(spec, placements=tuple(placements))
 
 
 def _check_count(name: str, value: Any, minimum: int) -> int:
@@ -415,9 +443,12 @@ class MeshDriverDataLoader:
       prefetch_size: batches placed beyond the one returned.
       repeat: loop over epochs forever instead of stopping after one.
 
-    Each ``iter(loader)`` starts an epoch (calling ``input_iter_func`` again). On the
-    local runtime every device receives only its rows, and the global array is made
-    from the per-device pieces. On Ray each mesh worker calls ``input_iter_func`` for its
+    Each ``iter(loader)`` starts an epoch (calling ``input_iter_func`` again) and yields,
+    per batch, the list of its leaves in the order of ``jax.tree.leaves(placement_specs)``
+    (Alpa's: its examples read ``x[0]``, ``x[1]``; ``jax.tree.unflatten(
+    jax.tree.structure(placement_specs), x)`` rebuilds the batch). On the local runtime
+    every device receives only its rows, and the global array is made from the
+    per-device pieces. On Ray each mesh worker calls ``input_iter_func`` for its
     host's rows and builds its devices' shards itself (``input_iter_func`` is pickled to
     the workers); a failed read there is a ``RuntimeError`` naming the mesh and host.
     """
@@ -472,7 +503,7 @@ class MeshDriverDataLoader:
         ranges = self.read_ranges
         iterators = [iter(self._input_iter_func(*r)) for r in ranges]
         for k in range(self.num_batches):
-            host_batches, tree = [], None
+            host_batches = []
             for (start, end, rows), it in zip(ranges, iterators, strict=True):
                 call = f"input_iter_func({start}, {end}, {rows})"
                 try:
@@ -483,12 +514,11 @@ class MeshDriverDataLoader:
                         f"batch_size = {self.num_batches} batches"
                     ) from None
                 what = f"batch {k} of {call}"
-                leaves, tree = _batch_leaves(batch, self._tree, self._names, what)
+                leaves, _ = _batch_leaves(batch, self._tree, self._names, what)
                 for name, x, spec in zip(self._names, leaves, self._specs, strict=True):
                     _check_leaf(name, x, spec, rows, what)
                 host_batches.append([np.asarray(x) for x in leaves])
-            placed = [self._assemble(j, spec, host_batches) for j, spec in enumerate(self._specs)]
-            yield jax.tree.unflatten(tree, placed)
+            yield [self._assemble(j, spec, host_batches) for j, spec in enumerate(self._specs)]
 
     def _worker_epoch(self) -> Iterator[Any]:
         """An epoch on Ray: every worker of every mesh that holds batch leaves reads its
@@ -536,13 +566,18 @@ class MeshDriverDataLoader:
                             leaves, names, layouts, shapes, strict=True
                         )
                     ]
-                wait_workers(calls)
+                try:
+                    wait_workers(calls)
+                except RuntimeError:
+                    for _, mesh, name, _, _ in made:  # what the other workers made of it
+                        mesh.schedule_delete(name)
+                    raise
                 placed: list[Any] = [None] * len(self._specs)
                 for j, mesh, name, layout, shape in made:
                     placed[j] = DistributedArray(
                         mesh, name, shape, self._specs[j].aval.dtype, layout
                     )
-                yield jax.tree.unflatten(self._tree, placed)
+                yield placed
         finally:
             for w, _, _, _ in workers:
                 w.close_rows.remote(reader)

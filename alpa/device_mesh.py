@@ -35,6 +35,8 @@ from typing import Any
 
 import numpy as np
 
+from alpa.device_memory import MemoryStats
+
 MESH_AXIS_NAMES = ("x", "y")
 #: The leading axis of the mesh of a pipeline's leaf whose rows its stages hold (one
 #: position per stage mesh, each of ``MESH_AXIS_NAMES``): ``runtime.stage_rows``.
@@ -180,6 +182,9 @@ class LogicalDeviceMesh:
     axis_names: tuple[str, str] = MESH_AXIS_NAMES
     device_flops: float = 1000.0
     memory_bandwidth: float = 10.0
+    #: The physical mesh this is a view of (``PhysicalDeviceMesh.get_logical_mesh``): a
+    #: method given the view runs there, also when its devices are another process's.
+    physical_mesh: Any = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
         shape = tuple(self.shape)
@@ -207,6 +212,11 @@ class LogicalDeviceMesh:
     @property
     def num_devices(self) -> int:
         return self.shape[0] * self.shape[1]
+
+    def __getstate__(self) -> dict:
+        # A pickled view (Alpa's scripts pickle a ParallelPlan) leaves the physical mesh
+        # behind: a handle of this process's devices or workers, not part of the record.
+        return {**self.__dict__, "physical_mesh": None}
 
     @property
     def id_mesh(self) -> np.ndarray:
@@ -263,6 +273,28 @@ class LogicalDeviceMesh:
         """Seconds one device spends on ``flops`` of contractions and on writing
         ``num_bytes`` of results."""
         return flops / self.device_flops + num_bytes / self.memory_bandwidth
+
+    def make_tile_spec(self, array: Any, tensor_dims: Sequence[int], mesh_dims: Sequence[int]):
+        """Alpa's: the jax-0.3 ``ShardingSpec`` (``alpa.pxla_spec``) that cuts dimension
+        ``tensor_dims[i]`` of ``array`` (anything with a ``shape``) over mesh axis
+        ``mesh_dims[i]`` for each pair ``i`` (of the shorter list, as Alpa's ``zip``), and
+        replicates it over the mesh's other axes."""
+        from alpa.pxla_spec import Chunked, NoSharding, Replicated, ShardedAxis, ShardingSpec
+
+        ndim = len(array.shape)
+        tensor_dims, mesh_dims = list(tensor_dims), list(mesh_dims)
+        for name, dims, bound in (("tensor_dims", tensor_dims, ndim), ("mesh_dims", mesh_dims, 2)):
+            if len(set(dims)) != len(dims) or any(not 0 <= d < bound for d in dims):
+                raise ValueError(
+                    f"make_tile_spec: {name}={dims} must be distinct dimensions in [0, {bound})"
+                )
+        sharding: list[Any] = [NoSharding()] * ndim
+        mapping: list[Any] = [Replicated(n) for n in self.shape]
+        # As Alpa: the pairs of the shorter list (Alpa's own tests pass [0, 1] with [0]).
+        for i, (tensor_dim, mesh_dim) in enumerate(zip(tensor_dims, mesh_dims, strict=False)):
+            sharding[tensor_dim] = Chunked([self.shape[mesh_dim]])
+            mapping[mesh_dim] = ShardedAxis(i)
+        return ShardingSpec(sharding, mapping)
 
     def get_jax_mesh(self):
         """The ``jax.sharding.Mesh`` with Auto axes that this logical mesh lowers to."""
@@ -414,6 +446,7 @@ def _logical_view(
         devices=devices,
         device_flops=cluster.device_flops,
         memory_bandwidth=cluster.memory_bandwidth,
+        physical_mesh=mesh if isinstance(mesh, PhysicalDeviceMesh) else None,
     )
     return hardware.with_alpha_beta(mesh_alpha or None, mesh_beta or None)
 
@@ -465,9 +498,62 @@ class PhysicalDeviceMesh(abc.ABC):
     ) -> PhysicalDeviceMesh:
         """The mesh of ``device_indices[i]`` of host ``host_indices[i]``, for each ``i``."""
 
+    def shard_args_to_arrays(
+        self,
+        avals: Sequence[Any],
+        shard_indices: Sequence[Any] | None,
+        sharding_specs: Sequence[Any],
+        args: Sequence[Any],
+    ) -> list[Any]:
+        """Alpa's: ``args[i]`` placed on this mesh as the jax-0.3 ``sharding_specs[i]``
+        says (``alpa.pxla_spec``; ``shard_indices[i]`` are its per-device blocks, checked),
+        as a ``jax.Array`` here or a ``DistributedArray`` on Ray workers."""
+        from alpa.pxla_spec import tile_layout
+
+        indices = [None] * len(args) if shard_indices is None else shard_indices
+        out = []
+        for aval, index, spec, arg in zip(avals, indices, sharding_specs, args, strict=True):
+            if tuple(np.shape(arg)) != tuple(aval.shape):
+                raise ValueError(f"an argument of shape {np.shape(arg)} for aval {aval}")
+            out.append(self.put_tiled(arg, *tile_layout(aval, index, spec, self.num_devices)))
+        return out
+
+    @abc.abstractmethod
+    def tile_placement(self, mesh_shape, axis_names, partition_spec) -> Any:
+        """Where ``partition_spec`` over ``axis_names`` puts a value on this mesh's devices
+        seen as ``mesh_shape`` (row-major): a ``NamedSharding`` here, a ``(mesh,
+        Layout)`` pair on Ray (a ``PlacementSpec``'s placement)."""
+
+    @abc.abstractmethod
+    def put_tiled(self, value: Any, mesh_shape, axis_names, partition_spec) -> Any:
+        """``value`` placed as :meth:`tile_placement` says."""
+
+    def sync_move_workers(self) -> None:
+        """Alpa's: wait for checkpoint shards moving from a local cache in the background.
+        Saves here are done when they return: nothing to wait for."""
+        return None
+
     @abc.abstractmethod
     def shutdown(self) -> None:
         """Free what the mesh holds."""
+
+    # Alpa's memory statistics and synchronization (``alpa.device_memory``).
+
+    @abc.abstractmethod
+    def sync_workers(self) -> None:
+        """Wait until every computation launched on the mesh's devices has finished."""
+
+    @abc.abstractmethod
+    def get_memory_allocated(self) -> int:
+        """Bytes a device of the mesh holds now (the most over its devices)."""
+
+    @abc.abstractmethod
+    def get_max_memory_allocated(self) -> int:
+        """The most bytes a device of the mesh held since :meth:`reset_memory_stats`."""
+
+    @abc.abstractmethod
+    def reset_memory_stats(self) -> None:
+        """Start :meth:`get_max_memory_allocated` again from what is held now."""
 
 
 class LocalPhysicalDeviceMesh(PhysicalDeviceMesh):
@@ -498,8 +584,11 @@ class LocalPhysicalDeviceMesh(PhysicalDeviceMesh):
                 )
         self.devices = tuple(devices)
         self.cluster = cluster or ClusterSpec.local()
+        self._memory = MemoryStats(lambda: self.devices)
 
     num_hosts = 1
+    #: Alpa's mesh id: the one mesh of this process is mesh 0 of its placement specs.
+    mesh_id = 0
 
     @property
     def num_devices_per_host(self) -> int:
@@ -536,8 +625,38 @@ class LocalPhysicalDeviceMesh(PhysicalDeviceMesh):
             raise ValueError(f"device_indices must be in [0, {self.num_devices}), got {indices}")
         return LocalPhysicalDeviceMesh([self.devices[i] for i in indices], self.cluster)
 
+    def tile_placement(self, mesh_shape, axis_names, partition_spec) -> Any:
+        from jax.sharding import NamedSharding
+
+        mesh = make_jax_mesh(self.devices, mesh_shape, axis_names)
+        return NamedSharding(mesh, partition_spec)
+
+    def put_tiled(self, value: Any, mesh_shape, axis_names, partition_spec) -> Any:
+        import jax
+
+        return jax.device_put(value, self.tile_placement(mesh_shape, axis_names, partition_spec))
+
     def shutdown(self) -> None:
         """Nothing to free: the devices belong to this process."""
+
+    def sync_workers(self) -> None:
+        """Wait for every live array on the mesh's devices: the outputs of every
+        computation launched on them (the mesh's "workers" are this process)."""
+        import jax
+
+        wanted = set(self.devices)
+        arrays = [a for a in jax.live_arrays() if not a.is_deleted() and wanted & a.devices()]
+        jax.block_until_ready(arrays)
+        self._memory.observe()
+
+    def get_memory_allocated(self) -> int:
+        return self._memory.allocated()
+
+    def get_max_memory_allocated(self) -> int:
+        return self._memory.max_allocated()
+
+    def reset_memory_stats(self) -> None:
+        self._memory.reset()
 
     def __repr__(self) -> str:
         return f"LocalPhysicalDeviceMesh({len(self.devices)} x {self.devices[0].platform})"
@@ -553,6 +672,11 @@ _ALPA_NAMES = {
     "DistributedArray": "alpa.runtime.ray_mesh",
     "DistributedPhysicalDeviceMesh": "alpa.runtime.ray_mesh",
     "DeviceCluster": "alpa.runtime.ray_mesh",
+    "MeshHostWorker": "alpa.runtime.ray_worker",
+    "ReplicatedDistributedArray": "alpa.runtime.remote_arrays",
+    "RemoteArrayRef": "alpa.runtime.remote_arrays",
+    "create_remote_array_refs": "alpa.runtime.remote_arrays",
+    "prefetch": "alpa.runtime.ray_mesh",
 }
 
 

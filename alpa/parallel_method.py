@@ -1,10 +1,11 @@
 """Alpa's module of the parallel methods, ``alpa.parallel_method``: every method, from
 the module that defines it (``shard_method``: ``ParallelMethod`` and the one-mesh methods;
-``pipeshard_method``: pipelines; ``follow_parallel``: methods that follow another step's
-plan). Nothing in alpa imports this module; it imports them.
+``pipeshard_method``: pipelines; ``create_state_parallel`` and ``follow_parallel``: methods
+that follow another step's plan). Nothing in alpa imports this module; it imports them.
 """
 
-from alpa.follow_parallel import CreateStateParallel, FollowParallel
+from alpa.create_state_parallel import CreateStateParallel
+from alpa.follow_parallel import FollowParallel
 from alpa.pipeshard_method import (
     LocalPipelineParallel,
     PipeshardParallel,

@@ -123,6 +123,10 @@ def resolve_logical_mesh(
     ``VirtualPhysicalMesh`` or a ``ClusterSpec`` (a cluster that need not be here)."""
     if isinstance(devices, ClusterSpec):
         devices = devices.get_virtual_physical_mesh()
+    if isinstance(devices, LogicalDeviceMesh) and devices.physical_mesh is not None:
+        if mesh_shape is not None and tuple(mesh_shape) != devices.shape:
+            return devices.physical_mesh.get_logical_mesh(mesh_shape)
+        return devices  # a view of a physical mesh (Alpa's mesh.get_logical_mesh(shape))
     if isinstance(devices, VirtualPhysicalMesh) or (
         isinstance(devices, LogicalDeviceMesh) and devices.devices is None
     ):
@@ -214,6 +218,8 @@ def _compile_one_mesh(devices, traced: TracedStep, plan, num_micro_batches) -> E
     mesh (``devices`` one, or ``None`` under ``alpa.init("ray")``)."""
     if devices is None:
         devices = get_global_physical_mesh()
+    if isinstance(devices, LogicalDeviceMesh):
+        devices = devices.physical_mesh  # the plan holds the view
     if isinstance(devices, DistributedPhysicalDeviceMesh):
         return DistributedMeshExecutable(
             traced, plan, devices, num_micro_batches, worker_transfer_plan

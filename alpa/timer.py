@@ -11,6 +11,13 @@ so that a user can see where the first call of a step goes:
                the mesh workers)
 =============  ==============================================================
 
+``AutoStageOption``'s stage construction (inside ``planning``) is timed under Alpa's
+names: ``stage-construction`` in all, and its parts ``stage-construction-compilation``
+(the step cut into the computations of every candidate stage on every submesh),
+``stage-construction-profiling`` (the stage cost model pricing them: the per-layer
+auto-sharding plans of the analytic model, or compiling and timing each candidate) and
+``stage-construction-dp`` (the dynamic program).
+
 A timer keeps every interval it measured: ``timers("planning").elapsed()`` is the last
 one, ``elapsed(mode="sum")`` the total and ``elapsed(mode="average")`` the mean. A user may
 time their own phases with the same object (``timers("step").start()`` / ``.stop()``, or

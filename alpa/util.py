@@ -420,18 +420,72 @@ def to_str_round(x: Any, decimal: int = 6) -> str:
         return str(x)
     if isinstance(x, float | np.floating):
         return f"{x:.{decimal}f}"
+    if x is None:
+        return "None"
     raise TypeError(f"to_str_round: cannot format {x!r} ({type(x).__name__})")
 
 
 _last_print_time = [time.time()]
 
 
-def print_used_time(message: str) -> None:
-    """Print the seconds since the previous call (the first: since alpa.util's import);
-    Alpa's coarse progress timer."""
+def print_used_time(message: str | None) -> None:
+    """Alpa's coarse progress timer: print ``" - {message}: {s:.2f} s"``, the seconds since
+    the previous call (the first: since alpa.util's import), and restart it; with
+    ``message=None``, only restart it."""
     now = time.time()
-    print(f"{message}: {now - _last_print_time[0]:.2f} s")
+    if message:
+        print(f" - {message}: {now - _last_print_time[0]:.2f} s")
     _last_print_time[0] = now
+
+
+def get_num_hosts_and_num_devices(args: Any) -> tuple[int, int]:
+    """``(num_hosts, num_devices_per_host)`` of Alpa's benchmark scripts, from their parsed
+    command line ``args``: ``args.num_hosts`` and ``args.num_devices_per_host`` when given
+    (both, or neither); else with ``args.local``, one host and this process's devices; else
+    the cluster of ``alpa.init("ray")``, or the Ray cluster (``ray.init(address="auto")``
+    unless Ray is initialized): its alive nodes, each with its GPUs, or on CPU-only nodes
+    the virtual devices a Ray mesh gives a node by default
+    (``alpa.runtime.ray_mesh.DEFAULT_CPU_DEVICES_PER_NODE``)."""
+    num_hosts = getattr(args, "num_hosts", None)
+    per_host = getattr(args, "num_devices_per_host", None)
+    if (num_hosts is None) != (per_host is None):
+        raise ValueError(
+            f"num_hosts={num_hosts!r} and num_devices_per_host={per_host!r}: give both or "
+            "neither (neither: they are read off the cluster)"
+        )
+    if num_hosts is not None:
+        return int(num_hosts), int(per_host)
+    if getattr(args, "local", False):
+        return 1, len(jax.local_devices())
+    import ray
+
+    from alpa.cluster import get_ray_cluster
+    from alpa.runtime.ray_mesh import DEFAULT_CPU_DEVICES_PER_NODE
+
+    cluster = get_ray_cluster()
+    if cluster is not None:  # alpa.init("ray") decided them
+        return cluster.num_hosts, cluster.num_devices_per_host
+    if not ray.is_initialized():
+        ray.init(address="auto")
+    nodes = [n for n in ray.nodes() if n["Alive"]]
+    gpus = [int(n["Resources"].get("GPU", 0)) for n in nodes]
+    if nodes and all(gpus):
+        return len(nodes), min(gpus)
+    return len(nodes), DEFAULT_CPU_DEVICES_PER_NODE
+
+
+def get_metrics(device_metrics: Sequence[Any]) -> Any:
+    """Alpa's ``get_metrics``: a list of per-step metric pytrees (arrays, or
+    ``DistributedArray`` s a step on Ray returned) fetched to the driver in one round
+    (``alpa.prefetch``) and stacked leaf by leaf into one pytree of numpy arrays with a
+    leading step axis, as ``flax.training.common_utils.get_metrics`` does for ``pmap``."""
+    from alpa.runtime.ray_mesh import prefetch
+
+    device_metrics = list(device_metrics)
+    if not device_metrics:
+        raise ValueError("get_metrics: device_metrics is empty; expected one pytree per step")
+    prefetch(device_metrics)
+    return jax.tree.map(lambda *xs: np.stack([np.asarray(x) for x in xs]), *device_metrics)
 
 
 def get_execution_time_costs(

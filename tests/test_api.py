@@ -1,5 +1,6 @@
 """parallelize: compilation cache, argument handling, init/shutdown and bad input."""
 
+import inspect
 import logging
 
 import jax
@@ -123,6 +124,9 @@ def test_init_shutdown_and_implicit_init(caplog):
     assert [r.getMessage() for r in caplog.records] == [
         "alpa.init() was not called: using the 8 local devices"
     ]
+    # Implied by a first parallelize: local. Called explicitly: Alpa's default, Ray
+    # (tests/runtime/test_ray_runtime.py).
+    assert inspect.signature(alpa.init).parameters["cluster"].default == "ray"
     alpa.init("local")  # already initialized: no-op
     assert alpa.get_global_physical_mesh() is mesh
     alpa.shutdown()

@@ -9,6 +9,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 import alpa
 from alpa.device_mesh import make_jax_mesh
+from alpa.pxla_spec import Chunked, ShardedAxis, ShardingSpec
 from alpa.runtime.placement import PlacementSpec, is_placed
 from alpa.runtime.worker_program import Layout
 from alpa.testing import assert_allclose, get_mlp_train_state_and_step
@@ -96,7 +97,10 @@ def test_mesh_driver_data_loader_batches_are_placed_and_train_like_serial(method
     got = list(loader)
     assert calls == [(0, 3 * BATCH, BATCH)]  # one host: one read of every row, once
     assert len(got) == 3
-    for batch, host_batch in zip(got, batches, strict=True):
+    for leaves, host_batch in zip(got, batches, strict=True):
+        # Alpa's: a list of the batch's leaves, in the order of the specs' leaves.
+        assert isinstance(leaves, list) and len(leaves) == len(jax.tree.leaves(specs))
+        batch = jax.tree.unflatten(jax.tree.structure(specs), leaves)
         _assert_placed(batch, specs)
         assert_allclose(batch, host_batch, rtol=0, atol=0)
         state = p_step(state, batch)
@@ -245,23 +249,24 @@ def test_mesh_driver_data_loader_sends_each_device_only_its_rows(monkeypatch):
     batch = next(iter(loader))
     # x: 8 devices of 4 rows each; y (replicated): every device holds the whole batch.
     assert puts == [(BATCH // 8, 4)] * 8 + [(BATCH, 4)] * 8
-    for shard in batch["x"].addressable_shards:
+    x, y = batch
+    for shard in x.addressable_shards:
         np.testing.assert_array_equal(np.asarray(shard.data), xs[shard.index])
-    np.testing.assert_array_equal(np.asarray(batch["y"]), xs[:BATCH])
+    np.testing.assert_array_equal(np.asarray(y), xs[:BATCH])
 
 
 def test_mesh_driver_data_loader_epochs_and_repeat():
     xs, calls, input_iter_func = _dataset(3 * BATCH)
     loader = alpa.MeshDriverDataLoader(BATCH, 3 * BATCH, input_iter_func, _specs())
     for _ in range(2):  # each `iter` is one epoch, read again
-        firsts = [float(b["x"][0, 0]) for b in loader]
+        firsts = [float(b[0][0, 0]) for b in loader]
         assert firsts == [0.0, BATCH, 2 * BATCH]
     assert calls == [(0, 3 * BATCH, BATCH)] * 2
 
     calls.clear()
     loader = alpa.MeshDriverDataLoader(BATCH, 3 * BATCH, input_iter_func, _specs(), repeat=True)
     it = iter(loader)
-    firsts = [float(next(it)["x"][0, 0]) for _ in range(7)]
+    firsts = [float(next(it)[0][0, 0]) for _ in range(7)]
     assert firsts == [0.0, BATCH, 2 * BATCH] * 2 + [0.0]
     assert calls == [(0, 3 * BATCH, BATCH)] * 3
 
@@ -279,9 +284,9 @@ def test_mesh_driver_data_loader_prefetch_and_errors_at_their_batch():
     loader = alpa.MeshDriverDataLoader(BATCH, 5 * BATCH, input_iter_func, _specs(), prefetch_size=1)
     it = iter(loader)
     assert pulled == []
-    assert float(next(it)["x"][0, 0]) == 0
+    assert float(next(it)[0][0, 0]) == 0
     assert pulled == [0, 1]
-    assert float(next(it)["x"][0, 0]) == 1
+    assert float(next(it)[0][0, 0]) == 1
     with pytest.raises(OSError, match="shard 2 unreadable"):
         next(it)
     with pytest.raises(StopIteration):
@@ -326,6 +331,51 @@ def test_mesh_driver_data_loader_bad_arguments():
         ValueError, match=r"batch_size=12 does not split evenly over the devices that leaf \['x'\]"
     ):
         alpa.MeshDriverDataLoader(12, 96, f, _specs(rows=12))
+
+
+def test_mesh_driver_data_loader_takes_alpas_placement_specs():
+    """``PlacementSpec(aval, (mesh_id,), (sharding_spec,))`` as Alpa's programs write
+    them: jax-0.3 ``ShardingSpec`` s (from ``make_tile_spec``, or written out) on the mesh
+    of ``alpa.init``, batches read as tuples of leaves."""
+    alpa.init("local")
+    mesh = alpa.get_global_physical_mesh()
+    xs = np.arange(2 * BATCH * 4, dtype=np.float32).reshape(2 * BATCH, 4)
+
+    def input_iter_func(start, end, batch_size):
+        for i in range(start, end, batch_size):
+            yield xs[i : i + batch_size], xs[i : i + batch_size, 0].astype(np.int32)
+
+    aval = jax.core.ShapedArray((BATCH, 4), np.float32)
+    rows = ShardingSpec((Chunked([8]),), (ShardedAxis(0),))
+    specs = [
+        PlacementSpec(
+            aval,
+            (mesh.mesh_id,),
+            (mesh.get_logical_mesh((2, 4)).make_tile_spec(aval, [0, 1], [0, 1]),),
+        ),  # fmt: skip
+        PlacementSpec(jax.core.ShapedArray((BATCH,), np.int32), (mesh.mesh_id,), (rows,)),
+    ]
+    batches = list(alpa.MeshDriverDataLoader(BATCH, 2 * BATCH, input_iter_func, specs))
+    assert len(batches) == 2
+    for k, (x, y) in enumerate(batches):
+        np.testing.assert_array_equal(np.asarray(x), xs[k * BATCH : (k + 1) * BATCH])
+        np.testing.assert_array_equal(np.asarray(y), xs[k * BATCH : (k + 1) * BATCH, 0])
+        assert x.sharding.spec == PartitionSpec("x", "y") and x.sharding.mesh.shape == {
+            "x": 2,
+            "y": 4,
+        }
+        assert x.addressable_shards[0].data.shape == (BATCH // 2, 1)
+        assert y.addressable_shards[0].data.shape == (BATCH // 8,)
+    with pytest.raises(
+        ValueError, match=r"no mesh has id 3; the meshes of alpa.init have ids \[0\]"
+    ):
+        alpa.MeshDriverDataLoader(BATCH, 64, input_iter_func, [PlacementSpec(aval, (3,), (rows,))])
+    with pytest.raises(TypeError, match=r"sharding_specs holds 'rows' \(str\); a PlacementSpec"):
+        alpa.MeshDriverDataLoader(
+            BATCH, 64, input_iter_func, [PlacementSpec(aval, (0,), ("rows",))]
+        )
+    with pytest.raises(ValueError, match=r"held by no mesh \(mesh_ids=\(\)\)"):
+        alpa.MeshDriverDataLoader(BATCH, 64, input_iter_func, [PlacementSpec(aval, (), ())])
 
 
 # ----------------------------------------------------------------------------- hosts (Ray layouts)

@@ -1,5 +1,6 @@
 """CreateStateParallel and FollowParallel: the state is created where the training step
-reads it, and an evaluation step reads it there too (alpa/follow_parallel.py)."""
+reads it, and an evaluation step reads it there too (alpa/create_state_parallel.py,
+alpa/follow_parallel.py)."""
 
 import math
 
@@ -96,7 +97,7 @@ def test_create_state_in_train_step_sharding(method):
     create_state, train_step, _ = _functions()
     batch = _batch(0)
     p_train = alpa.parallelize(train_step, method=method())
-    p_create = alpa.parallelize(create_state, method=alpa.CreateStateParallel(p_train, (batch,)))
+    p_create = alpa.parallelize(create_state, method=alpa.CreateStateParallel(p_train, batch))
     rng = jax.random.key(0)
     state = p_create(rng)
 
@@ -132,7 +133,7 @@ def test_create_state_pipeshard_leaves_on_their_stage_mesh():
             num_micro_batches=2, layer_option="manual", stage_option="uniform"
         ),
     )
-    p_create = alpa.parallelize(create_state, method=alpa.CreateStateParallel(p_train, (batch,)))
+    p_create = alpa.parallelize(create_state, method=alpa.CreateStateParallel(p_train, batch))
     rng = jax.random.key(1)
     state = p_create(rng)
     expected = jax.jit(create_state)(rng)
@@ -146,6 +147,41 @@ def test_create_state_pipeshard_leaves_on_their_stage_mesh():
     state = p_train(state, batch)
     expected = jitted(expected, batch)
     assert_allclose(state, expected)
+
+
+def test_create_state_other_args_is_the_second_argument_as_in_alpa():
+    """Alpa compiles ``train_step(state, other_args)``: a dict batch is passed as it is, a
+    one-tuple is a one-tuple (and the error says so); a step that needs more arguments
+    takes a tuple of them; a tuple that fits neither reading is refused by name."""
+    create_state, train_step, _ = _functions()
+    batch = _batch(0)
+    p_train = alpa.parallelize(train_step, method=alpa.DataParallel())
+    one_tuple = alpa.parallelize(create_state, method=alpa.CreateStateParallel(p_train, (batch,)))
+    with pytest.raises(TypeError, match="tuple indices must be integers") as caught:
+        one_tuple(jax.random.key(0))
+    assert "with other_args=tuple of one element as its second argument, as Alpa does" in (
+        "\n".join(caught.value.__notes__)
+    )
+    assert "CreateStateParallel(train_step, batch)" in caught.value.__notes__[-1]
+
+    def scaled_step(state, batch, scale):
+        return train_step(state, jax.tree.map(lambda x: x * scale, batch))
+
+    p_scaled = alpa.parallelize(scaled_step, method=alpa.DataParallel())
+    p_create = alpa.parallelize(
+        create_state, method=alpa.CreateStateParallel(p_scaled, (batch, np.float32(2)))
+    )
+    state = p_create(jax.random.key(0))
+    assert_allclose(state, jax.jit(create_state)(jax.random.key(0)))
+    _check_created_in_place(state, p_scaled.get_executable(state, batch, np.float32(2)))
+    with pytest.raises(
+        TypeError,
+        match=r"^CreateStateParallel\(scaled_step, other_args\) calls scaled_step\(state, "
+        r"other_args\), as Alpa does, but scaled_step\(state, batch, scale\) takes 3 positional "
+        r"arguments; other_args is a dict\. Pass the one argument after the state, or a tuple "
+        r"of the 2 arguments after it$",
+    ):
+        alpa.CreateStateParallel(p_scaled, batch)
 
 
 @pytest.mark.parametrize("method", [alpa.ShardParallel, alpa.Zero3Parallel], ids=str)
@@ -266,7 +302,7 @@ def test_follow_parallel_ignores_micro_batches_of_a_one_mesh_eval_step():
     np.testing.assert_allclose(loss, jax.jit(eval_step)(state, _batch(1)), rtol=1e-5)
 
 
-def test_follow_parallel_layer_option_follow():
+def test_follow_parallel_layer_option_is_an_option_to_replay():
     create_state, train_step, eval_step = _functions(marked=True)
     state = jax.jit(create_state)(jax.random.key(6))
     source_layers = alpa.ManualLayerOption(remat_layer=True)
@@ -279,23 +315,29 @@ def test_follow_parallel_layer_option_follow():
     state = p_train(state, _batch(0))
     p_eval = alpa.parallelize(
         eval_step,
-        method=alpa.FollowParallel(p_train, num_micro_batches=2, layer_option="follow"),
+        method=alpa.FollowParallel(p_train, num_micro_batches=2, layer_option=source_layers),
         donate_argnums=(),
     )
     loss = p_eval(state, _batch(1))
     on_host = jax.tree.map(np.asarray, state)  # the state lives on the two stages' meshes
     np.testing.assert_allclose(loss, jax.jit(eval_step)(on_host, _batch(1)), rtol=1e-5)
     evaluate, train = p_eval.get_last_executable(), p_train.get_last_executable()
-    assert evaluate.plan.layer_option == source_layers  # the default has remat_layer=False
+    assert evaluate.plan.layer_option == source_layers
     assert evaluate.plan.layers.num_layers == 2
     assert evaluate.stage_plan.device_ranges == train.stage_plan.device_ranges
 
 
-def test_following_automatic_layers_by_default_says_to_follow_them():
-    """The default layer option cuts an evaluation step at its boundaries (Alpa's);
-    when the training pipeline's layers were clustered (``AutoLayerOption``) and the
-    evaluation step has no boundaries, the error says what to pass, and with it the
-    evaluation runs on the training stages."""
+def _params_of_first_layer_step(state, batch):
+    """An evaluation step that reads the first layer's kernel only."""
+    kernel = state.params["params"]["Dense_0"]["kernel"]
+    return jnp.mean(batch["x"] @ kernel)
+
+
+def test_follow_parallel_cuts_the_step_where_it_reads_each_stages_leaves():
+    """Alpa's default ``layer_option="follow"``: an evaluation step without boundaries
+    following a pipeline whose layers were clustered is cut into one layer per stage, each
+    beginning where the step first reads a leaf that stage holds; ``"manual"`` cuts at the
+    step's boundaries, and says what the default does when it cannot."""
     create_state, train_step, eval_step = _functions()
     state = jax.jit(create_state)(jax.random.key(7))
     stages = alpa.ManualStageOption([[0], [1]], [(1, 4)] * 2, [(1, 4)] * 2, [{}, {}])
@@ -304,15 +346,37 @@ def test_following_automatic_layers_by_default_says_to_follow_them():
     )
     p_train = alpa.parallelize(train_step, method=method)
     state = p_train(state, _batch(0))
-    by_default = alpa.parallelize(
+    on_host = jax.tree.map(np.asarray, state)
+
+    p_eval = alpa.parallelize(
         eval_step, method=alpa.FollowParallel(p_train, num_micro_batches=2), donate_argnums=()
     )
-    with pytest.raises(ValueError, match="assigns 2 layers") as caught:
-        by_default(state, _batch(1))
-    assert "layer_option='follow'" in "\n".join(getattr(caught.value, "__notes__", []))
-    following = alpa.FollowParallel(p_train, num_micro_batches=2, layer_option="follow")
-    p_eval = alpa.parallelize(eval_step, method=following, donate_argnums=())
-    on_host = jax.tree.map(np.asarray, state)
     np.testing.assert_allclose(
         p_eval(state, _batch(1)), jax.jit(eval_step)(on_host, _batch(1)), rtol=1e-5
     )
+    evaluate, train = p_eval.get_last_executable(), p_train.get_last_executable()
+    assert evaluate.plan.layers.num_layers == 2
+    assert evaluate.stage_plan.device_ranges == train.stage_plan.device_ranges
+    train_specs = jax.tree.leaves(train.get_input_placement_specs()[0].params)
+    eval_specs = jax.tree.leaves(evaluate.get_input_placement_specs()[0].params)
+    assert train_specs == eval_specs  # every parameter read where training keeps it
+    assert {s.mesh_ids for s in eval_specs} == {(0,), (1,)}
+
+    manual = alpa.FollowParallel(p_train, num_micro_batches=2, layer_option="manual")
+    by_boundaries = alpa.parallelize(eval_step, method=manual, donate_argnums=())
+    with pytest.raises(ValueError, match="assigns 2 layers") as caught:
+        by_boundaries(state, _batch(1))
+    assert "the default, layer_option='follow', cuts it where it reads the parameters" in (
+        "\n".join(caught.value.__notes__)
+    )
+    first_only = alpa.parallelize(
+        _params_of_first_layer_step,
+        method=alpa.FollowParallel(p_train, num_micro_batches=2),
+        donate_argnums=(),
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"layer_option='follow'\): _params_of_first_layer_step reads followed leaves "
+        r"of stages 0\.\.0 only, of the 2 stages it follows",
+    ):
+        first_only(state, _batch(1))

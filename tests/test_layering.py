@@ -180,6 +180,7 @@ _METHODS = (
     "alpa.parallel_method",
     "alpa.shard_method",
     "alpa.pipeshard_method",
+    "alpa.create_state_parallel",
     "alpa.follow_parallel",
     "alpa.planned_parallel",
 )

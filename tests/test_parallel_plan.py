@@ -473,3 +473,23 @@ def test_bad_plans_are_refused():
         alpa.plan_to_method("plan.json")
     with pytest.raises(ValueError, match=r"not a ParallelPlan of format 1 .*format is 7"):
         ParallelPlan.from_json('{"format": 7}')
+
+
+def test_a_plan_pickles_as_alpas_scripts_save_it():
+    """Alpa's scripts pickle ``executable.get_parallel_plan()`` and replay it with
+    ``plan_to_method``: the plan holds no device or mesh handle."""
+    import pickle
+
+    from alpa.testing import get_mlp_train_state_and_step
+
+    alpa.init("local")
+    state, batch, step = get_mlp_train_state_and_step(16, 8, num_layers=2)
+    option = alpa.AutoShardingOption(force_data_parallel=True)
+    executable = alpa.parallelize(
+        step, method=alpa.ShardParallel(auto_sharding_option=option)
+    ).get_executable(state, batch)
+    plan = pickle.loads(pickle.dumps(executable.get_parallel_plan()))
+    assert plan.sharding_plan.logical_mesh.physical_mesh is None
+    replayed = alpa.parallelize(step, method=alpa.plan_to_method(plan))
+    specs = replayed.get_executable(state, batch).get_input_placement_specs()
+    assert specs == executable.get_input_placement_specs()

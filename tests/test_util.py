@@ -96,3 +96,32 @@ def test_map_on_threads_keeps_order_and_runs_inline_with_one_worker():
     names = map_on_threads(lambda _: threading.current_thread().name, range(8), 2, "pool")
     assert all(n.startswith("pool") for n in names)
     assert map_on_threads(lambda x: x, [], workers=3) == []
+
+
+def test_get_num_hosts_and_num_devices_reads_the_command_line_or_the_devices():
+    import argparse
+
+    import jax
+
+    from alpa.util import get_num_hosts_and_num_devices
+
+    given = argparse.Namespace(num_hosts=2, num_devices_per_host=4, local=False)
+    assert get_num_hosts_and_num_devices(given) == (2, 4)
+    local = argparse.Namespace(num_hosts=None, num_devices_per_host=None, local=True)
+    assert get_num_hosts_and_num_devices(local) == (1, len(jax.local_devices())) == (1, 8)
+    half = argparse.Namespace(num_hosts=2, num_devices_per_host=None, local=True)
+    with pytest.raises(ValueError, match=r"num_hosts=2 and num_devices_per_host=None: give both"):
+        get_num_hosts_and_num_devices(half)
+
+
+def test_get_metrics_stacks_the_steps_leaf_by_leaf():
+    from alpa.util import get_metrics
+
+    steps = [{"loss": jnp.float32(i), "acc": np.full(2, i / 10)} for i in range(3)]
+    stacked = get_metrics(steps)
+    assert isinstance(stacked["loss"], np.ndarray)
+    assert_allclose(stacked["loss"], np.array([0.0, 1.0, 2.0]))
+    assert stacked["acc"].shape == (3, 2)
+    assert_allclose(stacked["acc"][:, 1], np.array([0.0, 0.1, 0.2]))
+    with pytest.raises(ValueError, match="device_metrics is empty"):
+        get_metrics([])

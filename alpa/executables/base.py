@@ -87,26 +87,70 @@ class Executable(abc.ABC):
     @abc.abstractmethod
     def dump_debug_info(self, folder: str) -> None: ...
 
-    def sync(self) -> None:
-        """Wait until every computation launched so far has finished (that wrote an
-        output the caller still holds)."""
-        for ref in self._last_outputs:
-            array = ref()
-            if array is not None and not array.is_deleted():
-                array.block_until_ready()
-
     @property
-    def _last_outputs(self) -> list:
-        return self.__dict__.get("_last_output_refs", [])
+    def _last_outputs(self) -> list[Any]:
+        """The last step's output arrays that the caller still holds: the executable keeps
+        only weak references, so that an output the caller drops (a state, a loss) is
+        freed, here and on Ray workers, as soon as the caller lets go of it."""
+        refs = self.__dict__.get("_last_output_refs", ())
+        return [x for x in (ref() for ref in refs) if x is not None]
 
     @_last_outputs.setter
     def _last_outputs(self, outputs: Any) -> None:
-        # Weakly: the executable must not keep a state alive that the caller let go.
+        refs = []
         leaves = jax.tree.leaves(outputs)
+        # A pipeline's split leaf: the arrays of its parts are what was computed.
         leaves += [r for x in leaves if isinstance(x, StackedRows) for r in x.rows]
-        self.__dict__["_last_output_refs"] = [
-            weakref.ref(x) for x in leaves if isinstance(x, jax.Array)
-        ]
+        for x in leaves:
+            try:
+                refs.append(weakref.ref(x))
+            except TypeError:  # a Python scalar output: nothing to wait for or free
+                continue
+        self.__dict__["_last_output_refs"] = refs
+
+    def sync(self) -> None:
+        """Wait until the computations of the last step whose outputs are still held have
+        finished."""
+        for array in self._last_outputs:
+            if isinstance(array, jax.Array) and not array.is_deleted():
+                array.block_until_ready()
+
+    def hit_dispatch(self, placing: bool) -> Any:
+        """What a cache hit of the parallelized function calls (``call_cache``):
+        :meth:`dispatch`, or with ``placing`` :meth:`placing_dispatch`."""
+        return self.placing_dispatch() if placing else self.dispatch
+
+    def step_seconds(self) -> list[list[float]]:
+        """Per step this executable ran and timed, per mesh, its seconds (see
+        :meth:`get_execution_time_costs`)."""
+        return getattr(self, "_step_seconds", [])
+
+    def get_execution_time_costs(
+        self, timer_name: str | None = None, return_all_costs: bool = False
+    ) -> list:
+        """Alpa's step timer: the seconds each step this executable ran took, in order
+        (Alpa's benchmarks drop the first, warm-up ones); with ``return_all_costs``, per
+        mesh the list of its seconds. A step's time is its slowest mesh's. On Ray each
+        mesh's workers time their part of every step (from its arguments to its outputs
+        computed); on the local runtime a step is timed from its call until its outputs
+        are computed, while ``global_config.shard_parallel_sync_for_timer`` (one mesh) or
+        ``pipeline_sync_for_timer`` (a pipeline) is set, and not otherwise (a step is
+        then XLA's asynchronous dispatch, whose time says nothing of the computation)."""
+        if timer_name not in (None, "overall"):
+            raise ValueError(
+                f"timer_name={timer_name!r}: an executable times whole steps, its only timer "
+                "is 'overall' (or None)"
+            )
+        steps = self.step_seconds()
+        if return_all_costs:
+            return [list(mesh) for mesh in zip(*steps, strict=True)]
+        return [max(step) for step in steps]
+
+    def sync_move_workers(self) -> None:
+        """Alpa's: wait for the checkpoint shards that a save with ``local_cache_dir``
+        left moving in the background. A save here writes straight to the checkpoint
+        folder and is done when it returns, so there is nothing to wait for."""
+        return None
 
     def get_parallel_plan(self):
         """Every decision of this compile (mesh, shardings; for a pipeline its layers and

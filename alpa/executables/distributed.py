@@ -20,7 +20,7 @@ from jax.sharding import AbstractMesh, AxisType, NamedSharding
 
 from alpa.executables.base import Executable, check_dispatch_args
 from alpa.executables.mesh import PricedPlan
-from alpa.runtime.placement import PlacementSpec
+from alpa.runtime.placement import PlacementSpec, place
 from alpa.runtime.ray_launch import MeshOutput, RayStepLauncher, TransferPlanner
 from alpa.runtime.ray_mesh import DistributedPhysicalDeviceMesh
 from alpa.runtime.worker_program import (
@@ -181,13 +181,31 @@ class DistributedMeshExecutable(PricedPlan, Executable):
     def sync(self) -> None:
         """Steps on Ray return when every worker finished; nothing is left to wait for."""
 
+    def step_seconds(self) -> list[list[float]]:
+        return self.launcher.mesh_step_seconds
+
+    def get_total_allocation_size(self) -> int:
+        """Bytes one device allocates for this step (arguments, outputs, temporaries), from
+        XLA's memory analysis as the mesh's first worker compiled it."""
+        return self.mesh.call("allocation_size", self.launcher.program_id)[0]
+
+    @property
+    def physical_mesh(self):
+        """Alpa's name of the mesh the step runs on (its workers: ``.workers``)."""
+        return self.mesh
+
     @property
     def bytes_sent_last_step(self) -> int:
         """Bytes the driver sent for the last step (host inputs and messages)."""
         return self.launcher.bytes_sent_last_step
 
     def preshard_flat_args(self, flat_args: Sequence[Any]) -> list[Any]:
-        return list(flat_args)  # placed by the workers at the step
+        """Each leaf as a ``DistributedArray`` on the mesh, laid out as the step reads it
+        (Alpa's ``preshard_dynamic_args``): a step then sends none of them."""
+        return [
+            place(x, spec)
+            for x, spec in zip(flat_args, self.flat_input_placement_specs(), strict=True)
+        ]
 
     # -- what was compiled
 

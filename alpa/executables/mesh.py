@@ -17,15 +17,17 @@ from __future__ import annotations
 import functools
 import logging
 import os
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 from jax.sharding import NamedSharding
 
 from alpa.executables.base import Executable, check_dispatch_args
+from alpa.global_env import global_config
 from alpa.runtime.memory import allocation_bytes, device_peak_bytes
-from alpa.runtime.placement import PlacementSpec, is_placed, whole
+from alpa.runtime.placement import PlacementSpec, place_leaf
 from alpa.shard_parallel.auto_sharding import plan_objective
 from alpa.shard_parallel.compile import MicroBatchedProgram, compile_plan, full_batch_avals
 from alpa.shard_parallel.micro_batches import layout_change_cost
@@ -103,6 +105,7 @@ class MeshExecutable(PricedPlan, Executable):
         self.out_shardings = tuple(jax.tree.leaves(compiled.output_shardings))
         self.num_micro_batches = num_micro_batches
         self._last_outputs: Any = ()
+        self._step_seconds: list[list[float]] = []
         # A cache hit calls XLA's compiled program directly (see the module docstring);
         # a micro-batched step's programs are called in turn, on placed arguments.
         if not isinstance(compiled, MicroBatchedProgram):
@@ -112,7 +115,7 @@ class MeshExecutable(PricedPlan, Executable):
 
     def preshard_flat_args(self, flat_args: Sequence[Any]) -> list[jax.Array]:
         return [
-            x if is_placed(x, sharding) else jax.device_put(whole(x), sharding)
+            place_leaf(x, sharding)
             for x, sharding in zip(flat_args, self.in_shardings, strict=True)
         ]
 
@@ -126,9 +129,31 @@ class MeshExecutable(PricedPlan, Executable):
 
     def launch(self, flat_args: Sequence[Any]) -> list[jax.Array]:
         placed = jax.tree.unflatten(self.traced.in_tree, self.preshard_flat_args(flat_args))
-        outs = self.compiled(*placed)
+        outs = self._timed(self.compiled)(*placed)
         self._last_outputs = outs
         return self.traced.out_tree.flatten_up_to(outs)
+
+    def hit_dispatch(self, placing: bool) -> Any:
+        run = super().hit_dispatch(placing)
+        timed = self._timed(run)
+        return lambda *args: (
+            timed(*args) if global_config.shard_parallel_sync_for_timer else run(*args)
+        )
+
+    def _timed(self, run: Callable) -> Callable:
+        """``run`` timed, while ``global_config.shard_parallel_sync_for_timer`` is set,
+        from the previous step's end to the end of its own computation (Alpa's timer)."""
+
+        def timed(*args: Any) -> Any:
+            if not global_config.shard_parallel_sync_for_timer:
+                return run(*args)
+            self.sync()
+            tic = time.perf_counter()
+            outs = jax.block_until_ready(run(*args))
+            self._step_seconds.append([time.perf_counter() - tic])
+            return outs
+
+        return timed
 
     def _placement(self, avals, shardings) -> list[PlacementSpec]:
         return [

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -23,9 +24,11 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from alpa.device_mesh import make_jax_mesh
+from alpa.device_mesh import LocalPhysicalDeviceMesh, make_jax_mesh
 from alpa.executables.base import Executable, check_dispatch_args
 from alpa.executables.stage_programs import StagePrograms, hlo_order, input_placement_specs
+from alpa.executables.stage_trace import StageTrace
+from alpa.global_env import global_config
 from alpa.pipeline_parallel import plan_view
 from alpa.pipeline_parallel.computation import StageComputation
 from alpa.pipeline_parallel.pipeshard_plan import PipeshardPlan
@@ -41,7 +44,8 @@ from alpa.runtime.instructions import (
 )
 from alpa.runtime.local_runtime import LocalPipelineRuntime, RuntimeContext
 from alpa.runtime.memory import allocation_bytes, device_peak_bytes, step_peak_bytes
-from alpa.runtime.placement import PlacementSpec, caller_placements, is_placed
+from alpa.runtime.mesh_group import PhysicalMeshGroup
+from alpa.runtime.placement import PlacementSpec, caller_placements, is_abstract, place_leaf
 from alpa.shard_parallel.compile import full_batch_avals
 from alpa.tracing import leaf_signature
 from alpa.xla_compile import compile_lowered, hlo_text
@@ -109,8 +113,15 @@ class PipeshardDriverExecutable(Executable):
         self._const_outputs = self.stage_programs.const_outputs(
             {o.name for o in instructions.outputs if isinstance(o, ConstOutput)}
         )
-        self.collect_trace = False
+        self.collect_trace = False  # this executable's own switch (or global_config's)
+        self.stage_trace = StageTrace(len(program.computations))
         self._last_outputs: list = []
+        self._step_seconds: list[list[float]] = []
+        # Alpa's mesh_group: each submesh's devices, by the mesh ids of the placement specs.
+        self.mesh_group = PhysicalMeshGroup(
+            [LocalPhysicalDeviceMesh(list(m.devices.flat)) for m in self.meshes],
+            range(len(self.meshes)),
+        )
         full = full_batch_avals(self.traced, plan.num_micro_batches)
         self._signatures = [leaf_signature(a) for a in full]
         # Per leaf split by rows, where its parts live: one array where a sharding says it.
@@ -167,14 +178,46 @@ class PipeshardDriverExecutable(Executable):
         return self._run(flat_args)
 
     def _run(self, flat_args: Sequence[Any]) -> list:
+        if any(is_abstract(x) for x in flat_args):  # dummy values, made where they are read
+            flat_args = self.preshard_flat_args(flat_args)
         if self._row_split is not None:
             flat_args = self._row_split.split_args(flat_args, self._in_layouts)
         args = step_arguments(self.program, flat_args, self.num_micro_batches)
-        outputs = self.runtime.run(args, self._const_outputs, blocking=self.collect_trace)
+        trace = self.collect_trace or global_config.collect_trace
+        timed = global_config.pipeline_sync_for_timer
+        if timed:
+            self.sync()
+        tic = time.perf_counter()
+        outputs = self.runtime.run(args, self._const_outputs, blocking=trace)
+        if timed:
+            jax.block_until_ready(outputs)
+            self._step_seconds.append([time.perf_counter() - tic])
+        if trace:
+            self._record_trace()
         if self._row_split is not None:
             outputs = self._row_split.join_outputs(outputs, self._out_layouts)
         self._last_outputs = outputs
         return outputs
+
+    def _record_trace(self) -> None:
+        """The last step's stage computations, each waited for, into ``stage_trace``."""
+        to_wall = time.time() - time.perf_counter()  # the runtime's clock is perf_counter
+        instructions = self.instructions
+        for ins, event in zip(instructions.instructions, self.runtime.events, strict=True):
+            if ins.op is Op.RUN:
+                computation = instructions.kernels[ins.computation].computation
+                self.stage_trace.add(computation, event.start + to_wall, event.end + to_wall)
+
+    def get_stage_execution_info(self) -> list[list[tuple]]:
+        """Alpa's: per stage computation, when each of its traced runs started and
+        stopped, and on which hosts and devices (``stage_trace``; steps run with
+        ``global_config.collect_trace`` set)."""
+        computations = self.program.computations
+
+        def where(c: int):
+            return (0,), tuple(self.meshes[computations[c].stage].devices.flat)
+
+        return self.stage_trace.info(where)
 
     def _check_batch(self, flat_args) -> None:
         k = self.num_micro_batches
@@ -195,10 +238,7 @@ class PipeshardDriverExecutable(Executable):
         args = flat_args if split is None else split.split_args(flat_args, self._in_layouts)
         for v, arg, is_batch in zip(step.jaxpr.invars, args, step.batch_invars, strict=True):
             sharding = None if is_batch else self._sharding(v, self.program.input_stages[v][0])
-            if sharding is None or is_placed(arg, sharding):
-                out.append(arg)
-            else:
-                out.append(jax.device_put(arg, sharding))
+            out.append(place_leaf(arg, sharding))
         return out if split is None else split.join_inputs(out, self._in_layouts)
 
     def flat_input_placement_specs(self) -> list[PlacementSpec]:

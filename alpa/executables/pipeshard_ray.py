@@ -31,13 +31,16 @@ import jax
 from alpa.executables.base import Executable, check_dispatch_args
 from alpa.executables.distributed import abstract_mesh, serialize_jitted
 from alpa.executables.stage_programs import StagePrograms, input_placement_specs
+from alpa.executables.stage_trace import StageTrace
+from alpa.global_env import global_config
 from alpa.pipeline_parallel.pipeshard_plan import PipeshardPlan
 from alpa.pipeline_parallel.program_rewrites import step_arguments
 from alpa.pipeline_parallel.stage_sharding import DATA_AXES
 from alpa.runtime.instructions import ConstOutput, MicroBatchOutput, Op, activation_keys
-from alpa.runtime.placement import PlacementSpec, caller_placements
+from alpa.runtime.mesh_group import PhysicalMeshGroup
+from alpa.runtime.placement import PlacementSpec, caller_placements, place
 from alpa.runtime.ray_launch import MeshOutput, RayStepLauncher
-from alpa.runtime.ray_mesh import DistributedPhysicalDeviceMesh
+from alpa.runtime.ray_mesh import DistributedPhysicalDeviceMesh, wait_workers
 from alpa.runtime.resharding import worker_transfer_plan
 from alpa.runtime.worker_program import (
     ExportedFn,
@@ -61,6 +64,7 @@ class _MeshProgramBuilder:
         self.args: list[tuple[int, Layout]] = []
         self.arg_index: dict[int, int] = {}
         self.outputs: list[int] = []
+        self.computation_of: dict[int, int] = {}  # a RUN's op index -> its computation
 
     def slot(self, key) -> int:
         return self.slots.setdefault(key, len(self.slots))
@@ -129,6 +133,10 @@ class PipeshardRayExecutable(Executable):
         self._const_outputs = stages.const_outputs(const_names)
         activations = activation_keys(plan.instructions)
         self._programs = [b.build(activations) for b in builders]
+        self.mesh_group = PhysicalMeshGroup(self.meshes, [m.mesh_id for m in self.meshes])
+        self._computation_of = [b.computation_of for b in builders]
+        self.stage_trace = StageTrace(len(plan.program.computations))
+        self._tracing = False
         self.launcher = RayStepLauncher(
             self.meshes,
             self._programs,
@@ -217,6 +225,7 @@ class PipeshardRayExecutable(Executable):
                     outs,
                     range(len(structs) - num_in),  # the running sums come first
                 )
+                b.computation_of[len(b.ops)] = kernel.computation
                 b.emit(
                     WorkerOp.RUN,
                     in_slots=tuple(b.slot(k) for k in ins.inputs),
@@ -319,7 +328,14 @@ class PipeshardRayExecutable(Executable):
         if split is not None:
             flat_args = split.split_args(flat_args)
         args = step_arguments(self.program, flat_args, self.num_micro_batches)
+        trace = global_config.collect_trace
+        if trace != self._tracing:  # tell the workers to wait for and time every RUN
+            for mesh in self.meshes:
+                mesh.call("trace_runs", self.launcher.program_id, trace)
+            self._tracing = trace
         per_mesh = self.launcher.launch(args)
+        if trace:
+            self._record_trace()
         outputs = []
         for kind, value in self._output_sources:
             if kind == "mesh":
@@ -331,11 +347,45 @@ class PipeshardRayExecutable(Executable):
         self._last_outputs = outputs
         return outputs if split is None else split.join_outputs(outputs)
 
+    def step_seconds(self) -> list[list[float]]:
+        return self.launcher.mesh_step_seconds
+
     def sync(self) -> None:
         """Steps on Ray return when every worker finished; nothing is left to wait for."""
 
+    def _record_trace(self) -> None:
+        """The last step's stage computations as each mesh's first worker timed them."""
+        pid = self.launcher.program_id
+        per_mesh = wait_workers(
+            [(m.workers[0].run_times.remote(pid), m.label(0)) for m in self.meshes]
+        )
+        for computation_of, times in zip(self._computation_of, per_mesh, strict=True):
+            for index, start, stop in times:
+                if index in computation_of:  # not a relayout between two stages
+                    self.stage_trace.add(computation_of[index], start, stop)
+
+    def get_stage_execution_info(self) -> list[list[tuple]]:
+        """Alpa's: per stage computation, when each of its traced runs started and
+        stopped (steps run with ``global_config.collect_trace`` set), and its mesh's hosts
+        and devices (of each host, the device indices)."""
+        computations = self.program.computations
+
+        def where(c: int):
+            mesh = self.meshes[self._mesh_of(computations[c].stage)]
+            first = mesh.first_device
+            return mesh.host_ids, tuple(range(first, first + mesh.num_devices_per_host))
+
+        return self.stage_trace.info(where)
+
     def preshard_flat_args(self, flat_args: Sequence[Any]) -> list[Any]:
-        return list(flat_args)  # the workers place every argument at the step
+        """Each leaf as a ``DistributedArray`` on the mesh of the first stage that reads
+        it, laid out as that stage reads it (a split stacked leaf as its rows on their
+        stages'): a step then sends none of them."""
+        specs = self.flat_input_placement_specs()
+        return [
+            place(x, spec) if spec.placements else x
+            for x, spec in zip(flat_args, specs, strict=True)
+        ]
 
     # -- what was compiled
 

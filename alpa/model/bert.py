@@ -7,14 +7,15 @@ Each encoder layer is post-LN (as in the original BERT):
     x' = \mathrm{LN}(y + \mathrm{MLP}(y)),
 
 where attention is bidirectional (every position sees every unpadded position) and the MLP is
-``Dense(intermediate_size) -> GELU -> Dense(H)``. The embeddings are the LayerNorm of the sum
-of token, position and token-type embeddings. The masked-LM head is
+``Dense(intermediate_size) -> GELU -> Dense(H)`` (``hidden_act``: the tanh GELU by default,
+``"gelu"`` for the exact one). The embeddings are the LayerNorm of the sum of token, position
+and token-type embeddings (no token types with ``type_vocab_size=0``). The masked-LM head is
 ``Dense(H) -> GELU -> LN`` followed by the token embedding transposed (tied) plus a bias.
 
 With ``add_manual_pipeline_markers=True`` a pipeline boundary is marked after every layer but
-the last. With ``gradient_checkpointing=True`` every layer is wrapped in ``nn.remat``
-(``jax.checkpoint``): the backward pass recomputes a layer's activations instead of keeping
-them.
+the last, or with ``pipeline_mp_size=k`` after every ``num_layers / k`` layers. With
+``gradient_checkpointing=True`` every layer is wrapped in ``nn.remat`` (``jax.checkpoint``):
+the backward pass recomputes a layer's activations instead of keeping them.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from alpa.model.layers import INIT_STD, FeedForward, MultiHeadAttention, dense
+from alpa.model.layers import ACTIVATIONS, INIT_STD, FeedForward, MultiHeadAttention, dense
 from alpa.model.model_util import (
     DType,
     GradFunc,
@@ -61,6 +62,8 @@ class BertConfig:
     dtype: DType = jnp.float32
     add_manual_pipeline_markers: bool = False
     gradient_checkpointing: bool = False
+    hidden_act: str = "gelu_new"
+    pipeline_mp_size: int | None = None
 
     def __post_init__(self) -> None:
         check_positive(
@@ -69,14 +72,32 @@ class BertConfig:
             num_heads=self.num_heads,
             vocab_size=self.vocab_size,
             max_position_embeddings=self.max_position_embeddings,
-            type_vocab_size=self.type_vocab_size,
         )
+        if isinstance(self.type_vocab_size, bool) or not (
+            isinstance(self.type_vocab_size, int) and self.type_vocab_size >= 0
+        ):
+            raise ValueError(
+                f"type_vocab_size must be an int >= 0 (0: no token types), "
+                f"got {self.type_vocab_size!r}"
+            )
         if self.intermediate_size is not None:
             check_positive(intermediate_size=self.intermediate_size)
         if self.hidden_size % self.num_heads:
             raise ValueError(
                 f"hidden_size={self.hidden_size} is not divisible by num_heads={self.num_heads}"
             )
+        if self.hidden_act not in ACTIVATIONS:
+            raise ValueError(
+                f"hidden_act must be one of {sorted(ACTIVATIONS)}, got {self.hidden_act!r}"
+            )
+        if self.pipeline_mp_size:
+            check_positive(pipeline_mp_size=self.pipeline_mp_size)
+            if self.num_layers % self.pipeline_mp_size:
+                raise ValueError(
+                    f"pipeline_mp_size={self.pipeline_mp_size} does not divide "
+                    f"num_layers={self.num_layers}: the pipeline boundaries cut the layers "
+                    "into that many equal groups"
+                )
 
     @property
     def ffn_size(self) -> int:
@@ -109,7 +130,7 @@ class FlaxBertLayer(nn.Module):
         attn = MultiHeadAttention(cfg.num_heads, causal=False, dtype=cfg.dtype, name="attention")
         x = hidden_states + attn(hidden_states, _padding_mask(attention_mask))
         x = nn.LayerNorm(epsilon=cfg.layer_norm_epsilon, dtype=cfg.dtype, name="attention_ln")(x)
-        x = x + FeedForward(cfg.ffn_size, dtype=cfg.dtype, name="mlp")(x)
+        x = x + FeedForward(cfg.ffn_size, cfg.dtype, cfg.hidden_act, name="mlp")(x)
         return nn.LayerNorm(epsilon=cfg.layer_norm_epsilon, dtype=cfg.dtype, name="output_ln")(x)
 
 
@@ -132,11 +153,62 @@ class FlaxBertLayerCollection(nn.Module):
             if cfg.gradient_checkpointing
             else FlaxBertLayer
         )
+        per_stage = cfg.num_layers // cfg.pipeline_mp_size if cfg.pipeline_mp_size else 1
         for i in range(cfg.num_layers):
             hidden_states = layer(cfg, name=str(i))(hidden_states, attention_mask, deterministic)
-            if cfg.add_manual_pipeline_markers and i < cfg.num_layers - 1:
+            last = i == cfg.num_layers - 1
+            if cfg.add_manual_pipeline_markers and (i + 1) % per_stage == 0 and not last:
                 mark_pipeline_boundary()
         return hidden_states
+
+
+def bert_encode(
+    cfg: BertConfig,
+    input_ids: jax.Array,
+    attention_mask: jax.Array | None,
+    token_type_ids: jax.Array | None,
+    position_ids: jax.Array | None,
+    deterministic: bool,
+) -> tuple[jax.Array, nn.Embed]:
+    """The embeddings and the encoder: ``hidden_states[batch, seq, hidden]``, and the word
+    embedding (for a tied head). Call it inside a ``@nn.compact`` method: its modules
+    (``word_embeddings``, ``position_embeddings``, ``token_type_embeddings`` unless
+    ``type_vocab_size`` is 0, ``embeddings_ln``, ``encoder``) become the caller's.
+
+    ``token_type_ids`` default to 0, ``position_ids`` to ``0..seq-1``, ``attention_mask`` to
+    no padding.
+    """
+    if input_ids.ndim != 2:
+        raise ValueError(f"input_ids must be [batch, seq], got shape {input_ids.shape}")
+    seq_len = input_ids.shape[1]
+    if seq_len > cfg.max_position_embeddings:
+        raise ValueError(
+            f"input of length {seq_len} exceeds "
+            f"config.max_position_embeddings={cfg.max_position_embeddings}"
+        )
+    if position_ids is None:
+        position_ids = jnp.broadcast_to(jnp.arange(seq_len), input_ids.shape)
+
+    def embed(num: int, name: str) -> nn.Embed:
+        return nn.Embed(
+            num,
+            cfg.hidden_size,
+            dtype=cfg.dtype,
+            embedding_init=nn.initializers.normal(INIT_STD),
+            name=name,
+        )
+
+    word_embeddings = embed(cfg.vocab_size, "word_embeddings")
+    x = word_embeddings(input_ids) + embed(cfg.max_position_embeddings, "position_embeddings")(
+        position_ids
+    )
+    if cfg.type_vocab_size:
+        if token_type_ids is None:
+            token_type_ids = jnp.zeros_like(input_ids)
+        x = x + embed(cfg.type_vocab_size, "token_type_embeddings")(token_type_ids)
+    x = nn.LayerNorm(epsilon=cfg.layer_norm_epsilon, dtype=cfg.dtype, name="embeddings_ln")(x)
+    x = FlaxBertLayerCollection(cfg, name="encoder")(x, attention_mask, deterministic)
+    return x, word_embeddings
 
 
 class FlaxBertForMaskedLM(nn.Module):
@@ -153,44 +225,13 @@ class FlaxBertForMaskedLM(nn.Module):
         position_ids: jax.Array | None = None,
         deterministic: bool = True,
     ) -> jax.Array:
-        """Logits of the original token at every position.
-
-        ``token_type_ids`` default to 0, ``position_ids`` to ``0..seq-1``, ``attention_mask``
-        to no padding.
-        """
+        """Logits of the original token at every position (arguments: :func:`bert_encode`)."""
         cfg = self.config
-        if input_ids.ndim != 2:
-            raise ValueError(f"input_ids must be [batch, seq], got shape {input_ids.shape}")
-        seq_len = input_ids.shape[1]
-        if seq_len > cfg.max_position_embeddings:
-            raise ValueError(
-                f"input of length {seq_len} exceeds "
-                f"config.max_position_embeddings={cfg.max_position_embeddings}"
-            )
-        if position_ids is None:
-            position_ids = jnp.broadcast_to(jnp.arange(seq_len), input_ids.shape)
-        if token_type_ids is None:
-            token_type_ids = jnp.zeros_like(input_ids)
-
-        def embed(num: int, name: str) -> nn.Embed:
-            return nn.Embed(
-                num,
-                cfg.hidden_size,
-                dtype=cfg.dtype,
-                embedding_init=nn.initializers.normal(INIT_STD),
-                name=name,
-            )
-
-        word_embeddings = embed(cfg.vocab_size, "word_embeddings")
-        x = (
-            word_embeddings(input_ids)
-            + embed(cfg.max_position_embeddings, "position_embeddings")(position_ids)
-            + embed(cfg.type_vocab_size, "token_type_embeddings")(token_type_ids)
+        x, word_embeddings = bert_encode(
+            cfg, input_ids, attention_mask, token_type_ids, position_ids, deterministic
         )
-        x = nn.LayerNorm(epsilon=cfg.layer_norm_epsilon, dtype=cfg.dtype, name="embeddings_ln")(x)
-        x = FlaxBertLayerCollection(cfg, name="encoder")(x, attention_mask, deterministic)
 
-        x = nn.gelu(dense(cfg.hidden_size, cfg.dtype, "transform")(x))
+        x = ACTIVATIONS[cfg.hidden_act](dense(cfg.hidden_size, cfg.dtype, "transform")(x))
         x = nn.LayerNorm(epsilon=cfg.layer_norm_epsilon, dtype=cfg.dtype, name="transform_ln")(x)
         if cfg.tie_word_embeddings:
             logits = word_embeddings.attend(x)

@@ -16,6 +16,8 @@ float32 whatever ``dtype`` is.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from functools import partial
 
 import flax.linen as nn
 import jax
@@ -133,14 +135,31 @@ class MultiHeadAttention(nn.Module):
         return dense(hidden, self.dtype, "out")(out.reshape(batch, seq_len, hidden))
 
 
+#: The MLP's activations by their Hugging Face / Alpa names: ``"gelu"`` is the exact GELU,
+#: ``"gelu_new"`` its tanh approximation (GPT-2's, and ``nn.gelu``'s default).
+ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
+    "gelu": partial(nn.gelu, approximate=False),
+    "gelu_new": partial(nn.gelu, approximate=True),
+    "relu": nn.relu,
+    "silu": nn.swish,
+    "swish": nn.swish,
+}
+
+
 class FeedForward(nn.Module):
-    """The transformer MLP: ``Dense(intermediate_size) -> GELU -> Dense(hidden)``."""
+    """The transformer MLP: ``Dense(intermediate_size) -> activation -> Dense(hidden)``,
+    the activation one of :data:`ACTIVATIONS` (default the tanh GELU)."""
 
     intermediate_size: int
     dtype: DType = jnp.float32
+    activation: str = "gelu_new"
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(
+                f"activation must be one of {sorted(ACTIVATIONS)}, got {self.activation!r}"
+            )
         hidden = x.shape[-1]
-        h = nn.gelu(dense(self.intermediate_size, self.dtype, "wi")(x))
+        h = ACTIVATIONS[self.activation](dense(self.intermediate_size, self.dtype, "wi")(x))
         return dense(hidden, self.dtype, "wo")(h)

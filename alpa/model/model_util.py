@@ -18,7 +18,9 @@ With ``abstract=True`` a factory returns ``jax.ShapeDtypeStruct`` pytrees instea
 computed with ``jax.eval_shape``: a 1.3B-parameter model can then be planned without
 allocating its weights.
 
-This module holds the pieces those factories have in common; it knows no model.
+This module holds the pieces those factories have in common; it knows no model. It is
+also Alpa's path of its train state (``TrainState``, ``DynamicScale``: ``train_state.py``)
+and model outputs (``ModelOutput``: ``model_output.py``).
 """
 
 from __future__ import annotations
@@ -32,8 +34,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from flax.training import train_state
 
+# Alpa's names at Alpa's path (alpa.model.model_util), re-exported:
+from alpa.model.model_output import (  # noqa: F401
+    FlaxBaseModelOutput,
+    FlaxBaseModelOutputWithPooling,
+    FlaxBertForPreTrainingOutput,
+    FlaxMaskedLMOutput,
+    FlaxSequenceClassifierOutput,
+    ModelOutput,
+)
+from alpa.model.train_state import DummyInit, DynamicScale, TrainState, init_dummy  # noqa: F401
 from alpa.tracing.primitive_def import mark_pipeline_boundary  # noqa: F401 (re-exported)
 
 #: A numpy/jax dtype or scalar type such as ``jnp.float32`` or ``jnp.bfloat16``.
@@ -49,17 +60,6 @@ _RUN_ONCE_COMPILER_OPTIONS = {"xla_backend_optimization_level": 0}
 
 OptimizerName = Literal["adamw", "adam", "sgd"]
 OPTIMIZER_NAMES: tuple[str, ...] = ("adamw", "adam", "sgd")
-
-
-class TrainState(train_state.TrainState):
-    """flax's ``TrainState`` plus the ``batch_stats`` collection of batch normalization.
-
-    ``batch_stats`` is ``None`` for models without batch normalization. A train step replaces
-    it with the statistics the forward pass in training mode returned:
-    ``state.apply_gradients(grads=grads, batch_stats=new_batch_stats)``.
-    """
-
-    batch_stats: Any = None
 
 
 def make_optimizer(name: OptimizerName, learning_rate: float) -> optax.GradientTransformation:

@@ -33,6 +33,7 @@ import numpy as np
 
 from alpa.model.model_util import (
     DType,
+    DummyInit,
     GradFunc,
     OptimizerName,
     PyTree,
@@ -84,7 +85,7 @@ class _ResidualBlock(nn.Module):
         return nn.relu(x + y)
 
 
-class WResNet(nn.Module):
+class WResNet(DummyInit, nn.Module):
     """Wide ResNet classifier: ``images[batch, height, width, 3] -> logits[batch, classes]``."""
 
     stage_sizes: tuple[int, ...]
@@ -193,6 +194,42 @@ WRESNET_PRESETS: dict[str, WResNetConfig] = {
         imagenet_stem=True,
     ),
 }
+
+
+#: Alpa's ``get_wide_resnet`` depths: residual blocks per stage and the kind of block.
+WIDE_RESNET_DEPTHS: dict[int, tuple[tuple[int, ...], BlockKind]] = {
+    0: ((), "basic"),
+    18: ((2, 2, 2, 2), "basic"),
+    34: ((3, 4, 6, 3), "basic"),
+    50: ((3, 4, 6, 3), "bottleneck"),
+    101: ((3, 4, 23, 3), "bottleneck"),
+    152: ((3, 8, 36, 3), "bottleneck"),
+    200: ((3, 24, 36, 3), "bottleneck"),
+}
+
+
+def get_wide_resnet(
+    num_layers: int, width_factor: int, num_filters: int, num_classes: int, dtype: DType
+) -> WResNet:
+    """Alpa's Wide ResNet factory: the ImageNet-stem :class:`WResNet` of depth
+    ``num_layers`` (a key of :data:`WIDE_RESNET_DEPTHS`; 0 is the stem and the head alone),
+    computing in ``dtype``. Its ``init_dummy`` is Alpa's; its ``apply(variables, images,
+    train=True)`` reads ``images[batch, height, width, 3]``."""
+    if num_layers not in WIDE_RESNET_DEPTHS:
+        raise ValueError(
+            f"num_layers must be one of {sorted(WIDE_RESNET_DEPTHS)}, got {num_layers!r}"
+        )
+    check_positive(width_factor=width_factor, num_filters=num_filters, num_classes=num_classes)
+    stage_sizes, block = WIDE_RESNET_DEPTHS[num_layers]
+    return WResNet(
+        stage_sizes=stage_sizes,
+        num_filters=num_filters,
+        width_factor=width_factor,
+        num_classes=num_classes,
+        block=block,
+        imagenet_stem=True,
+        dtype=dtype,
+    )
 
 
 def get_wresnet_train_state_and_step(

@@ -56,6 +56,7 @@ import jax
 import numpy as np
 from jax.extend.core import ClosedJaxpr, JaxprEqn, Var
 
+from alpa.global_env import global_config
 from alpa.pipeline_parallel.layer_scans import cut_keeping_scans, is_layer_cut
 from alpa.pipeline_parallel.remat import clustered_remat
 from alpa.pipeline_parallel.segments import (
@@ -69,6 +70,7 @@ from alpa.pipeline_parallel.segments import (
     rewrite_traced,
     segment_interface,
 )
+from alpa.tracing.flops import eqn_flops
 from alpa.tracing.jaxpr_util import (
     eval_eqns,
     grad_marker_index,
@@ -191,7 +193,10 @@ class AutoLayerOption:
         """``eqns`` (of ``where``: "the loss function", "the inference step") clustered
         into ``layer_num`` layers."""
         what = f"AutoLayerOption(layer_num={self.layer_num}, layer_eps={self.layer_eps})"
-        return clustered_segments(eqns, self.layer_num, self.layer_eps, what, where)
+        segments = clustered_segments(eqns, self.layer_num, self.layer_eps, what, where)
+        if global_config.print_auto_layer_stats:
+            print(layer_stats(segments, where))
+        return segments
 
     def rewrite_loss(self, fun: Callable) -> Callable:
         """``fun`` cut into ``layer_num`` clustered layers, each wrapped in layer markers
@@ -247,6 +252,19 @@ class AutoLayerOption:
 
 
 LayerOption = ManualLayerOption | AutoLayerOption
+
+
+def layer_stats(segments: Segments, where: str) -> str:
+    """A table of the layers ``segments`` of ``where``: per layer its equations and FLOPs
+    (``global_config.print_auto_layer_stats``)."""
+    flops = [sum(eqn_flops(e) for e in layer) for layer in segments]
+    total = sum(flops) or 1.0
+    lines = [f"AutoLayerOption: {len(segments)} layers of {where}"]
+    for i, (layer, work) in enumerate(zip(segments, flops, strict=True)):
+        lines.append(
+            f"  layer {i}: {len(layer)} equations, {work:.4g} FLOPs ({100 * work / total:.1f} %)"
+        )
+    return "\n".join(lines)
 
 
 def resolve_layer_option(option) -> LayerOption:

@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from alpa.global_env import global_config
 from alpa.pipeline_parallel.schedules import SHARED_MESH_SCHEDULES
 from alpa.pipeline_parallel.stage_construction import (
     AutoStageOption,
@@ -35,6 +36,7 @@ from alpa.pipeline_parallel.stage_construction import (
 )
 from alpa.pipeline_parallel.stage_dp import DP_SCHEDULES, get_submesh_choices, training_dp
 from alpa.pipeline_parallel.stage_imbalance import imbalance_mask, tolerance_error
+from alpa.timer import timed
 
 
 @dataclass(frozen=True, eq=False)
@@ -108,11 +110,13 @@ def stage_problem(option: AutoStageOption, context: StageContext):
     from alpa.shard_parallel.auto_sharding import AutoShardingOption
 
     traced = context.traced
+    # Alpa's global override of the submesh choices, checked as manual ones.
+    forced = global_config.overwrite_submesh_choices
     choices = get_submesh_choices(
         context.num_hosts,
         context.num_devices_per_host,
-        option.submesh_physical_shape_space,
-        option.manually_specified_submeshes,
+        option.submesh_physical_shape_space if forced is None else "manual",
+        option.manually_specified_submeshes if forced is None else forced,
     )
     batch = [
         a.shape[0]
@@ -134,16 +138,25 @@ def stage_problem(option: AutoStageOption, context: StageContext):
 
 
 def plan_auto_stages(option: AutoStageOption, context: StageContext) -> StagePlan:
-    """Cost every candidate stage, run the DP, and resolve its solution."""
+    """Cost every candidate stage, run the DP, and resolve its solution. Timed as Alpa's
+    stage construction (``alpa.timers``): ``stage-construction`` in all, of which
+    ``-compilation`` (the step cut into every candidate stage's computations on every
+    submesh), ``-profiling`` (the cost model pricing them) and ``-dp``."""
     if context.schedule in SHARED_MESH_SCHEDULES:
         raise ValueError(
             "stage_option='auto' places one stage per mesh; pipeline_schedule="
             f"{context.schedule!r} places two stages on each mesh and needs "
             "UniformStageOption or ManualStageOption"
         )
+    with timed("stage-construction"):
+        return _plan_auto_stages(option, context)
+
+
+def _plan_auto_stages(option: AutoStageOption, context: StageContext) -> StagePlan:
     from alpa.pipeline_parallel.stage_problem import StageCosts, layer_flops
 
-    problem = stage_problem(option, context)
+    with timed("stage-construction-compilation"):
+        problem = stage_problem(option, context)
     L, M, C = problem.num_layers, len(problem.submesh_choices), problem.num_configs
     costs = None
     if option.cached_profile_result is not None:
@@ -155,10 +168,12 @@ def plan_auto_stages(option: AutoStageOption, context: StageContext) -> StagePla
                 f"shape {costs.compute_cost.shape}; this step and cluster need {(L, L, M, C)}"
             )
     if costs is None:
-        costs = option.cost_model_instance(context.devices)(problem)
+        with timed("stage-construction-profiling"):
+            costs = option.cost_model_instance(context.devices)(problem)
 
     schedule = context.schedule if context.schedule in DP_SCHEDULES else "1f1b"
 
+    @timed("stage-construction-dp")
     def dp(compute_cost):
         return training_dp(
             L,

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
 from typing import Any
+
+from alpa.device_memory import device_peak_bytes  # noqa: F401 (the executables' path)
 
 
 def allocation_bytes(compiled: Any) -> int:
@@ -17,15 +18,6 @@ def allocation_bytes(compiled: Any) -> int:
         + stats.temp_size_in_bytes
         - stats.alias_size_in_bytes
     )
-
-
-def device_peak_bytes(devices: Sequence[Any]) -> int | None:
-    """The largest ``peak_bytes_in_use`` of ``devices``, or ``None`` where the platform
-    keeps no allocator statistics (CPU)."""
-    stats = [d.memory_stats() for d in devices]
-    if all(s and "peak_bytes_in_use" in s for s in stats):
-        return max(int(s["peak_bytes_in_use"]) for s in stats)
-    return None
 
 
 def step_peak_bytes(

@@ -54,6 +54,17 @@ class PlacementSpec:
     placements: tuple[Any, ...] = field(default=(), compare=False)
     rows: tuple = field(default=(), compare=False)
 
+    def __post_init__(self):
+        # Alpa's aval is a ShapedArray: the same leaf compares equal whether its spec was
+        # made from a traced value, an argument's abstract value or a ShapeDtypeStruct.
+        aval = self.aval
+        if hasattr(aval, "shape") and hasattr(aval, "dtype"):
+            weak = bool(getattr(aval, "weak_type", False))
+            aval = jax.core.ShapedArray(tuple(aval.shape), aval.dtype, weak_type=weak)
+            object.__setattr__(self, "aval", aval)
+        object.__setattr__(self, "mesh_ids", tuple(self.mesh_ids))
+        object.__setattr__(self, "sharding_specs", tuple(self.sharding_specs))
+
     @property
     def rows_layout(self) -> RowsLayout | None:
         """For a leaf split by rows, where its parts live (``stage_rows.RowsLayout``);
@@ -72,9 +83,18 @@ def place(value: Any, spec: PlacementSpec) -> Any:
     its first mesh, which is where the executable takes it from (a leaf read by several
     stages is copied to the others by the step). Local: a ``jax.Array`` in the planned
     sharding (not copied when it already is, :func:`is_placed`); Ray: a
-    ``DistributedArray`` on the mesh's workers."""
+    ``DistributedArray`` on the mesh's workers. An abstract ``value`` is placed as a dummy
+    array (:func:`check_dummy_allowed`)."""
     if not spec.placements:
         raise ValueError(f"no mesh holds a leaf of {spec.aval}: there is nowhere to place it")
+    if is_abstract(value) and not spec.rows:  # a dummy array, made where it is read
+        check_dummy_allowed(value)
+        target = spec.placements[0]
+        if isinstance(target, tuple):  # Ray: the workers make it
+            from alpa.runtime.worker_program import DummyValue
+
+            return target[0].put(DummyValue(tuple(value.shape), np.dtype(value.dtype)), target[1])
+        return dummy_array(value.shape, value.dtype, target)
     if spec.rows:  # each row (or block of rows) on its own stage's mesh
         layout = spec.rows_layout
         if layout.joined is not None:  # one array over the stages' devices
@@ -105,6 +125,51 @@ def place(value: Any, spec: PlacementSpec) -> Any:
     if is_placed(value, target):
         return value
     return jax.device_put(value, target)
+
+
+def is_abstract(x: Any) -> bool:
+    """Whether ``x`` is a shape and a dtype without data (``jax.ShapeDtypeStruct`` or
+    ``jax.core.ShapedArray``), as Alpa's benchmarks pass a state they never allocate."""
+    return isinstance(x, jax.ShapeDtypeStruct | jax.core.ShapedArray)
+
+
+def check_dummy_allowed(x: Any) -> None:
+    """Refuse an abstract step argument unless dummy values are on
+    (``global_config.use_dummy_value_for_benchmarking``)."""
+    from alpa.global_env import global_config
+
+    if not global_config.use_dummy_value_for_benchmarking:
+        raise ValueError(
+            f"a step argument is abstract ({x}): a step runs on arrays. Set "
+            "alpa.global_config.use_dummy_value_for_benchmarking = True to run it on dummy "
+            "values made where the step reads them"
+        )
+
+
+def dummy_array(shape: Sequence[int], dtype: Any, sharding: Any) -> Any:
+    """An array of ``shape`` in ``sharding`` (``None``: a host array) whose every element
+    is ``DUMMY_VALUE``, each device's shard made on the host and copied to its device (no
+    program compiled)."""
+    from alpa.flax_patches import DUMMY_VALUE
+
+    if sharding is None:
+        return np.full(shape, DUMMY_VALUE, dtype)
+    shape = tuple(shape)
+    empty = np.broadcast_to(np.zeros((), np.int8), shape)
+    return jax.make_array_from_callback(
+        shape, sharding, lambda index: np.full(empty[index].shape, DUMMY_VALUE, dtype)
+    )
+
+
+def place_leaf(x: Any, sharding: Any) -> Any:
+    """``x`` in ``sharding`` (``None``: as it is), moved only when it is not there
+    already; an abstract ``x`` as a dummy array (:func:`check_dummy_allowed`)."""
+    if is_abstract(x):
+        check_dummy_allowed(x)
+        return dummy_array(x.shape, x.dtype, sharding)
+    if sharding is None or is_placed(x, sharding):
+        return x
+    return jax.device_put(whole(x), sharding)
 
 
 def whole(x: Any) -> Any:

@@ -31,13 +31,21 @@ from typing import Any
 
 import numpy as np
 
+from alpa.runtime.placement import check_dummy_allowed, is_abstract
 from alpa.runtime.ray_mesh import (
     DistributedArray,
     DistributedPhysicalDeviceMesh,
     shut_down_error,
     wait_workers,
 )
-from alpa.runtime.worker_program import Layout, TransferPlan, WorkerOp, WorkerProgram
+from alpa.runtime.remote_arrays import ReplicatedDistributedArray
+from alpa.runtime.worker_program import (
+    DummyValue,
+    Layout,
+    TransferPlan,
+    WorkerOp,
+    WorkerProgram,
+)
 
 _program_ids = itertools.count()
 _step_ids = itertools.count()
@@ -90,6 +98,8 @@ class RayStepLauncher:
         self.program_id = next(_program_ids)
         self.bytes_sent_last_step = 0
         self.last_step_seconds: list[float] = []
+        #: Per step run, per mesh, the seconds its slowest worker spent in the step.
+        self.mesh_step_seconds: list[list[float]] = []
         peers = {(m.mesh_id, h): w for m in self.meshes for h, w in enumerate(m.workers)}
         calls = []  # (ref, label, mesh index)
         for i, (mesh, program) in enumerate(zip(self.meshes, programs, strict=True)):
@@ -130,6 +140,9 @@ class RayStepLauncher:
             consumed = []
             for leaf, layout in self.mesh_args[i]:
                 x = flat_args[leaf]
+                if isinstance(x, ReplicatedDistributedArray):  # the replica on this mesh
+                    on = x.is_replicated_on_mesh(mesh)
+                    x = x.get_replica_on_mesh(mesh) if on else x.replica
                 if isinstance(x, DistributedArray) and x.mesh.is_shut_down:
                     if x._fetched is None:
                         x._check()  # raises: its data went with its mesh
@@ -144,7 +157,9 @@ class RayStepLauncher:
                         consumed.append(x.name)
                         consumed_arrays.append(x)
                     continue
-                if leaf not in refs:
+                if leaf not in refs and is_abstract(x):
+                    refs[leaf] = _dummy(x)
+                elif leaf not in refs:
                     value = np.asarray(x)
                     if value.nbytes >= _PUT_THRESHOLD:
                         import ray
@@ -180,10 +195,14 @@ class RayStepLauncher:
 
         try:
             self.last_step_seconds = wait_workers(calls, on_failure=abort)
+            seconds = iter(self.last_step_seconds)
+            self.mesh_step_seconds.append(
+                [max(next(seconds) for _ in mesh.workers) for mesh in self.meshes]
+            )
         except RuntimeError:
-            for out in outputs:
+            for out in outputs:  # the workers that finished the step hold these: free them
                 for x in out:
-                    x._mark_donated()
+                    x.delete()
             raise
         self.bytes_sent_last_step = sent
         self._moved = []
@@ -203,6 +222,12 @@ class RayStepLauncher:
             if not mesh.is_shut_down:
                 for worker in mesh.workers:
                     worker.unload_program.remote(self.program_id)
+
+
+def _dummy(x: Any) -> DummyValue:
+    """What the workers fill with dummy values for an abstract argument, if allowed."""
+    check_dummy_allowed(x)
+    return DummyValue(tuple(x.shape), np.dtype(x.dtype))
 
 
 def reshard_array(

@@ -1,4 +1,4 @@
-"""The Ray cluster as alpa sees it: DeviceCluster, distributed meshes, DistributedArray.
+"""The Ray cluster as alpa sees it: DeviceCluster, distributed meshes (and DistributedArray).
 
 * :class:`DeviceCluster` is built from Ray's alive nodes: a GPU node contributes its GPUs;
   a CPU-only node contributes ``num_devices_per_node`` virtual CPU devices (default
@@ -7,9 +7,8 @@
   belong to :class:`~alpa.runtime.ray_worker.MeshHostWorker` actors, one per host, pinned
   to their nodes. A mesh over several hosts is one multi-controller JAX program over its
   workers.
-* :class:`DistributedArray` is the driver-side handle of a value living on such a mesh:
-  its shape, dtype and layout are known here; its data stays on the workers until
-  ``np.asarray(x)`` (or :func:`prefetch`, many at once) fetches it.
+* ``DistributedArray`` (``alpa.runtime.distributed_array``) is the driver-side handle of
+  a value living on such a mesh.
 
 Every wait on workers goes through :func:`wait_workers`, which turns a dead actor or a
 worker's exception into a ``RuntimeError`` naming the mesh and host, and aborts the step on
@@ -29,7 +28,6 @@ import math
 import os
 import time
 import uuid
-import weakref
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
@@ -43,7 +41,13 @@ from alpa.device_mesh import (
     VirtualPhysicalMesh,
 )
 from alpa.global_env import global_config
-from alpa.runtime.worker_program import Layout
+from alpa.runtime.distributed_array import (  # noqa: F401 (Alpa's path of prefetch)
+    DistributedArray,
+    RemoteArrayRef,
+    prefetch,
+    shut_down_error,
+)
+from alpa.runtime.worker_program import DummyValue, Layout
 
 logger = logging.getLogger("alpa")
 
@@ -115,9 +119,16 @@ class DeviceCluster:
       host_info: per host, Ray's node record (``NodeID``, ``NodeManagerAddress``,
         ``Resources``).
       platform: ``"gpu"`` or ``"cpu"``.
+      worker_env: environment variables every mesh worker starts with (a Ray that
+        ``alpa.init`` started gives them this process's ``PYTHONPATH``).
     """
 
-    def __init__(self, num_nodes: int | None = None, num_devices_per_node: int | None = None):
+    def __init__(
+        self,
+        num_nodes: int | None = None,
+        num_devices_per_node: int | None = None,
+        worker_env: dict[str, str] | None = None,
+    ):
         import ray
 
         nodes = [n for n in ray.nodes() if n["Alive"]]
@@ -148,6 +159,7 @@ class DeviceCluster:
         self.host_info = [
             {k: n[k] for k in ("NodeID", "NodeManagerAddress", "Resources")} for n in nodes
         ]
+        self.worker_env = dict(worker_env or {})
         self.num_devices_per_host = per_node
         self.spec = self._cluster_spec(nodes)
         self._meshes: dict[tuple, DistributedPhysicalDeviceMesh] = {}
@@ -223,6 +235,14 @@ class DeviceCluster:
                     "longer use (mesh.shutdown(), or alpa.shutdown() and alpa.init again)"
                 )
 
+    def mesh_by_id(self, mesh_id: int) -> DistributedPhysicalDeviceMesh | None:
+        """The running mesh of id ``mesh_id`` (a ``PlacementSpec``'s ``mesh_ids``), or
+        ``None``."""
+        for mesh in self._meshes.values():
+            if mesh.mesh_id == mesh_id and not mesh.is_shut_down:
+                return mesh
+        return None
+
     def get_virtual_physical_mesh(
         self, host_ids: Sequence[int] | None = None, num_devices_per_host: int | None = None
     ) -> VirtualPhysicalMesh:
@@ -256,6 +276,30 @@ def cpu_worker_xla_flags(devices: int) -> str:
     return " ".join([*own, f"{count}={devices}"])
 
 
+def gpu_worker_env_vars() -> dict[str, str]:
+    """The environment of a GPU host worker, from Alpa's settings of ``global_config``:
+    XLA's memory fraction and preallocation, its autotuning level (after the driver's own
+    ``XLA_FLAGS``), and NCCL over AWS EFA when ``use_aws_efa`` is set."""
+    flags = os.environ.get("XLA_FLAGS", "").split()
+    flags = [f for f in flags if f.split("=")[0] != "--xla_gpu_autotune_level"]
+    flags.append(f"--xla_gpu_autotune_level={global_config.xla_gpu_autotune_level}")
+    env = {
+        "XLA_PYTHON_CLIENT_MEM_FRACTION": str(global_config.xla_client_mem_fraction),
+        "XLA_PYTHON_CLIENT_PREALLOCATE": global_config.xla_client_client_preallocate,
+        "XLA_FLAGS": " ".join(flags),
+    }
+    if global_config.use_aws_efa:
+        env.update(
+            {
+                "FI_PROVIDER": "efa",
+                "FI_EFA_USE_DEVICE_RDMA": "1",
+                "LD_LIBRARY_PATH": os.environ.get("LD_LIBRARY_PATH", ""),
+                "NCCL_PROTO": "simple",
+            }
+        )
+    return env
+
+
 class DistributedPhysicalDeviceMesh(PhysicalDeviceMesh):
     """Devices of ``host_ids`` (``num_devices_per_host`` each), owned by one
     ``MeshHostWorker`` per host."""
@@ -271,7 +315,7 @@ class DistributedPhysicalDeviceMesh(PhysicalDeviceMesh):
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        from alpa.runtime.ray_worker import MeshHostWorker
+        from alpa.runtime.ray_worker import BOOKKEEPING, MeshHostWorker
 
         self.cluster = cluster
         self.mesh_id = mesh_id
@@ -281,7 +325,7 @@ class DistributedPhysicalDeviceMesh(PhysicalDeviceMesh):
         self.is_shut_down = False
         self.nccl_peers: set[int] = set()  # destination meshes with an open NCCL group
         self._pending_deletes: list[str] = []
-        actor_class = ray.remote(MeshHostWorker)
+        actor_class = ray.remote(concurrency_groups={BOOKKEEPING: 1})(MeshHostWorker)
         self.workers = []
         for host, host_id in enumerate(host_ids):
             info = cluster.host_info[host_id]
@@ -293,9 +337,10 @@ class DistributedPhysicalDeviceMesh(PhysicalDeviceMesh):
             }
             if cluster.platform == "gpu":
                 options["num_gpus"] = per_host
+                env = gpu_worker_env_vars()
             else:
-                flags = cpu_worker_xla_flags(per_host)
-                options["runtime_env"] = {"env_vars": {"XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}}
+                env = {"XLA_FLAGS": cpu_worker_xla_flags(per_host), "JAX_PLATFORMS": "cpu"}
+            options["runtime_env"] = {"env_vars": {**cluster.worker_env, **env}}
             self.workers.append(
                 actor_class.options(**options).remote(mesh_id, host, len(host_ids), per_host)
             )
@@ -367,9 +412,11 @@ class DistributedPhysicalDeviceMesh(PhysicalDeviceMesh):
         )
 
     def put(self, value: Any, layout: Layout) -> DistributedArray:
-        """A host array placed on this mesh as ``layout`` (a ``Layout`` whose logical
-        shape has this mesh's number of devices)."""
-        value = np.asarray(value)
+        """A host array (or a ``DummyValue``, which the workers fill) placed on this mesh
+        as ``layout`` (a ``Layout`` whose logical shape has this mesh's number of
+        devices)."""
+        if not isinstance(value, DummyValue):
+            value = np.asarray(value)
         if math.prod(layout.mesh_shape) != self.num_devices:
             raise ValueError(
                 f"layout mesh_shape {layout.mesh_shape} has {math.prod(layout.mesh_shape)} "
@@ -379,12 +426,56 @@ class DistributedPhysicalDeviceMesh(PhysicalDeviceMesh):
         self.call("put", [name], [value], [layout])
         return DistributedArray(self, name, value.shape, value.dtype, layout)
 
+    def tile_placement(self, mesh_shape, axis_names, partition_spec) -> tuple:
+        return self, Layout(tuple(mesh_shape), tuple(axis_names), partition_spec)
+
+    def put_tiled(self, value: Any, mesh_shape, axis_names, partition_spec) -> DistributedArray:
+        _, layout = self.tile_placement(mesh_shape, axis_names, partition_spec)
+        return self.put(np.asarray(value), layout)
+
+    def get_remote_buffers(
+        self, ary_refs: Any, host_local_ids: Any = None, batching: bool = False
+    ) -> list:
+        """Alpa's: for a ``RemoteArrayRef`` (``x.remote_ref``), every device's block of
+        its buffer as a numpy array, in the mesh's device order (host by host; replicas
+        included); for a list of them, a list of such lists. ``host_local_ids`` (a
+        subset of ``(host, local device)`` pairs per ref) and ``batching`` (one call per
+        host, as every fetch here is) are accepted as in Alpa."""
+        single = not isinstance(ary_refs, list | tuple)
+        refs = [ary_refs] if single else list(ary_refs)
+        wanted = [None] * len(refs) if host_local_ids is None else host_local_ids
+        if single and host_local_ids is not None:
+            wanted = [host_local_ids]
+        out = []
+        for ref, ids in zip(refs, wanted, strict=True):
+            if getattr(ref, "device_mesh", self) is not self:
+                raise ValueError(f"{ref!r} lives on another mesh than mesh {self.mesh_id}")
+            per_host = self.call("device_buffers", ref.uuid)
+            if ids is None:
+                out.append([b for host in per_host for b in host])
+            else:
+                out.append([per_host[h][d] for h, d in ids])
+        del batching
+        return out[0] if single else out
+
+    def sync_move_workers(self) -> None:
+        """Alpa's: wait for the shards ``DistributedArray.save`` left to move from a local
+        cache. Saves here write straight to their folder and are done when they return,
+        so there is nothing to wait for."""
+        self._check_alive()
+
+    def get_live_buffer_uuids(self) -> list[list[str]]:
+        """Per host, the names of the buffers its worker holds (after the deletes sent so
+        far, which are sent first)."""
+        self.flush_deletes()
+        return self.call("get_live_buffer_uuids")
+
     def schedule_delete(self, name: str) -> None:
         """Forget buffer ``name`` on the workers (batched with the next ones)."""
         if self.is_shut_down:
             return
         self._pending_deletes.append(name)
-        if len(self._pending_deletes) >= 64:
+        if len(self._pending_deletes) >= global_config.delete_remote_arrays_threshold:
             self.flush_deletes()
 
     def flush_deletes(self, wait: bool = False) -> None:
@@ -399,6 +490,20 @@ class DistributedPhysicalDeviceMesh(PhysicalDeviceMesh):
     def _check_alive(self) -> None:
         if self.is_shut_down:
             raise shut_down_error(f"mesh {self.mesh_id}", self)
+
+    # Alpa's memory statistics (alpa.device_memory, on each worker) and synchronization.
+
+    def sync_workers(self) -> None:
+        self.call("sync")
+
+    def get_memory_allocated(self) -> int:
+        return max(self.call("memory_allocated"))
+
+    def get_max_memory_allocated(self) -> int:
+        return max(self.call("max_memory_allocated"))
+
+    def reset_memory_stats(self) -> None:
+        self.call("reset_memory_stats")
 
     def shutdown(self) -> None:
         import ray
@@ -415,163 +520,3 @@ class DistributedPhysicalDeviceMesh(PhysicalDeviceMesh):
             f"DistributedPhysicalDeviceMesh(mesh {self.mesh_id}: {self.num_hosts} hosts x "
             f"{self.num_devices_per_host} {self.cluster.platform} devices)"
         )
-
-
-# ----------------------------------------------------------------------------- arrays
-
-
-class DistributedArray:
-    """A value on a distributed mesh, seen from the driver (see the module docstring).
-
-    ``np.asarray(x)`` or ``x._value`` fetches it (and keeps the copy: the value never
-    changes). A handle exists only once its value is computed (steps on Ray return when
-    their workers are done), so ``block_until_ready()`` returns at once.
-    """
-
-    def __init__(
-        self,
-        mesh: DistributedPhysicalDeviceMesh,
-        name: str,
-        shape: tuple[int, ...],
-        dtype: Any,
-        layout: Layout,
-        weak_type: bool = False,
-    ):
-        self.mesh = mesh
-        self.name = name
-        self.shape = tuple(shape)
-        self.dtype = np.dtype(dtype)
-        self.layout = layout
-        self.weak_type = weak_type
-        self._fetched: np.ndarray | None = None
-        self._deleted = False
-        self._finalizer = weakref.finalize(self, mesh.schedule_delete, name)
-
-    #: Read by ``alpa.tracing.abstractify`` and ``alpa.api`` (which do not import Ray).
-    is_distributed_array = True
-
-    @property
-    def ndim(self) -> int:
-        return len(self.shape)
-
-    @property
-    def size(self) -> int:
-        return math.prod(self.shape)
-
-    @property
-    def nbytes(self) -> int:
-        return self.size * self.dtype.itemsize
-
-    @property
-    def sharding_spec(self):
-        """The ``PartitionSpec`` over the mesh's logical shape ``layout.mesh_shape``."""
-        return self.layout.spec
-
-    @property
-    def _value(self) -> np.ndarray:
-        if self._fetched is None:
-            prefetch([self])
-        return self._fetched
-
-    def __array__(self, dtype=None, copy=None):
-        value = self._value
-        return value if dtype is None else value.astype(dtype)
-
-    def __float__(self) -> float:
-        return float(self._scalar("float"))
-
-    def __int__(self) -> int:
-        return int(self._scalar("int"))
-
-    def __format__(self, spec: str) -> str:
-        value = self._value
-        return format(value[()] if value.ndim == 0 else value, spec)
-
-    def _scalar(self, kind: str):
-        """The one element (Alpa's ``float(loss)``, ``'%.4f' % loss``)."""
-        if self.size != 1:
-            raise TypeError(
-                f"only a DistributedArray of one element converts to {kind}; this one has "
-                f"shape {self.shape} (use np.asarray(x) for its values)"
-            )
-        return self._value.reshape(())
-
-    def block_until_ready(self) -> DistributedArray:
-        """The array itself: a step returns only once its workers finished it (and
-        ``put`` once the data is placed), so a handle's value is always ready."""
-        self._check()
-        return self
-
-    def delete(self) -> None:
-        """Free the buffer on the workers now."""
-        if not self._deleted:
-            self._deleted = True
-            self._finalizer()
-
-    def is_deleted(self) -> bool:
-        return self._deleted
-
-    def _mark_donated(self) -> None:
-        """The buffer was donated to a step (the workers dropped it)."""
-        self._deleted = True
-        self._finalizer.detach()
-
-    def _check(self) -> None:
-        if self.mesh.is_shut_down:
-            raise shut_down_error(
-                f"a DistributedArray {self.shape} {self.dtype.name} that lived on mesh "
-                f"{self.mesh.mesh_id}",
-                self.mesh,
-            )
-        if self._deleted:
-            raise RuntimeError(
-                f"DistributedArray {self.name} {self.shape} was deleted or donated to a step"
-            )
-
-    def __repr__(self) -> str:
-        return (
-            f"DistributedArray(shape={self.shape}, dtype={self.dtype}, mesh={self.mesh.mesh_id},"
-            f" spec={self.layout.spec} on {self.layout.mesh_shape})"
-        )
-
-
-def shut_down_error(what: str, mesh: DistributedPhysicalDeviceMesh) -> RuntimeError:
-    """The error for ``what`` (a value, an executable, the mesh itself) used after ``mesh``
-    was shut down: what is gone, and what to do instead."""
-    return RuntimeError(
-        f"{what} cannot be used: mesh {mesh.mesh_id} ({mesh.num_hosts} hosts x "
-        f"{mesh.num_devices_per_host} devices) was shut down (alpa.shutdown() or "
-        "mesh.shutdown()), and its workers, their arrays and the programs compiled for "
-        "them are gone. After alpa.init(), parallelize the function again (alpa.parallelize, "
-        "or alpa.clear_executable_cache()) and re-place values on the new cluster: restore "
-        "them from a checkpoint (alpa.restore_checkpoint), or pass host copies taken with "
-        "np.asarray(x) before the shutdown."
-    )
-
-
-def prefetch(arrays: Any) -> None:
-    """Fetch the ``DistributedArray`` s among the leaves of ``arrays`` (a list, or any
-    pytree: a state, a dict of metrics) to the driver in one round per worker (other
-    leaves are ignored); ``np.asarray`` of each is then free."""
-    import jax
-
-    by_mesh: dict[int, list[DistributedArray]] = {}
-    meshes = {}
-    for x in jax.tree.leaves(arrays):
-        if isinstance(x, DistributedArray) and x._fetched is None:
-            x._check()
-            by_mesh.setdefault(x.mesh.mesh_id, []).append(x)
-            meshes[x.mesh.mesh_id] = x.mesh
-    for mesh_id, xs in by_mesh.items():
-        mesh = meshes[mesh_id]
-        per_worker = mesh.call("fetch", [x.name for x in xs])
-        for i, x in enumerate(xs):
-            parts = [worker_result[i] for worker_result in per_worker]
-            if isinstance(parts[0], np.ndarray):
-                x._fetched = parts[0]
-                continue
-            value = np.empty(x.shape, x.dtype)
-            for shards in parts:
-                for index, data in shards:
-                    value[index] = data
-            x._fetched = value

@@ -29,19 +29,26 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
+import ray
 
+from alpa.device_memory import MemoryStats
 from alpa.runtime.instructions import InFlight
 from alpa.runtime.memory import allocation_bytes, device_peak_bytes
 from alpa.runtime.nccl_transport import nccl_available
 from alpa.runtime.worker_ops import HANDLERS, LoadedProgram
-from alpa.runtime.worker_program import ExportedFn, Layout, WorkerProgram
+from alpa.runtime.worker_program import DummyValue, ExportedFn, Layout, WorkerOp, WorkerProgram
 from alpa.runtime.worker_transfers import MeshTransfers
 from alpa.xla_compile import compile_lowered, hlo_text
+
+#: The concurrency group (one thread) of the calls that must run in the order the driver
+#: sent them: freeing buffers, and listing those left.
+BOOKKEEPING = "bookkeeping"
 
 
 class MeshHostWorker(MeshTransfers):
@@ -67,6 +74,13 @@ class MeshHostWorker(MeshTransfers):
         self._own_devices = None if devices is None else list(devices)
         self._readers: dict[str, list] = {}  # data loaders: [iterator, batches read, call]
         self._peak_in_flight: dict[int, int] = {}  # program id -> last step's peak
+        self._memory = MemoryStats(self._local_devices)
+        self._program_bytes: dict[int, int] = {}  # program id -> XLA's largest allocation
+        self._remote_shards: dict[str, list] = {}  # put_buffers' shards awaiting a layout
+        self._remote_expected: dict[str, list] = {}  # layouts awaiting put_buffers
+        self._remote_lock = threading.Lock()
+        self._traced: set[int] = set()  # programs whose RUNs are waited for and timed
+        self._run_times: dict[int, list] = {}  # program id -> last step's (op, start, stop)
         self._init_transfers()
 
     # -- setup
@@ -113,6 +127,11 @@ class MeshHostWorker(MeshTransfers):
             return self._own_devices
         return sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
 
+    def _local_devices(self) -> list:
+        import jax
+
+        return [d for d in self._devices() if d.process_index == jax.process_index()]
+
     def _sharding(self, layout: Layout):
         from jax.sharding import NamedSharding
 
@@ -124,10 +143,15 @@ class MeshHostWorker(MeshTransfers):
         return NamedSharding(self._meshes[key], layout.spec)
 
     def _place(self, value: Any, layout: Layout):
-        """A host array or a buffer of this worker, laid out as ``layout``."""
+        """A host array, a buffer of this worker or a ``DummyValue``, laid out as
+        ``layout``."""
         import jax
 
         sharding = self._sharding(layout)
+        if isinstance(value, DummyValue):
+            from alpa.runtime.placement import dummy_array
+
+            return dummy_array(value.shape, value.dtype, sharding)
         if isinstance(value, jax.Array):
             if value.sharding == sharding or value.sharding.is_equivalent_to(sharding, value.ndim):
                 return value
@@ -247,9 +271,77 @@ class MeshHostWorker(MeshTransfers):
         for name, path in zip(names, paths, strict=True):
             self._buffers[name] = values[path]
 
+    # -- buffers a program's own function fills (Alpa's weight loading: remote_arrays)
+
+    @property
+    def host_id(self) -> int:
+        """Alpa's name of this worker's host index in its mesh."""
+        return self.host
+
+    @property
+    def local_devices(self) -> list:
+        """This worker's devices, in the order of their shards in ``put_buffers`` (and of
+        ``Layout.shard_indices``, host by host)."""
+        return self._local_devices()
+
+    def put_buffers(
+        self, uuids: Any, datas: Sequence[Any], num_batch: int = 1, batch_dim: int = 0
+    ) -> None:
+        """Alpa's: ``datas[k]`` is local device ``k``'s shard of buffer ``uuids`` (with
+        ``num_batch`` > 1, of the ``num_batch`` buffers ``uuids``, each shard split along
+        ``batch_dim``). The buffer becomes an array once its driver handle says its layout
+        (``expect_buffers``)."""
+        uuids = list(uuids) if isinstance(uuids, list | tuple | np.ndarray) else [uuids]
+        if len(datas) != len(self.local_devices) or len(uuids) != num_batch:
+            raise ValueError(
+                f"put_buffers: {len(datas)} shards for {len(self.local_devices)} local devices "
+                f"and {len(uuids)} buffer ids for num_batch={num_batch}"
+            )
+        parts = [np.split(np.asarray(d), num_batch, batch_dim) for d in datas]
+        with self._remote_lock:
+            for b, uuid in enumerate(uuids):
+                self._remote_shards[str(uuid)] = [p[b] for p in parts]
+                self._adopt_remote(str(uuid))
+
+    def expect_buffers(self, names, layouts, shapes, dtypes) -> None:
+        """The layout, shape and dtype of buffers ``put_buffers`` fills (in either order)."""
+        with self._remote_lock:
+            for name, *expected in zip(names, layouts, shapes, dtypes, strict=True):
+                self._remote_expected[name] = expected
+                self._adopt_remote(name)
+
+    def _adopt_remote(self, name: str) -> None:
+        if name not in self._remote_shards or name not in self._remote_expected:
+            return
+        import jax
+
+        layout, shape, dtype = self._remote_expected.pop(name)
+        shards = self._remote_shards.pop(name)
+        sharding = self._sharding(layout)
+        arrays = [
+            jax.device_put(np.asarray(data, dtype), device)
+            for data, device in zip(shards, self.local_devices, strict=True)
+        ]
+        self._buffers[name] = jax.make_array_from_single_device_arrays(shape, sharding, arrays)
+
+    @ray.method(concurrency_group=BOOKKEEPING)
     def delete(self, names: Sequence[str]) -> None:
         for name in names:
             self._buffers.pop(name, None)
+
+    @ray.method(concurrency_group=BOOKKEEPING)
+    def get_live_buffer_uuids(self) -> list[str]:
+        """Alpa's: the names of the buffers this worker holds, after every ``delete`` the
+        driver sent before this call (both run in order, in one thread)."""
+        return sorted(self._buffers)
+
+    def device_buffers(self, name: str) -> list[np.ndarray]:
+        """Every device's block of buffer ``name`` on this host, in the order of its mesh's
+        devices (Alpa's ``get_buffers``; replicas included)."""
+        x = self._get(name)
+        position = {d: i for i, d in enumerate(x.sharding.mesh.devices.flat)}
+        shards = sorted(x.addressable_shards, key=lambda s: position[s.device])
+        return [np.asarray(s.data) for s in shards]
 
     def _get(self, name: str):
         try:
@@ -290,6 +382,28 @@ class MeshHostWorker(MeshTransfers):
             "unnamed_bytes": sum(unnamed.values()),
         }
 
+    # -- Alpa's memory statistics (alpa.device_memory) and synchronization
+
+    def sync(self) -> None:
+        """Wait until every buffer this worker holds is computed."""
+        import jax
+
+        jax.block_until_ready(list(self._buffers.values()))
+        self._memory.observe()
+
+    def memory_allocated(self) -> int:
+        return self._memory.allocated()
+
+    def max_memory_allocated(self) -> int:
+        return self._memory.max_allocated()
+
+    def reset_memory_stats(self) -> None:
+        self._memory.reset()
+
+    def allocation_size(self, program_id: int) -> int:
+        """XLA's bytes per device for the largest function of program ``program_id``."""
+        return self._program_bytes[program_id]
+
     def counters(self) -> dict:
         return {"bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received}
 
@@ -309,6 +423,7 @@ class MeshHostWorker(MeshTransfers):
         self._peers.update(peers)
         fns = [self._compile(fn) for fn in program.fns]
         self._programs[program_id] = LoadedProgram(program, fns)
+        self._program_bytes[program_id] = max((allocation_bytes(f) for f in fns), default=0)
         return [
             [
                 Layout(tuple(s.mesh.devices.shape), tuple(s.mesh.axis_names), s.spec)
@@ -359,6 +474,9 @@ class MeshHostWorker(MeshTransfers):
 
     def unload_program(self, program_id: int) -> None:
         self._programs.pop(program_id, None)
+        self._program_bytes.pop(program_id, None)
+        self._run_times.pop(program_id, None)
+        self._traced.discard(program_id)
 
     def run_step(
         self,
@@ -381,9 +499,17 @@ class MeshHostWorker(MeshTransfers):
         for name in consumed:
             self._buffers.pop(name, None)
         in_flight = InFlight(1)
+        traced = program_id in self._traced
+        times = self._run_times[program_id] = []
         try:
-            for ins, born, dead in zip(program.instructions, loaded.born, loaded.dead, strict=True):
+            for i, (ins, born, dead) in enumerate(
+                zip(program.instructions, loaded.born, loaded.dead, strict=True)
+            ):
+                start = time.time()
                 HANDLERS[ins.op](self, loaded, ins, env, resolved, step_id)
+                if traced and ins.op is WorkerOp.RUN:
+                    jax.block_until_ready([env[slot] for slot in ins.out_slots])
+                    times.append((i, start, time.time()))
                 for micro_batch in born:
                     in_flight.written(0, micro_batch)
                 for slot in ins.free:
@@ -399,7 +525,21 @@ class MeshHostWorker(MeshTransfers):
         jax.block_until_ready(outputs)
         for name, value in zip(output_names, outputs, strict=True):
             self._buffers[name] = value
-        return time.perf_counter() - tic
+        seconds = time.perf_counter() - tic
+        self._memory.observe(self._program_bytes[program_id])
+        return seconds
+
+    def trace_runs(self, program_id: int, on: bool) -> None:
+        """From the next step of program ``program_id`` on, wait for each ``RUN`` and
+        record when it started and stopped (``collect_trace``), or stop doing so."""
+        if on:
+            self._traced.add(program_id)
+        else:
+            self._traced.discard(program_id)
+
+    def run_times(self, program_id: int) -> list[tuple[int, float, float]]:
+        """The last traced step's ``RUN`` s: (instruction index, start, stop), wall clock."""
+        return list(self._run_times.get(program_id, ()))
 
     def peak_live_micro_batches(self, program_id: int) -> int:
         """The most micro-batches whose buffers (written by a ``RUN``) this worker held at

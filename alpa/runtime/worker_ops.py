@@ -14,7 +14,13 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from alpa.runtime.worker_program import Layout, WorkerInstruction, WorkerOp, WorkerProgram
+from alpa.runtime.worker_program import (
+    DummyValue,
+    Layout,
+    WorkerInstruction,
+    WorkerOp,
+    WorkerProgram,
+)
 
 if TYPE_CHECKING:
     from alpa.runtime.ray_worker import MeshHostWorker
@@ -57,6 +63,8 @@ def _load(w: MeshHostWorker, lp: LoadedProgram, ins: WorkerInstruction, env, arg
 
     k = len(ins.out_slots)
     value = args[ins.arg]
+    if isinstance(value, DummyValue) and k > 1:
+        value = value.host()
     if k == 1:
         env[ins.out_slots[0]] = w._place(value, ins.layout)
         return

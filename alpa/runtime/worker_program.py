@@ -13,8 +13,8 @@ outputs get.
   (:class:`WorkerOp`). Buffers live in integer slots; after an instruction its ``free``
   slots are dropped. The ops:
 
-  - ``INPUT``: step argument ``arg`` (a host array or a buffer the worker holds) into
-    ``out_slots[0]``, laid out as ``layouts[layout]``.
+  - ``INPUT``: step argument ``arg`` (a host array, a buffer the worker holds, or a
+    :class:`DummyValue`) into ``out_slots[0]``, laid out as ``layouts[layout]``.
   - ``LOAD``: the ``k`` micro-batches of step argument ``arg`` into ``out_slots``.
   - ``RUN``: ``out_slots = fns[fn](in_slots)``.
   - ``ZEROS``: ``out_slots = fns[fn]()`` (accumulators).
@@ -37,6 +37,8 @@ from typing import Any
 
 import numpy as np
 
+from alpa.flax_patches import DUMMY_VALUE
+
 Box = tuple[tuple[int, int], ...]
 
 
@@ -47,6 +49,40 @@ class Layout:
     mesh_shape: tuple[int, int]
     axis_names: tuple[str, ...]
     spec: Any  # jax.sharding.PartitionSpec
+
+    def shard_indices(self, shape: tuple[int, ...]) -> list[tuple[slice, ...]]:
+        """Per device of the mesh, in the workers' order (row-major over ``mesh_shape``:
+        host by host, each host's devices in order), the slice of an array of ``shape``
+        that device holds (what ``NamedSharding.devices_indices_map`` gives)."""
+        sizes = dict(zip(self.axis_names, self.mesh_shape, strict=True))
+        entries = tuple(self.spec) + (None,) * (len(shape) - len(tuple(self.spec)))
+        indices = []
+        for flat in range(math.prod(self.mesh_shape)):
+            coords = dict(
+                zip(self.axis_names, np.unravel_index(flat, self.mesh_shape), strict=True)
+            )
+            index = []
+            for size, entry in zip(shape, entries, strict=True):
+                axes = () if entry is None else (entry,) if isinstance(entry, str) else entry
+                part, parts = 0, 1
+                for axis in axes:
+                    part, parts = part * sizes[axis] + int(coords[axis]), parts * sizes[axis]
+                index.append(slice(part * (size // parts), (part + 1) * (size // parts)))
+            indices.append(tuple(index))
+        return indices
+
+
+@dataclass(frozen=True)
+class DummyValue:
+    """A step argument the driver has only the shape and dtype of (a
+    ``jax.ShapeDtypeStruct`` under ``global_config.use_dummy_value_for_benchmarking``):
+    the worker fills each of its devices' shards with :data:`DUMMY_VALUE` itself."""
+
+    shape: tuple[int, ...]
+    dtype: Any
+
+    def host(self) -> np.ndarray:
+        return np.full(self.shape, DUMMY_VALUE, self.dtype)
 
 
 @dataclass(frozen=True)

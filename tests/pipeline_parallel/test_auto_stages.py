@@ -750,3 +750,42 @@ def test_running_on_a_cluster_that_is_not_here_is_a_clear_error():
     )
     with pytest.raises(ValueError, match=r"plan\(\*args\)"):
         alpa.parallelize(make_train_step(alpa.value_and_grad), method=method)(state, batch)
+
+
+def test_stage_construction_is_timed_under_alpas_names(monkeypatch):
+    """Alpa's benchmarks read ``timers("stage-construction" [+ "-compilation",
+    "-profiling", "-dp"]).elapsed(mode="sum")``: each part covers the work it names (timed
+    here from inside), and the whole covers the parts."""
+    import time
+
+    from alpa.pipeline_parallel import stage_search
+
+    inside = {"compilation": 0.0, "profiling": 0.0, "dp": 0.0}
+
+    def measured(part, fn):
+        def run(*args, **kwargs):
+            tic = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                inside[part] += time.perf_counter() - tic
+
+        return run
+
+    monkeypatch.setattr(
+        stage_search, "stage_problem", measured("compilation", stage_search.stage_problem)
+    )
+    monkeypatch.setattr(stage_search, "training_dp", measured("dp", stage_search.training_dp))
+    names = ["stage-construction"] + [f"stage-construction-{part}" for part in inside]
+    for name in names:
+        alpa.timers(name).reset()
+    _plan(
+        (64,) * 4,
+        SLOW_NETWORK,
+        AutoStageOption(cost_model=measured("profiling", ClosedFormCost([1.0] * 4, 0.01))),
+    )
+    elapsed = {name: alpa.timers(name).elapsed(mode="sum") for name in names}
+    assert [len(alpa.timers(name).costs) for name in names[:3]] == [1, 1, 1]
+    for part, seconds in inside.items():
+        assert 0 < seconds <= elapsed[f"stage-construction-{part}"], (part, inside, elapsed)
+    assert sum(elapsed[n] for n in names[1:]) <= elapsed["stage-construction"]

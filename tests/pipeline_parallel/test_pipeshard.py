@@ -4,6 +4,7 @@ executable helpers and bad input."""
 import dataclasses
 import json
 import math
+import time
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +17,7 @@ from jax.extend.core import Literal
 import alpa
 from alpa.parallel_method import PipeshardParallel
 from alpa.pipeline_parallel.stage_construction import ManualStageOption, UniformStageOption
+from alpa.runtime.instructions import Op
 from alpa.testing import entry_shapes
 
 BATCH = 16
@@ -317,6 +319,36 @@ def test_executable_helpers(tmp_path):
     assert out_specs[0]["w1"].mesh_ids == (1,)
     executable.dump_debug_info(str(tmp_path / "debug"))
     assert "F0" in (tmp_path / "debug" / "schedule.txt").read_text()
+
+    # Alpa's stage execution info: per computation, every traced run (the untraced first
+    # step is not there), on its stage's devices, in order, each waited for.
+    info = executable.get_stage_execution_info()
+    assert len(info) == len(names) and len(info[0]) == 2
+    runs = executable.instructions.instructions
+    counts = {}
+    for ins in runs:
+        if ins.op is Op.RUN:
+            c = executable.instructions.kernels[ins.computation].computation
+            counts[c] = counts.get(c, 0) + 1
+    assert [len(r) for r in info] == [counts.get(c, 0) for c in range(len(names))]
+    for comp, comp_runs in zip(executable.program.computations, info, strict=True):
+        for start, stop, hosts, devices in comp_runs:
+            assert start <= stop and hosts == (0,)
+            assert devices == tuple(executable.meshes[comp.stage].devices.flat)
+    # global_config.collect_trace traces every pipelined step, accumulating.
+    executable.collect_trace = False
+    alpa.global_config.collect_trace = True
+    try:
+        before = time.time()
+        step(params, tx.init(params), batch)
+        after = time.time()
+    finally:
+        alpa.global_config.collect_trace = False
+    info = executable.get_stage_execution_info()
+    assert len(info[0]) == 4
+    assert all(before <= start <= stop <= after for start, stop, _, _ in info[0][2:])
+    step(params, tx.init(params), batch)  # not traced
+    assert len(executable.get_stage_execution_info()[0]) == 4
 
 
 # ----------------------------------------------------------------------------- bad input

@@ -577,7 +577,7 @@ def test_create_state_and_follow_on_a_ray_mesh(ray_cluster):
     rng = np.random.default_rng(0)
     batch = {k: rng.standard_normal((32, 16), dtype=np.float32) for k in ("x", "y")}
     p_train = alpa.parallelize(train_step, method=alpa.Zero3Parallel(devices=mesh))
-    p_create = alpa.parallelize(create_state, method=alpa.CreateStateParallel(p_train, (batch,)))
+    p_create = alpa.parallelize(create_state, method=alpa.CreateStateParallel(p_train, batch))
     p_eval = alpa.parallelize(  # an evaluation step keeps the state: nothing donated
         lambda s, b: loss(s.params, b), method=alpa.FollowParallel(p_train), donate_argnums=()
     )
@@ -624,7 +624,7 @@ def test_create_state_and_follow_a_pipeline_on_ray(ray_cluster):
         return create_train_state(rng, model, [batch["x"]])
 
     p_train = alpa.parallelize(train_step, method=_two_stages_one_per_node(2, "1f1b"))
-    p_create = alpa.parallelize(create_state, method=alpa.CreateStateParallel(p_train, (batch,)))
+    p_create = alpa.parallelize(create_state, method=alpa.CreateStateParallel(p_train, batch))
     p_eval = alpa.parallelize(
         lambda s, b: mlp_inference_step(s, b)[1],
         method=alpa.FollowParallel(p_train, num_micro_batches=2),
@@ -692,6 +692,9 @@ def test_data_loaders_place_batches_on_the_mesh_workers(ray_cluster, tmp_path):
     worker_pids = {w["pid"] for w in alpa.get_global_physical_mesh().worker_info}
     assert {c[3] for c in calls} == worker_pids  # read by the two mesh workers
     assert os.getpid() not in worker_pids
+    # Alpa's: each batch is the list of its leaves, in the order of the specs' leaves.
+    assert all(isinstance(leaves, list) and len(leaves) == 2 for leaves in from_hosts)
+    from_hosts = [jax.tree.unflatten(jax.tree.structure(specs), b) for b in from_hosts]
     # A bad host batch is an error of the worker that read it, at its batch.
     short = alpa.MeshDriverDataLoader(32, 4 * 32, input_iter_func, specs)  # 3 batches of data
     with pytest.raises(RuntimeError, match=r"host 1 .*\n?.*batch 2 of input_iter_func\(64, 128"):
@@ -723,6 +726,191 @@ def test_data_loaders_place_batches_on_the_mesh_workers(ray_cluster, tmp_path):
         for batch in loaded:
             trained = p_step(trained, batch)
         assert_allclose(trained.params, serial.params)
+
+
+def test_data_loader_with_alpas_placement_specs_on_ray(ray_cluster):
+    """``PlacementSpec(aval, (mesh_id,), (sharding_spec,))`` as Alpa's programs write them,
+    with jax-0.3 specs (``make_tile_spec``), on a mesh over both hosts; the workers read
+    tuples of leaves."""
+    from alpa.pxla_spec import Chunked, NoSharding, ShardedAxis, ShardingSpec
+    from alpa.runtime.placement import PlacementSpec
+
+    mesh = alpa.get_global_physical_mesh()
+    data = np.arange(4 * 32 * 8, dtype=np.float32).reshape(4 * 32, 8)
+
+    def input_iter_func(start, end, batch_size):
+        for i in range(start, end, batch_size):
+            yield data[i : i + batch_size], data[i : i + batch_size, 0].astype(np.int32)
+
+    x_aval = jax.core.ShapedArray((32, 8), np.float32)
+    y_spec = ShardingSpec((Chunked([2 * DEVICES_PER_NODE]),), (ShardedAxis(0),))
+    specs = [
+        PlacementSpec(
+            x_aval,
+            (mesh.mesh_id,),
+            (mesh.get_logical_mesh().make_tile_spec(x_aval, [0, 1], [0, 1]),),
+        ),  # fmt: skip
+        PlacementSpec(jax.core.ShapedArray((32,), np.int32), (mesh.mesh_id,), (y_spec,)),
+    ]
+    loader = alpa.MeshDriverDataLoader(32, 4 * 32, input_iter_func, specs)
+    assert loader.read_ranges == [(0, 64, 16), (64, 128, 16)]  # rows halved over the hosts
+    batches = list(loader)
+    assert len(batches) == 4
+    for k, (x, y) in enumerate(batches):
+        assert isinstance(x, alpa.DistributedArray) and x.mesh is mesh
+        assert x.layout == Layout((2, DEVICES_PER_NODE), ("x", "y"), P("x", "y"))
+        assert y.layout == Layout((2 * DEVICES_PER_NODE,), ("x",), P("x"))
+        # Row r of batch k: the host of r reads rows [h * 64, (h + 1) * 64) 16 at a time.
+        rows = np.concatenate([data[h * 64 + k * 16 : h * 64 + (k + 1) * 16] for h in (0, 1)])
+        np.testing.assert_array_equal(np.asarray(x), rows)
+        np.testing.assert_array_equal(np.asarray(y), rows[:, 0].astype(np.int32))
+    assert NoSharding() == NoSharding()
+
+
+def test_worker_env_gives_mesh_workers_the_drivers_import_path(ray_cluster, tmp_path, monkeypatch):
+    """The cluster's ``worker_env`` reaches the mesh workers it starts: with this
+    process's ``PYTHONPATH`` (what a Ray that ``alpa.init`` started gets), a data loader's
+    ``input_iter_func`` from a module only this process's path holds runs on them."""
+    from alpa.pxla_spec import Chunked, ShardedAxis, ShardingSpec
+    from alpa.runtime.placement import PlacementSpec
+
+    (tmp_path / "c64_rows.py").write_text(
+        "import numpy as np\n"
+        "def rows(start, end, batch_size):\n"
+        "    for i in range(start, end, batch_size):\n"
+        "        yield (np.arange(i, i + batch_size, dtype=np.float32),)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import c64_rows
+
+    cluster = alpa.get_global_cluster()
+    spec = ShardingSpec((Chunked([1]),), (ShardedAxis(0),))
+    aval = jax.core.ShapedArray((8,), np.float32)
+
+    def load(mesh):
+        specs = [PlacementSpec(aval, (mesh.mesh_id,), (spec,))]
+        return [np.asarray(x) for (x,) in alpa.MeshDriverDataLoader(8, 16, c64_rows.rows, specs)]
+
+    # The control: workers started without it cannot import the module.
+    with pytest.raises(RuntimeError, match="No module named 'c64_rows'"):
+        load(cluster.get_physical_mesh((1,), 1, first_device=3))
+    monkeypatch.setattr(cluster, "worker_env", {"PYTHONPATH": str(tmp_path)})
+    batches = load(cluster.get_physical_mesh((0,), 1, first_device=3))
+    np.testing.assert_array_equal(np.concatenate(batches), np.arange(16, dtype=np.float32))
+
+
+# ----------------------------------------------------------------------------- Alpa's arrays
+
+
+def test_alpas_tile_specs_remote_buffers_save_and_load(ray_cluster, tmp_path):
+    """Alpa's DistributedArray API on a (2, 2) view of one host's 4 devices: arrays placed
+    by ``shard_args_to_arrays`` as ``make_tile_spec`` says, every device's block read
+    back by ``get_remote_buffers``, one copy saved and loaded in another layout."""
+    mesh = alpa.get_global_cluster().get_physical_mesh((0,), DEVICES_PER_NODE)
+    logical = mesh.get_logical_mesh([2, 2])
+    data = np.arange(8, dtype=np.int32).reshape(4, 2)
+    aval = jax.core.ShapedArray(data.shape, np.int32)
+    spec = logical.make_tile_spec(data, [0, 1], [0, 1])
+    indices = spec.indices(data.shape).flatten()
+    (x,) = mesh.shard_args_to_arrays((aval,), (indices,), (spec,), (data,))
+    assert isinstance(x, alpa.DistributedArray) and x.device_mesh is mesh
+    assert x.layout == Layout((2, 2), ("x", "y"), P("x", "y"))
+    blocks = mesh.get_remote_buffers(x.remote_ref, batching=True)
+    assert np.array(blocks).tolist() == [[[0], [2]], [[1], [3]], [[4], [6]], [[5], [7]]]
+    ((block,),) = mesh.get_remote_buffers([x.remote_ref], [[(0, 3)]])  # host 0, device 3
+    np.testing.assert_array_equal(block, blocks[3])
+
+    ckpt, cache = str(tmp_path / "ckpt"), str(tmp_path / "cache")
+    x.save(ckpt, cache)
+    mesh.sync_move_workers()
+    rows = logical.make_tile_spec(data, [0, 1], [0])  # as Alpa: the pairs of the shorter list
+    y = alpa.DistributedArray.load(ckpt, aval, mesh, rows)
+    assert y.layout == Layout((2, 2), ("x", "y"), P("x", None))
+    half = [[[0, 1], [2, 3]]] * 2 + [[[4, 5], [6, 7]]] * 2
+    assert np.array(mesh.get_remote_buffers(y.remote_ref)).tolist() == half
+    np.testing.assert_array_equal(np.asarray(y), data)
+    with pytest.raises(FileNotFoundError, match=r"no array saved there"):
+        alpa.DistributedArray.load(str(tmp_path), aval, mesh, rows)
+
+
+def test_alpas_live_buffer_uuids_see_every_freed_buffer(ray_cluster):
+    """Alpa's memory-leak check: with ``delete_remote_arrays_threshold = 0`` every buffer
+    the driver lets go of is gone from the workers by the next
+    ``get_live_buffer_uuids``, which lists exactly the arrays the driver still holds.
+    ``preshard_dynamic_args`` puts the arguments on the workers first."""
+    import ray
+
+    before = alpa.global_config.delete_remote_arrays_threshold
+    alpa.global_config.delete_remote_arrays_threshold = 0
+    try:
+        for method, markers in [
+            (alpa.ShardParallel(num_micro_batches=2), False),
+            (_two_stages_one_per_node(2, "1f1b"), True),
+        ]:
+            state, batch, step = get_mlp_train_state_and_step(
+                32, 16, add_manual_pipeline_marker=markers
+            )
+            p_step = alpa.parallelize(step, method=method)
+            state, batch = p_step.preshard_dynamic_args(state, batch)
+            executable = p_step.get_last_executable()
+            leaves = jax.tree.leaves((state, batch))
+            assert all(isinstance(x, alpa.DistributedArray) for x in leaves)
+            placed = jax.tree.leaves(executable.get_input_placement_specs(), is_leaf=_is_placement)
+            assert [(x.mesh, x.layout) for x in leaves] == [s.placements[0] for s in placed]
+            for _ in range(2):
+                state = p_step(state, batch)
+            assert executable.bytes_sent_last_step < 4096 * 4  # the batch is on the workers
+            del state, batch, leaves
+            gc.collect()
+            handles = [
+                x
+                for x in gc.get_objects()
+                if isinstance(x, alpa.DistributedArray) and not x.is_deleted()
+            ]
+            meshes = getattr(executable, "meshes", None) or [executable.physical_mesh]
+            for mesh in meshes:
+                held = {x.name for x in handles if x.mesh is mesh}
+                for worker in mesh.workers:
+                    live = set(ray.get(worker.get_live_buffer_uuids.remote()))
+                    assert live == held, (type(executable).__name__, mesh, live - held)
+    finally:
+        alpa.global_config.delete_remote_arrays_threshold = before
+
+
+def test_collect_trace_on_ray_times_every_stage_computation(ray_cluster):
+    method = _two_stages_one_per_node(2, "1f1b")
+    state, batch, step = get_mlp_train_state_and_step(32, 16, add_manual_pipeline_marker=True)
+    p_step = alpa.parallelize(step, method=method)
+    state = p_step(state, batch)  # not traced
+    executable = p_step.get_last_executable()
+    assert all(runs == [] for runs in executable.get_stage_execution_info())
+    alpa.global_config.collect_trace = True
+    try:
+        before = time.time()
+        for _ in range(2):
+            state = p_step(state, batch)
+        after = time.time()
+    finally:
+        alpa.global_config.collect_trace = False
+    state = p_step(state, batch)  # not traced: the workers stopped timing
+    assert executable.sync_move_workers() is None  # Alpa's: saves here finish in place
+    info = executable.get_stage_execution_info()
+    computations = executable.program.computations
+    assert len(info) == len(computations)
+    for comp, runs in zip(computations, info, strict=True):
+        # Per step: a forward and a backward per micro-batch, each apply-grad once.
+        assert len(runs) == (2 if comp.kind == "apply" else 4), comp.name
+        mesh = executable.meshes[comp.stage]
+        for start, stop, hosts, devices in runs:
+            assert before <= start <= stop <= after
+            assert hosts == mesh.host_ids and devices == tuple(range(DEVICES_PER_NODE))
+    # One mesh runs one computation at a time: its traced runs do not overlap.
+    for stage in (0, 1):
+        spans = sorted(
+            run[:2] for c, runs in zip(computations, info, strict=True) if c.stage == stage
+            for run in runs
+        )  # fmt: skip
+        assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:], strict=False))
 
 
 # ----------------------------------------------------------------------------- checkpoints
@@ -1063,3 +1251,217 @@ def test_a_ray_that_alpa_starts_listens_on_loopback_only(tmp_path):
         address = getattr(address, "ipv4_mapped", None) or address
         assert address.is_loopback, f"{name} listens on {ip}:{port}"
     assert found["restored"] is None  # the environment is as it was before alpa's Ray
+
+
+def test_a_ray_cluster_that_does_not_answer_is_not_joined(ray_cluster, monkeypatch, caplog):
+    """``alpa.init("ray")`` without an address joins ``RAY_ADDRESS`` or the cluster ``ray
+    start`` recorded, and only when it answers: Ray would wait without limit for one that
+    is gone (a killed run's processes) or shutting down, and alpa starts its own instead."""
+    import socket
+
+    import ray._private.services as services
+
+    from alpa.cluster import _running_cluster
+
+    alpa.global_config.ray_connect_timeout, before = 2.0, alpa.global_config.ray_connect_timeout
+    try:
+        with socket.socket() as closed:  # bound, not listening: refused
+            closed.bind(("127.0.0.1", 0))
+            host, port = closed.getsockname()
+            monkeypatch.setenv("RAY_ADDRESS", f"{host}:{port}")
+            with caplog.at_level("WARNING", logger="alpa"):
+                assert _running_cluster() is None
+            assert f"the Ray cluster at {host}:{port} does not answer" in caplog.text
+        monkeypatch.delenv("RAY_ADDRESS")
+        monkeypatch.setattr(services, "find_bootstrap_address", lambda *_: None)
+        # No address and no `ray start`: another program's Ray processes are not joined.
+        assert _running_cluster() is None
+        address = ray_cluster.address  # the control: a recorded cluster that answers
+        monkeypatch.setattr(services, "find_bootstrap_address", lambda *_: address)
+        assert _running_cluster() == address
+    finally:
+        alpa.global_config.ray_connect_timeout = before
+
+
+# ----------------------------------------------------------------------------- benchmarks
+
+
+def test_alpas_benchmark_api_on_a_ray_mesh(ray_cluster):
+    """What Alpa's benchmark driver reads of a one-mesh step on Ray:
+    ``ShardParallel(devices=mesh.get_logical_mesh(shape))``, the workers' step times,
+    ``get_total_allocation_size``, the mesh's memory statistics and ``sync_workers``."""
+    import argparse
+
+    from alpa.executables.distributed import DistributedMeshExecutable
+    from alpa.util import get_num_hosts_and_num_devices
+
+    args = argparse.Namespace(num_hosts=None, num_devices_per_host=None, local=False)
+    assert get_num_hosts_and_num_devices(args) == (2, DEVICES_PER_NODE)
+    mesh = alpa.get_global_cluster().get_physical_mesh([0], DEVICES_PER_NODE)
+    state, batch, step = get_mlp_train_state_and_step(16, 8, num_layers=2)
+    expected = _serial(step, state, batch, 3)
+    logical = mesh.get_logical_mesh((2, 2))
+    p_step = alpa.parallelize(step, method=alpa.ShardParallel(devices=logical))
+    walls = []
+    for _ in range(3):
+        tic = time.perf_counter()
+        state = p_step(state, batch)
+        walls.append(time.perf_counter() - tic)
+    assert_allclose(state.params, expected.params)
+    executable = p_step.get_last_executable()
+    assert isinstance(executable, DistributedMeshExecutable)
+    assert executable.physical_mesh is mesh and executable.plan.logical_mesh.shape == (2, 2)
+    # The workers timed each step; the driver waited for each at least that long.
+    costs = executable.get_execution_time_costs()
+    assert len(costs) == 3 and all(0 < c <= w for c, w in zip(costs, walls, strict=True))
+    allocation = executable.get_total_allocation_size()
+    assert allocation > 0
+    # Memory: the bytes a worker's devices hold, exactly; the peak since a reset.
+    mesh.sync_workers()
+    mesh.reset_memory_stats()
+    before = mesh.get_memory_allocated()
+    assert mesh.get_max_memory_allocated() == before
+    x = mesh.put(np.ones((256, 64), np.float32), Layout((2, 2), ("x", "y"), P("x")))
+    mesh.sync_workers()
+    assert mesh.get_memory_allocated() == before + 128 * 64 * 4  # half the rows per device
+    x.delete()
+    mesh.flush_deletes(wait=True)
+    assert mesh.get_memory_allocated() == before
+    assert mesh.get_max_memory_allocated() == before + 128 * 64 * 4
+    state = p_step(state, batch)
+    assert mesh.get_max_memory_allocated() >= allocation  # what XLA allocates for a step
+    # A worker's exception reaches the driver, naming the mesh and host.
+    with pytest.raises(RuntimeError, match=r"mesh \d+ host 0 \(node 127\.0\.0\.1 .*\): KeyError"):
+        mesh.call("allocation_size", -1)
+
+
+def test_alpas_benchmark_api_on_a_ray_pipeline(ray_cluster):
+    """A pipelined step on Ray called with an abstract state under
+    ``use_dummy_value_for_benchmarking`` runs on dummy values made on the workers;
+    ``executable.mesh_group`` places arguments by their placement specs' mesh ids, times
+    the steps per mesh and reports each mesh's memory."""
+    from alpa.global_env import global_config
+
+    state, batch, step = get_mlp_train_state_and_step(16, 8, add_manual_pipeline_marker=True)
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype), state)
+    dummy = jax.tree.map(lambda x: np.full(np.shape(x), 1e-8, np.asarray(x).dtype), state)
+    p_step = alpa.parallelize(step, method=_two_stages_one_per_node(2, "1f1b"))
+    executable = p_step.get_executable(abstract, batch)
+    with pytest.raises(ValueError, match=r"argument 0\.step of train_step is abstract"):
+        p_step(abstract, batch)
+    global_config.use_dummy_value_for_benchmarking = True
+    try:
+        out = p_step(abstract, batch)
+        out = p_step(out, batch)
+        specs = jax.tree.leaves(
+            executable.get_input_placement_specs()[0], is_leaf=lambda x: hasattr(x, "mesh_ids")
+        )
+        group = executable.mesh_group
+        placed = group.shard_args_to_arrays(specs, jax.tree.leaves(abstract))
+    finally:
+        global_config.use_dummy_value_for_benchmarking = False
+    assert_allclose(out.params, _serial(step, dummy, batch, 2).params)
+    assert list(group) == executable.meshes and len(group) == 2
+    for spec, x in zip(specs, placed, strict=True):
+        assert x.mesh is group[spec.mesh_ids[0]] is spec.placements[0][0]
+        assert x.layout == spec.placements[0][1]
+        assert np.all(np.asarray(x) == np.asarray(1e-8, x.dtype))
+    per_mesh = executable.get_execution_time_costs(return_all_costs=True)
+    assert len(per_mesh) == 2 and [len(m) for m in per_mesh] == [2, 2]
+    assert executable.get_execution_time_costs() == [max(s) for s in zip(*per_mesh, strict=True)]
+    group.sync_workers()
+    memory = group.get_max_memory_allocated_per_mesh()
+    assert len(memory) == 2 and min(memory) > 0 and group.get_max_memory_allocated() == max(memory)
+
+
+def test_weights_loaded_by_the_mesh_workers_as_alpas_serving(ray_cluster, tmp_path):
+    """Alpa's OPT serving loads its weights on the workers, never through the driver: per
+    parameter a buffer reserved on each mesh that reads it (``create_remote_array_refs``),
+    its handle ``DistributedArray(mesh, aval, spec, ref, indices)`` (a
+    ``ReplicatedDistributedArray`` when several meshes read it: the tied embedding), and
+    a function on every worker that reads its devices' slices from disk and hands them
+    over with ``put_buffers``. The inference step then computes ``jax.jit``'s logits."""
+    from alpa.device_mesh import (
+        DistributedArray,
+        ReplicatedDistributedArray,
+        create_remote_array_refs,
+    )
+    from alpa.model.gpt import GPTConfig, get_gpt_train_state_and_step
+
+    config = GPTConfig(
+        hidden_size=32, num_layers=2, num_heads=4, seq_len=8, vocab_size=64,
+        add_manual_pipeline_markers=True,
+    )  # fmt: skip
+    state, batch, _ = get_gpt_train_state_and_step(config, 8)
+    params = state.params
+
+    def logits(params, batch):
+        return state.apply_fn({"params": params}, batch["input_ids"], batch["position_ids"])
+
+    stages = alpa.ManualStageOption(
+        [[0], [1]], [(1, DEVICES_PER_NODE)] * 2, [(2, 2), (1, DEVICES_PER_NODE)], [{}, {}]
+    )
+    method = alpa.PipeshardParallel(
+        num_micro_batches=2,
+        pipeline_schedule="inference",
+        layer_option="manual",
+        stage_option=stages,
+    )
+    p_logits = alpa.parallelize(logits, method=method, donate_argnums=())
+    avals = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+    executable = p_logits.get_executable(avals, batch)
+    for i, leaf in enumerate(jax.tree.leaves(params)):
+        np.save(tmp_path / f"{i}.npy", np.asarray(leaf))
+    infos = jax.tree.leaves(
+        executable.get_input_placement_specs()[0], is_leaf=lambda x: hasattr(x, "mesh_ids")
+    )
+    group = executable.mesh_group
+    uuids, indices, mesh_ids, arrays = [], [], [], []
+    for info in infos:
+        per_mesh = []
+        for mesh_id, spec, (_, layout) in zip(
+            info.mesh_ids, info.sharding_specs, info.placements, strict=True
+        ):
+            mesh = group[mesh_id]
+            refs, ids = create_remote_array_refs(mesh)
+            index = layout.shard_indices(info.aval.shape)  # Alpa: pxla.spec_to_indices
+            per_mesh.append((mesh, DistributedArray(mesh, info.aval, spec, refs[0], index)))
+            uuids.append(ids[0]), indices.append(index), mesh_ids.append(mesh_id)
+        meshes, handles = zip(*per_mesh, strict=True)
+        arrays.append(
+            handles[0] if len(handles) == 1 else ReplicatedDistributedArray(meshes, handles)
+        )
+    assert any(isinstance(a, ReplicatedDistributedArray) for a in arrays)
+    leaf_of = [i for i, info in enumerate(infos) for _ in info.mesh_ids]
+
+    def load(worker, path, uuids, indices, mesh_ids, leaf_of):
+        for uuid, index, mesh_id, leaf in zip(uuids, indices, mesh_ids, leaf_of, strict=True):
+            if mesh_id == worker.mesh_id:
+                data = np.load(f"{path}/{leaf}.npy")
+                first = worker.host_id * len(worker.local_devices)
+                shards = [data[index[first + k]] for k in range(len(worker.local_devices))]
+                worker.put_buffers(uuid, shards)
+
+    calls = [
+        w.__ray_call__.remote(load, str(tmp_path), uuids, indices, mesh_ids, leaf_of)
+        for mesh in group
+        for w in mesh.workers
+    ]
+    ray = pytest.importorskip("ray")
+    ray.get(calls)
+    loaded = jax.tree.unflatten(jax.tree.structure(params), arrays)
+    assert_allclose(jax.tree.map(np.asarray, loaded), params)
+    assert_allclose(p_logits(loaded, batch), jax.jit(logits)(params, batch), rtol=1e-5, atol=1e-5)
+
+
+def test_init_without_arguments_joins_ray_as_alpas(ray_cluster):
+    """``alpa.init()`` is Alpa's: its default cluster is Ray (the one this process is
+    connected to). Last in this file: it starts the cluster's meshes afresh."""
+    alpa.shutdown()
+    try:
+        alpa.init(num_devices_per_node=DEVICES_PER_NODE)
+        cluster = alpa.get_global_cluster()
+        assert isinstance(cluster, alpa.DeviceCluster) and cluster.num_hosts == 2
+    finally:
+        alpa.shutdown()
+        alpa.init("ray", num_devices_per_node=DEVICES_PER_NODE)
