@@ -66,6 +66,14 @@ class GlobalConfig:
     #: explicit. Environment: ``ALPA_SEED`` (sets this field only; numpy and Python are
     #: seeded by :func:`set_seed` alone).
     seed: int = field(default_factory=lambda: _env_int("ALPA_SEED", 0))
+    #: The cluster profile plans are priced with (``alpa.mesh_profiling.profile_all``
+    #: writes one): the path of a profile file (its entry for this process's devices is
+    #: used) or a ``cost_profile.ClusterProfile``; ``None`` (default) prices with the
+    #: presets' datasheet figures. Read by ``ClusterSpec.local()`` whenever a plan is made.
+    #: Environment: ``ALPA_CLUSTER_PROFILE`` (a path).
+    cluster_profile: object = field(
+        default_factory=lambda: os.environ.get("ALPA_CLUSTER_PROFILE") or None
+    )
     #: Seconds the driver waits for Ray mesh workers to answer one call (a step, a
     #: compile, a fetch, a checkpoint part) before it raises, naming the mesh and host,
     #: and aborts the step on the others. A dead worker is reported within seconds
