@@ -35,6 +35,7 @@ from alpa.pipeline_parallel.stage_construction import (
 )
 from alpa.pipeline_parallel.stage_dp import DP_SCHEDULES, get_submesh_choices, training_dp
 from alpa.pipeline_parallel.stage_imbalance import imbalance_mask, tolerance_error
+from alpa.pipeline_parallel.stage_work import step_bound
 
 
 @dataclass(frozen=True, eq=False)
@@ -250,6 +251,7 @@ def _resolve(solution, total: float, dp: DPResult) -> StagePlan:
         dicts.append(config.option_dict or None)
         latencies.append(float(costs.compute_cost[start, end - 1, m, c]))
         memory.append(float(costs.memory[start, end - 1, m, c]))
+    bound = step_bound(context.cluster, latencies, shapes, context.num_micro_batches)
     plan = _finish(
         context,
         layer_to_stage,
@@ -258,7 +260,7 @@ def _resolve(solution, total: float, dp: DPResult) -> StagePlan:
         dicts,
         latencies=tuple(latencies),
         memory=tuple(memory),
-        predicted_cost=float(total),
+        predicted_cost=float(bound(total)),
     )
     return dataclasses.replace(plan, dp_result=dp)
 
