@@ -79,7 +79,7 @@ from alpa.shard_parallel.auto_sharding import (
     solve_auto_sharding,
 )
 from alpa.shard_parallel.milp import taking_turns
-from alpa.shard_parallel.sharding_spec import Collective
+from alpa.shard_parallel.sharding_spec import Collective, num_shards
 from alpa.tracing import TracedStep
 from alpa.tracing.jaxpr_util import nbytes
 from alpa.util import map_on_threads
@@ -104,6 +104,10 @@ class LayerPlanCost:
       temporary_bytes: what its forward and backward hold only while they run: the
         most bytes of the values they compute and free again (not its inputs, outputs
         or kept activations) live at once (``layer_facts.temporary_bytes``).
+      gathered_bytes: the copies of its parameters its plan gathers to a larger share
+        per device than they are stored in (a parameter split for storage and gathered
+        for its use, as ZeRO-3 does): the bytes per device of each distinct gathered
+        copy. XLA holds them while the programs that read them run.
       compute: with a cluster profile, the seconds one device spends on its forward and
         backward per micro-batch at the measured rates (``stage_work``); else 0.
       apply: with a cluster profile, the seconds of its apply-grad, once per step.
@@ -118,6 +122,7 @@ class LayerPlanCost:
     entering_bytes: float
     batch_arg_bytes: float
     temporary_bytes: float = 0.0
+    gathered_bytes: float = 0.0
     compute: float = 0.0
     apply: float = 0.0
 
@@ -233,6 +238,14 @@ def _ilp_layer(
             whole += nbytes(v)
             local_params += per_device_bytes(v.aval, solution.partition_spec(v), shape, names)
     fraction = local_params / whole if whole else 1.0
+    parameters = {
+        node
+        for node in graph.input_nodes
+        if any(
+            v in program_inputs and v not in problem.program.batch_dependent
+            for v in graph.nodes[node].outvars
+        )
+    }
     compute = apply = 0.0
     if mesh.rates is not None:
         compute = float(ilp_solver.compute_cost(graph, choice))
@@ -252,9 +265,28 @@ def _ilp_layer(
             planned,
             fused=problem.cluster.fuses_elementwise,
         ),
+        gathered_bytes=_gathered_bytes(graph, choice, parameters),
         compute=compute,
         apply=apply,
     )
+
+
+def _gathered_bytes(graph, choice, sources) -> float:
+    """The bytes per device of the distinct larger copies (``(value, spec)``) the chosen
+    plan reshards the values of the ``sources`` nodes into for their readers."""
+    mesh = graph.mesh
+    copies = {}
+    for edge in graph.edges:
+        if edge.src not in sources or not edge.src_specs:
+            continue
+        src, dst = edge.src_specs[choice[edge.src]], edge.dst_specs[choice[edge.dst]]
+        if dst is None:
+            continue
+        stored = edge.nbytes / num_shards(src, mesh)
+        held = edge.nbytes / num_shards(dst, mesh)
+        if held > stored:
+            copies[(edge.src, dst)] = held
+    return float(sum(copies.values()))
 
 
 class LayerPlans:
@@ -332,15 +364,18 @@ def stage_memory(problem: StageProblem, plans: LayerPlans):
         facts = problem.layer_facts
         for layer in range(i, j + 1):
             cost = plans.get(layer, m, config)
-            temporaries = max(temporaries, cost.temporary_bytes)
             state += facts[layer].state_bytes * cost.param_fraction
             if problem.remat:
                 # Kept: what enters the stage (the first layer's inputs from earlier
-                # layers) and the batch arguments its layers read.
+                # layers) and the batch arguments its layers read. The backward
+                # recomputes every layer's forward, whose gathered parameters it reads
+                # again: they stay, with the activations, until its layer's backward.
                 per_micro += cost.batch_arg_bytes + (cost.entering_bytes if layer == i else 0.0)
-                once += cost.kept_bytes
+                once += cost.kept_bytes + cost.gathered_bytes
+                temporaries = max(temporaries, cost.temporary_bytes)
             else:
                 per_micro += cost.kept_bytes
+                temporaries = max(temporaries, cost.temporary_bytes + cost.gathered_bytes)
             if layer == i and problem.program.is_training:
                 # The cotangent of what entered the stage, which its backward sends back.
                 once += cost.entering_bytes
