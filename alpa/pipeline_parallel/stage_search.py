@@ -35,6 +35,7 @@ from alpa.pipeline_parallel.stage_construction import (
 )
 from alpa.pipeline_parallel.stage_dp import DP_SCHEDULES, get_submesh_choices, training_dp
 from alpa.pipeline_parallel.stage_imbalance import imbalance_mask, tolerance_error
+from alpa.pipeline_parallel.stage_memory_advice import infeasible_message
 from alpa.pipeline_parallel.stage_work import step_bound
 
 
@@ -192,13 +193,9 @@ def plan_auto_stages(option: AutoStageOption, context: StageContext) -> StagePla
                 raise tolerance_error(
                     tolerance, unbounded, flops, sizes, context.num_devices
                 ) from e
-        finite = np.isfinite(costs.compute_cost)
-        if not finite.any():
+        if costs.per_micro_batch_memory is not None or not np.isfinite(costs.compute_cost).any():
             raise ValueError(
-                f"no stage of the step fits in memory_budget_per_device="
-                f"{problem.memory_budget:.4g} bytes (the smallest stage needs "
-                f"{np.min(costs.memory):.4g} bytes per device); raise the budget or use "
-                "more devices"
+                infeasible_message(costs, problem, context.num_devices, context.num_micro_batches)
             ) from e
         raise ValueError(f"{e} (memory_budget_per_device={problem.memory_budget:.4g} bytes)") from e
     dp_result = DPResult(costs, problem=problem, dp_compute_cost=compute_cost, context=context)
