@@ -489,6 +489,15 @@ class PipeshardPlan:
         )
         if summary["predicted_cost"] is not None:
             title += f", predicted {summary['predicted_cost'] * 1e3:.3f} ms/step"
+        cost = self.cost
+        if not all(cost.fits):
+            over = [s for s, fits in enumerate(cost.fits) if not fits]
+            title += (
+                f"; DOES NOT FIT memory_budget_per_device={self.memory_budget() / 2**20:.1f} "
+                f"MiB: stage{'s' if len(over) > 1 else ''} {', '.join(map(str, over))} need "
+                + ", ".join(f"{cost.memory[s] / 2**20:.1f}" for s in over)
+                + " MiB"
+            )
         lines = [title]
         lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
         if self.schedule_candidates:

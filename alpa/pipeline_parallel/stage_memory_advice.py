@@ -9,9 +9,10 @@ When the stage DP finds no plan within ``memory_budget_per_device``, the error s
   ``F + (k + 1) A <= budget``), and that plan's fullest stage;
 * **what would help**, each with its size where the model can tell it: stage remat
   (``AutoLayerOption(remat_mode="coarse_grained_remat")``: a stage keeps per micro-batch
-  only what enters it), more micro-batches (each micro-batch's activations shrink with
-  its rows), more devices (the step's state, parameters, gradients and optimizer state,
-  is at least the whole of it over all devices).
+  only what enters it), or under remat smaller layers (a stage's backward holds its
+  layers' recomputed activations at once), more micro-batches (each micro-batch's
+  activations shrink with its rows), more devices (the step's state, parameters,
+  gradients and optimizer state, is at least the whole of it over all devices).
 """
 
 from __future__ import annotations
@@ -138,6 +139,13 @@ def _advice(problem: StageProblem, num_devices: int, B: int, worst) -> list[str]
                 "stage remat, AutoLayerOption(remat_mode='coarse_grained_remat'): a stage "
                 f"keeps per micro-batch only what enters it (that stage: about "
                 f"{_size(kept)} instead of {_size(per)} per micro-batch)"
+            )
+        if problem.remat:
+            advice.append(
+                f"smaller layers (AutoLayerOption(layer_num={2 * problem.num_layers})): under "
+                "stage remat a stage's backward holds the recomputed activations of its "
+                f"layers at once, and a stage of layers {start}-{end - 1} holds "
+                f"{_size(worst[6])} once"
             )
         if per > 0:
             advice.append(

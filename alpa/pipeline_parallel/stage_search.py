@@ -36,7 +36,7 @@ from alpa.pipeline_parallel.stage_construction import (
 from alpa.pipeline_parallel.stage_dp import DP_SCHEDULES, get_submesh_choices, training_dp
 from alpa.pipeline_parallel.stage_imbalance import imbalance_mask, tolerance_error
 from alpa.pipeline_parallel.stage_memory_advice import infeasible_message
-from alpa.pipeline_parallel.stage_work import step_bound
+from alpa.pipeline_parallel.stage_work import host_work_table, step_bound
 
 
 @dataclass(frozen=True, eq=False)
@@ -200,6 +200,31 @@ def plan_auto_stages(option: AutoStageOption, context: StageContext) -> StagePla
         raise ValueError(f"{e} (memory_budget_per_device={problem.memory_budget:.4g} bytes)") from e
     dp_result = DPResult(costs, problem=problem, dp_compute_cost=compute_cost, context=context)
     plan = _resolve(solution, total, dp_result)
+    if context.cluster.profile is not None:
+        # Where the host's throughput bounds the step (devices that share a host's cores),
+        # the plan of least total work may be faster than the DP's: priced alike, the
+        # faster of the two is taken (stage_work.host_work_table).
+        work = host_work_table(context.cluster.profile, compute_cost, problem.submesh_choices)
+        try:
+            _, fewest = training_dp(
+                L,
+                context.num_devices,
+                1,
+                problem.submesh_choices,
+                C,
+                work,
+                costs.max_n_succ_stages,
+            )
+        except ValueError:
+            fewest = None
+        if fewest is not None and fewest != solution:
+            chosen = np.full_like(compute_cost, np.inf)
+            for (start, end), m, c in fewest:
+                chosen[start, end - 1, m, c] = compute_cost[start, end - 1, m, c]
+            other_total, other = dp(chosen)
+            candidate = _resolve(other, other_total, dp_result)
+            if candidate.predicted_cost < plan.predicted_cost:
+                plan = candidate
     record_last_dp_plan(plan)
     return plan
 

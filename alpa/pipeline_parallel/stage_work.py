@@ -38,6 +38,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 from jax.extend.core import JaxprEqn
 
 from alpa.cost_profile import ClusterProfile
@@ -103,6 +104,20 @@ def host_bound(
     for t, (hosts, devices) in zip(latencies, submesh_shapes, strict=True):
         work += hosts * devices * t * profile.concurrency_factor(devices) / full
     return max(1, num_micro_batches) * work / max(1, busy_devices)
+
+
+def host_work_table(profile: ClusterProfile, latencies, submesh_choices) -> np.ndarray:
+    """Per stage-DP entry ``[i, j, m, c]``, its share of :func:`host_bound` per
+    micro-batch on a host whose devices all work: ``n_m t g(n_m) / (N g(N))`` for a
+    stage of ``n_m`` devices and latency ``t``, ``N`` the host's devices. Their sum over
+    a plan's stages is the host's floor of its step divided by the micro-batches, what the
+    stage search minimises as well where devices share a host."""
+    per_host = profile.num_devices_per_host
+    full = profile.concurrency_factor(per_host)
+    scale = np.array(
+        [h * d * profile.concurrency_factor(d) / (full * per_host * h) for h, d in submesh_choices]
+    )
+    return np.asarray(latencies, dtype=float) * scale[None, None, :, None]
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ from alpa.pipeline_parallel.schedule_choice import makespan
 from alpa.pipeline_parallel.schedules import make_schedule
 from alpa.pipeline_parallel.stage_construction import AutoStageOption
 from alpa.pipeline_parallel.stage_cost import AnalyticStageCost
+from alpa.pipeline_parallel.stage_search import stages_for_schedule
 from alpa.pipeline_parallel.stage_work import (
     estimated_instructions,
     host_bound,
@@ -172,3 +173,36 @@ def test_plans_without_a_profile_price_as_before():
     assert full == pytest.approx(flops / 8 / 1000.0 + 64 * 16 * 4 / 8 / 10.0)
     schedule = make_schedule("1f1b", 2, 4)
     assert makespan(schedule, [1.0, 2.0]) == pytest.approx(3.0 + 3 * 2.0)
+
+
+def test_on_a_shared_host_the_search_is_no_slower_than_hand_plans_priced_alike():
+    """Where the host's throughput bounds the step (8 devices sharing a host's cores: one
+    device runs at 1/8 of its solo rate when all work, so pipelining gains nothing), the
+    search also takes the plan of least total work (``stage_work.host_work_table``): the
+    stage DP's own plan, which pipelines, is slower under the same model, and the
+    searched plan is no slower than any of these hand plans priced alike."""
+    profile = make_profile(concurrency={1: 1.0, 8: 0.125}, instruction_seconds=0.0, cross_mesh=None)
+    cluster = ClusterSpec.preset("cpu", 1, 8).with_profile(profile)
+
+    def plan(option):
+        state, batch = mlp_state((512,) * 4, 64 * 8, abstract=True)
+        method = alpa.PipeshardParallel(
+            devices=cluster,
+            num_micro_batches=8,
+            layer_option=alpa.AutoLayerOption(layer_num=4),
+            stage_option=option,
+        )
+        step = alpa.parallelize(make_train_step(alpa.value_and_grad), method=method)
+        return step.plan(state, batch)
+
+    searched = plan(AutoStageOption())
+    pipelined = stages_for_schedule(searched.stage_plan, "1f1b")  # the DP alone
+    assert pipelined is not searched.stage_plan
+    assert searched.predicted_cost < pipelined.predicted_cost
+    hands = [
+        alpa.ManualStageOption([[0, 1, 2, 3]], [(1, 8)], [(8, 1)]),
+        alpa.ManualStageOption([[0, 1], [2, 3]], [(1, 4), (1, 4)], [(4, 1), (4, 1)]),
+        alpa.ManualStageOption([[0], [1], [2], [3]], [(1, 2)] * 4, [(2, 1)] * 4),
+    ]
+    for hand in hands:
+        assert searched.predicted_cost <= plan(hand).cost.step_seconds * (1 + 1e-9), hand

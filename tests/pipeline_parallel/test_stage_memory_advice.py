@@ -56,3 +56,4 @@ def test_remat_is_not_advised_when_it_is_on():
         _plan(0.5 * MIB, remat="coarse_grained_remat")
     message = str(error.value)
     assert "remat_mode" not in message and "more devices" in message
+    assert "smaller layers (AutoLayerOption(layer_num=8))" in message
