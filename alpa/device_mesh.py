@@ -29,12 +29,14 @@ from __future__ import annotations
 
 import abc
 import math
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
+from alpa.cost_profile import ClusterProfile, MeshRates
 from alpa.device_memory import MemoryStats
 
 MESH_AXIS_NAMES = ("x", "y")
@@ -57,6 +59,12 @@ class ClusterSpec:
     operations unwritten, computed inside the kernel that reads them (XLA:GPU does; the
     virtual CPU devices' figures match a model without it): the stage cost model's
     temporaries follow it (``layer_facts.temporary_bytes``).
+
+    ``profile``: the rates measured on the cluster (``cost_profile.ClusterProfile``, made
+    by ``alpa.mesh_profiling.profile_all``), or ``None``. With one, the cost model prices
+    work and collectives at the measured rates, and a pipeline's time with the measured
+    host costs (``docs/cost_model.md``); without, at the figures above. The figures above
+    stay the cluster's datasheet (what "the hardware limit" is computed from).
     """
 
     num_nodes: int
@@ -70,8 +78,14 @@ class ClusterSpec:
     name: str = "custom"
     memory_bandwidth: float = 2e12
     fuses_elementwise: bool = True
+    profile: ClusterProfile | None = None
 
     def __post_init__(self):
+        if self.profile is not None and not isinstance(self.profile, ClusterProfile):
+            raise TypeError(
+                "ClusterSpec.profile must be a ClusterProfile (ClusterSpec.from_profile(path) "
+                f"reads one from a file), got {type(self.profile).__name__}"
+            )
         for attr in ("num_nodes", "num_devices_per_node"):
             value = getattr(self, attr)
             if not isinstance(value, int) or value < 1:
@@ -104,22 +118,132 @@ class ClusterSpec:
         )
 
     @classmethod
-    def local(cls) -> ClusterSpec:
-        """This process's devices (virtual CPU devices or local GPUs) as one node."""
+    def local(cls, profile: ClusterProfile | str | None = None) -> ClusterSpec:
+        """This process's devices (virtual CPU devices or local GPUs) as one node.
+
+        ``profile``: a ``ClusterProfile`` or the path of a profile file
+        (``alpa.mesh_profiling.profile_all``) whose entry for these devices the cost model
+        prices with; default ``global_config.cluster_profile`` (``None``: no profile, the
+        preset's datasheet figures)."""
         import jax
 
         devices = jax.devices()
-        base = CLUSTER_PRESETS["cpu"]
-        if devices[0].platform == "gpu":
-            kind = devices[0].device_kind.lower()
-            base = next(
-                (spec for key, spec in CLUSTER_PRESETS.items() if key.split("-")[0] in kind),
-                CLUSTER_PRESETS["a100-80gb"],
-            )
-        return replace(base, num_nodes=1, num_devices_per_node=len(devices))
+        base = _preset_of_kind(devices[0].platform, devices[0].device_kind)
+        spec = replace(base, num_nodes=1, num_devices_per_node=len(devices))
+        if profile is None:
+            from alpa.global_env import global_config
+
+            profile = global_config.cluster_profile
+        if profile is None:
+            return spec
+        return spec.with_profile(
+            resolve_profile(profile, devices[0].device_kind, 1, len(devices), "profile")
+        )
+
+    @classmethod
+    def from_profile(
+        cls,
+        path: str,
+        device_kind: str | None = None,
+        num_nodes: int | None = None,
+        num_devices_per_node: int | None = None,
+    ) -> ClusterSpec:
+        """The cluster a profile file was measured on (its entry for ``device_kind``,
+        default its only one), with that profile: a ``ClusterSpec`` of the preset of its
+        device kind (the datasheet figures) and the measured rates. ``num_nodes`` /
+        ``num_devices_per_node`` plan for another size of the same devices (collectives
+        of group layouts the profile lacks are then priced by the preset's alpha-beta)."""
+        from alpa.cost_profile import load_profiles
+
+        profiles = load_profiles(path)
+        if device_kind is None:
+            if len(profiles) != 1:
+                raise ValueError(
+                    f"{path!r} holds {len(profiles)} profiles {sorted(profiles)}; pass "
+                    "device_kind= to choose one"
+                )
+            profile = next(iter(profiles.values()))
+        else:
+            profile = resolve_profile(path, device_kind, None, None, "path")
+        base = _preset_of_kind(profile.platform, profile.device_kind)
+        spec = replace(
+            base,
+            num_nodes=num_nodes or profile.num_hosts,
+            num_devices_per_node=num_devices_per_node or profile.num_devices_per_host,
+        )
+        return spec.with_profile(profile)
+
+    def with_profile(self, profile: ClusterProfile | None) -> ClusterSpec:
+        """This cluster priced with ``profile`` (``None``: the datasheet figures)."""
+        return replace(self, profile=profile)
 
     def get_virtual_physical_mesh(self) -> VirtualPhysicalMesh:
         return VirtualPhysicalMesh(self.num_nodes, self.num_devices_per_node, cluster=self)
+
+
+def _preset_of_kind(platform: str, device_kind: str) -> ClusterSpec:
+    """The preset of a device kind: the CPU's, or the GPU preset whose name the kind holds
+    (A100 80GB if none does)."""
+    if platform != "gpu":
+        return CLUSTER_PRESETS["cpu"]
+    kind = device_kind.lower()
+    return next(
+        (spec for key, spec in CLUSTER_PRESETS.items() if key.split("-")[0] in kind),
+        CLUSTER_PRESETS["a100-80gb"],
+    )
+
+
+def resolve_profile(
+    profile, device_kind: str, num_hosts: int | None, per_host: int | None, name: str
+) -> ClusterProfile:
+    """``profile`` (a ``ClusterProfile``, a ``ProfilingResultDatabase`` or the path of a
+    profile file) as the ``ClusterProfile`` of ``device_kind``: the entry of that kind and
+    cluster shape, else of that kind with the most devices; a clear error naming ``name``
+    and what the file holds, when it has no entry of the kind."""
+    from alpa.cost_profile import load_profiles, profile_key
+
+    if isinstance(profile, ClusterProfile):
+        return profile
+    if isinstance(profile, str | os.PathLike):
+        profiles = load_profiles(os.fspath(profile))
+    elif hasattr(profile, "data") and isinstance(profile.data, dict):
+        profiles = dict(profile.data)
+    else:
+        raise TypeError(
+            f"{name} must be a ClusterProfile, a ProfilingResultDatabase or the path of a "
+            f"profile file, got {type(profile).__name__} {profile!r}"
+        )
+    if num_hosts is not None and per_host is not None:
+        exact = profiles.get(profile_key(device_kind, num_hosts, per_host))
+        if exact is not None:
+            return exact
+    of_kind = [p for p in profiles.values() if p.device_kind == device_kind]
+    if not of_kind:
+        raise ValueError(
+            f"{name}={profile!r} holds no profile of {device_kind!r} devices (it holds "
+            f"{sorted(profiles)}); profile these devices with alpa.mesh_profiling.profile_all"
+        )
+    return max(of_kind, key=lambda p: p.num_hosts * p.num_devices_per_host)
+
+
+def profile_in_file(
+    path: str, device_kind: str | None, num_hosts: int, per_host: int, name: str
+) -> ClusterProfile:
+    """The profile of ``path`` for ``device_kind`` devices (``resolve_profile``), or, with
+    no kind known (a cluster that is not here), the file's only profile; an error naming
+    ``name`` and the file's entries otherwise."""
+    if device_kind is not None:
+        return resolve_profile(path, device_kind, num_hosts, per_host, name)
+    from alpa.cost_profile import load_profiles
+
+    profiles = load_profiles(path)
+    if len(profiles) != 1:
+        raise ValueError(
+            f"{name}={path!r} holds {len(profiles)} profiles {sorted(profiles)}; a cluster "
+            "that is not here is priced with a file of one profile "
+            "(ClusterSpec.from_profile(path, device_kind=...) chooses among several)"
+        )
+    return next(iter(profiles.values()))
 
 
 _GB = 1 << 30
@@ -173,6 +297,10 @@ class LogicalDeviceMesh:
     1000 FLOPs and writes about 7 bytes of HBM in the time NVLink moves one byte); a mesh
     of a physical or virtual cluster takes all four from its ``ClusterSpec``. ``math.inf``
     turns a term off.
+
+    ``rates``: where the cluster has a profile, the measured rates of this submesh
+    (``cost_profile.MeshRates``; ``None`` otherwise): work and collectives are then priced
+    in seconds at them, a collective of a group layout the profile lacks by alpha-beta.
     """
 
     shape: tuple[int, int]
@@ -185,6 +313,7 @@ class LogicalDeviceMesh:
     #: The physical mesh this is a view of (``PhysicalDeviceMesh.get_logical_mesh``): a
     #: method given the view runs there, also when its devices are another process's.
     physical_mesh: Any = field(default=None, compare=False, repr=False)
+    rates: MeshRates | None = None
 
     def __post_init__(self):
         shape = tuple(self.shape)
@@ -227,15 +356,29 @@ class LogicalDeviceMesh:
     def _alpha_beta(self, mesh_dim: int) -> tuple[int, float, float]:
         return self.shape[mesh_dim], self.mesh_alpha[mesh_dim], self.mesh_beta[mesh_dim]
 
+    def _measured(self, kind: str, num_bytes: float, mesh_dim: int) -> float | None:
+        if self.rates is None or self.shape[mesh_dim] == 1:
+            return None
+        return self.rates.collective_seconds(kind, self.shape, mesh_dim, num_bytes)
+
     def all_gather_cost(self, num_bytes: float, mesh_dim: int) -> float:
+        measured = self._measured("all-gather", num_bytes, mesh_dim)
+        if measured is not None:
+            return measured
         n, alpha, beta = self._alpha_beta(mesh_dim)
         return 0.0 if n == 1 else alpha + beta * (n - 1) / n * num_bytes
 
     def all_reduce_cost(self, num_bytes: float, mesh_dim: int) -> float:
+        measured = self._measured("all-reduce", num_bytes, mesh_dim)
+        if measured is not None:
+            return measured
         n, alpha, beta = self._alpha_beta(mesh_dim)
         return 0.0 if n == 1 else alpha + beta * 2 * (n - 1) / n * num_bytes
 
     def reduce_scatter_cost(self, num_bytes: float, mesh_dim: int) -> float:
+        measured = self._measured("reduce-scatter", num_bytes, mesh_dim)
+        if measured is not None:
+            return measured
         n, alpha, beta = self._alpha_beta(mesh_dim)
         return 0.0 if n == 1 else alpha + beta * (n - 1) / n * num_bytes
 
@@ -243,9 +386,23 @@ class LogicalDeviceMesh:
         """Alpa's price: ``num_bytes`` is the whole tensor the axis's ``n`` devices
         exchange among them (``n`` times each device's buffer), of which each device sends
         ``(n - 1) / n**2``; Alpa's penalty of 1.5 matched it to all-to-alls measured on
-        GPUs."""
+        GPUs. A profile's measured curve replaces it."""
+        measured = self._measured("all-to-all", num_bytes, mesh_dim)
+        if measured is not None:
+            return measured
         n, alpha, beta = self._alpha_beta(mesh_dim)
         return 0.0 if n == 1 else alpha + beta * (n - 1) / n / n * num_bytes * 1.5
+
+    def collective_latency(self, kind: str, mesh_dim: int) -> float:
+        """What one ``kind`` collective over ``mesh_dim`` costs whatever its bytes: the
+        smallest measured message's seconds, else alpha (0 on an axis of one device)."""
+        if self.shape[mesh_dim] == 1:
+            return 0.0
+        if self.rates is not None:
+            latency = self.rates.collective_latency(kind, self.shape, mesh_dim)
+            if latency is not None:
+                return latency
+        return self.mesh_alpha[mesh_dim]
 
     def with_alpha_beta(
         self, mesh_alpha: Sequence[float] | None, mesh_beta: Sequence[float] | None
@@ -253,7 +410,8 @@ class LogicalDeviceMesh:
         """This mesh with other alpha-beta parameters (``None`` keeps them), in the caller's
         units: the device rates are converted to those units, so that compute stays
         priced against the links as this mesh's hardware prices it (measured on the axis
-        with the largest new beta)."""
+        with the largest new beta). Explicit parameters replace a profile's measured
+        rates (``rates``), which are in seconds."""
         alpha = self.mesh_alpha if mesh_alpha is None else tuple(mesh_alpha)
         beta = self.mesh_beta if mesh_beta is None else tuple(mesh_beta)
         scale = 1.0
@@ -261,18 +419,38 @@ class LogicalDeviceMesh:
             axis = int(np.argmax(beta))
             if self.mesh_beta[axis] > 0:
                 scale = self.mesh_beta[axis] / beta[axis]
+        if mesh_alpha is None and mesh_beta is None:
+            return self
         return replace(
             self,
             mesh_alpha=alpha,
             mesh_beta=beta,
             device_flops=self.device_flops * scale,
             memory_bandwidth=self.memory_bandwidth * scale,
+            rates=None,
         )
 
-    def compute_cost(self, flops: float, num_bytes: float) -> float:
+    def compute_cost(
+        self,
+        flops: float,
+        num_bytes: float,
+        dot: tuple[float, float, float, float] | None = None,
+        dtype: str = "float32",
+    ) -> float:
         """Seconds one device spends on ``flops`` of contractions and on writing
-        ``num_bytes`` of results."""
-        return flops / self.device_flops + num_bytes / self.memory_bandwidth
+        ``num_bytes`` of results. With measured ``rates``: a contraction whose per-device
+        shape ``dot = (batch, m, k, n)`` is known at the rate measured for that shape (one
+        whose shape is not, at the rate of the cube of its FLOPs), the bytes at the
+        measured memory-bound rate."""
+        if self.rates is None:
+            return flops / self.device_flops + num_bytes / self.memory_bandwidth
+        if flops <= 0:
+            work = 0.0
+        elif dot is not None:
+            work = self.rates.dot_seconds(*dot, dtype)
+        else:
+            work = self.rates.flops_seconds(flops, dtype)
+        return work + self.rates.write_seconds(num_bytes)
 
     def make_tile_spec(self, array: Any, tensor_dims: Sequence[int], mesh_dims: Sequence[int]):
         """Alpa's: the jax-0.3 ``ShardingSpec`` (``alpa.pxla_spec``) that cuts dimension
@@ -439,6 +617,9 @@ def _logical_view(
     alpha-beta per axis unless given (in the caller's units: ``with_alpha_beta``)."""
     shape = _check_logical_shape(mesh_shape or mesh.shape, mesh.num_devices)
     alpha, beta = _default_alpha_beta(cluster, shape, mesh.num_devices_per_host)
+    rates = None
+    if cluster.profile is not None:
+        rates = MeshRates(cluster.profile, (mesh.num_hosts, mesh.num_devices_per_host))
     hardware = LogicalDeviceMesh(
         shape,
         alpha,
@@ -447,6 +628,7 @@ def _logical_view(
         device_flops=cluster.device_flops,
         memory_bandwidth=cluster.memory_bandwidth,
         physical_mesh=mesh if isinstance(mesh, PhysicalDeviceMesh) else None,
+        rates=rates,
     )
     return hardware.with_alpha_beta(mesh_alpha or None, mesh_beta or None)
 
@@ -583,7 +765,7 @@ class LocalPhysicalDeviceMesh(PhysicalDeviceMesh):
                     f"{type(device).__name__} {device!r}"
                 )
         self.devices = tuple(devices)
-        self.cluster = cluster or ClusterSpec.local()
+        self._cluster = cluster
         self._memory = MemoryStats(lambda: self.devices)
 
     num_hosts = 1
@@ -593,6 +775,15 @@ class LocalPhysicalDeviceMesh(PhysicalDeviceMesh):
     @property
     def num_devices_per_host(self) -> int:
         return len(self.devices)
+
+    @property
+    def cluster(self) -> ClusterSpec:
+        """The hardware of these devices: the one given, else ``ClusterSpec.local()`` with
+        the profile ``global_config.cluster_profile`` names at the time of asking."""
+        if self._cluster is not None:
+            return self._cluster
+        spec = ClusterSpec.local()
+        return replace(spec, num_devices_per_node=len(self.devices))
 
     @property
     def spec(self) -> ClusterSpec:
@@ -605,7 +796,7 @@ class LocalPhysicalDeviceMesh(PhysicalDeviceMesh):
     def slice_1d(self, start: int, stop: int) -> LocalPhysicalDeviceMesh:
         if not 0 <= start < stop <= self.num_devices:
             raise ValueError(f"cannot slice devices [{start}, {stop}) of {self.num_devices}")
-        return LocalPhysicalDeviceMesh(self.devices[start:stop], self.cluster)
+        return LocalPhysicalDeviceMesh(self.devices[start:stop], self._cluster)
 
     @property
     def host_info(self) -> list[dict]:
@@ -623,7 +814,7 @@ class LocalPhysicalDeviceMesh(PhysicalDeviceMesh):
         (indices,) = device_indices
         if not indices or any(not 0 <= i < self.num_devices for i in indices):
             raise ValueError(f"device_indices must be in [0, {self.num_devices}), got {indices}")
-        return LocalPhysicalDeviceMesh([self.devices[i] for i in indices], self.cluster)
+        return LocalPhysicalDeviceMesh([self.devices[i] for i in indices], self._cluster)
 
     def tile_placement(self, mesh_shape, axis_names, partition_spec) -> Any:
         from jax.sharding import NamedSharding

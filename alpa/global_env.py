@@ -170,6 +170,31 @@ class _Path:
 
 
 @dataclass(frozen=True)
+class _ClusterProfile:
+    """``None``, the path of a profile file (kept as a ``str``), a
+    ``cost_profile.ClusterProfile`` or a ``mesh_profiling.ProfilingResultDatabase``."""
+
+    expected = (
+        "None, the path of a cluster profile file, a ClusterProfile or a ProfilingResultDatabase"
+    )
+    env_expected = "the path of a cluster profile file (empty: none)"
+
+    def check(self, value: Any) -> Any:
+        if value is None:
+            return None
+        if isinstance(value, str | os.PathLike):
+            return _Path().check(value)
+        from alpa.cost_profile import ClusterProfile
+
+        if isinstance(value, ClusterProfile) or isinstance(getattr(value, "data", None), dict):
+            return value
+        raise TypeError
+
+    def parse(self, text: str) -> Any:
+        return self.check(text) if text.strip() else None
+
+
+@dataclass(frozen=True)
 class _SubmeshShapes:
     """``None``, or a non-empty sequence of ``(num_hosts, num_devices_per_host)`` pairs
     of positive ints, kept as a tuple of tuples."""
@@ -248,6 +273,13 @@ class GlobalConfig:
     #: explicit. Environment: ``ALPA_SEED`` (sets this field only; numpy and Python are
     #: seeded by :func:`set_seed` alone).
     seed: int = _setting(0, _SEED, "ALPA_SEED")
+    #: The cluster profile plans are priced with (``alpa.mesh_profiling.profile_all``
+    #: writes one): the path of a profile file (its entry for this process's devices is
+    #: used), a ``cost_profile.ClusterProfile`` or a ``ProfilingResultDatabase``; ``None``
+    #: (default) prices with the presets' datasheet figures. Read by
+    #: ``ClusterSpec.local()`` (and a Ray cluster's spec) whenever a plan is made.
+    #: Environment: ``ALPA_CLUSTER_PROFILE`` (a path; empty: none).
+    cluster_profile: Any = _setting(None, _ClusterProfile(), "ALPA_CLUSTER_PROFILE")
     #: Seconds the driver waits for Ray mesh workers to answer one call (a step, a
     #: compile, a fetch, a checkpoint part) before it raises, naming the mesh and host,
     #: and aborts the step on the others (``inf``: no limit). A dead worker is reported

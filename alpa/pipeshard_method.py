@@ -21,7 +21,12 @@ from alpa.cluster import (
     get_ray_cluster,
     global_virtual_mesh_if_set,
 )
-from alpa.device_mesh import ClusterSpec, LocalPhysicalDeviceMesh, VirtualPhysicalMesh
+from alpa.device_mesh import (
+    ClusterSpec,
+    LocalPhysicalDeviceMesh,
+    VirtualPhysicalMesh,
+    profile_in_file,
+)
 from alpa.executables.base import Executable
 from alpa.executables.pipeshard import PipeshardDriverExecutable
 from alpa.executables.pipeshard_ray import PipeshardRayExecutable
@@ -162,8 +167,29 @@ class PipeshardParallel(ParallelMethod):
             return self.devices
         return get_ray_cluster() if self.devices is None else None
 
+    def _priced(self, cluster: ClusterSpec, devices) -> ClusterSpec:
+        """``cluster`` with the profile ``AutoStageOption(use_hlo_cost_model=True,
+        profiling_database_filename=path)`` names (Alpa's way of asking for measured
+        rates): that file's entry for these devices, or its only one for a cluster that
+        is not here."""
+        option = self.stage_option
+        path = getattr(option, "profiling_database_filename", None)
+        if not getattr(option, "use_hlo_cost_model", False) or path is None:
+            return cluster
+        kind = devices[0].device_kind if devices else None
+        return cluster.with_profile(
+            profile_in_file(
+                path,
+                kind,
+                cluster.num_nodes,
+                cluster.num_devices_per_node,
+                "AutoStageOption.profiling_database_filename",
+            )
+        )
+
     def _plan(self, traced: TracedStep, args: Sequence[Any], require_devices: bool):
         num_hosts, per_host, cluster, devices = self._cluster()
+        cluster = self._priced(cluster, devices)
         if devices is None and require_devices and self._ray_cluster() is None:
             raise ValueError(
                 f"devices is {type(self.devices).__name__} (a cluster that is not here, no "

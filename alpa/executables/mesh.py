@@ -86,6 +86,21 @@ class PricedPlan:
         work on one device (contraction FLOPs and bytes written at the mesh's rates)."""
         return self._objective_terms[1]
 
+    @property
+    def predicted_step_seconds(self) -> float:
+        """Seconds per step the cost model predicts for this plan: its collectives and
+        its work on one device (:attr:`auto_sharding_objective` +
+        :attr:`auto_sharding_compute_cost`) and, where the cluster has a profile
+        (``ClusterSpec.profile``: the plan's mesh then prices in measured seconds), the
+        driver's measured cost of launching its programs (one, or with micro-batches one
+        per micro-batch plus the split and the apply)."""
+        seconds = self.auto_sharding_objective + self.auto_sharding_compute_cost
+        rates = self.plan.logical_mesh.rates
+        if rates is not None:
+            launches = 1 if not self.num_micro_batches else self.num_micro_batches + 2
+            seconds += launches * rates.profile.launch_seconds
+        return seconds
+
 
 class MeshExecutable(PricedPlan, Executable):
     """A step compiled for one mesh."""

@@ -46,6 +46,7 @@ from alpa.pipeline_parallel.stage_construction import ManualStageOption, StagePl
 from alpa.pipeline_parallel.stage_problem import layer_flops
 from alpa.pipeline_parallel.stage_search import stages_for_schedule
 from alpa.pipeline_parallel.stage_sharding import stage_options
+from alpa.pipeline_parallel.stage_work import step_bound
 
 
 def dp_candidates(plan, default_option) -> list[tuple[ScheduleCandidate, StagePlan]]:
@@ -78,6 +79,9 @@ def dp_candidates(plan, default_option) -> list[tuple[ScheduleCandidate, StagePl
             cost.activation_memory,
             plan.memory_budget(),
             note=f"the stage DP's {stages.num_stages} stages under {name}",
+            bound=step_bound(
+                plan.cluster, stages.latencies, stages.submesh_shapes, plan.num_micro_batches
+            ),
         )
         out.append((candidate, stages))
     return out
@@ -109,6 +113,13 @@ def shared_mesh_candidates(plan) -> list[tuple[ScheduleCandidate, ManualStageOpt
             cost.activation_memory,
             plan.memory_budget(),
             note=f"{2 * p} stages on {p} meshes of {shape[0]}x{shape[1]}",
+            bound=step_bound(
+                plan.cluster,
+                cost.latencies,
+                [shape] * (2 * p),
+                plan.num_micro_batches,
+                busy_devices=p * shape[0] * shape[1],
+            ),
         )
         stage_option = ManualStageOption(
             forward_stage_layer_ids=chunks,

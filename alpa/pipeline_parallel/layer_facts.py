@@ -6,8 +6,9 @@ them what the analytic model (``stage_cost``) needs: the FLOPs of both (``tracin
 and of the forward alone (recomputed under remat); the bytes of the state it holds
 (parameters, optimizer state, gradient sums); per micro-batch, the activations its
 forward keeps for its backward, the values entering it from earlier layers and the batch
-arguments it reads; and the row sums that make its parameters' gradients, which
-``deferred_sums`` carries as partial sums. :func:`temporary_bytes` is the liveness of the
+arguments it reads; the row sums that make its parameters' gradients, which
+``deferred_sums`` carries as partial sums; and its apply-grad equations (priced with a
+cluster profile, ``stage_work``). :func:`temporary_bytes` is the liveness of the
 values a layer computes and frees again, the figure the model adds once per stage.
 """
 
@@ -45,6 +46,7 @@ class LayerFacts:
     entering: tuple  # the values counted in entering_bytes
     batch_args: tuple  # the values counted in batch_arg_bytes
     gradients: dict  # the row sums that make its parameters' gradients -> those gradients
+    apply_eqns: tuple = ()  # its apply-grad equations (the update of its parameters)
 
 
 #: Primitives through which a row sum reaches the gradient marker unchanged in kind: a
@@ -168,6 +170,9 @@ def compute_layer_facts(program: PipelineProgram, layer: int) -> LayerFacts:
             elif program.home.get(v, layer) < layer:
                 entering.append(v)
     total = lambda vs: float(sum(nbytes(v) for v in vs))  # noqa: E731
+    apply_eqns = tuple(
+        e for c in program.computations if c.stage == layer and c.kind == "apply" for e in c.eqns
+    )
     return LayerFacts(
         flops=flops,
         forward_flops=forward_flops,
@@ -180,6 +185,7 @@ def compute_layer_facts(program: PipelineProgram, layer: int) -> LayerFacts:
         entering=tuple(entering),
         batch_args=tuple(batch_args),
         gradients=_gradient_row_sums(program, comps),
+        apply_eqns=apply_eqns,
     )
 
 

@@ -199,12 +199,14 @@ def plan_pipeshard(
     first = dataclasses.replace(options, pipeline_schedule="1f1b")
     plan = _plan_one_schedule(traced, first, args, devices, decisions)
     cost = plan.cost
+    latencies = plan.stage_plan.latencies or cost.latencies
     same_stages = price_schedules(
-        plan.stage_plan.latencies or cost.latencies,
+        latencies,
         cost.memory,
         cost.activation_memory,
         plan.num_micro_batches,
         plan.memory_budget(),
+        bound=plan.step_bound(latencies),
     )
     entries = [(c, None) for c in same_stages]
     entries += dp_candidates(plan, options.default_auto_sharding_option)

@@ -48,6 +48,7 @@ from alpa.pipeline_parallel.stage_sharding import (
     DATA_AXES,
     value_spec,
 )
+from alpa.pipeline_parallel.stage_work import StepBound, step_bound
 from alpa.pipeline_parallel.user_shardings import stage_inputs
 from alpa.runtime.instructions import Op, PipelineInstructions
 from alpa.runtime.worker_program import Layout, TransferPlan
@@ -202,7 +203,19 @@ class PipeshardPlan:
         ]
         budget = self.memory_budget()
         cost = self._with_planned_state(self.price_stages(stages), budget)
-        return self._under_schedule(cost, budget)
+        cost = self._under_schedule(cost, budget)
+        bounded = self.step_bound(cost.latencies)(cost.step_seconds)
+        return dataclasses.replace(cost, step_seconds=bounded)
+
+    def step_bound(self, latencies: Sequence[float]) -> StepBound:
+        """The host's and the driver's floor under this plan's step time where its
+        cluster has a profile (``stage_work.StepBound``), for its stages at
+        ``latencies``."""
+        plan = self.stage_plan
+        busy = len({d for start, stop in plan.device_ranges for d in range(start, stop)})
+        return step_bound(
+            self.cluster, latencies, plan.submesh_shapes, self.num_micro_batches, busy
+        )
 
     def price_stages(self, stages: Sequence[tuple]) -> StagePlanCost:
         """Other stages of this step priced as :attr:`cost` prices this plan's (one stage
@@ -476,6 +489,15 @@ class PipeshardPlan:
         )
         if summary["predicted_cost"] is not None:
             title += f", predicted {summary['predicted_cost'] * 1e3:.3f} ms/step"
+        cost = self.cost
+        if not all(cost.fits):
+            over = [s for s, fits in enumerate(cost.fits) if not fits]
+            title += (
+                f"; DOES NOT FIT memory_budget_per_device={self.memory_budget() / 2**20:.1f} "
+                f"MiB: stage{'s' if len(over) > 1 else ''} {', '.join(map(str, over))} need "
+                + ", ".join(f"{cost.memory[s] / 2**20:.1f}" for s in over)
+                + " MiB"
+            )
         lines = [title]
         lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
         if self.schedule_candidates:

@@ -25,7 +25,7 @@ stages, so ``"auto"`` predicts no worse than any single schedule on them.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from alpa.pipeline_parallel.plan_view import timeline
@@ -70,10 +70,11 @@ def price_schedules(
     num_micro_batches: int,
     budget: float,
     candidates: Sequence[str] = CANDIDATES,
+    bound: Callable[[float], float] | None = None,
 ) -> list[ScheduleCandidate]:
     """Each of ``candidates`` priced (module docstring) on stages of ``latencies`` (seconds
     per micro-batch) whose 1F1B ``memory`` holds ``activation_memory`` bytes per
-    micro-batch in flight."""
+    micro-batch in flight; ``bound`` as in :func:`price_schedule`."""
     return [
         price_schedule(
             make_schedule(name, len(latencies), num_micro_batches),
@@ -81,6 +82,7 @@ def price_schedules(
             memory,
             activation_memory,
             budget,
+            bound=bound,
         )
         for name in candidates
     ]
@@ -93,14 +95,19 @@ def price_schedule(
     activation_memory: Sequence[float],
     budget: float,
     note: str = "",
+    bound: Callable[[float], float] | None = None,
 ) -> ScheduleCandidate:
-    """``schedule`` priced on its stages: time, its timeline at ``latencies``; memory, the
-    1F1B ``memory`` per stage (``StagePlanCost.memory``) with the schedule's micro-batches
-    of ``activation_memory`` in flight, per mesh (module docstring)."""
+    """``schedule`` priced on its stages: time, its timeline at ``latencies`` (raised to
+    ``bound``'s floor, ``stage_work.StepBound``, where the cluster has a profile); memory,
+    the 1F1B ``memory`` per stage (``StagePlanCost.memory``) with the schedule's
+    micro-batches of ``activation_memory`` in flight, per mesh (module docstring)."""
     base = without_activations(memory, activation_memory, schedule.num_micro_batches)
     held = held_memory(schedule, base, activation_memory)
     fits = all(m <= budget for m in held)
-    return ScheduleCandidate(schedule.name, makespan(schedule, latencies), held, fits, note)
+    seconds = makespan(schedule, latencies)
+    if bound is not None:
+        seconds = bound(seconds)
+    return ScheduleCandidate(schedule.name, seconds, held, fits, note)
 
 
 def makespan(schedule: PipelineSchedule, latencies: Sequence[float]) -> float:

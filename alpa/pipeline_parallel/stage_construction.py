@@ -139,8 +139,13 @@ class AutoStageOption:
         bound. The stage cost tables saved for ``get_last_dp_result`` and
         ``cached_profile_result`` are the unbounded ones, so they serve any tolerance.
       use_hlo_cost_model: ``True`` selects the analytic model (an estimate from the
-        program, no profiling) whatever ``cost_model`` says.
-      profiling_database_filename: the disk cache of the measured model.
+        program, no profiling) whatever ``cost_model`` says; with
+        ``profiling_database_filename``, at the rates of that cluster profile
+        (``alpa.mesh_profiling.profile_all``): Alpa's HLO cost model read its profiling
+        database of collectives the same way.
+      profiling_database_filename: with ``use_hlo_cost_model``, the cluster profile the
+        plan is priced with (its entry for these devices; for a cluster that is not here,
+        a file of one profile); with ``cost_model="measured"``, that model's disk cache.
       cached_profile_result: a ``.npz`` file of stage cost tables written by an earlier
         DP (``get_last_dp_result()[0]``) for the same step and cluster: reused instead of
         costing the stages again.

@@ -73,12 +73,13 @@ from alpa.pipeline_parallel.layer_facts import (
 )
 from alpa.pipeline_parallel.stage_problem import LogicalConfig, StageCosts, StageProblem
 from alpa.pipeline_parallel.stage_sharding import equations_key, uses_ilp
+from alpa.pipeline_parallel.stage_work import equations_seconds, instructions_per_micro_batch
 from alpa.shard_parallel import ilp_solver
 from alpa.shard_parallel.auto_sharding import (
     solve_auto_sharding,
 )
 from alpa.shard_parallel.milp import taking_turns
-from alpa.shard_parallel.sharding_spec import Collective
+from alpa.shard_parallel.sharding_spec import Collective, num_shards
 from alpa.tracing import TracedStep
 from alpa.tracing.jaxpr_util import nbytes
 from alpa.util import map_on_threads
@@ -103,6 +104,13 @@ class LayerPlanCost:
       temporary_bytes: what its forward and backward hold only while they run: the
         most bytes of the values they compute and free again (not its inputs, outputs
         or kept activations) live at once (``layer_facts.temporary_bytes``).
+      gathered_bytes: the copies of its parameters its plan gathers to a larger share
+        per device than they are stored in (a parameter split for storage and gathered
+        for its use, as ZeRO-3 does): the bytes per device of each distinct gathered
+        copy. XLA holds them while the programs that read them run.
+      compute: with a cluster profile, the seconds one device spends on its forward and
+        backward per micro-batch at the measured rates (``stage_work``); else 0.
+      apply: with a cluster profile, the seconds of its apply-grad, once per step.
     """
 
     communication: float
@@ -114,6 +122,9 @@ class LayerPlanCost:
     entering_bytes: float
     batch_arg_bytes: float
     temporary_bytes: float = 0.0
+    gathered_bytes: float = 0.0
+    compute: float = 0.0
+    apply: float = 0.0
 
 
 def _data_parallel_layer(
@@ -126,10 +137,16 @@ def _data_parallel_layer(
     batch = problem.program.batch_dependent
     sync = 0.0
     reductions = []
+    mesh = problem.logical_mesh(m, config)
     if n > 1:
-        flat = problem.logical_mesh(m, config).one_axis()
+        flat = mesh.one_axis()
         sync = flat.all_reduce_cost(facts.param_bytes, 1)
         reductions.append(Collective("all-reduce", 1, facts.param_bytes))
+    compute = apply = 0.0
+    if mesh.rates is not None:
+        eqns = step.closed_jaxpr.jaxpr.eqns
+        compute = equations_seconds(eqns, mesh, lambda v: 1.0 / n if v in batch else 1.0)
+        apply = equations_seconds(facts.apply_eqns, mesh, lambda v: 1.0)
     return LayerPlanCost(
         communication=0.0,
         gradient_sync=sync,
@@ -145,6 +162,8 @@ def _data_parallel_layer(
             lambda v: nbytes(v) / n if v in batch else float(nbytes(v)),
             fused=problem.cluster.fuses_elementwise,
         ),
+        compute=compute,
+        apply=apply,
     )
 
 
@@ -192,7 +211,8 @@ def _ilp_layer(
             once.append(collective)
             sync += collective.cost(mesh)
             if graph.nodes[node].combined and collective.kind == "all-reduce":
-                sync -= mesh.mesh_alpha[collective.axis]  # paid once (combined_latency)
+                # Paid once per axis (``strategy_costs.combined_latency``).
+                sync -= mesh.collective_latency("all-reduce", collective.axis)
         else:
             per_micro.append(collective)
     plan_mesh = solution.mesh
@@ -217,12 +237,25 @@ def _ilp_layer(
         if v in program_inputs and v not in problem.program.batch_dependent:
             whole += nbytes(v)
             local_params += per_device_bytes(v.aval, solution.partition_spec(v), shape, names)
+    fraction = local_params / whole if whole else 1.0
+    parameters = {
+        node
+        for node in graph.input_nodes
+        if any(
+            v in program_inputs and v not in problem.program.batch_dependent
+            for v in graph.nodes[node].outvars
+        )
+    }
+    compute = apply = 0.0
+    if mesh.rates is not None:
+        compute = float(ilp_solver.compute_cost(graph, choice))
+        apply = equations_seconds(facts.apply_eqns, mesh, lambda v: fraction)
     return LayerPlanCost(
         communication=float(communication) - sync,
         gradient_sync=sync,
         communication_bytes=ilp_solver.bytes_by_kind(per_micro),
         gradient_sync_bytes=ilp_solver.bytes_by_kind(once),
-        param_fraction=local_params / whole if whole else 1.0,
+        param_fraction=fraction,
         kept_bytes=local(facts.kept),
         entering_bytes=local(facts.entering),
         batch_arg_bytes=local(facts.batch_args),
@@ -232,7 +265,28 @@ def _ilp_layer(
             planned,
             fused=problem.cluster.fuses_elementwise,
         ),
+        gathered_bytes=_gathered_bytes(graph, choice, parameters),
+        compute=compute,
+        apply=apply,
     )
+
+
+def _gathered_bytes(graph, choice, sources) -> float:
+    """The bytes per device of the distinct larger copies (``(value, spec)``) the chosen
+    plan reshards the values of the ``sources`` nodes into for their readers."""
+    mesh = graph.mesh
+    copies = {}
+    for edge in graph.edges:
+        if edge.src not in sources or not edge.src_specs:
+            continue
+        src, dst = edge.src_specs[choice[edge.src]], edge.dst_specs[choice[edge.dst]]
+        if dst is None:
+            continue
+        stored = edge.nbytes / num_shards(src, mesh)
+        held = edge.nbytes / num_shards(dst, mesh)
+        if held > stored:
+            copies[(edge.src, dst)] = held
+    return float(sum(copies.values()))
 
 
 class LayerPlans:
@@ -310,15 +364,18 @@ def stage_memory(problem: StageProblem, plans: LayerPlans):
         facts = problem.layer_facts
         for layer in range(i, j + 1):
             cost = plans.get(layer, m, config)
-            temporaries = max(temporaries, cost.temporary_bytes)
             state += facts[layer].state_bytes * cost.param_fraction
             if problem.remat:
                 # Kept: what enters the stage (the first layer's inputs from earlier
-                # layers) and the batch arguments its layers read.
+                # layers) and the batch arguments its layers read. The backward
+                # recomputes every layer's forward, whose gathered parameters it reads
+                # again: they stay, with the activations, until its layer's backward.
                 per_micro += cost.batch_arg_bytes + (cost.entering_bytes if layer == i else 0.0)
-                once += cost.kept_bytes
+                once += cost.kept_bytes + cost.gathered_bytes
+                temporaries = max(temporaries, cost.temporary_bytes)
             else:
                 per_micro += cost.kept_bytes
+                temporaries = max(temporaries, cost.temporary_bytes + cost.gathered_bytes)
             if layer == i and problem.program.is_training:
                 # The cotangent of what entered the stage, which its backward sends back.
                 once += cost.entering_bytes
@@ -334,12 +391,14 @@ def fill_tables(problem: StageProblem, latency_of, memory_of) -> StageCosts:
     cost = np.full((L, L, M, C), np.inf)
     succ = np.full((L, L, M, C), -1, dtype=np.int64)
     memory = np.full((L, L, M, C), np.inf)
+    activations = np.full((L, L, M, C), np.inf)
     for m, configs in enumerate(problem.configs):
         for c, config in enumerate(configs):
             for i in range(L):
                 for j in range(i, L):
                     state, per_micro, once = memory_of(i, j, m, c, config)
                     memory[i, j, m, c] = state + once + per_micro
+                    activations[i, j, m, c] = per_micro
                     # Capped where it no longer binds: no plan has more than L - 1 stages
                     # after one, nor holds more than M micro-batches (GPipe and ZB-H1 in
                     # the DP read the table as micro-batches in flight, less one).
@@ -349,7 +408,7 @@ def fill_tables(problem: StageProblem, latency_of, memory_of) -> StageCosts:
                         continue
                     succ[i, j, m, c] = fits
                     cost[i, j, m, c] = latency_of(i, j, m, c, config)
-    return StageCosts(cost, succ, memory)
+    return StageCosts(cost, succ, memory, activations)
 
 
 def _stages_that_fit(budget: float, fixed: float, per_micro: float, cap: int) -> int:
@@ -391,7 +450,11 @@ class AnalyticStageCost:
         remat = 1.0 if problem.remat else 0.0
         micro = max(1, problem.num_micro_batches)
 
+        profile = cluster.profile
+
         def latency(i, j, m, c, config):
+            if profile is not None:
+                return measured_latency(i, j, m, config)
             n = int(np.prod(problem.submesh_choices[m]))
             total = 0.0
             for layer in range(i, j + 1):
@@ -402,6 +465,22 @@ class AnalyticStageCost:
             if i > 0:
                 total += 2 * facts[i].entering_bytes / bandwidth
             return total
+
+        def measured_latency(i, j, m, config):
+            # ``stage_work``'s module docstring: the same terms at the profile's rates.
+            total = 0.0
+            for layer in range(i, j + 1):
+                cost = plans.get(layer, m, config)
+                share = facts[layer].forward_flops / facts[layer].flops if facts[layer].flops else 0
+                total += cost.compute * (1.0 + remat * share) + cost.communication
+                total += (cost.gradient_sync + cost.apply) / micro
+            if i > 0:
+                entering = facts[i].entering_bytes
+                if self.cross_mesh_bandwidth is None and profile.cross_mesh is not None:
+                    total += 2 * profile.cross_mesh(entering)
+                else:
+                    total += 2 * entering / bandwidth
+            return total + profile.instruction_seconds * instructions_per_micro_batch(i == 0)
 
         def collective_bytes(i, j, m, c, config):
             per_micro, once, params = Counter(), Counter(), 0.0

@@ -146,6 +146,10 @@ class StageCosts:
     compute_cost: np.ndarray  # [i, j, m, c], seconds per micro-batch, inf = infeasible
     max_n_succ_stages: np.ndarray  # [i, j, m, c]
     memory: np.ndarray  # [i, j, m, c], bytes per device with one micro-batch in flight
+    # [i, j, m, c]: of ``memory``, the part held per micro-batch in flight (the rest is
+    # held once: state, temporaries); ``None`` where the model does not say (a table
+    # saved by an older alpa, a cost model of the user's).
+    per_micro_batch_memory: np.ndarray | None = None
 
 
 class StageCostModel(Protocol):

@@ -36,6 +36,8 @@ from alpa.pipeline_parallel.stage_construction import (
 )
 from alpa.pipeline_parallel.stage_dp import DP_SCHEDULES, get_submesh_choices, training_dp
 from alpa.pipeline_parallel.stage_imbalance import imbalance_mask, tolerance_error
+from alpa.pipeline_parallel.stage_memory_advice import infeasible_message
+from alpa.pipeline_parallel.stage_work import host_work_table, step_bound
 from alpa.timer import timed
 
 
@@ -206,17 +208,38 @@ def _plan_auto_stages(option: AutoStageOption, context: StageContext) -> StagePl
                 raise tolerance_error(
                     tolerance, unbounded, flops, sizes, context.num_devices
                 ) from e
-        finite = np.isfinite(costs.compute_cost)
-        if not finite.any():
+        if costs.per_micro_batch_memory is not None or not np.isfinite(costs.compute_cost).any():
             raise ValueError(
-                f"no stage of the step fits in memory_budget_per_device="
-                f"{problem.memory_budget:.4g} bytes (the smallest stage needs "
-                f"{np.min(costs.memory):.4g} bytes per device); raise the budget or use "
-                "more devices"
+                infeasible_message(costs, problem, context.num_devices, context.num_micro_batches)
             ) from e
         raise ValueError(f"{e} (memory_budget_per_device={problem.memory_budget:.4g} bytes)") from e
     dp_result = DPResult(costs, problem=problem, dp_compute_cost=compute_cost, context=context)
     plan = _resolve(solution, total, dp_result)
+    if context.cluster.profile is not None:
+        # Where the host's throughput bounds the step (devices that share a host's cores),
+        # the plan of least total work may be faster than the DP's: priced alike, the
+        # faster of the two is taken (stage_work.host_work_table).
+        work = host_work_table(context.cluster.profile, compute_cost, problem.submesh_choices)
+        try:
+            _, fewest = training_dp(
+                L,
+                context.num_devices,
+                1,
+                problem.submesh_choices,
+                C,
+                work,
+                costs.max_n_succ_stages,
+            )
+        except ValueError:
+            fewest = None
+        if fewest is not None and fewest != solution:
+            chosen = np.full_like(compute_cost, np.inf)
+            for (start, end), m, c in fewest:
+                chosen[start, end - 1, m, c] = compute_cost[start, end - 1, m, c]
+            other_total, other = dp(chosen)
+            candidate = _resolve(other, other_total, dp_result)
+            if candidate.predicted_cost < plan.predicted_cost:
+                plan = candidate
     record_last_dp_plan(plan)
     return plan
 
@@ -265,6 +288,7 @@ def _resolve(solution, total: float, dp: DPResult) -> StagePlan:
         dicts.append(config.option_dict or None)
         latencies.append(float(costs.compute_cost[start, end - 1, m, c]))
         memory.append(float(costs.memory[start, end - 1, m, c]))
+    bound = step_bound(context.cluster, latencies, shapes, context.num_micro_batches)
     plan = _finish(
         context,
         layer_to_stage,
@@ -273,7 +297,7 @@ def _resolve(solution, total: float, dp: DPResult) -> StagePlan:
         dicts,
         latencies=tuple(latencies),
         memory=tuple(memory),
-        predicted_cost=float(total),
+        predicted_cost=float(bound(total)),
     )
     return dataclasses.replace(plan, dp_result=dp)
 

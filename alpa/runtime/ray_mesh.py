@@ -161,7 +161,7 @@ class DeviceCluster:
         ]
         self.worker_env = dict(worker_env or {})
         self.num_devices_per_host = per_node
-        self.spec = self._cluster_spec(nodes)
+        self._spec = self._cluster_spec(nodes)
         self._meshes: dict[tuple, DistributedPhysicalDeviceMesh] = {}
         self._mesh_ids = itertools.count()
 
@@ -175,6 +175,23 @@ class DeviceCluster:
                 CLUSTER_PRESETS["a100-80gb"],
             )
         return replace(base, num_nodes=len(nodes), num_devices_per_node=self.num_devices_per_host)
+
+    @property
+    def spec(self) -> ClusterSpec:
+        """The cluster's hardware: its preset, with the profile
+        ``global_config.cluster_profile`` names (at the time of asking) for its devices."""
+        from alpa.device_mesh import resolve_profile
+        from alpa.global_env import global_config
+
+        profile = global_config.cluster_profile
+        if profile is None:
+            return self._spec
+        kind = "cpu" if self.platform == "cpu" else self._spec.name
+        return self._spec.with_profile(
+            resolve_profile(
+                profile, kind, self.num_hosts, self.num_devices_per_host, "cluster_profile"
+            )
+        )
 
     @property
     def num_hosts(self) -> int:

@@ -118,6 +118,17 @@ class MeshHostWorker(MeshTransfers):
             "nccl": nccl_available(),
         }
 
+    def profile_devices(self, request: dict) -> dict:
+        """This host's measurements for a cluster profile
+        (``device_profiling.profile_host``: matmuls, elementwise work, concurrency, the
+        collectives of its devices), as JSON-able data."""
+        import jax
+
+        from alpa.runtime.device_profiling import profile_host
+
+        own = [d for d in self._devices() if d.process_index == jax.process_index()]
+        return profile_host(own, request)
+
     # -- devices and layouts
 
     def _devices(self) -> list:

@@ -72,7 +72,11 @@ def work_shards(mesh: LogicalDeviceMesh, strategy: Strategy) -> int:
 
 
 def work_cost(
-    mesh: LogicalDeviceMesh, strategy: Strategy, flops: float, out_sizes: Sequence[float]
+    mesh: LogicalDeviceMesh,
+    strategy: Strategy,
+    flops: float,
+    out_sizes: Sequence[float],
+    eqn: JaxprEqn | None = None,
 ) -> float:
     """Seconds one device spends running ``strategy`` of an equation of ``flops`` whose
     results are ``out_sizes`` bytes in full (``LogicalDeviceMesh.compute_cost``).
@@ -80,13 +84,53 @@ def work_cost(
     The work splits over every mesh axis that splits some operand or result: a mesh axis
     the strategy leaves unused repeats the work on each of its devices, so replicated work
     is priced at full size on every device. Each device writes its shard of each result.
+    Where the mesh has measured rates, a ``dot_general`` ``eqn`` is priced at the rate of
+    its per-device shape under the strategy (:func:`local_dot_dims`).
     """
     shards = work_shards(mesh, strategy)
     written = sum(
         size / num_shards(spec, mesh)
         for size, spec in zip(out_sizes, strategy.out_specs, strict=True)
     )
-    return mesh.compute_cost(flops / shards, written)
+    if mesh.rates is None or eqn is None or flops <= 0:
+        return mesh.compute_cost(flops / shards, written)
+    dot = local_dot_dims(eqn, strategy, mesh) if eqn.primitive.name == "dot_general" else None
+    return mesh.compute_cost(flops / shards, written, dot, operand_dtype(eqn))
+
+
+def local_dot_dims(
+    eqn: JaxprEqn, strategy: Strategy, mesh: LogicalDeviceMesh
+) -> tuple[float, float, float, float]:
+    """``(batch, m, k, n)`` of one device's share of a ``dot_general`` under ``strategy``:
+    the products of its operands' batch, free and contracting dimensions, each dimension
+    divided by the mesh axes the strategy's operand spec splits it over (a ``None`` spec:
+    whole)."""
+    (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = eqn.params["dimension_numbers"]
+    local = []
+    for operand, spec in zip(eqn.invars[:2], strategy.in_specs[:2], strict=True):
+        shape = getattr(operand.aval, "shape", ())
+        local.append(
+            [
+                size / (1 if spec is None else math.prod(mesh.shape[a] for a in spec[d]))
+                for d, size in enumerate(shape)
+            ]
+        )
+    lhs, rhs = local
+    batch = math.prod(lhs[d] for d in lhs_batch)
+    k = math.prod(lhs[d] for d in lhs_contract)
+    m = math.prod(lhs[d] for d in range(len(lhs)) if d not in (*lhs_contract, *lhs_batch))
+    n = math.prod(rhs[d] for d in range(len(rhs)) if d not in (*rhs_contract, *rhs_batch))
+    return batch, m, k, n
+
+
+def operand_dtype(eqn: JaxprEqn) -> str:
+    """The dtype an equation computes in: its first operand's (a matmul of bf16 operands
+    runs at bf16's rate whatever it accumulates in)."""
+    for v in (*eqn.invars, *eqn.outvars):
+        dtype = getattr(getattr(v, "aval", None), "dtype", None)
+        if dtype is not None:
+            return np.dtype(dtype).name
+    return "float32"
 
 
 def priced_strategies(
@@ -101,8 +145,9 @@ def priced_strategies(
     for s in strategies:
         comm = s.comm_cost
         if combined:
-            comm -= sum(mesh.mesh_alpha[a] for a in all_reduce_axes(s))
-        priced.append(replace(s, comm_cost=comm, compute_cost=work_cost(mesh, s, flops, sizes)))
+            comm -= sum(mesh.collective_latency("all-reduce", a) for a in all_reduce_axes(s))
+        compute = work_cost(mesh, s, flops, sizes, eqn)
+        priced.append(replace(s, comm_cost=comm, compute_cost=compute))
     return tuple(priced)
 
 
@@ -255,7 +300,7 @@ def combined_latency(graph: StrategyGraph, choice) -> float:
     for node in graph.nodes:
         if node.combined:
             axes.update(all_reduce_axes(node.strategies[choice[node.id]]))
-    return sum(graph.mesh.mesh_alpha[a] for a in axes)
+    return sum(graph.mesh.collective_latency("all-reduce", a) for a in axes)
 
 
 def all_reduce_axes(strategy: Strategy) -> tuple[int, ...]:

@@ -729,7 +729,9 @@ def test_stage_imbalance_tolerance_keeps_the_memory_error_when_nothing_fits():
         return StageCosts(np.full(shape, np.inf), np.full(shape, -1), np.full(shape, 1e12))
 
     option = AutoStageOption(cost_model=nothing_fits, stage_imbalance_tolerance=0.5)
-    with pytest.raises(ValueError, match="no stage of the step fits in memory_budget"):
+    with pytest.raises(
+        ValueError, match="no pipeline plan of the step fits memory_budget_per_device"
+    ):
         _plan((64,) * 4, ClusterSpec.preset("cpu"), option)
 
 

@@ -182,6 +182,10 @@ def test_a_hand_plan_over_the_budget_says_so():
     cost = plan.cost
     assert len(cost.latencies) == 2 and not any(cost.fits)
     assert all(m > 1000 for m in cost.memory)
+    # Where its price is printed, it says so.
+    title = str(plan).splitlines()[0]
+    needs = ", ".join(f"{m / 2**20:.1f}" for m in cost.memory)
+    assert f"DOES NOT FIT memory_budget_per_device=0.0 MiB: stages 0, 1 need {needs} MiB" in title
 
 
 def test_a_plans_state_counts_its_gradient_sums():

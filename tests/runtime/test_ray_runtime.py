@@ -1465,3 +1465,36 @@ def test_init_without_arguments_joins_ray_as_alpas(ray_cluster):
     finally:
         alpa.shutdown()
         alpa.init("ray", num_devices_per_node=DEVICES_PER_NODE)
+
+
+def test_a_profile_of_a_ray_cluster_measures_every_host(ray_cluster, tmp_path):
+    """``profile_all`` of the Ray cluster: each host's mesh worker measures its own
+    devices (tiny settings); the profile is the cluster's shape, and a plan for it prices
+    collectives inside a host from the curves, across hosts by alpha-beta."""
+    from alpa import mesh_profiling
+
+    path = str(tmp_path / "ray_profile.json")
+    database = mesh_profiling.profile_all(
+        alpa.get_global_cluster(),
+        cache_filename=path,
+        dot_range=(8, 16),
+        dtypes=("float32",),
+        min_comm_size=10,
+        max_comm_size_intra_node=10,
+        instruction_cost=False,
+    )
+    profile = database.only()
+    assert profile.key == f"cpu/2x{DEVICES_PER_NODE}" and profile.meta["hosts_measured"] == 2
+    assert set(profile.collectives["all-reduce"]) == {"2x1", "2x2", "4x1"}
+    alpa.global_config.cluster_profile = path
+    try:
+        spec = alpa.get_global_cluster().spec
+        assert spec.profile == profile
+        mesh = spec.get_virtual_physical_mesh().get_logical_mesh((2, DEVICES_PER_NODE))
+        inside = profile.collectives["all-reduce"]["4x1"](1 << 10)
+        assert mesh.all_reduce_cost(1 << 10, 1) == pytest.approx(inside)
+        assert mesh.all_reduce_cost(1 << 10, 0) == pytest.approx(
+            mesh.mesh_alpha[0] + mesh.mesh_beta[0] * (1 << 10)
+        )
+    finally:
+        alpa.global_config.cluster_profile = None
