@@ -204,9 +204,10 @@ def check_not_shut_down(name: str, leaves: Sequence[Any], leaf_names: Callable[[
     before) holds no data any more: named here, with what lived where and what to do,
     where JAX would say only that it is not a valid JAX type."""
     for i, x in enumerate(leaves):
-        if not getattr(x, "is_distributed_array", False) or x._fetched is not None:
+        mesh = getattr(x, "mesh", None)  # a replicated array has one per mesh, checked there
+        if not getattr(x, "is_distributed_array", False) or mesh is None:
             continue
-        if x.mesh.is_shut_down:
+        if getattr(x, "_fetched", None) is None and mesh.is_shut_down:
             try:
                 x._check()
             except RuntimeError as e:

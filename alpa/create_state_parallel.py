@@ -210,6 +210,9 @@ class CreateStateParallel(ParallelMethod):
         try:
             return self._target(traced)
         except Exception as e:
+            returned_state = jax.tree.unflatten(traced.out_tree, [0] * traced.out_tree.num_leaves)
+            if hasattr(returned_state, "params"):  # a state: the error is about something else
+                raise
             e.add_note(
                 f"CreateStateParallel compiled {step} with what {traced.name} returns, "
                 f"{returned}, as its first argument (the state); {traced.name} must return "

@@ -48,7 +48,8 @@ def _check_mlp_against_serial(method, steps=2):
     parallel = alpa.parallelize(step, method=method)
     # The step reads the model from the state: a shape-only build gives the serial one.
     serial = jax.jit(_mlp(jax.value_and_grad, abstract=True)[2])
-    parallel_state, serial_state = state, state
+    # The parallel step donates the state it replaces: the serial one steps a copy.
+    parallel_state, serial_state = state, jax.tree.map(jnp.copy, state)
     for _ in range(steps):
         parallel_state, parallel_loss = parallel(parallel_state, batch)
         serial_state, serial_loss = serial(serial_state, batch)

@@ -12,6 +12,7 @@ import tempfile
 import textwrap
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -59,7 +60,8 @@ def mlp_state(widths=(64, 64, 64, 64), batch_size=32, abstract=False):
 def check_against_serial(step_fn, state, batch, method, steps=2):
     parallel = alpa.parallelize(step_fn(alpa.value_and_grad), method=method)
     serial = jax.jit(step_fn(jax.value_and_grad))
-    p_state, s_state = state, state
+    # The parallel step donates the state it replaces: each steps a copy of the caller's.
+    p_state, s_state = jax.tree.map(jnp.copy, state), jax.tree.map(jnp.copy, state)
     for _ in range(steps):
         # Each step waited for: XLA's CPU collectives can abort with steps queued
         # (docs/dispatch.md, known issues).

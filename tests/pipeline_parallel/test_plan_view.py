@@ -160,7 +160,7 @@ def test_the_last_step_draws_as_it_ran_next_to_the_plan(tmp_path):
     executable = parallel.get_executable(state, batch)
     with pytest.raises(RuntimeError, match="no step has run yet"):
         executable.draw_last_step(str(tmp_path / "none.png"))
-    jax.block_until_ready(parallel(state, batch))
+    state, _ = jax.block_until_ready(parallel(state, batch))  # it donates the state
     assert parallel.get_last_executable() is executable
     executable.collect_trace = True
     jax.block_until_ready(parallel(state, batch))
