@@ -13,18 +13,23 @@ measured on the devices (``alpa.mesh_profiling.profile_all`` makes one):
   matmuls are latency-bound).
 * **Memory-bound work** (every other operation, priced by the bytes it writes) at the
   seconds measured for writing that many bytes through a chain of elementwise
-  operations as XLA compiles it (:class:`Curve` of bytes -> seconds).
+  operations as XLA compiles it (:class:`Curve` of bytes -> seconds; XLA fuses the
+  chain, so a byte of it costs less than a byte written alone), and data movement
+  (copies, transposes, concatenations, slices, gathers: :data:`DATA_MOVEMENT`, each
+  byte written for real) at the seconds measured for a transposed copy.
 * **Concurrency.** Devices that share a host's cores (the virtual CPU devices) do not
   each run at their solo rate when several work at once: ``concurrency[k]`` is one
   device's throughput while ``k`` devices work at once, as a fraction of its throughput
-  alone (1.0 for accelerators that own their compute). A mesh of ``n`` devices prices
-  its work at ``concurrency(n)`` of the solo rates; a pipeline whose stages share a host
-  is bounded below by the host's throughput (``host_bound``).
+  alone (1.0 for accelerators that own their compute), measured for matmuls and for
+  memory-bound work apart (``memory_concurrency``). A mesh of ``n`` devices prices its
+  work at the concurrency of ``n``; a pipeline whose stages share a host is bounded below
+  by the host's cores (``stage_work.shared_makespan``).
 * **Collectives** from measured curves of seconds against the bytes per device (in
   ``LogicalDeviceMesh``'s convention of each kind), one curve per kind and group layout
   (:class:`GroupLayout`: the size of each group, the number of groups running at once,
-  whether a group spans hosts); a layout that was not measured falls back to the
-  alpha-beta model.
+  whether a group spans hosts). A submesh's groups are priced as if the host's every
+  device were in a group of that size (a pipeline's stages run beside each other); a
+  layout that was not measured falls back to the alpha-beta model.
 * **Cross-mesh transfers** (a value sent from one stage's mesh to the next) from a curve of
   seconds against bytes, and **host cost** per pipeline instruction and per program
   launch (the driver's work between the device programs).
@@ -52,6 +57,28 @@ from dataclasses import dataclass, field
 import numpy as np
 
 PROFILE_FORMAT = 1
+
+#: Primitives that move data rather than compute on it: each byte they write is priced
+#: at the measured copy rate (``ClusterProfile.copy``), not the fused elementwise one.
+DATA_MOVEMENT = frozenset(
+    {
+        "concatenate",
+        "transpose",
+        "copy",
+        "copy_p",
+        "pad",
+        "gather",
+        "scatter",
+        "scatter-add",
+        "dynamic_slice",
+        "dynamic_update_slice",
+        "slice",
+        "rev",
+        "sort",
+        "all_gather",
+        "reduce_scatter",
+    }
+)
 
 
 # ----------------------------------------------------------------------------- curves
@@ -258,8 +285,11 @@ class ClusterProfile:
       dot: per dtype name (``"float32"``), the matmul table of one device alone.
       memory: bytes written -> seconds, of a chain of elementwise operations on one
         device alone (per byte of each operation's result, as the model counts them).
-      concurrency: ``{k: fraction}`` one device's throughput while ``k`` devices work at
-        once, relative to working alone (``1`` is alone).
+      concurrency: ``{k: fraction}`` one device's matmul throughput while ``k`` devices
+        work at once, relative to working alone (``1`` is alone).
+      copy: bytes written -> seconds of data movement on one device alone (``None``:
+        priced as ``memory``).
+      memory_concurrency: ``concurrency`` of memory-bound work (``None``: as matmuls').
       collectives: per kind (``"all-reduce"``, ...) per ``GroupLayout.key()``, bytes per
         device -> seconds.
       cross_mesh: bytes -> seconds of one value sent from one mesh to another.
@@ -280,22 +310,16 @@ class ClusterProfile:
     instruction_seconds: float = 0.0
     launch_seconds: float = 0.0
     meta: Mapping[str, object] = field(default_factory=dict, compare=False)
+    copy: Curve | None = None
+    memory_concurrency: Mapping[int, float] | None = None
 
     def __post_init__(self):
         if not self.dot:
             raise ValueError("a ClusterProfile needs the matmul table of at least one dtype")
-        concurrency = {int(k): float(v) for k, v in self.concurrency.items()}
-        if 1 not in concurrency or any(not 0 < v <= 1.5 for v in concurrency.values()):
-            raise ValueError(
-                f"ClusterProfile.concurrency needs k=1 and fractions in (0, 1.5], got {concurrency}"
-            )
-        # One device never gains from more devices working beside it: the fractions are
-        # made non-increasing in k (a noisy measurement of 4 above 2 is held at 2's).
-        monotone, least = {}, math.inf
-        for k, v in sorted(concurrency.items()):
-            least = min(least, v)
-            monotone[k] = least
-        object.__setattr__(self, "concurrency", monotone)
+        object.__setattr__(self, "concurrency", _fractions(self.concurrency, "concurrency"))
+        if self.memory_concurrency is not None:
+            fractions = _fractions(self.memory_concurrency, "memory_concurrency")
+            object.__setattr__(self, "memory_concurrency", fractions)
         for attr in ("instruction_seconds", "launch_seconds"):
             value = getattr(self, attr)
             if not (value >= 0 and math.isfinite(value)):
@@ -325,10 +349,13 @@ class ClusterProfile:
 
     # -- reading it
 
-    def concurrency_factor(self, k: int) -> float:
-        """One device's throughput while ``k`` devices work at once, relative to alone:
-        interpolated in ``log k`` between measured counts, the last one held past them."""
+    def concurrency_factor(self, k: int, memory_bound: bool = False) -> float:
+        """One device's throughput while ``k`` devices work at once, relative to alone
+        (of matmuls, or ``memory_bound`` work): interpolated in ``log k`` between measured
+        counts, the last one held past them."""
         points = self.concurrency
+        if memory_bound and self.memory_concurrency is not None:
+            points = self.memory_concurrency
         ks = sorted(points)
         if k <= ks[0]:
             return points[ks[0]]
@@ -364,6 +391,10 @@ class ClusterProfile:
             "cross_mesh": None if self.cross_mesh is None else self.cross_mesh.to_json(),
             "instruction_seconds": self.instruction_seconds,
             "launch_seconds": self.launch_seconds,
+            "copy": None if self.copy is None else self.copy.to_json(),
+            "memory_concurrency": None
+            if self.memory_concurrency is None
+            else {str(k): v for k, v in self.memory_concurrency.items()},
             "meta": dict(self.meta),
         }
 
@@ -393,7 +424,27 @@ class ClusterProfile:
             instruction_seconds=float(data.get("instruction_seconds", 0.0)),
             launch_seconds=float(data.get("launch_seconds", 0.0)),
             meta=dict(data.get("meta", {})),
+            copy=_optional_curve(data.get("copy")),
+            memory_concurrency=None
+            if data.get("memory_concurrency") is None
+            else {int(k): v for k, v in data["memory_concurrency"].items()},
         )
+
+
+def _fractions(points: Mapping, name: str) -> dict[int, float]:
+    """``{k: fraction}`` checked (``k = 1`` present, fractions in ``(0, 1.5]``) and made
+    non-increasing in ``k``: one device never gains from more devices working beside it
+    (a noisy measurement of 4 above 2 is held at 2's)."""
+    fractions = {int(k): float(v) for k, v in points.items()}
+    if 1 not in fractions or any(not 0 < v <= 1.5 for v in fractions.values()):
+        raise ValueError(
+            f"ClusterProfile.{name} needs k=1 and fractions in (0, 1.5], got {fractions}"
+        )
+    monotone, least = {}, math.inf
+    for k, v in sorted(fractions.items()):
+        least = min(least, v)
+        monotone[k] = least
+    return monotone
 
 
 def _optional_curve(data) -> Curve | None:
@@ -466,9 +517,14 @@ class MeshRates:
 
     @functools.cached_property
     def concurrency(self) -> float:
-        """The fraction of its solo rate each device runs at: the submesh's devices of one
-        host work at once (hosts do not share cores)."""
+        """The fraction of its solo matmul rate each device runs at: the submesh's devices
+        of one host work at once (hosts do not share cores)."""
         return self.profile.concurrency_factor(self.physical[1])
+
+    @functools.cached_property
+    def memory_concurrency(self) -> float:
+        """The same of memory-bound work."""
+        return self.profile.concurrency_factor(self.physical[1], memory_bound=True)
 
     def dot_seconds(self, batch: float, m: float, k: float, n: float, dtype: str) -> float:
         """Seconds of ``batch`` matmuls ``(m, k) @ (k, n)`` on one device of the mesh."""
@@ -484,22 +540,40 @@ class MeshRates:
         side = (flops / 2.0) ** (1.0 / 3.0)
         return self.dot_seconds(1.0, side, side, side, dtype)
 
-    def write_seconds(self, num_bytes: float) -> float:
-        """Seconds of memory-bound work writing ``num_bytes`` on one device of the mesh."""
+    def write_seconds(self, num_bytes: float, movement: bool = False) -> float:
+        """Seconds of memory-bound work writing ``num_bytes`` on one device of the mesh:
+        elementwise work, or with ``movement`` data movement (:data:`DATA_MOVEMENT`)."""
         if num_bytes <= 0:
             return 0.0
-        return self.profile.memory(num_bytes) / self.concurrency
+        curve = self.profile.copy if movement and self.profile.copy is not None else None
+        seconds = (curve or self.profile.memory)(num_bytes)
+        return seconds / self.memory_concurrency
+
+    def _curve(self, kind: str, logical: tuple[int, int], axis: int) -> Curve | None:
+        """The measured curve of ``kind`` over ``axis``: of its group layout with every
+        device of the host in a group, as when the other stages of a pipeline run their
+        own collectives beside this submesh's (a submesh of 2 of a host's 8 devices runs
+        its pairs' collectives as four pairs would at once); ``None`` where that layout
+        was not measured."""
+        layout = axis_layouts(self.physical, logical)[axis]
+        if not layout.spans_hosts:
+            per_host = self.profile.num_devices_per_host
+            busy = GroupLayout(layout.group_size, max(per_host // layout.group_size, 1))
+            found = self.profile.collective_curve(kind, busy)
+            if found is not None:
+                return found
+        return self.profile.collective_curve(kind, layout)
 
     def collective_seconds(
         self, kind: str, logical: tuple[int, int], axis: int, num_bytes: float
     ) -> float | None:
-        """Seconds of collective ``kind`` over ``axis`` of the ``logical`` view, from the
-        measured curve of its group layout; ``None`` where that layout was not measured."""
-        curve = self.profile.collective_curve(kind, axis_layouts(self.physical, logical)[axis])
+        """Seconds of collective ``kind`` over ``axis`` of the ``logical`` view
+        (:meth:`_curve`); ``None`` where its layout was not measured."""
+        curve = self._curve(kind, logical, axis)
         return None if curve is None else curve(num_bytes)
 
     def collective_latency(self, kind: str, logical: tuple[int, int], axis: int) -> float | None:
         """The smallest measured message's seconds: what a collective costs beyond its
         bytes (``None`` where not measured)."""
-        curve = self.profile.collective_curve(kind, axis_layouts(self.physical, logical)[axis])
+        curve = self._curve(kind, logical, axis)
         return None if curve is None else curve.seconds[0]

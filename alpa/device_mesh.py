@@ -436,12 +436,14 @@ class LogicalDeviceMesh:
         num_bytes: float,
         dot: tuple[float, float, float, float] | None = None,
         dtype: str = "float32",
+        movement: bool = False,
     ) -> float:
         """Seconds one device spends on ``flops`` of contractions and on writing
         ``num_bytes`` of results. With measured ``rates``: a contraction whose per-device
         shape ``dot = (batch, m, k, n)`` is known at the rate measured for that shape (one
         whose shape is not, at the rate of the cube of its FLOPs), the bytes at the
-        measured memory-bound rate."""
+        measured memory-bound rate, of data movement where ``movement``
+        (``cost_profile.DATA_MOVEMENT``)."""
         if self.rates is None:
             return flops / self.device_flops + num_bytes / self.memory_bandwidth
         if flops <= 0:
@@ -450,7 +452,7 @@ class LogicalDeviceMesh:
             work = self.rates.dot_seconds(*dot, dtype)
         else:
             work = self.rates.flops_seconds(flops, dtype)
-        return work + self.rates.write_seconds(num_bytes)
+        return work + self.rates.write_seconds(num_bytes, movement)
 
     def make_tile_spec(self, array: Any, tensor_dims: Sequence[int], mesh_dims: Sequence[int]):
         """Alpa's: the jax-0.3 ``ShardingSpec`` (``alpa.pxla_spec``) that cuts dimension

@@ -262,6 +262,8 @@ def _assemble(
         cross_mesh=transfers,
         instruction_seconds=instruction,
         launch_seconds=launch,
+        copy=Curve.from_json(slowest["copy"]),
+        memory_concurrency={int(k): v for k, v in slowest["memory_concurrency"].items()},
         meta={
             "jax": jax.__version__,
             "date": time.strftime("%Y-%m-%d %H:%M:%S"),

@@ -214,7 +214,12 @@ class PipeshardPlan:
         plan = self.stage_plan
         busy = len({d for start, stop in plan.device_ranges for d in range(start, stop)})
         return step_bound(
-            self.cluster, latencies, plan.submesh_shapes, self.num_micro_batches, busy
+            self.cluster,
+            latencies,
+            plan.submesh_shapes,
+            self.num_micro_batches,
+            busy,
+            self.schedule,
         )
 
     def price_stages(self, stages: Sequence[tuple]) -> StagePlanCost:

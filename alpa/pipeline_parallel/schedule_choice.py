@@ -70,7 +70,7 @@ def price_schedules(
     num_micro_batches: int,
     budget: float,
     candidates: Sequence[str] = CANDIDATES,
-    bound: Callable[[float], float] | None = None,
+    bound: Callable[..., float] | None = None,
 ) -> list[ScheduleCandidate]:
     """Each of ``candidates`` priced (module docstring) on stages of ``latencies`` (seconds
     per micro-batch) whose 1F1B ``memory`` holds ``activation_memory`` bytes per
@@ -95,7 +95,7 @@ def price_schedule(
     activation_memory: Sequence[float],
     budget: float,
     note: str = "",
-    bound: Callable[[float], float] | None = None,
+    bound: Callable[..., float] | None = None,
 ) -> ScheduleCandidate:
     """``schedule`` priced on its stages: time, its timeline at ``latencies`` (raised to
     ``bound``'s floor, ``stage_work.StepBound``, where the cluster has a profile); memory,
@@ -106,7 +106,7 @@ def price_schedule(
     fits = all(m <= budget for m in held)
     seconds = makespan(schedule, latencies)
     if bound is not None:
-        seconds = bound(seconds)
+        seconds = bound(seconds, schedule)
     return ScheduleCandidate(schedule.name, seconds, held, fits, note)
 
 

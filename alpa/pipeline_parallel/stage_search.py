@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from alpa.global_env import global_config
-from alpa.pipeline_parallel.schedules import SHARED_MESH_SCHEDULES
+from alpa.pipeline_parallel.schedules import SHARED_MESH_SCHEDULES, make_schedule
 from alpa.pipeline_parallel.stage_construction import (
     AutoStageOption,
     StageContext,
@@ -288,7 +288,14 @@ def _resolve(solution, total: float, dp: DPResult) -> StagePlan:
         dicts.append(config.option_dict or None)
         latencies.append(float(costs.compute_cost[start, end - 1, m, c]))
         memory.append(float(costs.memory[start, end - 1, m, c]))
-    bound = step_bound(context.cluster, latencies, shapes, context.num_micro_batches)
+    schedule = context.schedule if context.schedule in DP_SCHEDULES else "1f1b"
+    bound = step_bound(
+        context.cluster,
+        latencies,
+        shapes,
+        context.num_micro_batches,
+        schedule=make_schedule(schedule, len(latencies), context.num_micro_batches),
+    )
     plan = _finish(
         context,
         layer_to_stage,

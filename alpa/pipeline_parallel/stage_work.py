@@ -20,29 +20,34 @@ micro-batch (its forward and backward ``RUN``, and its two transfers when it is 
 first).
 
 A step's time is the schedule's (the stage DP's :math:`\\sum t + (B - 1)\\max t`, or the
-timeline's makespan) but never less than two bounds (:func:`bounded_step_seconds`):
+timeline's makespan) but never less than two floors (:class:`StepBound`):
 
-* **the host's throughput**: devices that share a host's cores (virtual CPU devices)
-  do not run stages side by side at their solo speed. A stage of :math:`n_s` devices
-  prices its work at the concurrency of :math:`n_s` devices
-  (``ClusterProfile.concurrency``); with the :math:`N` devices of the host all working,
-  each runs at :math:`g(N)` instead of :math:`g(n_s)`, so the step takes at least
-  :math:`B \\sum_s \\frac{n_s}{N} t_s \\frac{g(n_s)}{g(N)}` (for GPUs, which own their
-  compute, :math:`g = 1` and the bound is below the schedule's time);
+* **the host's cores**: devices that share a host's cores (virtual CPU devices) do not
+  run stages side by side at their solo speed. A stage of :math:`n_s` devices prices its
+  work at the concurrency of :math:`n_s` devices (``ClusterProfile.concurrency``); while
+  :math:`D` devices of the host work at once, each runs at :math:`g(D)` instead of
+  :math:`g(n_s)`. :func:`shared_makespan` runs the schedule so, task by task (processor
+  sharing); its total work, :math:`B \\sum_s \\frac{n_s}{N} t_s \\frac{g(n_s)}{g(N)}`
+  (:func:`host_bound`), is what the stage search also minimises where devices share a
+  host. For GPUs, which own their compute, :math:`g = 1` and the floor is the schedule's
+  own time;
 * **the driver**: the local runtime's driver dispatches every instruction of the step
   in turn, :math:`h` seconds each.
 """
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 from jax.extend.core import JaxprEqn
 
-from alpa.cost_profile import ClusterProfile
+from alpa.cost_profile import DATA_MOVEMENT, ClusterProfile
 from alpa.device_mesh import ClusterSpec, LogicalDeviceMesh
+from alpa.pipeline_parallel.schedule_record import PipelineSchedule
+from alpa.pipeline_parallel.schedules import make_schedule, task_dependencies
 from alpa.shard_parallel.strategy_costs import contraction_flops, itemsize, operand_dtype
 from alpa.tracing.jaxpr_util import is_var
 
@@ -61,7 +66,8 @@ def equations_seconds(
         part = share(outs[0])
         written = sum(_nbytes(v) for v in outs) * part
         flops = contraction_flops(eqn) * part
-        total += mesh.compute_cost(flops, written, None, operand_dtype(eqn))
+        movement = eqn.primitive.name in DATA_MOVEMENT
+        total += mesh.compute_cost(flops, written, None, operand_dtype(eqn), movement)
     return total
 
 
@@ -120,6 +126,66 @@ def host_work_table(profile: ClusterProfile, latencies, submesh_choices) -> np.n
     return np.asarray(latencies, dtype=float) * scale[None, None, :, None]
 
 
+def shared_makespan(
+    profile: ClusterProfile,
+    schedule: PipelineSchedule,
+    latencies: Sequence[float],
+    mesh_devices: Sequence[int],
+    forward_share: float = 1 / 3,
+) -> float:
+    """Seconds of ``schedule`` (apply-grad left out) when its meshes share a host's cores
+    (module docstring): the tasks run in each mesh's order as soon as their inputs are
+    ready, as ``plan_view.timeline`` runs them, but a task of a stage of ``n`` devices
+    whose latency was priced with only its own mesh at work runs at ``g(D) / g(n)`` of
+    that speed while ``D`` devices of the host work at once (``g`` the profile's
+    concurrency, of matmuls and memory-bound work alike: their mean). With ``g = 1``
+    (devices that own their compute) this is the timeline's makespan."""
+    per_host = profile.num_devices_per_host
+
+    def g(k: int) -> float:
+        k = max(1, min(k, per_host))
+        return 0.5 * (profile.concurrency_factor(k) + profile.concurrency_factor(k, True))
+
+    S = schedule.num_stages
+    split = schedule.split_stages()
+    tasks = [t for t in schedule.tasks() if t.kind != "apply"]
+    present = set(tasks)
+    queues: dict[int, collections.deque] = {
+        m: collections.deque() for m in range(schedule.num_meshes)
+    }
+    for task in tasks:
+        queues[schedule.mesh_of(task.stage)].append(task)
+    done: set = set()
+    running: dict[int, list] = {}  # mesh -> [task, seconds left at its own speed]
+    now = 0.0
+    while True:
+        for m, queue in queues.items():
+            if m in running or not queue:
+                continue
+            task = queue[0]
+            if all(d in done for d in task_dependencies(task, S) if d in present):
+                queue.popleft()
+                latency = float(latencies[task.stage])
+                if task.kind == "forward":
+                    work = forward_share * latency
+                else:
+                    work = (1 - forward_share) * latency / (2 if task.stage in split else 1)
+                running[m] = [task, work]
+        if not running:
+            if any(queues.values()):
+                raise ValueError(f"schedule {schedule.name} cannot proceed: a task waits forever")
+            return now
+        busy = sum(mesh_devices[m] for m in running)
+        speed = {m: g(busy) / g(mesh_devices[m]) for m in running}
+        step = min(left / speed[m] for m, (_, left) in running.items())
+        now += step
+        for m in list(running):
+            running[m][1] -= step * speed[m]
+            if running[m][1] <= 1e-15:
+                done.add(running[m][0])
+                del running[m]
+
+
 @dataclass(frozen=True)
 class StepBound:
     """A plan's step time raised to the host's and the driver's bounds (module
@@ -130,16 +196,21 @@ class StepBound:
     submesh_shapes: tuple[tuple[int, int], ...]
     num_micro_batches: int
     busy_devices: int
+    schedule: PipelineSchedule | None = None
 
-    def __call__(self, schedule_seconds: float) -> float:
+    def __call__(self, schedule_seconds: float, schedule: PipelineSchedule | None = None) -> float:
         profile = self.cluster.profile
         if profile is None or not self.latencies:
             return schedule_seconds
-        host = host_bound(
-            profile, self.latencies, self.submesh_shapes, self.num_micro_batches, self.busy_devices
-        )
+        schedule = schedule or self.schedule
+        if schedule is None:
+            schedule = make_schedule("1f1b", len(self.latencies), self.num_micro_batches)
+        devices = [0] * schedule.num_meshes
+        for s, (_, per) in enumerate(self.submesh_shapes):
+            devices[schedule.mesh_of(s)] = per  # a host's devices of the stage's mesh
+        shared = shared_makespan(profile, schedule, self.latencies, devices)
         instructions = estimated_instructions(len(self.latencies), self.num_micro_batches)
-        return max(schedule_seconds, host, profile.instruction_seconds * instructions)
+        return max(schedule_seconds, shared, profile.instruction_seconds * instructions)
 
 
 def step_bound(
@@ -148,9 +219,11 @@ def step_bound(
     submesh_shapes: Sequence[Sequence[int]],
     num_micro_batches: int,
     busy_devices: int | None = None,
+    schedule: PipelineSchedule | None = None,
 ) -> StepBound:
-    """The :class:`StepBound` of stages of ``latencies`` on ``submesh_shapes``; the
-    devices busy default to the stages' (each stage on a mesh of its own)."""
+    """The :class:`StepBound` of stages of ``latencies`` on ``submesh_shapes`` under
+    ``schedule`` (default 1F1B, a stage per mesh); the devices busy default to the
+    stages' (each stage on a mesh of its own)."""
     shapes = tuple((int(h), int(d)) for h, d in submesh_shapes)
     busy = busy_devices if busy_devices is not None else sum(h * d for h, d in shapes)
-    return StepBound(cluster, tuple(latencies), shapes, num_micro_batches, busy)
+    return StepBound(cluster, tuple(latencies), shapes, num_micro_batches, busy, schedule)

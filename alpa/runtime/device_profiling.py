@@ -11,8 +11,10 @@ enters the figure.
 * :func:`time_dots`: ``(m, k) @ (k, n)`` on one device alone, over a grid of shapes.
 * :func:`time_elementwise`: a chain of elementwise operations on one device alone, per
   byte of each operation's result (as the cost model counts memory-bound work).
-* :func:`time_concurrency`: one device's throughput while ``k`` devices run the same
-  matmul at once, relative to alone.
+* :func:`time_copies`: data movement (a transposed copy) on one device alone, per byte.
+* :func:`time_concurrency`, :func:`time_memory_concurrency`: one device's throughput
+  while ``k`` devices run the same matmul (the elementwise chain) at once, relative to
+  alone.
 * :func:`time_collectives`: each collective over each group layout of the host's devices.
 * :func:`time_transfers`: ``jax.device_put`` of a value from one half of the devices to
   the other (the local runtime's cross-mesh transfer).
@@ -113,34 +115,94 @@ def _chain_program(r: int):
 
 
 def _elementwise_chain(x):
-    """A chain of elementwise operations, as a transformer's activations and norms hold
-    them: 8 equations, each writing an array of ``x``'s size."""
-    y = x * 0.5
-    y = y + 0.25
-    y = jnp.tanh(y)
-    y = y * x
-    y = y - 0.125
-    y = jnp.exp(-y)
-    y = y / (1.0 + y)
-    return y + x
+    """Memory-bound work as a transformer's layers hold it, on rows of ``ROW`` values: a
+    layer norm, a GELU, a softmax over the row and a residual add (reductions,
+    broadcasts and elementwise operations, which XLA fuses in part)."""
+    rows = x.reshape(-1, ROW)
+    mean = jnp.mean(rows, axis=-1, keepdims=True)
+    centered = rows - mean
+    normed = centered * jax.lax.rsqrt(jnp.mean(centered * centered, -1, keepdims=True) + 1e-5)
+    y = jax.nn.gelu(normed)
+    y = jax.nn.softmax(y, axis=-1)
+    return (y + rows).reshape(x.shape)
 
 
-#: The equations of ``_elementwise_chain``: the bytes the cost model counts for it.
-CHAIN_EQUATIONS = 8
+#: The row of :func:`_elementwise_chain` (a hidden dimension).
+ROW = 256
+
+
+def chain_written_bytes(count: int, dtype: str = "float32") -> float:
+    """The bytes the cost model counts for :func:`_elementwise_chain` on ``count``
+    elements: every equation's results, as ``LogicalDeviceMesh.compute_cost`` is given
+    them."""
+    closed = jax.make_jaxpr(_elementwise_chain)(jax.ShapeDtypeStruct((count,), dtype))
+    total = 0.0
+    for eqn in closed.jaxpr.eqns:
+        for v in eqn.outvars:
+            total += float(np.prod(v.aval.shape)) * np.dtype(v.aval.dtype).itemsize
+    return total
 
 
 def time_elementwise(device, sizes_bytes: Sequence[int], dtype: str = "float32") -> Curve:
-    """Seconds per ``bytes`` written by elementwise equations on ``device`` alone: the
-    chain's seconds against ``CHAIN_EQUATIONS`` times its array's bytes."""
+    """Seconds per byte written by memory-bound equations on ``device`` alone: the
+    seconds of :func:`_elementwise_chain` against the bytes its equations write, as the
+    cost model counts them (:func:`chain_written_bytes`)."""
     itemsize = np.dtype(dtype).itemsize
     points = []
     for size in sizes_bytes:
-        count = max(size // itemsize, 1)
+        count = max(size // itemsize // ROW, 1) * ROW
         x = jax.device_put(jnp.full((count,), 0.5, dtype), device)
-
         seconds = _per_iteration(_chain_program, (x,))
-        points.append((CHAIN_EQUATIONS * count * itemsize, seconds))
+        points.append((chain_written_bytes(count, dtype), seconds))
     return Curve.monotone(points)
+
+
+def _copy_program(r: int):
+    @jax.jit
+    def run(x):
+        return jax.lax.fori_loop(0, r, lambda _, y: y.T, x)
+
+    return run
+
+
+def time_copies(device, sizes_bytes: Sequence[int], dtype: str = "float32") -> Curve:
+    """Seconds per ``bytes`` that data movement writes on ``device`` alone: a square
+    array transposed (its copy in the other layout), as packing gradients into one buffer,
+    a concatenation or a relayout writes them."""
+    itemsize = np.dtype(dtype).itemsize
+    points = []
+    for size in sizes_bytes:
+        side = max(int((size // itemsize) ** 0.5), 2)
+        x = jax.device_put(jnp.full((side, side), 0.5, dtype), device)
+        points.append((side * side * itemsize, _per_iteration(_copy_program, (x,))))
+    return Curve.monotone(points)
+
+
+def _concurrent_chains(mesh: Mesh, r: int):
+    @jax.jit
+    @partial(jax.shard_map, mesh=mesh, in_specs=PartitionSpec("d"), out_specs=PartitionSpec("d"))
+    def run(x):
+        return jax.lax.fori_loop(0, r, lambda _, y: _elementwise_chain(y), x)
+
+    return run
+
+
+def time_memory_concurrency(devices: Sequence, counts: Sequence[int], size: int = 1 << 22) -> dict:
+    """``{k: fraction}``: one device's throughput on the elementwise chain of ``size``
+    bytes while ``k`` devices run it at once, relative to one device alone (memory-bound
+    work shares a host's cores and memory bandwidth otherwise than matmuls do). The size
+    is a layer's activation per device (4 MiB): several devices' arrays together then
+    leave the caches that one device's fits in, which the fraction includes."""
+    result = {}
+    count = size // 4 // ROW * ROW
+    for k in counts:
+        mesh = Mesh(np.asarray(devices[:k]), ("d",))
+        x = jax.device_put(
+            jnp.full((k * count,), 0.5, jnp.float32), NamedSharding(mesh, PartitionSpec("d"))
+        )
+        result[k] = _per_iteration(partial(_concurrent_chains, mesh), (x,))
+    alone = result[1]
+    return {k: min(alone / s, 1.5) for k, s in result.items()}
 
 
 def _concurrent_dots(mesh: Mesh, r: int):
@@ -355,9 +417,12 @@ def profile_host(devices: Sequence, request: dict, progress=None) -> dict:
     sizes = dot_sizes(request, platform)
     dots = {dtype: time_dots(devices[0], sizes, dtype, progress) for dtype in request["dtypes"]}
     memory = time_elementwise(devices[0], ELEMENTWISE_SIZES)
+    copies = time_copies(devices[0], ELEMENTWISE_SIZES)
     if progress is not None:
         progress(1)
-    concurrency = time_concurrency(devices, concurrency_counts(len(devices)))
+    counts = concurrency_counts(len(devices))
+    concurrency = time_concurrency(devices, counts)
+    memory_concurrency = time_memory_concurrency(devices, counts)
     if progress is not None:
         progress(1)
     collectives = (
@@ -371,7 +436,9 @@ def profile_host(devices: Sequence, request: dict, progress=None) -> dict:
         "num_devices": len(devices),
         "dot": {dtype: table.to_json() for dtype, table in dots.items()},
         "memory": memory.to_json(),
+        "copy": copies.to_json(),
         "concurrency": {str(k): v for k, v in concurrency.items()},
+        "memory_concurrency": {str(k): v for k, v in memory_concurrency.items()},
         "collectives": {
             kind: {key: curve.to_json() for key, curve in curves.items()}
             for kind, curves in collectives.items()

@@ -341,6 +341,9 @@ class WrittenSync:
     scattered: tuple[float, ...]
     gathered: tuple[float, ...]
     riding: float = 0.0
+    # ZeRO-3's packs of the backward pass (gathered again), priced where the mesh has
+    # measured rates (a step's seconds) and left out of Alpa's objective otherwise.
+    backward_gathered: tuple[float, ...] = ()
 
     def cost_change(self, mesh, all_reduced: float) -> float:
         """Seconds that these collectives add to data parallelism's communication, whose
@@ -353,11 +356,19 @@ class WrittenSync:
         all_reduce = mesh.all_reduce_cost(replaced, self.axis)
         if all_reduced > replaced * (1 + 1e-9):  # another all-reduce keeps the latency
             all_reduce -= mesh.all_reduce_cost(0.0, self.axis)
-        return (
+        change = (
             sum(mesh.reduce_scatter_cost(b, self.axis) for b in self.scattered)
             + sum(mesh.all_gather_cost(b, self.axis) for b in self.gathered)
             - (all_reduce if replaced else 0.0)
         )
+        if mesh.rates is not None:
+            # In seconds of a step: the backward's gathers too, and the copies of packing
+            # every tensor into its collective's one buffer and out of it again.
+            gathered = (*self.gathered, *self.backward_gathered)
+            change += sum(mesh.all_gather_cost(b, self.axis) for b in self.backward_gathered)
+            packed = sum(self.scattered) + sum(gathered)
+            change += mesh.rates.write_seconds(2 * packed, movement=True)
+        return change
 
 
 def written_sync(traced: TracedStep, plan: ShardingPlan) -> WrittenSync | None:
@@ -391,14 +402,18 @@ def written_sync(traced: TracedStep, plan: ShardingPlan) -> WrittenSync | None:
         # plan's, did not count them either.
         schedule = gather_schedule(traced, sorted(gathers.inputs), plan.gather_bound)
         gathered = tuple(schedule.pack_bytes(traced.jaxpr, backward=False))
+        forward = len(gathered)
+        backward_gathered = tuple(schedule.pack_bytes(traced.jaxpr)[forward:])
     else:
+        backward_gathered = ()
         gathered = _bytes_by_dtype([traced.jaxpr.invars[i].aval for i in gathers.inputs])
     gathered += _bytes_by_dtype([traced.jaxpr.outvars[o].aval for o in gathers.outputs])
     if not scattered and not gathered:
         return None
     n = mesh.shape[sized[0]]
     packed = _bytes_by_dtype(scattered + riding * n)
-    return WrittenSync(sized[0], packed, gathered, sum(_bytes_by_dtype(riding)))
+    riding_bytes = sum(_bytes_by_dtype(riding))
+    return WrittenSync(sized[0], packed, gathered, riding_bytes, backward_gathered)
 
 
 def _bytes_by_dtype(avals) -> tuple[float, ...]:

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 from jax.extend.core import DropVar, JaxprEqn, Literal, Var, jaxprs_in_params
 
+from alpa.cost_profile import DATA_MOVEMENT
 from alpa.device_mesh import LogicalDeviceMesh
 from alpa.shard_parallel.sharding_spec import FORBIDDEN_COST, nbytes, num_shards
 from alpa.shard_parallel.strategy_rules import Strategy
@@ -85,17 +86,21 @@ def work_cost(
     the strategy leaves unused repeats the work on each of its devices, so replicated work
     is priced at full size on every device. Each device writes its shard of each result.
     Where the mesh has measured rates, a ``dot_general`` ``eqn`` is priced at the rate of
-    its per-device shape under the strategy (:func:`local_dot_dims`).
+    its per-device shape under the strategy (:func:`local_dot_dims`), and the bytes of
+    data movement (``cost_profile.DATA_MOVEMENT``) at the measured copy rate.
     """
     shards = work_shards(mesh, strategy)
     written = sum(
         size / num_shards(spec, mesh)
         for size, spec in zip(out_sizes, strategy.out_specs, strict=True)
     )
-    if mesh.rates is None or eqn is None or flops <= 0:
+    if mesh.rates is None or eqn is None:
         return mesh.compute_cost(flops / shards, written)
-    dot = local_dot_dims(eqn, strategy, mesh) if eqn.primitive.name == "dot_general" else None
-    return mesh.compute_cost(flops / shards, written, dot, operand_dtype(eqn))
+    dot = None
+    if flops > 0 and eqn.primitive.name == "dot_general":
+        dot = local_dot_dims(eqn, strategy, mesh)
+    movement = eqn.primitive.name in DATA_MOVEMENT
+    return mesh.compute_cost(flops / shards, written, dot, operand_dtype(eqn), movement)
 
 
 def local_dot_dims(

@@ -24,7 +24,8 @@ time, and how good that is:
   node's 8 GPUs with a logical ``(1, 8)`` mesh on which the ILP must split every weight
   (``allow_replicated_parameters=False``: Megatron's tensor parallelism inside a node,
   pipeline stages across nodes),
-* ``predicted / limit`` and ``predicted / hand``,
+* ``predicted / limit`` and ``predicted / hand`` (a plan that does not fit the memory
+  budget is marked "(no fit)" wherever its price is printed),
 
 to a JSON file, and prints a summary table.
 
@@ -143,9 +144,11 @@ def run_case(
         1.0,
     )
     limit = flops / cluster.device_flops
-    hand_s = hand_plan = None
+    hand_s = hand_plan = hand_fits = None
     if hand:
-        hand_s, hand_plan = _hand_plan(step, state, data, cluster, micro_batches, layer_num, remat)
+        hand_s, hand_fits, hand_plan = _hand_plan(
+            step, state, data, cluster, micro_batches, layer_num, remat
+        )
     return {
         "model": model,
         "num_gpus": num_gpus,
@@ -163,7 +166,9 @@ def run_case(
         "limit_s": limit,
         "predicted_over_limit": plan.predicted_cost / limit,
         "hand_s": hand_s,
+        "hand_fits": hand_fits,
         "predicted_over_hand": None if hand_s is None else plan.predicted_cost / hand_s,
+        "fits": all(plan.cost.fits),
         "hand_plan": hand_plan,
         "stages": [
             {k: s[k] for k in ("layers", "submesh", "logical_shape", "latency", "memory")}
@@ -181,7 +186,7 @@ def _hand_plan(step, state, data, cluster, micro_batches, layer_num, remat):
     step and its first lines (``None`` when the layers do not split evenly over nodes)."""
     nodes = cluster.num_nodes
     if layer_num % nodes:
-        return None, None
+        return None, None, None
     per = layer_num // nodes
     stage_option = alpa.ManualStageOption(
         forward_stage_layer_ids=[list(range(s * per, (s + 1) * per)) for s in range(nodes)],
@@ -205,8 +210,9 @@ def _hand_plan(step, state, data, cluster, micro_batches, layer_num, remat):
     for s, (lat, mem, fits) in enumerate(zip(cost.latencies, cost.memory, cost.fits, strict=True)):
         over = "" if fits else " (over budget)"
         lines.append(f"  stage {s}: {lat * 1e3:.3f} ms, {mem / 2**20:.1f} MiB{over}")
-    seconds = cost.step_seconds if all(cost.fits) else float("inf")
-    return seconds, lines
+    if not all(cost.fits):
+        lines[0] += " (does not fit the memory budget)"
+    return cost.step_seconds, all(cost.fits), lines
 
 
 def _median_of_runs(case: str, args) -> dict:
@@ -229,7 +235,7 @@ def _median_of_runs(case: str, args) -> dict:
             subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
             with open(out) as f:
                 runs.append(json.load(f)["results"][0])
-    hand = {k: runs[0][k] for k in ("hand_s", "predicted_over_hand", "hand_plan")}
+    hand = {k: runs[0][k] for k in ("hand_s", "hand_fits", "predicted_over_hand", "hand_plan")}
     runs.sort(key=lambda r: r["total_s"])
     result = runs[(len(runs) - 1) // 2] | hand
     result["total_s_runs"] = [r["total_s"] for r in runs]
@@ -341,10 +347,12 @@ def main() -> None:
                 f"{r['dp_s']:.2f}",
                 f"{r['rest_s']:.1f}",
                 str(len(r["stages"])),
-                f"{r['predicted_iteration_s']:.3f}",
+                f"{r['predicted_iteration_s']:.3f}" + ("" if r.get("fits", True) else " (no fit)"),
                 f"{r['limit_s']:.3f}",
                 f"{r['predicted_over_limit']:.2f}",
-                "-" if r["hand_s"] is None else f"{r['hand_s']:.3f}",
+                "-"
+                if r["hand_s"] is None
+                else f"{r['hand_s']:.3f}" + ("" if r.get("hand_fits", True) else " (no fit)"),
                 "-" if r["predicted_over_hand"] is None else f"{r['predicted_over_hand']:.2f}",
             )
         )

@@ -29,6 +29,7 @@ from alpa.pipeline_parallel.stage_work import (
     estimated_instructions,
     host_bound,
     instructions_per_micro_batch,
+    shared_makespan,
 )
 from alpa.shard_parallel.strategy_costs import local_dot_dims
 from alpa.shard_parallel.strategy_graph import build_strategy_graph
@@ -99,24 +100,32 @@ def test_one_price_for_one_stage():
     assert cost.step_seconds == pytest.approx(plan.step_bound(cost.latencies)(timeline), rel=1e-9)
 
 
-def test_a_shared_host_bounds_the_step_by_its_throughput():
+def test_a_shared_host_runs_the_schedule_at_its_concurrency():
     """Two stages on 4 devices each of a host whose devices run at a quarter of their solo
-    rate when all 8 work (and at the interpolated rate of 4 when 4 do): the step takes at
-    least ``B`` times both stages' device-seconds at 8-device concurrency over 8 devices,
-    more than the schedule's ``sum + (B - 1) max``, and the plan says so."""
+    rate when all 8 work (at half of it when 4 do: log-linear): the schedule runs task by
+    task with each stage at g(busy) / g(4) of its priced speed (``shared_makespan``). The
+    oracles: with a profile whose devices own their compute it is the timeline's
+    makespan; one stage alone is never slowed; shared, it is no shorter than the
+    schedule's own time nor than the host's total work; the plan's step is it."""
     option = alpa.ManualStageOption([[0, 1], [2, 3]], [(1, 4), (1, 4)], [(4, 1), (4, 1)])
     plan = _plan(option)
     cost = plan.cost
     profile = PROFILED.profile
     B = plan.num_micro_batches
     g4, g8 = profile.concurrency_factor(4), profile.concurrency_factor(8)
-    assert g4 == pytest.approx(0.5) and g8 == 0.25  # 1.0 at 1, 0.25 at 8: log-linear
-    expected = B * sum(4 * t * g4 / g8 for t in cost.latencies) / 8
-    assert host_bound(profile, cost.latencies, [(1, 4), (1, 4)], B, 8) == pytest.approx(expected)
-    pipeline = sum(cost.latencies) + (B - 1) * max(cost.latencies)
-    assert expected > pipeline
+    assert g4 == pytest.approx(0.5) and g8 == 0.25
+    schedule = plan.schedule
+    timeline = makespan(schedule, cost.latencies)
+    own = make_profile(concurrency={1: 1.0})  # every device at its solo rate
+    assert shared_makespan(own, schedule, cost.latencies, [4, 4]) == pytest.approx(timeline)
+    alone = make_schedule("1f1b", 1, B)
+    assert shared_makespan(profile, alone, [0.5], [4]) == pytest.approx(B * 0.5)
+    shared = shared_makespan(profile, schedule, cost.latencies, [4, 4])
+    total_work = host_bound(profile, cost.latencies, [(1, 4), (1, 4)], B, 8)
+    assert total_work == pytest.approx(B * sum(4 * t * g4 / g8 for t in cost.latencies) / 8)
+    assert shared >= max(timeline, total_work) * (1 - 1e-9) and shared > timeline
     instructions = estimated_instructions(2, B) * profile.instruction_seconds
-    assert cost.step_seconds == pytest.approx(max(expected, instructions))
+    assert cost.step_seconds == pytest.approx(max(shared, instructions))
     assert plan.predicted_cost == cost.step_seconds
     # Without a profile: the schedule alone, as before.
     plain = _plan(option, cluster=ClusterSpec.preset("cpu", 1, 8))
