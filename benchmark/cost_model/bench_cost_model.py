@@ -19,6 +19,7 @@ submeshes, logical shapes, shardings and schedule chosen by the model) is measur
 10 % of the fastest plan of that model. Results go to ``--out`` (JSON) and a table.
 
     python benchmark/cost_model/bench_cost_model.py [--models mlp gpt scanned_gpt]
+    python benchmark/cost_model/bench_cost_model.py --profile none   # the preset's model
 """
 
 from __future__ import annotations
@@ -194,13 +195,15 @@ def describe(executable) -> dict:
 
 
 def run(args) -> dict:
-    if args.reuse_profile and os.path.exists(args.profile):
-        profile_s = None
+    profile_s = None
+    if args.profile == "none":  # the presets' datasheet figures: the model before profiles
+        alpa.global_config.cluster_profile = None
     else:
-        start = time.perf_counter()
-        mesh_profiling.profile_all(cache_filename=args.profile)
-        profile_s = time.perf_counter() - start
-    alpa.global_config.cluster_profile = args.profile
+        if not (args.reuse_profile and os.path.exists(args.profile)):
+            start = time.perf_counter()
+            mesh_profiling.profile_all(cache_filename=args.profile)
+            profile_s = time.perf_counter() - start
+        alpa.global_config.cluster_profile = args.profile
     alpa.util.disable_tqdm_globally()
     rows = []
     for model in args.models:
@@ -267,7 +270,11 @@ def main() -> None:
     parser.add_argument("--plans", nargs="*", default=None)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--profile", default=os.path.join(HERE, "cpu_profile.json"))
+    parser.add_argument(
+        "--profile",
+        default=os.path.join(HERE, "cpu_profile.json"),
+        help="the profile written and used ('none': price with the cpu preset, no profile)",
+    )
     parser.add_argument("--reuse-profile", action="store_true")
     parser.add_argument("--out", default=os.path.join(HERE, "results.json"))
     args = parser.parse_args()
