@@ -25,7 +25,7 @@ import alpa
 from alpa.device_mesh import ClusterSpec
 from alpa.global_env import global_config
 from alpa.model.gpt import GPT_PRESETS, get_gpt_train_state_and_step
-from alpa.shard_parallel import auto_sharding, ilp_solver
+from alpa.shard_parallel import auto_sharding, ilp_solver, milp
 
 LAYER_NUM = {"1.3B": 6, "2.6B": 8, "6.7B": 8, "15B": 16, "39B": 16}
 
@@ -50,6 +50,7 @@ def main() -> None:
         result = {}
         for solver in ("cbc", "highs"):
             global_config.ilp_solver = solver
+            milp.clear_solved()  # each solver solves, none answers from an earlier equal model
             start = time.perf_counter()
             solution = original(graph, memory_budget, time_limit)
             result[solver] = (time.perf_counter() - start, solution)

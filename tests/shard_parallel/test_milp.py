@@ -11,6 +11,14 @@ import pytest
 from alpa.shard_parallel import milp
 
 
+@pytest.fixture(autouse=True)
+def no_answers_kept():
+    """Each test's models are solved by the solver, not answered from another test's."""
+    milp.clear_solved()
+    yield
+    milp.clear_solved()
+
+
 def _count_runs(monkeypatch, starts: list | None = None) -> list[bool]:
     """Record the ``integral`` flag of every HiGHS run (and in ``starts``, the incumbent
     each run was given)."""
@@ -229,3 +237,67 @@ def test_a_turn_is_given_up_only_while_the_solver_runs():
     with milp.turn_given_up():  # outside a turn: nothing to give up
         order.append("outside")
     assert order[-1] == "outside"
+
+
+def _knapsack(capacity: float = 10.0) -> milp.Milp:
+    model = milp.Milp()
+    x = model.add_binaries([-10.0, -9.0, -3.0])  # one optimum per capacity
+    model.add_row(x, [6.0, 6.0, 4.0], -np.inf, capacity)
+    return model
+
+
+def test_an_equal_model_is_answered_without_solving_again(monkeypatch):
+    runs = _count_runs(monkeypatch)
+    first, status = _knapsack().solve("highs", 60.0)
+    assert status == "optimal" and list(first) == [1.0, 0.0, 1.0]
+    solved = len(runs)
+    first[:] = -1.0  # a caller changing its values changes no other caller's
+    again, status = _knapsack().solve("highs", 60.0)
+    assert len(runs) == solved and status == "optimal" and list(again) == [1.0, 0.0, 1.0]
+    # Another row bound is another model; so is the same model for another solver.
+    other, _ = _knapsack(capacity=12.0).solve("highs", 60.0)
+    assert len(runs) > solved and list(other) == [1.0, 1.0, 0.0]
+    count = len(runs)
+    unpresolved = _knapsack()
+    unpresolved.presolve = False
+    unpresolved.solve("highs", 60.0)
+    assert len(runs) > count
+
+
+def test_an_answer_stopped_by_its_time_limit_is_not_kept(monkeypatch):
+    calls = []
+
+    def stopped(model, time_limit):
+        calls.append(time_limit)
+        return np.zeros(model.num_vars), "feasible (time limit)"
+
+    monkeypatch.setattr(milp, "_solve_highs", stopped)
+    for _ in range(2):
+        assert _knapsack().solve("highs", 1.0)[1] == "feasible (time limit)"
+    assert calls == [1.0, 1.0]
+
+
+def test_an_equal_model_on_another_thread_waits_for_the_first_answer(monkeypatch):
+    import threading
+
+    started, release, calls = threading.Event(), threading.Event(), []
+    original = milp._solve_highs
+
+    def slow(model, time_limit):
+        calls.append(1)
+        started.set()
+        release.wait(10)
+        return original(model, time_limit)
+
+    monkeypatch.setattr(milp, "_solve_highs", slow)
+    answers = []
+    first = threading.Thread(target=lambda: answers.append(_knapsack().solve("highs", 60.0)))
+    first.start()
+    started.wait(10)
+    second = threading.Thread(target=lambda: answers.append(_knapsack().solve("highs", 60.0)))
+    second.start()
+    release.set()
+    first.join(10)
+    second.join(10)
+    assert calls == [1] and len(answers) == 2
+    assert all(status == "optimal" and list(v) == [1.0, 0.0, 1.0] for v, status in answers)
