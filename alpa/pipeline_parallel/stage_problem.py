@@ -35,10 +35,15 @@ LOGICAL_SHAPE_SPACES = (
 
 @dataclass(frozen=True)
 class LogicalConfig:
-    """One way to view a submesh: a 2-D logical shape and ``AutoShardingOption`` fields."""
+    """One way to view a submesh: a 2-D logical shape and ``AutoShardingOption`` fields
+    (kept sorted by name, so that the same option given in another order is the same
+    configuration: one column of the stage DP's tables, one ILP per layer)."""
 
     shape: tuple[int, int]
     option_items: tuple[tuple[str, Any], ...] = ()
+
+    def __post_init__(self):
+        object.__setattr__(self, "option_items", tuple(sorted(self.option_items)))
 
     @property
     def option_dict(self) -> dict:
@@ -188,11 +193,13 @@ def split_parameters_under_memory_pressure(problem: StageProblem, num_devices: i
         average_stage = layers * (state + in_flight * activation / n)
         if n > 1 and average_stage > problem.memory_budget:
             choices = tuple(
-                LogicalConfig(
-                    c.shape,
-                    tuple(sorted({**c.option_dict, "allow_replicated_parameters": False}.items())),
+                dict.fromkeys(
+                    LogicalConfig(
+                        c.shape,
+                        tuple({**c.option_dict, "allow_replicated_parameters": False}.items()),
+                    )
+                    for c in choices
                 )
-                for c in choices
             )
         configs.append(choices)
     return dataclasses.replace(problem, configs=tuple(configs))

@@ -793,3 +793,15 @@ def test_stage_construction_is_timed_under_alpas_names(monkeypatch):
     for part, seconds in inside.items():
         assert 0 < seconds <= elapsed[f"stage-construction-{part}"], (part, inside, elapsed)
     assert sum(elapsed[n] for n in names[1:]) <= elapsed["stage-construction"]
+
+
+def test_a_configuration_is_the_same_whatever_the_order_of_its_options():
+    """The search's configuration and ``plan.price_stages``' (built from the option's
+    fields) are one: one column of the tables, one ILP per layer."""
+    from alpa.pipeline_parallel.stage_problem import LogicalConfig
+
+    forced = (("force_batch_dim_to_mesh_dim", 0), ("allow_replicated_parameters", False))
+    one, other = LogicalConfig((2, 2), forced), LogicalConfig((2, 2), forced[::-1])
+    assert one == other and hash(one) == hash(other)
+    assert one.option_items == tuple(sorted(forced))
+    assert len({one, other, LogicalConfig((2, 2), forced[:1])}) == 2
