@@ -17,7 +17,8 @@ compiled pipeline).
   (``allow_replicated_parameters=False``), the ILP otherwise free;
 * ``megatron``: the same with the batch forced onto the logical axis of one device
   (``force_batch_dim_to_mesh_dim=0``): tensor parallelism inside each node;
-* ``search``: what ``stage_option="auto"`` picks;
+* ``search``: what ``stage_option="auto"`` picks (or, when no plan fits the budget, its
+  error, recorded as the row's ``no_plan_fits``);
 * ``fifteen``: 2 layers on one node (logical ``(8, 1)``), then 14 one-layer stages on 4
   GPUs each (logical ``(4, 1)``), the ILP free: what the search picked before the model
   counted the parameter copies a stage gathers.
@@ -162,7 +163,21 @@ def run(args) -> list[dict]:
         parallel = alpa.parallelize(
             step, method=method(preset, name, args.micro_batches, args.remat)
         )
-        plan = parallel.plan(state, batch)
+        try:
+            plan = parallel.plan(state, batch)
+        except ValueError as e:
+            if name != "search":
+                raise
+            # No plan fits the budget: the search's own explanation is the result.
+            print(f"search: {e}", flush=True)
+            rows.append(
+                {
+                    "plan": name,
+                    "plan_s": round(time.perf_counter() - start, 1),
+                    "no_plan_fits": str(e),
+                }
+            )
+            continue
         plan_s = time.perf_counter() - start
         cost = plan.cost
         cpu_cluster = dataclasses.replace(preset, fuses_elementwise=False)
