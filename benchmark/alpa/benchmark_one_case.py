@@ -52,7 +52,11 @@ from benchmark_case import (
 import alpa
 from alpa.model.gpt import GPTConfig, get_gpt_train_state_and_step
 from alpa.model.moe import MoEConfig, get_moe_train_state_and_step
-from alpa.model.wide_resnet import WResNetConfig, get_wresnet_train_state_and_step
+from alpa.model.wide_resnet import (
+    WIDE_RESNET_DEPTHS,
+    WResNetConfig,
+    get_wresnet_train_state_and_step,
+)
 from alpa.pipeline_parallel.stage_construction import AutoStageOption, submesh_shape
 from alpa.tracing.flops import jaxpr_flops
 from alpa.util import benchmark_func, compute_gpt_tflops, compute_param_number
@@ -142,16 +146,12 @@ def _moe(config: MoEModelConfig, batch_size: int, num_micro_batches: int, marker
     return Workload(state, batch, step, _counted_tflops(flops), "alpa.tracing.flops.jaxpr_flops")
 
 
-#: ResNet depth -> (residual blocks per stage, block kind): the layouts of He et al. (2016),
-#: and 10 layers (one basic block per stage) for quick runs on CPU.
+#: ResNet depth -> (residual blocks per stage, block kind): the layouts of He et al. (2016)
+#: as Alpa's ``get_wide_resnet`` names them, and 10 layers (one basic block per stage) for
+#: quick runs on CPU.
 WRESNET_LAYOUTS: dict[int, tuple[tuple[int, ...], str]] = {
     10: ((1, 1, 1, 1), "basic"),
-    18: ((2, 2, 2, 2), "basic"),
-    34: ((3, 4, 6, 3), "basic"),
-    50: ((3, 4, 6, 3), "bottleneck"),
-    101: ((3, 4, 23, 3), "bottleneck"),
-    152: ((3, 8, 36, 3), "bottleneck"),
-    200: ((3, 24, 36, 3), "bottleneck"),
+    **{depth: layout for depth, layout in WIDE_RESNET_DEPTHS.items() if depth},
 }
 
 
