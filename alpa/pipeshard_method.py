@@ -11,6 +11,8 @@ Both are reachable at Alpa's path, ``alpa.parallel_method``.
 from __future__ import annotations
 
 import contextlib
+import os
+import warnings
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
@@ -171,10 +173,21 @@ class PipeshardParallel(ParallelMethod):
         """``cluster`` with the profile ``AutoStageOption(use_hlo_cost_model=True,
         profiling_database_filename=path)`` names (Alpa's way of asking for measured
         rates): that file's entry for these devices, or its only one for a cluster that
-        is not here."""
+        is not here; a file that does not exist, a warning and ``cluster`` as it is."""
         option = self.stage_option
         path = getattr(option, "profiling_database_filename", None)
         if not getattr(option, "use_hlo_cost_model", False) or path is None:
+            return cluster
+        if not os.path.exists(path):
+            # Alpa's scripts name the database its gen_prof_database.py made first (Alpa
+            # raised FileNotFoundError without it); here they run, and say so.
+            warnings.warn(
+                f"AutoStageOption.profiling_database_filename={path!r} does not exist: "
+                f"planning with the {cluster.name!r} preset's datasheet figures instead of "
+                "measured rates; make the file with "
+                f"alpa.mesh_profiling.profile_all(cache_filename={path!r})",
+                stacklevel=4,
+            )
             return cluster
         kind = devices[0].device_kind if devices else None
         return cluster.with_profile(

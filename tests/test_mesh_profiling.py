@@ -103,3 +103,23 @@ def test_another_profile_is_added_beside_the_first(profile_file, tmp_path):
 def test_bad_profiling_arguments_are_named(kwargs, message, tmp_path):
     with pytest.raises(ValueError, match=message):
         mesh_profiling.profile_all(cache_filename=str(tmp_path / "x.json"), **kwargs)
+
+
+def test_a_named_profile_that_does_not_exist_plans_with_the_preset_and_says_so(tmp_path):
+    """Alpa's benchmark suites name ``prof_database.pkl``, which Alpa's
+    gen_prof_database.py made first: the step is planned with the preset's figures, and
+    the warning names the file and how to make it."""
+    missing = str(tmp_path / "prof_database.pkl")
+    option = alpa.AutoStageOption(use_hlo_cost_model=True, profiling_database_filename=missing)
+    method = alpa.PipeshardParallel(
+        devices=ClusterSpec.preset("cpu", 1, 8),
+        num_micro_batches=2,
+        layer_option=alpa.AutoLayerOption(layer_num=2),
+        stage_option=option,
+    )
+    preset = ClusterSpec.preset("cpu", 1, 8)
+    with pytest.warns(UserWarning, match=r"prof_database\.pkl' does not exist: planning with"):
+        priced = method._priced(preset, None)
+    assert priced == preset and priced.profile is None
+    with pytest.warns(UserWarning, match=r"profile_all\(cache_filename="):
+        method._priced(preset, None)
