@@ -487,8 +487,8 @@ class PipeshardDriverExecutable(Executable):
             f.write(self.schedule.grid() + "\n")
         with open(os.path.join(folder, "instructions.txt"), "w") as f:
             f.write("\n".join(str(i) for i in self.instructions.instructions) + "\n")
-        for comp, text in zip(self.program.computations, self.get_hlo_text(), strict=True):
-            with open(os.path.join(folder, f"{comp.name}.hlo"), "w") as f:
+        for name, text in zip(self.get_hlo_names(), self.get_hlo_text(), strict=True):
+            with open(os.path.join(folder, f"{name}.hlo"), "w") as f:
                 f.write(text)
 
     def peak_live_micro_batches(self) -> list[int]:

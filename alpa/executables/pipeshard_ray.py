@@ -30,7 +30,7 @@ import jax
 
 from alpa.executables.base import Executable, check_dispatch_args
 from alpa.executables.distributed import abstract_mesh, serialize_jitted
-from alpa.executables.stage_programs import StagePrograms, input_placement_specs
+from alpa.executables.stage_programs import StagePrograms, hlo_order, input_placement_specs
 from alpa.executables.stage_trace import StageTrace
 from alpa.global_env import global_config
 from alpa.pipeline_parallel.pipeshard_plan import PipeshardPlan
@@ -442,18 +442,30 @@ class PipeshardRayExecutable(Executable):
                 specs.append(PlacementSpec(getattr(v, "aval", None), (), ()))
         return caller_placements(self._row_split, specs, outputs=True)
 
+    def _stage_functions(self) -> list[tuple[str, int, int]]:
+        """``(name, mesh, function)`` of each stage computation, in Alpa's order of stage
+        programs (``hlo_order``: the forwards, the backwards from the last stage to the
+        first, apply-grad), as the local executable lists them; the meshes' other loaded
+        functions (the gradient accumulators' ``zeros``) are left out."""
+        where = {
+            fn.name: (m, i)
+            for m, program in enumerate(self._programs)
+            for i, fn in enumerate(program.fns)
+        }
+        names = [self.program.computations[c].name for c in hlo_order(self.program)]
+        return [(name, *where[name]) for name in names if name in where]
+
     def get_hlo_names(self) -> list[str]:
-        """The name of each function ``get_hlo_text`` returns, in its order (a stage
-        computation's name, ``stage1_backward``, or ``zeros``)."""
-        return [fn.name for program in self._programs for fn in program.fns]
+        """The name of each program ``get_hlo_text`` returns, in its order."""
+        return [name for name, _, _ in self._stage_functions()]
 
     def get_hlo_text(self) -> list[str]:
-        """Per mesh, per loaded function, the HLO its first worker compiled."""
-        texts = []
-        for mesh, program in zip(self.meshes, self._programs, strict=True):
-            for i in range(len(program.fns)):
-                texts.append(mesh.call("hlo_text", self.launcher.program_id, i)[0])
-        return texts
+        """Per stage program, in Alpa's order (``get_hlo_names``), the HLO the first worker
+        of its mesh compiled."""
+        return [
+            self.meshes[m].call("hlo_text", self.launcher.program_id, i)[0]
+            for _, m, i in self._stage_functions()
+        ]
 
     def peak_live_micro_batches(self) -> list[int]:
         """Per mesh, the most micro-batches whose activations (or cotangents) the last

@@ -319,6 +319,9 @@ def test_executable_helpers(tmp_path):
     assert out_specs[0]["w1"].mesh_ids == (1,)
     executable.dump_debug_info(str(tmp_path / "debug"))
     assert "F0" in (tmp_path / "debug" / "schedule.txt").read_text()
+    # Each program's file holds that program's HLO (names and texts in one order).
+    for name, text in zip(executable.get_hlo_names(), executable.get_hlo_text(), strict=True):
+        assert (tmp_path / "debug" / f"{name}.hlo").read_text() == text
 
     # Alpa's stage execution info: per computation, every traced run (the untraced first
     # step is not there), on its stage's devices, in order, each waited for.
