@@ -39,7 +39,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from alpa.cost_profile import ClusterProfile, Curve, DotTable, load_profiles, save_profiles
+from alpa.cost_profile import (
+    PROFILE_FORMAT,
+    ClusterProfile,
+    Curve,
+    load_profiles,
+    save_profiles,
+)
 from alpa.global_env import global_config
 from alpa.runtime import device_profiling
 
@@ -247,28 +253,32 @@ def _assemble(
     """One profile of the hosts' measurements (``device_profiling.profile_host``): the
     slowest host's, by its elementwise chain at 16 MiB."""
     slowest = max(hosts, key=lambda h: Curve.from_json(h["memory"])(1 << 24))
-    return ClusterProfile(
-        device_kind=cluster_key or slowest["device_kind"],
-        platform=slowest["platform"],
-        num_hosts=num_hosts,
-        num_devices_per_host=per_host,
-        dot={dtype: DotTable.from_json(t) for dtype, t in slowest["dot"].items()},
-        memory=Curve.from_json(slowest["memory"]),
-        concurrency={int(k): v for k, v in slowest["concurrency"].items()},
-        collectives={
-            kind: {key: Curve.from_json(c) for key, c in curves.items()}
-            for kind, curves in slowest["collectives"].items()
-        },
-        cross_mesh=transfers,
-        instruction_seconds=instruction,
-        launch_seconds=launch,
-        copy=Curve.from_json(slowest["copy"]),
-        memory_concurrency={int(k): v for k, v in slowest["memory_concurrency"].items()},
-        meta={
-            "jax": jax.__version__,
-            "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-            "hosts_measured": len(hosts),
-        },
+    # A host's measurements are in the profile file's own form: read as the file is.
+    measured = (
+        "platform",
+        "dot",
+        "memory",
+        "copy",
+        "concurrency",
+        "memory_concurrency",
+        "collectives",
+    )
+    return ClusterProfile.from_json(
+        {
+            **{name: slowest[name] for name in measured},
+            "format": PROFILE_FORMAT,
+            "device_kind": cluster_key or slowest["device_kind"],
+            "num_hosts": num_hosts,
+            "num_devices_per_host": per_host,
+            "cross_mesh": None if transfers is None else transfers.to_json(),
+            "instruction_seconds": instruction,
+            "launch_seconds": launch,
+            "meta": {
+                "jax": jax.__version__,
+                "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+                "hosts_measured": len(hosts),
+            },
+        }
     )
 
 
