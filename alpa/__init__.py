@@ -7,7 +7,7 @@ that Alpa's tutorials reach through the package (``alpa.util``, ``alpa.testing``
 
 They are loaded on first use (PEP 562), so that importing one pass (``import
 alpa.tracing``, ``import alpa.shard_parallel.auto_sharding``) loads that pass and what it
-stands on, never the passes above it (DESIGN §2: imports point down only).
+stands on, never the passes above it (imports point down only: ``docs/architecture.md``).
 """
 
 from __future__ import annotations

@@ -11,11 +11,11 @@ Four views of hardware, from the most abstract to the most concrete:
 * :class:`LocalPhysicalDeviceMesh` holds real devices of this process.
 * :class:`LogicalDeviceMesh` is a 2-D view ``(n0, n1)`` of a physical mesh with
   alpha-beta parameters per axis, used by the cost model and lowered to a
-  ``jax.sharding.Mesh`` whose axes are ``Auto`` (DESIGN §3, §7).
+  ``jax.sharding.Mesh`` whose axes are ``Auto`` (``docs/design.md``, Views of hardware).
 
 Collective costs along one logical axis with ``n`` devices, ``B`` bytes per device (for an
 all-to-all, the whole tensor the ``n`` devices exchange: ``n`` times each one's buffer, as
-in Alpa) (alpha-beta model, DESIGN §4.3)::
+in Alpa) (alpha-beta model, ``docs/auto_sharding.md``, Cost model)::
 
     all-gather       alpha + beta * (n-1)/n * B
     all-reduce       alpha + beta * 2(n-1)/n * B
@@ -265,7 +265,8 @@ CLUSTER_PRESETS: dict[str, ClusterSpec] = {
     "h200-141gb": ClusterSpec(
         1, 8, 989e12, 141 * _GB, 450e9, 50e9, name="h200-141gb", memory_bandwidth=4.8e12
     ),
-    # Virtual CPU devices in one process: copies run at about 10 GB/s (DESIGN §5).
+    # Virtual CPU devices in one process: links priced at 10 GB/s, a rough figure; a
+    # measured profile (docs/cost_model.md) replaces it.
     "cpu": ClusterSpec(
         1,
         8,

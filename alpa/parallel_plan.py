@@ -32,7 +32,9 @@ Devices are not recorded: a replay runs on the method's ``devices`` (default: th
 mesh), which must have the recorded number of devices.
 
 The JSON form of each part is in :mod:`alpa.plan_json`; the method that replays a plan,
-``PlannedParallel``, in :mod:`alpa.planned_parallel`.
+``PlannedParallel``, in :mod:`alpa.planned_parallel`. The saved JSON carries the version of
+its layout (``"format"``: :data:`PLAN_FORMAT`); a plan without it reads as format 1, and one
+of a newer format is refused by the name of its file (:mod:`alpa.saved_format`).
 """
 
 from __future__ import annotations
@@ -73,6 +75,7 @@ from alpa.plan_json import (
 )
 from alpa.plan_refs import aval_text, eqn_refs, step_fingerprint, value_refs
 from alpa.runtime.placement import PlacementSpec
+from alpa.saved_format import FORMAT_KEY, read_format
 from alpa.shard_parallel.auto_sharding import AutoShardingOption
 from alpa.shard_parallel.compile import full_batch_avals
 from alpa.shard_parallel.sharding_plan import ShardingPlan
@@ -81,7 +84,8 @@ from alpa.tracing import TracedStep
 if TYPE_CHECKING:  # the executables import this record; it knows only their interface
     from alpa.executables.base import Executable
 
-#: Version of the JSON layout ``ParallelPlan.to_json`` writes.
+#: Version of the JSON layout ``ParallelPlan.to_json`` writes (field ``"format"``; the
+#: rules for reading other versions are :mod:`alpa.saved_format`'s).
 PLAN_FORMAT = 1
 
 # ----------------------------------------------------------------------------- records
@@ -300,7 +304,7 @@ class ParallelPlan:
     def to_dict(self) -> dict:
         """The plan as JSON-able data."""
         data: dict[str, Any] = {
-            "format": PLAN_FORMAT,
+            FORMAT_KEY: PLAN_FORMAT,
             "method": self.method,
             "step_name": self.step_name,
             "fingerprint": self.fingerprint,
@@ -321,14 +325,16 @@ class ParallelPlan:
         return data
 
     @classmethod
-    def from_dict(cls, data: Mapping) -> ParallelPlan:
-        """The plan :meth:`to_dict` returned."""
-        if not isinstance(data, Mapping) or data.get("format") != PLAN_FORMAT:
-            found = data.get("format") if isinstance(data, Mapping) else type(data).__name__
+    def from_dict(cls, data: Mapping, source: str = "the plan") -> ParallelPlan:
+        """The plan :meth:`to_dict` returned, of format :data:`PLAN_FORMAT` or older (a
+        plan without the field reads as format 1); ``source`` names where ``data`` came
+        from in the errors. A plan of a newer format raises ``NewerFormatError``."""
+        if not isinstance(data, Mapping):
             raise ValueError(
-                f"not a ParallelPlan of format {PLAN_FORMAT} (what ParallelPlan.to_json "
-                f"writes): format is {found!r}"
+                f"{source} is not a ParallelPlan (what ParallelPlan.to_dict returns): it is "
+                f"a {type(data).__name__}"
             )
+        read_format(data, PLAN_FORMAT, "ParallelPlan", source)
         sharding = data["sharding_plan"]
         pipeline = data["pipeline_plan"]
         return cls(
@@ -353,8 +359,9 @@ class ParallelPlan:
 
     @classmethod
     def from_json(cls, text: str, source: str = "the text") -> ParallelPlan:
-        """The plan in ``text`` (:meth:`to_json`'s); ``source`` names where it came from
-        in the errors for a text that is not a whole plan."""
+        """The plan in ``text`` (:meth:`to_json`'s, this format or an older one);
+        ``source`` names where it came from in the errors for a text that is not a whole
+        plan, or a plan of a newer format (``NewerFormatError``)."""
         try:
             data = json.loads(text)
         except json.JSONDecodeError as e:
@@ -367,7 +374,7 @@ class ParallelPlan:
         if not isinstance(data, dict):
             raise ValueError(f"{source} is not a ParallelPlan: it holds a {type(data).__name__}")
         try:
-            return cls.from_dict(data)
+            return cls.from_dict(data, source)
         except KeyError as e:
             raise ValueError(
                 f"{source} is not a whole ParallelPlan: it has no field {e.args[0]!r}"

@@ -1,4 +1,4 @@
-"""Small public helpers that Alpa's users call (DESIGN §9)."""
+"""Small public helpers that Alpa's users call (``docs/design.md``, Helpers Alpa's users call)."""
 
 from __future__ import annotations
 

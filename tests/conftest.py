@@ -1,4 +1,4 @@
-"""Every test runs on 8 virtual CPU devices (DESIGN §8).
+"""Every test runs on 8 virtual CPU devices (``docs/design.md``, How tests judge a plan).
 
 The device count must be set before jax initializes its backends; a test session in which
 jax was initialized first would silently run on one device, so that fails loudly here.

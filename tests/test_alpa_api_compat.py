@@ -1,4 +1,4 @@
-"""Parts of Alpa's public API that its scripts use (issue 12, first items): argument
+"""Parts of Alpa's public API that its scripts use: argument
 defaults, executables as callables, avals, the cluster and mesh API, cache clearing and
 the small helpers of ``alpa.util``."""
 

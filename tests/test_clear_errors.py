@@ -1,5 +1,5 @@
 """Clear errors and warnings where a mistake used to be silent or surface as an internal
-error (issue 12, item 9): each case with the exact message, and, where a correct call
+error: each case with the exact message, and, where a correct call
 sits next to the mistake, that call still runs and matches serial."""
 
 import warnings

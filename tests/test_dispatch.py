@@ -1,5 +1,5 @@
 """Dispatch: what ``import alpa`` exposes, one compile per step, and cache hits that neither
-recompile nor copy inputs already in place (issue 9).
+recompile nor copy inputs already in place (``docs/dispatch.md``).
 
 Compiles are counted as XLA backend compiles reported through ``jax.monitoring``; each test
 that asserts "no compile" also shows the counter counting (the first call, a new static

@@ -1,5 +1,5 @@
-"""The package's layering (DESIGN §2): imports point down only. Each check runs in a fresh
-interpreter and lists the alpa modules an import loaded."""
+"""The package's layering (``docs/architecture.md``): imports point down only. Each check
+runs in a fresh interpreter and lists the alpa modules an import loaded."""
 
 import ast
 import os
@@ -171,7 +171,7 @@ def test_the_cycle_check_finds_a_function_local_cycle(tmp_path):
     assert cycles(import_graph(str(pkg))) == []
 
 
-# What each layer may not import (DESIGN §2, docs/architecture.md): the passes below the
+# What each layer may not import (docs/architecture.md): the passes below the
 # methods, the runtimes below the executables, and alpa.parallel_method, Alpa's path that
 # re-exports every method, only for users.
 _METHODS = (

@@ -19,8 +19,14 @@ import jax
 import pytest
 
 import alpa
-from alpa.parallel_plan import ParallelPlan
+from alpa.device_mesh import ClusterSpec
+from alpa.model.mlp import MLPModel
+from alpa.model.mlp import get_mlp_train_state_and_step as get_mlp_model_step
+from alpa.parallel_plan import PLAN_FORMAT, ParallelPlan
+from alpa.pipeline_parallel.pipeshard_plan import SUMMARY_FORMAT, PipeshardPlan
 from alpa.pipeline_parallel.stage_construction import AutoStageOption
+from alpa.plan_view import draw_saved_plan
+from alpa.saved_format import NewerFormatError
 from alpa.testing import (
     assert_allclose,
     get_mlp_train_state_and_step,
@@ -471,8 +477,91 @@ def test_plan_on_other_devices_is_refused(recorded):
 def test_bad_plans_are_refused():
     with pytest.raises(TypeError, match=r"plan_to_method expects a ParallelPlan .*got str"):
         alpa.plan_to_method("plan.json")
-    with pytest.raises(ValueError, match=r"not a ParallelPlan of format 1 .*format is 7"):
+    with pytest.raises(
+        NewerFormatError, match=r"^the text is a ParallelPlan of format 7, newer than"
+    ):
         ParallelPlan.from_json('{"format": 7}')
+    for bad in ('"1"', "0", "true", "1.0"):
+        with pytest.raises(
+            ValueError,
+            match=r"^the text is not a ParallelPlan this alpa reads: its 'format' is "
+            r".*, where a format version \(an int from 1 to 1\) was expected",
+        ):
+            ParallelPlan.from_json(f'{{"format": {bad}}}')
+    with pytest.raises(ValueError, match=r"^the plan is not a ParallelPlan .*: it is a list"):
+        ParallelPlan.from_dict([])
+
+
+# ----------------------------------------------------------------------------- format versions
+
+
+@pytest.mark.parametrize("name", ["ilp_2d", "pipeshard_auto"])
+def test_a_plan_saved_without_its_format_field_still_loads(recorded, tmp_path, name):
+    # A plan written before plans carried a format version: this code's plan, the field
+    # removed. It reads as format 1 and is the same plan, ready to replay.
+    with open(recorded[name][1]) as f:
+        text = f.read()
+    data = json.loads(text)
+    assert data["format"] == PLAN_FORMAT == 1
+    del data["format"]
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps(data, indent=1))
+    loaded = ParallelPlan.load(old)
+    assert loaded.to_json() == text  # saved again, it carries the field
+    assert loaded.fingerprint == ParallelPlan.from_json(text).fingerprint
+    assert alpa.plan_to_method(loaded).parallel_plan is loaded
+
+
+def test_a_plan_of_a_newer_format_is_refused_by_name(recorded, tmp_path):
+    with open(recorded["pipeshard_uniform"][1]) as f:
+        data = json.loads(f.read())
+    data["format"] = PLAN_FORMAT + 1
+    newer = tmp_path / "newer.json"
+    newer.write_text(json.dumps(data))
+    expected = re.escape(
+        f"{str(newer)!r} is a ParallelPlan of format 2, newer than this alpa reads "
+        "(format 1 and older): it was saved by a newer alpa"
+    )
+    with pytest.raises(NewerFormatError, match=expected):
+        ParallelPlan.load(newer)
+    # The picture of a saved plan refuses it too, by the file's name.
+    with pytest.raises(NewerFormatError, match=expected):
+        draw_saved_plan(str(newer), str(tmp_path / "newer.png"))
+    with pytest.raises(NewerFormatError, match=r"^the text is a ParallelPlan of format 2"):
+        ParallelPlan.from_json(json.dumps(data))
+    # The control: the same file at this format loads.
+    data["format"] = PLAN_FORMAT
+    newer.write_text(json.dumps(data))
+    assert ParallelPlan.load(newer).pipeline_plan is not None
+
+
+def test_a_pipeline_plan_summary_carries_its_format():
+    # PipeshardPlan.to_json, planned for the cpu preset from abstract arguments (no compile).
+    model = MLPModel(hidden_size=32, num_layers=2, output_dim=32)
+    state, batch, step = get_mlp_model_step(
+        model, 16, 32, grad_func=alpa.value_and_grad, abstract=True
+    )
+    method = alpa.PipeshardParallel(
+        devices=ClusterSpec.preset("cpu"),
+        num_micro_batches=2,
+        layer_option=alpa.AutoLayerOption(layer_num=2),
+        stage_option="uniform",
+    )
+    plan = alpa.parallelize(step, method=method).plan(state, batch)
+    text = plan.to_json()
+    data = PipeshardPlan.from_json(text)
+    assert data["format"] == SUMMARY_FORMAT == 1 and data == plan.summary()
+    del data["format"]  # a summary written before the field existed
+    assert PipeshardPlan.from_json(json.dumps(data))["stages"] == plan.summary()["stages"]
+    data["format"] = SUMMARY_FORMAT + 1
+    with pytest.raises(
+        NewerFormatError,
+        match=re.escape(
+            "'summary.json' is a PipeshardPlan summary of format 2, newer than this alpa "
+            "reads (format 1 and older)"
+        ),
+    ):
+        PipeshardPlan.from_json(json.dumps(data), source="'summary.json'")
 
 
 def test_a_plan_pickles_as_alpas_scripts_save_it():

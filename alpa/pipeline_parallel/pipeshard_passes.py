@@ -1,5 +1,5 @@
 """The inter-op passes of a pipeshard compile: :func:`plan_pipeshard` runs them in order
-(DESIGN.md §5) and returns a ``pipeshard_plan.PipeshardPlan``::
+(``docs/pipeline.md``, Passes) and returns a ``pipeshard_plan.PipeshardPlan``::
 
     traced step --layers--> LayerAssignment --stages--> StagePlan --split--> PipelineProgram
        --intra-op per stage--> sharding table --schedule--> PipelineSchedule

@@ -7,8 +7,9 @@ which destination host), so a runtime only executes it: the local runtime counts
 bytes, the Ray runtime ships the same tile plans to its workers.
 
 A plan prints as a table (stage, layers, submesh, logical shape, latency, memory) with
-its schedule grid; :meth:`PipeshardPlan.summary` is its JSON-able record and
-:meth:`PipeshardPlan.stage_option` replays its stages as a ``ManualStageOption``.
+its schedule grid; :meth:`PipeshardPlan.summary` is its JSON-able record (versioned:
+``SUMMARY_FORMAT``) and :meth:`PipeshardPlan.stage_option` replays its stages as a
+``ManualStageOption``.
 :meth:`PipeshardPlan.decisions` (layers, stages, the sharding table), given back to
 ``plan_pipeshard(decisions=...)``, makes the same plan without searching again: what
 ``alpa.plan_to_method`` replays. :attr:`PipeshardPlan.cost` prices it with the analytic
@@ -52,9 +53,14 @@ from alpa.pipeline_parallel.stage_work import StepBound, step_bound
 from alpa.pipeline_parallel.user_shardings import stage_inputs
 from alpa.runtime.instructions import Op, PipelineInstructions
 from alpa.runtime.worker_program import Layout, TransferPlan
+from alpa.saved_format import FORMAT_KEY, read_format
 from alpa.shard_parallel.auto_sharding import AutoShardingOption
 from alpa.tracing import TracedStep
 from alpa.tracing.jaxpr_util import nested_eqns
+
+#: Version of the JSON layout ``PipeshardPlan.to_json`` writes (field ``"format"``; the
+#: rules for reading other versions are :mod:`alpa.saved_format`'s).
+SUMMARY_FORMAT = 1
 
 
 @dataclass(frozen=True, eq=False)
@@ -421,6 +427,7 @@ class PipeshardPlan:
         # step, in apply-grad (deferred_sums).
         once = sorted(self.names[v] for v in deferred.partials) if deferred is not None else []
         return {
+            FORMAT_KEY: SUMMARY_FORMAT,
             "name": self.traced.name,
             "cluster": {
                 "name": self.cluster.name,
@@ -459,9 +466,18 @@ class PipeshardPlan:
         return json.dumps(self.summary(), indent=1)
 
     @staticmethod
-    def from_json(text: str) -> dict:
-        """The summary a ``to_json`` wrote."""
-        return json.loads(text)
+    def from_json(text: str, source: str = "the text") -> dict:
+        """The summary a ``to_json`` wrote, of format :data:`SUMMARY_FORMAT` or older (one
+        without the field, written before it existed, reads as format 1). ``source`` names
+        where ``text`` came from in the errors; a summary of a newer format raises
+        ``NewerFormatError``."""
+        data = json.loads(text)
+        if not isinstance(data, dict):
+            raise ValueError(
+                f"{source} is not a PipeshardPlan summary: it holds a {type(data).__name__}"
+            )
+        read_format(data, SUMMARY_FORMAT, "PipeshardPlan summary", source)
+        return data
 
     def format_table(self) -> str:
         summary = self.summary()

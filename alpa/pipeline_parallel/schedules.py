@@ -9,7 +9,7 @@ is :mod:`schedule_record`'s :class:`PipelineSchedule`; this module generates the
 The runtime emitter turns a schedule plus the compiled stages into instruction lists;
 nothing here touches devices.
 
-With ``S`` stages and ``M`` micro-batches (DESIGN §5):
+With ``S`` stages and ``M`` micro-batches (``docs/pipeline.md``, By hand, Schedules):
 
 * **GPipe** runs all forwards, then all backwards. Forward of micro-batch ``m`` on stage
   ``s`` happens at tick ``s + m``; backward at tick ``(M + S - 1) + (S - 1 - s) + m``.

@@ -1,4 +1,4 @@
-"""Stacked parameters split by rows between pipeline stages (issue 30, item 2).
+"""Stacked parameters split by rows between pipeline stages, each stage holding its blocks.
 
 A model whose blocks are one ``nn.scan`` keeps each block parameter as one array with a
 leading axis of blocks (``[L, ...]``). ``AutoLayerOption`` cuts the scan into one scan per

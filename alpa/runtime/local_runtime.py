@@ -1,8 +1,9 @@
 """The in-process runtime: run pipeline instructions on local submeshes.
 
 Every mesh is a set of this process's devices; the driver itself walks the instruction
-list (DESIGN §6). Values move between submeshes with ``jax.device_put`` (DESIGN §7: a jit
-never reads an array of another mesh). Each ``RESHARD``'s tile plan is in the
+list (``docs/design.md``, Runtimes). Values move between submeshes with
+``jax.device_put``: a jit never reads an array of another mesh (``docs/design.md``, Facts
+of JAX 0.10). Each ``RESHARD``'s tile plan is in the
 ``PipeshardPlan`` (``reshards``); its bytes, what a cross-host backend sends, are what a
 step sends (``resharded_bytes``, the same every step).
 

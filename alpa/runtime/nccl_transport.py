@@ -1,10 +1,10 @@
 """The GPU transport of cross-mesh resharding: NCCL send/recv between mesh-host workers.
 
-A :class:`~alpa.runtime.resharding.ReshardingPlan` says which box of the array
-each source device sends to each destination host, and which devices of that host keep a
-copy (DESIGN §5). Between Ray workers on GPUs (one worker per (mesh, host), DESIGN §6) the
-boxes travel by NCCL point-to-point calls through ``cupy.cuda.nccl``, reading and writing
-jax device buffers in place through DLPack.
+A :class:`~alpa.runtime.resharding.ReshardingPlan` says which box of the array each source
+device sends to each destination host, and which devices of that host keep a copy
+(``docs/ray.md``, Cross-mesh resharding). Between Ray workers on GPUs (one worker per
+(mesh, host)) the boxes travel by NCCL point-to-point calls through ``cupy.cuda.nccl``,
+reading and writing jax device buffers in place through DLPack.
 
 **Ranks.** One communicator group serves one (source mesh, destination mesh) pair and is
 created once. Each GPU of either mesh is one rank, source mesh first, in flat device order

@@ -1,12 +1,12 @@
 """MeshHostWorker: the Ray actor that owns one host's devices of one mesh.
 
-One worker per (mesh, host) (DESIGN §6). It is started with its devices already decided:
-on GPUs through Ray's ``num_gpus``; on CPU through ``XLA_FLAGS`` in its ``runtime_env``
-(``--xla_force_host_platform_device_count``, after the driver's own flags), set before this
-process imports jax. A mesh that spans several hosts is one multi-controller JAX program
-over its workers (:meth:`MeshHostWorker.init_distributed`: ``jax.distributed.initialize``,
-gloo collectives on CPU): every worker of the mesh runs the same instructions and holds
-the shards of its own devices.
+One worker per (mesh, host) (``docs/ray.md``, What runs where). It is started with its
+devices already decided: on GPUs through Ray's ``num_gpus``; on CPU through ``XLA_FLAGS`` in
+its ``runtime_env`` (``--xla_force_host_platform_device_count``, after the driver's own
+flags), set before this process imports jax. A mesh that spans several hosts is one
+multi-controller JAX program over its workers (:meth:`MeshHostWorker.init_distributed`:
+``jax.distributed.initialize``, gloo collectives on CPU): every worker of the mesh runs the
+same instructions and holds the shards of its own devices.
 
 What a worker holds:
 

@@ -1,9 +1,9 @@
 """What the driver ships to a Ray mesh worker: exported programs and instruction lists.
 
-Everything here is plain, picklable data, made on the driver once per compiled step and
-sent to every worker of a mesh at compile time (DESIGN §6). A step then sends one small
-message per worker: which buffers or host arrays are the step's inputs and which names its
-outputs get.
+Everything here is plain, picklable data, made on the driver once per compiled step and sent
+to every worker of a mesh at compile time (``docs/ray.md``, What runs where). A step then
+sends one small message per worker: which buffers or host arrays are the step's inputs and
+which names its outputs get.
 
 * :class:`ExportedFn` is one XLA program: the StableHLO that ``jax.export`` serialized on
   the driver (lowered for an abstract mesh, so the driver needs no device of the worker's

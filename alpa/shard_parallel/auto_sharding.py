@@ -1,4 +1,4 @@
-"""Intra-operator auto-sharding: the entry point of the ILP pass (paper §4, DESIGN §4).
+"""Intra-operator auto-sharding: the entry point of the ILP pass (paper §4).
 
 ``plan_auto_sharding(traced, logical_mesh, option)`` turns a traced step into a
 :class:`~alpa.shard_parallel.sharding_plan.ShardingPlan`: it builds the strategy graph of the

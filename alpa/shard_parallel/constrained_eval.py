@@ -1,10 +1,11 @@
 """A jaxpr evaluated under a plan's sharding constraints.
 
 The jaxpr is re-evaluated equation by equation (under ``jax.jit``, by the callers); every
-value the plan pins gets ``jax.lax.with_sharding_constraint`` and XLA's SPMD partitioner does
-the rest (DESIGN §4.5). Bodies (checkpoint, scan, while, cond) are evaluated with the same
-constraints and bound again, so loops stay loops. The one-mesh step functions
-(``lowering.py``) and the pipeline's stages (``executables/pipeshard.py``) are built on it.
+value the plan pins gets ``jax.lax.with_sharding_constraint`` and XLA's SPMD partitioner
+does the rest (``docs/auto_sharding.md``, Lowering). Bodies (checkpoint, scan, while, cond)
+are evaluated with the same constraints and bound again, so loops stay loops. The one-mesh
+step functions (``lowering.py``) and the pipeline's stages (``executables/pipeshard.py``)
+are built on it.
 """
 
 from __future__ import annotations

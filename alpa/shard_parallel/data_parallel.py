@@ -1,4 +1,4 @@
-"""Fixed plans: data parallelism and ZeRO stages 2 and 3 (DESIGN §4.6).
+"""Fixed plans: data parallelism and ZeRO stages 2 and 3 (``docs/shard_parallel.md``).
 
 All three split the batch (dim 0 of every batch leaf) over all devices, on mesh axis
 ``x`` of an ``(n, 1)`` logical mesh, and differ in what else is split:

@@ -1,4 +1,4 @@
-"""The integer linear program that picks one strategy per node (paper §4.2, DESIGN §4.4).
+"""The integer linear program that picks one strategy per node (paper §4.2).
 
 With ``s_v`` the one-hot choice of node ``v``, ``c_v`` its communication + compute cost
 per strategy, ``R_uv`` the resharding cost matrix of edge ``u -> v`` and ``e_uv`` the one-hot

@@ -1,14 +1,15 @@
 """Lowering: a ``ShardingPlan`` becomes one compiled XLA program on one mesh.
 
 The jaxpr is re-evaluated under ``jax.jit`` with the plan's constraints
-(``constrained_eval.py``); XLA's SPMD partitioner does the rest (DESIGN §4.5). Inputs and
-outputs get the plan's ``in_shardings`` / ``out_shardings``.
+(``constrained_eval.py``); XLA's SPMD partitioner does the rest (``docs/auto_sharding.md``,
+Lowering). Inputs and outputs get the plan's ``in_shardings`` / ``out_shardings``.
 
-Gradient accumulation (DESIGN §4.7). With ``num_micro_batches = k`` the step is cut at the
-``alpa.grad`` marker into a compute-grad part and an apply-grad part. Micro-batch ``j`` is
-rows ``j·B/k .. (j+1)·B/k`` of every batch leaf, for every method; the compute part runs
-on each in a ``lax.scan``, as the serial step would (batch statistics are over the whole
-micro-batch, across devices), and its marked outputs are averaged,
+Gradient accumulation (``docs/shard_parallel.md``, Gradient accumulation). With
+``num_micro_batches = k`` the step is cut at the ``alpa.grad`` marker into a compute-grad
+part and an apply-grad part. Micro-batch ``j`` is rows ``j·B/k .. (j+1)·B/k`` of every batch
+leaf, for every method; the compute part runs on each in a ``lax.scan``, as the serial step
+would (batch statistics are over the whole micro-batch, across devices), and its marked
+outputs are averaged,
 
     g = (1/k) * sum_j compute(params, batch[j·B/k : (j+1)·B/k])
 

@@ -4,12 +4,12 @@ A contraction whose contracted dimension is split over a mesh axis leaves each d
 partial result. Where the plan wants that result split over the same axis (a strategy
 ``... RS0->...``, with ``prefer_reduce_scatter``), the ILP priced a reduce-scatter. XLA's
 partitioner writes it as an all-reduce followed by a slice, and XLA on CPU never turns
-that pair into a reduce-scatter (DESIGN §7; measured: the conv kernel gradients of a 2-D
-plan compiled to 9 all-reduces, 0 reduce-scatters), so the program moved twice the bytes
-the plan priced. Here such an equation runs in ``shard_map``: on each device's blocks of
-its operands, in the specs the plan reads them in, its partial result then
-``psum_scatter``-ed over each reducing axis that splits the result and ``psum``-ed over
-the others. The program is the one priced, on every backend.
+that pair into a reduce-scatter (``docs/design.md``, Facts of JAX 0.10; measured: the conv
+kernel gradients of a 2-D plan compiled to 9 all-reduces, 0 reduce-scatters), so the
+program moved twice the bytes the plan priced. Here such an equation runs in
+``shard_map``: on each device's blocks of its operands, in the specs the plan reads them
+in, its partial result then ``psum_scatter``-ed over each reducing axis that splits the
+result and ``psum``-ed over the others. The program is the one priced, on every backend.
 
 Only ``dot_general`` and ungrouped ``conv_general_dilated`` (spatial dimensions whole)
 are written out, and only where each reducing axis that splits the result is the minor

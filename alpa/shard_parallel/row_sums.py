@@ -487,10 +487,11 @@ def sum_partials(x, mesh, data_axes: tuple[str, ...], spec: PartitionSpec | None
     """``Σ_d x[d]`` of a deferred value: the one reduction of the step.
 
     An all-reduce; a reduce-scatter (``psum_scatter``) instead when ``spec``, the sharding
-    the sum is wanted in, splits one dimension over exactly ``data_axes``: each device
-    then receives only its block (ZeRO-2's sharded gradients). XLA on CPU never turns an
-    all-reduce followed by a slice into a reduce-scatter (DESIGN §7), so the scatter is
-    written out here; other axes of ``spec`` are left to the caller's constraint."""
+    the sum is wanted in, splits one dimension over exactly ``data_axes``: each device then
+    receives only its block (ZeRO-2's sharded gradients). XLA on CPU never turns an
+    all-reduce followed by a slice into a reduce-scatter (``docs/design.md``, Facts of JAX
+    0.10), so the scatter is written out here; other axes of ``spec`` are left to the
+    caller's constraint."""
     data = spec_entry(tuple(data_axes))
     dim = scatter_dimension(spec, data_axes)
     if dim is None:

@@ -6,7 +6,8 @@ on every device. A mesh axis splits at most one dimension; a dimension split by 
 ``(0, 1)`` is the "mixed mesh shape" (a 1-D view of the 2-D mesh). Mesh axes of size 1 never
 appear: splitting over one device is the same as not splitting.
 
-Resharding a value from spec ``A`` to spec ``B`` (DESIGN §4.3) is priced as the cheapest
+Resharding a value from spec ``A`` to spec ``B`` (``docs/auto_sharding.md``, Cost model) is
+priced as the cheapest
 sequence of collectives: an axis that splits the same dimension in both, with the same axes
 before it there, costs nothing; an axis that moves to another dimension is an all-to-all
 when it split its dimension alone, or was the minor axis of a mixed-shape dimension and

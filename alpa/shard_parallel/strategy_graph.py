@@ -4,8 +4,9 @@ Every jaxpr input and every equation becomes a :class:`Node` holding its candida
 strategies (from :mod:`strategy_rules`); every operand an equation reads from another node
 becomes an :class:`Edge` holding the resharding cost matrix ``cost[i, j]``: what it costs to
 turn the producer's output under its strategy ``i`` into what the consumer needs under its
-strategy ``j`` (DESIGN §4.1-4.3, paper §4.2). Identity-like equations (the pipeline marker,
-optimization barriers, sharding constraints) are not nodes: their outputs *are* their operands.
+strategy ``j`` (paper §4.2; ``docs/auto_sharding.md``, Strategy graph and Cost model).
+Identity-like equations (the pipeline marker, optimization barriers, sharding constraints)
+are not nodes: their outputs *are* their operands.
 
 Equations with bodies are planned in the graph too (:mod:`strategy_graph_bodies`): a
 checkpoint's, scan's, while loop's or cond's equations are nodes like the step's, a loop's

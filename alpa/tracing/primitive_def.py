@@ -11,7 +11,8 @@ layer or purpose) and ``mark_type``:
 Because it is a real primitive with AD rules, the markers survive ``jax.grad`` and
 ``jax.jit``: its JVP marks the tangents too, and its transpose marks the cotangents with
 the mirrored type (an ``end`` of the forward pass becomes a ``start`` of the backward pass),
-so the backward program inherits the forward program's cuts (DESIGN §5, §7).
+so the backward program inherits the forward program's cuts (``docs/pipeline.md``, How the
+backward pass is cut; ``docs/design.md``, Facts of JAX 0.10).
 """
 
 from __future__ import annotations

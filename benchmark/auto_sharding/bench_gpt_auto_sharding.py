@@ -1,4 +1,4 @@
-"""Planning time of the auto-sharding pass on GPT train steps (DESIGN §4, issue 3).
+"""Planning time of the auto-sharding pass on GPT train steps (``docs/auto_sharding.md``).
 
 For each GPT preset (125M, 350M, 1.3B; adamw; abstract inputs, so no weights are allocated)
 and each logical mesh (8,1), (2,4), (1,8) of an 8-device cluster, this traces the train

@@ -1,4 +1,4 @@
-"""Compile time of a GPT whose blocks are one ``nn.scan``, against its depth (issue 30).
+"""Compile time of a GPT whose blocks are one ``nn.scan``, against its depth.
 
 Scanning the layers is how large JAX models are written because the program does not
 grow with the depth: XLA compiles one loop body. Alpa plans the scan's body once

@@ -1,4 +1,4 @@
-"""Dispatch overhead of a parallelized step against ``jax.jit`` of the same step (issue 9).
+"""Dispatch overhead of a parallelized step against ``jax.jit`` of the same step.
 
 What a user runs: a flax ``TrainState`` with optax adam, an MLP regression step, steady state
 after warm-up. The reference is ``jax.jit`` of the same step function (``alpa.grad`` is
@@ -153,7 +153,7 @@ def instruction_count(executable) -> int:
 
 
 # Pipeline model: small enough that a step's time is the driver's (the 2-stage step of
-# issue 9's measurements), large enough to be a real MLP.
+# docs/dispatch.md's measurements), large enough to be a real MLP.
 PIPELINE = (64, 4, 64)
 
 

@@ -1,4 +1,4 @@
-"""The stage cost model checked against the programs it prices (issue 26).
+"""The stage cost model checked against the programs it prices (``docs/pipeline.md``).
 
 For every stage of a planned pipeshard step on logical (2, 2) submeshes, where the ILP
 splits the batch over ``x`` and the model over ``y``:

@@ -1,6 +1,6 @@
 """A model whose blocks are one ``nn.scan`` is cut into pipeline layers between its
 iterations, each layer keeping a scan over its own blocks, and its stacked parameters are
-split by blocks of rows between the stages (issue 30, item 2).
+split by blocks of rows between the stages (``docs/pipeline.md``).
 
 ``AutoLayerOption`` clusters a scan that holds at least one layer's share of the loss
 function's FLOPs written out, so the layers are those of the same model unrolled, and

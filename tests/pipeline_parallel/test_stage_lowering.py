@@ -1,6 +1,5 @@
-"""Each compiled stage program performs the collectives its stage's ILP plan priced
-(issue 29 item 3): the stages are lowered with their whole plan, as ``ShardParallel``
-lowers its one plan.
+"""Each compiled stage program performs the collectives its stage's ILP plan priced: the
+stages are lowered with their whole plan, as ``ShardParallel`` lowers its one plan.
 
 The oracle re-solves each stage's forward-and-backward ILP (deterministic; its objective
 must be the plan's) and reads off it, per stage program, what it prices:

@@ -1,4 +1,4 @@
-"""Auto-sharded train steps judged by their compiled programs (DESIGN §4 oracles).
+"""Auto-sharded train steps judged by their compiled programs (oracles: docs/design.md).
 
 Each test plans a tiny model with ``ShardParallel`` (the ILP), compiles it on the 8 virtual
 CPU devices, and checks: the collectives counted in the HLO are those the chosen strategy

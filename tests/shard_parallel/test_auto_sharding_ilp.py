@@ -1,4 +1,4 @@
-"""The auto-sharding ILP judged by closed-form objectives (DESIGN §4 oracles).
+"""The auto-sharding ILP judged by closed-form objectives (oracles: docs/design.md).
 
 An MLP train step (``L`` dense layers with bias, mean squared error, SGD update) is planned
 on 1-D and 2-D logical meshes. Each expected objective is derived here from the same

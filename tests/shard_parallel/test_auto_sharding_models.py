@@ -1,4 +1,4 @@
-"""The conv net (Wide-ResNet) and BERT through the auto-sharding ILP (DESIGN §4 oracles).
+"""The conv net (Wide-ResNet) and BERT through the auto-sharding ILP (oracles: docs/design.md).
 
 Each compiled test plans a tiny model with ``ShardParallel`` (the ILP) on the 8 virtual CPU
 devices and checks the collectives counted in the compiled HLO against what the chosen

@@ -1,6 +1,6 @@
 """The ILP minimizes communication first (``ilp_solver.solve``): the compute term breaks
 ties and never buys a collective while the communication-only optimum already splits every
-contraction over all its devices (issue 27, item 2).
+contraction over all its devices.
 
 Oracles: the closed forms of Alpa's own plans on its unit-cost meshes (``alpha = beta = 1``):
 data parallel is one all-reduce of the gradients, Megatron's alternating layers one

@@ -1,5 +1,5 @@
 """The branches of a ``lax.cond`` are planned together, and a ``while`` loop's body as a
-scan's (issue 30, item 3).
+scan's.
 
 Each branch's equations are nodes of the strategy graph, priced as if every branch ran, and
 each result of the ``cond`` is a node that every branch's value is resharded into, so the

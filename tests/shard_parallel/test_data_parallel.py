@@ -95,7 +95,7 @@ def test_zero2_shards_optimizer_state(mlp):
     assert saved >= serial_bytes * (N - 1) // N
     # Gradients reach each device as shards, by one real reduce-scatter of all of them
     # packed (psum_scatter: XLA on CPU would compile a constrained all-reduce to
-    # all-reduce + slice, and merges no reduce-scatters, DESIGN §7); then the updated
+    # all-reduce + slice, and merges no reduce-scatters: docs/design.md); then the updated
     # parameters are all-gathered, packed in one all-gather too. Nothing else.
     hlo = executable.get_hlo_text()
     assert count_communication_primitives(hlo) == (2, 0, 1, 1, 0)

@@ -1,4 +1,4 @@
-"""Rematerialized layers are planned, not replicated (DESIGN §4 oracles).
+"""Rematerialized layers are planned, not replicated (oracles: docs/design.md).
 
 A layer under ``jax.checkpoint`` / ``nn.remat`` differentiates into plain forward equations
 and, in the backward pass, one ``remat2`` equation that recomputes the forward before using

@@ -1,4 +1,4 @@
-"""Weight gradients made inside a loop are reduced once per step (issue 30).
+"""Weight gradients made inside a loop are reduced once per step.
 
 The backward pass of a scanned stack is a transposed ``scan`` whose body computes each
 layer's weight gradient, a sum over the batch's rows, and returns it as one row of a

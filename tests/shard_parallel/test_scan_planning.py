@@ -1,4 +1,4 @@
-"""Layers under ``lax.scan`` / ``nn.scan`` are planned, not replicated (issue 30, item 1).
+"""Layers under ``lax.scan`` / ``nn.scan`` are planned, not replicated.
 
 The body of a scan is planned once, as one iteration (``strategy_graph``): its equations
 cost ``length`` times, each carry keeps one spec across iterations, each stacked input is

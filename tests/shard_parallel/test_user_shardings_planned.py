@@ -1,4 +1,4 @@
-"""The user's shardings are constraints of the ILP (issue 30, item 4).
+"""The user's shardings are constraints of the ILP.
 
 A ``jax.lax.with_sharding_constraint`` (a ``NamedSharding``, or a ``PartitionSpec`` under
 ``jax.set_mesh``) on a mesh that is the plan's logical mesh under other names pins that
