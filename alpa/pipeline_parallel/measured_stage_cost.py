@@ -22,7 +22,7 @@ from alpa.pipeline_parallel.stage_cost import LayerPlans, fill_tables, stage_mem
 from alpa.pipeline_parallel.stage_problem import StageCosts, StageProblem
 from alpa.pipeline_parallel.stage_sharding import structure_key
 from alpa.shard_parallel.auto_sharding import AutoShardingOption, plan_auto_sharding
-from alpa.tracing import TracedStep
+from alpa.tracing import StepJaxpr
 
 
 class MeasuredStageCost:
@@ -95,7 +95,7 @@ class MeasuredStageCost:
         memory = stage_memory(problem, LayerPlans(problem, facts))
         return fill_tables(problem, latency, memory)
 
-    def _time(self, step: TracedStep, mesh, option: AutoShardingOption) -> float:
+    def _time(self, step: StepJaxpr, mesh, option: AutoShardingOption) -> float:
         import jax
         import jax.numpy as jnp
 
@@ -111,7 +111,7 @@ class MeasuredStageCost:
         ]
 
         def launch():
-            return compiled(*jax.tree.unflatten(step.in_tree, args))
+            return compiled(*jax.tree.unflatten(step.trees()[0], args))
 
         jax.block_until_ready(launch())
         times = []

@@ -25,7 +25,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from alpa.device_mesh import MESH_AXIS_NAMES, LogicalDeviceMesh
 from alpa.shard_parallel.auto_sharding import AutoShardingOption
 from alpa.shard_parallel.constrained_eval import eval_jaxpr_with_constraints
-from alpa.tracing import TracedStep
+from alpa.tracing import StepJaxpr
 from alpa.tracing.jaxpr_util import is_var
 
 
@@ -39,7 +39,7 @@ def propagates(option: AutoShardingOption, num_devices: int) -> bool:
 def propagate_into(
     table: dict,
     s: int,
-    sub: TracedStep,
+    sub: StepJaxpr,
     produced: set,
     mesh: LogicalDeviceMesh,
 ) -> None:

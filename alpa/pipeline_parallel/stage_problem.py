@@ -22,7 +22,7 @@ from alpa.pipeline_parallel.computation import PipelineProgram
 from alpa.pipeline_parallel.layer_facts import LayerFacts, compute_layer_facts, layer_comps
 from alpa.pipeline_parallel.stage_sharding import merged_step
 from alpa.shard_parallel.auto_sharding import AutoShardingOption
-from alpa.tracing import TracedStep
+from alpa.tracing import StepJaxpr, TracedStep
 
 LOGICAL_SHAPE_SPACES = (
     "single_node_model_parallel",
@@ -128,7 +128,7 @@ class StageProblem:
     def layer_comps(self, layers: Sequence[int]) -> list:
         return layer_comps(self.program, layers)
 
-    def stage_step(self, first: int, last: int, num_devices: int) -> tuple[TracedStep, set]:
+    def stage_step(self, first: int, last: int, num_devices: int) -> tuple[StepJaxpr, set]:
         """Layers ``first..last``'s forward and backward as one step (``merged_step``)."""
         comps = self.layer_comps(range(first, last + 1))
         return merged_step(

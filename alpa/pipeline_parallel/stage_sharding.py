@@ -39,7 +39,6 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
-import jax
 import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
 from jax.sharding import PartitionSpec
@@ -53,7 +52,7 @@ from alpa.shard_parallel.auto_sharding import (
     plan_auto_sharding,
 )
 from alpa.shard_parallel.milp import taking_turns, turn_given_up
-from alpa.tracing import TracedStep, new_jaxpr
+from alpa.tracing import StepJaxpr, TracedStep, new_jaxpr
 from alpa.tracing.jaxpr_util import is_var, nested_eqns, planned_bodies
 from alpa.tracing.primitive_def import pipeline_p
 from alpa.util import map_on_threads
@@ -276,7 +275,12 @@ class _Planning:
         key = (structure_key(sub), repr(mesh), repr(option), tuple(map(repr, fixed)))
         planned, plan = self.shared.get(key, solve)
         if tuple(plan.logical_mesh.shape) != tuple(mesh.shape):
-            return plan.objective  # a fixed plan on another view of the mesh: data parallel
+            # The stage's logical mesh already takes the option's ``logical_mesh_shape``
+            # (``pipeshard_passes``), and the ILP plans on the mesh it is given.
+            raise AssertionError(
+                f"stage {s}: the ILP planned on a logical mesh of shape "
+                f"{tuple(plan.logical_mesh.shape)}, not the stage's {tuple(mesh.shape)}"
+            )
         var_specs, operand_specs = plan.var_specs, plan.operand_specs
         if planned is not sub:  # the same equations: values and equations match by position
             mine = dict(zip(_positional_vars(planned), _positional_vars(sub), strict=True))
@@ -299,7 +303,7 @@ class _Planning:
         return plan.objective
 
 
-def _positional_vars(step: TracedStep) -> list:
+def _positional_vars(step: StepJaxpr) -> list:
     """The values of ``step``'s jaxpr in a fixed order: inputs, then per equation (in
     :func:`~alpa.tracing.jaxpr_util.nested_eqns`' order, bodies included) its outputs
     and the inputs of its bodies."""
@@ -310,12 +314,12 @@ def _positional_vars(step: TracedStep) -> list:
     return out
 
 
-def structure_key(step: TracedStep) -> str:
+def structure_key(step: StepJaxpr) -> str:
     """A digest of ``step``'s equations (:func:`equations_key`) and its batch inputs."""
     return hashlib.sha256(f"{equations_key(step)}\n{step.batch_invars!r}".encode()).hexdigest()
 
 
-def equations_key(step: TracedStep) -> str:
+def equations_key(step: StepJaxpr) -> str:
     """A digest of ``step``'s equations, blind to the names of the
     pipeline markers in it: layers 3 and 4 of a stack of identical blocks differ only in
     their markers' ``name=layer_3`` / ``name=layer_4``. Equal keys: the same primitives
@@ -378,9 +382,9 @@ def merged_step(
     num_devices: int,
     names: dict,
     name: str,
-) -> tuple[TracedStep, set]:
-    """``comps`` as one step (equations in order, each once; inputs: what they read from
-    outside; outputs: what they write for others) for the intra-op pass on a mesh of
+) -> tuple[StepJaxpr, set]:
+    """``comps`` as one program (equations in order, each once; inputs: what they read
+    from outside; outputs: what they write for others) for the intra-op pass on a mesh of
     ``num_devices`` devices, and the set of values its equations produce. Batch inputs are
     those that depend on the batch and whose dimension 0 ``num_devices`` divides."""
     closed = traced.closed_jaxpr
@@ -401,15 +405,12 @@ def merged_step(
         v in program.batch_dependent and bool(v.aval.shape) and v.aval.shape[0] % num_devices == 0
         for v in invars
     )
-    sub = TracedStep(
+    sub = StepJaxpr(
         closed_jaxpr=ClosedJaxpr(jaxpr, closed.consts),
-        in_tree=jax.tree.structure(tuple(range(len(invars)))),
-        out_tree=jax.tree.structure(tuple(range(len(outvars)))),
         in_avals=tuple(v.aval for v in invars),
         batch_invars=batch,
         donated_invars=(False,) * len(invars),
         leaf_names=tuple(step_names.get(v, names.get(v, str(v))) for v in invars),
-        dynamic_argnums=(),
         name=name,
     )
     return sub, produced

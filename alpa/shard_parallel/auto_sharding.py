@@ -1,9 +1,14 @@
 """Intra-operator auto-sharding: the entry point of the ILP pass (paper §4).
 
-``plan_auto_sharding(traced, logical_mesh, option)`` turns a traced step into a
-:class:`~alpa.shard_parallel.sharding_plan.ShardingPlan`: it builds the strategy graph of the
-jaxpr, prices every strategy and every resharding with the alpha-beta cost model, and solves
-the integer linear program that picks one strategy per value. The passes live in their own
+``plan_auto_sharding(step, logical_mesh, option)`` turns a program into a
+:class:`~alpa.shard_parallel.sharding_plan.ShardingPlan`: the program is a
+:class:`~alpa.tracing.StepJaxpr`, a flat jaxpr and the role of each input (batch,
+donated, differentiated parameter, optimizer state by its name), the same for a user's
+traced step (``ShardParallel`` and the one-mesh methods) and for a pipeline stage's
+computations cut out of one (``pipeline_parallel.stage_sharding``). It builds the
+strategy graph of the jaxpr, prices every strategy and every resharding with the
+alpha-beta cost model, and solves the integer linear program that picks one strategy per
+value. The passes live in their own
 modules, the options in :mod:`auto_sharding_option` (re-exported here, Alpa's import
 path); this one wires the passes together.
 """
@@ -43,12 +48,13 @@ from alpa.shard_parallel.sharding_spec import (
 )
 from alpa.shard_parallel.strategy_graph import build_strategy_graph
 from alpa.shard_parallel.strategy_graph_record import GraphOptions
+from alpa.tracing import StepJaxpr
 
 # ----------------------------------------------------------------------------- planning
 
 
 def plan_auto_sharding(
-    traced,
+    step: StepJaxpr,
     logical_mesh: LogicalDeviceMesh,
     option: AutoShardingOption,
     fixed_in_specs: Sequence[PartitionSpec | None] | None = None,
@@ -57,7 +63,7 @@ def plan_auto_sharding(
     shared_reshardings: bool = True,
     num_micro_batches: int | None = None,
 ) -> ShardingPlan:
-    """The ShardingPlan of a traced step on ``logical_mesh`` chosen by the ILP.
+    """The ShardingPlan of ``step`` on ``logical_mesh`` chosen by the ILP.
 
     ``force_data_parallel`` and ``force_zero_stage_3`` are the fixed plans of
     ``DataParallel`` and ``Zero3Parallel`` (the same program), and ``force_data_parallel``
@@ -81,13 +87,13 @@ def plan_auto_sharding(
 
         stage = 3 if option.force_zero_stage_3 else 2 if option.prefer_reduce_scatter else 0
         return data_parallel_plan(
-            traced,
+            step,
             logical_mesh,
             zero_stage=stage,
             gather_bound=option.force_zero_stage_3_all_gather_threshold,
         )
     if not option.enable_auto_sharding:
-        jaxpr = traced.closed_jaxpr.jaxpr
+        jaxpr = step.closed_jaxpr.jaxpr
         return ShardingPlan(
             logical_mesh=logical_mesh,
             in_specs=(PartitionSpec(),) * len(jaxpr.invars),
@@ -96,13 +102,13 @@ def plan_auto_sharding(
         )
     if option.prefer_reduce_scatter and comm_first:
         plan = _reduce_scatter_in_alpas_order(
-            traced, logical_mesh, option, fixed_in_specs, partial_sums, shared_reshardings,
+            step, logical_mesh, option, fixed_in_specs, partial_sums, shared_reshardings,
             one_group=bool(num_micro_batches and num_micro_batches > 1),
         )  # fmt: skip
         if plan is not None:
             return plan
     solution = solve_auto_sharding(
-        traced, logical_mesh, option, fixed_in_specs, partial_sums, comm_first, shared_reshardings
+        step, logical_mesh, option, fixed_in_specs, partial_sums, comm_first, shared_reshardings
     )
     if global_config.print_auto_sharding_strategy:
         print(solution.format_table())
@@ -110,7 +116,7 @@ def plan_auto_sharding(
 
 
 def _reduce_scatter_in_alpas_order(
-    traced, logical_mesh, option, fixed_in_specs, partial_sums, shared_reshardings, one_group
+    step, logical_mesh, option, fixed_in_specs, partial_sums, shared_reshardings, one_group
 ) -> ShardingPlan | None:
     """``prefer_reduce_scatter`` as Alpa applied it, where that is written out here: the
     all-reduce plan is solved first (communication first, no reduce-scatter strategies),
@@ -119,11 +125,11 @@ def _reduce_scatter_in_alpas_order(
     the ILP then solves with its reduce-scatter strategies."""
     plain = replace(option, prefer_reduce_scatter=False).snapshot()
     solution = solve_auto_sharding(
-        traced, logical_mesh, plain, fixed_in_specs, partial_sums,
+        step, logical_mesh, plain, fixed_in_specs, partial_sums,
         shared_reshardings=shared_reshardings,
     )  # fmt: skip
     plan = scattered_in_alpas_order(
-        traced, solution.to_sharding_plan(), fixed_in_specs, one_group=one_group
+        step, solution.to_sharding_plan(), fixed_in_specs, one_group=one_group
     )
     if plan is not None and global_config.print_auto_sharding_strategy:
         print(solution.format_table())
@@ -162,7 +168,7 @@ def placed_input_specs(
     return tuple(specs) if any(s is not None for s in specs) else None
 
 
-def plan_objective(traced, plan: ShardingPlan) -> tuple[float, float]:
+def plan_objective(step: StepJaxpr, plan: ShardingPlan) -> tuple[float, float]:
     """``(communication, compute)``: the two terms of ``plan``'s objective under the
     ILP's cost model, so that plans of any method compare: its own for a plan the ILP
     made; for any other (data parallel, ZeRO, manual specs) those of the cheapest plan
@@ -177,10 +183,10 @@ def plan_objective(traced, plan: ShardingPlan) -> tuple[float, float]:
     if plan.objective is not None:
         compute = plan.compute_cost or 0.0
         return plan.objective - compute, compute
-    sync = written_sync(traced, plan)
-    in_specs = plan.in_specs if sync is None else data_parallel_in_specs(traced, plan)
+    sync = written_sync(step, plan)
+    in_specs = plan.in_specs if sync is None else data_parallel_in_specs(step, plan)
     solution = solve_auto_sharding(
-        traced, plan.logical_mesh, AutoShardingOption(), fixed_in_specs=in_specs
+        step, plan.logical_mesh, AutoShardingOption(), fixed_in_specs=in_specs
     )
     communication = float(solution.objective - solution.compute)
     if sync is not None:
@@ -193,7 +199,7 @@ def plan_objective(traced, plan: ShardingPlan) -> tuple[float, float]:
 
 
 def solve_auto_sharding(
-    traced,
+    step: StepJaxpr,
     logical_mesh: LogicalDeviceMesh,
     option: AutoShardingOption | None = None,
     fixed_in_specs: Sequence[PartitionSpec | None] | None = None,
@@ -201,24 +207,24 @@ def solve_auto_sharding(
     comm_first: bool = True,
     shared_reshardings: bool = True,
 ) -> AutoShardingSolution:
-    """Build the strategy graph of a traced step, solve the ILP, return the decision."""
-    marker = traced.grad_marker()
+    """Build the strategy graph of ``step``, solve the ILP, return the decision."""
+    marker = step.grad_marker()
     option = AutoShardingOption() if option is None else option
     given = option.force_batch_dim_to_mesh_dim
     axis = forced_batch_axis(option, _effective_mesh(logical_mesh, option))
     if axis != given:
         option = replace(option, force_batch_dim_to_mesh_dim=axis).snapshot()
-    batch_dims = _forced_batch_dims(traced, logical_mesh, option)
+    batch_dims = _forced_batch_dims(step, logical_mesh, option)
     if given is None and axis is not None and batch_dims is None:
         # Alpa's default, where the batch does not split over axis 0: not forced
         option = replace(option, force_batch_dim_to_mesh_dim=None).snapshot()
     return solve_jaxpr(
-        traced.closed_jaxpr,
+        step.closed_jaxpr,
         logical_mesh,
         option,
-        batch_invars=traced.batch_invars,
+        batch_invars=step.batch_invars,
         grad_operands=tuple(marker.invars) if marker is not None else None,
-        state_pairs=donated_state_pairs(traced),
+        state_pairs=donated_state_pairs(step),
         memory_model="xla",
         fixed_in_specs=fixed_in_specs,
         batch_dims=batch_dims,
@@ -244,9 +250,9 @@ def forced_batch_axis(option: AutoShardingOption, mesh: LogicalDeviceMesh) -> in
     return axis
 
 
-def _forced_batch_dims(traced, logical_mesh, option) -> Mapping | None:
+def _forced_batch_dims(step: StepJaxpr, logical_mesh, option) -> Mapping | None:
     """The batch dimensions of the step's values where ``force_batch_dim_to_mesh_dim``
-    needs them: those that shrink when the step is traced at ``1/n`` of the batch, ``n``
+    needs them: those that shrink when the step is step at ``1/n`` of the batch, ``n``
     the size of the forced axis (``micro_batches.batch_dims``)."""
     axis = None if option is None else option.force_batch_dim_to_mesh_dim
     if axis is None:
@@ -260,20 +266,20 @@ def _forced_batch_dims(traced, logical_mesh, option) -> Mapping | None:
     # batch size finds them, and a batch of one row has those the jaxpr's rules carry.
     size = _effective_mesh(logical_mesh, option).shape[axis]
     if size == 1:
-        rows = batch_rows(traced) or 1
+        rows = batch_rows(step) or 1
         size = next((d for d in range(2, rows + 1) if rows % d == 0), 1)
         if size == 1:
-            return static_batch_dims(traced.jaxpr, leaves_with_rows(traced), 1, partial=True)
-    return batch_dims(traced, size)
+            return static_batch_dims(step.jaxpr, leaves_with_rows(step), 1, partial=True)
+    return batch_dims(step, size)
 
 
-def donated_state_pairs(traced) -> tuple[tuple[int, int], ...]:
+def donated_state_pairs(step: StepJaxpr) -> tuple[tuple[int, int], ...]:
     """Each donated input paired with the first unpaired output of the same shape and dtype,
     in order: how a train step returns its updated state."""
-    jaxpr = traced.closed_jaxpr.jaxpr
+    jaxpr = step.closed_jaxpr.jaxpr
     taken: set[int] = set()
     pairs = []
-    for i, (var, donated) in enumerate(zip(jaxpr.invars, traced.donated_invars, strict=True)):
+    for i, (var, donated) in enumerate(zip(jaxpr.invars, step.donated_invars, strict=True)):
         if not donated:
             continue
         for o, out in enumerate(jaxpr.outvars):

@@ -15,13 +15,13 @@ from jax.sharding import NamedSharding
 from alpa.global_env import global_config
 from alpa.shard_parallel.lowering import build_micro_batched_parts, build_step_function
 from alpa.shard_parallel.sharding_plan import ShardingPlan
-from alpa.tracing import TracedStep
+from alpa.tracing import StepJaxpr
 from alpa.xla_compile import compile_lowered, hlo_text
 
 logger = logging.getLogger(__name__)
 
 
-def full_batch_avals(traced: TracedStep, num_micro_batches: int | None):
+def full_batch_avals(traced: StepJaxpr, num_micro_batches: int | None):
     """Input avals at the size the caller passes: batch leaves times ``k`` on dim 0."""
     k = num_micro_batches or 1
     avals = []
@@ -33,18 +33,19 @@ def full_batch_avals(traced: TracedStep, num_micro_batches: int | None):
     return avals
 
 
-def donated_argnums(traced: TracedStep) -> tuple[int, ...]:
+def donated_argnums(traced: StepJaxpr) -> tuple[int, ...]:
     """Positions, among the dynamic arguments, of those whose buffers are donated (a
     dynamic argument is donated as a whole, so its first leaf says)."""
     donated, start = [], 0
-    for position, subtree in enumerate(traced.in_tree.children()):
+    in_tree, _ = traced.trees()
+    for position, subtree in enumerate(in_tree.children()):
         if subtree.num_leaves and traced.donated_invars[start]:
             donated.append(position)
         start += subtree.num_leaves
     return tuple(donated)
 
 
-def compile_plan(traced: TracedStep, plan: ShardingPlan, num_micro_batches: int | None):
+def compile_plan(traced: StepJaxpr, plan: ShardingPlan, num_micro_batches: int | None):
     """``(compiled, in_shardings)``: ``traced`` lowered with ``plan`` and compiled for the
     full batch; ``compiled`` takes the dynamic arguments as the user's pytrees, placed as
     ``in_shardings`` says. With ``num_micro_batches`` it is a :class:`MicroBatchedProgram`
@@ -59,7 +60,7 @@ def compile_plan(traced: TracedStep, plan: ShardingPlan, num_micro_batches: int 
         return program, in_shardings
     out_shardings = tuple(None if s is None else NamedSharding(mesh, s) for s in plan.out_specs)
     inner = build_step_function(traced, plan, mesh, num_micro_batches)
-    in_tree, out_tree = traced.in_tree, traced.out_tree
+    in_tree, out_tree = traced.trees()
 
     def step(*dynamic_args):
         return jax.tree.unflatten(out_tree, inner(*jax.tree.leaves(dynamic_args)))
@@ -83,7 +84,7 @@ def _platform(mesh) -> str:
     return mesh.devices.flat[0].platform
 
 
-def _log_compile(traced: TracedStep, plan: ShardingPlan, tic: float) -> None:
+def _log_compile(traced: StepJaxpr, plan: ShardingPlan, tic: float) -> None:
     if global_config.print_compilation_time:
         logger.warning(
             "compiled %s (%s) in %.2f s", traced.name, plan.method, time.perf_counter() - tic
@@ -189,11 +190,11 @@ class MicroBatchedProgram:
     Arguments must already be placed as ``in_shardings`` says (``MeshExecutable``
     places them)."""
 
-    def __init__(self, traced: TracedStep, plan: ShardingPlan, mesh, k: int, in_shardings):
+    def __init__(self, traced: StepJaxpr, plan: ShardingPlan, mesh, k: int, in_shardings):
         first = build_micro_batched_parts(traced, plan, mesh, k)
         self.k = k
         self._platform = _platform(mesh)
-        self.in_tree, self.out_tree = traced.in_tree, traced.out_tree
+        self.in_tree, self.out_tree = traced.trees()
         avals = full_batch_avals(traced, k)
         self._batch_at = [i for i, b in enumerate(first.is_batch) if b]
         self._param_at = [i for i, b in enumerate(first.is_batch) if not b]
@@ -216,7 +217,7 @@ class MicroBatchedProgram:
         self._compile_accumulate(_PartFunctions(parts, self._param_at, self._batch_at))
         self.output_shardings = self.apply.output_shardings
 
-    def _compile_apply(self, traced: TracedStep, plan: ShardingPlan, mesh, parts):
+    def _compile_apply(self, traced: StepJaxpr, plan: ShardingPlan, mesh, parts):
         functions = _PartFunctions(parts, self._param_at, self._batch_at)
         _, last_avals, carry_avals = jax.eval_shape(functions.prepare, self._batch)
         grad_avals = jax.eval_shape(

@@ -37,7 +37,7 @@ from jax.sharding import PartitionSpec
 
 from alpa.device_mesh import MESH_AXIS_NAMES, LogicalDeviceMesh
 from alpa.shard_parallel.sharding_plan import REPLICATED, ShardingPlan
-from alpa.tracing import TracedStep
+from alpa.tracing import StepJaxpr
 from alpa.tracing.jaxpr_util import grad_marker_index
 
 DATA_AXIS = "x"
@@ -60,7 +60,7 @@ def is_opt_state(name: str) -> bool:
 
 
 def data_parallel_plan(
-    traced: TracedStep,
+    traced: StepJaxpr,
     logical_mesh: LogicalDeviceMesh,
     zero_stage: int = 0,
     method: str = "data parallel",
@@ -101,7 +101,7 @@ def data_parallel_plan(
             )
         in_specs.append(PartitionSpec(DATA_AXIS))
 
-    out_names = output_leaf_names(traced)
+    out_names = traced.output_names()
     out_specs = tuple(
         state_spec(name, v.aval.shape, v)
         for name, v in zip(out_names, traced.jaxpr.outvars, strict=True)
@@ -139,7 +139,7 @@ def data_parallel_plan(
 
 
 def updated_on_shards(
-    traced: TracedStep, n: int, out_names: list[str], out_specs, whole=frozenset()
+    traced: StepJaxpr, n: int, out_names: list[str], out_specs, whole=frozenset()
 ) -> dict[Var, PartitionSpec]:
     """ZeRO-2's outputs computed on each device's shard and returned whole: those the
     step returns replicated (parameters, not optimizer state) that it computes from the
@@ -178,7 +178,7 @@ class Factored:
     updated: frozenset[Var] = frozenset()
 
 
-def factored_gradients(traced: TracedStep) -> Factored:
+def factored_gradients(traced: StepJaxpr) -> Factored:
     """The gradients at the ``alpa.grad`` marker whose optimizer state is factored: from
     which, through values of more than one element, the step computes an optimizer-state
     output of another shape than the gradient's (module docstring). Scalars carry no
@@ -188,7 +188,7 @@ def factored_gradients(traced: TracedStep) -> Factored:
     if marker is None:
         return Factored()
     jaxpr = traced.jaxpr
-    names = output_leaf_names(traced)
+    names = traced.output_names()
     # Per value: the gradients and the optimizer-state inputs it is computed from.
     from_grads: dict[Var, frozenset[int]] = {
         v: frozenset({i}) for i, v in enumerate(marker.outvars) if _carries(v)
@@ -235,7 +235,7 @@ def _carries(v) -> bool:
     return isinstance(v, Var) and getattr(v.aval, "size", 1) > 1
 
 
-def batch_rows(traced: TracedStep) -> int | None:
+def batch_rows(traced: StepJaxpr) -> int | None:
     """The batch size: the most common dim 0 of the batch leaves (the largest on a tie). A
     batch leaf with another dim 0, or a scalar, holds no row per example (a PRNG
     key, a step number in the batch dict): the fixed plans replicate it, as Alpa's did."""
@@ -255,14 +255,3 @@ def rows_per_example(dims: Sequence[int | None]) -> list[bool]:
     A batch leaf with another dim 0 (a PRNG key's data) or a scalar does not."""
     rows = most_common_rows([d for d in dims if d is not None])
     return [d is not None and d == rows for d in dims]
-
-
-def output_leaf_names(traced: TracedStep) -> list[str]:
-    import jax
-
-    n = len(traced.jaxpr.outvars)
-    dummy = jax.tree.unflatten(traced.out_tree, list(range(n)))
-    return [
-        "output" + jax.tree_util.keystr(path)
-        for path, _ in jax.tree_util.tree_flatten_with_path(dummy)[0]
-    ]

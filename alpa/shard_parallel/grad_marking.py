@@ -22,7 +22,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax.extend.core import JaxprEqn, Var
 
-from alpa.tracing import TracedStep
+from alpa.tracing import StepJaxpr
 from alpa.tracing.trace import insert_grad_marker
 
 
@@ -31,7 +31,7 @@ def _in_backward_pass(eqn: JaxprEqn) -> bool:
     return any(getattr(entry, "name", None) == "transpose" for entry in stack)
 
 
-def gradient_vars(traced: TracedStep) -> list[Var]:
+def gradient_vars(traced: StepJaxpr) -> list[Var]:
     """The gradients of ``traced``, in the order the backward pass makes them: floating
     point values made by an equation of the backward pass and read by an equation
     outside it or returned by the step."""
@@ -50,7 +50,7 @@ def gradient_vars(traced: TracedStep) -> list[Var]:
     return [v for v in dict.fromkeys(made) if jnp.issubdtype(v.aval.dtype, jnp.inexact)]
 
 
-def mark_gradients(traced: TracedStep) -> TracedStep:
+def mark_gradients(traced: StepJaxpr) -> StepJaxpr:
     """``traced`` with the ``alpa.grad`` marker on its gradients (module docstring);
     ``traced`` itself when it has a marker already, no backward pass or no gradient."""
     if traced.grad_marker() is not None or not traced.has_backward_pass:

@@ -37,14 +37,14 @@ from jax.extend.core import Var
 from jax.sharding import PartitionSpec
 
 from alpa.device_mesh import entry_names, spec_entry
-from alpa.shard_parallel.data_parallel import data_parallel_plan, is_opt_state, output_leaf_names
+from alpa.shard_parallel.data_parallel import data_parallel_plan, is_opt_state
 from alpa.shard_parallel.gradient_sync import marker_deferral, pure_data_parallel, spec_entries
 from alpa.shard_parallel.sharding_plan import ShardingPlan
-from alpa.tracing import TracedStep
+from alpa.tracing import StepJaxpr
 
 
 def scattered_in_alpas_order(
-    traced: TracedStep, plan: ShardingPlan, fixed_in_specs=None, one_group: bool = False
+    traced: StepJaxpr, plan: ShardingPlan, fixed_in_specs=None, one_group: bool = False
 ) -> ShardingPlan | None:
     """``plan`` (the all-reduce plan, solved communication first) rewritten as Alpa's
     ``prefer_reduce_scatter`` rewrote it (module docstring), ``None`` where it cannot be.
@@ -61,7 +61,7 @@ def scattered_in_alpas_order(
     return _scattered(traced, plan, one_group)
 
 
-def _zero2(traced: TracedStep, plan: ShardingPlan) -> ShardingPlan | None:
+def _zero2(traced: StepJaxpr, plan: ShardingPlan) -> ShardingPlan | None:
     """A data-parallel plan as ZeRO-2's, where every gradient ZeRO-2 splits is a row sum
     deferred to the marker (else XLA would all-reduce it, slice the update and gather each
     such parameter on its own)."""
@@ -114,7 +114,7 @@ def scattered_spec(
     return None
 
 
-def _scattered(traced: TracedStep, plan: ShardingPlan, one_group: bool) -> ShardingPlan | None:
+def _scattered(traced: StepJaxpr, plan: ShardingPlan, one_group: bool) -> ShardingPlan | None:
     """A plan that splits the batch over some axes and the model over others, its
     gradients reduce-scattered at the marker (module docstring). A gradient is reduced
     over the axes that split its rows: the plan's data axes, or every axis where part of
@@ -171,7 +171,7 @@ def _scattered(traced: TracedStep, plan: ShardingPlan, one_group: bool) -> Shard
             update.append(eqn)
     out_specs = list(plan.out_specs)
     var_specs = {v: s for v, s in plan.var_specs.items() if v not in after}
-    for o, (name, v) in enumerate(zip(output_leaf_names(traced), jaxpr.outvars, strict=True)):
+    for o, (name, v) in enumerate(zip(traced.output_names(), jaxpr.outvars, strict=True)):
         split = scattered(out_specs[o], v.aval) if isinstance(v, Var) else None
         if split is None:
             continue
@@ -195,7 +195,7 @@ def _scattered(traced: TracedStep, plan: ShardingPlan, one_group: bool) -> Shard
     )
 
 
-def _groups(traced: TracedStep, plan: ShardingPlan, sizes) -> list[tuple[tuple, object]]:
+def _groups(traced: StepJaxpr, plan: ShardingPlan, sizes) -> list[tuple[tuple, object]]:
     """``(axes, deferral)`` for the plan's data axes and, where they are not all its
     axes, for all of them: the row sums each carries to the marker. A group whose
     deferred values meet an earlier group's is left out (a value has one layout of
@@ -215,7 +215,7 @@ def _layout(aval, spec) -> tuple:
     return tuple(aval.shape), spec_entries(spec)
 
 
-def _adds_a_reduced_value(v: Var, found, traced: TracedStep) -> bool:
+def _adds_a_reduced_value(v: Var, found, traced: StepJaxpr) -> bool:
     """Whether the deferred gradient ``v`` is made, through the linear operations that
     carry its partial sums, from a value computed from the batch that is not deferred (a
     tied embedding's scatter-add into its table's gradient split over the model axis,

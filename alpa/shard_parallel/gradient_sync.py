@@ -56,7 +56,7 @@ from alpa.shard_parallel.row_sums import (
     scatter_dimension,
 )
 from alpa.shard_parallel.sharding_plan import REPLICATED, ShardingPlan
-from alpa.tracing import TracedStep, new_jaxpr
+from alpa.tracing import StepJaxpr, new_jaxpr
 from alpa.tracing.jaxpr_util import read_vars
 
 # ----------------------------------------------------------------------------- what is packed
@@ -125,7 +125,7 @@ class PackedGathers:
     outputs: Mapping[int, tuple[PartitionSpec, tuple[str, ...]]]
 
 
-def packed_gathers(traced: TracedStep, plan: ShardingPlan) -> PackedGathers:
+def packed_gathers(traced: StepJaxpr, plan: ShardingPlan) -> PackedGathers:
     """The all-gathers ``packed_collectives.gather_packed`` writes out for ``plan`` (empty
     unless the lowering reduces its gradients at the marker, :func:`sync_groups`)."""
     groups = sync_groups(plan)
@@ -167,7 +167,7 @@ class MarkerDeferral:
 
 
 def marker_deferral(
-    traced: TracedStep, plan: ShardingPlan, data_axes: Sequence[str] | None = None
+    traced: StepJaxpr, plan: ShardingPlan, data_axes: Sequence[str] | None = None
 ) -> MarkerDeferral | None:
     """Which gradients :func:`reduce_at_marker` reduces at the marker over ``data_axes``
     (default: the first of :func:`sync_groups`), ``None`` where it reduces none.
@@ -213,7 +213,7 @@ def marker_deferral(
     return MarkerDeferral(frozenset(deferred), dims, before) if deferred else None
 
 
-def _read_specs(traced: TracedStep, plan: ShardingPlan):
+def _read_specs(traced: StepJaxpr, plan: ShardingPlan):
     """``read_specs(eqn)``: per operand of ``eqn``, the spec the plan reads it in (its
     resharding edge's, else the value's pinned spec or the step input's), ``None`` where
     the plan names none."""
@@ -248,7 +248,7 @@ def _sums_over(eqn, specs, axes) -> bool:
     return False
 
 
-def reduce_at_marker(traced: TracedStep, plan: ShardingPlan, mesh, var_shardings) -> dict:
+def reduce_at_marker(traced: StepJaxpr, plan: ShardingPlan, mesh, var_shardings) -> dict:
     """Without micro-batches: the ``overrides`` of ``constrained_eval.eval_jaxpr_with_constraints``
     that reduce the step's gradients once, at the ``alpa.grad`` marker, as the
     micro-batched step does after its loop.
@@ -298,7 +298,7 @@ def reduce_at_marker(traced: TracedStep, plan: ShardingPlan, mesh, var_shardings
     return overrides
 
 
-def deferred_groups(traced: TracedStep, plan: ShardingPlan) -> list[tuple[tuple, MarkerDeferral]]:
+def deferred_groups(traced: StepJaxpr, plan: ShardingPlan) -> list[tuple[tuple, MarkerDeferral]]:
     """Per group of :func:`sync_groups` that defers something, ``(axes, deferral)``. The
     groups' deferred values must be disjoint: a value carried as partial sums over two
     groups at once has no one layout (``gradient_scatter`` plans only disjoint ones)."""
@@ -317,7 +317,7 @@ def deferred_groups(traced: TracedStep, plan: ShardingPlan) -> list[tuple[tuple,
     return groups
 
 
-def read_marker_outputs(traced: TracedStep) -> list[bool]:
+def read_marker_outputs(traced: StepJaxpr) -> list[bool]:
     """Per output of the ``alpa.grad`` marker, whether the step reads or returns it (an
     unreturned loss is not)."""
     jaxpr, marker = traced.jaxpr, traced.grad_marker()
@@ -371,7 +371,7 @@ class WrittenSync:
         return change
 
 
-def written_sync(traced: TracedStep, plan: ShardingPlan) -> WrittenSync | None:
+def written_sync(traced: StepJaxpr, plan: ShardingPlan) -> WrittenSync | None:
     """What the lowering of ``plan`` packs (module docstring), ``None`` where it packs
     nothing: the gradients it reduce-scatters at the marker and the tensors it
     all-gathers (ZeRO-3's parameters, in the packs of the forward pass:
@@ -425,7 +425,7 @@ def _bytes_by_dtype(avals) -> tuple[float, ...]:
     return tuple(total.values())
 
 
-def data_parallel_in_specs(traced: TracedStep, plan: ShardingPlan) -> tuple:
+def data_parallel_in_specs(traced: StepJaxpr, plan: ShardingPlan) -> tuple:
     """``plan``'s input specs with every input but the batch's replicated: data
     parallelism's plan of the same step, which :class:`WrittenSync` prices against."""
     return tuple(

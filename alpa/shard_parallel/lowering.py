@@ -40,7 +40,7 @@ from alpa.shard_parallel.partial_sums import partial_sum_overrides
 from alpa.shard_parallel.reduce_scatters import reduce_scatter_overrides
 from alpa.shard_parallel.row_sums import deferrable, deferred_rules, partial_spec
 from alpa.shard_parallel.sharding_plan import ShardingPlan
-from alpa.tracing import TracedStep, new_jaxpr
+from alpa.tracing import StepJaxpr, new_jaxpr
 from alpa.tracing.batch_draws import batch_size, micro_batch_draws, with_row_ids
 from alpa.tracing.jaxpr_util import backward_slice, read_vars
 
@@ -60,7 +60,7 @@ class GradSplit:
     marker_outvars: tuple[Var, ...]
 
 
-def split_at_grad_marker(traced: TracedStep) -> GradSplit:
+def split_at_grad_marker(traced: StepJaxpr) -> GradSplit:
     jaxpr = traced.jaxpr
     marker = traced.grad_marker()
     if marker is None:
@@ -120,9 +120,7 @@ def _average(total, count: int):
 # ----------------------------------------------------------------------------- lowering
 
 
-def build_step_function(
-    traced: TracedStep, plan: ShardingPlan, mesh, num_micro_batches: int | None
-):
+def build_step_function(traced: StepJaxpr, plan: ShardingPlan, mesh, num_micro_batches: int | None):
     """The Python function that ``jax.jit`` compiles for ``plan``: flat leaves in, flat
     leaves out, batch leaves at full batch size."""
     var_shardings, operand_shardings = _plan_shardings(traced, plan, mesh)
@@ -134,7 +132,7 @@ def build_step_function(
 
 
 def build_micro_batched_parts(
-    traced: TracedStep, plan: ShardingPlan, mesh, num_micro_batches: int, grad_shardings=None
+    traced: StepJaxpr, plan: ShardingPlan, mesh, num_micro_batches: int, grad_shardings=None
 ) -> MicroBatchedParts:
     """``plan``'s step over ``num_micro_batches`` micro-batches, in the parts that a
     program each compiles (:class:`MicroBatchedParts`). ``grad_shardings`` (per output of
@@ -146,7 +144,7 @@ def build_micro_batched_parts(
     )
 
 
-def _plan_shardings(traced: TracedStep, plan: ShardingPlan, mesh) -> tuple[dict, dict]:
+def _plan_shardings(traced: StepJaxpr, plan: ShardingPlan, mesh) -> tuple[dict, dict]:
     """``(var_shardings, operand_shardings)``: what the plan pins, on ``mesh``."""
     var_shardings = {v: NamedSharding(mesh, s) for v, s in plan.var_specs.items()}
     operand_shardings = {
@@ -165,7 +163,7 @@ def _plan_shardings(traced: TracedStep, plan: ShardingPlan, mesh) -> tuple[dict,
     return var_shardings, operand_shardings
 
 
-def _one_batch_step(traced: TracedStep, plan: ShardingPlan, mesh, var_shardings, operand_shardings):
+def _one_batch_step(traced: StepJaxpr, plan: ShardingPlan, mesh, var_shardings, operand_shardings):
     """The step on the whole batch at once, its gradients reduced at the marker."""
     closed = traced.closed_jaxpr
     overrides = reduce_at_marker(traced, plan, mesh, var_shardings)
@@ -268,13 +266,13 @@ class _Gathering:
         return gather_packed(list(outs), self.output_specs, self.mesh, self.by_dimension)
 
 
-def _gathering(traced: TracedStep, plan: ShardingPlan, mesh) -> _Gathering:
+def _gathering(traced: StepJaxpr, plan: ShardingPlan, mesh) -> _Gathering:
     gathers = packed_gathers(traced, plan)
     return _Gathering(dict(gathers.inputs), dict(gathers.outputs), mesh, packs_by_dimension(plan))
 
 
 def _micro_batched_step(
-    traced: TracedStep, plan: ShardingPlan, mesh, k: int, var_shardings, operand_shardings
+    traced: StepJaxpr, plan: ShardingPlan, mesh, k: int, var_shardings, operand_shardings
 ):
     """The step over ``k`` micro-batches as one program: a loop of the compute part
     accumulating the gradients (row sums kept per device where they can be), then the
@@ -341,7 +339,7 @@ class MicroBatchedParts:
 
 
 def micro_batched_parts(
-    traced: TracedStep,
+    traced: StepJaxpr,
     plan: ShardingPlan,
     mesh,
     k: int,
@@ -541,7 +539,7 @@ def _uncarry(x, spec, mesh, data_axes):
     return pinned(stacked, NamedSharding(mesh, partial_spec(spec, data_axes)))
 
 
-def _check_batch_free(traced: TracedStep, split: GradSplit, dims: dict) -> None:
+def _check_batch_free(traced: StepJaxpr, split: GradSplit, dims: dict) -> None:
     for v_in, v_out in zip(split.compute.outvars, split.marker_outvars, strict=True):
         if isinstance(v_in, Var) and dims.get(v_in, ()) != ():
             raise ValueError(

@@ -36,7 +36,7 @@ is computed, as the serial program needs.
 Which dimensions are batch dimensions (those whose size would shrink by the number of
 data-parallel devices in a trace at the per-device micro-batch size) is read off the
 jaxpr by ``tracing.batch_dims``, primitive by primitive; where that cannot follow every
-value, off a second trace of the step at that size (``TracedStep.retrace``). Where that
+value, off a second trace of the step at that size (``StepJaxpr.retrace``). Where that
 fails or differs in structure, nothing is deferred; the step is still exact, with its
 all-reduces inside the loop.
 """
@@ -54,7 +54,7 @@ from jax.extend.core import JaxprEqn, Var
 from jax.sharding import NamedSharding, PartitionSpec
 
 from alpa.shard_parallel.data_parallel import rows_per_example
-from alpa.tracing import TracedStep
+from alpa.tracing import StepJaxpr
 from alpa.tracing.batch_dims import static_batch_dims
 from alpa.tracing.jaxpr_util import planned_bodies
 
@@ -74,7 +74,7 @@ def stack_micro_batches(x, k: int, mesh, spec: PartitionSpec):
     )
 
 
-def layout_change_cost(traced: TracedStep, plan, num_micro_batches: int | None) -> float:
+def layout_change_cost(traced: StepJaxpr, plan, num_micro_batches: int | None) -> float:
     """Seconds, under the alpha-beta model, of laying the batch out as ``k`` micro-batches:
 
         Σ_leaf Σ_{a ∈ axes(leaf)} all_to_all_cost(k · bytes(micro-batch of leaf) · n_a / n_leaf, a)
@@ -107,7 +107,7 @@ def layout_change_cost(traced: TracedStep, plan, num_micro_batches: int | None) 
 # ----------------------------------------------------------------------------- batch dims
 
 
-def batch_dims(traced: TracedStep, num_data: int) -> dict[Var, tuple[int, ...] | None] | None:
+def batch_dims(traced: StepJaxpr, num_data: int) -> dict[Var, tuple[int, ...] | None] | None:
     """Per variable of ``traced``'s jaxpr, the dimensions that hold rows of the batch:
     those whose size is ``num_data`` times smaller in a trace at the per-device batch size
     (``None`` for a variable whose sizes changed otherwise, or that nothing reads).
@@ -129,7 +129,7 @@ def batch_dims(traced: TracedStep, num_data: int) -> dict[Var, tuple[int, ...] |
     return retraced_batch_dims(traced, num_data)
 
 
-def leaves_with_rows(traced: TracedStep) -> tuple[bool, ...]:
+def leaves_with_rows(traced: StepJaxpr) -> tuple[bool, ...]:
     """Per input of ``traced``, whether it is a batch leaf with a row per example: a batch
     leaf whose dim 0 is another size than the batch's (a PRNG key, a step number in the
     batch dict: ``data_parallel.rows_per_example``) holds no batch dimension."""
@@ -137,7 +137,7 @@ def leaves_with_rows(traced: TracedStep) -> tuple[bool, ...]:
     return tuple(rows_per_example([a.shape[0] if b and a.ndim else None for a, b in pairs]))
 
 
-def retraced_batch_dims(traced: TracedStep, num_data: int) -> dict | None:
+def retraced_batch_dims(traced: StepJaxpr, num_data: int) -> dict | None:
     """:func:`batch_dims` off a trace at ``1 / num_data`` of the batch: ``None`` when
     there is none (a step written for one batch size fails it) or it differs from the
     first in structure."""
@@ -202,7 +202,7 @@ def _body_pairs(glob: JaxprEqn, local: JaxprEqn) -> list[tuple[Var, Var]]:
     return pairs
 
 
-def batch_dims_for(traced: TracedStep, counts: Iterable[int]) -> dict[int, dict | None]:
+def batch_dims_for(traced: StepJaxpr, counts: Iterable[int]) -> dict[int, dict | None]:
     """:func:`batch_dims` for each of ``counts`` (data-parallel device counts), from one
     retrace where one suffices: at the least common multiple ``L`` of the counts, when
     ``L`` divides every batch leaf. A dimension that holds rows of the batch is ``L``

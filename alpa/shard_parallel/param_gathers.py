@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 from jax.extend.core import Jaxpr, JaxprEqn, Var
 
-from alpa.tracing import TracedStep
+from alpa.tracing import StepJaxpr
 
 
 @dataclass(frozen=True)
@@ -71,7 +71,7 @@ class GatherSchedule:
         ]
 
 
-def gather_schedule(traced: TracedStep, gathered: Sequence[int], bound: int) -> GatherSchedule:
+def gather_schedule(traced: StepJaxpr, gathered: Sequence[int], bound: int) -> GatherSchedule:
     """Where the step inputs at positions ``gathered`` (ZeRO-3's parameters) are gathered
     (module docstring); ``bound``: the bytes of whole tensors one pack may hold."""
     jaxpr, marker = traced.jaxpr, traced.grad_marker()
@@ -117,7 +117,7 @@ def _first_uses(jaxpr: Jaxpr, gathered: Sequence[int], start: int, stop: int) ->
     return first
 
 
-def _loss(traced: TracedStep, marker: JaxprEqn) -> Var | None:
+def _loss(traced: StepJaxpr, marker: JaxprEqn) -> Var | None:
     """The value ``alpa.grad`` differentiated (its marker's first operand: the marker holds
     the value's leaves, then one gradient per leaf it differentiated), ``None`` where the
     marker holds gradients only (one ``parallelize`` put on a ``jax.grad`` step)."""

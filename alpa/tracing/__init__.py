@@ -2,6 +2,7 @@
 
 from alpa.tracing.jaxpr_util import grad_marker_index, is_grad_marker, is_var, nbytes
 from alpa.tracing.trace import (
+    StepJaxpr,
     TracedStep,
     abstractify,
     inline_calls,
@@ -13,6 +14,7 @@ from alpa.tracing.trace import (
 )
 
 __all__ = [
+    "StepJaxpr",
     "TracedStep",
     "grad_marker_index",
     "is_grad_marker",

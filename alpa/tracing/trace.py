@@ -46,42 +46,43 @@ from alpa.tracing.primitive_def import pipeline_p
 
 
 @dataclass(frozen=True)
-class TracedStep:
-    """A traced step: the flat jaxpr and what each of its inputs is.
+class StepJaxpr:
+    """A flat program and the role of each of its inputs: what the intra-op planner
+    (``alpa.shard_parallel.auto_sharding.plan_auto_sharding``) plans and
+    ``shard_parallel``'s lowering compiles. A user's step (:class:`TracedStep`) is one; a
+    pipeline stage's computations, cut out of the step's jaxpr, are another, with no
+    call structure of their own: flat inputs and outputs, no retrace.
 
     Attributes:
-      closed_jaxpr: the program; ``invars`` are the dynamic leaves in order.
-      in_tree: treedef of the tuple of dynamic arguments.
-      out_tree: treedef of the function's output.
-      in_avals: abstract value of each dynamic leaf.
-      batch_invars: per leaf, whether it belongs to a batch argument (``batch_argnums``).
-      donated_invars: per leaf, whether its buffer may be reused for an output.
-      leaf_names: per leaf, e.g. ``"argument 1['x']"``, for messages.
-      dynamic_argnums: positions of the dynamic arguments in the original call.
-      name: the function's name.
-      retrace: ``retrace(d)`` traces the same step again with every batch leaf's dim 0
+      closed_jaxpr: the program; ``invars`` are its inputs in order.
+      in_avals: abstract value of each input.
+      batch_invars: per input, whether it belongs to the batch (its dimension 0 is the
+        batch's rows).
+      donated_invars: per input, whether its buffer may be reused for an output.
+      leaf_names: per input, e.g. ``"argument 1['x']"``, for messages; an optimizer-state
+        input is one whose name says ``opt_state`` (``data_parallel.is_opt_state``).
+      name: the program's name, for messages.
+      grad_invars: per input, whether ``alpa.grad`` differentiates with respect to it as
+        it is (a parameter; module docstring); empty when unknown.
+      has_backward_pass: whether reverse-mode AD (``alpa.grad`` or ``jax.grad``) ran
+        inside the step (module docstring).
+      retrace: ``retrace(d)`` traces the same step again with every batch input's dim 0
         divided by ``d`` (set by ``parallelize``; used for per-device micro-batches);
         ``d`` may be a ``fractions.Fraction`` (``Fraction(1, 2)`` doubles the batch).
         ``parallelize``'s retraces are kept: a second call with the same ``d`` returns
-        the first one's trace.
-      grad_invars: per leaf, whether ``alpa.grad`` differentiates with respect to it as
-        it is (module docstring); empty when unknown.
-      has_backward_pass: whether reverse-mode AD (``alpa.grad`` or ``jax.grad``) ran
-        inside the step (module docstring).
+        the first one's trace. ``None`` where the program cannot be traced again (a
+        stage's computations).
     """
 
     closed_jaxpr: ClosedJaxpr
-    in_tree: Any
-    out_tree: Any
     in_avals: tuple[Any, ...]
     batch_invars: tuple[bool, ...]
     donated_invars: tuple[bool, ...]
     leaf_names: tuple[str, ...]
-    dynamic_argnums: tuple[int, ...]
     name: str
-    retrace: Callable[[int], TracedStep] | None = field(default=None, compare=False, repr=False)
     grad_invars: tuple[bool, ...] = ()
     has_backward_pass: bool = False
+    retrace: Callable[[int], TracedStep] | None = field(default=None, compare=False, repr=False)
 
     @property
     def jaxpr(self) -> Jaxpr:
@@ -96,6 +97,45 @@ class TracedStep:
                 "a training step may compute its gradients only once"
             )
         return markers[0] if markers else None
+
+    def trees(self) -> tuple[Any, Any]:
+        """``(in_tree, out_tree)``: how the compiled program takes its inputs and returns
+        its outputs; flat tuples here."""
+        ins, outs = len(self.jaxpr.invars), len(self.jaxpr.outvars)
+        return jax.tree.structure(tuple(range(ins))), jax.tree.structure(tuple(range(outs)))
+
+    def output_names(self) -> list[str]:
+        """Per output, a name for messages (``output[i]`` here)."""
+        return [f"output[{i}]" for i in range(len(self.jaxpr.outvars))]
+
+
+@dataclass(frozen=True, kw_only=True)
+class TracedStep(StepJaxpr):
+    """A user's traced step: a :class:`StepJaxpr` whose inputs are the dynamic leaves of
+    the call, with the call's structure.
+
+    Attributes (besides :class:`StepJaxpr`'s):
+      in_tree: treedef of the tuple of dynamic arguments.
+      out_tree: treedef of the function's output.
+      dynamic_argnums: positions of the dynamic arguments in the original call.
+    """
+
+    in_tree: Any
+    out_tree: Any
+    dynamic_argnums: tuple[int, ...]
+
+    def trees(self) -> tuple[Any, Any]:
+        """``(in_tree, out_tree)``: the user's argument and output pytrees."""
+        return self.in_tree, self.out_tree
+
+    def output_names(self) -> list[str]:
+        """Per output leaf, its path in the step's output, e.g. ``output[0]['w']``."""
+        n = len(self.jaxpr.outvars)
+        dummy = jax.tree.unflatten(self.out_tree, list(range(n)))
+        return [
+            "output" + jax.tree_util.keystr(path)
+            for path, _ in jax.tree_util.tree_flatten_with_path(dummy)[0]
+        ]
 
 
 def mark_outputs_as_gradients(traced: TracedStep) -> TracedStep:
