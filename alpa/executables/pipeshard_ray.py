@@ -236,7 +236,7 @@ class PipeshardRayExecutable(Executable):
                 zeros = stages.zeros(ins.outputs)
                 shardings = [stages.key_sharding(k) for k in ins.outputs]
                 fn = exported(b, m, ("zeros", ins.outputs), "zeros", zeros, [], shardings)
-                b.emit(WorkerOp.ZEROS, out_slots=tuple(b.slot(k) for k in ins.outputs), fn=fn)
+                b.emit(WorkerOp.ALLOC, out_slots=tuple(b.slot(k) for k in ins.outputs), fn=fn)
             elif ins.op is Op.RESHARD and mesh_of(ins.inputs[0][2]) == mesh_of(m):
                 # Between two stages on one mesh: a compiled relayout on its workers.
                 (src,), (dst,) = ins.inputs, ins.outputs

@@ -17,7 +17,8 @@ outputs get.
     :class:`DummyValue`) into ``out_slots[0]``, laid out as ``layouts[layout]``.
   - ``LOAD``: the ``k`` micro-batches of step argument ``arg`` into ``out_slots``.
   - ``RUN``: ``out_slots = fns[fn](in_slots)``.
-  - ``ZEROS``: ``out_slots = fns[fn]()`` (accumulators).
+  - ``ALLOC``: ``out_slots = fns[fn]()`` (zeros: a kernel's running sums; the plan's
+    ``Op.ALLOC``).
   - ``SEND`` / ``RECV``: one value between meshes, tile by tile
     (:class:`TransferPlan`); the sending worker pushes its pieces to each destination
     worker, the receiving worker assembles its devices' tiles.
@@ -143,7 +144,7 @@ class WorkerOp(str, enum.Enum):
     INPUT = "INPUT"
     LOAD = "LOAD"
     RUN = "RUN"
-    ZEROS = "ZEROS"
+    ALLOC = "ALLOC"
     SEND = "SEND"
     RECV = "RECV"
     CONCAT = "CONCAT"
@@ -158,7 +159,7 @@ class WorkerInstruction:
     op: WorkerOp
     in_slots: tuple[int, ...] = ()
     out_slots: tuple[int, ...] = ()
-    fn: int | None = None  # RUN / ZEROS: index into WorkerProgram.fns
+    fn: int | None = None  # RUN / ALLOC: index into WorkerProgram.fns
     arg: int | None = None  # INPUT / LOAD: index of the step argument
     layout: Layout | None = None  # INPUT / LOAD / RECV: where the value goes
     micro_batch_size: int | None = None  # LOAD
