@@ -16,28 +16,21 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-import jax
-
-from alpa.executables.base import Executable, check_dispatch_args
 from alpa.executables.distributed import abstract_mesh
-from alpa.executables.stage_programs import StagePrograms, hlo_order, input_placement_specs
-from alpa.executables.stage_trace import StageTrace
-from alpa.executables.worker_projection import MeshOutputSource, project_plan
-from alpa.global_env import global_config
+from alpa.executables.pipeshard_base import PipeshardExecutable
+from alpa.executables.stage_programs import StagePrograms, hlo_order
+from alpa.executables.worker_projection import project_plan
 from alpa.pipeline_parallel.pipeshard_plan import PipeshardPlan
-from alpa.pipeline_parallel.program_rewrites import step_arguments
 from alpa.pipeline_parallel.stage_sharding import DATA_AXES
 from alpa.runtime.mesh_group import PhysicalMeshGroup
-from alpa.runtime.placement import PlacementSpec, caller_placements, place
+from alpa.runtime.placement import PlacementSpec, place
 from alpa.runtime.ray_launch import RayStepLauncher
 from alpa.runtime.ray_mesh import DistributedPhysicalDeviceMesh, wait_workers
 from alpa.runtime.resharding import worker_transfer_plan
 from alpa.runtime.worker_program import Layout, WorkerOp
-from alpa.shard_parallel.compile import full_batch_avals
-from alpa.tracing import leaf_signature
 
 
-class PipeshardRayExecutable(Executable):
+class PipeshardRayExecutable(PipeshardExecutable):
     """Runs a pipelined step on Ray mesh workers: one mesh per stage, or, where the schedule
     places several stages on one mesh (interleaved 1F1B, DualPipeV), per group of devices, whose
     workers run the instructions of all its stages.
@@ -46,14 +39,7 @@ class PipeshardRayExecutable(Executable):
     (``PipelineInstructions.physical_mesh``), in order."""
 
     def __init__(self, plan: PipeshardPlan, meshes: Sequence[DistributedPhysicalDeviceMesh]):
-        self.plan = plan
-        self.traced = plan.user_traced  # what callers pass and get back
-        self._row_split = plan.row_split
-        self.program = plan.program
-        self.stage_plan = plan.stage_plan
-        self.schedule = plan.schedule
-        self.instructions = plan.instructions
-        self.num_micro_batches = plan.num_micro_batches
+        super().__init__(plan)
         self.meshes = list(meshes)
         self._mesh_of = plan.instructions.physical_mesh  # a stage's mesh -> its devices' mesh
         self._logical_shapes = [tuple(m.shape) for m in plan.logical_meshes]
@@ -70,8 +56,7 @@ class PipeshardRayExecutable(Executable):
         self._programs = list(projection.programs)
         self.mesh_group = PhysicalMeshGroup(self.meshes, [m.mesh_id for m in self.meshes])
         self._computation_of = list(projection.computation_of)
-        self.stage_trace = StageTrace(len(plan.program.computations))
-        self._tracing = False
+        self._tracing = False  # whether the workers time every RUN
         self.launcher = RayStepLauncher(
             self.meshes,
             self._programs,
@@ -80,9 +65,6 @@ class PipeshardRayExecutable(Executable):
             frozenset(),
             worker_transfer_plan,
         )
-        full = full_batch_avals(self.traced, plan.num_micro_batches)
-        self._signatures = [leaf_signature(a) for a in full]
-        self._last_outputs: list = []
 
     def _check_meshes(self) -> None:
         """Each mesh has as many devices per host as its stage's submesh."""
@@ -96,32 +78,16 @@ class PipeshardRayExecutable(Executable):
 
     # -- running
 
-    def dispatch(self, *dynamic_args: Any) -> Any:
-        leaves = check_dispatch_args(self.traced, dynamic_args, self._signatures)
-        return jax.tree.unflatten(self.traced.out_tree, self._run(leaves))
-
-    def placing_dispatch(self) -> Any:
-        return self.dispatch
-
     def launch(self, flat_args: Sequence[Any]) -> list:
         return self._run(flat_args)
 
-    def _run(self, flat_args: Sequence[Any]) -> list:
-        split = self._row_split
-        if split is not None:
-            flat_args = split.split_args(flat_args)
-        args = step_arguments(self.program, flat_args, self.num_micro_batches)
-        trace = global_config.collect_trace
+    def _execute(self, args: Sequence[Any], trace: bool) -> list:
         if trace != self._tracing:  # tell the workers to wait for and time every RUN
             for mesh in self.meshes:
                 mesh.call("trace_runs", self.launcher.program_id, trace)
             self._tracing = trace
         per_mesh = self.launcher.launch(args)
-        if trace:
-            self._record_trace()
-        outputs = [src.read(per_mesh, self._const_outputs) for src in self._output_sources]
-        self._last_outputs = outputs
-        return outputs if split is None else split.join_outputs(outputs)
+        return [src.read(per_mesh, self._const_outputs) for src in self._output_sources]
 
     def step_seconds(self) -> list[list[float]]:
         return self.launcher.mesh_step_seconds
@@ -140,18 +106,10 @@ class PipeshardRayExecutable(Executable):
                 if index in computation_of:  # not a relayout between two stages
                     self.stage_trace.add(computation_of[index], start, stop)
 
-    def get_stage_execution_info(self) -> list[list[tuple]]:
-        """Alpa's: per stage computation, when each of its traced runs started and
-        stopped (steps run with ``global_config.collect_trace`` set), and its mesh's hosts
-        and devices (of each host, the device indices)."""
-        computations = self.program.computations
-
-        def where(c: int):
-            mesh = self.meshes[self._mesh_of(computations[c].stage)]
-            first = mesh.first_device
-            return mesh.host_ids, tuple(range(first, first + mesh.num_devices_per_host))
-
-        return self.stage_trace.info(where)
+    def _stage_devices(self, computation: int) -> tuple[tuple, tuple]:
+        mesh = self.meshes[self._mesh_of(self.program.computations[computation].stage)]
+        first = mesh.first_device
+        return mesh.host_ids, tuple(range(first, first + mesh.num_devices_per_host))
 
     def preshard_flat_args(self, flat_args: Sequence[Any]) -> list[Any]:
         """Each leaf as a ``DistributedArray`` on the mesh of the first stage that reads
@@ -195,27 +153,6 @@ class PipeshardRayExecutable(Executable):
             ),
         )
 
-    @property
-    def stage_input_shard_specs(self) -> list[list]:
-        """Alpa's name: per stage, the ``PartitionSpec`` of each input
-        (``PipeshardPlan.stage_input_specs``)."""
-        return self.plan.stage_input_specs()
-
-    def flat_input_placement_specs(self) -> list[PlacementSpec]:
-        specs = input_placement_specs(
-            self.plan.traced, self.program.input_stages, self.num_micro_batches, self._placement
-        )
-        return caller_placements(self._row_split, specs)
-
-    def flat_output_placement_specs(self) -> list[PlacementSpec]:
-        specs = []
-        for v, source in zip(self.plan.traced.jaxpr.outvars, self._output_sources, strict=True):
-            if isinstance(source, MeshOutputSource):
-                specs.append(self._placement(v, (source.stage_mesh,)))
-            else:
-                specs.append(PlacementSpec(getattr(v, "aval", None), (), ()))
-        return caller_placements(self._row_split, specs, outputs=True)
-
     def _stage_functions(self) -> list[tuple[str, int, int]]:
         """``(name, mesh, function)`` of each stage computation, in Alpa's order of stage
         programs (``hlo_order``: the forwards, the backwards from the last stage to the
@@ -255,10 +192,8 @@ class PipeshardRayExecutable(Executable):
         """Per mesh, per host: the buffer names its worker holds and its live arrays."""
         return [mesh.call("live_buffers") for mesh in self.meshes]
 
-    def dump_debug_info(self, folder: str) -> None:
-        os.makedirs(folder, exist_ok=True)
-        with open(os.path.join(folder, "schedule.txt"), "w") as f:
-            f.write(self.schedule.grid() + "\n")
+    def _dump_programs(self, folder: str) -> None:
+        """Each mesh's worker program (``mesh{m}_program.txt``), one instruction a line."""
         for mesh, program in enumerate(self._programs):
             with open(os.path.join(folder, f"mesh{mesh}_program.txt"), "w") as f:
                 for ins in program.instructions:
