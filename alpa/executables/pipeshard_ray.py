@@ -26,7 +26,6 @@ from alpa.runtime.mesh_group import PhysicalMeshGroup
 from alpa.runtime.placement import PlacementSpec, place
 from alpa.runtime.ray_launch import RayStepLauncher
 from alpa.runtime.ray_mesh import DistributedPhysicalDeviceMesh, wait_workers
-from alpa.runtime.resharding import worker_transfer_plan
 from alpa.runtime.worker_program import Layout, WorkerOp
 
 
@@ -63,7 +62,6 @@ class PipeshardRayExecutable(PipeshardExecutable):
             projection.mesh_args,
             projection.mesh_outputs,
             frozenset(),
-            worker_transfer_plan,
         )
 
     def _check_meshes(self) -> None:

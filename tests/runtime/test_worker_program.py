@@ -5,6 +5,7 @@ tile-plan type (``TransferPlan``) that the planner, the plan and the workers sha
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import pickle
 
 import numpy as np
@@ -80,3 +81,17 @@ def test_a_tile_plan_names_its_bad_devices_per_host_and_missing_dtype():
         ValueError, match="dst_devices_per_host=3 does not divide the 2 dst devices"
     ):
         dataclasses.replace(plan, dst_devices_per_host=3)
+
+
+def test_the_ray_runtime_calls_the_one_tile_planner_itself():
+    # Nothing hands the launcher a planner: it and reshard_array call the tile planner
+    # of runtime.resharding directly.
+    from alpa.executables.distributed import DistributedMeshExecutable
+    from alpa.runtime import ray_launch
+
+    for fn in (ray_launch.RayStepLauncher, ray_launch.reshard_array):
+        assert "planner" not in inspect.signature(fn).parameters, fn
+    assert ray_launch.worker_transfer_plan is worker_transfer_plan
+    # A caller that still passes a planner may pass only that one (checked first).
+    with pytest.raises(ValueError, match=r"planner=<built-in function len>: the Ray runtime"):
+        DistributedMeshExecutable(None, None, None, None, len)
