@@ -40,7 +40,6 @@ from alpa.executables.mesh import MeshExecutable, compile_shard_executable
 from alpa.executables.pipeshard import PipeshardDriverExecutable
 from alpa.executables.pipeshard_ray import PipeshardRayExecutable
 from alpa.runtime.placement import PlacementSpec
-from alpa.runtime.resharding import worker_transfer_plan
 from alpa.shard_method import ParallelMethod
 from alpa.shard_parallel.sharding_plan import ShardingPlan
 from alpa.timer import timed
@@ -249,9 +248,7 @@ def _compile(
 ) -> Executable:
     """``plan`` compiled in this process, or on the workers of ``ray_mesh``."""
     if ray_mesh is not None:
-        return DistributedMeshExecutable(
-            traced, plan, ray_mesh, num_micro_batches, worker_transfer_plan
-        )
+        return DistributedMeshExecutable(traced, plan, ray_mesh, num_micro_batches)
     return compile_shard_executable(traced, plan, num_micro_batches)
 
 

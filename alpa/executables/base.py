@@ -33,7 +33,8 @@ from alpa.tracing import TracedStep, leaf_signature
 
 
 class Executable(abc.ABC):
-    """A compiled step. Subclasses: ``MeshExecutable`` (one mesh) and the pipeshard one."""
+    """A compiled step. Subclasses: ``MeshExecutable`` (one mesh), ``DistributedMeshExecutable``
+    (one Ray mesh) and the pipelined ones (``pipeshard_base.PipeshardExecutable``)."""
 
     traced: TracedStep
 

@@ -21,8 +21,9 @@ from jax.sharding import AbstractMesh, AxisType, NamedSharding
 from alpa.executables.base import Executable, check_dispatch_args
 from alpa.executables.mesh import PricedPlan
 from alpa.runtime.placement import PlacementSpec, place
-from alpa.runtime.ray_launch import MeshOutput, RayStepLauncher, TransferPlanner
+from alpa.runtime.ray_launch import MeshOutput, RayStepLauncher
 from alpa.runtime.ray_mesh import DistributedPhysicalDeviceMesh
+from alpa.runtime.resharding import worker_transfer_plan
 from alpa.runtime.worker_program import (
     ExportedFn,
     Layout,
@@ -97,10 +98,16 @@ class DistributedMeshExecutable(PricedPlan, Executable):
         plan: ShardingPlan,
         mesh: DistributedPhysicalDeviceMesh,
         num_micro_batches: int | None,
-        planner: TransferPlanner,
+        planner: Any = None,
     ):
-        """``planner``: the tile planner (``pipeline_parallel.resharding
-        .worker_transfer_plan``) for an argument that lives on another mesh."""
+        """The runtime plans the tiles of an argument that lives on another mesh itself
+        (``runtime.resharding.worker_transfer_plan``, the one tile planner). ``planner``
+        is accepted for callers that still pass that planner, and must be it or ``None``."""
+        if planner not in (None, worker_transfer_plan):
+            raise ValueError(
+                f"planner={planner!r}: the Ray runtime plans tiles with "
+                "alpa.runtime.resharding.worker_transfer_plan only; pass None (or nothing)"
+            )
         self.traced = traced
         self.plan = plan
         self.mesh = mesh
@@ -157,7 +164,6 @@ class DistributedMeshExecutable(PricedPlan, Executable):
             [list(enumerate(self.in_layouts))],
             [outputs],
             frozenset(donated),
-            planner,
         )
         self._last_outputs: Any = ()
 

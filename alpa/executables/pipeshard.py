@@ -25,14 +25,13 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from alpa.device_mesh import LocalPhysicalDeviceMesh, make_jax_mesh
-from alpa.executables.base import Executable, check_dispatch_args
-from alpa.executables.stage_programs import StagePrograms, hlo_order, input_placement_specs
-from alpa.executables.stage_trace import StageTrace
+from alpa.executables.base import check_dispatch_args
+from alpa.executables.pipeshard_base import PipeshardExecutable
+from alpa.executables.stage_programs import StagePrograms, hlo_order
 from alpa.global_env import global_config
 from alpa.pipeline_parallel import plan_view
 from alpa.pipeline_parallel.computation import StageComputation
 from alpa.pipeline_parallel.pipeshard_plan import PipeshardPlan
-from alpa.pipeline_parallel.program_rewrites import step_arguments
 from alpa.pipeline_parallel.stage_sharding import DATA_AXES
 from alpa.pipeline_parallel.user_shardings import input_names
 from alpa.runtime.instructions import (
@@ -45,26 +44,17 @@ from alpa.runtime.instructions import (
 from alpa.runtime.local_runtime import LocalPipelineRuntime, RuntimeContext
 from alpa.runtime.memory import allocation_bytes, device_peak_bytes, step_peak_bytes
 from alpa.runtime.mesh_group import PhysicalMeshGroup
-from alpa.runtime.placement import PlacementSpec, caller_placements, is_abstract, place_leaf
-from alpa.shard_parallel.compile import full_batch_avals
-from alpa.tracing import leaf_signature
+from alpa.runtime.placement import PlacementSpec, is_abstract, place_leaf
 from alpa.xla_compile import compile_lowered, hlo_text
 
 
-class PipeshardDriverExecutable(Executable):
+class PipeshardDriverExecutable(PipeshardExecutable):
     """Runs a pipelined step on local submeshes (the driver runs every mesh's program)."""
 
     def __init__(self, plan: PipeshardPlan, devices: Sequence[Any]):
+        super().__init__(plan)
         traced, program, stage_plan = plan.traced, plan.program, plan.stage_plan
         instructions, names = plan.instructions, plan.names
-        self.plan = plan
-        self.traced = plan.user_traced  # what callers pass and get back
-        self._row_split = plan.row_split
-        self.program = program
-        self.stage_plan = stage_plan
-        self.schedule = plan.schedule
-        self.instructions = instructions
-        self.num_micro_batches = plan.num_micro_batches
         self._names = names
         self._var_of = {name: v for v, name in names.items()}
         self.options = list(plan.options)
@@ -113,19 +103,13 @@ class PipeshardDriverExecutable(Executable):
         self._const_outputs = self.stage_programs.const_outputs(
             {o.name for o in instructions.outputs if isinstance(o, ConstOutput)}
         )
-        self.collect_trace = False  # this executable's own switch (or global_config's)
-        self.stage_trace = StageTrace(len(program.computations))
-        self._last_outputs: list = []
         self._step_seconds: list[list[float]] = []
         # Alpa's mesh_group: each submesh's devices, by the mesh ids of the placement specs.
         self.mesh_group = PhysicalMeshGroup(
             [LocalPhysicalDeviceMesh(list(m.devices.flat)) for m in self.meshes],
             range(len(self.meshes)),
         )
-        full = full_batch_avals(self.traced, plan.num_micro_batches)
-        self._signatures = [leaf_signature(a) for a in full]
         # Per leaf split by rows, where its parts live: one array where a sharding says it.
-        self._in_layouts, self._out_layouts = {}, {}
         if self._row_split is not None:
             self._in_layouts = _layouts(self.flat_input_placement_specs())
             self._out_layouts = _layouts(self.flat_output_placement_specs())
@@ -169,10 +153,6 @@ class PipeshardDriverExecutable(Executable):
             raise RuntimeError(f"{self.traced.name}: pipeline step failed: {e}") from e
         return jax.tree.unflatten(self.traced.out_tree, outputs)
 
-    def placing_dispatch(self) -> Any:
-        # The runtime places each input on its mesh at the start of every step.
-        return self.dispatch
-
     def launch(self, flat_args: Sequence[Any]) -> list[jax.Array]:
         self._check_batch(flat_args)
         return self._run(flat_args)
@@ -180,10 +160,9 @@ class PipeshardDriverExecutable(Executable):
     def _run(self, flat_args: Sequence[Any]) -> list:
         if any(is_abstract(x) for x in flat_args):  # dummy values, made where they are read
             flat_args = self.preshard_flat_args(flat_args)
-        if self._row_split is not None:
-            flat_args = self._row_split.split_args(flat_args, self._in_layouts)
-        args = step_arguments(self.program, flat_args, self.num_micro_batches)
-        trace = self.collect_trace or global_config.collect_trace
+        return super()._run(flat_args)
+
+    def _execute(self, args: Sequence[Any], trace: bool) -> list:
         timed = global_config.pipeline_sync_for_timer
         if timed:
             self.sync()
@@ -192,11 +171,6 @@ class PipeshardDriverExecutable(Executable):
         if timed:
             jax.block_until_ready(outputs)
             self._step_seconds.append([time.perf_counter() - tic])
-        if trace:
-            self._record_trace()
-        if self._row_split is not None:
-            outputs = self._row_split.join_outputs(outputs, self._out_layouts)
-        self._last_outputs = outputs
         return outputs
 
     def _record_trace(self) -> None:
@@ -208,16 +182,9 @@ class PipeshardDriverExecutable(Executable):
                 computation = instructions.kernels[ins.computation].computation
                 self.stage_trace.add(computation, event.start + to_wall, event.end + to_wall)
 
-    def get_stage_execution_info(self) -> list[list[tuple]]:
-        """Alpa's: per stage computation, when each of its traced runs started and
-        stopped, and on which hosts and devices (``stage_trace``; steps run with
-        ``global_config.collect_trace`` set)."""
-        computations = self.program.computations
-
-        def where(c: int):
-            return (0,), tuple(self.meshes[computations[c].stage].devices.flat)
-
-        return self.stage_trace.info(where)
+    def _stage_devices(self, computation: int) -> tuple[tuple, tuple]:
+        stage = self.program.computations[computation].stage
+        return (0,), tuple(self.meshes[stage].devices.flat)
 
     def _check_batch(self, flat_args) -> None:
         k = self.num_micro_batches
@@ -241,31 +208,9 @@ class PipeshardDriverExecutable(Executable):
             out.append(place_leaf(arg, sharding))
         return out if split is None else split.join_inputs(out, self._in_layouts)
 
-    def flat_input_placement_specs(self) -> list[PlacementSpec]:
-        specs = input_placement_specs(
-            self.plan.traced, self.program.input_stages, self.num_micro_batches, self._placement
-        )
-        return caller_placements(self._row_split, specs)
-
-    def flat_output_placement_specs(self) -> list[PlacementSpec]:
-        specs = []
-        jaxpr = self.plan.traced.jaxpr
-        for v, output in zip(jaxpr.outvars, self.instructions.outputs, strict=True):
-            if output.keys:  # the mesh of the buffer(s) it is read from
-                specs.append(self._placement(v, (output.keys[0][2],)))
-            else:
-                specs.append(PlacementSpec(getattr(v, "aval", None), (), ()))
-        return caller_placements(self._row_split, specs, outputs=True)
-
     def _placement(self, var, meshes) -> PlacementSpec:
         shardings = tuple(self._sharding(var, m) for m in meshes)
         return PlacementSpec(var.aval, tuple(meshes), tuple(s.spec for s in shardings), shardings)
-
-    @property
-    def stage_input_shard_specs(self) -> list[list]:
-        """Alpa's name: per stage, the ``PartitionSpec`` of each input
-        (``PipeshardPlan.stage_input_specs``)."""
-        return self.plan.stage_input_specs()
 
     def get_stage_input_names(self) -> list[list[str]]:
         """Per stage, its inputs (what its forward and backward read from outside), in the
@@ -481,10 +426,8 @@ class PipeshardDriverExecutable(Executable):
         with open(path, "w") as f:
             json.dump({"traceEvents": events}, f)
 
-    def dump_debug_info(self, folder: str) -> None:
-        os.makedirs(folder, exist_ok=True)
-        with open(os.path.join(folder, "schedule.txt"), "w") as f:
-            f.write(self.schedule.grid() + "\n")
+    def _dump_programs(self, folder: str) -> None:
+        """The instructions (``instructions.txt``) and each stage program's HLO."""
         with open(os.path.join(folder, "instructions.txt"), "w") as f:
             f.write("\n".join(str(i) for i in self.instructions.instructions) + "\n")
         for name, text in zip(self.get_hlo_names(), self.get_hlo_text(), strict=True):

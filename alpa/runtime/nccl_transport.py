@@ -1,7 +1,7 @@
 """The GPU transport of cross-mesh resharding: NCCL send/recv between mesh-host workers.
 
-A :class:`~alpa.runtime.resharding.ReshardingPlan` says which box of the array each source
-device sends to each destination host, and which devices of that host keep a copy
+A :class:`~alpa.runtime.worker_program.TransferPlan` says which box of the array each
+source device sends to each destination host, and which devices of that host keep a copy
 (``docs/ray.md``, Cross-mesh resharding). Between Ray workers on GPUs (one worker per
 (mesh, host)) the boxes travel by NCCL point-to-point calls through ``cupy.cuda.nccl``,
 reading and writing jax device buffers in place through DLPack.
@@ -21,7 +21,7 @@ of one communicator may not share a GPU (NCCL answers "invalid usage"), so the t
 of a pair hold disjoint GPUs.
 
 **Matching.** NCCL pairs the sends from rank ``a`` to rank ``b`` with the receives on ``b``
-from ``a`` in the order they were issued. Both sides walk ``plan.transfers`` in plan order,
+from ``a`` in the order they were issued. Both sides walk ``plan.pieces`` in plan order,
 so the ``k``-th send from ``a`` to ``b`` is the ``k``-th receive, and shapes agree without
 any message. All calls of one step go into one NCCL group, so that workers which send to
 and receive from each other cannot deadlock on the order of their calls.
@@ -52,8 +52,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from alpa.runtime.resharding import ReshardingPlan
-from alpa.runtime.worker_program import Box, local_slices
+from alpa.runtime.worker_program import Box, TransferPlan, local_slices
 
 # numpy dtype name -> name of the cupy.cuda.nccl constant for it. Any other dtype travels as
 # raw bytes; so does bfloat16 where cupy's NCCL wrapper lacks NCCL_BFLOAT16.
@@ -120,8 +119,8 @@ class RankLayout:
     dst_mesh_shape: tuple[int, int]
 
     @classmethod
-    def of_plan(cls, plan: ReshardingPlan) -> RankLayout:
-        return cls(plan.src.mesh_shape, plan.dst.mesh_shape)
+    def of_plan(cls, plan: TransferPlan) -> RankLayout:
+        return cls(plan.src_mesh_shape, plan.dst_mesh_shape)
 
     @property
     def src_num_devices(self) -> int:
@@ -335,7 +334,7 @@ class NcclGroup:
 
 def execute_plan_transfers(
     group: NcclGroup,
-    plan: ReshardingPlan,
+    plan: TransferPlan,
     role: HostRole,
     dtype: Any,
     src_shards: Mapping[int, jax.Array] | None = None,
@@ -352,7 +351,7 @@ def execute_plan_transfers(
       src_shards: with ``role.src_host``, flat source device id -> that device's tile.
       dst_devices: with ``role.dst_host``, flat destination device id -> its jax device.
 
-    Sends the transfers whose source device is on this worker's source host and receives
+    Sends the pieces whose source device is on this worker's source host and receives
     those addressed to its destination host, all in one NCCL group. Returns, per destination
     device of this worker, the ``(box, piece)`` pairs (global coordinates, piece on that
     device) that together cover its tile exactly; ``{}`` for a worker with no destination
@@ -370,7 +369,7 @@ def execute_plan_transfers(
     dtype = np.dtype(dtype)
     _check_side("src_shards", role.src_host, src_shards, layout.src_devices)
     _check_side("dst_devices", role.dst_host, dst_devices, layout.dst_devices)
-    src_boxes = plan.src.device_boxes(plan.shape)
+    src_boxes = plan.src_boxes
     for device, shard in (src_shards or {}).items():
         want = tuple(hi - lo for lo, hi in src_boxes[device])
         if (tuple(shard.shape), shard.dtype) != (want, dtype):
@@ -383,7 +382,7 @@ def execute_plan_transfers(
 
 def _execute(
     group: NcclGroup,
-    plan: ReshardingPlan,
+    plan: TransferPlan,
     layout: RankLayout,
     role: HostRole,
     dtype: np.dtype,
@@ -392,7 +391,7 @@ def _execute(
     dst_devices: Mapping[int, jax.Device] | None,
 ) -> dict[int, list[tuple[Box, jax.Array]]]:
     sends, recvs, arrivals = [], [], []
-    for index, t in enumerate(plan.transfers):
+    for index, t in enumerate(plan.pieces):
         # The devices of a destination host take turns receiving, to spread NIC load.
         receiver = t.dst_devices[index % len(t.dst_devices)]
         if t.src_device in src_shards:

@@ -12,8 +12,9 @@ then one ``run_step`` message per worker:
 * the names of donated inputs, which the workers drop.
 
 A ``DistributedArray`` that lives on another mesh than the one reading it moves there
-worker to worker first (``send_buffer`` / ``recv_buffer`` with the tile plan), never
-through the driver. ``bytes_sent_last_step`` counts what the driver sent: the host
+worker to worker first (``send_buffer`` / ``recv_buffer`` with the tile plan the launcher
+asks the one tile planner for, ``resharding.worker_transfer_plan``), never through the
+driver. ``bytes_sent_last_step`` counts what the driver sent: the host
 arrays' bytes and the pickled messages.
 
 If any worker fails, the others are told to abort the step, and the failure surfaces as
@@ -25,7 +26,7 @@ from __future__ import annotations
 import itertools
 import pickle
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -39,13 +40,8 @@ from alpa.runtime.ray_mesh import (
     wait_workers,
 )
 from alpa.runtime.remote_arrays import ReplicatedDistributedArray
-from alpa.runtime.worker_program import (
-    DummyValue,
-    Layout,
-    TransferPlan,
-    WorkerOp,
-    WorkerProgram,
-)
+from alpa.runtime.resharding import worker_transfer_plan
+from alpa.runtime.worker_program import DummyValue, Layout, WorkerOp, WorkerProgram
 
 _program_ids = itertools.count()
 _step_ids = itertools.count()
@@ -65,10 +61,6 @@ class MeshOutput:
     layout: Layout | None  # None: as the worker compiled output k of the program's fns[0]
 
 
-#: ``plan(shape, dtype, src_layout, src_devices_per_host, dst_layout, dst_devices_per_host)``
-TransferPlanner = Callable[..., TransferPlan]
-
-
 class RayStepLauncher:
     """See the module docstring.
 
@@ -79,7 +71,6 @@ class RayStepLauncher:
         in the order of the program's ``arg`` indices.
       mesh_outputs: per mesh, a :class:`MeshOutput` per program output.
       donated_leaves: step arguments whose buffers the step consumes.
-      planner: the tile planner for values that must change mesh.
     """
 
     def __init__(
@@ -89,12 +80,10 @@ class RayStepLauncher:
         mesh_args: Sequence[Sequence[tuple[int, Layout]]],
         mesh_outputs: Sequence[Sequence[MeshOutput]],
         donated_leaves: frozenset[int],
-        planner: TransferPlanner,
     ):
         self.meshes = list(meshes)
         self.mesh_args = [list(a) for a in mesh_args]
         self.donated_leaves = donated_leaves
-        self.planner = planner
         self.program_id = next(_program_ids)
         self.bytes_sent_last_step = 0
         self.last_step_seconds: list[float] = []
@@ -213,7 +202,7 @@ class RayStepLauncher:
     def _move(self, x: DistributedArray, mesh: DistributedPhysicalDeviceMesh, layout: Layout):
         """Copy ``x`` onto ``mesh`` worker to worker; the name of the copy there (freed
         once the step that reads it is done and the copy is collected)."""
-        copy = reshard_array(x, mesh, layout, self.planner)
+        copy = reshard_array(x, mesh, layout)
         self._moved.append(copy)
         return copy.name
 
@@ -231,16 +220,14 @@ def _dummy(x: Any) -> DummyValue:
 
 
 def reshard_array(
-    x: DistributedArray,
-    mesh: DistributedPhysicalDeviceMesh,
-    layout: Layout,
-    planner: TransferPlanner,
+    x: DistributedArray, mesh: DistributedPhysicalDeviceMesh, layout: Layout
 ) -> DistributedArray:
-    """``x`` copied onto ``mesh`` as ``layout``, worker to worker by the tile plan (each
-    piece once per destination host; never through the driver)."""
+    """``x`` copied onto ``mesh`` as ``layout``, worker to worker by the tile plan
+    (``resharding.worker_transfer_plan``: each piece once per destination host; never
+    through the driver)."""
     x._check()
     mesh._check_alive()
-    plan = planner(
+    plan = worker_transfer_plan(
         x.shape, x.dtype, x.layout, x.mesh.num_devices_per_host, layout, mesh.num_devices_per_host
     )
     ensure_nccl_group(x.mesh, mesh)

@@ -15,11 +15,12 @@ possibly with another sharding. This module plans the move as pure tile arithmet
   device that needs it. A destination replicated over the devices of a host therefore
   receives each byte once, not once per device.
 
-The plan is data (:class:`ReshardingPlan`); :func:`apply_plan` executes it on numpy
-arrays, which is how tests check that every needed byte arrives exactly once and the array
-is reproduced. The in-process runtime moves values with ``jax.device_put`` and counts the
-plan's bytes (``LocalPipelineRuntime.resharded_bytes``); a Ray or NCCL backend sends the
-plan's pieces.
+The plan is data (``worker_program.TransferPlan``, the one tile-plan type, whose
+:class:`~alpa.runtime.worker_program.Piece` s are the boxes that move); :func:`apply_plan`
+executes it on numpy arrays, which is how tests check that every needed byte arrives
+exactly once and the array is reproduced. The in-process runtime moves values with
+``jax.device_put`` and counts the plan's bytes (``LocalPipelineRuntime.resharded_bytes``);
+a Ray or NCCL backend sends the plan's pieces.
 """
 
 from __future__ import annotations
@@ -33,9 +34,7 @@ from typing import Any
 import numpy as np
 
 from alpa.device_mesh import MESH_AXIS_NAMES, entry_names
-from alpa.runtime.worker_program import Layout, Piece, TransferPlan
-
-Box = tuple[tuple[int, int], ...]  # (start, stop) per array dimension
+from alpa.runtime.worker_program import Box, Layout, Piece, TransferPlan, local_slices
 
 
 @dataclass(frozen=True)
@@ -100,61 +99,35 @@ class MeshSharding:
         return boxes
 
 
-@dataclass(frozen=True)
-class Transfer:
-    """Send ``box`` of the array from ``src_device`` to host ``dst_host`` of the
-    destination mesh, where ``dst_devices`` (flat ids) each keep a copy."""
-
-    src_device: int
-    dst_host: int
-    box: Box
-    dst_devices: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class ReshardingPlan:
-    shape: tuple[int, ...]
-    src: MeshSharding
-    dst: MeshSharding
-    transfers: tuple[Transfer, ...]
-
-    def num_elements_sent(self) -> int:
-        """Elements that cross from the source mesh to destination hosts."""
-        return sum(_box_size(t.box) for t in self.transfers)
-
-    def table(self) -> str:
-        rows = [
-            f"reshard {self.shape}: {self.src.dim_axes} on {self.src.mesh_shape} -> "
-            f"{self.dst.dim_axes} on {self.dst.mesh_shape}"
-        ]
-        for t in self.transfers:
-            rows.append(
-                f"  dev {t.src_device} -> host {t.dst_host} {list(t.box)} "
-                f"for devices {list(t.dst_devices)}"
-            )
-        return "\n".join(rows)
-
-
-def plan_resharding(shape: Sequence[int], src: MeshSharding, dst: MeshSharding) -> ReshardingPlan:
-    """Which slices of which source devices each destination host receives."""
+def plan_resharding(
+    shape: Sequence[int], src: MeshSharding, dst: MeshSharding, dtype: Any = None
+) -> TransferPlan:
+    """Which slices of which source devices each destination host receives (``dtype``,
+    if given, prices the plan in bytes)."""
     shape = tuple(int(n) for n in shape)
-    transfers = plan_box_transfers(
-        src.device_boxes(shape), dst.device_boxes(shape), dst.mesh_shape[1]
+    src_boxes, dst_boxes = src.device_boxes(shape), dst.device_boxes(shape)
+    return TransferPlan(
+        shape=shape,
+        src_boxes=tuple(src_boxes),
+        dst_boxes=tuple(dst_boxes),
+        src_devices_per_host=src.mesh_shape[1],
+        dst_devices_per_host=dst.mesh_shape[1],
+        pieces=tuple(plan_box_transfers(src_boxes, dst_boxes, dst.mesh_shape[1])),
+        dtype=None if dtype is None else np.dtype(dtype).name,
     )
-    return ReshardingPlan(shape, src, dst, tuple(transfers))
 
 
 def plan_box_transfers(
     src_boxes: Sequence[Box], dst_boxes: Sequence[Box], dst_devices_per_host: int
-) -> list[Transfer]:
-    """The transfers of :func:`plan_resharding` from the tiles themselves: ``src_boxes[d]``
+) -> list[Piece]:
+    """The pieces of :func:`plan_resharding` from the tiles themselves: ``src_boxes[d]``
     is the tile of source device ``d``, ``dst_boxes[d]`` that of destination device ``d``,
     whose host is ``d // dst_devices_per_host``."""
     src_replicas: dict[Box, list[int]] = {}
     for device, box in enumerate(src_boxes):
         src_replicas.setdefault(box, []).append(device)
     turn = dict.fromkeys(src_replicas, 0)
-    transfers = []
+    pieces = []
     for host in range(len(dst_boxes) // dst_devices_per_host):
         host_tiles: dict[Box, list[int]] = {}
         first = host * dst_devices_per_host
@@ -162,32 +135,30 @@ def plan_box_transfers(
             host_tiles.setdefault(dst_boxes[device], []).append(device)
         for dst_box, devices in host_tiles.items():
             for src_box, replicas in src_replicas.items():
-                piece = _intersect(src_box, dst_box)
-                if piece is None:
+                box = _intersect(src_box, dst_box)
+                if box is None:
                     continue
                 sender = replicas[turn[src_box] % len(replicas)]
                 turn[src_box] += 1
-                transfers.append(Transfer(sender, host, piece, tuple(devices)))
-    return transfers
+                pieces.append(Piece(sender, host, box, tuple(devices)))
+    return pieces
 
 
-def apply_plan(plan: ReshardingPlan, src_shards: Sequence[np.ndarray]) -> list[np.ndarray]:
+def apply_plan(plan: TransferPlan, src_shards: Sequence[np.ndarray]) -> list[np.ndarray]:
     """Execute ``plan`` on numpy shards (one per source device); return destination shards.
 
-    Only the plan's transfers move data, so a destination element that no transfer covers
+    Only the plan's pieces move data, so a destination element that no piece covers
     stays NaN (or -1 for integers) and shows up in a comparison.
     """
     dtype = src_shards[0].dtype
     fill = np.nan if np.issubdtype(dtype, np.floating) else -1
-    src_boxes = plan.src.device_boxes(plan.shape)
-    dst_boxes = plan.dst.device_boxes(plan.shape)
-    out = [np.full([b - a for a, b in box], fill, dtype) for box in dst_boxes]
-    for t in plan.transfers:
-        piece = src_shards[t.src_device][_local(t.box, src_boxes[t.src_device])]
-        for device in t.dst_devices:
-            if plan.dst.host_of(device) != t.dst_host:
-                raise AssertionError(f"transfer to host {t.dst_host} names device {device}")
-            out[device][_local(t.box, dst_boxes[device])] = piece
+    out = [np.full([b - a for a, b in box], fill, dtype) for box in plan.dst_boxes]
+    for p in plan.pieces:
+        piece = src_shards[p.src_device][local_slices(p.box, plan.src_boxes[p.src_device])]
+        for device in p.dst_devices:
+            if device // plan.dst_devices_per_host != p.dst_host:
+                raise AssertionError(f"piece for host {p.dst_host} names device {device}")
+            out[device][local_slices(p.box, plan.dst_boxes[device])] = piece
     return out
 
 
@@ -199,14 +170,6 @@ def shard_array(array: np.ndarray, sharding: MeshSharding) -> list[np.ndarray]:
 def _intersect(a: Box, b: Box) -> Box | None:
     box = tuple((max(a0, b0), min(a1, b1)) for (a0, a1), (b0, b1) in zip(a, b, strict=True))
     return None if any(lo >= hi for lo, hi in box) else box
-
-
-def _box_size(box: Box) -> int:
-    return math.prod(hi - lo for lo, hi in box)
-
-
-def _local(box: Box, within: Box) -> tuple[slice, ...]:
-    return tuple(slice(lo - w0, hi - w0) for (lo, hi), (w0, _) in zip(box, within, strict=True))
 
 
 def worker_transfer_plan(
@@ -232,13 +195,13 @@ def worker_transfer_plan(
         dst_layout.mesh_shape, dst_layout.spec, ndim, dst_layout.axis_names
     )
     src_boxes, dst_boxes = src.device_boxes(shape), dst.device_boxes(shape)
-    transfers = plan_box_transfers(src_boxes, dst_boxes, dst_devices_per_host)
     return TransferPlan(
         shape=shape,
-        dtype=np.dtype(dtype).name,
-        src_devices_per_host=src_devices_per_host,
-        dst_layout=dst_layout,
-        dst_boxes=tuple(dst_boxes),
         src_boxes=tuple(src_boxes),
-        pieces=tuple(Piece(t.src_device, t.dst_host, t.box, t.dst_devices) for t in transfers),
+        dst_boxes=tuple(dst_boxes),
+        src_devices_per_host=src_devices_per_host,
+        dst_devices_per_host=dst_devices_per_host,
+        pieces=tuple(plan_box_transfers(src_boxes, dst_boxes, dst_devices_per_host)),
+        dtype=np.dtype(dtype).name,
+        dst_layout=dst_layout,
     )

@@ -88,7 +88,7 @@ def _run(w: MeshHostWorker, lp: LoadedProgram, ins: WorkerInstruction, env, args
         env[slot] = value
 
 
-def _zeros(w: MeshHostWorker, lp: LoadedProgram, ins: WorkerInstruction, env, args, step):
+def _alloc(w: MeshHostWorker, lp: LoadedProgram, ins: WorkerInstruction, env, args, step):
     for slot, value in zip(ins.out_slots, lp.fns[ins.fn](), strict=True):
         env[slot] = value
 
@@ -130,7 +130,7 @@ HANDLERS: dict[WorkerOp, Callable] = {
     WorkerOp.INPUT: _input,
     WorkerOp.LOAD: _load,
     WorkerOp.RUN: _run,
-    WorkerOp.ZEROS: _zeros,
+    WorkerOp.ALLOC: _alloc,
     WorkerOp.SEND: _send,
     WorkerOp.RECV: _recv,
     WorkerOp.CONCAT: _concat,

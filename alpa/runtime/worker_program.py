@@ -17,15 +17,16 @@ which names its outputs get.
     :class:`DummyValue`) into ``out_slots[0]``, laid out as ``layouts[layout]``.
   - ``LOAD``: the ``k`` micro-batches of step argument ``arg`` into ``out_slots``.
   - ``RUN``: ``out_slots = fns[fn](in_slots)``.
-  - ``ZEROS``: ``out_slots = fns[fn]()`` (accumulators).
+  - ``ALLOC``: ``out_slots = fns[fn]()`` (zeros: a kernel's running sums; the plan's
+    ``Op.ALLOC``).
   - ``SEND`` / ``RECV``: one value between meshes, tile by tile
     (:class:`TransferPlan`); the sending worker pushes its pieces to each destination
     worker, the receiving worker assembles its devices' tiles.
   - ``CONCAT``: the per-micro-batch values ``in_slots`` joined along axis 0.
   - ``MEAN``: the mean of the per-micro-batch values ``in_slots`` (a scalar loss).
 
-* :class:`TransferPlan` is ``pipeline_parallel.resharding``'s tile plan flattened for the
-  workers: which piece each source host sends to each destination host.
+* :class:`TransferPlan` is the tile plan of one value between two meshes (made by
+  ``runtime.resharding``): which piece each source host sends to each destination host.
 """
 
 from __future__ import annotations
@@ -98,9 +99,9 @@ class ExportedFn:
 
 @dataclass(frozen=True)
 class Piece:
-    """Piece ``box`` of the tile of source device ``src_device`` (flat id on the source
-    mesh) goes to destination host ``dst_host``, where destination devices
-    ``dst_devices`` (flat ids) each keep a copy."""
+    """Box ``box`` (global coordinates) of the tile of source device ``src_device`` (flat
+    id on the source mesh) goes to destination host ``dst_host``, where the destination
+    devices ``dst_devices`` (flat ids) each keep a copy."""
 
     src_device: int
     dst_host: int
@@ -110,28 +111,79 @@ class Piece:
 
 @dataclass(frozen=True)
 class TransferPlan:
-    """One value from a source mesh to a destination mesh, each piece sent once per
-    destination host (``pipeline_parallel.resharding.plan_box_transfers``)."""
+    """The tile plan of one value from a source mesh to a destination mesh: which box of
+    which source device's tile goes to which destination host, once per host
+    (``runtime.resharding``, paper §6). The one tile-plan type: the planner makes it
+    (``plan_resharding``, ``worker_transfer_plan``), the ``PipeshardPlan`` records one
+    per ``RESHARD``, the local runtime counts its bytes, Ray workers and the NCCL
+    transport execute it.
+
+    Devices are flat ids, host-major on both meshes: device ``d`` sits on host
+    ``d // devices_per_host``. ``dtype`` (a numpy dtype name) prices the plan in bytes;
+    ``dst_layout`` is where a Ray worker lays the assembled value out (``None`` for a
+    plan of tiles alone, as ``plan_resharding`` makes)."""
 
     shape: tuple[int, ...]
-    dtype: str
-    src_devices_per_host: int
-    dst_layout: Layout
-    dst_boxes: tuple[Box, ...]  # per destination device, its tile
     src_boxes: tuple[Box, ...]  # per source device, its tile
+    dst_boxes: tuple[Box, ...]  # per destination device, its tile
+    src_devices_per_host: int
+    dst_devices_per_host: int
     pieces: tuple[Piece, ...]
+    dtype: str | None = None
+    dst_layout: Layout | None = None
+
+    def __post_init__(self):
+        for side, boxes, per_host in (
+            ("src", self.src_boxes, self.src_devices_per_host),
+            ("dst", self.dst_boxes, self.dst_devices_per_host),
+        ):
+            if per_host < 1 or len(boxes) % per_host:
+                raise ValueError(
+                    f"{side}_devices_per_host={per_host} does not divide the "
+                    f"{len(boxes)} {side} devices"
+                )
+
+    @property
+    def src_mesh_shape(self) -> tuple[int, int]:
+        """``(hosts, devices per host)`` of the source mesh."""
+        return len(self.src_boxes) // self.src_devices_per_host, self.src_devices_per_host
+
+    @property
+    def dst_mesh_shape(self) -> tuple[int, int]:
+        """``(hosts, devices per host)`` of the destination mesh."""
+        return len(self.dst_boxes) // self.dst_devices_per_host, self.dst_devices_per_host
 
     def pieces_to(self, host: int) -> list[tuple[int, Piece]]:
+        """``(index, piece)`` of the pieces destination host ``host`` receives."""
         return [(i, p) for i, p in enumerate(self.pieces) if p.dst_host == host]
 
     def pieces_from(self, host: int) -> list[tuple[int, Piece]]:
+        """``(index, piece)`` of the pieces source host ``host`` sends."""
         per_host = self.src_devices_per_host
         return [(i, p) for i, p in enumerate(self.pieces) if p.src_device // per_host == host]
 
+    def num_elements_sent(self) -> int:
+        """Elements that cross from the source mesh to destination hosts (each piece once)."""
+        return sum(math.prod(hi - lo for lo, hi in p.box) for p in self.pieces)
+
     def nbytes(self) -> int:
         """Bytes the plan sends (each piece once)."""
-        itemsize = np.dtype(self.dtype).itemsize
-        return sum(math.prod(hi - lo for lo, hi in p.box) for p in self.pieces) * itemsize
+        if self.dtype is None:
+            raise ValueError("a tile plan without a dtype has no size in bytes")
+        return self.num_elements_sent() * np.dtype(self.dtype).itemsize
+
+    def table(self) -> str:
+        """The plan, one piece a row."""
+        rows = [
+            f"reshard {self.shape} {self.dtype or ''}: {self.src_mesh_shape} -> "
+            f"{self.dst_mesh_shape} (hosts, devices per host)"
+        ]
+        for p in self.pieces:
+            rows.append(
+                f"  dev {p.src_device} -> host {p.dst_host} {list(p.box)} "
+                f"for devices {list(p.dst_devices)}"
+            )
+        return "\n".join(rows)
 
 
 def local_slices(box: Box, within: Box) -> tuple[slice, ...]:
@@ -143,7 +195,7 @@ class WorkerOp(str, enum.Enum):
     INPUT = "INPUT"
     LOAD = "LOAD"
     RUN = "RUN"
-    ZEROS = "ZEROS"
+    ALLOC = "ALLOC"
     SEND = "SEND"
     RECV = "RECV"
     CONCAT = "CONCAT"
@@ -158,7 +210,7 @@ class WorkerInstruction:
     op: WorkerOp
     in_slots: tuple[int, ...] = ()
     out_slots: tuple[int, ...] = ()
-    fn: int | None = None  # RUN / ZEROS: index into WorkerProgram.fns
+    fn: int | None = None  # RUN / ALLOC: index into WorkerProgram.fns
     arg: int | None = None  # INPUT / LOAD: index of the step argument
     layout: Layout | None = None  # INPUT / LOAD / RECV: where the value goes
     micro_batch_size: int | None = None  # LOAD

@@ -44,12 +44,12 @@ def test_plans_move_each_needed_byte_once(src_mesh, dst_mesh):
             np.testing.assert_array_equal(got, want)
         dst_boxes = dst.device_boxes(SHAPE)
         for host in range(dst_mesh[0]):
-            sent = [t.box for t in plan.transfers if t.dst_host == host]
+            sent = [t.box for t in plan.pieces if t.dst_host == host]
             assert _boxes_disjoint(sent), plan.table()
             needed = {dst_boxes[d] for d in range(host * dst_mesh[1], (host + 1) * dst_mesh[1])}
             needed_elements = sum(math.prod(b - a for a, b in box) for box in needed)
             assert sum(math.prod(b - a for a, b in box) for box in sent) == needed_elements
-        for t in plan.transfers:
+        for t in plan.pieces:
             assert src_boxes_contain(src.device_boxes(SHAPE)[t.src_device], t.box)
 
 
@@ -62,11 +62,11 @@ def test_replicated_destination_is_sent_once_per_host():
     dst = MeshSharding((2, 3), LAYOUTS["replicated"])
     plan = plan_resharding(SHAPE, src, dst)
     assert plan.num_elements_sent() == 2 * math.prod(SHAPE)  # two hosts, not six devices
-    assert {t.dst_devices for t in plan.transfers} == {(0, 1, 2), (3, 4, 5)}
+    assert {t.dst_devices for t in plan.pieces} == {(0, 1, 2), (3, 4, 5)}
     # Replicas of the source take turns sending.
     src = MeshSharding((1, 2), LAYOUTS["replicated"])
     plan = plan_resharding(SHAPE, src, MeshSharding((1, 2), LAYOUTS["row"]))
-    assert sorted(t.src_device for t in plan.transfers) == [0, 1]
+    assert sorted(t.src_device for t in plan.pieces) == [0, 1]
 
 
 def test_partition_spec_conversion_and_errors():

@@ -31,7 +31,7 @@ from alpa.runtime.nccl_transport import (
     nccl_available,
     new_unique_id,
 )
-from alpa.runtime.resharding import MeshSharding, plan_resharding, shard_array
+from alpa.runtime.resharding import MeshSharding, plan_resharding
 
 SHAPE = (8, 12)
 MESHES = [(1, 2), (2, 1), (1, 4), (2, 2)]
@@ -258,15 +258,15 @@ def _run(plan, array: np.ndarray):
     layout = RankLayout.of_plan(plan)
     devices = jax.devices()
     uid = new_unique_id()
-    tiles = shard_array(array, plan.src)
+    tiles = _tiles(array, plan.src_boxes)
     src_groups, dst_groups, pieces = [], [], {}
-    for host in range(plan.src.mesh_shape[0]):
+    for host in range(plan.src_mesh_shape[0]):
         role = HostRole(src_host=host)
         group = _group(uid, layout, role)
         shards = {s: jax.device_put(tiles[s], devices[s]) for s in layout.src_devices(host)}
         assert execute_plan_transfers(group, plan, role, array.dtype, src_shards=shards) == {}
         src_groups.append(group)
-    for host in range(plan.dst.mesh_shape[0]):
+    for host in range(plan.dst_mesh_shape[0]):
         role = HostRole(dst_host=host)
         group = _group(uid, layout, role)
         targets = {t: devices[layout.dst_rank(t)] for t in layout.dst_devices(host)}
@@ -275,13 +275,18 @@ def _run(plan, array: np.ndarray):
     return src_groups, dst_groups, pieces
 
 
+def _tiles(array: np.ndarray, boxes) -> list[np.ndarray]:
+    """Per device, its tile (box) of ``array``."""
+    return [array[tuple(slice(lo, hi) for lo, hi in box)] for box in boxes]
+
+
 def _check_reproduced(plan, array: np.ndarray, pieces) -> None:
     """Each destination device's pieces lie on it and tile its box exactly once, with the
     array's values."""
     layout = RankLayout.of_plan(plan)
-    dst_boxes = plan.dst.device_boxes(plan.shape)
-    assert sorted(pieces) == list(range(plan.dst.num_devices))
-    for device, want in enumerate(shard_array(array, plan.dst)):
+    dst_boxes = plan.dst_boxes
+    assert sorted(pieces) == list(range(len(dst_boxes)))
+    for device, want in enumerate(_tiles(array, dst_boxes)):
         got = np.zeros_like(want)
         covered = np.zeros(want.shape, int)
         for box, piece in pieces[device]:
@@ -323,11 +328,11 @@ def test_plans_reproduce_the_array_through_nccl(fake, src_mesh, dst_mesh):
         assert all(g.bytes_received == 0 for g in src_groups)
         assert all(g.bytes_sent == 0 for g in dst_groups)
         for host, group in enumerate(src_groups):
-            mine = [t for t in plan.transfers if plan.src.host_of(t.src_device) == host]
+            mine = [t for _, t in plan.pieces_from(host)]
             elements = sum(math.prod(b - a for a, b in t.box) for t in mine)
             assert group.bytes_sent == elements * itemsize
-        # One NCCL group per worker that moves anything, one call per transfer and side.
-        assert sum(len(ops) for ops in fake.op_groups) == 2 * len(plan.transfers)
+        # One NCCL group per worker that moves anything, one call per piece and side.
+        assert sum(len(ops) for ops in fake.op_groups) == 2 * len(plan.pieces)
         assert len(fake.op_groups) <= len(src_groups) + len(dst_groups)
         for ops in fake.op_groups:
             assert len({op for op, *_ in ops}) == 1, "a worker here only sends or only receives"
@@ -380,7 +385,7 @@ def test_dtypes_travel_exactly_with_their_nccl_type(fake, name):
     _check_reproduced(plan, array, pieces)
     assert sum(g.bytes_sent for g in src_groups) == plan.num_elements_sent() * dtype.itemsize
     nccl_type, per_element = DTYPES[name]
-    box_sizes = sorted(math.prod(b - a for a, b in t.box) for t in plan.transfers)
+    box_sizes = sorted(math.prod(b - a for a, b in t.box) for t in plan.pieces)
     for op in ("send", "recv"):
         calls = [(t, n) for ops in fake.op_groups for o, _, _, t, n in ops if o == op]
         assert {t for t, _ in calls} == {nccl_type}

@@ -25,7 +25,6 @@ from jax.sharding import PartitionSpec as P
 
 import alpa
 from alpa.runtime.ray_launch import reshard_array
-from alpa.runtime.resharding import worker_transfer_plan
 from alpa.runtime.worker_program import Layout
 from alpa.testing import assert_allclose, get_mlp_train_state_and_step
 
@@ -409,7 +408,7 @@ def test_resharding_between_actor_meshes_moves_exactly_the_planned_bytes(ray_clu
             for dst_name, dst_layout in _LAYOUTS[dst_n].items():
                 for mesh in meshes.values():
                     mesh.call("reset_counters")
-                y = reshard_array(x, dst_mesh, dst_layout, worker_transfer_plan)
+                y = reshard_array(x, dst_mesh, dst_layout)
                 sent = sum(c["bytes_sent"] for c in src_mesh.call("counters"))
                 received = sum(c["bytes_received"] for c in dst_mesh.call("counters"))
                 expected = _distinct_tile_elements(dst_layout, value.shape) * 4
