@@ -17,7 +17,8 @@ so the backward program inherits the forward program's cuts (DESIGN §5, §7).
 from __future__ import annotations
 
 from jax.extend.core import Primitive
-from jax.interpreters import ad, batching, mlir
+
+from alpa.jax_internals import ad, batching, mlir
 
 pipeline_p = Primitive("pipeline_marker")
 pipeline_p.multiple_results = True
