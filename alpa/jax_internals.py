@@ -46,7 +46,7 @@ until a run on 0.11 passes), is handled by feature detection, never by version s
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -113,8 +113,29 @@ CUSTOM_DERIVATIVE_CALLS = frozenset({"custom_jvp_call", "custom_vjp_call"})
 _SCAN, _WHILE, _COND = "scan", "while", "cond"
 
 
-def _params(eqn_or_params: JaxprEqn | Mapping[str, Any]) -> Mapping[str, Any]:
-    return eqn_or_params.params if isinstance(eqn_or_params, JaxprEqn) else eqn_or_params
+def _params(
+    eqn_or_params: JaxprEqn | Mapping[str, Any], accessor: str, kinds: Collection[str], key: str
+) -> Mapping[str, Any]:
+    """The parameters of ``eqn_or_params``, checked to be those of one of the primitives
+    ``kinds`` (the names ``accessor`` reads), else a ``ValueError`` that says so."""
+    if isinstance(eqn_or_params, JaxprEqn):
+        name = eqn_or_params.primitive.name
+        if name not in kinds:
+            raise ValueError(
+                f"{accessor}: eqn is a `{name}` equation; expected one of {sorted(kinds)}"
+            )
+        return eqn_or_params.params
+    if not isinstance(eqn_or_params, Mapping) or key not in eqn_or_params:
+        raise ValueError(
+            f"{accessor}: expected an equation or the parameters of one of {sorted(kinds)}, "
+            f"got {type(eqn_or_params).__name__} {_short(eqn_or_params)}"
+        )
+    return eqn_or_params
+
+
+def _short(value: Any) -> str:
+    text = repr(sorted(value) if isinstance(value, Mapping) else value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def is_scan(eqn: JaxprEqn) -> bool:
@@ -149,7 +170,7 @@ def open_jaxpr(body: Jaxpr | ClosedJaxpr) -> tuple[Jaxpr, list]:
     return body, []
 
 
-def call_body(eqn: JaxprEqn, names=None) -> Jaxpr | ClosedJaxpr | None:
+def call_body(eqn: JaxprEqn, names: Collection[str] | None = None) -> Jaxpr | ClosedJaxpr | None:
     """The body of the call-like equation ``eqn`` (one of :data:`CALL_BODY_PARAMS`, and of
     ``names`` when given), or ``None`` for any other equation."""
     name = eqn.primitive.name
@@ -162,7 +183,7 @@ def call_body(eqn: JaxprEqn, names=None) -> Jaxpr | ClosedJaxpr | None:
 def remat_body(eqn_or_params: JaxprEqn | Mapping[str, Any]) -> Jaxpr:
     """The body of a checkpoint equation (an open jaxpr: a checkpoint closes over
     nothing)."""
-    return _params(eqn_or_params)["jaxpr"]
+    return _params(eqn_or_params, "remat_body", REMAT_PRIMITIVES, "jaxpr")["jaxpr"]
 
 
 def remat_params(params: Mapping[str, Any], body: Jaxpr, num_extra: int) -> dict:
@@ -209,7 +230,7 @@ class ScanParts:
 
 def scan_parts(eqn_or_params: JaxprEqn | Mapping[str, Any]) -> ScanParts:
     """The parts of a ``scan`` equation (or of its parameters)."""
-    params = _params(eqn_or_params)
+    params = _params(eqn_or_params, "scan_parts", (_SCAN,), "jaxpr")
     if "ft_in" in params:  # JAX 0.11: FlatTrees of (consts, carries, xs), unverified here
         num_consts, num_carry, _ = (len(part) for part in params["ft_in"].unpack())
     else:
@@ -266,7 +287,7 @@ class WhileParts:
 
 def while_parts(eqn_or_params: JaxprEqn | Mapping[str, Any]) -> WhileParts:
     """The parts of a ``while`` equation (or of its parameters)."""
-    params = _params(eqn_or_params)
+    params = _params(eqn_or_params, "while_parts", (_WHILE,), "body_jaxpr")
     return WhileParts(
         cond=params["cond_jaxpr"],
         body=params["body_jaxpr"],
@@ -299,7 +320,7 @@ def while_params(
 def cond_branches(eqn_or_params: JaxprEqn | Mapping[str, Any]) -> tuple[ClosedJaxpr, ...]:
     """The branches of a ``cond`` equation, in index order (operand 0 picks one; each
     branch takes the other operands)."""
-    return tuple(_params(eqn_or_params)["branches"])
+    return tuple(_params(eqn_or_params, "cond_branches", (_COND,), "branches")["branches"])
 
 
 def cond_params(params: Mapping[str, Any], branches) -> dict:

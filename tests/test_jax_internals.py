@@ -307,3 +307,23 @@ def test_open_jaxpr_of_open_and_closed():
     jaxpr, consts = ji.open_jaxpr(closed)
     assert jaxpr is closed.jaxpr and len(consts) == len(closed.consts)
     assert ji.open_jaxpr(closed.jaxpr) == (closed.jaxpr, [])
+
+
+def test_an_accessor_given_another_equation_says_what_it_expected():
+    eqn = _eqn(lambda x: jnp.sin(x), jnp.float32(1.0), name="sin")
+    with pytest.raises(
+        ValueError, match=r"scan_parts: eqn is a `sin` equation; expected one of \['scan'\]"
+    ):
+        ji.scan_parts(eqn)
+    with pytest.raises(ValueError, match=r"while_parts: eqn is a `sin` equation"):
+        ji.while_parts(eqn)
+    with pytest.raises(ValueError, match=r"cond_branches: eqn is a `sin` equation"):
+        ji.cond_branches(eqn)
+    with pytest.raises(ValueError, match=r"expected one of \['checkpoint', 'remat2'\]"):
+        ji.remat_body(eqn)
+    with pytest.raises(
+        ValueError,
+        match=r"scan_parts: expected an equation or the parameters of one of \['scan'\], "
+        r"got dict \['length'\]",
+    ):
+        ji.scan_parts({"length": 3})
