@@ -50,6 +50,7 @@ from alpa.cluster import (  # noqa: F401 (alpa.api.init etc., as in Alpa)
     shutdown,
 )
 from alpa.executables.base import Executable
+from alpa.jax_internals import ShapedArray
 from alpa.pipeline_parallel.layer_construction import mark_layers
 from alpa.pipeline_parallel.segments import reuse_cuts
 from alpa.shard_method import ParallelMethod, ShardParallel
@@ -221,7 +222,7 @@ def _is_array_leaf(x) -> bool:
 
 def _is_aval(x) -> bool:
     """A ``jax.core.ShapedArray``-like abstract value (what ``jax.typeof`` returns)."""
-    return isinstance(x, jax.core.ShapedArray)
+    return isinstance(x, ShapedArray)
 
 
 def _function_name(fun: Callable) -> str:

@@ -30,6 +30,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from alpa.jax_internals import ShapedArray
 from alpa.tracing import TracedStep
 
 #: Distinct values of a static Python number after which a warning says it recompiles.
@@ -221,7 +222,7 @@ def check_concrete(name: str, leaves: Sequence[Any], leaf_names: Callable[[], li
     named here, before anything is sent to a device or a worker."""
     from alpa.global_env import global_config
 
-    abstract = (jax.ShapeDtypeStruct, jax.core.ShapedArray)
+    abstract = (jax.ShapeDtypeStruct, ShapedArray)
     if global_config.use_dummy_value_for_benchmarking or not any(
         isinstance(x, abstract) for x in leaves
     ):

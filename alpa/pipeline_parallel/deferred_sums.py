@@ -43,11 +43,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from jax.core import ShapedArray
 from jax.extend.core import Var
 from jax.sharding import PartitionSpec
 
 from alpa.device_mesh import entry_names
+from alpa.jax_internals import ShapedArray
 from alpa.pipeline_parallel.computation import PipelineProgram, StageComputation
 from alpa.shard_parallel.data_parallel import is_opt_state, zero_spec
 from alpa.shard_parallel.micro_batches import batch_dims_for, leaves_with_rows

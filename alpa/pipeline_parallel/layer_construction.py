@@ -57,6 +57,7 @@ import numpy as np
 from jax.extend.core import ClosedJaxpr, JaxprEqn, Var
 
 from alpa.global_env import global_config
+from alpa.jax_internals import Tracer
 from alpa.pipeline_parallel.layer_scans import cut_keeping_scans, is_layer_cut
 from alpa.pipeline_parallel.remat import clustered_remat
 from alpa.pipeline_parallel.segments import (
@@ -409,9 +410,7 @@ def _eval_layered(closed: ClosedJaxpr, segments: Segments, args: Sequence) -> li
     # Values a marker may carry: floating values (they have tangents) that are traced (a
     # concrete constant stays a constant, which every stage can recompute).
     traced = set(jaxpr.invars) | {
-        v
-        for v, c in zip(jaxpr.constvars, closed.consts, strict=True)
-        if isinstance(c, jax.core.Tracer)
+        v for v, c in zip(jaxpr.constvars, closed.consts, strict=True) if isinstance(c, Tracer)
     }
     traced |= {v for eqns in segments for eqn in eqns for v in eqn.outvars}
 

@@ -32,8 +32,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.extend.core import ClosedJaxpr, JaxprEqn
 
+from alpa.jax_internals import TRANSPARENT_CALLS, scan_params, scan_parts
 from alpa.pipeline_parallel.segments import (
-    TRANSPARENT_CALLS,
     Segments,
     boundary_segments,
     is_boundary,
@@ -64,7 +64,7 @@ def cut_keeping_scans(
     if not scans:
         return closed, cut(closed.jaxpr.eqns)
     eqns = closed.jaxpr.eqns
-    bodies = {j: inline_calls(eqns[j].params["jaxpr"], TRANSPARENT_CALLS) for j in scans}
+    bodies = {j: inline_calls(scan_parts(eqns[j]).body, TRANSPARENT_CALLS) for j in scans}
     avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in closed.jaxpr.invars]
 
     def written_out(*args):
@@ -140,9 +140,9 @@ def _evaluate(
 def _pieces(eqn: JaxprEqn, body: ClosedJaxpr, operands: list, j: int, tag: bool, cuts) -> list:
     """The outputs of the scan ``eqn`` (equation ``j``) on ``operands``: its iterations
     written out and tagged (``tag``), else split at the ``cuts`` that fall inside it."""
-    params = eqn.params
-    length, reverse = params["length"], params["reverse"]
-    n_consts, n_carry = params["num_consts"], params["num_carry"]
+    params, parts = eqn.params, scan_parts(eqn)
+    length, reverse = parts.length, parts.reverse
+    n_consts, n_carry = parts.num_consts, parts.num_carry
     consts, carry = operands[:n_consts], operands[n_consts : n_consts + n_carry]
     xs = operands[n_consts + n_carry :]
     n_ys = len(eqn.outvars) - n_carry
@@ -187,7 +187,7 @@ def _pieces(eqn: JaxprEqn, body: ClosedJaxpr, operands: list, j: int, tag: bool,
             _mark((j, first, 0), tag, cuts)
         a, b = (length - end, length - first) if reverse else (first, end)
         sliced = [lax.slice_in_dim(x, a, b, axis=0) for x in xs]
-        outs = lax.scan_p.bind(*consts, *carry, *sliced, **dict(params, length=b - a))
+        outs = lax.scan_p.bind(*consts, *carry, *sliced, **scan_params(params, length=b - a))
         carry = list(outs[:n_carry])
         blocks[a] = list(outs[n_carry:])
     _mark((j, length, 0), tag, cuts)

@@ -28,6 +28,7 @@ from collections.abc import Callable, Sequence
 import jax
 from jax.extend.core import ClosedJaxpr
 
+from alpa.jax_internals import Tracer
 from alpa.pipeline_parallel.segments import (
     Segments,
     boundary_segments,
@@ -119,7 +120,7 @@ def eval_checkpointed(
     concrete = {
         v
         for v, c in zip(closed.jaxpr.constvars, closed.consts, strict=True)
-        if not isinstance(c, jax.core.Tracer)
+        if not isinstance(c, Tracer)
     }
     interface = segment_interface(closed, segments)
     for k, (eqns, (entering, leaving)) in enumerate(zip(segments, interface, strict=True)):

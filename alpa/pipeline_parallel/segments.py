@@ -30,6 +30,7 @@ import numpy as np
 from jax import lax
 from jax.extend.core import ClosedJaxpr, JaxprEqn, Var
 
+from alpa.jax_internals import TRANSPARENT_CALLS, scan_parts
 from alpa.pipeline_parallel.layer_clustering import cluster_layers, layer_input_bytes
 from alpa.tracing.flops import eqn_flops
 from alpa.tracing.jaxpr_util import is_var
@@ -37,12 +38,6 @@ from alpa.tracing.primitive_def import pipeline_p
 from alpa.tracing.trace import inline_calls
 
 Segments = list[list[JaxprEqn]]
-
-# Calls whose bodies clustering may cut through: inlining them keeps the meaning (a jit
-# inside a loss function is differentiated like its body). ``custom_jvp_call`` /
-# ``custom_vjp_call`` keep their own derivative rules and ``checkpoint`` its
-# rematerialization, so they stay whole.
-TRANSPARENT_CALLS = ("jit", "pjit", "closed_call", "core_call")
 
 
 def is_boundary(eqn: JaxprEqn) -> bool:
@@ -110,7 +105,7 @@ def layer_scan_indices(closed: ClosedJaxpr, num_layers: int) -> set[int]:
         j
         for j, e in enumerate(eqns)
         if e.primitive is lax.scan_p
-        and e.params["length"] > 1
+        and scan_parts(e).length > 1
         and eqn_flops(e) * num_layers >= total > 0
     }
 

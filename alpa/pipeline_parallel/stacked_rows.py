@@ -47,6 +47,7 @@ import numpy as np
 from jax import lax
 from jax.extend.core import ClosedJaxpr, JaxprEqn, Literal
 
+from alpa.jax_internals import is_scan, scan_parts
 from alpa.runtime.stacked_array import StackedRows
 from alpa.runtime.stage_rows import join_parts, rows_layout, split_leaf
 from alpa.tracing import TracedStep
@@ -211,10 +212,7 @@ def _candidates(traced: TracedStep) -> dict:
     jaxpr = traced.jaxpr
     origin = {v: i for i, v in enumerate(jaxpr.invars)}
     scanned = {  # the stacked operands of scans
-        v
-        for e in jaxpr.eqns
-        if e.primitive.name == "scan"
-        for v in e.invars[e.params["num_consts"] + e.params["num_carry"] :]
+        v for e in jaxpr.eqns if is_scan(e) for v in e.invars[scan_parts(e).first_stacked :]
     }
     read: dict = {}  # input -> the (start, end) of its slices on axis 0
     for eqn in jaxpr.eqns:

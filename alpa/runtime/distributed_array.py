@@ -82,9 +82,9 @@ class DistributedArray:
 
     @property
     def aval(self):
-        import jax
+        from alpa.jax_internals import ShapedArray  # jax is loaded only when asked
 
-        return jax.core.ShapedArray(self.shape, self.dtype, weak_type=self.weak_type)
+        return ShapedArray(self.shape, self.dtype, weak_type=self.weak_type)
 
     def save(self, ckpt_dir: str, local_cache_dir: str | None = None) -> None:
         """Alpa's: write one copy of the value under ``ckpt_dir`` (a folder that every

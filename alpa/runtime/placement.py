@@ -15,6 +15,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from alpa.jax_internals import ShapedArray
 from alpa.runtime.stacked_array import StackedRows, stacked_parts
 from alpa.runtime.stage_rows import RowsLayout, join_parts, rows_layout
 
@@ -60,7 +61,7 @@ class PlacementSpec:
         aval = self.aval
         if hasattr(aval, "shape") and hasattr(aval, "dtype"):
             weak = bool(getattr(aval, "weak_type", False))
-            aval = jax.core.ShapedArray(tuple(aval.shape), aval.dtype, weak_type=weak)
+            aval = ShapedArray(tuple(aval.shape), aval.dtype, weak_type=weak)
             object.__setattr__(self, "aval", aval)
         object.__setattr__(self, "mesh_ids", tuple(self.mesh_ids))
         object.__setattr__(self, "sharding_specs", tuple(self.sharding_specs))
@@ -130,7 +131,7 @@ def place(value: Any, spec: PlacementSpec) -> Any:
 def is_abstract(x: Any) -> bool:
     """Whether ``x`` is a shape and a dtype without data (``jax.ShapeDtypeStruct`` or
     ``jax.core.ShapedArray``), as Alpa's benchmarks pass a state they never allocate."""
-    return isinstance(x, jax.ShapeDtypeStruct | jax.core.ShapedArray)
+    return isinstance(x, jax.ShapeDtypeStruct | ShapedArray)
 
 
 def check_dummy_allowed(x: Any) -> None:

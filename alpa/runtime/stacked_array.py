@@ -37,7 +37,8 @@ from typing import Any
 import jax
 import numpy as np
 from jax.experimental.hijax import register_hitype
-from jax.interpreters import xla
+
+from alpa.jax_internals import ShapedArray, canonicalize_dtype_handlers
 
 
 class StackedRows:
@@ -101,8 +102,8 @@ class StackedRows:
         return self.size * np.dtype(self.dtype).itemsize
 
     @property
-    def aval(self) -> jax.core.ShapedArray:
-        return jax.core.ShapedArray(self.shape, self.dtype, weak_type=self.weak_type)
+    def aval(self) -> ShapedArray:
+        return ShapedArray(self.shape, self.dtype, weak_type=self.weak_type)
 
     def __len__(self) -> int:
         return self.shape[0]
@@ -277,7 +278,7 @@ for _name in _WHOLE_ARRAY_METHODS:
 # the host. ``register_hitype`` records the abstract value (and an identity
 # canonicalization, replaced here by the conversion).
 register_hitype(StackedRows, lambda x: x.aval)
-xla.canonicalize_dtype_handlers[StackedRows] = np.asarray
+canonicalize_dtype_handlers[StackedRows] = np.asarray
 
 _flax_registered = False
 

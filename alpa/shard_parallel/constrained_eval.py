@@ -17,11 +17,22 @@ from jax import lax
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, Var
 from jax.sharding import NamedSharding, PartitionSpec
 
+from alpa.jax_internals import (
+    cond_branches,
+    cond_params,
+    is_remat,
+    open_jaxpr,
+    remat_body,
+    remat_params,
+    scan_params,
+    scan_parts,
+    while_params,
+    while_parts,
+)
 from alpa.shard_parallel.row_sums import DeferredBody
 from alpa.shard_parallel.strategy_graph import USER_SHARDINGS
 from alpa.tracing import new_jaxpr
-from alpa.tracing.jaxpr_util import REMAT_PRIMITIVES
-from alpa.tracing.trace import branch_extra_invars, remat_params
+from alpa.tracing.trace import branch_extra_invars
 
 
 def eval_jaxpr_with_constraints(
@@ -106,7 +117,7 @@ def eval_jaxpr_with_constraints(
         # of their own equations (a scan's row sums deferred through its stacked outputs).
         inner = (constraints, operand_constraints, overrides)
         rewrite = bool(constraints or operand_constraints or override is not None)
-        if eqn.primitive.name in REMAT_PRIMITIVES and rewrite:
+        if is_remat(eqn) and rewrite:
             params, extra = _checkpoint_with_constraints(params, *inner)
             operands += extra
         elif eqn.primitive is lax.scan_p and rewrite:
@@ -144,7 +155,7 @@ def _checkpoint_with_constraints(
     constraints and bound with the equation's own parameters (``prevent_cse``,
     ``differentiated``, ``policy``).
     """
-    body: Jaxpr = params["jaxpr"]
+    body = remat_body(params)
 
     def constrained(*args):
         return eval_jaxpr_with_constraints(
@@ -172,14 +183,14 @@ def _scan_with_constraints(
     one sharding throughout. The loop stays a loop: the body is traced once, with its
     constraints, and bound with the scan's own parameters.
     """
-    closed = params["jaxpr"]
-    body: Jaxpr = closed.jaxpr
-    n_consts, n_carry = params["num_consts"], params["num_carry"]
+    parts = scan_parts(params)
+    body, body_consts = open_jaxpr(parts.body)
+    n_consts, n_carry = parts.num_consts, parts.num_carry
     carry_specs = [constraints.get(v) for v in body.invars[n_consts : n_consts + n_carry]]
 
     def constrained(*args):
         outs = eval_jaxpr_with_constraints(
-            body, closed.consts, args, constraints, operand_constraints, overrides
+            body, body_consts, args, constraints, operand_constraints, overrides
         )
         carries = [pinned(x, s) for x, s in zip(outs[:n_carry], carry_specs, strict=True)]
         return carries + outs[n_carry:]
@@ -191,11 +202,7 @@ def _scan_with_constraints(
         if j >= n_consts + n_carry and sharding is not None:  # a row: the whole stack
             sharding = NamedSharding(sharding.mesh, PartitionSpec(None, *sharding.spec))
         operands[j] = pinned(operands[j], sharding)
-    params = {
-        **params,
-        "jaxpr": ClosedJaxpr(new_body, ()),
-        "num_consts": n_consts + len(consts),
-    }
+    params = scan_params(params, body=ClosedJaxpr(new_body, ()), num_new_consts=len(consts))
     return params, [*consts, *operands]
 
 
@@ -209,31 +216,36 @@ def _while_with_constraints(
     """The parameters and operands that bind a ``while`` with its condition's and body's
     values pinned, the initial carries resharded to the carries' specs and each
     iteration's new carries back to them (as :func:`_scan_with_constraints`)."""
-    cond, body = params["cond_jaxpr"], params["body_jaxpr"]
-    n_cond, n_body = params["cond_nconsts"], params["body_nconsts"]
-    carry_specs = [constraints.get(v) for v in body.jaxpr.invars[n_body:]]
+    parts = while_parts(params)
+    (cond, cond_consts), (body, body_consts) = open_jaxpr(parts.cond), open_jaxpr(parts.body)
+    n_cond, n_body = parts.cond_nconsts, parts.body_nconsts
+    carry_specs = [constraints.get(v) for v in body.invars[n_body:]]
 
     def run_cond(*args):
         return eval_jaxpr_with_constraints(
-            cond.jaxpr, cond.consts, args, constraints, operand_constraints, overrides
+            cond, cond_consts, args, constraints, operand_constraints, overrides
         )
 
     def run_body(*args):
         outs = eval_jaxpr_with_constraints(
-            body.jaxpr, body.consts, args, constraints, operand_constraints, overrides
+            body, body_consts, args, constraints, operand_constraints, overrides
         )
         return [pinned(x, s) for x, s in zip(outs, carry_specs, strict=True)]
 
-    new_params, consts = dict(params), {}
-    for part, fun, closed in (("cond", run_cond, cond), ("body", run_body, body)):
-        jaxpr, consts[part] = _retrace(closed.jaxpr, fun)
-        new_params[f"{part}_jaxpr"] = ClosedJaxpr(jaxpr, ())
-        new_params[f"{part}_nconsts"] = params[f"{part}_nconsts"] + len(consts[part])
+    new_cond, cond_extra = _retrace(cond, run_cond)
+    new_body, body_extra = _retrace(body, run_body)
+    new_params = while_params(
+        params,
+        ClosedJaxpr(new_cond, ()),
+        ClosedJaxpr(new_body, ()),
+        len(cond_extra),
+        len(body_extra),
+    )
     inits = [pinned(x, s) for x, s in zip(operands[n_cond + n_body :], carry_specs, strict=True)]
     operands = [
-        *consts["cond"],
+        *cond_extra,
         *operands[:n_cond],
-        *consts["body"],
+        *body_extra,
         *operands[n_cond : n_cond + n_body],
         *inits,
     ]
@@ -252,27 +264,27 @@ def _cond_with_constraints(
     the plan says and every branch's results pinned to ``results`` (the shardings of the
     ``cond``'s results), so that the branches agree. Each branch is traced once with its
     constraints; constants its trace captures become extra last operands."""
-    branches, traced = params["branches"], []
-    for branch in branches:
+    branches, traced = [open_jaxpr(b) for b in cond_branches(params)], []
+    for branch, branch_consts in branches:
 
-        def constrained(*args, branch=branch):
+        def constrained(*args, branch=branch, branch_consts=branch_consts):
             outs = eval_jaxpr_with_constraints(
-                branch.jaxpr, branch.consts, args, constraints, operand_constraints, overrides
+                branch, branch_consts, args, constraints, operand_constraints, overrides
             )
             return [pinned(x, s) for x, s in zip(outs, results, strict=True)]
 
-        traced.append(jax.make_jaxpr(constrained)(*_avals(branch.jaxpr.invars)))
+        traced.append(jax.make_jaxpr(constrained)(*_avals(branch.invars)))
     new_branches = []
     for i, closed in enumerate(traced):
         inner = closed.jaxpr
         slots = branch_extra_invars(i, [other.jaxpr.constvars for other in traced])
         invars = [*inner.invars, *slots]
-        template = branches[i].jaxpr
+        template = branches[i][0]
         new_branches.append(
             ClosedJaxpr(new_jaxpr(template, (), invars, inner.outvars, inner.eqns), ())
         )
     consts = [c for closed in traced for c in closed.consts]
-    return {**params, "branches": tuple(new_branches)}, [*operands, *consts]
+    return cond_params(params, new_branches), [*operands, *consts]
 
 
 def _retrace(template: Jaxpr, fun, consts_first: bool = True) -> tuple[Jaxpr, list]:

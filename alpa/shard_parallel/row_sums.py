@@ -30,6 +30,7 @@ from jax.extend.core import Jaxpr, JaxprEqn, Var
 from jax.sharding import NamedSharding, PartitionSpec
 
 from alpa.device_mesh import entry_names, spec_entry
+from alpa.jax_internals import is_remat, is_scan, remat_body, scan_parts
 from alpa.tracing import jaxpr_util, new_jaxpr
 from alpa.tracing.primitive_def import passes_through
 
@@ -241,11 +242,11 @@ def bodies_passing_row_sums(eqns) -> dict[JaxprEqn, tuple[Jaxpr, int]]:
     deferred for both or neither."""
     found: dict[JaxprEqn, tuple[Jaxpr, int]] = {}
     for eqn in eqns:
-        name = eqn.primitive.name
-        if name == "scan":
-            found[eqn] = (eqn.params["jaxpr"].jaxpr, eqn.params["num_carry"])
-        elif name in jaxpr_util.REMAT_PRIMITIVES:
-            found[eqn] = (eqn.params["jaxpr"], 0)
+        if is_scan(eqn):
+            parts = scan_parts(eqn)
+            found[eqn] = (parts.jaxpr, parts.num_carry)
+        elif is_remat(eqn):
+            found[eqn] = (remat_body(eqn), 0)
     count: dict[int, int] = {}
     for body, _ in found.values():
         count[id(body)] = count.get(id(body), 0) + 1
@@ -305,7 +306,7 @@ def deferred_rules(
                     NamedSharding(mesh, _rule_spec(var_specs, eqn.outvars[i], data_axes))
                     for i in positions
                 )
-                rules[eqn] = DeferredBody(positions, eqn.primitive.name == "scan", shardings)
+                rules[eqn] = DeferredBody(positions, is_scan(eqn), shardings)
             continue
         if passes_through(eqn):
             if any(v in deferred for v in eqn.outvars):

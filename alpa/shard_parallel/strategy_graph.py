@@ -39,6 +39,7 @@ from jax.extend.core import ClosedJaxpr, DropVar, JaxprEqn, Literal, Var
 import alpa.shard_parallel.strategy_rules_contraction  # noqa: F401  (registers rules)
 import alpa.shard_parallel.strategy_rules_random  # noqa: F401  (registers rules)
 from alpa.device_mesh import LogicalDeviceMesh
+from alpa.jax_internals import is_remat, is_scan, is_while
 from alpa.shard_parallel.sharding_spec import (
     Spec,
     enumerate_specs,
@@ -78,7 +79,7 @@ from alpa.shard_parallel.strategy_rules import (
     replicated_strategy,
     whole_value_strategy,
 )
-from alpa.tracing.jaxpr_util import REMAT_PRIMITIVES, is_grad_marker, live_eqns, planned_bodies
+from alpa.tracing.jaxpr_util import is_grad_marker, live_eqns, planned_bodies
 from alpa.tracing.primitive_def import pipeline_p
 
 # Equations whose outputs are their operands, unchanged (``random_clone``: a key's copy,
@@ -321,13 +322,14 @@ class _Builder(BodyPlanning):
         bodies = [body for _, body in planned_bodies(eqn)]
         if bodies and self._expandable(bodies):
             self.expanded.update(id(body) for body in bodies)
-            name = eqn.primitive.name
-            if name in REMAT_PRIMITIVES:
+            if is_remat(eqn):
                 self._add_remat(t, eqn)
+            elif is_scan(eqn):
+                self._add_scan(t, eqn)
+            elif is_while(eqn):
+                self._add_while(t, eqn)
             else:
-                {"scan": self._add_scan, "while": self._add_while, "cond": self._add_cond}[name](
-                    t, eqn
-                )
+                self._add_cond(t, eqn)
             return
         operand_specs = tuple(
             None if isinstance(v, Literal) else self._specs_of(self.sources[v]) for v in eqn.invars

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 
 from jax.extend.core import DropVar, JaxprEqn, Literal, Var
 
+from alpa.jax_internals import cond_branches, open_jaxpr, remat_body, scan_parts, while_parts
 from alpa.shard_parallel.sharding_spec import enumerate_specs, nbytes
 from alpa.shard_parallel.strategy_costs import itemsize
 from alpa.shard_parallel.strategy_rules import Strategy, whole_value_strategy
@@ -65,7 +66,7 @@ class BodyPlanning:
     def _add_remat(self, t: int | str, eqn: JaxprEqn) -> None:
         """A checkpoint's body is planned in place: its inputs are the equation's operands,
         its results the equation's (which has no node of its own)."""
-        body = eqn.params["jaxpr"]
+        body = remat_body(eqn)
         self._alias(t, eqn.invars, body.invars)
         for u, inner in enumerate(body.eqns):
             self.add_eqn(f"{t}/{u}", inner)
@@ -87,9 +88,9 @@ class BodyPlanning:
         spec (:meth:`_row_of`). Each stacked output follows the body's value it stacks.
         The scan's final carries are the carry nodes' values.
         """
-        params = eqn.params
-        body = params["jaxpr"].jaxpr
-        n_consts, n_carry, length = params["num_consts"], params["num_carry"], params["length"]
+        parts = scan_parts(eqn)
+        body = parts.jaxpr
+        n_consts, n_carry, length = parts.num_consts, parts.num_carry, parts.length
         self._alias(t, eqn.invars[:n_consts], body.invars[:n_consts])
         carry_nodes = [
             self._loop_input(f"carry of eqn {t}", init, var, stacked=False)
@@ -135,9 +136,9 @@ class BodyPlanning:
         spec across iterations, the condition's and the body's equations nodes (paths
         ``t/cond/u``, ``t/body/u``) whose costs count :data:`WHILE_TRIP_COUNT` times (the
         real count is known only when the loop runs)."""
-        params = eqn.params
-        cond, body = params["cond_jaxpr"].jaxpr, params["body_jaxpr"].jaxpr
-        n_cond, n_body = params["cond_nconsts"], params["body_nconsts"]
+        parts = while_parts(eqn)
+        cond, body = open_jaxpr(parts.cond)[0], open_jaxpr(parts.body)[0]
+        n_cond, n_body = parts.cond_nconsts, parts.body_nconsts
         inits = eqn.invars[n_cond + n_body :]
         carry_nodes = [
             self._loop_input(f"carry of eqn {t}", init, var, stacked=False)
@@ -187,9 +188,8 @@ class BodyPlanning:
         that spec, so that every branch returns the result in one sharding (as the
         lowering pins it).
         """
-        branches = eqn.params["branches"]
-        for i, branch in enumerate(branches):
-            body = branch.jaxpr
+        branches = [open_jaxpr(branch)[0] for branch in cond_branches(eqn)]
+        for i, body in enumerate(branches):
             self._alias(t, eqn.invars[1:], body.invars)
             for u, inner in enumerate(body.eqns):
                 self.add_eqn(f"{t}/b{i}/{u}", inner)
@@ -197,8 +197,8 @@ class BodyPlanning:
         for k, var in enumerate(eqn.outvars):
             strategies = self._any_spec("result", var)
             node = self.add_node(f"result of eqn {t}", (var,), strategies, None)
-            for branch in branches:
-                value = branch.jaxpr.outvars[k]
+            for body in branches:
+                value = body.outvars[k]
                 if not isinstance(value, Literal):
                     self._body_edge(self.sources[value], node, value)
             out_sources.append((node, 0))

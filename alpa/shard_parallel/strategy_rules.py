@@ -24,6 +24,7 @@ from jax import lax
 from jax.extend.core import JaxprEqn, Literal, Primitive
 
 from alpa.device_mesh import LogicalDeviceMesh
+from alpa.jax_internals import CUSTOM_DERIVATIVE_CALLS, REMAT_PRIMITIVES
 from alpa.shard_parallel.sharding_spec import (
     Spec,
     enumerate_specs,
@@ -253,8 +254,8 @@ def iota_rule(eqn: JaxprEqn, ctx: RuleContext) -> NodeStrategies:
 
 
 @register(
-    lax.scan_p, lax.while_p, lax.cond_p, "remat2", "checkpoint", "custom_vjp_call",
-    "custom_jvp_call", lax.rng_bit_generator_p, lax.linear_solve_p,
+    lax.scan_p, lax.while_p, lax.cond_p, *sorted(REMAT_PRIMITIVES),
+    *sorted(CUSTOM_DERIVATIVE_CALLS), lax.rng_bit_generator_p, lax.linear_solve_p,
 )  # fmt: skip
 def opaque_rule(eqn: JaxprEqn, ctx: RuleContext) -> NodeStrategies:
     """Control flow and ``rng_bit_generator`` (whose numbers depend on the shape it is run

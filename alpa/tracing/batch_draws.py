@@ -54,7 +54,7 @@ from jax import lax
 from jax.extend.core import Jaxpr, JaxprEqn, Var, jaxprs_in_params
 from jax.extend.random import threefry2x32_p
 
-from alpa.tracing.jaxpr_util import REMAT_PRIMITIVES
+from alpa.jax_internals import REMAT_PRIMITIVES, is_remat, remat_body, remat_params
 from alpa.tracing.trace import TracedStep, new_jaxpr
 
 #: Primitives that draw random numbers of a shape given by a parameter.
@@ -207,13 +207,13 @@ def row_id_rewriter(
         draw = draws.get(eqn)
         if draw is not None:
             new = _draw_rows_eqn(eqn, draw, batch_size, rows)
-        elif eqn.primitive.name in REMAT_PRIMITIVES and reads_draws([eqn], draws):
-            body = eqn.params["jaxpr"]
+        elif is_remat(eqn) and reads_draws([eqn], draws):
+            body = remat_body(eqn)
             inner = Var(rows.aval)
             new_body = new_jaxpr(
                 body, body.constvars, [*body.invars, inner], body.outvars, rewrite(body.eqns, inner)
             )
-            params = {**eqn.params, "jaxpr": new_body}
+            params = remat_params(eqn.params, new_body, 1)
             new = eqn.replace(invars=[*eqn.invars, rows], params=params)
         else:
             new = eqn

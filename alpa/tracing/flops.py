@@ -19,6 +19,8 @@ from collections.abc import Iterable
 
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn
 
+from alpa.jax_internals import is_cond, is_scan, open_jaxpr, scan_parts
+
 
 def _size(aval) -> int:
     shape = getattr(aval, "shape", ())
@@ -29,10 +31,8 @@ def _sub_jaxprs(eqn: JaxprEqn) -> list[Jaxpr]:
     out = []
     for value in eqn.params.values():
         for item in value if isinstance(value, tuple | list) else (value,):
-            if isinstance(item, ClosedJaxpr):
-                out.append(item.jaxpr)
-            elif isinstance(item, Jaxpr):
-                out.append(item)
+            if isinstance(item, ClosedJaxpr | Jaxpr):
+                out.append(open_jaxpr(item)[0])
     return out
 
 
@@ -54,10 +54,10 @@ def eqn_flops(eqn: JaxprEqn) -> float:
     subs = _sub_jaxprs(eqn)
     if subs:
         costs = [jaxpr_flops(j.eqns) for j in subs]
-        if name == "cond":
+        if is_cond(eqn):
             return max(costs)
-        if name == "scan":
-            return eqn.params["length"] * sum(costs)
+        if is_scan(eqn):
+            return scan_parts(eqn).length * sum(costs)
         return float(sum(costs))
     sizes = [_size(v.aval) for v in (*eqn.invars, *eqn.outvars)]
     return float(max(sizes, default=0))

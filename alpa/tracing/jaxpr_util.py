@@ -11,6 +11,17 @@ from collections.abc import Collection, Iterable, Sequence
 
 from jax.extend.core import ClosedJaxpr, DropVar, Jaxpr, JaxprEqn, Literal, Var
 
+from alpa.jax_internals import (
+    cond_branches,
+    is_cond,
+    is_remat,
+    is_scan,
+    is_while,
+    open_jaxpr,
+    remat_body,
+    scan_parts,
+    while_parts,
+)
 from alpa.tracing.primitive_def import pipeline_p
 
 
@@ -104,10 +115,6 @@ def grad_marker_index(eqns: Sequence[JaxprEqn]) -> int | None:
     return next((i for i, e in enumerate(eqns) if is_grad_marker(e)), None)
 
 
-#: Names of the checkpoint primitive (``jax.checkpoint`` / ``flax.linen.remat``).
-REMAT_PRIMITIVES = frozenset({"remat2", "checkpoint"})
-
-
 def planned_bodies(eqn: JaxprEqn) -> tuple[tuple[str, Jaxpr], ...]:
     """The bodies the auto-sharding plan reaches into, each with the name its values take
     after the equation's (``plan_refs.value_refs``): that of a checkpoint (``remat2``)
@@ -115,18 +122,15 @@ def planned_bodies(eqn: JaxprEqn) -> tuple[tuple[str, Jaxpr], ...]:
     condition and body of a ``while`` (``"cond/"``, ``"body/"``); none for any other
     equation. ``trace_step`` gives each such body variables of its own, so
     the plan can name the body's values."""
-    name = eqn.primitive.name
-    if name in REMAT_PRIMITIVES:
-        return (("", eqn.params["jaxpr"]),)
-    if name == "scan":
-        return (("", eqn.params["jaxpr"].jaxpr),)
-    if name == "cond":
-        return tuple((f"b{i}/", b.jaxpr) for i, b in enumerate(eqn.params["branches"]))
-    if name == "while":
-        return (
-            ("cond/", eqn.params["cond_jaxpr"].jaxpr),
-            ("body/", eqn.params["body_jaxpr"].jaxpr),
-        )
+    if is_remat(eqn):
+        return (("", remat_body(eqn)),)
+    if is_scan(eqn):
+        return (("", scan_parts(eqn).jaxpr),)
+    if is_cond(eqn):
+        return tuple((f"b{i}/", open_jaxpr(b)[0]) for i, b in enumerate(cond_branches(eqn)))
+    if is_while(eqn):
+        parts = while_parts(eqn)
+        return (("cond/", open_jaxpr(parts.cond)[0]), ("body/", open_jaxpr(parts.body)[0]))
     return ()
 
 

@@ -18,7 +18,8 @@ backward pass is cut; ``docs/design.md``, Facts of JAX 0.10).
 from __future__ import annotations
 
 from jax.extend.core import Primitive
-from jax.interpreters import ad, batching, mlir
+
+from alpa.jax_internals import ad, batching, mlir
 
 pipeline_p = Primitive("pipeline_marker")
 pipeline_p.multiple_results = True

@@ -41,7 +41,24 @@ from jax.extend.core import (
     new_jaxpr_eqn,
 )
 
-from alpa.tracing.jaxpr_util import REMAT_PRIMITIVES, is_grad_marker
+from alpa.jax_internals import (
+    ShapedArray,
+    call_body,
+    cond_branches,
+    cond_params,
+    is_cond,
+    is_remat,
+    is_scan,
+    is_while,
+    open_jaxpr,
+    remat_body,
+    remat_params,
+    scan_params,
+    scan_parts,
+    while_params,
+    while_parts,
+)
+from alpa.tracing.jaxpr_util import is_grad_marker
 from alpa.tracing.primitive_def import pipeline_p
 
 
@@ -314,7 +331,7 @@ def abstractify(x) -> jax.ShapeDtypeStruct:
     if (
         getattr(x, "is_distributed_array", False)
         or getattr(x, "is_stacked_rows", False)
-        or isinstance(x, jax.core.ShapedArray)
+        or isinstance(x, ShapedArray)
     ):
         # a value on Ray mesh workers, rows on several meshes (a pipeline's StackedRows),
         # or an abstract value (jax.typeof of an array)
@@ -336,17 +353,6 @@ def leaf_signature(x) -> tuple:
 
 
 # ----------------------------------------------------------------------------- inlining
-
-# Call-like primitives whose body is inlined, and the parameter that holds the body.
-_INLINE_PARAMS = {
-    "jit": "jaxpr",
-    "pjit": "jaxpr",
-    "closed_call": "call_jaxpr",
-    "core_call": "call_jaxpr",
-    "custom_jvp_call": "call_jaxpr",
-    "custom_vjp_call": "call_jaxpr",
-    "custom_vjp_call_jaxpr": "fun_jaxpr",
-}
 
 
 def inline_calls(closed: ClosedJaxpr, primitives: Collection[str] | None = None) -> ClosedJaxpr:
@@ -404,23 +410,20 @@ class _Inliner:
             return v if isinstance(v, Literal) else env.get(v, v)
 
         for eqn in jaxpr.eqns:
-            name = eqn.primitive.name
-            inlined = self.primitives is None or name in self.primitives
-            body_param = _INLINE_PARAMS.get(name) if inlined else None
-            body = eqn.params.get(body_param) if body_param else None
+            body = call_body(eqn, self.primitives)
             if outer is not None:
                 info = eqn.source_info
                 eqn = eqn.replace(source_info=info.replace(name_stack=outer + info.name_stack))
             if body is not None:
                 self._inline(eqn, body, read, env, eqns, add_const)
                 continue
-            if name in REMAT_PRIMITIVES and not eqn.params["jaxpr"].constvars:
+            if is_remat(eqn) and not remat_body(eqn).constvars:
                 eqn = self.copy_remat(eqn, add_const)
-            elif name == "scan":
+            elif is_scan(eqn):
                 eqn = self.copy_scan(eqn, add_const)
-            elif name == "cond":
+            elif is_cond(eqn):
                 eqn = self.copy_cond(eqn, add_const)
-            elif name == "while":
+            elif is_while(eqn):
                 eqn = self.copy_while(eqn, add_const)
             outvars = list(eqn.outvars)
             if not top:
@@ -429,8 +432,7 @@ class _Inliner:
             eqns.append(eqn.replace(invars=[read(v) for v in eqn.invars], outvars=outvars))
 
     def _inline(self, eqn: JaxprEqn, body, read, env: dict, eqns: list, add_const) -> None:
-        inner = body.jaxpr if isinstance(body, ClosedJaxpr) else body
-        inner_consts = body.consts if isinstance(body, ClosedJaxpr) else ()
+        inner, inner_consts = open_jaxpr(body)
         inner_env: dict = {}
         for cv, c in zip(inner.constvars, inner_consts, strict=True):
             inner_env[cv] = add_const(cv.aval, c)
@@ -465,7 +467,7 @@ class _Inliner:
 
     def copy_remat(self, eqn: JaxprEqn, add_const) -> JaxprEqn:
         """``eqn`` with its body's calls inlined and every body variable fresh."""
-        body: Jaxpr = eqn.params["jaxpr"]
+        body = remat_body(eqn)
         (invars, outvars, eqns), extra_inner, extra_outer = self.copy_body(body, (), add_const)
         new_body = new_jaxpr(body, [], [*invars, *extra_inner], outvars, eqns)
         return eqn.replace(
@@ -475,49 +477,41 @@ class _Inliner:
 
     def copy_scan(self, eqn: JaxprEqn, add_const) -> JaxprEqn:
         """The same for a ``scan``: new constants lead its operands."""
-        closed: ClosedJaxpr = eqn.params["jaxpr"]
-        body = closed.jaxpr
-        (invars, outvars, eqns), extra_inner, extra_outer = self.copy_body(
-            body, closed.consts, add_const
-        )
+        body, consts = open_jaxpr(scan_parts(eqn).body)
+        (invars, outvars, eqns), extra_inner, extra_outer = self.copy_body(body, consts, add_const)
         new_body = new_jaxpr(body, [], [*extra_inner, *invars], outvars, eqns)
-        params = {
-            **eqn.params,
-            "jaxpr": ClosedJaxpr(new_body, []),
-            "num_consts": eqn.params["num_consts"] + len(extra_outer),
-        }
+        params = scan_params(
+            eqn.params, body=ClosedJaxpr(new_body, []), num_new_consts=len(extra_outer)
+        )
         return eqn.replace(invars=[*extra_outer, *eqn.invars], params=params)
 
     def copy_cond(self, eqn: JaxprEqn, add_const) -> JaxprEqn:
         """The same for each branch of a ``cond``: the branches' new constants are extra
         last operands, each branch reading its own."""
-        copies = [self.copy_body(b.jaxpr, b.consts, add_const) for b in eqn.params["branches"]]
+        bodies = [open_jaxpr(b) for b in cond_branches(eqn)]
+        copies = [self.copy_body(body, consts, add_const) for body, consts in bodies]
         branches = []
         for i, ((invars, outvars, eqns), _, _) in enumerate(copies):
             slots = branch_extra_invars(i, [c[1] for c in copies])
-            body = eqn.params["branches"][i].jaxpr
+            body = bodies[i][0]
             branches.append(ClosedJaxpr(new_jaxpr(body, [], [*invars, *slots], outvars, eqns), []))
         outer = [v for c in copies for v in c[2]]
-        return eqn.replace(
-            invars=[*eqn.invars, *outer], params={**eqn.params, "branches": tuple(branches)}
-        )
+        return eqn.replace(invars=[*eqn.invars, *outer], params=cond_params(eqn.params, branches))
 
     def copy_while(self, eqn: JaxprEqn, add_const) -> JaxprEqn:
         """The same for a ``while``'s condition and body: the new constants of each lead
         its own constants."""
-        params, operands = dict(eqn.params), list(eqn.invars)
-        n_cond = params["cond_nconsts"]
-        extra = {}
-        for part in ("cond", "body"):
-            closed = params[f"{part}_jaxpr"]
-            (invars, outvars, eqns), inner, outer = self.copy_body(
-                closed.jaxpr, closed.consts, add_const
-            )
-            body = new_jaxpr(closed.jaxpr, [], [*inner, *invars], outvars, eqns)
-            params[f"{part}_jaxpr"] = ClosedJaxpr(body, [])
-            params[f"{part}_nconsts"] += len(outer)
-            extra[part] = outer
-        invars = [*extra["cond"], *operands[:n_cond], *extra["body"], *operands[n_cond:]]
+        parts, operands = while_parts(eqn), list(eqn.invars)
+        n_cond = parts.cond_nconsts
+        new, extra = [], []
+        for closed in (parts.cond, parts.body):
+            jaxpr, consts = open_jaxpr(closed)
+            (invars, outvars, eqns), inner, outer = self.copy_body(jaxpr, consts, add_const)
+            new.append(ClosedJaxpr(new_jaxpr(jaxpr, [], [*inner, *invars], outvars, eqns), []))
+            extra.append(outer)
+        (cond_extra, body_extra) = extra
+        params = while_params(eqn.params, *new, len(cond_extra), len(body_extra))
+        invars = [*cond_extra, *operands[:n_cond], *body_extra, *operands[n_cond:]]
         return eqn.replace(invars=invars, params=params)
 
 
@@ -526,15 +520,6 @@ def branch_extra_invars(i: int, extras: Sequence[Sequence[Var]]) -> list[Var]:
     ``extras[j]`` (their captured constants), all passed to every branch in branch order:
     its own in its place, unused fresh variables in the other branches'."""
     return [v for j, vs in enumerate(extras) for v in (vs if j == i else [Var(u.aval) for u in vs])]
-
-
-def remat_params(params: dict, body: Jaxpr, num_extra: int) -> dict:
-    """The parameters of a ``remat2`` equation with body ``body``, which takes ``num_extra``
-    operands after the original ones (constants: no optimization barrier needed)."""
-    prevent_cse = params["prevent_cse"]
-    if isinstance(prevent_cse, tuple):  # one flag per operand
-        prevent_cse = prevent_cse + (False,) * num_extra
-    return {**params, "jaxpr": body, "prevent_cse": prevent_cse}
 
 
 def new_jaxpr(template: Jaxpr, constvars, invars, outvars, eqns) -> Jaxpr:

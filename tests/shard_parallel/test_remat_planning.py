@@ -31,6 +31,7 @@ from jax.extend.core import Literal
 from jax.sharding import PartitionSpec as P
 
 import alpa
+from alpa.jax_internals import is_remat
 from alpa.model.bert import BertConfig, FlaxBertLayerCollection
 from alpa.model.model_util import create_train_state
 from alpa.parallel_plan import ParallelPlan
@@ -42,7 +43,7 @@ from alpa.testing import assert_allclose, program_text
 from alpa.testing import run_auto_sharded as _compile
 from alpa.testing import unit_cost_mesh as _mesh
 from alpa.tracing import inline_calls
-from alpa.tracing.trace import REMAT_PRIMITIVES, trace_step
+from alpa.tracing.trace import trace_step
 from alpa.util import count_communication_primitives
 
 
@@ -51,7 +52,7 @@ def _num_dots(hlo: str) -> int:
 
 
 def _remat_eqns(jaxpr):
-    return [e for e in jaxpr.eqns if e.primitive.name in REMAT_PRIMITIVES]
+    return [e for e in jaxpr.eqns if is_remat(e)]
 
 
 def _kernel_specs(params) -> dict[str, P]:
