@@ -22,7 +22,6 @@ from jax.sharding import NamedSharding
 from alpa.pipeline_parallel.computation import StageComputation
 from alpa.pipeline_parallel.deferred_sums import splits_over
 from alpa.pipeline_parallel.pipeshard_plan import PipeshardPlan
-from alpa.pipeline_parallel.stage_sharding import value_spec
 from alpa.runtime.instructions import Kernel
 from alpa.runtime.placement import PlacementSpec
 from alpa.shard_parallel.compile import full_batch_avals
@@ -69,10 +68,7 @@ class StagePrograms:
         return dict(zip(names, values, strict=True))
 
     def sharding(self, var, mesh: int) -> NamedSharding:
-        jax_mesh = self.meshes[mesh]
-        return NamedSharding(
-            jax_mesh, value_spec(var, mesh, self.program, self.stage_specs, jax_mesh.size)
-        )
+        return NamedSharding(self.meshes[mesh], self.plan.spec_of(var, mesh))
 
     def _deferred_rules(self, comp: StageComputation) -> dict:
         """The equations of ``comp`` that compute deferred row sums (``deferred_sums``),

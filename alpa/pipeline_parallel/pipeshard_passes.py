@@ -71,16 +71,40 @@ from alpa.tracing.batch_draws import batch_size, micro_batch_draws
 from alpa.tracing.jaxpr_util import is_var, nested_eqns
 
 
-def resolve_buffers(
+def resolve_value_specs(
     program: PipelineProgram,
     instructions: PipelineInstructions,
     stage_specs: dict,
+    logical_meshes: Sequence[LogicalDeviceMesh],
+    names: dict,
+) -> dict:
+    """The end of the planning chain's sharding decisions: ``(value, mesh) -> spec`` for
+    every value a stage computation on that mesh reads or writes, every step input on
+    each mesh that reads it and every buffer of ``instructions``, each the sharding
+    table's entry or, where the table names none, :func:`stage_sharding.value_spec`'s (a
+    deferred gradient's partial sums, else data parallel). Filled here once: the executables
+    read it as it is."""
+    var_of = {name: v for v, name in names.items()}
+    keys = [(v, c.stage) for c in program.computations for v in (*c.invars, *c.outvars)]
+    keys += [(v, mesh) for v, meshes in program.input_stages.items() for mesh in meshes]
+    keys += [(var_of[name], mesh) for name, _, mesh in instructions.buffer_keys()]
+    specs = {}
+    for v, mesh in keys:
+        if is_var(v) and (v, mesh) not in specs:
+            size = logical_meshes[mesh].num_devices
+            specs[(v, mesh)] = value_spec(v, mesh, program, stage_specs, size)
+    return specs
+
+
+def resolve_buffers(
+    instructions: PipelineInstructions,
+    value_specs: dict,
     logical_meshes: Sequence[LogicalDeviceMesh],
     submesh_shapes: Sequence[Sequence[int]],
     names: dict,
 ) -> tuple[dict, dict]:
     """The sharding of every buffer of ``instructions`` (``(value name, mesh) -> spec``,
-    :func:`stage_sharding.value_spec`) and the tile plan of every ``RESHARD`` between two
+    from :func:`resolve_value_specs`) and the tile plan of every ``RESHARD`` between two
     meshes of devices (instruction index -> ``TransferPlan``; one between two stages on
     one mesh, under interleaved 1F1B, is a relayout there). Mesh ``m``'s devices are host-major,
     ``submesh_shapes[m][1]`` per host. Equal moves (same shape, dtype, layouts and devices
@@ -88,9 +112,7 @@ def resolve_buffers(
     var_of = {name: v for v, name in names.items()}
     specs = {}
     for name, _, mesh in instructions.buffer_keys():
-        if (name, mesh) not in specs:
-            size = logical_meshes[mesh].num_devices
-            specs[(name, mesh)] = value_spec(var_of[name], mesh, program, stage_specs, size)
+        specs[(name, mesh)] = value_specs[(var_of[name], mesh)]
     reshards: dict[int, TransferPlan] = {}
     made: dict[tuple, TransferPlan] = {}
     for i, ins in enumerate(instructions.instructions):
@@ -314,8 +336,9 @@ def _plan_one_schedule(
         traced, program, options, stage_specs, logical_meshes, data_parallel, propagated, names
     )
     instructions = emit_instructions(program, schedule, names)
+    value_specs = resolve_value_specs(program, instructions, stage_specs, logical_meshes, names)
     buffer_specs, reshards = resolve_buffers(
-        program, instructions, stage_specs, logical_meshes, stage_plan.submesh_shapes, names
+        instructions, value_specs, logical_meshes, stage_plan.submesh_shapes, names
     )
     return PipeshardPlan(
         traced=traced,
@@ -329,6 +352,7 @@ def _plan_one_schedule(
         logical_meshes=tuple(logical_meshes),
         program=program,
         stage_specs=stage_specs,
+        value_specs=value_specs,
         objectives=objectives,
         schedule=schedule,
         instructions=instructions,

@@ -45,10 +45,7 @@ from alpa.pipeline_parallel.stage_construction import ManualStageOption, StageCo
 from alpa.pipeline_parallel.stage_cost import StagePlanCost, predict_stage_plan
 from alpa.pipeline_parallel.stage_problem import LogicalConfig
 from alpa.pipeline_parallel.stage_search import layer_problem
-from alpa.pipeline_parallel.stage_sharding import (
-    DATA_AXES,
-    value_spec,
-)
+from alpa.pipeline_parallel.stage_sharding import DATA_AXES
 from alpa.pipeline_parallel.stage_work import StepBound, step_bound
 from alpa.pipeline_parallel.user_shardings import stage_inputs
 from alpa.runtime.instructions import Op, PipelineInstructions
@@ -103,7 +100,13 @@ class PipeshardPlan:
       options: per stage, its resolved ``AutoShardingOption``.
       logical_meshes: per stage, the logical mesh its sharding was planned on.
       program: the stage computations and where every value lives.
-      stage_specs: ``(value, stage) -> PartitionSpec`` for every value the plan places.
+      stage_specs: ``(value, stage) -> PartitionSpec``: the sharding table, what the
+        stages' plans (and the user's pins, ZeRO-2, the donated outputs' ties) decided;
+        the stage programs pin these values.
+      value_specs: ``(value, mesh) -> PartitionSpec`` for every value a stage
+        computation on that mesh reads or writes, every step input on the meshes that read
+        it and every buffer: the table's entry, or
+        the one the end of the chain filled in (``pipeshard_passes.resolve_value_specs``).
       objectives: per stage, the ILP objective(s) of its computations.
       body_specs: ``(value, stage) -> PartitionSpec`` for values inside the checkpoint,
         loop and branch bodies of a stage's equations that its ILP plan pins.
@@ -140,6 +143,7 @@ class PipeshardPlan:
     logical_meshes: tuple[LogicalDeviceMesh, ...]
     program: PipelineProgram
     stage_specs: dict
+    value_specs: dict
     objectives: dict
     schedule: PipelineSchedule
     instructions: PipelineInstructions
@@ -365,17 +369,25 @@ class PipeshardPlan:
             dpi=dpi,
         )
 
+    def spec_of(self, var, mesh: int) -> Any:
+        """The one ``PartitionSpec`` of ``var`` on mesh ``mesh`` (``value_specs``, else,
+        for a value inside a stage computation, the sharding table's). A value the plan
+        does not place on ``mesh`` is an error."""
+        spec = self.value_specs.get((var, mesh))
+        if spec is None:
+            spec = self.stage_specs.get((var, mesh))
+        if spec is None:
+            raise KeyError(f"the plan places no value {self.names.get(var, var)} on mesh {mesh}")
+        return spec
+
     def stage_input_specs(self) -> list[list[Any]]:
         """Per stage, the ``PartitionSpec`` of each of its inputs (``stage_inputs``
         order): what ``PipeshardParallel(stage_input_shardings=...)`` takes, to compile
         the step again (another batch size) with its stages reading their inputs alike
         (Alpa's ``executable.stage_input_shard_specs``)."""
         return [
-            [
-                value_spec(v, s, self.program, self.stage_specs, mesh.num_devices)
-                for v in stage_inputs(self.program, s)
-            ]
-            for s, mesh in enumerate(self.logical_meshes)
+            [self.spec_of(v, s) for v in stage_inputs(self.program, s)]
+            for s in range(len(self.logical_meshes))
         ]
 
     def decisions(self) -> PipeshardDecisions:
