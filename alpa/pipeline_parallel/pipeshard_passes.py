@@ -151,13 +151,11 @@ def _name_vars(closed_jaxpr) -> dict:
 
 @dataclass(frozen=True)
 class PipeshardOptions:
-    """What ``plan_pipeshard`` plans for: a cluster of ``num_hosts`` x
-    ``num_devices_per_host`` devices of kind ``cluster``, ``num_micro_batches`` per step
-    under ``pipeline_schedule``, and ``PipeshardParallel``'s options (layers, stages, the
+    """What ``plan_pipeshard`` plans for: the ``cluster`` (its ``num_nodes`` hosts of
+    ``num_devices_per_node`` devices), ``num_micro_batches`` per step under
+    ``pipeline_schedule``, and ``PipeshardParallel``'s options (layers, stages, the
     default ``AutoShardingOption``, the user's pins)."""
 
-    num_hosts: int
-    num_devices_per_host: int
     cluster: ClusterSpec
     num_micro_batches: int
     pipeline_schedule: str = "1f1b"
@@ -166,6 +164,14 @@ class PipeshardOptions:
     default_auto_sharding_option: Any = None
     manual_sharding_option: Any = None
     stage_input_shardings: Any = None
+
+    @property
+    def num_hosts(self) -> int:
+        return self.cluster.num_nodes
+
+    @property
+    def num_devices_per_host(self) -> int:
+        return self.cluster.num_devices_per_node
 
 
 def plan_pipeshard(
