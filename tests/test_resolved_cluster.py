@@ -1,6 +1,7 @@
 """``resolve_cluster``: every form of a method's ``devices=`` as one ``ResolvedCluster``
 (the planned shape is the spec's counts; the devices when they are here)."""
 
+import importlib
 import re
 
 import jax
@@ -155,3 +156,20 @@ def test_a_bad_devices_names_the_value_and_what_is_expected(bad, error, message)
     # The methods say the same, when they plan.
     with pytest.raises(error, match=re.escape(message)):
         alpa.parallelize(lambda x: x * 2, method=alpa.ShardParallel(devices=bad))(jax.numpy.ones(8))
+
+
+def test_on_ray_a_pipeline_plans_on_the_chosen_hosts_and_a_mesh_on_all(monkeypatch):
+    ray_cluster = _fake_ray_cluster(2, 4)
+    monkeypatch.setattr(importlib.import_module("alpa.cluster"), "_global_cluster", ray_cluster)
+    alpa.set_global_virtual_physical_mesh(VirtualPhysicalMesh(1, 2))
+    pipeline = resolve_cluster(None, use_global_virtual_mesh=True)
+    assert (pipeline.spec.num_nodes, pipeline.spec.num_devices_per_node) == (1, 2)
+    assert pipeline.ray_cluster is ray_cluster and pipeline.devices is None and pipeline.is_here
+    whole = resolve_cluster(None)
+    assert (whole.spec.num_nodes, whole.spec.num_devices_per_node) == (2, 4)
+    alpa.set_global_virtual_physical_mesh(VirtualPhysicalMesh(3, 4))
+    with pytest.raises(
+        ValueError,
+        match=re.escape("the global virtual mesh (3, 4) does not fit the Ray cluster of 2 x 4"),
+    ):
+        resolve_cluster(None, use_global_virtual_mesh=True)

@@ -327,8 +327,6 @@ def _plan_one_schedule(
         traced=traced,
         names=names,
         cluster=options.cluster,
-        num_hosts=options.num_hosts,
-        num_devices_per_host=options.num_devices_per_host,
         layers=layers,
         stage_plan=stage_plan,
         options=tuple(stage_opts),
@@ -484,8 +482,6 @@ def _search_stages(
         )
     context = StageContext(
         num_layers=layers.num_layers,
-        num_hosts=options.num_hosts,
-        num_devices_per_host=options.num_devices_per_host,
         cluster=options.cluster,
         devices=devices,
         traced=traced,
