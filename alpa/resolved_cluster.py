@@ -165,13 +165,14 @@ def _shaped(spec: ClusterSpec, num_hosts: int, num_devices_per_host: int) -> Clu
 
 
 def _of_mesh(mesh: PhysicalDeviceMesh, given: Any, view=None) -> ResolvedCluster:
+    """A physical mesh: this process's devices, or Ray workers' (``devices`` ``None``);
+    the mesh of a whole Ray cluster also names the cluster, which a pipeline slices."""
     spec = _shaped(mesh.spec, mesh.num_hosts, mesh.num_devices_per_host)
     devices = mesh.logical_devices
     devices = None if devices is None else tuple(devices)
-    ray_cluster = mesh.cluster if isinstance(mesh, DistributedPhysicalDeviceMesh) else None
-    if ray_cluster is not None and _is_whole(mesh):
-        return ResolvedCluster(spec, None, mesh, ray_cluster, view, given)
-    return ResolvedCluster(spec, devices, mesh, None, view, given)
+    whole = isinstance(mesh, DistributedPhysicalDeviceMesh) and _is_whole(mesh)
+    ray_cluster = mesh.cluster if whole else None
+    return ResolvedCluster(spec, devices, mesh, ray_cluster, view, given)
 
 
 def _is_whole(mesh: DistributedPhysicalDeviceMesh) -> bool:

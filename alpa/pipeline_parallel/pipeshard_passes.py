@@ -165,14 +165,6 @@ class PipeshardOptions:
     manual_sharding_option: Any = None
     stage_input_shardings: Any = None
 
-    @property
-    def num_hosts(self) -> int:
-        return self.cluster.num_nodes
-
-    @property
-    def num_devices_per_host(self) -> int:
-        return self.cluster.num_devices_per_node
-
 
 def plan_pipeshard(
     traced: TracedStep,
@@ -284,7 +276,7 @@ def _plan_one_schedule(
         )
         logical_meshes = _logical_meshes(stage_plan, stage_opts, options.cluster)
     else:
-        check_decisions(decisions, traced, names, options.num_hosts * options.num_devices_per_host)
+        check_decisions(decisions, traced, names, options.cluster.num_devices)
         layers, stage_plan = decisions.layers, decisions.stage_plan
         stage_opts, logical_meshes = decisions.options, list(decisions.logical_meshes)
     program = split_computations(
