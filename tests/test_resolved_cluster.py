@@ -14,6 +14,7 @@ from alpa.device_mesh import (
     LogicalDeviceMesh,
     VirtualPhysicalMesh,
 )
+from alpa.model.mlp import MLPModel, get_mlp_train_state_and_step
 from alpa.resolved_cluster import resolve_cluster
 from alpa.runtime.ray_mesh import DeviceCluster
 
@@ -173,3 +174,27 @@ def test_on_ray_a_pipeline_plans_on_the_chosen_hosts_and_a_mesh_on_all(monkeypat
         match=re.escape("the global virtual mesh (3, 4) does not fit the Ray cluster of 2 x 4"),
     ):
         resolve_cluster(None, use_global_virtual_mesh=True)
+
+
+def test_both_methods_plan_on_the_shape_of_a_virtual_mesh_not_its_specs_counts():
+    """A ``VirtualPhysicalMesh`` of 2 x 2 devices whose ``cluster`` says 2 x 8: the pipeline
+    and the one-mesh method both plan for 4 devices, on the spec's hardware."""
+    model = MLPModel(hidden_size=16, num_layers=3, output_dim=16)
+    state, batch, step = get_mlp_train_state_and_step(
+        model, 8, 16, grad_func=alpa.value_and_grad, abstract=True
+    )
+    virtual = VirtualPhysicalMesh(2, 2, cluster=A100)
+    pipeline = alpa.PipeshardParallel(
+        devices=virtual,
+        num_micro_batches=2,
+        layer_option=alpa.AutoLayerOption(layer_num=2),
+        stage_option="uniform",
+    )
+    plan = alpa.parallelize(step, method=pipeline).plan(state, batch)
+    assert (plan.cluster.num_nodes, plan.cluster.num_devices_per_node) == (2, 2)
+    assert (plan.num_hosts, plan.num_devices_per_host) == (2, 2)
+    assert plan.cluster.name == "a100-40gb"
+    assert max(stop for _, stop in plan.stage_plan.device_ranges) == 4
+    sharding = alpa.parallelize(step, method=alpa.ShardParallel(devices=virtual)).plan(state, batch)
+    assert sharding.logical_mesh.num_devices == 4
+    assert sharding.logical_mesh.device_flops == A100.device_flops
