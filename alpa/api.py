@@ -487,7 +487,8 @@ class ParallelizedFunc:
         """The method's plan for these arguments (arrays or ``jax.ShapeDtypeStruct``)
         without compiling or running anything: a ``PipeshardPlan`` for
         ``PipeshardParallel``, a ``ShardingPlan`` otherwise. The method's ``devices`` may
-        be a cluster that is not here (a ``VirtualPhysicalMesh`` or ``ClusterSpec``)."""
+        be a cluster that is not here (a ``VirtualPhysicalMesh``, a ``ClusterSpec`` or a
+        ``LogicalDeviceMesh`` without devices: ``alpa.resolved_cluster``)."""
         static, batch, donate = self._resolve_argnums(args)
         _, names = self._flatten(args, static)
         k = self._check_micro_batches(args, batch)

@@ -14,21 +14,10 @@ import contextlib
 import os
 import warnings
 from collections.abc import Sequence
-from dataclasses import replace
 from typing import Any
 
-from alpa.cluster import (
-    get_global_physical_mesh,
-    get_global_virtual_physical_mesh,
-    get_ray_cluster,
-    global_virtual_mesh_if_set,
-)
-from alpa.device_mesh import (
-    ClusterSpec,
-    LocalPhysicalDeviceMesh,
-    VirtualPhysicalMesh,
-    profile_in_file,
-)
+from alpa.cluster import get_global_physical_mesh, get_global_virtual_physical_mesh
+from alpa.device_mesh import ClusterSpec, profile_in_file
 from alpa.executables.base import Executable
 from alpa.executables.pipeshard import PipeshardDriverExecutable
 from alpa.executables.pipeshard_ray import PipeshardRayExecutable
@@ -54,7 +43,8 @@ from alpa.pipeline_parallel.user_shardings import (
     check_manual_sharding_option,
     check_stage_input_shardings,
 )
-from alpa.runtime.ray_mesh import DeviceCluster
+from alpa.resolved_cluster import ResolvedCluster, resolve_cluster
+from alpa.runtime.ray_mesh import DistributedPhysicalDeviceMesh
 from alpa.shard_method import ParallelMethod, ShardParallel
 from alpa.shard_parallel.auto_sharding import AutoShardingOption, snapshot_for_compile
 from alpa.timer import timed
@@ -65,9 +55,11 @@ class PipeshardParallel(ParallelMethod):
     """Inter-operator (pipeline) plus intra-operator parallelism.
 
     Args:
-      devices: ``None`` (the devices of ``alpa.init``), a ``LocalPhysicalDeviceMesh``, a
-        ``VirtualPhysicalMesh`` or ``ClusterSpec`` (for ``plan()`` only) or a
-        list of jax devices.
+      devices: where the stages run (:func:`~alpa.resolved_cluster.resolve_cluster`):
+        ``None`` (the cluster of ``alpa.init``, or the part of it that
+        ``set_global_virtual_physical_mesh`` chose), a list of jax devices, a
+        ``LocalPhysicalDeviceMesh``, the global cluster, a ``LogicalDeviceMesh`` (its
+        devices), or for ``plan()`` only a ``VirtualPhysicalMesh`` or ``ClusterSpec``.
       num_micro_batches: micro-batches per step; divides the batch size.
       default_auto_sharding_option: ``AutoShardingOption`` of every stage (default
         ``AutoShardingOption()``: the ILP shards each stage on its logical submesh); the
@@ -123,51 +115,20 @@ class PipeshardParallel(ParallelMethod):
         self.layer_option = resolve_layer_option(layer_option)
         self.stage_option = resolve_stage_option(stage_option)
 
-    def _cluster(self) -> tuple[int, int, ClusterSpec, list[Any] | None]:
-        """``(num_hosts, num_devices_per_host, cluster, devices)``; ``devices`` is ``None``
-        for a cluster that is not here (a ``VirtualPhysicalMesh`` or ``ClusterSpec``) and
-        for a Ray cluster (its workers own the devices)."""
-        devices = self.devices
-        if isinstance(devices, ClusterSpec):
-            devices = devices.get_virtual_physical_mesh()
-        if isinstance(devices, VirtualPhysicalMesh):
-            cluster = devices.cluster or ClusterSpec.preset("cpu", devices.num_hosts)
-            return devices.num_hosts, devices.num_devices_per_host, cluster, None
-        ray_cluster = self._ray_cluster()
-        chosen = global_virtual_mesh_if_set() if devices is None else None
-        if ray_cluster is not None:
-            if chosen is not None:  # set_global_virtual_physical_mesh: the first hosts
-                spec = replace(
-                    ray_cluster.spec,
-                    num_nodes=chosen.num_hosts,
-                    num_devices_per_node=chosen.num_devices_per_host,
-                )
-                return chosen.num_hosts, chosen.num_devices_per_host, spec, None
-            spec = ray_cluster.spec
-            return ray_cluster.num_hosts, ray_cluster.num_devices_per_host, spec, None
-        if chosen is not None:
-            local = get_global_physical_mesh()
-            if chosen.num_hosts != 1 or chosen.num_devices > local.num_devices:
-                raise ValueError(
-                    f"the global virtual mesh {chosen.shape} does not fit the "
-                    f"{local.num_devices} local devices of alpa.init('local')"
-                )
-            physical = local.slice_1d(0, chosen.num_devices)
-            return 1, physical.num_devices, physical.cluster, list(physical.devices)
-        if devices is None:
-            physical = get_global_physical_mesh()
-        elif isinstance(devices, LocalPhysicalDeviceMesh):
-            physical = devices
-        else:
-            physical = LocalPhysicalDeviceMesh(getattr(devices, "devices", devices))
-        return 1, physical.num_devices, physical.cluster, list(physical.devices)
-
-    def _ray_cluster(self):
-        """The ``DeviceCluster`` stages run on: ``alpa.init("ray")``'s, when ``devices``
-        is ``None`` (or that cluster itself)."""
-        if isinstance(self.devices, DeviceCluster):
-            return self.devices
-        return get_ray_cluster() if self.devices is None else None
+    def _resolved(self) -> ResolvedCluster:
+        """Where the stages are planned and run: ``devices`` resolved, ``None`` as the
+        part of ``alpa.init``'s cluster that ``set_global_virtual_physical_mesh`` chose
+        (all of it by default). On Ray, the stages' meshes are sliced from the cluster,
+        so one mesh of some of its workers cannot hold them."""
+        cluster = resolve_cluster(self.devices, use_global_virtual_mesh=True)
+        if isinstance(cluster.mesh, DistributedPhysicalDeviceMesh) and cluster.ray_cluster is None:
+            raise TypeError(
+                f"devices is {cluster.mesh!r}, a mesh of some of a Ray cluster's workers: "
+                "PipeshardParallel slices its stages' meshes from the whole cluster; pass "
+                "devices=None (alpa.init('ray')'s cluster, or the part of it "
+                "set_global_virtual_physical_mesh chose) or alpa.get_global_cluster()"
+            )
+        return cluster
 
     def _priced(self, cluster: ClusterSpec, devices) -> ClusterSpec:
         """``cluster`` with the profile ``AutoStageOption(use_hlo_cost_model=True,
@@ -201,17 +162,11 @@ class PipeshardParallel(ParallelMethod):
         )
 
     def _plan(self, traced: TracedStep, args: Sequence[Any], require_devices: bool):
-        num_hosts, per_host, cluster, devices = self._cluster()
-        cluster = self._priced(cluster, devices)
-        if devices is None and require_devices and self._ray_cluster() is None:
-            raise ValueError(
-                f"devices is {type(self.devices).__name__} (a cluster that is not here, no "
-                "devices): it can be planned for with parallelize(...).plan(*args), not run"
-            )
+        cluster = self._resolved()
+        if require_devices:
+            cluster.check_here()
         options = PipeshardOptions(
-            num_hosts,
-            per_host,
-            cluster,
+            self._priced(cluster.spec, cluster.devices),
             self.num_micro_batches,
             pipeline_schedule=self.pipeline_schedule,
             layer_option=self.layer_option,
@@ -224,8 +179,10 @@ class PipeshardParallel(ParallelMethod):
         step, row_split = traced, None
         if self.manual_sharding_option is None:  # its specs name the caller's leaves
             step, row_split = pipeline_step(traced, self.layer_option)
-        plan = plan_pipeshard(step, options, args=args, devices=devices, row_split=row_split)
-        return plan, devices
+        plan = plan_pipeshard(
+            step, options, args=args, devices=cluster.devices, row_split=row_split
+        )
+        return plan, cluster
 
     def _option_snapshot(self) -> AutoShardingOption | None:
         option = self.default_auto_sharding_option
@@ -259,22 +216,9 @@ class PipeshardParallel(ParallelMethod):
 
     def compile_executable(self, traced: TracedStep, args: Sequence[Any]) -> Executable:
         with timed("planning"):
-            plan, devices = self._plan(traced, args, require_devices=True)
+            plan, cluster = self._plan(traced, args, require_devices=True)
         with timed("compile"):
-            return self._compile_plan(plan, devices)
-
-    def _compile_plan(self, plan: PipeshardPlan, devices) -> Executable:
-        ray_cluster = self._ray_cluster()
-        if ray_cluster is None:
-            return PipeshardDriverExecutable(plan, devices)
-        per_host = self._cluster()[1]
-        meshes = []  # one per mesh of devices: stages may share one (interleaved 1F1B, DualPipeV)
-        for start, stop in dict.fromkeys(plan.stage_plan.device_ranges):
-            hosts = tuple(range(start // per_host, (stop - 1) // per_host + 1))
-            meshes.append(
-                ray_cluster.get_physical_mesh(hosts, min(stop - start, per_host), start % per_host)
-            )
-        return PipeshardRayExecutable(plan, meshes)
+            return compile_pipeshard_plan(plan, cluster)
 
     def __repr__(self) -> str:
         return (
@@ -282,6 +226,23 @@ class PipeshardParallel(ParallelMethod):
             f"pipeline_schedule={self.pipeline_schedule!r}, "
             f"stage_option={self.stage_option!r})"
         )
+
+
+def compile_pipeshard_plan(plan: PipeshardPlan, cluster: ResolvedCluster) -> Executable:
+    """``plan`` compiled where ``cluster`` runs it: the in-process runtime over its
+    devices, or one mesh of Ray workers per mesh of stages, sliced from its Ray cluster
+    (hosts of ``cluster.spec.num_devices_per_node`` devices)."""
+    ray_cluster = cluster.ray_cluster
+    if ray_cluster is None:
+        return PipeshardDriverExecutable(plan, list(cluster.devices))
+    per_host = cluster.spec.num_devices_per_node
+    meshes = []  # one per mesh of devices: stages may share one (interleaved 1F1B, DualPipeV)
+    for start, stop in dict.fromkeys(plan.stage_plan.device_ranges):
+        hosts = tuple(range(start // per_host, (stop - 1) // per_host + 1))
+        meshes.append(
+            ray_cluster.get_physical_mesh(hosts, min(stop - start, per_host), start % per_host)
+        )
+    return PipeshardRayExecutable(plan, meshes)
 
 
 # ----------------------------------------------------------------------------- 3-D

@@ -25,9 +25,10 @@ from alpa.pipeline_parallel.pipeshard_passes import (
     pipeline_step,
     plan_pipeshard,
 )
-from alpa.pipeshard_method import PipeshardParallel
+from alpa.pipeshard_method import PipeshardParallel, compile_pipeshard_plan
 from alpa.plan_refs import eqn_refs, value_refs
-from alpa.shard_method import ParallelMethod, _compile_one_mesh, resolve_logical_mesh
+from alpa.resolved_cluster import resolve_cluster
+from alpa.shard_method import ParallelMethod, _compile_one_mesh
 from alpa.shard_parallel.sharding_plan import ShardingPlan
 from alpa.tracing import TracedStep
 
@@ -74,13 +75,14 @@ class PlannedParallel(ParallelMethod):
         self.parallel_plan.check_step(traced)
         if self._pipeshard is None:
             plan = self._sharding_plan(traced, require_devices=True)
-            return _compile_one_mesh(self.devices, traced, plan, self.num_micro_batches)
-        plan, devices = self._pipeshard_plan(traced, args, require_devices=True)
-        return self._pipeshard._compile_plan(plan, devices)
+            cluster = resolve_cluster(self.devices)
+            return _compile_one_mesh(cluster, traced, plan, self.num_micro_batches)
+        plan, cluster = self._pipeshard_plan(traced, args, require_devices=True)
+        return compile_pipeshard_plan(plan, cluster)
 
     def _sharding_plan(self, traced: TracedStep, require_devices: bool) -> ShardingPlan:
         recorded = self.parallel_plan.sharding_plan
-        mesh = resolve_logical_mesh(self.devices, None, require_devices)
+        mesh = resolve_cluster(self.devices).logical_mesh(None, require_devices)
         if mesh.num_devices != recorded.logical_mesh.num_devices:
             raise ValueError(
                 f"the ParallelPlan of {self.parallel_plan.step_name} was made for "
@@ -91,20 +93,17 @@ class PlannedParallel(ParallelMethod):
         return _bound_sharding_plan(recorded, traced.jaxpr, logical)
 
     def _pipeshard_plan(self, traced: TracedStep, args, require_devices: bool):
-        inner = self._pipeshard
-        num_hosts, per_host, cluster, devices = inner._cluster()
+        cluster = self._pipeshard._resolved()
         info = self.parallel_plan.cluster_info
-        if (num_hosts, per_host) != (info.num_hosts, info.num_devices_per_host):
+        shape = (cluster.spec.num_nodes, cluster.spec.num_devices_per_node)
+        if shape != (info.num_hosts, info.num_devices_per_host):
             raise ValueError(
                 f"the ParallelPlan of {self.parallel_plan.step_name} was made for a cluster "
                 f"of {info.num_hosts} x {info.num_devices_per_host} devices but devices is "
-                f"{num_hosts} x {per_host}"
+                f"{shape[0]} x {shape[1]}"
             )
-        if devices is None and require_devices and inner._ray_cluster() is None:
-            raise ValueError(
-                f"devices is {type(self.devices).__name__} (a cluster that is not here, no "
-                "devices): it can be planned for with parallelize(...).plan(*args), not run"
-            )
+        if require_devices:
+            cluster.check_here()
         pipeline = self.parallel_plan.pipeline_plan
         recorded = pipeline.decisions
         row_split = None
@@ -134,17 +133,20 @@ class PlannedParallel(ParallelMethod):
             },
         )
         options = PipeshardOptions(
-            num_hosts,
-            per_host,
-            cluster,
-            inner.num_micro_batches,
+            cluster.spec,
+            self._pipeshard.num_micro_batches,
             pipeline_schedule=pipeline.pipeline_schedule,
             layer_option=pipeline.layer_option,
         )
         plan = plan_pipeshard(
-            traced, options, args=args, devices=devices, decisions=decisions, row_split=row_split
+            traced,
+            options,
+            args=args,
+            devices=cluster.devices,
+            decisions=decisions,
+            row_split=row_split,
         )
-        return plan, devices
+        return plan, cluster
 
     def __repr__(self) -> str:
         plan = self.parallel_plan

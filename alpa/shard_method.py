@@ -18,18 +18,10 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
-from alpa.cluster import (
-    get_global_physical_mesh,
-)
-from alpa.device_mesh import (
-    ClusterSpec,
-    LocalPhysicalDeviceMesh,
-    LogicalDeviceMesh,
-    VirtualPhysicalMesh,
-)
 from alpa.executables.base import Executable
 from alpa.executables.distributed import DistributedMeshExecutable
 from alpa.executables.mesh import compile_shard_executable
+from alpa.resolved_cluster import ResolvedCluster, resolve_cluster
 from alpa.runtime.ray_mesh import DistributedPhysicalDeviceMesh
 from alpa.runtime.resharding import worker_transfer_plan
 from alpa.shard_parallel.auto_sharding import (
@@ -114,49 +106,6 @@ class _AutoShardingOptionHolder:
         self.auto_sharding_option = _check_option(value)
 
 
-def resolve_logical_mesh(
-    devices, mesh_shape: Sequence[int] | None = None, require_devices: bool = True
-) -> LogicalDeviceMesh:
-    """The logical mesh a method runs on: ``devices`` may be ``None`` (the devices of
-    ``alpa.init``), a ``LocalPhysicalDeviceMesh``, a ``LogicalDeviceMesh`` or a list of
-    jax devices; for a plan only (``require_devices=False``) also a
-    ``VirtualPhysicalMesh`` or a ``ClusterSpec`` (a cluster that need not be here)."""
-    if isinstance(devices, ClusterSpec):
-        devices = devices.get_virtual_physical_mesh()
-    if isinstance(devices, LogicalDeviceMesh) and devices.physical_mesh is not None:
-        if mesh_shape is not None and tuple(mesh_shape) != devices.shape:
-            return devices.physical_mesh.get_logical_mesh(mesh_shape)
-        return devices  # a view of a physical mesh (Alpa's mesh.get_logical_mesh(shape))
-    if isinstance(devices, VirtualPhysicalMesh) or (
-        isinstance(devices, LogicalDeviceMesh) and devices.devices is None
-    ):
-        if require_devices:
-            raise ValueError(
-                f"devices is {type(devices).__name__} (a cluster that is not here, no devices):"
-                " it can be planned for with parallelize(...).plan(*args), not run"
-            )
-        if isinstance(devices, LogicalDeviceMesh):
-            return devices
-        return devices.get_logical_mesh(mesh_shape)
-    if isinstance(devices, LogicalDeviceMesh):
-        if mesh_shape is not None and tuple(mesh_shape) != devices.shape:
-            return LocalPhysicalDeviceMesh(devices.devices).get_logical_mesh(mesh_shape)
-        return devices
-    if devices is None:
-        physical = get_global_physical_mesh()
-    elif isinstance(devices, LocalPhysicalDeviceMesh | DistributedPhysicalDeviceMesh):
-        physical = devices
-    elif isinstance(devices, list | tuple):
-        physical = LocalPhysicalDeviceMesh(devices)
-    else:
-        raise TypeError(
-            "devices must be None, a LocalPhysicalDeviceMesh, a LogicalDeviceMesh, a "
-            "VirtualPhysicalMesh, a ClusterSpec or a list of jax devices, got "
-            f"{type(devices).__name__}"
-        )
-    return physical.get_logical_mesh(mesh_shape)
-
-
 #: Plans tried against XLA's allocation before a memory budget is declared unmeetable.
 BUDGET_ATTEMPTS = 4
 
@@ -175,8 +124,9 @@ def _compile_within_budget(
     call's arguments, whose placed leaves each new plan keeps (``placed_input_specs``).
     """
     budget = option.memory_budget_per_device
+    cluster = resolve_cluster(method.devices)
     with timed("compile"):
-        executable = _compile_one_mesh(method.devices, traced, plan, method.num_micro_batches)
+        executable = _compile_one_mesh(cluster, traced, plan, method.num_micro_batches)
     if budget is None or not hasattr(executable, "get_total_allocation_size"):
         return executable  # a Ray mesh's allocation is known to its workers only
     allocated = executable.get_total_allocation_size()
@@ -200,7 +150,7 @@ def _compile_within_budget(
         except InfeasibleMemoryBudgetError:
             break
         with timed("compile"):
-            executable = _compile_one_mesh(method.devices, traced, plan, method.num_micro_batches)
+            executable = _compile_one_mesh(cluster, traced, plan, method.num_micro_batches)
         allocated = executable.get_total_allocation_size()
         closest = min(closest, allocated)
     if allocated <= budget:
@@ -213,16 +163,15 @@ def _compile_within_budget(
     )
 
 
-def _compile_one_mesh(devices, traced: TracedStep, plan, num_micro_batches) -> Executable:
-    """A one-mesh executable: in this process, or on the Ray workers of a distributed
-    mesh (``devices`` one, or ``None`` under ``alpa.init("ray")``)."""
-    if devices is None:
-        devices = get_global_physical_mesh()
-    if isinstance(devices, LogicalDeviceMesh):
-        devices = devices.physical_mesh  # the plan holds the view
-    if isinstance(devices, DistributedPhysicalDeviceMesh):
+def _compile_one_mesh(
+    cluster: ResolvedCluster, traced: TracedStep, plan, num_micro_batches
+) -> Executable:
+    """A one-mesh executable of ``plan``: in this process, or on the Ray workers of the
+    ``cluster``'s mesh when they own its devices."""
+    mesh = cluster.physical_mesh()
+    if isinstance(mesh, DistributedPhysicalDeviceMesh):
         return DistributedMeshExecutable(
-            traced, plan, devices, num_micro_batches, worker_transfer_plan
+            traced, plan, mesh, num_micro_batches, worker_transfer_plan
         )
     return compile_shard_executable(traced, plan, num_micro_batches)
 
@@ -234,7 +183,10 @@ class ShardParallel(_AutoShardingOptionHolder, ParallelMethod):
     auto-sharding pass decides (``alpa.shard_parallel.auto_sharding``).
 
     Args:
-      devices: see :func:`resolve_logical_mesh`.
+      devices: where the step runs (:func:`~alpa.resolved_cluster.resolve_cluster`):
+        ``None`` (the cluster of ``alpa.init``, all of it), a list of jax devices, a
+        physical mesh, the global cluster, a ``LogicalDeviceMesh`` (its view), or for
+        ``plan()`` only a ``VirtualPhysicalMesh`` or ``ClusterSpec``.
       num_micro_batches: split each batch argument into this many micro-batches and
         accumulate gradients (the step must use ``alpa.grad``).
       auto_sharding_option: options of the auto-sharding pass.
@@ -301,9 +253,8 @@ class ShardParallel(_AutoShardingOptionHolder, ParallelMethod):
         """The ``ShardingPlan`` of ``traced`` under ``option`` (default: a snapshot of the
         method's option); touches no device."""
         option = self.auto_sharding_option.snapshot() if option is None else option
-        logical_mesh = resolve_logical_mesh(
-            self.devices, option.logical_mesh_shape, require_devices
-        )
+        cluster = resolve_cluster(self.devices)
+        logical_mesh = cluster.logical_mesh(option.logical_mesh_shape, require_devices)
         if self.manual_sharding_option is not None:
             return manual_sharding_plan(traced, logical_mesh, self.manual_sharding_option, args)
         # Arguments the caller placed on this mesh keep their shardings: the ILP plans
@@ -320,7 +271,9 @@ class ShardParallel(_AutoShardingOptionHolder, ParallelMethod):
             plan = self.plan(traced, args, require_devices=True, option=option)
         if self.manual_sharding_option is not None:
             with timed("compile"):
-                executable = _compile_one_mesh(self.devices, traced, plan, self.num_micro_batches)
+                executable = _compile_one_mesh(
+                    resolve_cluster(self.devices), traced, plan, self.num_micro_batches
+                )
         else:
             executable = _compile_within_budget(self, traced, plan, option, True, args)
         return _keep_option(executable, option)
@@ -385,9 +338,9 @@ class _FixedPlanParallel(_AutoShardingOptionHolder, ParallelMethod):
         stage = _zero_stage(option)
         if stage is None:  # the user cleared the fixed plan: the ILP decides
             mesh_shape = option.logical_mesh_shape
-            logical_mesh = resolve_logical_mesh(self.devices, mesh_shape, require_devices)
+            logical_mesh = resolve_cluster(self.devices).logical_mesh(mesh_shape, require_devices)
             return plan_auto_sharding(traced, logical_mesh, option)
-        logical_mesh = resolve_logical_mesh(self.devices, require_devices=require_devices)
+        logical_mesh = resolve_cluster(self.devices).logical_mesh(None, require_devices)
         return data_parallel_plan(
             traced,
             logical_mesh,

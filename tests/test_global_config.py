@@ -234,7 +234,7 @@ def test_overwrite_submesh_choices_are_the_stage_dps(restored_config, capsys):
 
     def choices():
         context = StageContext(
-            2, 1, 8, ClusterSpec.local(), jax.devices(), plan.traced, plan.layers, plan.names, 2
+            2, ClusterSpec.local(), jax.devices(), plan.traced, plan.layers, plan.names, 2
         )
         return stage_problem(AutoStageOption(), context).submesh_choices
 

@@ -173,13 +173,11 @@ def _name_vars(closed_jaxpr) -> dict:
 
 @dataclass(frozen=True)
 class PipeshardOptions:
-    """What ``plan_pipeshard`` plans for: a cluster of ``num_hosts`` x
-    ``num_devices_per_host`` devices of kind ``cluster``, ``num_micro_batches`` per step
-    under ``pipeline_schedule``, and ``PipeshardParallel``'s options (layers, stages, the
+    """What ``plan_pipeshard`` plans for: the ``cluster`` (its ``num_nodes`` hosts of
+    ``num_devices_per_node`` devices), ``num_micro_batches`` per step under
+    ``pipeline_schedule``, and ``PipeshardParallel``'s options (layers, stages, the
     default ``AutoShardingOption``, the user's pins)."""
 
-    num_hosts: int
-    num_devices_per_host: int
     cluster: ClusterSpec
     num_micro_batches: int
     pipeline_schedule: str = "1f1b"
@@ -300,7 +298,7 @@ def _plan_one_schedule(
         )
         logical_meshes = _logical_meshes(stage_plan, stage_opts, options.cluster)
     else:
-        check_decisions(decisions, traced, names, options.num_hosts * options.num_devices_per_host)
+        check_decisions(decisions, traced, names, options.cluster.num_devices)
         layers, stage_plan = decisions.layers, decisions.stage_plan
         stage_opts, logical_meshes = decisions.options, list(decisions.logical_meshes)
     program = split_computations(
@@ -344,8 +342,6 @@ def _plan_one_schedule(
         traced=traced,
         names=names,
         cluster=options.cluster,
-        num_hosts=options.num_hosts,
-        num_devices_per_host=options.num_devices_per_host,
         layers=layers,
         stage_plan=stage_plan,
         options=tuple(stage_opts),
@@ -502,8 +498,6 @@ def _search_stages(
         )
     context = StageContext(
         num_layers=layers.num_layers,
-        num_hosts=options.num_hosts,
-        num_devices_per_host=options.num_devices_per_host,
         cluster=options.cluster,
         devices=devices,
         traced=traced,

@@ -94,7 +94,8 @@ class PipeshardPlan:
     Attributes:
       traced: the traced step (at micro-batch size).
       names: a short name for every value (``v0``, ``v1``, ...) used by instructions.
-      cluster: the hardware planned for; ``num_hosts`` x ``num_devices_per_host`` of it.
+      cluster: the hardware planned for and its shape: ``num_hosts`` x
+        ``num_devices_per_host`` read from it.
       layers: the layer of every equation.
       stage_plan: stages, their layers, submeshes, logical shapes and options.
       options: per stage, its resolved ``AutoShardingOption``.
@@ -135,8 +136,6 @@ class PipeshardPlan:
     traced: TracedStep
     names: dict
     cluster: ClusterSpec
-    num_hosts: int
-    num_devices_per_host: int
     layers: LayerAssignment
     stage_plan: StagePlan
     options: tuple[AutoShardingOption, ...]
@@ -161,6 +160,14 @@ class PipeshardPlan:
         """The step as its caller traced it (``traced`` before its stacked parameters
         were split by rows; ``traced`` itself when none were)."""
         return self.traced if self.row_split is None else self.row_split.original
+
+    @property
+    def num_hosts(self) -> int:
+        return self.cluster.num_nodes
+
+    @property
+    def num_devices_per_host(self) -> int:
+        return self.cluster.num_devices_per_node
 
     @property
     def num_stages(self) -> int:
@@ -254,8 +261,6 @@ class PipeshardPlan:
         :meth:`price_stages` prices with)."""
         context = StageContext(
             num_layers=self.layers.num_layers,
-            num_hosts=self.num_hosts,
-            num_devices_per_host=self.num_devices_per_host,
             cluster=self.cluster,
             traced=self.traced,
             layers=self.layers,

@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from alpa.device_mesh import ClusterSpec
 from alpa.pipeline_parallel.schedules import stage_placement
 from alpa.pipeline_parallel.stage_dp import (  # noqa: F401 (Alpa's path)
     SUBMESH_SPACES,
@@ -296,8 +297,8 @@ class StageContext:
 
     Attributes:
       num_layers: layers of the step.
-      num_hosts, num_devices_per_host: the cluster's shape.
-      cluster: its hardware (a ``ClusterSpec``).
+      cluster: the cluster's hardware and shape (a ``ClusterSpec``: ``num_hosts`` x
+        ``num_devices_per_host`` read from it).
       devices: the real devices, or ``None`` when planning for a cluster that is not here.
       traced, layers, names: the traced step, its ``LayerAssignment`` and value names
         (auto stages cost the layers' computations).
@@ -311,9 +312,7 @@ class StageContext:
     """
 
     num_layers: int
-    num_hosts: int
-    num_devices_per_host: int
-    cluster: Any = None
+    cluster: ClusterSpec
     devices: Sequence[Any] | None = None
     traced: Any = None
     layers: Any = None
@@ -328,8 +327,16 @@ class StageContext:
         return stage_placement(self.schedule, num_stages)
 
     @property
+    def num_hosts(self) -> int:
+        return self.cluster.num_nodes
+
+    @property
+    def num_devices_per_host(self) -> int:
+        return self.cluster.num_devices_per_node
+
+    @property
     def num_devices(self) -> int:
-        return self.num_hosts * self.num_devices_per_host
+        return self.cluster.num_devices
 
 
 def resolve_stage_option(option) -> ManualStageOption | UniformStageOption | AutoStageOption:

@@ -119,8 +119,6 @@ def test_mlp_measured_cost_model_matches_serial_and_caches(tmp_path):
 
     context = StageContext(
         2,
-        1,
-        8,
         ClusterSpec.local(),
         jax.devices(),
         traced_plan.traced,

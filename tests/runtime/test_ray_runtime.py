@@ -162,6 +162,31 @@ def test_gradient_accumulation(ray_cluster):
     assert f"channel_id={ids[1:-1]}," in hlo[hlo.index("\nENTRY ") :]
 
 
+def test_devices_resolve_to_the_global_cluster_or_its_chosen_hosts(ray_cluster):
+    """``devices=alpa.get_global_cluster()``: a one-mesh method runs on the whole cluster's
+    mesh. Under ``set_global_virtual_physical_mesh`` a pipeline plans on the chosen first
+    host and runs there; a mesh of some workers is no pipeline's ``devices``."""
+    cluster = alpa.get_global_cluster()
+    state, expected, executable = _run(alpa.DataParallel(devices=cluster), num_steps=1)
+    assert executable.mesh is alpa.get_global_physical_mesh()
+    assert_allclose(state.params, expected.params)
+    two_stages = alpa.ManualStageOption([[0, 1], [2, 3]], [(1, 2)] * 2, [(1, 2)] * 2)
+    alpa.set_global_virtual_physical_mesh(alpa.VirtualPhysicalMesh(1, DEVICES_PER_NODE))
+    try:
+        method = alpa.PipeshardParallel(
+            num_micro_batches=2, layer_option="manual", stage_option=two_stages
+        )
+        state, expected, executable = _run(method, markers=True)
+        assert (executable.plan.num_hosts, executable.plan.num_devices_per_host) == (1, 4)
+        assert [(m.host_ids, m.first_device) for m in executable.meshes] == [((0,), 0), ((0,), 2)]
+        assert_allclose(state.params, expected.params)
+    finally:
+        alpa.set_global_virtual_physical_mesh(None)
+    part = alpa.PipeshardParallel(devices=cluster.get_physical_mesh((1,), DEVICES_PER_NODE))
+    with pytest.raises(TypeError, match="a mesh of some of a Ray cluster's workers"):
+        _run(part, markers=True)
+
+
 def _two_stages_one_per_node(num_micro_batches, schedule):
     return alpa.PipeshardParallel(
         num_micro_batches=num_micro_batches,
