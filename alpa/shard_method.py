@@ -23,7 +23,6 @@ from alpa.executables.distributed import DistributedMeshExecutable
 from alpa.executables.mesh import compile_shard_executable
 from alpa.resolved_cluster import ResolvedCluster, resolve_cluster
 from alpa.runtime.ray_mesh import DistributedPhysicalDeviceMesh
-from alpa.runtime.resharding import worker_transfer_plan
 from alpa.shard_parallel.auto_sharding import (
     AutoShardingOption,
     placed_input_specs,
@@ -170,9 +169,7 @@ def _compile_one_mesh(
     ``cluster``'s mesh when they own its devices."""
     mesh = cluster.physical_mesh()
     if isinstance(mesh, DistributedPhysicalDeviceMesh):
-        return DistributedMeshExecutable(
-            traced, plan, mesh, num_micro_batches, worker_transfer_plan
-        )
+        return DistributedMeshExecutable(traced, plan, mesh, num_micro_batches)
     return compile_shard_executable(traced, plan, num_micro_batches)
 
 

@@ -23,7 +23,6 @@ from alpa.executables.mesh import PricedPlan
 from alpa.runtime.placement import PlacementSpec, place
 from alpa.runtime.ray_launch import MeshOutput, RayStepLauncher
 from alpa.runtime.ray_mesh import DistributedPhysicalDeviceMesh
-from alpa.runtime.resharding import worker_transfer_plan
 from alpa.runtime.worker_program import (
     ExportedFn,
     Layout,
@@ -98,16 +97,9 @@ class DistributedMeshExecutable(PricedPlan, Executable):
         plan: ShardingPlan,
         mesh: DistributedPhysicalDeviceMesh,
         num_micro_batches: int | None,
-        planner: Any = None,
     ):
         """The runtime plans the tiles of an argument that lives on another mesh itself
-        (``runtime.resharding.worker_transfer_plan``, the one tile planner). ``planner``
-        is accepted for callers that still pass that planner, and must be it or ``None``."""
-        if planner not in (None, worker_transfer_plan):
-            raise ValueError(
-                f"planner={planner!r}: the Ray runtime plans tiles with "
-                "alpa.runtime.resharding.worker_transfer_plan only; pass None (or nothing)"
-            )
+        (``runtime.resharding.worker_transfer_plan``, the one tile planner)."""
         self.traced = traced
         self.plan = plan
         self.mesh = mesh

@@ -89,9 +89,6 @@ def test_the_ray_runtime_calls_the_one_tile_planner_itself():
     from alpa.executables.distributed import DistributedMeshExecutable
     from alpa.runtime import ray_launch
 
-    for fn in (ray_launch.RayStepLauncher, ray_launch.reshard_array):
+    for fn in (ray_launch.RayStepLauncher, ray_launch.reshard_array, DistributedMeshExecutable):
         assert "planner" not in inspect.signature(fn).parameters, fn
     assert ray_launch.worker_transfer_plan is worker_transfer_plan
-    # A caller that still passes a planner may pass only that one (checked first).
-    with pytest.raises(ValueError, match=r"planner=<built-in function len>: the Ray runtime"):
-        DistributedMeshExecutable(None, None, None, None, len)
