@@ -222,6 +222,9 @@ _FUSIBLE = frozenset(
 # Readers into which such a value fuses: the fusible equations and the reductions (XLA's
 # input fusion computes a reduction's operand inside the reduction).
 _FUSES_INTO = _FUSIBLE | {p.name for p in REDUCTIONS}
+# What XLA fuses into its readers on every backend, the CPU's too: a broadcast (of a mask,
+# of a constant to a tensor's shape) is computed inside the kernel that reads it.
+_BROADCASTS = frozenset({"broadcast_in_dim", "iota"})
 
 
 def temporary_bytes(jaxpr, held, bytes_of, fused: bool = True, written=frozenset()) -> float:
@@ -234,7 +237,9 @@ def temporary_bytes(jaxpr, held, bytes_of, fused: bool = True, written=frozenset
     read only by fusible equations or reductions (``docs/pipeline.md`` compares the
     figure with XLA's on GPU: without fusion the cross-entropy of a 51200-word vocabulary
     counts three fp32 copies of the logits that XLA:GPU never writes), unless it is in
-    ``written`` (counted written whatever fusion does)."""
+    ``written`` (counted written whatever fusion does). Without ``fused`` a broadcast
+    read only by such equations is left out still: XLA's CPU compile, too, computes it
+    inside its reader."""
     eqns = jaxpr.eqns
     if not eqns:
         return 0.0
@@ -248,7 +253,7 @@ def temporary_bytes(jaxpr, held, bytes_of, fused: bool = True, written=frozenset
                 fuses[v] = fuses.get(v, True) and reader_fuses
     change = np.zeros(len(eqns) + 1)
     for t, eqn in enumerate(eqns):
-        computed_in_fusion = fused and eqn.primitive.name in _FUSIBLE
+        computed_in_fusion = eqn.primitive.name in (_FUSIBLE if fused else _BROADCASTS)
         for v in eqn.outvars:
             if not is_var(v) or v in held:
                 continue

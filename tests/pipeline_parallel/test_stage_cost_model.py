@@ -237,6 +237,24 @@ def test_temporaries_are_the_fullest_point_of_the_liveness_of_what_is_not_held()
     assert temporary_bytes(jaxpr, held | {a}, size) == 0
 
 
+def test_a_broadcast_read_by_elementwise_equations_is_never_written():
+    """``relu(x @ w)`` written ``max(a, zeros)``: ``a = x @ w`` (f32[4, 8], 128 bytes) and
+    the zeros broadcast to its shape (128), both live at the ``max``: 256 bytes if both
+    were written. XLA computes a broadcast inside the kernel that reads it on every
+    backend (the CPU's HLO has ``broadcast_select_fusion``s), so unfused too only ``a``
+    is counted: 128."""
+
+    def f(x, w):
+        return jnp.maximum(x @ w, jnp.zeros((4, 8)))
+
+    jaxpr = jax.make_jaxpr(f)(jnp.ones((4, 16)), jnp.ones((16, 8))).jaxpr
+    assert [e.primitive.name for e in jaxpr.eqns] == ["dot_general", "broadcast_in_dim", "max"]
+    held = {*jaxpr.invars, *jaxpr.outvars}
+    size = lambda v: float(np.prod(v.aval.shape) * v.aval.dtype.itemsize)  # noqa: E731
+    assert temporary_bytes(jaxpr, held, size, fused=False) == 128
+    assert temporary_bytes(jaxpr, held, size) == 128
+
+
 def test_fused_temporaries_keep_what_a_matmul_or_a_non_fusible_reader_needs():
     """``a = x @ w; b = tanh(a); c = 2 b; e = c @ v; d = e + a`` (f32[4, 8], 128 bytes
     each): with fusion ``b`` is never written, but ``c`` is, since a matmul reads it
