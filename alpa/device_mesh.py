@@ -57,7 +57,8 @@ class ClusterSpec:
     (HBM, or DRAM for CPU devices), which prices the bytes an operation writes.
     ``fuses_elementwise``: whether the device's XLA backend leaves chains of elementwise
     operations unwritten, computed inside the kernel that reads them (XLA:GPU does; the
-    virtual CPU devices' figures match a model without it): the stage cost model's
+    virtual CPU devices' figures match a model without it, bar broadcasts, which every
+    backend computes inside their readers): the stage cost model's
     temporaries follow it (``layer_facts.temporary_bytes``).
 
     ``profile``: the rates measured on the cluster (``cost_profile.ClusterProfile``, made

@@ -222,9 +222,12 @@ _FUSIBLE = frozenset(
 # Readers into which such a value fuses: the fusible equations and the reductions (XLA's
 # input fusion computes a reduction's operand inside the reduction).
 _FUSES_INTO = _FUSIBLE | {p.name for p in REDUCTIONS}
+# What XLA fuses into its readers on every backend, the CPU's too: a broadcast (of a mask,
+# of a constant to a tensor's shape) is computed inside the kernel that reads it.
+_BROADCASTS = frozenset({"broadcast_in_dim", "iota"})
 
 
-def temporary_bytes(jaxpr, held, bytes_of, fused: bool = True) -> float:
+def temporary_bytes(jaxpr, held, bytes_of, fused: bool = True, written=frozenset()) -> float:
     """The most bytes per device of values ``jaxpr``'s equations compute and free again
     that are live at once: each from the equation that computes it to its last read
     (one never read: its own equation only), ``held`` values (inputs, outputs, what the
@@ -233,7 +236,10 @@ def temporary_bytes(jaxpr, held, bytes_of, fused: bool = True) -> float:
     left out: one computed by a fusible equation (elementwise, broadcast, reshape) and
     read only by fusible equations or reductions (``docs/pipeline.md`` compares the
     figure with XLA's on GPU: without fusion the cross-entropy of a 51200-word vocabulary
-    counts three fp32 copies of the logits that XLA:GPU never writes)."""
+    counts three fp32 copies of the logits that XLA:GPU never writes), unless it is in
+    ``written`` (counted written whatever fusion does). Without ``fused`` a broadcast
+    read only by such equations is left out still: XLA's CPU compile, too, computes it
+    inside its reader."""
     eqns = jaxpr.eqns
     if not eqns:
         return 0.0
@@ -247,11 +253,11 @@ def temporary_bytes(jaxpr, held, bytes_of, fused: bool = True) -> float:
                 fuses[v] = fuses.get(v, True) and reader_fuses
     change = np.zeros(len(eqns) + 1)
     for t, eqn in enumerate(eqns):
-        computed_in_fusion = fused and eqn.primitive.name in _FUSIBLE
+        computed_in_fusion = eqn.primitive.name in (_FUSIBLE if fused else _BROADCASTS)
         for v in eqn.outvars:
             if not is_var(v) or v in held:
                 continue
-            if computed_in_fusion and fuses.get(v, True):
+            if computed_in_fusion and fuses.get(v, True) and v not in written:
                 continue
             size = bytes_of(v)
             change[t] += size
@@ -264,3 +270,17 @@ def held_values(step: TracedStep, facts: LayerFacts) -> set:
     inputs, constants and outputs, and what its forward keeps for its backward."""
     jaxpr = step.closed_jaxpr.jaxpr
     return {*jaxpr.invars, *jaxpr.constvars, *jaxpr.outvars, *facts.kept}
+
+
+def recomputed_bytes(step: TracedStep, facts: LayerFacts, bytes_of, fused: bool = True) -> float:
+    """Under stage remat, the most bytes per device a layer's backward holds at once
+    while it recomputes the layer's forward and runs: :func:`temporary_bytes` of its
+    ``step`` (forward, then backward) with what the forward keeps for the backward
+    counted as values it computes and frees again, each live from where the recomputed
+    forward writes it to the backward's last read, not for the whole backward. Those
+    values are counted written whatever the cluster's fusion does (XLA may recompute an
+    elementwise one inside a backward kernel instead; the model does not count on it)."""
+    jaxpr = step.closed_jaxpr.jaxpr
+    kept = set(facts.kept)
+    held = {*jaxpr.invars, *jaxpr.constvars, *jaxpr.outvars} - kept
+    return temporary_bytes(jaxpr, held, bytes_of, fused=fused, written=kept)

@@ -35,11 +35,14 @@ Two models:
   per micro-batch in flight, the activations its forward keeps for its backward (the
   values that depend on the batch, each at the bytes per device of the ILP's sharding of
   it; split over the submesh in a data-parallel configuration), or under ``r = 1`` only
-  the batch values entering the stage, plus, once, one micro-batch's activations while
-  its backward recomputes them; and once, the temporaries of its largest layer
+  the batch values entering the stage; and once, the temporaries of its largest layer
   (``layer_facts.temporary_bytes``: the jaxpr's liveness, leaving out the elementwise values XLA
   fuses away where the cluster's backend fuses, ``ClusterSpec.fuses_elementwise``) and
-  the cotangent its backward sends to the stage before.
+  the cotangent its backward sends to the stage before. Under ``r = 1`` the temporaries
+  are the backward's while it recomputes one micro-batch's activations: at layer ``l``,
+  the activations layers ``i..l-1`` keep plus the liveness of ``l``'s forward and
+  backward with its own kept activations freed at their last read
+  (:func:`stage_memory`, ``layer_facts.recomputed_bytes``).
   Under 1F1B a stage followed by ``k`` stages holds
   ``k + 1`` micro-batches, so ``max_n_succ_stages = floor((budget - state - once) /
   per_micro_batch) - 1`` (``-1``, and an ``inf`` latency, when not even one fits). The
@@ -69,6 +72,7 @@ from alpa.pipeline_parallel.layer_facts import (
     LayerFacts,
     held_values,
     per_device_bytes,
+    recomputed_bytes,
     temporary_bytes,
 )
 from alpa.pipeline_parallel.stage_problem import LogicalConfig, StageCosts, StageProblem
@@ -104,6 +108,9 @@ class LayerPlanCost:
       temporary_bytes: what its forward and backward hold only while they run: the
         most bytes of the values they compute and free again (not its inputs, outputs
         or kept activations) live at once (``layer_facts.temporary_bytes``).
+      recomputed_bytes: under stage remat, the most bytes its backward holds at once
+        while it recomputes its forward and runs, the kept activations among them, each
+        until its last read (``layer_facts.recomputed_bytes``).
       gathered_bytes: the copies of its parameters its plan gathers to a larger share
         per device than they are stored in (a parameter split for storage and gathered
         for its use, as ZeRO-3 does): the bytes per device of each distinct gathered
@@ -122,6 +129,7 @@ class LayerPlanCost:
     entering_bytes: float
     batch_arg_bytes: float
     temporary_bytes: float = 0.0
+    recomputed_bytes: float = 0.0
     gathered_bytes: float = 0.0
     compute: float = 0.0
     apply: float = 0.0
@@ -143,6 +151,8 @@ def _data_parallel_layer(
         sync = flat.all_reduce_cost(facts.param_bytes, 1)
         reductions.append(Collective("all-reduce", 1, facts.param_bytes))
     compute = apply = 0.0
+    bytes_of = lambda v: nbytes(v) / n if v in batch else float(nbytes(v))  # noqa: E731
+    fused = problem.cluster.fuses_elementwise
     if mesh.rates is not None:
         eqns = step.closed_jaxpr.jaxpr.eqns
         compute = equations_seconds(eqns, mesh, lambda v: 1.0 / n if v in batch else 1.0)
@@ -157,11 +167,9 @@ def _data_parallel_layer(
         entering_bytes=facts.entering_bytes / n,
         batch_arg_bytes=facts.batch_arg_bytes / n,
         temporary_bytes=temporary_bytes(
-            step.closed_jaxpr.jaxpr,
-            held_values(step, facts),
-            lambda v: nbytes(v) / n if v in batch else float(nbytes(v)),
-            fused=problem.cluster.fuses_elementwise,
+            step.closed_jaxpr.jaxpr, held_values(step, facts), bytes_of, fused=fused
         ),
+        recomputed_bytes=recomputed_bytes(step, facts, bytes_of, fused=fused),
         compute=compute,
         apply=apply,
     )
@@ -265,6 +273,9 @@ def _ilp_layer(
             planned,
             fused=problem.cluster.fuses_elementwise,
         ),
+        recomputed_bytes=recomputed_bytes(
+            step, facts, planned, fused=problem.cluster.fuses_elementwise
+        ),
         gathered_bytes=_gathered_bytes(graph, choice, parameters),
         compute=compute,
         apply=apply,
@@ -357,10 +368,17 @@ def stage_memory(problem: StageProblem, plans: LayerPlans):
     micro-batch in flight, and what it holds once: the temporaries of its forward or
     backward (its layers run one after another and reuse them: the largest layer's), the
     cotangent its backward sends to the stage before and, under remat, one micro-batch's
-    activations while its backward recomputes them."""
+    activations while its backward recomputes them.
+
+    Under remat the backward runs the forwards of layers ``i..j``, then their backwards
+    from ``j`` down: while layer ``l``'s forward and backward run, the activations layers
+    ``i..l-1`` keep for their own backwards are held, and layer ``l``'s are live only until
+    their last read (``LayerPlanCost.recomputed_bytes``), so it holds
+    ``max_l (sum_{k<l} kept_k + recomputed_l)``, not every layer's kept activations plus
+    the largest temporaries."""
 
     def memory(i, j, m, c, config):
-        state = per_micro = once = temporaries = 0.0
+        state = per_micro = once = temporaries = recomputing = 0.0
         facts = problem.layer_facts
         for layer in range(i, j + 1):
             cost = plans.get(layer, m, config)
@@ -371,8 +389,11 @@ def stage_memory(problem: StageProblem, plans: LayerPlans):
                 # recomputes every layer's forward, whose gathered parameters it reads
                 # again: they stay, with the activations, until its layer's backward.
                 per_micro += cost.batch_arg_bytes + (cost.entering_bytes if layer == i else 0.0)
-                once += cost.kept_bytes + cost.gathered_bytes
-                temporaries = max(temporaries, cost.temporary_bytes)
+                once += cost.gathered_bytes
+                temporaries = max(
+                    temporaries, cost.temporary_bytes, recomputing + cost.recomputed_bytes
+                )
+                recomputing += cost.kept_bytes
             else:
                 per_micro += cost.kept_bytes
                 temporaries = max(temporaries, cost.temporary_bytes + cost.gathered_bytes)

@@ -10,7 +10,9 @@ compiled at their real shapes for 8 CPU devices in the stage's logical shape (co
 only: ``lower().compile().memory_analysis()`` allocates nothing), then the most a device
 holds at any ``RUN`` of the step with the buffers the step keeps around it
 (``runtime.memory.step_peak_bytes``, what ``get_step_memory_per_mesh`` reports for a
-compiled pipeline).
+compiled pipeline). The programs are compiled as the executable compiles them: the
+step's donated state (its ``TrainState``) donated to the apply computation that replaces
+it, whose new state then reuses the old one's buffers.
 
 * ``hand``: the hand plan of ``benchmark/pipeline``: 8 stages of 2 layers, each on one
   node's 8 GPUs, logical ``(1, 8)``, every weight split
@@ -55,7 +57,7 @@ from jax.sharding import Mesh  # noqa: E402
 import alpa  # noqa: E402
 from alpa.device_mesh import ClusterSpec  # noqa: E402
 from alpa.executables.stage_programs import StagePrograms  # noqa: E402
-from alpa.runtime.instructions import Op  # noqa: E402
+from alpa.runtime.instructions import Op, donated_inputs  # noqa: E402
 from alpa.runtime.memory import allocation_bytes, step_peak_bytes  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -65,9 +67,19 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 GIB = 2**30
 
 
-def method(cluster: ClusterSpec, plan: str, micro_batches: int, remat: str):
+def method(cluster: ClusterSpec, plan: str, micro_batches: int, remat: str, replay=None):
+    """The method of ``plan``; ``replay``: a plan whose stages it takes instead (the
+    search's, priced again under another fusion setting without searching again)."""
     layer_option = alpa.AutoLayerOption(layer_num=16, remat_mode=remat)
-    if plan == "search":
+    if replay is not None:
+        stages = replay.stage_plan
+        stage_option = alpa.ManualStageOption(
+            forward_stage_layer_ids=stages.stage_layers(),
+            submesh_physical_shapes=stages.submesh_shapes,
+            submesh_logical_shapes=[m.shape for m in replay.logical_meshes],
+            submesh_autosharding_option_dicts=[o or {} for o in stages.autosharding_option_dicts],
+        )
+    elif plan == "search":
         stage_option = "auto"
     elif plan == "fifteen":
         # The plan the search picked before parameter copies were counted: 2 layers on a
@@ -114,6 +126,13 @@ def xla_stage_peaks(plan, stages) -> dict[int, dict]:
         meshes.append(Mesh(array, logical.axis_names))
     programs = StagePrograms(plan, meshes)
     instructions = plan.instructions
+    # The state the step donates (a TrainState argument, ``donate_argnums="auto"``) is
+    # donated to the apply computation that replaces it, as the executable compiles it.
+    traced = plan.traced
+    donated = {
+        plan.names[v] for v, d in zip(traced.jaxpr.invars, traced.donated_invars, strict=True) if d
+    }
+    donate = donated_inputs(instructions, donated)
     wanted = {m for m in stages}
     run_bytes: dict[int, int] = {}
     figures: dict[int, list] = {s: [] for s in stages}
@@ -122,7 +141,7 @@ def xla_stage_peaks(plan, stages) -> dict[int, dict]:
             continue
         kernel = instructions.kernels[ins.computation]
         start = time.perf_counter()
-        jitted, structs, _ = programs.kernel(kernel)
+        jitted, structs, _ = programs.kernel(kernel, donate.get(ins.computation, ()))
         compiled = jitted.lower(*structs).compile()
         stats = compiled.memory_analysis()
         run_bytes[ins.computation] = allocation_bytes(compiled)
@@ -150,7 +169,7 @@ def xla_stage_peaks(plan, stages) -> dict[int, dict]:
                 split *= logical.shape[list(logical.axis_names).index(axis)]
         return int(np.prod(aval.shape, dtype=np.int64)) * aval.dtype.itemsize // split
 
-    peaks = step_peak_bytes(instructions, buffer_bytes, lambda k: run_bytes.get(k, 0))
+    peaks = step_peak_bytes(instructions, buffer_bytes, lambda k: run_bytes.get(k, 0), donate)
     return {s: {"xla_peak": peaks[s], "programs": figures[s]} for s in stages}
 
 
@@ -181,14 +200,11 @@ def run(args) -> list[dict]:
         plan_s = time.perf_counter() - start
         cost = plan.cost
         cpu_cluster = dataclasses.replace(preset, fuses_elementwise=False)
-        cpu_plan = (
-            alpa.parallelize(
-                step, method=method(cpu_cluster, name, args.micro_batches, args.remat)
-            ).plan(state, batch)
-            if name != "search"
-            else None
-        )
-        cpu_cost = cpu_plan.cost if cpu_plan is not None else None
+        # The search's stages replayed: searching again under the CPU setting could pick
+        # other stages.
+        replay = plan if name == "search" else None
+        cpu_method = method(cpu_cluster, name, args.micro_batches, args.remat, replay)
+        cpu_cost = alpa.parallelize(step, method=cpu_method).plan(state, batch).cost
         print(
             f"{name}: {plan.num_stages} stages, predicted GiB per device "
             f"{[round(m / GIB, 2) for m in cost.memory]}",
@@ -209,7 +225,7 @@ def run(args) -> list[dict]:
                     "predicted": cost.memory[s],
                     "predicted_state": cost.state_memory[s],
                     "predicted_activation_per_micro_batch": cost.activation_memory[s],
-                    "predicted_cpu_fusion": None if cpu_cost is None else cpu_cost.memory[s],
+                    "predicted_cpu_fusion": cpu_cost.memory[s],
                     "fits": cost.fits[s],
                     "predicted_step_s": plan.predicted_cost,
                     **xla[s],
@@ -219,7 +235,7 @@ def run(args) -> list[dict]:
             print(
                 f"{name} stage {s} ({len(r['layers'])} layers on {r['submesh']}, logical "
                 f"{r['logical']}): predicted {r['predicted'] / GIB:.2f} GiB (CPU fusion "
-                f"{(r['predicted_cpu_fusion'] or float('nan')) / GIB:.2f}), XLA "
+                f"{r['predicted_cpu_fusion'] / GIB:.2f}), XLA "
                 f"{r['xla_peak'] / GIB:.2f} GiB",
                 flush=True,
             )

@@ -4,7 +4,8 @@ The model (``stage_cost`` module docstring): per micro-batch a stage costs its F
 cluster's rate (plus its forward again under stage remat), its own collectives, and its
 gradient reductions once per step, amortised over the ``B`` micro-batches; its memory is
 its state, plus per micro-batch in flight the activations it keeps (under remat, only
-what enters it), plus, under remat, one micro-batch's activations once.
+what enters it), plus once its temporaries (under remat, the backward's while it
+recomputes one micro-batch's activations, each held until its last read).
 
 The step: 4 Dense(64) layers with Adam, micro-batches of 4 rows (batch 64, ``B = 16``),
 8 devices of one node on a network with no latency and 1e9 B/s links.
@@ -24,7 +25,7 @@ from test_auto_stages import make_train_step, mlp_state
 import alpa
 from alpa.device_mesh import ClusterSpec
 from alpa.pipeline_parallel import stage_cost
-from alpa.pipeline_parallel.layer_facts import temporary_bytes
+from alpa.pipeline_parallel.layer_facts import recomputed_bytes, temporary_bytes
 from alpa.pipeline_parallel.stage_construction import AutoStageOption
 from alpa.pipeline_parallel.stage_cost import AnalyticStageCost
 
@@ -126,10 +127,14 @@ def test_remat_keeps_only_what_enters_a_stage_and_recomputes_its_forward():
     """Stage of all 4 layers, data parallel on ``n`` devices. Per micro-batch the forward
     keeps ``A = [1280, 1280, 1280, 2048]`` bytes per layer (an f32[4, 64] input and a
     bool[4, 64] relu mask; the loss layer two f32[4, 64]), and what enters the stage is the
-    batch: ``x`` and ``y``, f32[4, 64] each. Without remat: ``per micro-batch = sum A / n``.
-    With remat: ``per micro-batch = 2 * 1024 / n``, plus ``sum A / n`` once (the
-    micro-batch being recomputed), and the latency grows by the forward FLOPs ``/ (n R)``.
-    Both hold their largest layer's temporaries once."""
+    batch: ``x`` and ``y``, f32[4, 64] each. Without remat: ``per micro-batch = sum A / n``
+    and the largest layer's temporaries once. With remat: ``per micro-batch = 2 * 1024 /
+    n``, and once the backward's fullest point while it recomputes the micro-batch,
+    ``max_l (sum_{k<l} A_k / n + recomputed_l)``: at the loss layer (``l = 3``), whose
+    own kept values are read for the last time before its fullest point (its weight
+    gradient and that gradient's transpose), so ``recomputed_3`` is its temporaries and
+    the stage holds ``(A_0 + A_1 + A_2) / n`` besides, not ``sum A / n``. The latency
+    grows by the forward FLOPs ``/ (n R)``."""
     plain_problem, plain, _ = _recorded(data_parallel=True)
     remat_problem, remat, _ = _recorded(data_parallel=True, remat="coarse_grained_remat")
     facts = plain_problem.layer_facts
@@ -139,6 +144,7 @@ def test_remat_keeps_only_what_enters_a_stage_and_recomputes_its_forward():
     forward = sum(f.forward_flops for f in facts)
     budget = plain_problem.memory_budget
     plans = stage_cost.LayerPlans(plain_problem, facts, workers=1)
+    remat_plans = stage_cost.LayerPlans(remat_problem, remat_problem.layer_facts, workers=1)
     for m, (hosts, per_host) in enumerate(plain_problem.submesh_choices):
         n = hosts * per_host
         # Held once: the largest layer's temporaries (test_temporaries_are_...).
@@ -147,10 +153,13 @@ def test_remat_keeps_only_what_enters_a_stage_and_recomputes_its_forward():
         assert temporaries > 0
         once = temporaries
         assert plain.memory[0, 3, m, 0] == pytest.approx(state + once + kept / n)
-        assert remat.memory[0, 3, m, 0] == pytest.approx(state + once + kept / n + entering / n)
+        loss_layer = remat_plans.get(3, m, remat_problem.configs[m][0])
+        assert loss_layer.recomputed_bytes == loss_layer.temporary_bytes == temporaries
+        recomputing = (kept - 2048) / n + loss_layer.recomputed_bytes
+        assert remat.memory[0, 3, m, 0] == pytest.approx(state + recomputing + entering / n)
         # Capped at what no plan exceeds: L - 1 followers, M micro-batches (GPipe).
         cap = max(4, remat_problem.num_micro_batches)
-        fits = min(int((budget - state - once - kept / n) // (entering / n)) - 1, cap)
+        fits = min(int((budget - state - recomputing) // (entering / n)) - 1, cap)
         assert remat.max_n_succ_stages[0, 3, m, 0] == fits
         extra = remat.compute_cost[0, 3, m, 0] - plain.compute_cost[0, 3, m, 0]
         assert extra == pytest.approx(forward / (n * RATE))
@@ -228,6 +237,24 @@ def test_temporaries_are_the_fullest_point_of_the_liveness_of_what_is_not_held()
     assert temporary_bytes(jaxpr, held | {a}, size) == 0
 
 
+def test_a_broadcast_read_by_elementwise_equations_is_never_written():
+    """``relu(x @ w)`` written ``max(a, zeros)``: ``a = x @ w`` (f32[4, 8], 128 bytes) and
+    the zeros broadcast to its shape (128), both live at the ``max``: 256 bytes if both
+    were written. XLA computes a broadcast inside the kernel that reads it on every
+    backend (the CPU's HLO has ``broadcast_select_fusion``s), so unfused too only ``a``
+    is counted: 128."""
+
+    def f(x, w):
+        return jnp.maximum(x @ w, jnp.zeros((4, 8)))
+
+    jaxpr = jax.make_jaxpr(f)(jnp.ones((4, 16)), jnp.ones((16, 8))).jaxpr
+    assert [e.primitive.name for e in jaxpr.eqns] == ["dot_general", "broadcast_in_dim", "max"]
+    held = {*jaxpr.invars, *jaxpr.outvars}
+    size = lambda v: float(np.prod(v.aval.shape) * v.aval.dtype.itemsize)  # noqa: E731
+    assert temporary_bytes(jaxpr, held, size, fused=False) == 128
+    assert temporary_bytes(jaxpr, held, size) == 128
+
+
 def test_fused_temporaries_keep_what_a_matmul_or_a_non_fusible_reader_needs():
     """``a = x @ w; b = tanh(a); c = 2 b; e = c @ v; d = e + a`` (f32[4, 8], 128 bytes
     each): with fusion ``b`` is never written, but ``c`` is, since a matmul reads it
@@ -256,6 +283,45 @@ def test_fused_temporaries_keep_what_a_matmul_or_a_non_fusible_reader_needs():
     assert temporary_bytes(jaxpr, held, size) == 128  # x @ w alone
     # Unfused, each of the three lives until the next reads it: two at a time.
     assert temporary_bytes(jaxpr, held, size, fused=False) == 256
+
+
+def test_recomputed_activations_are_held_until_their_last_read():
+    """A layer's forward then backward, ``a = x @ w; b = a @ w; c = b + a; d = c @ w;
+    e = d @ w; f = e @ w; g = f + e; h = g + d`` on f32[4, 8] (128 bytes each), ``a`` what
+    the forward keeps for the backward, ``x, w, h`` held. Without remat ``a`` is held
+    apart and the temporaries peak at ``g``'s equation (``d, e, f, g``): 512, so the old
+    remat sum, kept plus temporaries, was 640. Under remat the backward recomputes ``a``
+    and frees it after ``c``'s equation (``a, b, c``: 384), before the peak: 512. With
+    fusion ``g`` (an add read by an add) is never written: 384 either way, ``a`` counted
+    at ``c``'s equation although it is elementwise-read."""
+    import types
+
+    def layer(x, w):
+        a = x @ w
+        c = (a @ w) + a
+        d = c @ w
+        e = d @ w
+        return ((e @ w) + e) + d
+
+    jaxpr = jax.make_jaxpr(layer)(jnp.ones((4, 8)), jnp.ones((8, 8))).jaxpr
+    a = jaxpr.eqns[0].outvars[0]
+    step = types.SimpleNamespace(closed_jaxpr=types.SimpleNamespace(jaxpr=jaxpr))
+    facts = types.SimpleNamespace(kept=(a,))
+    size = lambda v: float(np.prod(v.aval.shape) * v.aval.dtype.itemsize)  # noqa: E731
+    held = {*jaxpr.invars, *jaxpr.outvars}
+    assert temporary_bytes(jaxpr, held | {a}, size, fused=False) == 512
+    assert recomputed_bytes(step, facts, size, fused=False) == 512
+    assert recomputed_bytes(step, facts, lambda v: size(v) / 4, fused=False) == 128
+    assert temporary_bytes(jaxpr, held | {a}, size) == 384
+    assert recomputed_bytes(step, facts, size) == 384
+    # A kept value is counted written although fusion could leave it out: ``b = tanh(a)``
+    # read by a multiply is never written, unless the forward keeps it.
+    jaxpr = jax.make_jaxpr(lambda x, w: 2.0 * jnp.tanh(x @ w))(jnp.ones((4, 8)), jnp.ones((8, 8)))
+    jaxpr = jaxpr.jaxpr
+    b = jaxpr.eqns[1].outvars[0]
+    held = {*jaxpr.invars, *jaxpr.outvars}
+    assert temporary_bytes(jaxpr, held, size) == 128  # x @ w alone
+    assert temporary_bytes(jaxpr, held, size, written={b}) == 256
 
 
 def _dense_stack_step(checkpointed: bool):
