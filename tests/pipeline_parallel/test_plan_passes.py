@@ -247,3 +247,87 @@ def test_equations_key_sees_structure_literals_and_types_not_names():
     assert key(layer("layer_3", 2.0)) == key(layer("layer_4", 2.0))
     assert key(layer("layer_3", 2.0)) != key(layer("layer_3", 3.0))
     assert key(layer("layer_3", 2.0)) != key(layer("layer_3", 2.0), jnp.bfloat16)
+
+
+@pytest.mark.parametrize("data_parallel", [False, True], ids=["ilp", "data-parallel"])
+def test_every_value_a_stage_reads_or_writes_has_one_spec_filled_once(data_parallel):
+    """The end of the chain places every value a stage computation reads or writes, and
+    every buffer, on its mesh (``PipeshardPlan.value_specs``): the sharding table's spec
+    where the table has one (every such value of an ILP-planned stage), a deferred
+    gradient's partial spec or data parallel's (dim 0 over the mesh's devices where it
+    holds a batch, else replicated) where not (a data-parallel stage's). The stage
+    programs read it (``spec_of``) and fill no gap themselves; a value not on a mesh is
+    an error, not a guess."""
+    from jax.sharding import PartitionSpec
+
+    from alpa.pipeline_parallel.stage_sharding import DATA_AXES
+
+    if data_parallel:
+        model = MLPModel(hidden_size=WIDTH, num_layers=LAYERS - 1, output_dim=WIDTH)
+        state, batch, step = get_mlp_train_state_and_step(
+            model, 32, WIDTH, grad_func=alpa.value_and_grad, abstract=True
+        )
+        method = alpa.PipeshardParallel(
+            devices=ClusterSpec.preset("cpu"),
+            num_micro_batches=4,
+            default_auto_sharding_option=alpa.AutoShardingOption(force_data_parallel=True),
+            layer_option=alpa.AutoLayerOption(layer_num=LAYERS),
+            stage_option=alpa.UniformStageOption(num_stages=2),
+        )
+        plan = alpa.parallelize(step, method=method).plan(state, batch)
+    else:
+        plan = _plan(2, 4)
+    program = plan.program
+    deferred = program.deferred
+    filled = 0
+    for comp in program.computations:
+        for v in (*comp.invars, *comp.outvars):
+            if isinstance(v, Literal):
+                continue
+            spec = plan.value_specs[(v, comp.stage)]
+            assert plan.spec_of(v, comp.stage) == spec
+            table = plan.stage_specs.get((v, comp.stage))
+            if table is not None:
+                assert spec == table
+            elif deferred is not None and v in deferred.accumulators:
+                assert spec == deferred.partial_specs[v]
+            else:
+                filled += 1
+                assert spec in (PartitionSpec(), PartitionSpec(DATA_AXES))
+    assert bool(filled) == data_parallel
+    for name, _, mesh in plan.instructions.buffer_keys():
+        assert plan.buffer_specs[(name, mesh)] == plan.value_specs[(plan_var(plan, name), mesh)]
+    stage0_only = next(
+        v for v, stages in program.input_stages.items() if stages == (0,) and v.aval.shape
+    )
+    with pytest.raises(KeyError, match="the plan places no value .* on mesh 1"):
+        plan.spec_of(stage0_only, 1)
+
+
+def plan_var(plan, name):
+    return next(v for v, n in plan.names.items() if n == name)
+
+
+def test_a_stage_is_planned_as_a_step_jaxpr_without_a_call_structure():
+    """The intra-op planner takes the stage's computations as a ``StepJaxpr`` (a flat
+    jaxpr and each input's role), not a stand-in user step with made-up pytrees."""
+    from alpa.pipeline_parallel.stage_sharding import merged_step
+    from alpa.shard_parallel.auto_sharding import AutoShardingOption, plan_auto_sharding
+    from alpa.tracing import StepJaxpr, TracedStep
+
+    plan = _plan(2, 4)
+    program = plan.program
+    comps = [c for c in program.computations if c.stage == 0 and c.kind != "apply"]
+    step, produced = merged_step(plan.traced, program, comps, 4, plan.names, "stage0")
+    assert isinstance(step, StepJaxpr) and not isinstance(step, TracedStep)
+    assert not hasattr(step, "in_tree") and step.retrace is None
+    assert produced == {v for c in comps for e in c.eqns for v in e.outvars}
+    # Each input's role: the batch rows, read from the program (dim 0 split four ways).
+    assert step.batch_invars == tuple(
+        v in program.batch_dependent and bool(v.aval.shape) and v.aval.shape[0] % 4 == 0
+        for v in step.jaxpr.invars
+    )
+    assert any(step.batch_invars) and not all(step.batch_invars)
+    sharding = plan_auto_sharding(step, plan.logical_meshes[0], AutoShardingOption())
+    assert len(sharding.in_specs) == len(step.jaxpr.invars)
+    assert len(sharding.out_specs) == len(step.jaxpr.outvars)
