@@ -18,7 +18,7 @@ from alpa.runtime.instructions import Op
 WIDTH, LAYERS = 64, 4
 
 
-def _plan(num_stages: int, num_micro_batches: int, schedule: str = "1f1b"):
+def _plan(num_stages: int, num_micro_batches: int, schedule: str = "1f1b", option=None):
     model = MLPModel(hidden_size=WIDTH, num_layers=LAYERS - 1, output_dim=WIDTH)
     state, batch, step = get_mlp_train_state_and_step(
         model, 8 * num_micro_batches, WIDTH, grad_func=alpa.value_and_grad, abstract=True
@@ -26,6 +26,7 @@ def _plan(num_stages: int, num_micro_batches: int, schedule: str = "1f1b"):
     method = alpa.PipeshardParallel(
         devices=ClusterSpec.preset("cpu"),
         num_micro_batches=num_micro_batches,
+        default_auto_sharding_option=option,
         layer_option=alpa.AutoLayerOption(layer_num=LAYERS),
         stage_option=alpa.UniformStageOption(num_stages=num_stages),
         pipeline_schedule=schedule,
@@ -262,21 +263,8 @@ def test_every_value_a_stage_reads_or_writes_has_one_spec_filled_once(data_paral
 
     from alpa.pipeline_parallel.stage_sharding import DATA_AXES
 
-    if data_parallel:
-        model = MLPModel(hidden_size=WIDTH, num_layers=LAYERS - 1, output_dim=WIDTH)
-        state, batch, step = get_mlp_train_state_and_step(
-            model, 32, WIDTH, grad_func=alpa.value_and_grad, abstract=True
-        )
-        method = alpa.PipeshardParallel(
-            devices=ClusterSpec.preset("cpu"),
-            num_micro_batches=4,
-            default_auto_sharding_option=alpa.AutoShardingOption(force_data_parallel=True),
-            layer_option=alpa.AutoLayerOption(layer_num=LAYERS),
-            stage_option=alpa.UniformStageOption(num_stages=2),
-        )
-        plan = alpa.parallelize(step, method=method).plan(state, batch)
-    else:
-        plan = _plan(2, 4)
+    option = alpa.AutoShardingOption(force_data_parallel=True) if data_parallel else None
+    plan = _plan(2, 4, option=option)
     program = plan.program
     deferred = program.deferred
     filled = 0
