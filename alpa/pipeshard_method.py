@@ -49,6 +49,7 @@ from alpa.shard_method import ParallelMethod, ShardParallel
 from alpa.shard_parallel.auto_sharding import AutoShardingOption, snapshot_for_compile
 from alpa.timer import timed
 from alpa.tracing import TracedStep, mark_outputs_as_gradients
+from alpa.util import caller_stacklevel
 
 
 class PipeshardParallel(ParallelMethod):
@@ -147,7 +148,7 @@ class PipeshardParallel(ParallelMethod):
                 f"planning with the {cluster.name!r} preset's datasheet figures instead of "
                 "measured rates; make the file with "
                 f"alpa.mesh_profiling.profile_all(cache_filename={path!r})",
-                stacklevel=4,
+                stacklevel=caller_stacklevel(),
             )
             return cluster
         kind = devices[0].device_kind if devices else None

@@ -501,3 +501,20 @@ def get_execution_time_costs(
         )
     costs = list(timers(timer_name).costs)
     return costs if return_all_costs else costs[warmup:]
+
+
+# ----------------------------------------------------------------------------- warnings
+
+
+def caller_stacklevel() -> int:
+    """The ``stacklevel`` for ``warnings.warn`` called from inside alpa that names the
+    first frame outside the ``alpa`` package: the user's line, however deep in alpa the
+    warning is raised and whichever entry (``__call__``, ``plan()``, ``lower()``) led to
+    it."""
+    import sys
+
+    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    frame, level = sys._getframe(1), 1  # the caller of this function: warn's level 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
+        frame, level = frame.f_back, level + 1
+    return level

@@ -123,3 +123,24 @@ def test_a_named_profile_that_does_not_exist_plans_with_the_preset_and_says_so(t
     ):
         priced = method._priced(preset, None)
     assert priced == preset and priced.profile is None
+
+
+def test_the_missing_profile_warning_points_at_the_users_line(tmp_path):
+    """Planned through ``parallelize(...).plan()``, however deep in alpa the warning is
+    raised, it names the line of the caller's script that asked for the plan."""
+    import inspect
+    import warnings
+
+    from alpa.model.mlp import MLPModel, get_mlp_train_state_and_step
+
+    model = MLPModel(hidden_size=16, num_layers=1, output_dim=16)
+    state, batch, step = get_mlp_train_state_and_step(
+        model, 8, 16, grad_func=alpa.value_and_grad, abstract=True
+    )
+    method = _priced_by_file(str(tmp_path / "prof_database.pkl"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        line = inspect.currentframe().f_lineno + 1
+        alpa.parallelize(step, method=method).plan(state, batch)
+    (warning,) = [w for w in caught if "does not exist: planning with" in str(w.message)]
+    assert (warning.filename, warning.lineno) == (__file__, line)
