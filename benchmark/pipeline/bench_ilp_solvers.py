@@ -46,13 +46,13 @@ def main() -> None:
     records = []
     original = ilp_solver.solve
 
-    def both(graph, memory_budget=None, time_limit=60.0):
+    def both(graph, memory_budget=None, time_limit=60.0, comm_first=True):
         result = {}
         for solver in ("cbc", "highs"):
             global_config.ilp_solver = solver
             milp.clear_solved()  # each solver solves, none answers from an earlier equal model
             start = time.perf_counter()
-            solution = original(graph, memory_budget, time_limit)
+            solution = original(graph, memory_budget, time_limit, comm_first)
             result[solver] = (time.perf_counter() - start, solution)
         global_config.ilp_solver = "highs"
         records.append(
