@@ -96,7 +96,7 @@ def main():
                 for _ in range(args.repeat):
                     tic = time.perf_counter()
                     if transport == "workers":
-                        y = reshard_array(x, dst, layouts[dst_name], worker_transfer_plan)
+                        y = reshard_array(x, dst, layouts[dst_name])
                     else:
                         fetched = src.call("fetch", [x.name])[0][0]  # uncached fetch
                         y = dst.put(fetched, layouts[dst_name])
