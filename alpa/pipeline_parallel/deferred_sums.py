@@ -256,16 +256,18 @@ def zero2_specs(
     mesh_sizes: Sequence[int],
     zero2: Sequence[bool],
     data_axes: tuple[str, ...],
-) -> None:
-    """ZeRO-2 in a data-parallel stage with ``prefer_reduce_scatter`` (``zero2[s]``): its
-    optimizer state and the gradients its apply-grad reads are split along their first
-    dimension that the submesh's device count divides (``table`` is updated in place;
-    entries already there, the user's pins, are kept). Parameters stay replicated: the
-    apply-grad computation updates ``1/n`` of each and all-gathers the result.
+) -> dict:
+    """``table`` with ZeRO-2 in each data-parallel stage with ``prefer_reduce_scatter``
+    (``zero2[s]``): its optimizer state and the gradients its apply-grad reads split along
+    their first dimension that the submesh's device count divides (a new table; ``table``
+    is left as it is; entries already there, the user's pins, are kept). Parameters stay
+    replicated: the apply-grad computation updates ``1/n`` of each and all-gathers the
+    result.
 
     Optimizer state is every step input that only apply-grad computations read (whatever
     its name), and every input whose path holds ``opt_state`` (as for ``Zero2Parallel``)."""
     jaxpr = traced.closed_jaxpr.jaxpr
+    table = dict(table)
     kinds: dict[Var, set[str]] = {}
     for comp in program.computations:
         for v in comp.invars:
@@ -290,3 +292,4 @@ def zero2_specs(
         s = program.home[v]
         if zero2[s] and mesh_sizes[s] > 1:
             table.setdefault((v, s), zero_spec(v.aval.shape, mesh_sizes[s], data_axes))
+    return table

@@ -438,8 +438,8 @@ def _stage_shardings(
     zero2 = [
         o.prefer_reduce_scatter and dp for o, dp in zip(stage_opts, data_parallel, strict=True)
     ]
-    zero2_specs(traced, program, stage_specs, mesh_sizes, zero2, DATA_AXES)
-    tie_donated_outputs(traced, program, stage_specs, mesh_sizes)
+    stage_specs = zero2_specs(traced, program, stage_specs, mesh_sizes, zero2, DATA_AXES)
+    stage_specs = tie_donated_outputs(traced, program, stage_specs, mesh_sizes)
     return stage_specs, objectives, inner
 
 

@@ -418,11 +418,12 @@ def merged_step(
 
 def tie_donated_outputs(
     traced: TracedStep, program: PipelineProgram, table: dict, mesh_sizes: Sequence[int]
-) -> None:
-    """Give each output that replaces a donated input the input's spec on the output's mesh
-    (``table`` is updated in place; ``mesh_sizes[s]``: devices of mesh ``s``; see the
-    module docstring)."""
+) -> dict:
+    """``table`` with each output that replaces a donated input given the input's spec on
+    the output's mesh (a new table; ``table`` is left as it is; ``mesh_sizes[s]``: devices
+    of mesh ``s``; see the module docstring)."""
     jaxpr = traced.closed_jaxpr.jaxpr
+    table = dict(table)
     for i, o in donated_state_pairs(traced):
         var_in, var_out = jaxpr.invars[i], jaxpr.outvars[o]
         if not is_var(var_out) or var_out not in program.home:
@@ -434,3 +435,4 @@ def tie_donated_outputs(
         if spec is None:
             spec = data_parallel_spec(var_in, program, mesh_sizes[mesh])
         table[(var_out, mesh)] = spec
+    return table
