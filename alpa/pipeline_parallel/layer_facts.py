@@ -24,7 +24,7 @@ from alpa.device_mesh import entry_names
 from alpa.pipeline_parallel.computation import PipelineProgram
 from alpa.shard_parallel.row_sums import bodies_passing_row_sums
 from alpa.shard_parallel.strategy_rules import ELEMENTWISE, REDUCTIONS
-from alpa.tracing import TracedStep
+from alpa.tracing import StepJaxpr
 from alpa.tracing.flops import jaxpr_flops
 from alpa.tracing.jaxpr_util import is_var, nbytes, nested_eqns
 from alpa.tracing.primitive_def import passes_through
@@ -265,14 +265,14 @@ def temporary_bytes(jaxpr, held, bytes_of, fused: bool = True, written=frozenset
     return float(max(np.cumsum(change).max(), 0.0))
 
 
-def held_values(step: TracedStep, facts: LayerFacts) -> set:
+def held_values(step: StepJaxpr, facts: LayerFacts) -> set:
     """The values of a layer's ``step`` that :func:`temporary_bytes` does not count: its
     inputs, constants and outputs, and what its forward keeps for its backward."""
     jaxpr = step.closed_jaxpr.jaxpr
     return {*jaxpr.invars, *jaxpr.constvars, *jaxpr.outvars, *facts.kept}
 
 
-def recomputed_bytes(step: TracedStep, facts: LayerFacts, bytes_of, fused: bool = True) -> float:
+def recomputed_bytes(step: StepJaxpr, facts: LayerFacts, bytes_of, fused: bool = True) -> float:
     """Under stage remat, the most bytes per device a layer's backward holds at once
     while it recomputes the layer's forward and runs: :func:`temporary_bytes` of its
     ``step`` (forward, then backward) with what the forward keeps for the backward

@@ -84,7 +84,7 @@ from alpa.shard_parallel.auto_sharding import (
 )
 from alpa.shard_parallel.milp import taking_turns
 from alpa.shard_parallel.sharding_spec import Collective, num_shards
-from alpa.tracing import TracedStep
+from alpa.tracing import StepJaxpr
 from alpa.tracing.jaxpr_util import nbytes
 from alpa.util import map_on_threads
 
@@ -136,7 +136,7 @@ class LayerPlanCost:
 
 
 def _data_parallel_layer(
-    problem: StageProblem, facts: LayerFacts, step: TracedStep, m: int, config
+    problem: StageProblem, facts: LayerFacts, step: StepJaxpr, m: int, config
 ) -> LayerPlanCost:
     """A layer with no ILP (its ``step`` on the submesh): everything batch-dependent
     split over the ``n`` devices, parameters replicated, one all-reduce of its gradients
@@ -176,7 +176,7 @@ def _data_parallel_layer(
 
 
 def _ilp_layer(
-    problem: StageProblem, facts: LayerFacts, step: TracedStep, m: int, config: LogicalConfig
+    problem: StageProblem, facts: LayerFacts, step: StepJaxpr, m: int, config: LogicalConfig
 ) -> LayerPlanCost:
     """One layer's ``step`` planned by the ILP on submesh choice ``m`` with ``config``."""
     mesh = problem.logical_mesh(m, config)
