@@ -62,6 +62,18 @@ _POLL_S = 1.0
 # ----------------------------------------------------------------------------- waiting
 
 
+def _unfinished(calls: list[tuple[Any, str]]) -> list[tuple[Any, str]]:
+    """Those of Ray calls ``[(object_ref, label), ...]`` not finished yet (without waiting)."""
+    import ray
+
+    if not calls:
+        return []
+    refs = [ref for ref, _ in calls]
+    _, running = ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=False)
+    running = set(running)
+    return [(ref, label) for ref, label in calls if ref in running]
+
+
 def wait_workers(calls: Sequence[tuple[Any, str]], on_failure=None) -> list[Any]:
     """The results of Ray calls ``[(object_ref, label), ...]`` in order.
 
@@ -342,6 +354,7 @@ class DistributedPhysicalDeviceMesh(PhysicalDeviceMesh):
         self.is_shut_down = False
         self.nccl_peers: set[int] = set()  # destination meshes with an open NCCL group
         self._pending_deletes: list[str] = []
+        self._deletes_in_flight: list[tuple[Any, str]] = []  # sent, not yet known applied
         actor_class = ray.remote(concurrency_groups={BOOKKEEPING: 1})(MeshHostWorker)
         self.workers = []
         for host, host_id in enumerate(host_ids):
@@ -483,8 +496,8 @@ class DistributedPhysicalDeviceMesh(PhysicalDeviceMesh):
 
     def get_live_buffer_uuids(self) -> list[list[str]]:
         """Per host, the names of the buffers its worker holds (after the deletes sent so
-        far, which are sent first)."""
-        self.flush_deletes()
+        far, which are applied first)."""
+        self.flush_deletes(wait=True)
         return self.call("get_live_buffer_uuids")
 
     def schedule_delete(self, name: str) -> None:
@@ -497,12 +510,16 @@ class DistributedPhysicalDeviceMesh(PhysicalDeviceMesh):
 
     def flush_deletes(self, wait: bool = False) -> None:
         """Send the pending deletes; with ``wait``, until the workers have applied them
-        (a threaded worker may run calls out of order)."""
-        if self._pending_deletes and not self.is_shut_down:
+        and every delete sent before (a threaded worker may run calls out of order)."""
+        if self.is_shut_down:
+            return
+        if self._pending_deletes:
             names, self._pending_deletes = self._pending_deletes, []
-            refs = [(w.delete.remote(names), self.label(h)) for h, w in enumerate(self.workers)]
-            if wait:
-                wait_workers(refs)
+            sent = [(w.delete.remote(names), self.label(h)) for h, w in enumerate(self.workers)]
+            self._deletes_in_flight = _unfinished(self._deletes_in_flight) + sent
+        if wait and self._deletes_in_flight:
+            sent, self._deletes_in_flight = self._deletes_in_flight, []
+            wait_workers(sent)
 
     def _check_alive(self) -> None:
         if self.is_shut_down:
@@ -511,6 +528,10 @@ class DistributedPhysicalDeviceMesh(PhysicalDeviceMesh):
     # Alpa's memory statistics (alpa.device_memory, on each worker) and synchronization.
 
     def sync_workers(self) -> None:
+        """Wait until every computation launched on the mesh has finished and every
+        delete sent to it has been applied (so the memory statistics read after it
+        count neither a freed buffer nor one still being computed)."""
+        self.flush_deletes(wait=True)
         self.call("sync")
 
     def get_memory_allocated(self) -> int:

@@ -1355,7 +1355,8 @@ def test_alpas_benchmark_api_on_a_ray_mesh(ray_cluster):
     mesh.sync_workers()
     assert mesh.get_memory_allocated() == before + 128 * 64 * 4  # half the rows per device
     x.delete()
-    mesh.flush_deletes(wait=True)
+    mesh.flush_deletes()  # sent, not waited for: sync_workers waits for the delete
+    mesh.sync_workers()
     assert mesh.get_memory_allocated() == before
     assert mesh.get_max_memory_allocated() == before + 128 * 64 * 4
     state = p_step(state, batch)
