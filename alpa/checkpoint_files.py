@@ -45,8 +45,12 @@ import zlib
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
+from alpa.saved_format import read_format
+
 #: The checksums of a step directory, written last by :func:`seal`.
 CHECKSUMS_FILE = "alpa_checksums.json"
+#: The layout version of that file (``alpa.saved_format``).
+CHECKSUMS_FORMAT = 1
 #: Part of a file that lies in no part's directory (the local runtime's one checkpoint).
 WHOLE_STATE = "state"
 
@@ -178,7 +182,7 @@ def seal(staging: str, parts: Sequence[str] = ()) -> None:
     by_part: dict[str, dict[str, list]] = {}
     for rel, (size, crc) in zip(files, sums, strict=True):
         by_part.setdefault(_part_of(rel, parts), {})[rel] = [size, crc]
-    record = {"format": 1, "algorithm": "crc32", "parts": by_part}
+    record = {"format": CHECKSUMS_FORMAT, "algorithm": "crc32", "parts": by_part}
     tmp = os.path.join(staging, CHECKSUMS_FILE + ".tmp")
     with open(tmp, "w") as f:
         json.dump(record, f)
@@ -309,6 +313,14 @@ def _read_checksums(path: str, step: int) -> dict[str, dict[str, list]]:
     try:
         with open(os.path.join(path, CHECKSUMS_FILE)) as f:
             record = json.load(f)
+    except (OSError, ValueError) as e:
+        raise _damaged(path, step, "checksums", CHECKSUMS_FILE, f"cannot be read ({e})") from e
+    if isinstance(record, dict):  # a newer alpa's checksums are refused, not called damaged
+        source = f"the checksum file of step {step} ({os.path.join(path, CHECKSUMS_FILE)})"
+        read_format(
+            record, CHECKSUMS_FORMAT, "checksum record", source, "restore it with that version"
+        )
+    try:
         parts = record["parts"]
         if record.get("algorithm") != "crc32" or not isinstance(parts, dict):
             raise ValueError(f"unknown checksum record {record.get('algorithm')!r}")

@@ -1,11 +1,12 @@
-"""Format versions of the plans alpa saves as JSON.
+"""Format versions of what alpa saves as JSON.
 
 A saved plan outlives the alpa that wrote it: ``ParallelPlan.save`` (replayed by
 ``plan_to_method``, drawn by ``python -m alpa.plan_view``) and ``PipeshardPlan.to_json``
 (the summary of a pipeline plan) are read back by later processes, possibly by another
-version of alpa. Each such JSON object carries a field ``"format"``, the version of its
-layout, an integer from 1, raised whenever the layout changes in a way an older reader
-cannot read.
+version of alpa; so are a checkpoint's records (its checksum file, and the record of
+which part holds which leaf when Ray meshes saved it). Each such JSON object carries a
+field ``"format"``, the version of its layout, an integer from 1, raised whenever the
+layout changes in a way an older reader cannot read.
 
 A reader takes every version up to the one it writes. A plan without the field was written
 before the field existed and is read as version 1 (the layout those plans have). A plan of
@@ -29,11 +30,18 @@ class NewerFormatError(ValueError):
     """A saved plan whose format is newer than this alpa reads."""
 
 
-def read_format(data: Mapping, supported: int, what: str, source: str) -> int:
+def read_format(
+    data: Mapping,
+    supported: int,
+    what: str,
+    source: str,
+    remedy: str = "load it with that version, or make the plan again with this one",
+) -> int:
     """The format version of the saved ``what`` (``"ParallelPlan"``) in ``data``.
 
     ``supported`` is the newest version the caller reads; ``source`` names where ``data``
-    came from in the errors (``"'plan.json'"``, ``"the text"``). A missing field reads as
+    came from in the errors (``"'plan.json'"``, ``"the text"``), ``remedy`` what to do
+    about a newer one. A missing field reads as
     :data:`UNVERSIONED`. Raises :class:`NewerFormatError` for a version above
     ``supported`` and ``ValueError`` for a field that is not a version."""
     if FORMAT_KEY not in data:
@@ -47,7 +55,6 @@ def read_format(data: Mapping, supported: int, what: str, source: str) -> int:
     if version > supported:
         raise NewerFormatError(
             f"{source} is a {what} of format {version}, newer than this alpa reads "
-            f"(format {supported} and older): it was saved by a newer alpa; load it with "
-            "that version, or make the plan again with this one"
+            f"(format {supported} and older): it was saved by a newer alpa; {remedy}"
         )
     return version

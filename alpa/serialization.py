@@ -68,6 +68,7 @@ from alpa import checkpoint_files as files
 from alpa.checkpoint_files import DamagedCheckpointError
 from alpa.runtime.checkpoint_parts import read_part, write_part
 from alpa.runtime.placement import PlacementSpec, place
+from alpa.saved_format import read_format
 
 PyTree = Any
 
@@ -82,6 +83,8 @@ logger = logging.getLogger("alpa")
 
 #: The record of a checkpoint made of parts (Ray; module docstring).
 _PARTS_FILE = "alpa_parts.json"
+#: The layout version of that file (``alpa.saved_format``).
+PARTS_FORMAT = 1
 
 
 # ---------------------------------------------------------------------------------------
@@ -488,7 +491,7 @@ def _save_parts(staging: str, skeleton: PyTree, paths: list, leaves: list) -> li
     wait_workers(calls)
     if on_driver:
         write_part(os.path.join(staging, "driver"), on_driver)
-    record = {"format": 1, "skeleton": skeleton, "parts": parts, "avals": avals}
+    record = {"format": PARTS_FORMAT, "skeleton": skeleton, "parts": parts, "avals": avals}
     with open(os.path.join(staging, _PARTS_FILE), "w") as f:
         json.dump(record, f)
     return sorted(set(parts.values()))
@@ -503,6 +506,14 @@ def _restore_parts(
     try:
         with open(os.path.join(path, _PARTS_FILE)) as f:
             record = json.load(f)
+    except (OSError, ValueError) as e:
+        raise files.damaged_metadata(path, step, "record", _PARTS_FILE, e) from e
+    if isinstance(record, dict):  # a newer alpa's record is refused, not called damaged
+        source = f"the part record of step {step} ({os.path.join(path, _PARTS_FILE)})"
+        read_format(
+            record, PARTS_FORMAT, "checkpoint part record", source, "restore it with that version"
+        )
+    try:
         skeleton, parts = record["skeleton"], record["parts"]
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise files.damaged_metadata(path, step, "record", _PARTS_FILE, e) from e

@@ -3,6 +3,7 @@ executable's placement specs (the same meshes, other mesh shapes, pipeline stage
 continue training equal to the serial run; atomicity under a killed save; bad input."""
 
 import dataclasses
+import json
 import os
 import shutil
 import signal
@@ -18,6 +19,7 @@ from flax.training.train_state import TrainState
 
 import alpa
 from alpa.runtime.placement import PlacementSpec
+from alpa.saved_format import NewerFormatError
 from alpa.serialization import DamagedCheckpointError, checkpoint_steps
 from alpa.testing import assert_allclose, get_mlp_train_state_and_step
 
@@ -466,3 +468,38 @@ def test_specs_that_do_not_match_the_checkpoint_name_the_leaf(tmp_path):
         alpa.restore_checkpoint(tmp_path, 1, {"params": {"w": _spec((2, 4)), "b": _spec((2,))}})
     with pytest.raises(TypeError, match=r"placement spec of leaf 'params/b' is a str"):
         alpa.restore_checkpoint(tmp_path, 1, {"params": {"w": _spec((4, 2)), "b": "x"}})
+
+
+def test_a_checkpoint_of_a_newer_format_is_refused_by_name(tmp_path):
+    """A checkpoint's records carry their layout's version: a newer one is refused with
+    the file and both versions named (not called damaged, not read by guesswork); one
+    written without the field still restores."""
+    saved = killed_save.state(5)
+    alpa.save_checkpoint(tmp_path, saved, 3)
+    checksums = tmp_path / "checkpoint_3" / "alpa_checksums.json"
+    record = json.loads(checksums.read_text())
+    assert record["format"] == 1
+    checksums.write_text(json.dumps({**record, "format": 2}))
+    with pytest.raises(
+        NewerFormatError,
+        match=r"^the checksum file of step 3 \(.*checkpoint_3/alpa_checksums\.json\) is a "
+        r"checksum record of format 2, newer than this alpa reads \(format 1 and older\): "
+        r"it was saved by a newer alpa; restore it with that version$",
+    ):
+        alpa.restore_checkpoint(tmp_path, 3)
+    del record["format"]  # as written before the field existed
+    checksums.write_text(json.dumps(record))
+    restored = alpa.restore_checkpoint(tmp_path, 3)
+    np.testing.assert_array_equal(restored["params"]["w"], saved["params"]["w"])
+    # The record of which part holds which leaf (Ray meshes' saves), read without verify.
+    step = tmp_path / "checkpoint_4"
+    step.mkdir()
+    (step / "alpa_parts.json").write_text(
+        json.dumps({"format": 3, "skeleton": {}, "parts": {}, "avals": {}})
+    )
+    with pytest.raises(
+        NewerFormatError,
+        match=r"^the part record of step 4 \(.*checkpoint_4/alpa_parts\.json\) is a checkpoint "
+        r"part record of format 3, newer than this alpa reads \(format 1 and older\)",
+    ):
+        alpa.restore_checkpoint(tmp_path, 4, verify=False)
