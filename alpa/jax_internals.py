@@ -25,6 +25,8 @@ Every accessor takes an equation (``JaxprEqn``) or the parameters of one (what
   :data:`TRANSPARENT_CALLS`, :data:`CUSTOM_DERIVATIVE_CALLS`, :data:`CALL_BODY_PARAMS`;
 * :func:`open_jaxpr` (a body as an open jaxpr and its constants, whichever of the two jaxpr
   types it is);
+* :func:`bind_params` and :func:`eqn_context`: what binding an equation's primitive again
+  takes (its parameters as ``bind`` wants them, and the context it was traced under);
 * re-exports: ``ShapedArray``, ``Tracer`` (``jax.core``); ``ad``, ``batching``, ``mlir``
   and ``canonicalize_dtype_handlers`` (``jax.interpreters``).
 
@@ -56,6 +58,8 @@ from jax.interpreters import ad, batching, mlir
 from jax.interpreters.xla import canonicalize_dtype_handlers
 
 __all__ = [
+    "bind_params",
+    "eqn_context",
     "CALL_BODY_PARAMS",
     "CUSTOM_DERIVATIVE_CALLS",
     "REMAT_PRIMITIVES",
@@ -326,3 +330,14 @@ def cond_branches(eqn_or_params: JaxprEqn | Mapping[str, Any]) -> tuple[ClosedJa
 def cond_params(params: Mapping[str, Any], branches) -> dict:
     """The parameters of a ``cond`` like ``params`` with branches ``branches``."""
     return {**params, "branches": tuple(branches)}
+
+
+def bind_params(eqn: JaxprEqn) -> dict:
+    """``eqn``'s parameters as its primitive's ``bind`` takes them (a copy)."""
+    return dict(eqn.primitive.get_bind_params(eqn.params))
+
+
+def eqn_context(eqn: JaxprEqn):
+    """The context manager ``eqn`` was traced under (its config and compute type), to
+    bind its primitive again under."""
+    return eqn.ctx.manager

@@ -121,6 +121,11 @@ def _violation(node: ast.AST) -> str | None:  # noqa: PLR0911 (one rule a branch
         return "a primitive matched by its name"
     if isinstance(node, ast.Constant) and node.value in _UNAMBIGUOUS_NAMES:
         return f"the primitive name {node.value!r}"
+    if isinstance(node, ast.Attribute) and node.attr == "get_bind_params":
+        return "a primitive's bind parameters (ji.bind_params)"
+    if isinstance(node, ast.Attribute) and node.attr == "manager":
+        if isinstance(node.value, ast.Attribute) and node.value.attr == "ctx":
+            return "an equation's context (ji.eqn_context)"
     return None
 
 
@@ -170,6 +175,8 @@ def test_no_module_but_jax_internals_reads_jax_internals():
         "CALLS = ('jit', 'closed_call')",
         "f = {'scan': add_scan}[name]",
         "register('remat2')",
+        "params = eqn.primitive.get_bind_params(eqn.params)",
+        "cm = eqn.ctx.manager",
     ],
 )
 def test_the_rule_finds_a_planted_read(line):
@@ -327,3 +334,20 @@ def test_an_accessor_given_another_equation_says_what_it_expected():
         r"got dict \['length'\]",
     ):
         ji.scan_parts({"length": 3})
+
+
+def test_an_equation_binds_again_with_its_params_under_its_context():
+    closed = jax.make_jaxpr(lambda x: jnp.cumsum(x * 2.0))(jnp.arange(4.0))
+    x = jnp.arange(4.0)
+    env = {closed.jaxpr.invars[0]: x}
+    for eqn in closed.jaxpr.eqns:
+        params = ji.bind_params(eqn)
+        params["__probe__"] = 1  # a copy: the equation's own parameters are left alone
+        assert "__probe__" not in eqn.params
+        del params["__probe__"]
+        with ji.eqn_context(eqn):
+            out = eqn.primitive.bind(
+                *[env[v] if isinstance(v, Var) else v.val for v in eqn.invars], **params
+            )
+        env.update(zip(eqn.outvars, out if eqn.primitive.multiple_results else [out], strict=True))
+    np.testing.assert_allclose(env[closed.jaxpr.outvars[0]], np.cumsum(np.arange(4.0) * 2))

@@ -18,8 +18,10 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, Var
 from jax.sharding import NamedSharding, PartitionSpec
 
 from alpa.jax_internals import (
+    bind_params,
     cond_branches,
     cond_params,
+    eqn_context,
     is_remat,
     open_jaxpr,
     remat_body,
@@ -105,8 +107,7 @@ def eval_jaxpr_with_constraints(
             outs = override([read(v) for v in eqn.invars])
             env.update(zip(eqn.outvars, outs, strict=True))
             continue
-        # In JAX 0.10 get_bind_params returns only the params (no sub-functions).
-        params = eqn.primitive.get_bind_params(eqn.params)
+        params = bind_params(eqn)
         needs = operand_constraints.get(eqn) or (None,) * len(eqn.invars)
         operands = [read_as(v, n) for v, n in zip(eqn.invars, needs, strict=True)]
         if eqn.primitive.name in USER_SHARDINGS and eqn.outvars[0] in constraints:
@@ -127,7 +128,7 @@ def eval_jaxpr_with_constraints(
         elif eqn.primitive is lax.cond_p and rewrite:
             results = [constraints.get(v) for v in eqn.outvars]
             params, operands = _cond_with_constraints(params, operands, results, *inner)
-        with eqn.ctx.manager:
+        with eqn_context(eqn):
             outs = eqn.primitive.bind(*operands, **params)
         if not eqn.primitive.multiple_results:
             outs = [outs]

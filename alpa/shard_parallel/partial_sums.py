@@ -24,6 +24,7 @@ from jax.lax import GatherScatterMode
 from jax.sharding import PartitionSpec
 
 from alpa.device_mesh import entry_names
+from alpa.jax_internals import bind_params, eqn_context
 from alpa.shard_parallel.row_sums import bind_eqn
 from alpa.shard_parallel.sharding_plan import PartialSum
 from alpa.shard_parallel.strategy_costs import partial_chain
@@ -153,7 +154,7 @@ def scatter_add_on_block(eqn: JaxprEqn, operands, table_spec, mesh):
         shifted = True
     if not shifted:
         return bind_eqn(eqn, *operands)
-    params = dict(eqn.primitive.get_bind_params(eqn.params))
+    params = bind_params(eqn)
     params["mode"] = GatherScatterMode.FILL_OR_DROP
-    with eqn.ctx.manager:
+    with eqn_context(eqn):
         return eqn.primitive.bind(table, jnp.stack(columns, -1), *rest, **params)

@@ -12,7 +12,9 @@ from collections.abc import Collection, Iterable, Sequence
 from jax.extend.core import ClosedJaxpr, DropVar, Jaxpr, JaxprEqn, Literal, Var
 
 from alpa.jax_internals import (
+    bind_params,
     cond_branches,
+    eqn_context,
     is_cond,
     is_remat,
     is_scan,
@@ -51,9 +53,8 @@ def initial_env(closed: ClosedJaxpr, args: Sequence) -> dict:
 def bind_eqn(eqn: JaxprEqn, *operands):
     """``eqn``'s primitive bound on ``operands`` under the equation's context (one
     result, or the list of several)."""
-    params = eqn.primitive.get_bind_params(eqn.params)
-    with eqn.ctx.manager:
-        return eqn.primitive.bind(*operands, **params)
+    with eqn_context(eqn):
+        return eqn.primitive.bind(*operands, **bind_params(eqn))
 
 
 def eval_eqns(eqns: Sequence[JaxprEqn], env: dict) -> None:
