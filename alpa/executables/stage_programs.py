@@ -95,10 +95,10 @@ class StagePrograms:
 
     def _partial_sums(self, comp: StageComputation, sub, skip) -> dict:
         """The adds of two partial results in ``comp`` (its jaxpr ``sub``) that the stage's
-        plan priced as one reduction of their sum (``plan.partial_sums``), as ``_eval_eqns``
-        overrides: both computed on each device's blocks, added, reduced once
-        (``shard_parallel.partial_sums``). Adds whose equations ``skip`` already overrides
-        (the deferred row sums) are left to those."""
+        plan priced as one reduction of their sum (``plan.partial_sums``), as
+        ``eval_jaxpr_with_constraints`` overrides: both computed on each device's blocks,
+        added, reduced once (``shard_parallel.partial_sums``). Adds whose equations
+        ``skip`` already overrides (the deferred row sums) are left to those."""
         s = comp.stage
         mine = {id(e) for e in sub.eqns}
         sums = {e: p for (e, m), p in self.plan.partial_sums.items() if m == s and id(e) in mine}
