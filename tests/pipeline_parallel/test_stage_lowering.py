@@ -7,7 +7,8 @@ must be the plan's) and reads off it, per stage program, what it prices:
 * each equation whose chosen strategy reduces partial results (``reduce_axes``): an
   all-reduce of its result, as many bytes as a device holds of it. A gradient reduction
   the pipeline defers to apply-grad (``program.deferred``: summed over the data axes once
-  per step) is in the backward only for its other axes;
+  per step) is in the backward only for its other axes. Two partial results added and
+  reduced alike (``ShardingPlan.partial_sums``) are priced, and reduced, once;
 * each resharding edge (an operand read in another spec than its producer's), once per
   value and spec in each program: the collectives ``resharding_collectives`` prices for it.
 
@@ -18,7 +19,9 @@ axes in two steps, one per axis, where the plan prices one reduction.
 
 Before the stages took ``body_specs`` and ``operand_specs``, the remat case failed: the
 last stage's forward all-gathered an activation (16 KiB per device) inside the checkpoint body
-where its plan priced an all-reduce of it.
+where its plan priced an all-reduce of it. Without ``partial_sums``, the first stage's
+backward all-reduced two of the input gradients of query, key and value each on its own,
+one all-reduce (16 KiB per device) more than its plan priced.
 """
 
 from __future__ import annotations
@@ -215,9 +218,9 @@ def test_stage_programs_perform_the_collectives_their_plans_priced(remat):
     if remat:  # the checkpoint bodies' values and operands are pinned too
         assert executable.plan.body_specs and executable.plan.operand_specs
     else:
-        # An add of two partial results priced as one reduction (the input gradient of
-        # query, key and value, split by heads over "y") and lowered so: both computed on
-        # each device, added, all-reduced once. The same numbers as the serial step.
+        # An add of two partial results priced as one reduction (two of the input
+        # gradients of query, key and value, split by heads over "y") and lowered so: both
+        # computed on each device, added, all-reduced once. The same numbers as serial.
         ((eqn, stage), partial_sum), *_ = executable.plan.partial_sums.items()
         assert (eqn.primitive.name, stage, partial_sum.reduce_axes) == ("add_any", 0, ("y",))
         expected = jax.jit(step)(*args)  # first: the parallel step donates the state
