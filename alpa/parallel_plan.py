@@ -64,6 +64,8 @@ from alpa.plan_json import (
     mesh_from_json,
     mesh_to_json,
     option_to_json,
+    partial_sum_from_json,
+    partial_sum_to_json,
     placement_from_json,
     placement_to_json,
     sharding_plan_from_json,
@@ -248,6 +250,9 @@ class ParallelPlan:
                 (eqns[id(e)], s): specs
                 for (e, s), specs in decisions.operand_specs.items()
                 if id(e) in eqns
+            },
+            partial_sums={
+                (eqns[id(e)], s): p for (e, s), p in decisions.partial_sums.items() if id(e) in eqns
             },
         )
         layer_option = plan.layer_option or ManualLayerOption()
@@ -538,6 +543,10 @@ def _pipeline_plan_to_json(plan: PipelinePlan) -> dict:
             ),
             key=lambda row: (row[1], row[0]),
         ),
+        "partial_sums": sorted(
+            ([ref, s, partial_sum_to_json(p)] for (ref, s), p in d.partial_sums.items()),
+            key=lambda row: (row[1], row[0]),
+        ),
     }
 
 
@@ -559,6 +568,11 @@ def _pipeline_plan_from_json(data: Mapping) -> PipelinePlan:
         operand_specs={
             (ref, s): tuple(spec_from_json(spec) for spec in specs)
             for ref, s, specs in data.get("operand_specs", [])
+        },
+        # Absent from plans saved before the stages' lowering took them: those were priced
+        # without partial sums, and lower without them.
+        partial_sums={
+            (ref, s): partial_sum_from_json(p) for ref, s, p in data.get("partial_sums", [])
         },
     )
     check_pipeline_decisions(decisions)  # an edited file's stages, before they reach a pass

@@ -72,6 +72,20 @@ def mesh_from_json(data: Mapping) -> LogicalDeviceMesh:
     )
 
 
+def partial_sum_to_json(partial_sum: PartialSum) -> dict:
+    return {
+        "operand_specs": [[spec_to_json(s) for s in specs] for specs in partial_sum.operand_specs],
+        "reduce_axes": list(partial_sum.reduce_axes),
+    }
+
+
+def partial_sum_from_json(data: Mapping) -> PartialSum:
+    return PartialSum(
+        tuple(tuple(spec_from_json(s) for s in specs) for specs in data["operand_specs"]),
+        tuple(data["reduce_axes"]),
+    )
+
+
 def sharding_plan_to_json(plan: ShardingPlan) -> dict:
     return {
         "method": plan.method,
@@ -82,13 +96,7 @@ def sharding_plan_to_json(plan: ShardingPlan) -> dict:
         "operand_specs": {
             ref: [spec_to_json(s) for s in specs] for ref, specs in plan.operand_specs.items()
         },
-        "partial_sums": {
-            ref: {
-                "operand_specs": [[spec_to_json(s) for s in specs] for specs in p.operand_specs],
-                "reduce_axes": list(p.reduce_axes),
-            }
-            for ref, p in plan.partial_sums.items()
-        },
+        "partial_sums": {ref: partial_sum_to_json(p) for ref, p in plan.partial_sums.items()},
         "data_axes": list(plan.data_axes),
         "grad_specs": None
         if plan.grad_specs is None
@@ -112,11 +120,7 @@ def sharding_plan_from_json(data: Mapping) -> ShardingPlan:
             for ref, specs in data["operand_specs"].items()
         },
         partial_sums={
-            ref: PartialSum(
-                tuple(tuple(spec_from_json(s) for s in specs) for specs in p["operand_specs"]),
-                tuple(p["reduce_axes"]),
-            )
-            for ref, p in data.get("partial_sums", {}).items()
+            ref: partial_sum_from_json(p) for ref, p in data.get("partial_sums", {}).items()
         },
         data_axes=tuple(data["data_axes"]),
         grad_specs=None if grad_specs is None else tuple(spec_from_json(s) for s in grad_specs),
@@ -263,6 +267,7 @@ def check_pipeline_decisions(decisions: Any) -> None:
         "stage_specs": decisions.stage_specs,
         "body_specs": decisions.body_specs,
         "operand_specs": decisions.operand_specs,
+        "partial_sums": decisions.partial_sums,
     }
     for name, table in tables.items():
         for ref, stage in table:

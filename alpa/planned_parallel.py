@@ -131,6 +131,10 @@ class PlannedParallel(ParallelMethod):
                 (_lookup(eqns_by_ref, ref, traced, "an equation"), s): specs
                 for (ref, s), specs in recorded.operand_specs.items()
             },
+            partial_sums={
+                (_lookup(eqns_by_ref, ref, traced, "an equation"), s): p
+                for (ref, s), p in recorded.partial_sums.items()
+            },
         )
         options = PipeshardOptions(
             cluster.spec,

@@ -302,7 +302,7 @@ def _one_stage(pipeline, stages, keep_specs: bool = False):
     pipeline["logical_meshes"][0]["shape"] = [1, 8]
     pipeline["objectives"] = pipeline["objectives"][:1]
     if not keep_specs:
-        for table in ("stage_specs", "body_specs", "operand_specs"):
+        for table in ("stage_specs", "body_specs", "operand_specs", "partial_sums"):
             pipeline[table] = [row for row in pipeline[table] if row[1] == 0]
 
 
@@ -324,6 +324,10 @@ def test_an_edited_pipeline_plan_names_the_field_it_contradicts(recorded, tmp_pa
         ref, _, spec = pipeline["stage_specs"][0]
         pipeline["stage_specs"].append([ref, 5, spec])
 
+    def partial_sum_on_stage_5(pipeline, _):
+        partial_sum = {"operand_specs": [[None], [None]], "reduce_axes": ["y"]}
+        pipeline["partial_sums"].append(["an add", 5, partial_sum])
+
     cases = {
         r"stage_plan\.layer_to_stage=\[0, 2\] puts layer 1 on stage 2: " + two: (
             lambda _, stages: stages.update(layer_to_stage=[0, 2])
@@ -334,6 +338,7 @@ def test_an_edited_pipeline_plan_names_the_field_it_contradicts(recorded, tmp_pa
             lambda _, stages: stages.update(layer_to_stage=[1, 0])
         ),
         r"stage_specs has an entry for '[^']+' on stage 5: " + two: specs_of_stage_5,
+        r"partial_sums has an entry for 'an add' on stage 5: " + two: partial_sum_on_stage_5,
         r"stage_specs has an entry for '[^']+' on stage 1: expected a stage in 0\.\.0 "
         r"\(stage_plan\.device_ranges has 1 stage\)": (
             lambda pipeline, stages: _one_stage(pipeline, stages, keep_specs=True)

@@ -2,7 +2,8 @@
 
 :class:`StagePrograms` turns each stage computation of a ``PipeshardPlan`` into the
 function a ``RUN`` calls on its submesh (the computation's equations lowered with its
-stage's shardings, the running sums of the gradients it accumulates, the reductions and
+stage's plan: shardings, reshardings and partial sums, as ``ShardParallel`` lowers its
+one plan; the running sums of the gradients it accumulates, the reductions and
 gathers of the deferred gradients), and the small programs around them (zeros for the
 accumulators, relayouts between two stages on one mesh). The local driver
 (``executables/pipeshard.py``) compiles them on its meshes; the Ray driver
@@ -28,6 +29,7 @@ from alpa.shard_parallel.compile import full_batch_avals
 from alpa.shard_parallel.constrained_eval import eval_jaxpr_with_constraints
 from alpa.shard_parallel.data_parallel import zero_spec
 from alpa.shard_parallel.packed_collectives import gather_packed, reduce_partials
+from alpa.shard_parallel.partial_sums import partial_sum_overrides
 from alpa.shard_parallel.row_sums import deferred_rules
 from alpa.tracing import new_jaxpr
 from alpa.tracing.jaxpr_util import backward_slice, is_var, nested_eqns, planned_bodies
@@ -90,6 +92,21 @@ class StagePrograms:
         return deferred_rules(
             comp.eqns, deferred.row_dims, values, self.meshes[s], deferred.stage_axes[s], var_specs
         )
+
+    def _partial_sums(self, comp: StageComputation, sub, skip) -> dict:
+        """The adds of two partial results in ``comp`` (its jaxpr ``sub``) that the stage's
+        plan priced as one reduction of their sum (``plan.partial_sums``), as
+        ``eval_jaxpr_with_constraints`` overrides: both computed on each device's blocks,
+        added, reduced once (``shard_parallel.partial_sums``). Adds whose equations
+        ``skip`` already overrides (the deferred row sums) are left to those."""
+        s = comp.stage
+        mine = {id(e) for e in sub.eqns}
+        sums = {e: p for (e, m), p in self.plan.partial_sums.items() if m == s and id(e) in mine}
+        if not sums:
+            return {}
+        # The sum's spec as the stage's plan chose it (the table's entry).
+        out_specs = {e.outvars[0]: self.stage_specs.get((e.outvars[0], s)) for e in sums}
+        return partial_sum_overrides(sub, sums, out_specs, self.meshes[s], skip=skip)
 
     def _constraints(self, comp: StageComputation) -> tuple[dict, dict]:
         """``eval_jaxpr_with_constraints``'s ``constraints`` and ``operand_constraints``
@@ -194,6 +211,7 @@ class StagePrograms:
         publishes = () if kernel is None else kernel.publishes
         mesh = self.meshes[comp.stage]
         overrides = self._deferred_rules(comp)
+        overrides |= self._partial_sums(comp, sub, skip=set(overrides))
         reduced_specs = {i: self.sharding(comp.invars[i], comp.stage) for i in reduces}
         data_axes = self.program.deferred.stage_axes[comp.stage] if reduces else ()
         gathers = self._gathered_outputs(comp, kept)

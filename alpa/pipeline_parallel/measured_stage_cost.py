@@ -102,7 +102,7 @@ class MeasuredStageCost:
         from alpa.shard_parallel.compile import compile_plan
 
         plan = plan_auto_sharding(
-            step, mesh, option, partial_sums=False, comm_first=False, shared_reshardings=False
+            step, mesh, option, comm_first=False, shared_reshardings=False
         )  # as the stages run
         compiled, in_shardings = compile_plan(step, plan, None)
         args = [

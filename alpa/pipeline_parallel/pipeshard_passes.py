@@ -328,7 +328,9 @@ def _plan_one_schedule(
         stage_specs = dict(decisions.stage_specs)
         objectives = {s: list(v) for s, v in decisions.objectives.items()}
         inner = InnerSpecs(
-            dict(decisions.body_specs), _on_program(decisions.operand_specs, traced, program)
+            dict(decisions.body_specs),
+            _on_program(decisions.operand_specs, traced, program),
+            _on_program(decisions.partial_sums, traced, program),
         )
     program = _draw_and_defer(
         traced, program, options, stage_specs, logical_meshes, data_parallel, propagated, names
@@ -358,6 +360,7 @@ def _plan_one_schedule(
         layer_option=layer_option,
         body_specs=inner.body_specs,
         operand_specs=inner.operand_specs,
+        partial_sums=inner.partial_sums,
     )
 
 
@@ -511,13 +514,14 @@ def _search_stages(
     return plan_stages(stage_option, context)
 
 
-def _on_program(operand_specs: dict, traced: TracedStep, program: PipelineProgram) -> dict:
-    """A replayed plan's ``operand_specs``, keyed by equations of ``traced``, keyed by the
-    program's equations at the same positions (``split_computations`` rewrites some
-    equations' operands, never their positions)."""
+def _on_program(table: dict, traced: TracedStep, program: PipelineProgram) -> dict:
+    """A replayed plan's ``(equation, stage)`` table (``operand_specs``, ``partial_sums``),
+    keyed by equations of ``traced``, keyed by the program's equations at the same
+    positions (``split_computations`` rewrites some equations' operands, never their
+    positions)."""
     same = zip(nested_eqns(traced.jaxpr), nested_eqns(program.closed_jaxpr.jaxpr), strict=True)
     program_eqn = {id(e): mine for e, mine in same}
-    return {(program_eqn[id(e)], s): specs for (e, s), specs in operand_specs.items()}
+    return {(program_eqn[id(e)], s): entry for (e, s), entry in table.items()}
 
 
 def check_decisions(

@@ -75,6 +75,10 @@ class PipeshardDecisions:
       objectives: per stage, the ILP objective(s) of its computations.
       body_specs, operand_specs: what the stages' ILPs pin inside bodies and on operands
         (``stage_sharding.InnerSpecs``).
+      partial_sums: ``(add equation, stage) -> PartialSum``: the adds of two partial
+        results the stages' ILPs priced as one reduction (``stage_sharding.InnerSpecs``);
+        empty in plans saved before the stages were lowered with them, which were priced
+        without them.
     """
 
     layers: LayerAssignment
@@ -85,6 +89,7 @@ class PipeshardDecisions:
     objectives: dict
     body_specs: dict = field(default_factory=dict)
     operand_specs: dict = field(default_factory=dict)
+    partial_sums: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True, eq=False)
@@ -113,8 +118,12 @@ class PipeshardPlan:
         loop and branch bodies of a stage's equations that its ILP plan pins.
       operand_specs: ``(equation, stage) -> specs``: the stage plan's resharding edges,
         the spec each operand is resharded to before the equation reads it (``None``:
-        read as produced). The stage programs are lowered with both, as ``ShardParallel``
-        lowers its one plan, so they perform the collectives the ILP priced.
+        read as produced).
+      partial_sums: ``(add equation, stage) -> PartialSum``: the adds of two partial
+        results the stage plan priced as one reduction of their sum
+        (``ShardingPlan.partial_sums``). The stage programs are lowered with these three,
+        as ``ShardParallel`` lowers its one plan, so they perform the collectives the ILP
+        priced.
       schedule_candidates: with ``pipeline_schedule="auto"``, each training schedule
         priced on these stages (``schedule_choice.ScheduleCandidate``: seconds per step,
         memory per stage, whether it fits); :attr:`schedule` is the one chosen.
@@ -152,6 +161,7 @@ class PipeshardPlan:
     layer_option: Any = None
     body_specs: dict = field(default_factory=dict)
     operand_specs: dict = field(default_factory=dict)
+    partial_sums: dict = field(default_factory=dict)
     schedule_candidates: tuple = ()
     row_split: Any = None
 
@@ -397,8 +407,9 @@ class PipeshardPlan:
 
     def decisions(self) -> PipeshardDecisions:
         """What :func:`plan_pipeshard` needs to make this plan again without searching.
-        Its ``operand_specs`` are keyed by the traced step's equations, as a replay reads
-        them (the plan's own are the split program's, at the same positions)."""
+        Its ``operand_specs`` and ``partial_sums`` are keyed by the traced step's
+        equations, as a replay reads them (the plan's own are the split program's, at the
+        same positions)."""
         to_traced = {
             id(mine): e
             for mine, e in zip(
@@ -418,6 +429,11 @@ class PipeshardPlan:
             operand_specs={
                 (to_traced[id(e)], s): specs
                 for (e, s), specs in self.operand_specs.items()
+                if id(e) in to_traced
+            },
+            partial_sums={
+                (to_traced[id(e)], s): p
+                for (e, s), p in self.partial_sums.items()
                 if id(e) in to_traced
             },
         )

@@ -181,13 +181,10 @@ def _ilp_layer(
     """One layer's ``step`` planned by the ILP on submesh choice ``m`` with ``config``."""
     mesh = problem.logical_mesh(m, config)
     option = problem.config_option(config)
-    # Priced as the stages run (no partial sums carried through adds; the forward and
-    # the backward reshard their own copies). The latency takes the plan's communication
-    # only: its compute is F_l / (n_m R) (module docstring), and the ILP's objective holds
-    # its own compute estimate too.
-    solution = solve_auto_sharding(
-        step, mesh, option, partial_sums=False, comm_first=False, shared_reshardings=False
-    )
+    # Priced as the stages run (the forward and the backward reshard their own copies).
+    # The latency takes the plan's communication only: its compute is F_l / (n_m R)
+    # (module docstring), and the ILP's objective holds its own compute estimate too.
+    solution = solve_auto_sharding(step, mesh, option, comm_first=False, shared_reshardings=False)
     graph, choice = solution.graph, solution.solution.choice
     communication = ilp_solver.communication_cost(graph, choice)
     # The gradient row sums reduced over the data axes: deferred to once per step.

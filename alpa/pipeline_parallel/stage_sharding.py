@@ -178,6 +178,7 @@ def plan_stage_shardings(
         table.update(stage_table)
         inner.body_specs.update(stage_inner.body_specs)
         inner.operand_specs.update(stage_inner.operand_specs)
+        inner.partial_sums.update(stage_inner.partial_sums)
         if stage_objectives:
             objectives[s] = stage_objectives
     return table, objectives, inner
@@ -197,8 +198,9 @@ def _stage_groups(
 @dataclasses.dataclass
 class InnerSpecs:
     """What the stages' ILP plans pin besides the sharding table, as
-    ``shard_parallel``'s lowering takes it (``ShardingPlan.var_specs`` inside bodies and
-    ``ShardingPlan.operand_specs``), keyed by stage like the table.
+    ``shard_parallel``'s lowering takes it (``ShardingPlan.var_specs`` inside bodies,
+    ``ShardingPlan.operand_specs`` and ``ShardingPlan.partial_sums``), keyed by stage like
+    the table.
 
     Attributes:
       body_specs: ``(value, stage) -> PartitionSpec`` for the values inside the bodies of
@@ -206,10 +208,14 @@ class InnerSpecs:
       operand_specs: ``(equation, stage) -> specs``: the spec each operand of the equation
         (of the step or of such a body) is resharded to before the equation reads it,
         ``None`` where it is read as produced: the plan's resharding edges.
+      partial_sums: ``(add equation, stage) -> PartialSum``: the adds of two partial
+        results the plan priced as one reduction of their sum; the stage's lowering adds
+        them on each device and reduces once (``shard_parallel.partial_sums``).
     """
 
     body_specs: dict = dataclasses.field(default_factory=dict)
     operand_specs: dict = dataclasses.field(default_factory=dict)
+    partial_sums: dict = dataclasses.field(default_factory=dict)
 
 
 class _SharedPlans:
@@ -262,12 +268,10 @@ class _Planning:
         fixed = [table.get((v, s)) for v in invars]
 
         def solve():
-            # The stages' lowering reduces each partial result where it is computed (the
-            # ``ShardingPlan.partial_sums`` rewrite is not applied there yet), and runs the
-            # forward and the backward as programs of their own, each resharding its own
-            # copy of a value: price it so.
+            # The stages' lowering runs the forward and the backward as programs of their
+            # own, each resharding its own copy of a value: price it so.
             plan = plan_auto_sharding(
-                sub, mesh, option, fixed_in_specs=fixed, partial_sums=False, comm_first=False,
+                sub, mesh, option, fixed_in_specs=fixed, comm_first=False,
                 shared_reshardings=False,
             )  # fmt: skip
             return sub, plan
@@ -282,12 +286,14 @@ class _Planning:
                 f"{tuple(plan.logical_mesh.shape)}, not the stage's {tuple(mesh.shape)}"
             )
         var_specs, operand_specs = plan.var_specs, plan.operand_specs
+        partial_sums = plan.partial_sums
         if planned is not sub:  # the same equations: values and equations match by position
             mine = dict(zip(_positional_vars(planned), _positional_vars(sub), strict=True))
             var_specs = {mine[v]: spec for v, spec in var_specs.items() if v in mine}
             pairs = zip(nested_eqns(planned.jaxpr), nested_eqns(sub.jaxpr), strict=True)
             eqns = {id(theirs): e for theirs, e in pairs}
             operand_specs = {eqns[id(e)]: specs for e, specs in operand_specs.items()}
+            partial_sums = {eqns[id(e)]: p for e, p in partial_sums.items()}
         for v, spec in zip(invars, plan.in_specs, strict=True):
             table.setdefault((v, s), spec)
         for v, spec in var_specs.items():
@@ -297,6 +303,8 @@ class _Planning:
                 inner.body_specs.setdefault((v, s), spec)
         for eqn, specs in operand_specs.items():
             inner.operand_specs.setdefault((eqn, s), specs)
+        for eqn, partial_sum in partial_sums.items():
+            inner.partial_sums.setdefault((eqn, s), partial_sum)
         for v, spec in zip(outvars, plan.out_specs, strict=True):
             if spec is not None:
                 table.setdefault((v, s), spec)

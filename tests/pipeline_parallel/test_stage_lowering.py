@@ -7,7 +7,8 @@ must be the plan's) and reads off it, per stage program, what it prices:
 * each equation whose chosen strategy reduces partial results (``reduce_axes``): an
   all-reduce of its result, as many bytes as a device holds of it. A gradient reduction
   the pipeline defers to apply-grad (``program.deferred``: summed over the data axes once
-  per step) is in the backward only for its other axes;
+  per step) is in the backward only for its other axes. Two partial results added and
+  reduced alike (``ShardingPlan.partial_sums``) are priced, and reduced, once;
 * each resharding edge (an operand read in another spec than its producer's), once per
   value and spec in each program: the collectives ``resharding_collectives`` prices for it.
 
@@ -18,14 +19,18 @@ axes in two steps, one per axis, where the plan prices one reduction.
 
 Before the stages took ``body_specs`` and ``operand_specs``, the remat case failed: the
 last stage's forward all-gathered an activation (16 KiB per device) inside the checkpoint body
-where its plan priced an all-reduce of it.
+where its plan priced an all-reduce of it. Without ``partial_sums``, the first stage's
+backward all-reduced two of the input gradients of query, key and value each on its own,
+one all-reduce (16 KiB per device) more than its plan priced.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from collections import Counter
 
+import jax
 import numpy as np
 import pytest
 from conftest import devices_or_skip
@@ -37,7 +42,7 @@ from alpa.pipeline_parallel.stage_sharding import merged_step
 from alpa.shard_parallel import ilp_solver
 from alpa.shard_parallel.auto_sharding import solve_auto_sharding
 from alpa.shard_parallel.sharding_spec import resharding_collectives
-from alpa.testing import program_text
+from alpa.testing import assert_allclose, program_text
 from alpa.tracing.jaxpr_util import nested_eqns, planned_bodies
 from alpa.util import collective_shapes
 
@@ -63,8 +68,9 @@ def _gpt(remat: bool):
     return get_gpt_train_state_and_step(config, 32, grad_func=alpa.value_and_grad)
 
 
-def _executable(remat: bool):
-    """The GPT in two one-block stages on logical (2, 2) submeshes, 2 micro-batches."""
+def _parallel(remat: bool):
+    """The GPT in two one-block stages on logical (2, 2) submeshes, 2 micro-batches:
+    ``(parallelized step, (state, batch), serial step)``."""
     devices_or_skip(8)
     state, batch, step = _gpt(remat)
     method = alpa.PipeshardParallel(
@@ -73,7 +79,12 @@ def _executable(remat: bool):
             [[0], [1]], [(1, 4), (1, 4)], submesh_logical_shapes=[(2, 2), (2, 2)]
         ),
     )
-    return alpa.parallelize(step, method=method).get_executable(state, batch), (state, batch)
+    return alpa.parallelize(step, method=method), (state, batch), step
+
+
+def _executable(remat: bool):
+    parallel, args, _ = _parallel(remat)
+    return parallel.get_executable(*args), args
 
 
 def _hlo_collectives(text: str) -> Counter:
@@ -119,7 +130,6 @@ def _stage_solutions(executable, stage: int) -> list:
             mesh,
             option,
             fixed_in_specs=[table.get(v) for v in jaxpr.invars],
-            partial_sums=False,
             comm_first=False,
             shared_reshardings=False,
         )
@@ -193,7 +203,8 @@ def _priced_collectives(executable, stage: int) -> dict[str, Counter]:
 
 @pytest.mark.parametrize("remat", [False, True])
 def test_stage_programs_perform_the_collectives_their_plans_priced(remat):
-    executable, _ = _executable(remat)
+    parallel, args, step = _parallel(remat)
+    executable = parallel.get_executable(*args)
     texts = dict(zip(executable.get_hlo_names(), executable.get_hlo_text(), strict=True))
     kinds = set()
     for stage in range(executable.plan.num_stages):
@@ -206,6 +217,43 @@ def test_stage_programs_perform_the_collectives_their_plans_priced(remat):
     assert kinds == {"all-reduce", "all-gather"}, kinds
     if remat:  # the checkpoint bodies' values and operands are pinned too
         assert executable.plan.body_specs and executable.plan.operand_specs
+    else:
+        # An add of two partial results priced as one reduction (two of the input
+        # gradients of query, key and value, split by heads over "y") and lowered so: both
+        # computed on each device, added, all-reduced once. The same numbers as serial.
+        ((eqn, stage), partial_sum), *_ = executable.plan.partial_sums.items()
+        assert (eqn.primitive.name, stage, partial_sum.reduce_axes) == ("add_any", 0, ("y",))
+        expected = jax.jit(step)(*args)  # first: the parallel step donates the state
+        assert_allclose(parallel(*args), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_stage_partial_sums_survive_a_saved_plan():
+    """The partial sums travel in the plan's JSON: a replay compiles the same stage
+    programs. A plan saved before they did (no ``partial_sums`` in its JSON; priced without
+    them) still loads, and its stages are lowered without them: each add's operands
+    reduced on their own, one all-reduce more."""
+    executable, args = _executable(remat=False)
+    saved = executable.get_parallel_plan().to_json()
+    loaded = alpa.ParallelPlan.from_json(saved)
+    recorded = loaded.pipeline_plan.decisions.partial_sums
+    assert len(recorded) == len(executable.plan.partial_sums) == 1
+    _, _, step = _gpt(remat=False)
+    replayed = alpa.parallelize(step, method=alpa.plan_to_method(loaded)).get_executable(*args)
+    assert program_text(replayed.get_hlo_text()) == program_text(executable.get_hlo_text())
+
+    data = json.loads(saved)
+    del data["pipeline_plan"]["partial_sums"]
+    older = alpa.ParallelPlan.from_json(json.dumps(data))
+    assert older.pipeline_plan.decisions.partial_sums == {}
+    parallel = alpa.parallelize(step, method=alpa.plan_to_method(older))
+    compiled = parallel.get_executable(*args)
+    assert not compiled.plan.partial_sums
+    names = executable.get_hlo_names()
+    texts = [dict(zip(names, e.get_hlo_text(), strict=True)) for e in (executable, compiled)]
+    now, before = (_hlo_collectives(t["stage0_backward"]) for t in texts)
+    assert before - now == Counter({("all-reduce", 16384): 1}), (before, now)
+    expected = jax.jit(step)(*args)  # first: the parallel step donates the state
+    assert_allclose(parallel(*args), expected, rtol=1e-4, atol=1e-4)
 
 
 def test_stage_constraints_survive_a_saved_plan():
