@@ -45,30 +45,30 @@ _EXPORTS = {
     "VirtualPhysicalMesh": "alpa.device_mesh",
     "global_config": "alpa.global_env",
     "set_seed": "alpa.global_env",
-    "DataParallel": "alpa.shard_method",
-    "get_3d_parallel_method": "alpa.pipeshard_method",
-    "ParallelMethod": "alpa.shard_method",
-    "CreateStateParallel": "alpa.create_state_parallel",
-    "FollowParallel": "alpa.follow_parallel",
-    "PipeshardParallel": "alpa.pipeshard_method",
-    "ShardParallel": "alpa.shard_method",
-    "Zero2Parallel": "alpa.shard_method",
-    "Zero3Parallel": "alpa.shard_method",
-    "ParallelPlan": "alpa.parallel_plan",
-    "PlannedParallel": "alpa.planned_parallel",
-    "plan_to_method": "alpa.planned_parallel",
-    "AutoLayerOption": "alpa.pipeline_parallel.layer_construction",
-    "ManualLayerOption": "alpa.pipeline_parallel.layer_construction",
-    "automatic_remat": "alpa.pipeline_parallel.remat",
-    "manual_remat": "alpa.pipeline_parallel.remat",
-    "AutoStageOption": "alpa.pipeline_parallel.stage_construction",
-    "ManualStageOption": "alpa.pipeline_parallel.stage_construction",
-    "UniformStageOption": "alpa.pipeline_parallel.stage_construction",
+    "DataParallel": "alpa.methods.shard_method",
+    "get_3d_parallel_method": "alpa.methods.pipeshard_method",
+    "ParallelMethod": "alpa.methods.shard_method",
+    "CreateStateParallel": "alpa.methods.create_state_parallel",
+    "FollowParallel": "alpa.methods.follow_parallel",
+    "PipeshardParallel": "alpa.methods.pipeshard_method",
+    "ShardParallel": "alpa.methods.shard_method",
+    "Zero2Parallel": "alpa.methods.shard_method",
+    "Zero3Parallel": "alpa.methods.shard_method",
+    "ParallelPlan": "alpa.record.parallel_plan",
+    "PlannedParallel": "alpa.methods.planned_parallel",
+    "plan_to_method": "alpa.methods.planned_parallel",
+    "AutoLayerOption": "alpa.pipeline_parallel.layers.layer_construction",
+    "ManualLayerOption": "alpa.pipeline_parallel.layers.layer_construction",
+    "automatic_remat": "alpa.pipeline_parallel.layers.remat",
+    "manual_remat": "alpa.pipeline_parallel.layers.remat",
+    "AutoStageOption": "alpa.pipeline_parallel.stages.stage_construction",
+    "ManualStageOption": "alpa.pipeline_parallel.stages.stage_construction",
+    "UniformStageOption": "alpa.pipeline_parallel.stages.stage_construction",
     "mark_pipeline_boundary": "alpa.tracing.primitive_def",
     "restore_checkpoint": "alpa.serialization",
     "save_checkpoint": "alpa.serialization",
     "AutoShardingOption": "alpa.shard_parallel.auto_sharding",
-    "ManualShardingOption": "alpa.shard_parallel.manual_sharding",
+    "ManualShardingOption": "alpa.shard_parallel.strategies.manual_sharding",
 }
 
 # Submodules reachable as ``alpa.<name>`` after a bare ``import alpa``.
@@ -132,7 +132,6 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and editors
         set_global_virtual_physical_mesh,
         shutdown,
     )
-    from alpa.create_state_parallel import CreateStateParallel  # noqa: F401
     from alpa.data_loader import DataLoader, MeshDriverDataLoader  # noqa: F401
     from alpa.device_mesh import (  # noqa: F401
         ClusterSpec,
@@ -141,21 +140,29 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and editors
         PhysicalDeviceMesh,
         VirtualPhysicalMesh,
     )
-    from alpa.follow_parallel import FollowParallel  # noqa: F401
     from alpa.global_env import global_config, set_seed  # noqa: F401
-    from alpa.parallel_plan import ParallelPlan  # noqa: F401
-    from alpa.pipeline_parallel.layer_construction import (  # noqa: F401
+    from alpa.methods.create_state_parallel import CreateStateParallel  # noqa: F401
+    from alpa.methods.follow_parallel import FollowParallel  # noqa: F401
+    from alpa.methods.pipeshard_method import PipeshardParallel, get_3d_parallel_method  # noqa: F401
+    from alpa.methods.planned_parallel import PlannedParallel, plan_to_method  # noqa: F401
+    from alpa.methods.shard_method import (  # noqa: F401
+        DataParallel,
+        ParallelMethod,
+        ShardParallel,
+        Zero2Parallel,
+        Zero3Parallel,
+    )
+    from alpa.pipeline_parallel.layers.layer_construction import (  # noqa: F401
         AutoLayerOption,
         ManualLayerOption,
     )
-    from alpa.pipeline_parallel.remat import automatic_remat, manual_remat  # noqa: F401
-    from alpa.pipeline_parallel.stage_construction import (  # noqa: F401
+    from alpa.pipeline_parallel.layers.remat import automatic_remat, manual_remat  # noqa: F401
+    from alpa.pipeline_parallel.stages.stage_construction import (  # noqa: F401
         AutoStageOption,
         ManualStageOption,
         UniformStageOption,
     )
-    from alpa.pipeshard_method import PipeshardParallel, get_3d_parallel_method  # noqa: F401
-    from alpa.planned_parallel import PlannedParallel, plan_to_method  # noqa: F401
+    from alpa.record.parallel_plan import ParallelPlan  # noqa: F401
     from alpa.runtime.ray_mesh import (  # noqa: F401
         DeviceCluster,
         DistributedArray,
@@ -164,14 +171,7 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and editors
     )
     from alpa.runtime.stacked_array import StackedRows  # noqa: F401
     from alpa.serialization import restore_checkpoint, save_checkpoint  # noqa: F401
-    from alpa.shard_method import (  # noqa: F401
-        DataParallel,
-        ParallelMethod,
-        ShardParallel,
-        Zero2Parallel,
-        Zero3Parallel,
-    )
     from alpa.shard_parallel.auto_sharding import AutoShardingOption  # noqa: F401
-    from alpa.shard_parallel.manual_sharding import ManualShardingOption  # noqa: F401
+    from alpa.shard_parallel.strategies.manual_sharding import ManualShardingOption  # noqa: F401
     from alpa.timer import timers  # noqa: F401
     from alpa.tracing.primitive_def import mark_pipeline_boundary  # noqa: F401

@@ -51,10 +51,10 @@ from alpa.cluster import (  # noqa: F401 (alpa.api.init etc., as in Alpa)
 )
 from alpa.executables.base import Executable
 from alpa.jax_internals import ShapedArray
-from alpa.pipeline_parallel.layer_construction import mark_layers
-from alpa.pipeline_parallel.segments import reuse_cuts
-from alpa.shard_method import ParallelMethod, ShardParallel
-from alpa.shard_parallel.data_parallel import rows_per_example
+from alpa.methods.shard_method import ParallelMethod, ShardParallel
+from alpa.pipeline_parallel.layers.layer_construction import mark_layers
+from alpa.pipeline_parallel.layers.segments import reuse_cuts
+from alpa.shard_parallel.strategies.data_parallel import rows_per_example
 from alpa.timer import timed
 from alpa.tracing import TracedStep, abstractify, leaf_signature, note_grad_inputs, trace_step
 from alpa.tracing.primitive_def import mark_pipeline_jaxpreqn

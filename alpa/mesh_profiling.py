@@ -298,8 +298,8 @@ def pipeline_instruction_seconds(micro_batches: tuple[int, int] = (1, 8)) -> flo
     the extra instructions per step (the device work is the same batch in both)."""
     from alpa.api import grad, parallelize
     from alpa.cluster import get_global_num_devices
-    from alpa.pipeline_parallel.stage_construction import ManualStageOption
-    from alpa.pipeshard_method import PipeshardParallel
+    from alpa.methods.pipeshard_method import PipeshardParallel
+    from alpa.pipeline_parallel.stages.stage_construction import ManualStageOption
     from alpa.tracing.primitive_def import mark_pipeline_boundary
 
     half = max(get_global_num_devices() // 2, 1)

@@ -4,14 +4,14 @@ the module that defines it (``shard_method``: ``ParallelMethod`` and the one-mes
 that follow another step's plan). Nothing in alpa imports this module; it imports them.
 """
 
-from alpa.create_state_parallel import CreateStateParallel
-from alpa.follow_parallel import FollowParallel
-from alpa.pipeshard_method import (
+from alpa.methods.create_state_parallel import CreateStateParallel
+from alpa.methods.follow_parallel import FollowParallel
+from alpa.methods.pipeshard_method import (
     LocalPipelineParallel,
     PipeshardParallel,
     get_3d_parallel_method,
 )
-from alpa.shard_method import (
+from alpa.methods.shard_method import (
     DataParallel,
     ParallelMethod,
     ShardParallel,

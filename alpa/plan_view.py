@@ -1,6 +1,6 @@
 """``python -m alpa.plan_view plan.json out.png``: the picture of a saved pipeline plan
 (``executable.get_parallel_plan().save("plan.json")``): the cluster's devices coloured
-by stage and the schedule as a timeline (``pipeline_parallel/plan_view.py``). Needs
+by stage and the schedule as a timeline (``pipeline_parallel/scheduling/plan_view.py``). Needs
 matplotlib (``pip install alpa[plot]``)."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from alpa.parallel_plan import ParallelPlan
-from alpa.pipeline_parallel.plan_view import Drawing, draw
-from alpa.pipeline_parallel.schedules import make_schedule
+from alpa.pipeline_parallel.scheduling.plan_view import Drawing, draw
+from alpa.pipeline_parallel.scheduling.schedules import make_schedule
+from alpa.record.parallel_plan import ParallelPlan
 
 
 def draw_saved_plan(plan_path: str, out_path: str, dpi: int = 100) -> Drawing:

@@ -156,7 +156,7 @@ def test_clear_errors_for_devices_budgets_and_a_second_init():
         alpa.parallelize(_step, method=alpa.ShardParallel(devices=["cpu:0"]))(w, x)
     with pytest.raises(ValueError, match=r"memory_budget_per_device must be None or a positive"):
         alpa.AutoShardingOption(memory_budget_per_device="1GB")
-    from alpa.pipeline_parallel.stage_construction import AutoStageOption
+    from alpa.pipeline_parallel.stages.stage_construction import AutoStageOption
 
     with pytest.raises(ValueError, match=r"AutoStageOption.memory_budget_per_device must be"):
         AutoStageOption(memory_budget_per_device="1GB")
@@ -348,10 +348,10 @@ def test_alpas_names_at_alpas_module_paths(tmp_path, capsys):
     import alpa.cluster
     import alpa.device_mesh
     import alpa.parallel_method
-    import alpa.pipeline_parallel.stage_construction as stage_construction
+    import alpa.pipeline_parallel.stages.stage_construction as stage_construction
     import alpa.runtime.ray_mesh
     import alpa.util
-    from alpa.pipeline_parallel.layer_construction import ManualLayerOption
+    from alpa.pipeline_parallel.layers.layer_construction import ManualLayerOption
 
     assert alpa.AutoStageOption is stage_construction.AutoStageOption
     assert alpa.UniformStageOption is stage_construction.UniformStageOption

@@ -1,6 +1,6 @@
 """CreateStateParallel and FollowParallel: the state is created where the training step
-reads it, and an evaluation step reads it there too (alpa/create_state_parallel.py,
-alpa/follow_parallel.py)."""
+reads it, and an evaluation step reads it there too (alpa/methods/create_state_parallel.py,
+alpa/methods/follow_parallel.py)."""
 
 import math
 

@@ -216,8 +216,8 @@ def test_overwrite_submesh_choices_are_the_stage_dps(restored_config, capsys):
 
     from alpa.device_mesh import ClusterSpec
     from alpa.model.mlp import MLPModel, get_mlp_train_state_and_step
-    from alpa.pipeline_parallel.stage_construction import AutoStageOption, StageContext
-    from alpa.pipeline_parallel.stage_search import stage_problem
+    from alpa.pipeline_parallel.stages.stage_construction import AutoStageOption, StageContext
+    from alpa.pipeline_parallel.stages.stage_search import stage_problem
 
     model = MLPModel(hidden_size=16, num_layers=3, output_dim=16)
     state, batch, step = get_mlp_train_state_and_step(

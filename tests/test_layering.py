@@ -50,7 +50,7 @@ def test_import_alpa_loads_on_first_use():
     loaded = _loaded("alpa", walk=False)
     assert loaded == {"alpa"}, loaded
     # The control (the check can fail): the pipeline method stands on the pipeline pass.
-    assert "alpa.executables.pipeshard" in _loaded("alpa.pipeshard_method", walk=False)
+    assert "alpa.executables.pipeshard" in _loaded("alpa.methods.pipeshard_method", walk=False)
 
 
 # ----------------------------------------------------------------------------- the import graph
@@ -178,11 +178,11 @@ _METHODS = (
     "alpa.api",
     "alpa.call_cache",
     "alpa.parallel_method",
-    "alpa.shard_method",
-    "alpa.pipeshard_method",
-    "alpa.create_state_parallel",
-    "alpa.follow_parallel",
-    "alpa.planned_parallel",
+    "alpa.methods.shard_method",
+    "alpa.methods.pipeshard_method",
+    "alpa.methods.create_state_parallel",
+    "alpa.methods.follow_parallel",
+    "alpa.methods.planned_parallel",
 )
 _FORBIDDEN = {
     "alpa.tracing": (
@@ -190,16 +190,16 @@ _FORBIDDEN = {
         "alpa.pipeline_parallel",
         "alpa.runtime",
         "alpa.executables",
-        "alpa.parallel_plan",
-        "alpa.plan_refs",
+        "alpa.record.parallel_plan",
+        "alpa.record.plan_refs",
         *_METHODS,
     ),
     "alpa.shard_parallel": (
         "alpa.pipeline_parallel",
         "alpa.runtime",
         "alpa.executables",
-        "alpa.parallel_plan",
-        "alpa.plan_refs",
+        "alpa.record.parallel_plan",
+        "alpa.record.plan_refs",
         *_METHODS,
     ),
     # The runtime runs instruction lists and imports no compiler pass.
@@ -208,20 +208,20 @@ _FORBIDDEN = {
         "alpa.shard_parallel",
         "alpa.pipeline_parallel",
         "alpa.executables",
-        "alpa.parallel_plan",
-        "alpa.plan_refs",
+        "alpa.record.parallel_plan",
+        "alpa.record.plan_refs",
         *_METHODS,
     ),
     "alpa.pipeline_parallel": (
         "alpa.executables",
-        "alpa.parallel_plan",
-        "alpa.plan_refs",
+        "alpa.record.parallel_plan",
+        "alpa.record.plan_refs",
         *_METHODS,
     ),
     "alpa.executables": _METHODS,
-    "alpa.parallel_plan": _METHODS,
-    "alpa.plan_json": _METHODS,
-    "alpa.plan_refs": _METHODS,
+    "alpa.record.parallel_plan": _METHODS,
+    "alpa.record.plan_json": _METHODS,
+    "alpa.record.plan_refs": _METHODS,
 }
 
 
@@ -248,6 +248,101 @@ def test_imports_point_one_way():
     assert _violations({"alpa.runtime.x": {"alpa.pipeline_parallel.y"}}) == [
         "alpa.runtime.x imports alpa.pipeline_parallel.y"
     ]
+
+
+# Inside the two planners: sub-packages in order, from the bottom; each imports only those
+# below it and its package's records, never its package's entry modules.
+_SUBPACKAGES = {
+    "alpa.shard_parallel": (
+        ("strategies", "ilp", "gradients", "lowering"),
+        ("sharding_plan", "auto_sharding_option"),
+    ),
+    "alpa.pipeline_parallel": (("layers", "program", "scheduling", "stages"), ()),
+}
+# Alpa's import paths kept as modules that forward to the code's place: for users only.
+_ALPAS_PATHS = {
+    "alpa.parallel_method": None,
+    "alpa.create_state_parallel": "alpa.methods.create_state_parallel",
+    "alpa.follow_parallel": "alpa.methods.follow_parallel",
+    "alpa.parallel_plan": "alpa.record.parallel_plan",
+    "alpa.pipeline_parallel.stage_construction": "alpa.pipeline_parallel.stages.stage_construction",
+    "alpa.pipeline_parallel.layer_construction": "alpa.pipeline_parallel.layers.layer_construction",
+    "alpa.pipeline_parallel.runtime_emitter": "alpa.pipeline_parallel.scheduling.runtime_emitter",
+    "alpa.pipeline_parallel.schedules": "alpa.pipeline_parallel.scheduling.schedules",
+    "alpa.pipeline_parallel.primitive_def": "alpa.tracing.primitive_def",
+}
+
+
+def _place(module: str, package: str, order: tuple) -> tuple[int | None, str]:
+    """``module``'s place in ``package``: the rank of its sub-package in ``order`` (None for
+    a top-level module) and the name under the package."""
+    name = module[len(package) + 1 :].split(".")[0]
+    return (order.index(name) if name in order else None), name
+
+
+def _subpackage_violations(graph: dict[str, set[str]]) -> list[str]:
+    found = []
+    for package, (order, records) in _SUBPACKAGES.items():
+        for m, targets in graph.items():
+            if not _within(m, package) or m == package:
+                continue
+            rank, _ = _place(m, package, order)
+            if rank is None:
+                continue
+            for t in targets:
+                if not _within(t, package) or t == package:
+                    continue
+                t_rank, name = _place(t, package, order)
+                if (t_rank is None and name not in records) or (t_rank or 0) > rank:
+                    found.append(f"{m} imports {t}")
+    return sorted(found)
+
+
+def test_sub_packages_point_down():
+    graph = import_graph(_ALPA)
+    assert _subpackage_violations(graph) == []
+    # The controls: an arrow up between sub-packages, and one to the package's entry.
+    assert (
+        "alpa.pipeline_parallel.program.computation"
+        in graph["alpa.pipeline_parallel.stages.stage_problem"]
+    )
+    assert _subpackage_violations(
+        {
+            "alpa.pipeline_parallel.layers.x": {"alpa.pipeline_parallel.stages.y"},
+            "alpa.shard_parallel.ilp.x": {
+                "alpa.shard_parallel.auto_sharding",
+                "alpa.shard_parallel.sharding_plan",
+                "alpa.shard_parallel.strategies.y",
+            },
+        }
+    ) == [
+        "alpa.pipeline_parallel.layers.x imports alpa.pipeline_parallel.stages.y",
+        "alpa.shard_parallel.ilp.x imports alpa.shard_parallel.auto_sharding",
+    ]
+
+
+def test_alpas_paths_forward_and_nothing_in_alpa_imports_them():
+    import importlib
+
+    graph = import_graph(_ALPA)
+    users = sorted(f"{m} imports {t}" for m, ts in graph.items() for t in ts if t in _ALPAS_PATHS)
+    assert users == []
+    for path, real in _ALPAS_PATHS.items():
+        if real is None:
+            continue
+        shim, module = importlib.import_module(path), importlib.import_module(real)
+        public = [n for n in vars(module) if not n.startswith("_")]
+        assert public and all(getattr(shim, n) is getattr(module, n) for n in public), path
+
+
+def test_every_package_has_a_face():
+    """Each package's ``__init__.py`` says what it holds and names its entry point."""
+    for module, path in _modules(_ALPA).items():
+        if not path.endswith("__init__.py") or module in ("alpa", "alpa.model"):
+            continue
+        with open(path, encoding="utf-8") as f:
+            doc = ast.get_docstring(ast.parse(f.read()))
+        assert doc and "Entry point" in doc, f"{module} has no docstring naming its entry point"
 
 
 def test_architecture_md_lists_every_module():

@@ -22,10 +22,10 @@ import alpa
 from alpa.device_mesh import ClusterSpec
 from alpa.model.mlp import MLPModel
 from alpa.model.mlp import get_mlp_train_state_and_step as get_mlp_model_step
-from alpa.parallel_plan import PLAN_FORMAT, ParallelPlan
 from alpa.pipeline_parallel.pipeshard_plan import SUMMARY_FORMAT, PipeshardPlan
-from alpa.pipeline_parallel.stage_construction import AutoStageOption
+from alpa.pipeline_parallel.stages.stage_construction import AutoStageOption
 from alpa.plan_view import draw_saved_plan
+from alpa.record.parallel_plan import PLAN_FORMAT, ParallelPlan
 from alpa.saved_format import NewerFormatError
 from alpa.testing import (
     assert_allclose,
@@ -173,8 +173,9 @@ def no_search(monkeypatch):
     def searched(*args, **kwargs):
         raise AssertionError("searched during a replay")
 
-    from alpa.pipeline_parallel import pipeshard_passes, stage_search
-    from alpa.shard_parallel import ilp_solver
+    from alpa.pipeline_parallel import pipeshard_passes
+    from alpa.pipeline_parallel.stages import stage_search
+    from alpa.shard_parallel.ilp import ilp_solver
 
     monkeypatch.setattr(ilp_solver, "solve", searched)
     monkeypatch.setattr(stage_search, "training_dp", searched)

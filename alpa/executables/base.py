@@ -26,7 +26,7 @@ from typing import Any
 
 import jax
 
-from alpa.parallel_plan import ParallelPlan
+from alpa.record.parallel_plan import ParallelPlan
 from alpa.runtime.placement import PlacementSpec, leaf_placer
 from alpa.runtime.stacked_array import StackedRows
 from alpa.tracing import TracedStep, leaf_signature

@@ -30,8 +30,8 @@ from alpa.runtime.worker_program import (
     WorkerOp,
     WorkerProgram,
 )
-from alpa.shard_parallel.compile import full_batch_avals
-from alpa.shard_parallel.lowering import build_step_function
+from alpa.shard_parallel.lowering.compile import full_batch_avals
+from alpa.shard_parallel.lowering.step_function import build_step_function
 from alpa.shard_parallel.sharding_plan import ShardingPlan
 from alpa.tracing import TracedStep, leaf_signature
 

@@ -1,15 +1,16 @@
 """MeshExecutable: a step compiled by XLA for one device mesh.
 
-``compile_shard_executable`` lowers a :class:`ShardingPlan` (``shard_parallel/lowering.py``)
-with ``jax.jit`` and compiles it for the full-batch input shapes
-(``shard_parallel/compile.py``). The program takes the dynamic arguments as the user's
-pytrees, with the plan's shardings as ``in_shardings`` and the donated arguments as
-``donate_argnums``, so that a cache hit is one call of XLA's compiled program: its C++
-fast path checks the arguments, places host arrays and runs, at ``jax.jit``'s own
-dispatch cost. With micro-batches the step is a program per part, as Alpa ran it
-(``compile.MicroBatchedProgram``: prepare, accumulate, accumulate_last, apply); a cache hit
-checks and places the arguments, then calls them in turn. The executable also exposes what
-XLA compiled: its HLO, its per-device memory, and where every input and output lives.
+``compile_shard_executable`` lowers a :class:`ShardingPlan`
+(``shard_parallel/lowering/step_function.py``) with ``jax.jit`` and compiles it for the
+full-batch input shapes (``shard_parallel/lowering/compile.py``). The program takes the
+dynamic arguments as the user's pytrees, with the plan's shardings as ``in_shardings`` and
+the donated arguments as ``donate_argnums``, so that a cache hit is one call of XLA's
+compiled program: its C++ fast path checks the arguments, places host arrays and runs, at
+``jax.jit``'s own dispatch cost. With micro-batches the step is a program per part, as Alpa
+ran it (``compile.MicroBatchedProgram``: prepare, accumulate, accumulate_last, apply); a
+cache hit checks and places the arguments, then calls them in turn. The executable also
+exposes what XLA compiled: its HLO, its per-device memory, and where every input and output
+lives.
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ from alpa.global_env import global_config
 from alpa.runtime.memory import allocation_bytes, device_peak_bytes
 from alpa.runtime.placement import PlacementSpec, place_leaf
 from alpa.shard_parallel.auto_sharding import plan_objective
-from alpa.shard_parallel.compile import MicroBatchedProgram, compile_plan, full_batch_avals
-from alpa.shard_parallel.micro_batches import layout_change_cost
+from alpa.shard_parallel.gradients.micro_batches import layout_change_cost
+from alpa.shard_parallel.lowering.compile import MicroBatchedProgram, compile_plan, full_batch_avals
 from alpa.shard_parallel.sharding_plan import ShardingPlan
 from alpa.tracing import TracedStep, leaf_signature
 from alpa.util import grad_sync_channel_ids

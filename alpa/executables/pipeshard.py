@@ -29,11 +29,11 @@ from alpa.executables.base import check_dispatch_args
 from alpa.executables.pipeshard_base import PipeshardExecutable
 from alpa.executables.stage_programs import StagePrograms, hlo_order
 from alpa.global_env import global_config
-from alpa.pipeline_parallel import plan_view
-from alpa.pipeline_parallel.computation import StageComputation
 from alpa.pipeline_parallel.pipeshard_plan import PipeshardPlan
-from alpa.pipeline_parallel.stage_sharding import DATA_AXES
-from alpa.pipeline_parallel.user_shardings import input_names
+from alpa.pipeline_parallel.program.computation import StageComputation
+from alpa.pipeline_parallel.program.stage_sharding import DATA_AXES
+from alpa.pipeline_parallel.program.user_shardings import input_names
+from alpa.pipeline_parallel.scheduling import plan_view
 from alpa.runtime.instructions import (
     ConstOutput,
     Kernel,

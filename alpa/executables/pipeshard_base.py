@@ -31,9 +31,9 @@ from alpa.executables.stage_programs import input_placement_specs
 from alpa.executables.stage_trace import StageTrace
 from alpa.global_env import global_config
 from alpa.pipeline_parallel.pipeshard_plan import PipeshardPlan
-from alpa.pipeline_parallel.program_rewrites import step_arguments
+from alpa.pipeline_parallel.program.program_rewrites import step_arguments
 from alpa.runtime.placement import PlacementSpec, caller_placements
-from alpa.shard_parallel.compile import full_batch_avals
+from alpa.shard_parallel.lowering.compile import full_batch_avals
 from alpa.tracing import leaf_signature
 
 

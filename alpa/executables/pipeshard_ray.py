@@ -21,7 +21,7 @@ from alpa.executables.pipeshard_base import PipeshardExecutable
 from alpa.executables.stage_programs import StagePrograms, hlo_order
 from alpa.executables.worker_projection import project_plan
 from alpa.pipeline_parallel.pipeshard_plan import PipeshardPlan
-from alpa.pipeline_parallel.stage_sharding import DATA_AXES
+from alpa.pipeline_parallel.program.stage_sharding import DATA_AXES
 from alpa.runtime.mesh_group import PhysicalMeshGroup
 from alpa.runtime.placement import PlacementSpec, place
 from alpa.runtime.ray_launch import RayStepLauncher

@@ -20,17 +20,17 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from alpa.pipeline_parallel.computation import StageComputation
-from alpa.pipeline_parallel.deferred_sums import splits_over
 from alpa.pipeline_parallel.pipeshard_plan import PipeshardPlan
+from alpa.pipeline_parallel.program.computation import StageComputation
+from alpa.pipeline_parallel.program.deferred_sums import splits_over
 from alpa.runtime.instructions import Kernel
 from alpa.runtime.placement import PlacementSpec
-from alpa.shard_parallel.compile import full_batch_avals
-from alpa.shard_parallel.constrained_eval import eval_jaxpr_with_constraints
-from alpa.shard_parallel.data_parallel import zero_spec
-from alpa.shard_parallel.packed_collectives import gather_packed, reduce_partials
-from alpa.shard_parallel.partial_sums import partial_sum_overrides
-from alpa.shard_parallel.row_sums import deferred_rules
+from alpa.shard_parallel.gradients.packed_collectives import gather_packed, reduce_partials
+from alpa.shard_parallel.gradients.partial_sums import partial_sum_overrides
+from alpa.shard_parallel.gradients.row_sums import deferred_rules
+from alpa.shard_parallel.lowering.compile import full_batch_avals
+from alpa.shard_parallel.lowering.constrained_eval import eval_jaxpr_with_constraints
+from alpa.shard_parallel.strategies.data_parallel import zero_spec
 from alpa.tracing import new_jaxpr
 from alpa.tracing.jaxpr_util import backward_slice, is_var, nested_eqns, planned_bodies
 from alpa.tracing.primitive_def import pipeline_p
@@ -97,7 +97,7 @@ class StagePrograms:
         """The adds of two partial results in ``comp`` (its jaxpr ``sub``) that the stage's
         plan priced as one reduction of their sum (``plan.partial_sums``), as
         ``eval_jaxpr_with_constraints`` overrides: both computed on each device's blocks,
-        added, reduced once (``shard_parallel.partial_sums``). Adds whose equations
+        added, reduced once (``shard_parallel.gradients.partial_sums``). Adds whose equations
         ``skip`` already overrides (the deferred row sums) are left to those."""
         s = comp.stage
         mine = {id(e) for e in sub.eqns}

@@ -34,7 +34,7 @@ import jax
 from alpa.executables.distributed import serialize_jitted
 from alpa.executables.stage_programs import StagePrograms
 from alpa.pipeline_parallel.pipeshard_plan import PipeshardPlan
-from alpa.pipeline_parallel.stage_sharding import DATA_AXES
+from alpa.pipeline_parallel.program.stage_sharding import DATA_AXES
 from alpa.runtime.instructions import (
     ConstOutput,
     Instruction,

@@ -3,7 +3,7 @@
 Entry point: :func:`alpa.pipeline_parallel.pipeshard_passes.plan_pipeshard`, which runs
 the passes in order and returns a frozen
 :class:`~alpa.pipeline_parallel.pipeshard_plan.PipeshardPlan` without touching a device
-(``PipeshardParallel`` in ``alpa/pipeshard_method.py`` calls it). The modules, by part:
+(``PipeshardParallel`` in ``alpa/methods/pipeshard_method.py`` calls it). The modules, by part:
 
 * layers: ``layer_construction`` (the entry: ``construct_layers``), ``layer_clustering``,
   ``segments``, ``layer_scans``, ``stacked_rows``, ``remat``, ``layer_facts``;

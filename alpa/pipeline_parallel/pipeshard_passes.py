@@ -24,34 +24,23 @@ from dataclasses import dataclass
 from typing import Any
 
 from alpa.device_mesh import ClusterSpec, LogicalDeviceMesh, VirtualPhysicalMesh
-from alpa.pipeline_parallel.candidate_stages import dp_candidates, shared_mesh_candidates
-from alpa.pipeline_parallel.computation import PipelineProgram, split_computations
-from alpa.pipeline_parallel.deferred_sums import (
-    defer_gradient_sums,
-    stage_data_axes,
-    zero2_specs,
-)
-from alpa.pipeline_parallel.layer_construction import (
+from alpa.pipeline_parallel.layers.layer_construction import (
     AutoLayerOption,
     LayerAssignment,
     construct_layers,
     resolve_layer_option,
 )
+from alpa.pipeline_parallel.layers.stacked_rows import RowSplit, split_stacked_rows
 from alpa.pipeline_parallel.pipeshard_plan import PipeshardDecisions, PipeshardPlan, layout_of
-from alpa.pipeline_parallel.program_rewrites import draw_rows_of_full_batch, rematerialize
-from alpa.pipeline_parallel.propagated_stages import propagates
-from alpa.pipeline_parallel.runtime_emitter import emit_instructions
-from alpa.pipeline_parallel.schedule_choice import choose, price_schedules
-from alpa.pipeline_parallel.schedules import AUTO, SPLIT_BACKWARD_SCHEDULES, make_schedule
-from alpa.pipeline_parallel.stacked_rows import RowSplit, split_stacked_rows
-from alpa.pipeline_parallel.stage_construction import (
-    AutoStageOption,
-    StageContext,
-    StagePlan,
-    resolve_stage_option,
+from alpa.pipeline_parallel.program.computation import PipelineProgram, split_computations
+from alpa.pipeline_parallel.program.deferred_sums import (
+    defer_gradient_sums,
+    stage_data_axes,
+    zero2_specs,
 )
-from alpa.pipeline_parallel.stage_search import plan_stages
-from alpa.pipeline_parallel.stage_sharding import (
+from alpa.pipeline_parallel.program.program_rewrites import draw_rows_of_full_batch, rematerialize
+from alpa.pipeline_parallel.program.propagated_stages import propagates
+from alpa.pipeline_parallel.program.stage_sharding import (
     DATA_AXES,
     InnerSpecs,
     plan_stage_shardings,
@@ -60,8 +49,23 @@ from alpa.pipeline_parallel.stage_sharding import (
     uses_ilp,
     value_spec,
 )
-from alpa.pipeline_parallel.user_shardings import pinned_specs
-from alpa.pipeline_parallel.weight_split import split_weight_gradients
+from alpa.pipeline_parallel.program.user_shardings import pinned_specs
+from alpa.pipeline_parallel.program.weight_split import split_weight_gradients
+from alpa.pipeline_parallel.scheduling.runtime_emitter import emit_instructions
+from alpa.pipeline_parallel.scheduling.schedule_choice import choose, price_schedules
+from alpa.pipeline_parallel.scheduling.schedules import (
+    AUTO,
+    SPLIT_BACKWARD_SCHEDULES,
+    make_schedule,
+)
+from alpa.pipeline_parallel.stages.candidate_stages import dp_candidates, shared_mesh_candidates
+from alpa.pipeline_parallel.stages.stage_construction import (
+    AutoStageOption,
+    StageContext,
+    StagePlan,
+    resolve_stage_option,
+)
+from alpa.pipeline_parallel.stages.stage_search import plan_stages
 from alpa.runtime.instructions import Op, PipelineInstructions
 from alpa.runtime.resharding import worker_transfer_plan
 from alpa.runtime.worker_program import TransferPlan

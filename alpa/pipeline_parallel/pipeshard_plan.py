@@ -26,28 +26,32 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from alpa.device_mesh import ClusterSpec, LogicalDeviceMesh
-from alpa.pipeline_parallel import plan_view
-from alpa.pipeline_parallel.computation import (
-    PipelineProgram,
-)
-from alpa.pipeline_parallel.layer_construction import (
+from alpa.pipeline_parallel.layers.layer_construction import (
     LayerAssignment,
 )
-from alpa.pipeline_parallel.layer_facts import per_device_bytes
-from alpa.pipeline_parallel.schedule_choice import (
+from alpa.pipeline_parallel.program.computation import (
+    PipelineProgram,
+)
+from alpa.pipeline_parallel.program.stage_sharding import DATA_AXES
+from alpa.pipeline_parallel.program.user_shardings import stage_inputs
+from alpa.pipeline_parallel.scheduling import plan_view
+from alpa.pipeline_parallel.scheduling.schedule_choice import (
     choose,
     held_memory,
     makespan,
     without_activations,
 )
-from alpa.pipeline_parallel.schedule_record import PipelineSchedule
-from alpa.pipeline_parallel.stage_construction import ManualStageOption, StageContext, StagePlan
-from alpa.pipeline_parallel.stage_cost import StagePlanCost, predict_stage_plan
-from alpa.pipeline_parallel.stage_problem import LogicalConfig
-from alpa.pipeline_parallel.stage_search import layer_problem
-from alpa.pipeline_parallel.stage_sharding import DATA_AXES
-from alpa.pipeline_parallel.stage_work import StepBound, step_bound
-from alpa.pipeline_parallel.user_shardings import stage_inputs
+from alpa.pipeline_parallel.scheduling.schedule_record import PipelineSchedule
+from alpa.pipeline_parallel.stages.layer_facts import per_device_bytes
+from alpa.pipeline_parallel.stages.stage_construction import (
+    ManualStageOption,
+    StageContext,
+    StagePlan,
+)
+from alpa.pipeline_parallel.stages.stage_cost import StagePlanCost, predict_stage_plan
+from alpa.pipeline_parallel.stages.stage_problem import LogicalConfig
+from alpa.pipeline_parallel.stages.stage_search import layer_problem
+from alpa.pipeline_parallel.stages.stage_work import StepBound, step_bound
 from alpa.runtime.instructions import Op, PipelineInstructions
 from alpa.runtime.worker_program import Layout, TransferPlan
 from alpa.saved_format import FORMAT_KEY, read_format

@@ -1,5 +1,5 @@
 """The instruction set of a pipelined step: what the emitter
-(``pipeline_parallel/runtime_emitter.py``) writes and both runtimes (``local_runtime``,
+(``pipeline_parallel/scheduling/runtime_emitter.py``) writes and both runtimes (``local_runtime``,
 the Ray executable's workers) run. Data only; the opcodes are described in the
 emitter's module docstring.
 

@@ -4,8 +4,8 @@ Entry points: :func:`alpa.shard_parallel.auto_sharding.plan_auto_sharding` (a
 :class:`~alpa.tracing.StepJaxpr` and a ``LogicalDeviceMesh`` to a
 :class:`~alpa.shard_parallel.sharding_plan.ShardingPlan`, by the ILP, or the fixed plans
 of data parallelism and ZeRO its options ask for) and
-:func:`alpa.shard_parallel.compile.compile_plan` (a plan lowered and compiled by XLA).
-``ShardParallel`` and the data-parallel methods (``alpa/shard_method.py``) call both; each
+:func:`alpa.shard_parallel.lowering.compile.compile_plan` (a plan lowered and compiled by XLA).
+``ShardParallel`` and the data-parallel methods (``alpa/methods/shard_method.py``) call both; each
 pipeline stage is planned by the first (``pipeline_parallel.stage_sharding``). The
 modules, by part:
 

@@ -27,17 +27,17 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from alpa.device_mesh import STAGE_AXIS_NAME, LogicalDeviceMesh
 from alpa.global_env import global_config
-from alpa.shard_parallel import ilp_solver
 from alpa.shard_parallel.auto_sharding_option import (  # noqa: F401  (Alpa's import path)
     AutoShardingOption,
     snapshot_for_compile,
 )
-from alpa.shard_parallel.auto_sharding_solution import AutoShardingSolution
-from alpa.shard_parallel.gradient_scatter import scattered_in_alpas_order
-from alpa.shard_parallel.gradient_sync import data_parallel_in_specs, written_sync
-from alpa.shard_parallel.memory_model import solve_within_budget
+from alpa.shard_parallel.gradients.gradient_scatter import scattered_in_alpas_order
+from alpa.shard_parallel.gradients.gradient_sync import data_parallel_in_specs, written_sync
+from alpa.shard_parallel.ilp import ilp_solver
+from alpa.shard_parallel.ilp.auto_sharding_solution import AutoShardingSolution
+from alpa.shard_parallel.ilp.memory_model import solve_within_budget
 from alpa.shard_parallel.sharding_plan import ShardingPlan
-from alpa.shard_parallel.sharding_spec import (
+from alpa.shard_parallel.strategies.sharding_spec import (
     Spec,
     from_partition_spec,
     mesh_axes,
@@ -46,8 +46,8 @@ from alpa.shard_parallel.sharding_spec import (
     replicated,
     user_partition_spec,
 )
-from alpa.shard_parallel.strategy_graph import build_strategy_graph
-from alpa.shard_parallel.strategy_graph_record import GraphOptions
+from alpa.shard_parallel.strategies.strategy_graph import build_strategy_graph
+from alpa.shard_parallel.strategies.strategy_graph_record import GraphOptions
 from alpa.tracing import StepJaxpr
 
 # ----------------------------------------------------------------------------- planning
@@ -83,7 +83,7 @@ def plan_auto_sharding(
     one group of axes).
     """
     if option.force_data_parallel or option.force_zero_stage_3:
-        from alpa.shard_parallel.data_parallel import data_parallel_plan
+        from alpa.shard_parallel.strategies.data_parallel import data_parallel_plan
 
         stage = 3 if option.force_zero_stage_3 else 2 if option.prefer_reduce_scatter else 0
         return data_parallel_plan(
@@ -257,8 +257,8 @@ def _forced_batch_dims(step: StepJaxpr, logical_mesh, option) -> Mapping | None:
     axis = None if option is None else option.force_batch_dim_to_mesh_dim
     if axis is None:
         return None
-    from alpa.shard_parallel.data_parallel import batch_rows
-    from alpa.shard_parallel.micro_batches import batch_dims, leaves_with_rows
+    from alpa.shard_parallel.gradients.micro_batches import batch_dims, leaves_with_rows
+    from alpa.shard_parallel.strategies.data_parallel import batch_rows
     from alpa.tracing.batch_dims import static_batch_dims
 
     # Batch dimensions are those that shrink ``size`` times at ``1/size`` of the batch; on

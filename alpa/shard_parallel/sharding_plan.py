@@ -1,8 +1,8 @@
 """ShardingPlan: where the values of one traced step live on one logical mesh.
 
 Every way of sharding a step (data parallel, ZeRO, manual PartitionSpecs, the ILP) ends in a
-``ShardingPlan``; one lowering (``alpa.shard_parallel.lowering``) turns any plan into a
-compiled XLA program. A plan names a ``PartitionSpec`` over the mesh axes
+``ShardingPlan``; one lowering (``alpa.shard_parallel.lowering.step_function``) turns any plan
+into a compiled XLA program. A plan names a ``PartitionSpec`` over the mesh axes
 (``logical_mesh.axis_names``) for every input and output of the jaxpr, and for the
 intermediate values it pins; everything else is left to XLA's sharding propagation.
 """

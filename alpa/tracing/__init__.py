@@ -1,4 +1,11 @@
-"""Tracing pass: user function -> flat ClosedJaxpr (see ``trace.py``)."""
+"""Tracing pass: a user's step function to one flat jaxpr.
+
+Entry point: :func:`alpa.tracing.trace.trace_step` (the function and its arguments to a
+:class:`~alpa.tracing.trace.TracedStep`, a :class:`~alpa.tracing.trace.StepJaxpr` with the
+user's pytrees). The modules: ``trace``, ``jaxpr_util``, ``batch_dims`` and
+``batch_draws`` (which values follow the batch), ``flops``, ``primitive_def`` (the pipeline
+marker). Imports no planner, runtime, executable, record or method.
+"""
 
 from alpa.tracing.jaxpr_util import grad_marker_index, is_grad_marker, is_var, nbytes
 from alpa.tracing.trace import (

@@ -29,8 +29,8 @@ The passes:
   rows. The caller feeds ``arange(batch_size)`` as a batch input, split into micro-batches
   (and across devices) exactly like the batch, so the rows follow whatever order the
   micro-batches take. The one-mesh lowering feeds it to its micro-batch loop
-  (``shard_parallel/lowering.py``); a pipeline rewrites the stage computations that draw
-  with :func:`row_id_rewriter` and ``LOAD`` s the row ids like a batch argument
+  (``shard_parallel/lowering/step_function.py``); a pipeline rewrites the stage computations
+  that draw with :func:`row_id_rewriter` and ``LOAD`` s the row ids like a batch argument
   (``program_rewrites.draw_rows_of_full_batch``).
 
 Draws that the fast path does not cover (another PRNG implementation, partitionable

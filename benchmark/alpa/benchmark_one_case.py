@@ -57,7 +57,7 @@ from alpa.model.wide_resnet import (
     WResNetConfig,
     get_wresnet_train_state_and_step,
 )
-from alpa.pipeline_parallel.stage_construction import AutoStageOption, submesh_shape
+from alpa.pipeline_parallel.stages.stage_construction import AutoStageOption, submesh_shape
 from alpa.tracing.flops import jaxpr_flops
 from alpa.util import benchmark_func, compute_gpt_tflops, compute_param_number
 

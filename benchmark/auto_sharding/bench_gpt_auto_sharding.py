@@ -41,14 +41,14 @@ import jax  # noqa: E402
 
 from alpa.device_mesh import LogicalDeviceMesh  # noqa: E402
 from alpa.model.gpt import GPT_PRESETS, get_gpt_train_state_and_step  # noqa: E402
-from alpa.shard_parallel import ilp_solver  # noqa: E402
-from alpa.shard_parallel import strategy_graph as sg  # noqa: E402
 from alpa.shard_parallel.auto_sharding import (  # noqa: E402
     AutoShardingOption,
     donated_state_pairs,
     solve_jaxpr,
 )
-from alpa.shard_parallel.sharding_spec import Spec  # noqa: E402
+from alpa.shard_parallel.ilp import ilp_solver  # noqa: E402
+from alpa.shard_parallel.strategies import strategy_graph as sg  # noqa: E402
+from alpa.shard_parallel.strategies.sharding_spec import Spec  # noqa: E402
 from alpa.tracing.trace import trace_step  # noqa: E402
 
 

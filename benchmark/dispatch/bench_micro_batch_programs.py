@@ -1,7 +1,7 @@
 """Step time of gradient accumulation as a program per part against one program.
 
 Since 2026-11-27 a one-mesh step with ``num_micro_batches=k`` runs as Alpa ran it: a
-program per part (``shard_parallel/compile.py``'s ``MicroBatchedProgram``: prepare, a loop
+program per part (``shard_parallel/lowering/compile.py``'s ``MicroBatchedProgram``: prepare, a loop
 over micro-batches ``0 .. k-2``, accumulate_last, apply), 4 dispatches a step (3 with one
 micro-batch). Before, it was one program
 with a ``lax.scan`` over the micro-batches (still what Ray's one-mesh executable runs,
@@ -35,8 +35,8 @@ import jax  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 
 import alpa  # noqa: E402
-from alpa.shard_parallel.compile import donated_argnums, full_batch_avals  # noqa: E402
-from alpa.shard_parallel.lowering import build_step_function  # noqa: E402
+from alpa.shard_parallel.lowering.compile import donated_argnums, full_batch_avals  # noqa: E402
+from alpa.shard_parallel.lowering.step_function import build_step_function  # noqa: E402
 from alpa.testing import assert_allclose, get_mlp_train_state_and_step  # noqa: E402
 
 # (batch, hidden, layers) of each size, as benchmark/dispatch/bench_dispatch.py names them.

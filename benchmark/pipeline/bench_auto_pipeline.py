@@ -56,8 +56,9 @@ import jax.numpy as jnp
 import alpa
 from alpa.device_mesh import ClusterSpec
 from alpa.model.gpt import GPT_PRESETS, get_gpt_train_state_and_step
-from alpa.pipeline_parallel import layer_construction, segments, stage_construction
-from alpa.pipeline_parallel.stage_cost import AnalyticStageCost
+from alpa.pipeline_parallel.layers import layer_construction, segments
+from alpa.pipeline_parallel.stages import stage_construction
+from alpa.pipeline_parallel.stages.stage_cost import AnalyticStageCost
 from alpa.util import compute_gpt_tflops
 
 # (model, GPUs): Alpa's weak-scaling pairs, and GPT-39B on 64 GPUs as in its paper.

@@ -25,7 +25,8 @@ import alpa
 from alpa.device_mesh import ClusterSpec
 from alpa.global_env import global_config
 from alpa.model.gpt import GPT_PRESETS, get_gpt_train_state_and_step
-from alpa.shard_parallel import auto_sharding, ilp_solver, milp
+from alpa.shard_parallel import auto_sharding
+from alpa.shard_parallel.ilp import ilp_solver, milp
 
 LAYER_NUM = {"1.3B": 6, "2.6B": 8, "6.7B": 8, "15B": 16, "39B": 16}
 

@@ -45,7 +45,7 @@ import jax.numpy as jnp
 
 import alpa
 from alpa.model.gpt import GPT_PRESETS, GPTConfig, get_gpt_train_state_and_step
-from alpa.pipeline_parallel.stage_construction import ManualStageOption
+from alpa.pipeline_parallel.stages.stage_construction import ManualStageOption
 from alpa.runtime.memory import device_peak_bytes
 
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -22,7 +22,7 @@ from alpa.executables.worker_projection import (
     project_plan,
 )
 from alpa.model.mlp import MLPModel, get_mlp_train_state_and_step
-from alpa.pipeline_parallel.stage_sharding import DATA_AXES
+from alpa.pipeline_parallel.program.stage_sharding import DATA_AXES
 from alpa.runtime.instructions import Op
 from alpa.runtime.worker_program import WorkerOp
 

@@ -13,8 +13,8 @@ from jax.extend.core import Literal
 import alpa
 from alpa.model.mlp import MLPModel, get_mlp_train_state_and_step
 from alpa.parallel_method import PipeshardParallel, ShardParallel
-from alpa.pipeline_parallel.layer_clustering import cluster_layers, layer_input_bytes
-from alpa.pipeline_parallel.layer_construction import (
+from alpa.pipeline_parallel.layers.layer_clustering import cluster_layers, layer_input_bytes
+from alpa.pipeline_parallel.layers.layer_construction import (
     AutoLayerOption,
     construct_layers,
     layer_option_context,

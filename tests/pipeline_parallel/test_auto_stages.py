@@ -20,16 +20,16 @@ import alpa
 from alpa.device_mesh import ClusterSpec
 from alpa.model.gpt import GPTConfig, get_gpt_train_state_and_step
 from alpa.model.mlp import MLPModel, get_mlp_train_state_and_step
-from alpa.pipeline_parallel.layer_facts import compute_layer_facts
-from alpa.pipeline_parallel.measured_stage_cost import MeasuredStageCost
-from alpa.pipeline_parallel.stage_construction import (
+from alpa.pipeline_parallel.stages.layer_facts import compute_layer_facts
+from alpa.pipeline_parallel.stages.measured_stage_cost import MeasuredStageCost
+from alpa.pipeline_parallel.stages.stage_construction import (
     AutoStageOption,
     get_last_dp_result,
     place_submeshes,
 )
-from alpa.pipeline_parallel.stage_cost import AnalyticStageCost
-from alpa.pipeline_parallel.stage_imbalance import imbalance_mask
-from alpa.pipeline_parallel.stage_problem import StageCosts
+from alpa.pipeline_parallel.stages.stage_cost import AnalyticStageCost
+from alpa.pipeline_parallel.stages.stage_imbalance import imbalance_mask
+from alpa.pipeline_parallel.stages.stage_problem import StageCosts
 from alpa.testing import assert_allclose
 from alpa.tracing.flops import jaxpr_flops
 
@@ -114,8 +114,8 @@ def test_mlp_measured_cost_model_matches_serial_and_caches(tmp_path):
     step = alpa.parallelize(make_train_step(alpa.value_and_grad), method=method)
     traced_plan = step.plan(state, batch)
     model = MeasuredStageCost(cache_file=str(cache))
-    from alpa.pipeline_parallel.stage_construction import StageContext
-    from alpa.pipeline_parallel.stage_search import stage_problem
+    from alpa.pipeline_parallel.stages.stage_construction import StageContext
+    from alpa.pipeline_parallel.stages.stage_search import stage_problem
 
     context = StageContext(
         2,
@@ -222,7 +222,7 @@ def test_identical_layers_are_planned_by_one_ilp(monkeypatch):
     their markers' names, so the analytic model solves one ILP per configuration for them
     together, on layer 1's step; layers 0 (reads the batch, sends no cotangent back) and 5
     (the loss) get their own."""
-    from alpa.pipeline_parallel import stage_cost
+    from alpa.pipeline_parallel.stages import stage_cost
 
     solved = []
     original = stage_cost.solve_auto_sharding
@@ -311,7 +311,7 @@ def test_identical_stages_share_their_ilps(monkeypatch):
     equations (a block, its backward and Adam's apply levels), so each ILP of the two is
     solved once and the other stage takes its plan position by position; the plan is the one each
     stage solving its own ILPs gives, JSON for JSON."""
-    from alpa.pipeline_parallel import stage_sharding
+    from alpa.pipeline_parallel.program import stage_sharding
 
     state, batch, step = _gpt_4_blocks()
     solved = []
@@ -760,7 +760,7 @@ def test_stage_construction_is_timed_under_alpas_names(monkeypatch):
     here from inside), and the whole covers the parts."""
     import time
 
-    from alpa.pipeline_parallel import stage_search
+    from alpa.pipeline_parallel.stages import stage_search
 
     inside = {"compilation": 0.0, "profiling": 0.0, "dp": 0.0}
 
@@ -796,7 +796,7 @@ def test_stage_construction_is_timed_under_alpas_names(monkeypatch):
 def test_a_configuration_is_the_same_whatever_the_order_of_its_options():
     """The search's configuration and ``plan.price_stages``' (built from the option's
     fields) are one: one column of the tables, one ILP per layer."""
-    from alpa.pipeline_parallel.stage_problem import LogicalConfig
+    from alpa.pipeline_parallel.stages.stage_problem import LogicalConfig
 
     forced = (("force_batch_dim_to_mesh_dim", 0), ("allow_replicated_parameters", False))
     one, other = LogicalConfig((2, 2), forced), LogicalConfig((2, 2), forced[::-1])

@@ -32,7 +32,7 @@ import pytest
 from conftest import devices_or_skip
 
 import alpa
-from alpa.pipeline_parallel.stage_construction import ManualStageOption
+from alpa.pipeline_parallel.stages.stage_construction import ManualStageOption
 from alpa.util import collective_bytes
 
 

@@ -19,7 +19,7 @@ import pytest
 from conftest import devices_or_skip
 
 import alpa
-from alpa.pipeline_parallel.stage_construction import ManualStageOption
+from alpa.pipeline_parallel.stages.stage_construction import ManualStageOption
 from alpa.util import replica_groups
 
 _COLLECTIVE = re.compile(r"= .*? (all-reduce|all-gather|reduce-scatter)(?:-start)?\(")
@@ -129,7 +129,7 @@ def test_a_gradient_split_over_the_data_axis_is_reduced_per_micro_batch_into_its
     bytes the apply-grad all-reduces. Numerics equal the serial step."""
     devices_or_skip(8)
     from alpa.model.mlp import MLPModel, get_mlp_train_state_and_step
-    from alpa.pipeline_parallel.layer_facts import per_device_bytes
+    from alpa.pipeline_parallel.stages.layer_facts import per_device_bytes
     from alpa.runtime.instructions import Op
     from alpa.util import collective_bytes
 

@@ -5,7 +5,7 @@ import itertools
 import numpy as np
 import pytest
 
-from alpa.pipeline_parallel.layer_clustering import cluster_layers, layer_input_bytes
+from alpa.pipeline_parallel.layers.layer_clustering import cluster_layers, layer_input_bytes
 
 
 def random_graph(rng):

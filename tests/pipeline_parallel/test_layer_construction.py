@@ -9,7 +9,7 @@ from conftest import devices_or_skip
 
 import alpa
 from alpa.parallel_method import PipeshardParallel
-from alpa.pipeline_parallel.layer_construction import manual_layers
+from alpa.pipeline_parallel.layers.layer_construction import manual_layers
 from alpa.tracing.primitive_def import pipeline_p
 
 
@@ -166,7 +166,7 @@ def test_boundary_outside_the_differentiated_function():
 def test_alpas_layer_decorators_mark_layers_for_plain_jax_grad():
     # Alpa's programs decorate the loss and differentiate it with jax.grad: the decorator
     # does what alpa.grad does, with its own option.
-    from alpa.pipeline_parallel.layer_construction import (
+    from alpa.pipeline_parallel.layers.layer_construction import (
         automatic_layer_construction,
         manual_layer_construction,
     )

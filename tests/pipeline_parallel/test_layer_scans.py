@@ -17,8 +17,8 @@ import pytest
 from jax import lax
 
 import alpa
-from alpa.pipeline_parallel.layer_scans import cut_keeping_scans
-from alpa.pipeline_parallel.segments import is_boundary
+from alpa.pipeline_parallel.layers.layer_scans import cut_keeping_scans
+from alpa.pipeline_parallel.layers.segments import is_boundary
 from alpa.tracing.jaxpr_util import eval_eqns, read
 
 L = 6

@@ -16,7 +16,7 @@ from jax.extend.core import Literal
 
 import alpa
 from alpa.parallel_method import PipeshardParallel
-from alpa.pipeline_parallel.stage_construction import ManualStageOption, UniformStageOption
+from alpa.pipeline_parallel.stages.stage_construction import ManualStageOption, UniformStageOption
 from alpa.runtime.instructions import Op
 from alpa.testing import entry_shapes
 
@@ -509,7 +509,7 @@ def test_default_auto_sharding_option_force_data_parallel_applies_to_every_stage
 
 
 def test_remat_layer_matches_serial_and_keeps_fewer_activations():
-    from alpa.pipeline_parallel.layer_construction import ManualLayerOption
+    from alpa.pipeline_parallel.layers.layer_construction import ManualLayerOption
 
     devices = devices_or_skip(4)
     params, batch = _mlp(4, hidden=32)

@@ -231,7 +231,7 @@ def test_equations_key_sees_structure_literals_and_types_not_names():
     import jax
     import jax.numpy as jnp
 
-    from alpa.pipeline_parallel.stage_sharding import equations_key
+    from alpa.pipeline_parallel.program.stage_sharding import equations_key
     from alpa.tracing.primitive_def import mark_pipeline_jaxpreqn
 
     def layer(name, scale):
@@ -261,7 +261,7 @@ def test_every_value_a_stage_reads_or_writes_has_one_spec_filled_once(data_paral
     an error, not a guess."""
     from jax.sharding import PartitionSpec
 
-    from alpa.pipeline_parallel.stage_sharding import DATA_AXES
+    from alpa.pipeline_parallel.program.stage_sharding import DATA_AXES
 
     option = alpa.AutoShardingOption(force_data_parallel=True) if data_parallel else None
     plan = _plan(2, 4, option=option)
@@ -299,7 +299,7 @@ def plan_var(plan, name):
 def test_a_stage_is_planned_as_a_step_jaxpr_without_a_call_structure():
     """The intra-op planner takes the stage's computations as a ``StepJaxpr`` (a flat
     jaxpr and each input's role), not a stand-in user step with made-up pytrees."""
-    from alpa.pipeline_parallel.stage_sharding import merged_step
+    from alpa.pipeline_parallel.program.stage_sharding import merged_step
     from alpa.shard_parallel.auto_sharding import AutoShardingOption, plan_auto_sharding
     from alpa.tracing import StepJaxpr, TracedStep
 

@@ -10,10 +10,10 @@ import pytest
 import alpa
 from alpa.device_mesh import ClusterSpec
 from alpa.model.mlp import MLPModel, get_mlp_train_state_and_step
-from alpa.parallel_plan import ParallelPlan
-from alpa.pipeline_parallel.plan_view import APPLY_WIDTH, timeline
-from alpa.pipeline_parallel.schedules import make_schedule
+from alpa.pipeline_parallel.scheduling.plan_view import APPLY_WIDTH, timeline
+from alpa.pipeline_parallel.scheduling.schedules import make_schedule
 from alpa.plan_view import draw_saved_plan
+from alpa.record.parallel_plan import ParallelPlan
 
 matplotlib = pytest.importorskip("matplotlib")
 

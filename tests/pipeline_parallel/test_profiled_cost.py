@@ -20,20 +20,20 @@ from test_cost_profile import DOT_RATE, make_profile
 
 import alpa
 from alpa.device_mesh import ClusterSpec, LogicalDeviceMesh, VirtualPhysicalMesh
-from alpa.pipeline_parallel.schedule_choice import makespan
-from alpa.pipeline_parallel.schedules import make_schedule
-from alpa.pipeline_parallel.stage_construction import AutoStageOption
-from alpa.pipeline_parallel.stage_cost import AnalyticStageCost
-from alpa.pipeline_parallel.stage_search import stages_for_schedule
-from alpa.pipeline_parallel.stage_work import (
+from alpa.pipeline_parallel.scheduling.schedule_choice import makespan
+from alpa.pipeline_parallel.scheduling.schedules import make_schedule
+from alpa.pipeline_parallel.stages.stage_construction import AutoStageOption
+from alpa.pipeline_parallel.stages.stage_cost import AnalyticStageCost
+from alpa.pipeline_parallel.stages.stage_search import stages_for_schedule
+from alpa.pipeline_parallel.stages.stage_work import (
     estimated_instructions,
     host_bound,
     instructions_per_micro_batch,
     shared_makespan,
 )
-from alpa.shard_parallel.strategy_costs import local_dot_dims
-from alpa.shard_parallel.strategy_graph import build_strategy_graph
-from alpa.shard_parallel.strategy_graph_record import GraphOptions
+from alpa.shard_parallel.strategies.strategy_costs import local_dot_dims
+from alpa.shard_parallel.strategies.strategy_graph import build_strategy_graph
+from alpa.shard_parallel.strategies.strategy_graph_record import GraphOptions
 
 PROFILED = ClusterSpec.preset("cpu", 1, 8).with_profile(make_profile())
 

@@ -6,7 +6,7 @@ import pytest
 
 import alpa
 from alpa.device_mesh import ClusterSpec
-from alpa.pipeline_parallel.schedule_choice import CANDIDATES, choose, price_schedules
+from alpa.pipeline_parallel.scheduling.schedule_choice import CANDIDATES, choose, price_schedules
 
 S, M, T = 4, 8, 3.0  # stages, micro-batches, seconds per micro-batch on every stage
 
@@ -134,7 +134,7 @@ def test_balanced_cuts_are_the_exhaustive_optimum():
     contiguous, non-empty and cover the layers in order."""
     import itertools
 
-    from alpa.pipeline_parallel.candidate_stages import balanced_cuts
+    from alpa.pipeline_parallel.stages.candidate_stages import balanced_cuts
 
     flops = [5.0, 1.0, 3.0, 8.0, 2.0, 2.0, 6.0]
     for L in range(1, len(flops) + 1):
@@ -154,7 +154,7 @@ def test_shared_mesh_schedules_that_do_not_apply_are_reported_not_chosen():
     """Interleaved 1F1B needs M a multiple of the meshes, DualPipeV M >= 2 p: a candidate
     that cannot run says why in its line, and is never chosen, even when nothing fits (its
     memory is unknown, not zero)."""
-    from alpa.pipeline_parallel.candidate_stages import _not_applicable, _refusal
+    from alpa.pipeline_parallel.stages.candidate_stages import _not_applicable, _refusal
 
     assert _refusal("interleaved-1f1b", 2, 6) == _refusal("dualpipev", 2, 6) == ""
     assert _refusal("interleaved-1f1b", 2, 3) == "3 micro-batches are not a multiple of 2 meshes"
@@ -194,7 +194,7 @@ def test_the_stage_dp_prices_each_schedule():
     "auto" lists both; a plan made with pipeline_schedule="gpipe" takes the GPipe stages
     and its cost holds 32 micro-batches in flight within the budget. "auto" takes the
     fastest that fits (ZB-H1 here, replayed on the 1F1B stages), and predicts its time."""
-    from alpa.pipeline_parallel.stage_search import stages_for_schedule
+    from alpa.pipeline_parallel.stages.stage_search import stages_for_schedule
 
     auto = _dp_gpt_plan("auto")
     gpipe = [c for c in auto.schedule_candidates if c.name == "gpipe"]

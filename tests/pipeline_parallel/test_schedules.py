@@ -4,9 +4,9 @@ import itertools
 
 import pytest
 
-from alpa.pipeline_parallel.plan_view import timeline
-from alpa.pipeline_parallel.schedule_record import Task
-from alpa.pipeline_parallel.schedules import (
+from alpa.pipeline_parallel.scheduling.plan_view import timeline
+from alpa.pipeline_parallel.scheduling.schedule_record import Task
+from alpa.pipeline_parallel.scheduling.schedules import (
     make_schedule,
     schedules,
     task_dependencies,
@@ -218,7 +218,7 @@ def test_registry_and_bad_names():
 
 
 def test_alpas_schedule_classes_read_the_same_schedules():
-    from alpa.pipeline_parallel.schedules import (
+    from alpa.pipeline_parallel.scheduling.schedules import (
         GpipeSchedule,
         PipeDreamFlush,
         gen_linear_pipeline_dependency,

@@ -24,10 +24,10 @@ from test_auto_stages import make_train_step, mlp_state
 
 import alpa
 from alpa.device_mesh import ClusterSpec
-from alpa.pipeline_parallel import stage_cost
-from alpa.pipeline_parallel.layer_facts import recomputed_bytes, temporary_bytes
-from alpa.pipeline_parallel.stage_construction import AutoStageOption
-from alpa.pipeline_parallel.stage_cost import AnalyticStageCost
+from alpa.pipeline_parallel.stages import stage_cost
+from alpa.pipeline_parallel.stages.layer_facts import recomputed_bytes, temporary_bytes
+from alpa.pipeline_parallel.stages.stage_construction import AutoStageOption
+from alpa.pipeline_parallel.stages.stage_cost import AnalyticStageCost
 
 BANDWIDTH = 1e9
 RATE = 1e13

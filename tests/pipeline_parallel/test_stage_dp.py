@@ -6,7 +6,7 @@ import itertools
 import numpy as np
 import pytest
 
-from alpa.pipeline_parallel.stage_construction import get_submesh_choices, training_dp
+from alpa.pipeline_parallel.stages.stage_construction import get_submesh_choices, training_dp
 
 CLUSTERS = [(1, 1), (1, 2), (1, 4), (2, 2), (2, 4)]
 

@@ -37,11 +37,11 @@ from conftest import devices_or_skip
 from jax.extend.core import Literal
 
 import alpa
-from alpa.pipeline_parallel.stage_construction import ManualStageOption
-from alpa.pipeline_parallel.stage_sharding import merged_step
-from alpa.shard_parallel import ilp_solver
+from alpa.pipeline_parallel.program.stage_sharding import merged_step
+from alpa.pipeline_parallel.stages.stage_construction import ManualStageOption
 from alpa.shard_parallel.auto_sharding import solve_auto_sharding
-from alpa.shard_parallel.sharding_spec import resharding_collectives
+from alpa.shard_parallel.ilp import ilp_solver
+from alpa.shard_parallel.strategies.sharding_spec import resharding_collectives
 from alpa.testing import assert_allclose, program_text
 from alpa.tracing.jaxpr_util import nested_eqns, planned_bodies
 from alpa.util import collective_shapes

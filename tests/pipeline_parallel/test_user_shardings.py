@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 import alpa
 from alpa.device_mesh import ClusterSpec
 from alpa.parallel_method import PipeshardParallel
-from alpa.pipeline_parallel.user_shardings import stage_inputs
+from alpa.pipeline_parallel.program.user_shardings import stage_inputs
 from alpa.testing import entry_shapes
 from alpa.util import count_communication_primitives
 

@@ -22,11 +22,11 @@ from jax.sharding import PartitionSpec as P
 import alpa
 from alpa.model.gpt import GPTConfig, get_gpt_train_state_and_step
 from alpa.model.moe import MoEConfig, get_moe_train_state_and_step
-from alpa.shard_parallel import ilp_solver
 from alpa.shard_parallel.auto_sharding import AutoShardingOption, solve_auto_sharding
-from alpa.shard_parallel.ilp_solver import InfeasibleMemoryBudgetError
-from alpa.shard_parallel.sharding_spec import Spec, axis_dim, used_axes
-from alpa.shard_parallel.strategy_costs import sums_partials
+from alpa.shard_parallel.ilp import ilp_solver
+from alpa.shard_parallel.ilp.ilp_solver import InfeasibleMemoryBudgetError
+from alpa.shard_parallel.strategies.sharding_spec import Spec, axis_dim, used_axes
+from alpa.shard_parallel.strategies.strategy_costs import sums_partials
 from alpa.testing import assert_allclose, get_mlp_train_state_and_step, unit_cost_mesh
 from alpa.testing import run_auto_sharded as _compile
 from alpa.util import collective_shapes, count_communication_primitives
@@ -701,7 +701,7 @@ def _batch_dims_where(executable, test, num_data: int, **option) -> list[str]:
     """Labels of the plan's values whose one batch dimension (found at ``num_data``
     devices) has mesh axes ``axes`` for which ``test(axes)`` holds, as the ILP solved
     with ``option`` places them."""
-    from alpa.shard_parallel.micro_batches import batch_dims
+    from alpa.shard_parallel.gradients.micro_batches import batch_dims
 
     mesh = executable.plan.logical_mesh
     solution = solve_auto_sharding(executable.traced, mesh, AutoShardingOption(**option))

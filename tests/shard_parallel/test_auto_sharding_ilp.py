@@ -29,7 +29,7 @@ from jax.sharding import PartitionSpec as P
 
 from alpa.device_mesh import LogicalDeviceMesh
 from alpa.shard_parallel.auto_sharding import AutoShardingOption, solve_jaxpr
-from alpa.shard_parallel.ilp_solver import (
+from alpa.shard_parallel.ilp.ilp_solver import (
     InfeasibleMemoryBudgetError,
     peak_memory,
     smallest_peak_memory,
@@ -312,7 +312,7 @@ def test_bad_options(kwargs, message):
 
 
 def test_resharding_costs_follow_the_mesh_cost_functions():
-    from alpa.shard_parallel.sharding_spec import resharding_cost
+    from alpa.shard_parallel.strategies.sharding_spec import resharding_cost
 
     mesh = LogicalDeviceMesh((2, 4), (1, 1), (1, 0.1))
     size = 1024.0
@@ -350,7 +350,10 @@ def test_resharding_collectives_are_those_xla_writes(src, dst, kinds):
     was priced as an all-gather."""
     from jax.sharding import Mesh, NamedSharding
 
-    from alpa.shard_parallel.sharding_spec import resharding_collectives, to_partition_spec
+    from alpa.shard_parallel.strategies.sharding_spec import (
+        resharding_collectives,
+        to_partition_spec,
+    )
 
     mesh = LogicalDeviceMesh((2, 2), (1, 1), (1, 1))
     priced = [c.kind for c in resharding_collectives(src, dst, 16 * 32 * 4.0, mesh)]

@@ -27,10 +27,10 @@ from alpa.model.mlp import MLPModel, get_mlp_train_state_and_step
 from alpa.model.moe import MoEConfig, get_moe_train_state_and_step
 from alpa.model.wide_resnet import WResNetConfig, get_wresnet_train_state_and_step
 from alpa.shard_parallel.auto_sharding import solve_auto_sharding
-from alpa.shard_parallel.sharding_spec import enumerate_specs
-from alpa.shard_parallel.strategy_graph import build_strategy_graph
-from alpa.shard_parallel.strategy_graph_record import GraphOptions
-from alpa.shard_parallel.strategy_rules import RuleContext, lookup_rule
+from alpa.shard_parallel.strategies.sharding_spec import enumerate_specs
+from alpa.shard_parallel.strategies.strategy_graph import build_strategy_graph
+from alpa.shard_parallel.strategies.strategy_graph_record import GraphOptions
+from alpa.shard_parallel.strategies.strategy_rules import RuleContext, lookup_rule
 from alpa.testing import assert_allclose
 from alpa.testing import run_auto_sharded as _compile
 from alpa.testing import unit_cost_mesh as _mesh

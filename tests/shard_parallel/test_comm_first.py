@@ -19,8 +19,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import alpa
-from alpa.shard_parallel import ilp_solver
 from alpa.shard_parallel.auto_sharding import AutoShardingOption, solve_auto_sharding
+from alpa.shard_parallel.ilp import ilp_solver
 from alpa.testing import assert_allclose, get_mlp_train_state_and_step, get_tied_embedding_step
 from alpa.util import count_communication_primitives
 

@@ -34,7 +34,7 @@ import alpa
 from alpa.model.gpt import FlaxGPTForLMModule, GPTConfig, get_gpt_train_state_and_step
 from alpa.model.model_util import create_train_state
 from alpa.shard_parallel.auto_sharding import solve_auto_sharding
-from alpa.shard_parallel.strategy_graph_bodies import WHILE_TRIP_COUNT
+from alpa.shard_parallel.strategies.strategy_graph_bodies import WHILE_TRIP_COUNT
 from alpa.testing import assert_allclose
 from alpa.testing import run_auto_sharded as _compile
 from alpa.testing import unit_cost_mesh as _mesh

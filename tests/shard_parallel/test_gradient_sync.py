@@ -1,6 +1,6 @@
 """ZeRO's gradient synchronisation written out as packed collectives
-(``shard_parallel/gradient_sync.py``) for steps differentiated with plain ``jax.grad``
-(``shard_parallel/grad_marking.py``): judged by numerics against ``jax.jit``, by the
+(``shard_parallel/gradients/gradient_sync.py``) for steps differentiated with plain ``jax.grad``
+(``shard_parallel/gradients/grad_marking.py``): judged by numerics against ``jax.jit``, by the
 collectives counted in the compiled HLO and by the closed-form alpha-beta objective."""
 
 import jax
@@ -13,9 +13,12 @@ from jax.sharding import PartitionSpec as P
 
 import alpa
 from alpa.device_mesh import LocalPhysicalDeviceMesh, make_jax_mesh
-from alpa.shard_parallel.constrained_eval import eval_jaxpr_with_constraints
-from alpa.shard_parallel.grad_marking import gradient_vars, mark_gradients
-from alpa.shard_parallel.packed_collectives import packed_all_gather, packed_reduce_scatter
+from alpa.shard_parallel.gradients.grad_marking import gradient_vars, mark_gradients
+from alpa.shard_parallel.gradients.packed_collectives import (
+    packed_all_gather,
+    packed_reduce_scatter,
+)
+from alpa.shard_parallel.lowering.constrained_eval import eval_jaxpr_with_constraints
 from alpa.testing import assert_allclose
 from alpa.tracing.trace import trace_step
 from alpa.util import collective_shapes, count_communication_primitives
@@ -348,7 +351,7 @@ def test_a_carried_contraction_runs_on_blocks_only_where_they_make_its_block():
     dimension. Not where ``y`` splits both kept dimensions (each device would hold one
     block of each operand, not the pairs the result needs), nor where it splits a
     contracted one (the block would be a partial sum over ``y`` too)."""
-    from alpa.shard_parallel.row_sums import _manual_dot_specs
+    from alpa.shard_parallel.gradients.row_sums import _manual_dot_specs
 
     a, b = jnp.zeros((8, 4)), jnp.zeros((8, 6))
     contract_rows = (((0,), (0,)), ((), ()))

@@ -17,8 +17,8 @@ from jax.sharding import PartitionSpec as P
 import alpa
 from alpa.device_mesh import LocalPhysicalDeviceMesh
 from alpa.shard_parallel.auto_sharding import AutoShardingOption, solve_auto_sharding
-from alpa.shard_parallel.data_parallel import data_parallel_plan
-from alpa.shard_parallel.grad_marking import mark_gradients
+from alpa.shard_parallel.gradients.grad_marking import mark_gradients
+from alpa.shard_parallel.strategies.data_parallel import data_parallel_plan
 from alpa.testing import assert_allclose
 from alpa.util import count_communication_primitives
 
@@ -197,8 +197,8 @@ def test_a_2d_plan_keeps_its_decisions_and_scatters_its_gradients_over_the_data_
     gone. Numerics equal serial, with and without micro-batches."""
     from collections import Counter
 
-    from alpa.shard_parallel.gradient_scatter import scattered_spec
-    from alpa.shard_parallel.packed_collectives import minor_scatter_dimension
+    from alpa.shard_parallel.gradients.gradient_scatter import scattered_spec
+    from alpa.shard_parallel.gradients.packed_collectives import minor_scatter_dimension
     from alpa.util import collective_shapes
 
     tx = optax.adam(1e-2)
@@ -252,7 +252,7 @@ def test_a_gradient_with_an_addend_the_plan_reduces_itself_is_not_rewritten():
     Rewritten, the step would all-reduce that addend and then reduce-scatter the sum: more
     than the all-reduce plan's one reduction. So Alpa's order leaves this plan alone, and
     the ILP's reduce-scatter strategies plan it; numerics equal serial."""
-    from alpa.shard_parallel.gradient_scatter import scattered_in_alpas_order
+    from alpa.shard_parallel.gradients.gradient_scatter import scattered_in_alpas_order
     from alpa.testing import get_tied_embedding_step, run_auto_sharded
 
     params, batch, step = get_tied_embedding_step()

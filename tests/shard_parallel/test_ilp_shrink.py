@@ -8,12 +8,12 @@ import pytest
 
 from alpa.device_mesh import LogicalDeviceMesh
 from alpa.model.gpt import GPTConfig, get_gpt_train_state_and_step
-from alpa.shard_parallel import ilp_solver
 from alpa.shard_parallel.auto_sharding import (
     AutoShardingOption,
     donated_state_pairs,
     solve_jaxpr,
 )
+from alpa.shard_parallel.ilp import ilp_solver
 from alpa.tracing.trace import trace_step
 
 

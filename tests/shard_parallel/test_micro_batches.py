@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 import alpa
-from alpa.pipeline_parallel.stage_construction import UniformStageOption
-from alpa.shard_parallel.micro_batches import layout_change_cost
+from alpa.pipeline_parallel.stages.stage_construction import UniformStageOption
+from alpa.shard_parallel.gradients.micro_batches import layout_change_cost
 from alpa.testing import assert_allclose, get_mlp_train_state_and_step
 from alpa.util import (
     count_communication_primitives,
@@ -310,7 +310,7 @@ def test_objective_prices_the_layout_change(masked):
 def test_batch_dims_are_read_off_the_jaxpr_without_a_retrace():
     """``batch_dims`` of a step whose every value the jaxpr rules follow: no retrace, and
     the dimensions equal those a trace at each per-device size shows."""
-    from alpa.shard_parallel.micro_batches import batch_dims_for, retraced_batch_dims
+    from alpa.shard_parallel.gradients.micro_batches import batch_dims_for, retraced_batch_dims
 
     traced_shapes = []
 
@@ -344,7 +344,7 @@ def test_batch_dims_of_several_counts_come_from_one_retrace():
     ``batch_dims_for`` reads the dimensions of every data-parallel count off one retrace
     at their least common multiple; they equal each count's own, and a second request
     for a divisor reuses its trace."""
-    from alpa.shard_parallel.micro_batches import batch_dims, batch_dims_for
+    from alpa.shard_parallel.gradients.micro_batches import batch_dims, batch_dims_for
     from alpa.tracing.batch_dims import static_batch_dims
 
     traced_shapes = []
@@ -385,7 +385,7 @@ def test_a_step_written_for_one_batch_size_still_runs_with_micro_batches():
     per-device size (``retraced_batch_dims`` is ``None``); the jaxpr rules tie its
     fixed-size offset to the rows it is added to, so its row sums are deferred all the
     same, and the step matches the serial accumulation."""
-    from alpa.shard_parallel.micro_batches import batch_dims, retraced_batch_dims
+    from alpa.shard_parallel.gradients.micro_batches import batch_dims, retraced_batch_dims
 
     k = 2
     rows = BATCH // k

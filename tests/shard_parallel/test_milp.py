@@ -8,7 +8,7 @@ import itertools
 import numpy as np
 import pytest
 
-from alpa.shard_parallel import milp
+from alpa.shard_parallel.ilp import milp
 
 
 @pytest.fixture(autouse=True)
@@ -169,7 +169,7 @@ def test_the_auto_sharding_ilp_starts_from_a_local_optimum(monkeypatch):
     the MILP's answer is the exhaustive optimum (1.1)."""
     from types import SimpleNamespace
 
-    from alpa.shard_parallel import ilp_solver
+    from alpa.shard_parallel.ilp import ilp_solver
 
     unary = {0: np.array([0.0, 0.1]), 1: np.array([0.0, 0.1]), 2: np.array([0.0, 0.2])}
     apart = np.array([[1.0, 0.0], [0.0, 1.0]])

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import alpa
-from alpa.shard_parallel.constrained_eval import eval_jaxpr_with_constraints
+from alpa.shard_parallel.lowering.constrained_eval import eval_jaxpr_with_constraints
 from alpa.testing import assert_allclose, run_auto_sharded
 from alpa.tracing import trace_step
 from alpa.tracing.batch_draws import BatchDraw, draw_rows, find_batch_draws, with_row_ids

@@ -34,11 +34,11 @@ import alpa
 from alpa.jax_internals import is_remat
 from alpa.model.bert import BertConfig, FlaxBertLayerCollection
 from alpa.model.model_util import create_train_state
-from alpa.parallel_plan import ParallelPlan
+from alpa.record.parallel_plan import ParallelPlan
 from alpa.shard_parallel.auto_sharding import solve_auto_sharding
-from alpa.shard_parallel.constrained_eval import eval_jaxpr_with_constraints
-from alpa.shard_parallel.strategy_graph import build_strategy_graph
-from alpa.shard_parallel.strategy_graph_record import GraphOptions, live_points
+from alpa.shard_parallel.lowering.constrained_eval import eval_jaxpr_with_constraints
+from alpa.shard_parallel.strategies.strategy_graph import build_strategy_graph
+from alpa.shard_parallel.strategies.strategy_graph_record import GraphOptions, live_points
 from alpa.testing import assert_allclose, program_text
 from alpa.testing import run_auto_sharded as _compile
 from alpa.testing import unit_cost_mesh as _mesh

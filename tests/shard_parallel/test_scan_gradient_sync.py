@@ -23,7 +23,7 @@ from test_scan_planning import L, _mlp_inputs, _stack
 
 import alpa
 from alpa.model.gpt import GPTConfig, get_gpt_train_state_and_step
-from alpa.shard_parallel.row_sums import deferrable
+from alpa.shard_parallel.gradients.row_sums import deferrable
 from alpa.testing import assert_allclose
 from alpa.tracing.batch_dims import static_batch_dims
 from alpa.util import (

@@ -32,8 +32,8 @@ from jax.sharding import PartitionSpec as P
 import alpa
 from alpa.model.gpt import GPTConfig, get_gpt_train_state_and_step, gpt_lm_loss
 from alpa.shard_parallel.auto_sharding import solve_auto_sharding
-from alpa.shard_parallel.strategy_graph import build_strategy_graph
-from alpa.shard_parallel.strategy_graph_record import GraphOptions
+from alpa.shard_parallel.strategies.strategy_graph import build_strategy_graph
+from alpa.shard_parallel.strategies.strategy_graph_record import GraphOptions
 from alpa.testing import assert_allclose, program_text
 from alpa.testing import run_auto_sharded as _compile
 from alpa.testing import unit_cost_mesh as _mesh

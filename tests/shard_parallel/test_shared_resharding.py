@@ -18,10 +18,10 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import alpa
-from alpa.shard_parallel import ilp_solver
 from alpa.shard_parallel.auto_sharding import solve_auto_sharding
-from alpa.shard_parallel.strategy_graph import build_strategy_graph
-from alpa.shard_parallel.strategy_graph_record import GraphOptions
+from alpa.shard_parallel.ilp import ilp_solver
+from alpa.shard_parallel.strategies.strategy_graph import build_strategy_graph
+from alpa.shard_parallel.strategies.strategy_graph_record import GraphOptions
 from alpa.testing import assert_allclose, run_auto_sharded, unit_cost_mesh
 from alpa.tracing.jaxpr_util import is_grad_marker
 from alpa.util import count_communication_primitives

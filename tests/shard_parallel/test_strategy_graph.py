@@ -15,11 +15,15 @@ import pytest
 from jax.extend.core import Literal
 
 from alpa.device_mesh import LogicalDeviceMesh
-from alpa.shard_parallel.sharding_spec import resharding_cost
-from alpa.shard_parallel.strategy_costs import priced_strategies
-from alpa.shard_parallel.strategy_graph import build_strategy_graph
-from alpa.shard_parallel.strategy_graph_record import GraphOptions
-from alpa.shard_parallel.strategy_rules import RuleContext, lookup_rule, replicated_strategy
+from alpa.shard_parallel.strategies.sharding_spec import resharding_cost
+from alpa.shard_parallel.strategies.strategy_costs import priced_strategies
+from alpa.shard_parallel.strategies.strategy_graph import build_strategy_graph
+from alpa.shard_parallel.strategies.strategy_graph_record import GraphOptions
+from alpa.shard_parallel.strategies.strategy_rules import (
+    RuleContext,
+    lookup_rule,
+    replicated_strategy,
+)
 
 
 def stacked_mlp_jaxpr(num_layers: int = 3, batch: int = 16, hidden: int = 32):

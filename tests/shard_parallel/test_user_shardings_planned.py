@@ -27,8 +27,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import alpa
-from alpa.shard_parallel import ilp_solver
 from alpa.shard_parallel.auto_sharding import solve_auto_sharding
+from alpa.shard_parallel.ilp import ilp_solver
 from alpa.testing import assert_allclose
 from alpa.testing import run_auto_sharded as _compile
 from alpa.testing import unit_cost_mesh as _mesh

@@ -23,7 +23,7 @@ from alpa.model.gpt import GPTConfig, get_gpt_train_state_and_step
 from alpa.model.mlp import MLPModel, get_mlp_train_state_and_step
 from alpa.model.moe import MoEConfig, get_moe_train_state_and_step
 from alpa.model.wide_resnet import WResNetConfig, get_wresnet_train_state_and_step
-from alpa.shard_parallel.micro_batches import retraced_batch_dims
+from alpa.shard_parallel.gradients.micro_batches import retraced_batch_dims
 from alpa.tracing import is_var
 from alpa.tracing.batch_dims import static_batch_dims
 from alpa.tracing.jaxpr_util import planned_bodies
