@@ -2,14 +2,6 @@
 :mod:`alpa.methods.create_state_parallel`. Scripts written for Alpa import from here;
 nothing in alpa does (``tests/test_layering.py``)."""
 
-import importlib
+from alpa.util import forward_to
 
-_REAL = importlib.import_module("alpa.methods.create_state_parallel")
-
-
-def __getattr__(name: str):
-    return getattr(_REAL, name)
-
-
-def __dir__() -> list[str]:
-    return dir(_REAL)
+__getattr__, __dir__ = forward_to("alpa.methods.create_state_parallel")

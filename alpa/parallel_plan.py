@@ -2,14 +2,6 @@
 :mod:`alpa.record.parallel_plan`. Scripts written for Alpa import from here; nothing in
 alpa does (``tests/test_layering.py``)."""
 
-import importlib
+from alpa.util import forward_to
 
-_REAL = importlib.import_module("alpa.record.parallel_plan")
-
-
-def __getattr__(name: str):
-    return getattr(_REAL, name)
-
-
-def __dir__() -> list[str]:
-    return dir(_REAL)
+__getattr__, __dir__ = forward_to("alpa.record.parallel_plan")

@@ -518,3 +518,20 @@ def caller_stacklevel() -> int:
     while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
         frame, level = frame.f_back, level + 1
     return level
+
+
+def forward_to(module: str) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
+    """A module's ``__getattr__`` and ``__dir__`` that read every name from ``module``
+    (imported now): what the modules at Alpa's import paths are, so that a script
+    written for Alpa imports from there the objects alpa's own code uses."""
+    import importlib
+
+    real = importlib.import_module(module)
+
+    def getattr_(name: str) -> Any:
+        return getattr(real, name)
+
+    def dir_() -> list[str]:
+        return dir(real)
+
+    return getattr_, dir_

@@ -3,14 +3,6 @@ the primitive is a tracing concept and lives in :mod:`alpa.tracing.primitive_def
 that ``tracing/`` and ``shard_parallel/`` never import ``pipeline_parallel/``). Scripts
 written for Alpa import from here; nothing in alpa does (``tests/test_layering.py``)."""
 
-import importlib
+from alpa.util import forward_to
 
-_REAL = importlib.import_module("alpa.tracing.primitive_def")
-
-
-def __getattr__(name: str):
-    return getattr(_REAL, name)
-
-
-def __dir__() -> list[str]:
-    return dir(_REAL)
+__getattr__, __dir__ = forward_to("alpa.tracing.primitive_def")
