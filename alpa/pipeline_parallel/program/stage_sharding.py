@@ -35,7 +35,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -216,6 +216,33 @@ class InnerSpecs:
     body_specs: dict = dataclasses.field(default_factory=dict)
     operand_specs: dict = dataclasses.field(default_factory=dict)
     partial_sums: dict = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class StagePins:
+    """What one stage's ILP plans pin besides the sharding table (which holds the values
+    the stage's equations produce and its inputs: ``stage_specs``), as ``shard_parallel``'s
+    lowering takes a plan's pins (``lowering.plan_pins``): the stage's computations are
+    lowered from it and the table's entries for the stage.
+
+    Not a ``ShardingPlan``: a stage is planned as several jaxprs (its forward and backward
+    together, then each apply-grad computation), so it has no one list of inputs and
+    outputs, nor one objective, for that record's required fields.
+
+    Attributes:
+      var_specs: ``value -> PartitionSpec`` for the values inside the bodies of
+        checkpoint (``remat2``), ``scan``, ``while`` and ``cond`` equations.
+      operand_specs: ``equation -> specs``: the spec each operand of the equation (of the
+        step or of such a body) is resharded to before the equation reads it, ``None``
+        where it is read as produced: the plan's resharding edges.
+      partial_sums: ``add equation -> PartialSum``: the adds of two partial results the
+        plan priced as one reduction of their sum; the stage's lowering adds them on each
+        device and reduces once (``shard_parallel.gradients.partial_sums``).
+    """
+
+    var_specs: Mapping = dataclasses.field(default_factory=dict)
+    operand_specs: Mapping = dataclasses.field(default_factory=dict)
+    partial_sums: Mapping = dataclasses.field(default_factory=dict)
 
 
 class _SharedPlans:
