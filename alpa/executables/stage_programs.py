@@ -75,19 +75,13 @@ class StagePrograms:
         return NamedSharding(self.meshes[mesh], self.plan.spec_of(var, mesh))
 
     def stage_pins(self, s: int) -> StagePins:
-        """Stage ``s``'s plan as its computations are lowered from it
-        (``lowering.plan_pins``): the values of the sharding table on mesh ``s`` and those
-        its ILP plans pin inside bodies, its resharding edges and its partial sums."""
+        """Stage ``s``'s record of pins (``plan.stage_pins``) with the sharding table's
+        entries on mesh ``s`` among its values: what its computations are lowered from
+        (``lowering.plan_pins``)."""
         pins = self._stage_pins.get(s)
         if pins is None:
-            plan = self.plan
-            var_specs = {v: spec for (v, m), spec in plan.body_specs.items() if m == s}
-            var_specs |= {v: spec for (v, m), spec in self.stage_specs.items() if m == s}
-            pins = self._stage_pins[s] = StagePins(
-                var_specs,
-                {e: specs for (e, m), specs in plan.operand_specs.items() if m == s},
-                {e: p for (e, m), p in plan.partial_sums.items() if m == s},
-            )
+            table = {v: spec for (v, m), spec in self.stage_specs.items() if m == s}
+            pins = self._stage_pins[s] = self.plan.pins_of(s).with_specs(table)
         return pins
 
     def _deferred_rules(self, comp: StageComputation) -> dict:

@@ -230,14 +230,15 @@ def check_pipeline_decisions(decisions: Any) -> None:
         "options": decisions.options,
         "logical_meshes": decisions.logical_meshes,
     }
+    if decisions.stage_pins:  # absent (empty) from plans saved before they were recorded
+        per_stage["stage_pins"] = decisions.stage_pins
     for name, values in per_stage.items():
         if len(values) != num:
             raise InconsistentPlanError(
                 f"{name} has {len(values)} entries but stage_plan.device_ranges has {num} "
                 f"(one per stage): expected {num}"
             )
-    stages = f"{num} stage" + ("s" if num != 1 else "")
-    expected = f"a stage in 0..{num - 1} (stage_plan.device_ranges has {stages})"
+    expected = expected_stage(num)
     layers = stage_plan.layer_to_stage
     if len(layers) != decisions.layers.num_layers:
         raise InconsistentPlanError(
@@ -249,7 +250,7 @@ def check_pipeline_decisions(decisions: Any) -> None:
         if not 0 <= stage < num:
             raise InconsistentPlanError(
                 f"stage_plan.layer_to_stage={list(layers)} puts layer {layer} on stage {stage}: "
-                f"expected {expected}"
+                f"{expected}"
             )
     if list(layers) != sorted(layers):
         raise InconsistentPlanError(
@@ -263,21 +264,20 @@ def check_pipeline_decisions(decisions: Any) -> None:
                 "expected every stage to hold at least one layer"
             )
         _check_stage_mesh(decisions, stage)
-    tables = {
-        "stage_specs": decisions.stage_specs,
-        "body_specs": decisions.body_specs,
-        "operand_specs": decisions.operand_specs,
-        "partial_sums": decisions.partial_sums,
-    }
-    for name, table in tables.items():
-        for ref, stage in table:
-            if not 0 <= stage < num:
-                raise InconsistentPlanError(
-                    f"{name} has an entry for {ref!r} on stage {stage}: expected {expected}"
-                )
+    for ref, stage in decisions.stage_specs:
+        if not 0 <= stage < num:
+            raise InconsistentPlanError(
+                f"stage_specs has an entry for {ref!r} on stage {stage}: {expected}"
+            )
     for stage in decisions.objectives:
         if not 0 <= stage < num:
-            raise InconsistentPlanError(f"objectives names stage {stage}: expected {expected}")
+            raise InconsistentPlanError(f"objectives names stage {stage}: {expected}")
+
+
+def expected_stage(num: int) -> str:
+    """What a stage named in a plan of ``num`` stages must be, for the errors."""
+    stages = f"{num} stage" + ("s" if num != 1 else "")
+    return f"expected a stage in 0..{num - 1} (stage_plan.device_ranges has {stages})"
 
 
 def _check_stage_mesh(decisions: Any, stage: int) -> None:
