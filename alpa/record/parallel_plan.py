@@ -69,13 +69,14 @@ from alpa.record.plan_json import (
     mesh_to_json,
     option_to_json,
     partial_sum_from_json,
-    partial_sum_to_json,
     placement_from_json,
     placement_to_json,
     sharding_plan_from_json,
     sharding_plan_to_json,
     spec_from_json,
     spec_to_json,
+    stage_pins_from_json,
+    stage_pins_to_json,
     stage_plan_from_json,
     stage_plan_to_json,
 )
@@ -92,7 +93,11 @@ if TYPE_CHECKING:  # the executables import this record; it knows only their int
 
 #: Version of the JSON layout ``ParallelPlan.to_json`` writes (field ``"format"``; the
 #: rules for reading other versions are :mod:`alpa.saved_format`'s).
-PLAN_FORMAT = 1
+PLAN_FORMAT = 2
+
+# Format 2: a pipeline plan's pins besides its sharding table are one record per stage
+# ("stage_pins"); format 1 kept them in three tables keyed by (ref, stage) ("body_specs",
+# "operand_specs", "partial_sums"), read by :func:`_stage_pins_of_format_1`.
 
 # ----------------------------------------------------------------------------- records
 
@@ -340,7 +345,7 @@ class ParallelPlan:
                 f"{source} is not a ParallelPlan (what ParallelPlan.to_dict returns): it is "
                 f"a {type(data).__name__}"
             )
-        read_format(data, PLAN_FORMAT, "ParallelPlan", source)
+        version = read_format(data, PLAN_FORMAT, "ParallelPlan", source)
         sharding = data["sharding_plan"]
         pipeline = data["pipeline_plan"]
         return cls(
@@ -352,7 +357,7 @@ class ParallelPlan:
             cluster_info=ClusterInfo(**data["cluster_info"]),
             num_micro_batches=data["num_micro_batches"],
             sharding_plan=None if sharding is None else sharding_plan_from_json(sharding),
-            pipeline_plan=None if pipeline is None else _pipeline_plan_from_json(pipeline),
+            pipeline_plan=None if pipeline is None else _pipeline_plan_from_json(pipeline, version),
             input_placement_specs=tuple(
                 placement_from_json(p) for p in data["input_placement_specs"]
             ),
@@ -533,14 +538,16 @@ def _pipeline_plan_to_json(plan: PipelinePlan) -> dict:
             key=lambda row: (row[1], row[0]),
         ),
         "objectives": [[s, list(v)] for s, v in sorted(d.objectives.items())],
-        **_stage_pins_as_tables(d.stage_pins),
+        "stage_pins": [stage_pins_to_json(pins) for pins in d.stage_pins],
     }
 
 
-def _pipeline_plan_from_json(data: Mapping) -> PipelinePlan:
+def _pipeline_plan_from_json(data: Mapping, version: int) -> PipelinePlan:
     layers = data["layers"]
     stage_plan = stage_plan_from_json(data["stage_plan"])
     stage_pins = ()
+    if version >= 2:
+        stage_pins = tuple(stage_pins_from_json(pins) for pins in data["stage_pins"])
     decisions = PipeshardDecisions(
         layers=LayerAssignment(
             tuple(layers["layers"]),
@@ -555,9 +562,9 @@ def _pipeline_plan_from_json(data: Mapping) -> PipelinePlan:
         stage_pins=stage_pins,
     )
     check_pipeline_decisions(decisions)  # an edited file's stages, before they reach a pass
-    # Its stages checked, its tables are read per stage.
-    stage_pins = _stage_pins_of_format_1(data, len(stage_plan.device_ranges))
-    decisions = replace(decisions, stage_pins=stage_pins)
+    if version < 2:  # its stages checked, its tables are read per stage
+        stage_pins = _stage_pins_of_format_1(data, len(stage_plan.device_ranges))
+        decisions = replace(decisions, stage_pins=stage_pins)
     return PipelinePlan(
         data["pipeline_schedule"],
         layer_option_from_json(data["layer_option"]),
@@ -566,31 +573,9 @@ def _pipeline_plan_from_json(data: Mapping) -> PipelinePlan:
     )
 
 
-def _stage_pins_as_tables(stage_pins) -> dict:
-    """The per-stage records of pins as the JSON holds them: three tables of
-    ``[ref, stage, entry]`` rows, sorted, so that two records of one plan are the same
-    text."""
-    tables = {
-        "body_specs": ("var_specs", spec_to_json),
-        "operand_specs": ("operand_specs", lambda specs: [spec_to_json(s) for s in specs]),
-        "partial_sums": ("partial_sums", partial_sum_to_json),
-    }
-    return {
-        name: sorted(
-            (
-                [ref, s, write(entry)]
-                for s, pins in enumerate(stage_pins)
-                for ref, entry in getattr(pins, field).items()
-            ),
-            key=lambda row: (row[1], row[0]),
-        )
-        for name, (field, write) in tables.items()
-    }
-
-
 def _stage_pins_of_format_1(data: Mapping, num_stages: int) -> tuple[StagePins, ...]:
-    """The per-stage records of a pipeline plan's JSON, whose three tables
-    ``body_specs``, ``operand_specs`` and ``partial_sums`` are keyed by ``(ref, stage)``
+    """The per-stage records of a format-1 pipeline plan, whose three tables
+    ``body_specs``, ``operand_specs`` and ``partial_sums`` were keyed by ``(ref, stage)``
     (each absent from plans saved before the stages' lowering took it: those were priced
     without it, and lower without it). An entry on a stage the plan lacks is refused by
     name."""

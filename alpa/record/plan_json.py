@@ -20,6 +20,7 @@ from jax.sharding import PartitionSpec
 
 from alpa.device_mesh import LogicalDeviceMesh
 from alpa.pipeline_parallel.layers.layer_construction import AutoLayerOption, ManualLayerOption
+from alpa.pipeline_parallel.program.stage_sharding import StagePins
 from alpa.pipeline_parallel.stages.stage_construction import StagePlan
 from alpa.runtime.placement import PlacementSpec
 from alpa.shard_parallel.auto_sharding import AutoShardingOption
@@ -83,6 +84,32 @@ def partial_sum_from_json(data: Mapping) -> PartialSum:
     return PartialSum(
         tuple(tuple(spec_from_json(s) for s in specs) for specs in data["operand_specs"]),
         tuple(data["reduce_axes"]),
+    )
+
+
+def stage_pins_to_json(pins: StagePins) -> dict:
+    """A pipeline stage's pins (their values and equations named by refs), each table
+    sorted by ref, so that two records of one plan are the same text."""
+    return {
+        "var_specs": {ref: spec_to_json(pins.var_specs[ref]) for ref in sorted(pins.var_specs)},
+        "operand_specs": {
+            ref: [spec_to_json(s) for s in pins.operand_specs[ref]]
+            for ref in sorted(pins.operand_specs)
+        },
+        "partial_sums": {
+            ref: partial_sum_to_json(pins.partial_sums[ref]) for ref in sorted(pins.partial_sums)
+        },
+    }
+
+
+def stage_pins_from_json(data: Mapping) -> StagePins:
+    return StagePins(
+        {ref: spec_from_json(spec) for ref, spec in data["var_specs"].items()},
+        {
+            ref: tuple(spec_from_json(s) for s in specs)
+            for ref, specs in data["operand_specs"].items()
+        },
+        {ref: partial_sum_from_json(p) for ref, p in data["partial_sums"].items()},
     )
 
 

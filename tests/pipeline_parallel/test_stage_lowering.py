@@ -251,7 +251,8 @@ def test_stage_partial_sums_survive_a_saved_plan():
     assert program_text(replayed.get_hlo_text()) == program_text(executable.get_hlo_text())
 
     data = json.loads(saved)
-    del data["pipeline_plan"]["partial_sums"]
+    for pins in data["pipeline_plan"]["stage_pins"]:
+        pins["partial_sums"] = {}
     older = alpa.ParallelPlan.from_json(json.dumps(data))
     assert _pinned(older.pipeline_plan.decisions, "partial_sums") == {}
     parallel = alpa.parallelize(step, method=alpa.plan_to_method(older))
@@ -276,3 +277,46 @@ def test_stage_constraints_survive_a_saved_plan():
     _, _, step = _gpt(remat=True)
     replayed = alpa.parallelize(step, method=alpa.plan_to_method(loaded)).get_executable(*args)
     assert program_text(replayed.get_hlo_text()) == program_text(executable.get_hlo_text())
+
+
+_PINS_OF_FORMAT_1 = {"var_specs": "body_specs", "operand_specs": "operand_specs",
+                     "partial_sums": "partial_sums"}  # fmt: skip
+
+
+def _format_1(text: str) -> str:
+    """A saved plan in the layout of format 1, before the stages' pins were one record
+    per stage: three tables of ``[ref, stage, entry]`` rows."""
+    data = json.loads(text)
+    pipeline = data["pipeline_plan"]
+    for table, old in _PINS_OF_FORMAT_1.items():
+        pipeline[old] = [
+            [ref, s, entry]
+            for s, pins in enumerate(pipeline["stage_pins"])
+            for ref, entry in pins[table].items()
+        ]
+    del pipeline["stage_pins"]
+    data["format"] = 1
+    return json.dumps(data)
+
+
+@pytest.mark.parametrize("remat", [False, True])
+def test_a_plan_saved_in_the_previous_layout_replays_the_same_programs(remat):
+    """A plan saved in format 1 (the stages' pins in three ``(ref, stage)`` tables) loads
+    into the same per-stage records as the plan saved now, and (with its checkpoint
+    bodies' and operands' pins) compiles to the same stage programs."""
+    executable, args = _executable(remat=remat)
+    saved = executable.get_parallel_plan().to_json()
+    old = _format_1(saved)
+    assert "stage_pins" not in json.loads(old)["pipeline_plan"]
+    now, before = (alpa.ParallelPlan.from_json(t).pipeline_plan.decisions for t in (saved, old))
+    assert len(before.stage_pins) == len(now.stage_pins) == executable.plan.num_stages
+    tables = ("partial_sums",) if not remat else ("var_specs", "operand_specs")
+    for table in _PINS_OF_FORMAT_1:
+        assert _pinned(before, table) == _pinned(now, table)
+    for table in tables:  # not vacuous
+        assert _pinned(now, table)
+    if remat:
+        _, _, step = _gpt(remat=True)
+        method = alpa.plan_to_method(alpa.ParallelPlan.from_json(old))
+        replayed = alpa.parallelize(step, method=method).get_executable(*args)
+        assert program_text(replayed.get_hlo_text()) == program_text(executable.get_hlo_text())
