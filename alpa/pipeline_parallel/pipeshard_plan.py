@@ -10,7 +10,8 @@ A plan prints as a table (stage, layers, submesh, logical shape, latency, memory
 its schedule grid; :meth:`PipeshardPlan.summary` is its JSON-able record (versioned:
 ``SUMMARY_FORMAT``) and :meth:`PipeshardPlan.stage_option` replays its stages as a
 ``ManualStageOption``.
-:meth:`PipeshardPlan.decisions` (layers, stages, the sharding table), given back to
+:meth:`PipeshardPlan.decisions` (layers, stages, the sharding table, the per-stage records
+of pins that the stage programs are lowered from), given back to
 ``plan_pipeshard(decisions=...)``, makes the same plan without searching again: what
 ``alpa.plan_to_method`` replays. :attr:`PipeshardPlan.cost` prices it with the analytic
 stage model; :meth:`PipeshardPlan.draw` pictures it (``plan_view``).
