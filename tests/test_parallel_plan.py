@@ -9,6 +9,7 @@ and layer construction patched to fail, and its results equal the serial step's.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import re
@@ -302,9 +303,28 @@ def _one_stage(pipeline, stages, keep_specs: bool = False):
     pipeline["logical_meshes"] = pipeline["logical_meshes"][:1]
     pipeline["logical_meshes"][0]["shape"] = [1, 8]
     pipeline["objectives"] = pipeline["objectives"][:1]
+    pipeline["stage_pins"] = pipeline["stage_pins"][:1]
     if not keep_specs:
-        for table in ("stage_specs", "body_specs", "operand_specs", "partial_sums"):
-            pipeline[table] = [row for row in pipeline[table] if row[1] == 0]
+        pipeline["stage_specs"] = [row for row in pipeline["stage_specs"] if row[1] == 0]
+
+
+def _format_1_layout(data: dict) -> dict:
+    """A saved plan (``to_dict``'s data) in the layout of format 1: a pipeline plan's
+    per-stage records of pins as three tables of ``[ref, stage, entry]`` rows."""
+    data = copy.deepcopy(data)
+    data["format"] = 1
+    pipeline = data["pipeline_plan"]
+    if pipeline is not None:
+        stage_pins = pipeline.pop("stage_pins")
+        tables = {"var_specs": "body_specs", "operand_specs": "operand_specs",
+                  "partial_sums": "partial_sums"}  # fmt: skip
+        for table, old in tables.items():
+            pipeline[old] = [
+                [ref, s, entry]
+                for s, pins in enumerate(stage_pins)
+                for ref, entry in pins[table].items()
+            ]
+    return data
 
 
 def test_an_edited_pipeline_plan_names_the_field_it_contradicts(recorded, tmp_path):
@@ -325,9 +345,8 @@ def test_an_edited_pipeline_plan_names_the_field_it_contradicts(recorded, tmp_pa
         ref, _, spec = pipeline["stage_specs"][0]
         pipeline["stage_specs"].append([ref, 5, spec])
 
-    def partial_sum_on_stage_5(pipeline, _):
-        partial_sum = {"operand_specs": [[None], [None]], "reduce_axes": ["y"]}
-        pipeline["partial_sums"].append(["an add", 5, partial_sum])
+    def pins_of_a_third_stage(pipeline, _):
+        pipeline["stage_pins"].append(pipeline["stage_pins"][0])
 
     cases = {
         r"stage_plan\.layer_to_stage=\[0, 2\] puts layer 1 on stage 2: " + two: (
@@ -339,7 +358,8 @@ def test_an_edited_pipeline_plan_names_the_field_it_contradicts(recorded, tmp_pa
             lambda _, stages: stages.update(layer_to_stage=[1, 0])
         ),
         r"stage_specs has an entry for '[^']+' on stage 5: " + two: specs_of_stage_5,
-        r"partial_sums has an entry for 'an add' on stage 5: " + two: partial_sum_on_stage_5,
+        r"stage_pins has 3 entries but stage_plan\.device_ranges has 2 \(one per stage\): "
+        r"expected 2": pins_of_a_third_stage,
         r"stage_specs has an entry for '[^']+' on stage 1: expected a stage in 0\.\.0 "
         r"\(stage_plan\.device_ranges has 1 stage\)": (
             lambda pipeline, stages: _one_stage(pipeline, stages, keep_specs=True)
@@ -355,6 +375,15 @@ def test_an_edited_pipeline_plan_names_the_field_it_contradicts(recorded, tmp_pa
         path.write_text(_edited(text, edit))
         with pytest.raises(ValueError, match=where + message):
             ParallelPlan.load(path)
+    # A plan in the previous layout (format 1: the stages' pins in three (ref, stage)
+    # tables) naming a stage the plan lacks is refused by name too.
+    old = _format_1_layout(json.loads(text))
+    partial_sum = {"operand_specs": [[None], [None]], "reduce_axes": ["y"]}
+    old["pipeline_plan"]["partial_sums"].append(["an add", 5, partial_sum])
+    path.write_text(json.dumps(old))
+    with pytest.raises(ValueError, match=where + r"partial_sums has an entry for 'an add' on "
+                       r"stage 5: " + two):  # fmt: skip
+        ParallelPlan.load(path)
     # The same stages, consistently edited into one: replayed, as serial computes.
     path.write_text(_edited(text, _one_stage))
     state, batch, step = get_mlp_train_state_and_step(32, 16, num_layers=2)
@@ -491,7 +520,7 @@ def test_bad_plans_are_refused():
         with pytest.raises(
             ValueError,
             match=r"^the text is not a ParallelPlan this alpa reads: its 'format' is "
-            r".*, where a format version \(an int from 1 to 1\) was expected",
+            rf".*, where a format version \(an int from 1 to {PLAN_FORMAT}\) was expected",
         ):
             ParallelPlan.from_json(f'{{"format": {bad}}}')
     with pytest.raises(ValueError, match=r"^the plan is not a ParallelPlan .*: it is a list"):
@@ -507,8 +536,9 @@ def test_a_plan_saved_without_its_format_field_still_loads(recorded, tmp_path, n
     # removed. It reads as format 1 and is the same plan, ready to replay.
     with open(recorded[name][1]) as f:
         text = f.read()
-    data = json.loads(text)
-    assert data["format"] == PLAN_FORMAT == 1
+    # Those plans have format 1's layout: a pipeline's stage pins in (ref, stage) tables.
+    data = _format_1_layout(json.loads(text))
+    assert json.loads(text)["format"] == PLAN_FORMAT == 2
     del data["format"]
     old = tmp_path / "old.json"
     old.write_text(json.dumps(data, indent=1))
@@ -525,15 +555,17 @@ def test_a_plan_of_a_newer_format_is_refused_by_name(recorded, tmp_path):
     newer = tmp_path / "newer.json"
     newer.write_text(json.dumps(data))
     expected = re.escape(
-        f"{str(newer)!r} is a ParallelPlan of format 2, newer than this alpa reads "
-        "(format 1 and older): it was saved by a newer alpa"
+        f"{str(newer)!r} is a ParallelPlan of format {PLAN_FORMAT + 1}, newer than this alpa "
+        f"reads (format {PLAN_FORMAT} and older): it was saved by a newer alpa"
     )
     with pytest.raises(NewerFormatError, match=expected):
         ParallelPlan.load(newer)
     # The picture of a saved plan refuses it too, by the file's name.
     with pytest.raises(NewerFormatError, match=expected):
         draw_saved_plan(str(newer), str(tmp_path / "newer.png"))
-    with pytest.raises(NewerFormatError, match=r"^the text is a ParallelPlan of format 2"):
+    with pytest.raises(
+        NewerFormatError, match=rf"^the text is a ParallelPlan of format {PLAN_FORMAT + 1}"
+    ):
         ParallelPlan.from_json(json.dumps(data))
     # The control: the same file at this format loads.
     data["format"] = PLAN_FORMAT

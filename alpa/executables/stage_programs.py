@@ -23,16 +23,17 @@ from jax.sharding import NamedSharding
 from alpa.pipeline_parallel.pipeshard_plan import PipeshardPlan
 from alpa.pipeline_parallel.program.computation import StageComputation
 from alpa.pipeline_parallel.program.deferred_sums import splits_over
+from alpa.pipeline_parallel.program.stage_sharding import StagePins
 from alpa.runtime.instructions import Kernel
 from alpa.runtime.placement import PlacementSpec
 from alpa.shard_parallel.gradients.packed_collectives import gather_packed, reduce_partials
-from alpa.shard_parallel.gradients.partial_sums import partial_sum_overrides
 from alpa.shard_parallel.gradients.row_sums import deferred_rules
 from alpa.shard_parallel.lowering.compile import full_batch_avals
 from alpa.shard_parallel.lowering.constrained_eval import eval_jaxpr_with_constraints
+from alpa.shard_parallel.lowering.plan_pins import plan_pins
 from alpa.shard_parallel.strategies.data_parallel import zero_spec
 from alpa.tracing import new_jaxpr
-from alpa.tracing.jaxpr_util import backward_slice, is_var, nested_eqns, planned_bodies
+from alpa.tracing.jaxpr_util import backward_slice, is_var, nested_eqns
 from alpa.tracing.primitive_def import pipeline_p
 
 
@@ -55,6 +56,7 @@ class StagePrograms:
         self.meshes = list(meshes)
         self.stage_specs = plan.stage_specs
         self.var_of = {name: v for v, name in plan.names.items()}
+        self._stage_pins: dict[int, StagePins] = {}
 
     def const_outputs(self, names) -> dict:
         """The step outputs ``names`` that depend on no input, computed here once."""
@@ -72,6 +74,16 @@ class StagePrograms:
     def sharding(self, var, mesh: int) -> NamedSharding:
         return NamedSharding(self.meshes[mesh], self.plan.spec_of(var, mesh))
 
+    def stage_pins(self, s: int) -> StagePins:
+        """Stage ``s``'s record of pins (``plan.stage_pins``) with the sharding table's
+        entries on mesh ``s`` among its values: what its computations are lowered from
+        (``lowering.plan_pins``)."""
+        pins = self._stage_pins.get(s)
+        if pins is None:
+            table = {v: spec for (v, m), spec in self.stage_specs.items() if m == s}
+            pins = self._stage_pins[s] = self.plan.pins_of(s).with_specs(table)
+        return pins
+
     def _deferred_rules(self, comp: StageComputation) -> dict:
         """The equations of ``comp`` that compute deferred row sums (``deferred_sums``),
         as ``_eval_eqns`` overrides."""
@@ -83,60 +95,14 @@ class StagePrograms:
         if not values:
             return {}
         s = comp.stage
-        var_specs = {
-            v: spec
-            for table in (self.stage_specs, self.plan.body_specs)
-            for (v, m), spec in table.items()
-            if m == s and v in values
-        }
         return deferred_rules(
-            comp.eqns, deferred.row_dims, values, self.meshes[s], deferred.stage_axes[s], var_specs
+            comp.eqns,
+            deferred.row_dims,
+            values,
+            self.meshes[s],
+            deferred.stage_axes[s],
+            self.stage_pins(s).var_specs,
         )
-
-    def _partial_sums(self, comp: StageComputation, sub, skip) -> dict:
-        """The adds of two partial results in ``comp`` (its jaxpr ``sub``) that the stage's
-        plan priced as one reduction of their sum (``plan.partial_sums``), as
-        ``eval_jaxpr_with_constraints`` overrides: both computed on each device's blocks,
-        added, reduced once (``shard_parallel.gradients.partial_sums``). Adds whose equations
-        ``skip`` already overrides (the deferred row sums) are left to those."""
-        s = comp.stage
-        mine = {id(e) for e in sub.eqns}
-        sums = {e: p for (e, m), p in self.plan.partial_sums.items() if m == s and id(e) in mine}
-        if not sums:
-            return {}
-        # The sum's spec as the stage's plan chose it (the table's entry).
-        out_specs = {e.outvars[0]: self.stage_specs.get((e.outvars[0], s)) for e in sums}
-        return partial_sum_overrides(sub, sums, out_specs, self.meshes[s], skip=skip)
-
-    def _constraints(self, comp: StageComputation) -> tuple[dict, dict]:
-        """``eval_jaxpr_with_constraints``'s ``constraints`` and ``operand_constraints``
-        for ``comp``: the values its equations produce that the sharding table names, the
-        values inside their bodies and the operand reshardings the stage's ILP plan pins
-        (``plan.body_specs``, ``plan.operand_specs``)."""
-        s, mesh = comp.stage, self.meshes[comp.stage]
-        constraints, operand_constraints = {}, {}
-
-        def named(spec):
-            return None if spec is None else NamedSharding(mesh, spec)
-
-        def visit(eqns) -> None:
-            for e in eqns:
-                for v in e.outvars:
-                    if is_var(v) and (v, s) in self.stage_specs:
-                        constraints[v] = self.sharding(v, s)
-                    elif is_var(v) and (v, s) in self.plan.body_specs:
-                        constraints[v] = named(self.plan.body_specs[(v, s)])
-                specs = self.plan.operand_specs.get((e, s))
-                if specs is not None:
-                    operand_constraints[e] = tuple(named(spec) for spec in specs)
-                for _, body in planned_bodies(e):
-                    for v in body.invars:
-                        if (v, s) in self.plan.body_specs:
-                            constraints[v] = named(self.plan.body_specs[(v, s)])
-                    visit(body.eqns)
-
-        visit(comp.eqns)
-        return constraints, operand_constraints
 
     def key_sharding(self, key) -> NamedSharding:
         """The sharding the plan recorded for buffer ``key``."""
@@ -202,16 +168,19 @@ class StagePrograms:
     def computation(self, comp: StageComputation, kernel: Kernel | None = None, sums=(), donate=()):
         closed = self.plan.traced.closed_jaxpr
         sub = _sub_jaxpr(closed.jaxpr, comp.eqns, comp.invars, comp.outvars)
-        # The intermediate values the stage's plan names are pinned to their sharding, and
-        # the operands it reads in another spec resharded to it, as ShardParallel lowers.
-        constraints, operand_constraints = self._constraints(comp)
+        mesh = self.meshes[comp.stage]
+        # The stage's plan lowered as ShardParallel lowers its one plan: the values it
+        # names pinned to their sharding (the computation's inputs arrive in theirs), the
+        # operands it reads in another spec resharded to it, its partial sums added on each
+        # device and reduced once; the deferred row sums' overrides come first.
+        pins = plan_pins(self.stage_pins(comp.stage), mesh, unpinned=comp.invars)
+        constraints, operand_constraints = dict(pins.constraints), pins.operand_constraints
+        overrides = self._deferred_rules(comp)
+        overrides |= pins.overrides(sub, skip=overrides)
         kept = list(range(len(comp.outvars))) if kernel is None else list(kernel.kept)
         accumulate = () if kernel is None else kernel.accumulate
         reduces = () if kernel is None else kernel.reduces
         publishes = () if kernel is None else kernel.publishes
-        mesh = self.meshes[comp.stage]
-        overrides = self._deferred_rules(comp)
-        overrides |= self._partial_sums(comp, sub, skip=set(overrides))
         reduced_specs = {i: self.sharding(comp.invars[i], comp.stage) for i in reduces}
         data_axes = self.program.deferred.stage_axes[comp.stage] if reduces else ()
         gathers = self._gathered_outputs(comp, kept)

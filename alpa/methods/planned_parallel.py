@@ -123,18 +123,13 @@ class PlannedParallel(ParallelMethod):
                 (_lookup(vars_by_ref, ref, traced), s): spec
                 for (ref, s), spec in recorded.stage_specs.items()
             },
-            body_specs={
-                (_lookup(vars_by_ref, ref, traced), s): spec
-                for (ref, s), spec in recorded.body_specs.items()
-            },
-            operand_specs={
-                (_lookup(eqns_by_ref, ref, traced, "an equation"), s): specs
-                for (ref, s), specs in recorded.operand_specs.items()
-            },
-            partial_sums={
-                (_lookup(eqns_by_ref, ref, traced, "an equation"), s): p
-                for (ref, s), p in recorded.partial_sums.items()
-            },
+            stage_pins=tuple(
+                pins.rekeyed(
+                    lambda ref: _lookup(vars_by_ref, ref, traced),
+                    lambda ref: _lookup(eqns_by_ref, ref, traced, "an equation"),
+                )
+                for pins in recorded.stage_pins
+            ),
         )
         options = PipeshardOptions(
             cluster.spec,

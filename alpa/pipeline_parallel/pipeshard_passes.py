@@ -42,7 +42,7 @@ from alpa.pipeline_parallel.program.program_rewrites import draw_rows_of_full_ba
 from alpa.pipeline_parallel.program.propagated_stages import propagates
 from alpa.pipeline_parallel.program.stage_sharding import (
     DATA_AXES,
-    InnerSpecs,
+    StagePins,
     plan_stage_shardings,
     stage_options,
     tie_donated_outputs,
@@ -325,17 +325,13 @@ def _plan_one_schedule(
         for o, n, p in zip(stage_opts, mesh_sizes, propagated, strict=True)
     ]
     if decisions is None:
-        stage_specs, objectives, inner = _stage_shardings(
+        stage_specs, objectives, stage_pins = _stage_shardings(
             traced, program, args, options, logical_meshes, stage_opts, data_parallel, names
         )
     else:
         stage_specs = dict(decisions.stage_specs)
         objectives = {s: list(v) for s, v in decisions.objectives.items()}
-        inner = InnerSpecs(
-            dict(decisions.body_specs),
-            _on_program(decisions.operand_specs, traced, program),
-            _on_program(decisions.partial_sums, traced, program),
-        )
+        stage_pins = _on_program(decisions.stage_pins, traced, program, stage_plan.num_stages)
     program = _draw_and_defer(
         traced, program, options, stage_specs, logical_meshes, data_parallel, propagated, names
     )
@@ -362,9 +358,7 @@ def _plan_one_schedule(
         reshards=reshards,
         num_micro_batches=options.num_micro_batches,
         layer_option=layer_option,
-        body_specs=inner.body_specs,
-        operand_specs=inner.operand_specs,
-        partial_sums=inner.partial_sums,
+        stage_pins=stage_pins,
     )
 
 
@@ -426,9 +420,10 @@ def _stage_shardings(
     data_parallel,
     names,
 ):
-    """``(stage_specs, objectives, inner)``: the user's pins, each stage's ILP, ZeRO-2 in
-    the data-parallel stages that prefer reduce-scatter, and donated outputs tied to their
-    inputs; ``inner``: what the ILPs pin inside bodies and on operands."""
+    """``(stage_specs, objectives, stage_pins)``: the user's pins, each stage's ILP, ZeRO-2
+    in the data-parallel stages that prefer reduce-scatter, and donated outputs tied to
+    their inputs; ``stage_pins``: per stage, what its ILPs pin besides the table
+    (``stage_sharding.StagePins``)."""
     mesh_sizes, mesh_shapes = _mesh_sizes_and_shapes(logical_meshes)
     pinned = pinned_specs(
         traced,
@@ -439,7 +434,7 @@ def _stage_shardings(
         options.stage_input_shardings,
         names,
     )
-    stage_specs, objectives, inner = plan_stage_shardings(
+    stage_specs, objectives, stage_pins = plan_stage_shardings(
         traced, program, logical_meshes, stage_opts, names, pinned
     )
     zero2 = [
@@ -447,7 +442,7 @@ def _stage_shardings(
     ]
     stage_specs = zero2_specs(traced, program, stage_specs, mesh_sizes, zero2, DATA_AXES)
     stage_specs = tie_donated_outputs(traced, program, stage_specs, mesh_sizes)
-    return stage_specs, objectives, inner
+    return stage_specs, objectives, stage_pins
 
 
 def _draw_and_defer(
@@ -518,14 +513,18 @@ def _search_stages(
     return plan_stages(stage_option, context)
 
 
-def _on_program(table: dict, traced: TracedStep, program: PipelineProgram) -> dict:
-    """A replayed plan's ``(equation, stage)`` table (``operand_specs``, ``partial_sums``),
-    keyed by equations of ``traced``, keyed by the program's equations at the same
-    positions (``split_computations`` rewrites some equations' operands, never their
-    positions)."""
+def _on_program(
+    stage_pins: Sequence[StagePins], traced: TracedStep, program: PipelineProgram, num_stages: int
+) -> tuple[StagePins, ...]:
+    """A replayed plan's per-stage records (``stage_pins``, their equations those of
+    ``traced``) with each equation the program's at the same position
+    (``split_computations`` rewrites some equations' operands, never their positions);
+    an empty record per stage where the plan recorded none."""
+    if not stage_pins:
+        return tuple(StagePins() for _ in range(num_stages))
     same = zip(nested_eqns(traced.jaxpr), nested_eqns(program.closed_jaxpr.jaxpr), strict=True)
     program_eqn = {id(e): mine for e, mine in same}
-    return {(program_eqn[id(e)], s): entry for (e, s), entry in table.items()}
+    return tuple(pins.rekeyed(lambda v: v, lambda e: program_eqn[id(e)]) for pins in stage_pins)
 
 
 def check_decisions(
@@ -543,6 +542,12 @@ def check_decisions(
         raise ValueError(
             f"the recorded sharding table names {len(unknown)} values that {traced.name} "
             "does not have: it was made for another step"
+        )
+    num_stages = decisions.stage_plan.num_stages
+    if decisions.stage_pins and len(decisions.stage_pins) != num_stages:
+        raise ValueError(
+            f"the recorded pipeshard decisions hold {len(decisions.stage_pins)} stage_pins "
+            f"records but {num_stages} stages: expected one per stage"
         )
     needed = max(stop for _, stop in decisions.stage_plan.device_ranges)
     if needed > num_devices:

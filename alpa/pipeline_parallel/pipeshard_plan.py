@@ -10,7 +10,8 @@ A plan prints as a table (stage, layers, submesh, logical shape, latency, memory
 its schedule grid; :meth:`PipeshardPlan.summary` is its JSON-able record (versioned:
 ``SUMMARY_FORMAT``) and :meth:`PipeshardPlan.stage_option` replays its stages as a
 ``ManualStageOption``.
-:meth:`PipeshardPlan.decisions` (layers, stages, the sharding table), given back to
+:meth:`PipeshardPlan.decisions` (layers, stages, the sharding table, the per-stage records
+of pins that the stage programs are lowered from), given back to
 ``plan_pipeshard(decisions=...)``, makes the same plan without searching again: what
 ``alpa.plan_to_method`` replays. :attr:`PipeshardPlan.cost` prices it with the analytic
 stage model; :meth:`PipeshardPlan.draw` pictures it (``plan_view``).
@@ -22,7 +23,7 @@ import dataclasses
 import functools
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from alpa.device_mesh import ClusterSpec, LogicalDeviceMesh
@@ -32,7 +33,7 @@ from alpa.pipeline_parallel.layers.layer_construction import (
 from alpa.pipeline_parallel.program.computation import (
     PipelineProgram,
 )
-from alpa.pipeline_parallel.program.stage_sharding import DATA_AXES
+from alpa.pipeline_parallel.program.stage_sharding import DATA_AXES, StagePins
 from alpa.pipeline_parallel.program.user_shardings import stage_inputs
 from alpa.pipeline_parallel.scheduling import plan_view
 from alpa.pipeline_parallel.scheduling.schedule_choice import (
@@ -77,12 +78,11 @@ class PipeshardDecisions:
       logical_meshes: per stage, the logical mesh (without devices) it was planned on.
       stage_specs: ``(value, stage) -> PartitionSpec``, the sharding table.
       objectives: per stage, the ILP objective(s) of its computations.
-      body_specs, operand_specs: what the stages' ILPs pin inside bodies and on operands
-        (``stage_sharding.InnerSpecs``).
-      partial_sums: ``(add equation, stage) -> PartialSum``: the adds of two partial
-        results the stages' ILPs priced as one reduction (``stage_sharding.InnerSpecs``);
-        empty in plans saved before the stages were lowered with them, which were priced
-        without them.
+      stage_pins: per stage, what its ILP plans pin besides the table: values inside
+        bodies, resharded operands and partial sums (``stage_sharding.StagePins``, the
+        record its computations are lowered from; the one of :class:`PipeshardPlan`, not
+        a copy). Empty (``()``) where none were recorded: a plan saved before the
+        stages were lowered with them, which lowers without them.
     """
 
     layers: LayerAssignment
@@ -91,9 +91,7 @@ class PipeshardDecisions:
     logical_meshes: tuple[LogicalDeviceMesh, ...]
     stage_specs: dict
     objectives: dict
-    body_specs: dict = field(default_factory=dict)
-    operand_specs: dict = field(default_factory=dict)
-    partial_sums: dict = field(default_factory=dict)
+    stage_pins: tuple[StagePins, ...] = ()
 
 
 @dataclass(frozen=True, eq=False)
@@ -118,16 +116,15 @@ class PipeshardPlan:
         it and every buffer: the table's entry, or
         the one the end of the chain filled in (``pipeshard_passes.resolve_value_specs``).
       objectives: per stage, the ILP objective(s) of its computations.
-      body_specs: ``(value, stage) -> PartitionSpec`` for values inside the checkpoint,
-        loop and branch bodies of a stage's equations that its ILP plan pins.
-      operand_specs: ``(equation, stage) -> specs``: the stage plan's resharding edges,
-        the spec each operand is resharded to before the equation reads it (``None``:
-        read as produced).
-      partial_sums: ``(add equation, stage) -> PartialSum``: the adds of two partial
-        results the stage plan priced as one reduction of their sum
-        (``ShardingPlan.partial_sums``). The stage programs are lowered with these three,
-        as ``ShardParallel`` lowers its one plan, so they perform the collectives the ILP
-        priced.
+      stage_pins: per stage (one record each), what its ILP plans pin besides the
+        sharding table (``stage_sharding.StagePins``): the values inside the checkpoint,
+        loop and branch bodies of its equations (``var_specs``), its resharding edges, the
+        spec each operand is resharded to before an equation reads it (``operand_specs``),
+        and the adds of two partial results priced as one reduction of their sum
+        (``partial_sums``). Each stage computation is lowered from its stage's record and
+        the table's entries for the stage by ``shard_parallel``'s lowering of a plan's
+        pins (``lowering.plan_pins``), as ``ShardParallel`` lowers its one plan, so it
+        performs the collectives the ILP priced.
       schedule_candidates: with ``pipeline_schedule="auto"``, each training schedule
         priced on these stages (``schedule_choice.ScheduleCandidate``: seconds per step,
         memory per stage, whether it fits); :attr:`schedule` is the one chosen.
@@ -163,9 +160,7 @@ class PipeshardPlan:
     reshards: dict
     num_micro_batches: int
     layer_option: Any = None
-    body_specs: dict = field(default_factory=dict)
-    operand_specs: dict = field(default_factory=dict)
-    partial_sums: dict = field(default_factory=dict)
+    stage_pins: tuple[StagePins, ...] = ()
     schedule_candidates: tuple = ()
     row_split: Any = None
 
@@ -409,11 +404,15 @@ class PipeshardPlan:
             for s in range(len(self.logical_meshes))
         ]
 
+    def pins_of(self, stage: int) -> StagePins:
+        """Stage ``stage``'s record of pins (:attr:`stage_pins`; empty where none were
+        recorded)."""
+        return self.stage_pins[stage] if self.stage_pins else StagePins()
+
     def decisions(self) -> PipeshardDecisions:
         """What :func:`plan_pipeshard` needs to make this plan again without searching.
-        Its ``operand_specs`` and ``partial_sums`` are keyed by the traced step's
-        equations, as a replay reads them (the plan's own are the split program's, at the
-        same positions)."""
+        The equations of its ``stage_pins`` are the traced step's, as a replay reads them
+        (the plan's own are the split program's, at the same positions)."""
         to_traced = {
             id(mine): e
             for mine, e in zip(
@@ -429,17 +428,10 @@ class PipeshardPlan:
             logical_meshes=self.logical_meshes,
             stage_specs=dict(self.stage_specs),
             objectives={s: list(v) for s, v in self.objectives.items()},
-            body_specs=dict(self.body_specs),
-            operand_specs={
-                (to_traced[id(e)], s): specs
-                for (e, s), specs in self.operand_specs.items()
-                if id(e) in to_traced
-            },
-            partial_sums={
-                (to_traced[id(e)], s): p
-                for (e, s), p in self.partial_sums.items()
-                if id(e) in to_traced
-            },
+            stage_pins=tuple(
+                pins.rekeyed(lambda v: v, lambda e: to_traced.get(id(e)))
+                for pins in self.stage_pins
+            ),
         )
 
     def summary(self) -> dict:

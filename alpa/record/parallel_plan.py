@@ -19,9 +19,11 @@ What a plan records:
   output, the intermediate values and the operands it pins, the data axes and the
   gradient specs;
 * **pipeshard**: the schedule and layer option, the layer of every equation, the stages
-  (layers, submeshes, logical shapes, auto-sharding options) and the sharding table
-  ``(value, stage) -> PartitionSpec``; the split, the schedule's ticks and the
-  instruction lists follow from these and are derived again;
+  (layers, submeshes, logical shapes, auto-sharding options), the sharding table
+  ``(value, stage) -> PartitionSpec`` and, per stage, one record of what its ILPs pin
+  besides it (``stage_sharding.StagePins``: values inside bodies, resharded operands,
+  partial sums); the split, the schedule's ticks and the instruction lists follow from
+  these and are derived again;
 * both: ``num_micro_batches``, the cluster shape, and where every input is placed.
 
 Values and equations of the traced jaxpr are named by position (``plan_refs.value_refs``:
@@ -56,22 +58,25 @@ from alpa.pipeline_parallel.pipeshard_plan import (
     PipeshardDecisions,
     PipeshardPlan,
 )
+from alpa.pipeline_parallel.program.stage_sharding import StagePins
 from alpa.record.plan_json import (
     InconsistentPlanError,
     check_pipeline_decisions,
+    expected_stage,
     layer_option_from_json,
     layer_option_to_json,
     mesh_from_json,
     mesh_to_json,
     option_to_json,
     partial_sum_from_json,
-    partial_sum_to_json,
     placement_from_json,
     placement_to_json,
     sharding_plan_from_json,
     sharding_plan_to_json,
     spec_from_json,
     spec_to_json,
+    stage_pins_from_json,
+    stage_pins_to_json,
     stage_plan_from_json,
     stage_plan_to_json,
 )
@@ -88,7 +93,11 @@ if TYPE_CHECKING:  # the executables import this record; it knows only their int
 
 #: Version of the JSON layout ``ParallelPlan.to_json`` writes (field ``"format"``; the
 #: rules for reading other versions are :mod:`alpa.saved_format`'s).
-PLAN_FORMAT = 1
+PLAN_FORMAT = 2
+
+# Format 2: a pipeline plan's pins besides its sharding table are one record per stage
+# ("stage_pins"); format 1 kept them in three tables keyed by (ref, stage) ("body_specs",
+# "operand_specs", "partial_sums"), read by :func:`_stage_pins_of_format_1`.
 
 # ----------------------------------------------------------------------------- records
 
@@ -120,8 +129,9 @@ class PipelinePlan:
         ``"zb-h1"``, ``"interleaved-1f1b"``, ``"dualpipev"``, ``"inference"``).
       layer_option: the layer option the step was traced with (``alpa.grad`` cuts the
         loss function as it says, so a replay traces under it again).
-      decisions: layers, stages, per-stage options and logical meshes, and the sharding
-        table keyed by ``(value ref, stage)`` (``plan_refs.value_refs``).
+      decisions: layers, stages, per-stage options and logical meshes, the sharding
+        table keyed by ``(value ref, stage)`` (``plan_refs.value_refs``) and the
+        per-stage records of pins keyed by value and equation refs.
       split_rows: whether the step's stacked parameters were split by rows
         (``stacked_rows``): the refs name values of the split step, which a replay makes
         again.
@@ -245,15 +255,11 @@ class ParallelPlan:
             decisions,
             logical_meshes=tuple(replace(m, devices=None) for m in decisions.logical_meshes),
             stage_specs={(refs[v], s): spec for (v, s), spec in decisions.stage_specs.items()},
-            body_specs={(refs[v], s): spec for (v, s), spec in decisions.body_specs.items()},
-            operand_specs={  # less those of random draws rewritten after the planning
-                (eqns[id(e)], s): specs
-                for (e, s), specs in decisions.operand_specs.items()
-                if id(e) in eqns
-            },
-            partial_sums={
-                (eqns[id(e)], s): p for (e, s), p in decisions.partial_sums.items() if id(e) in eqns
-            },
+            # Less the equations of random draws rewritten after the planning.
+            stage_pins=tuple(
+                pins.rekeyed(refs.__getitem__, lambda e: eqns.get(id(e)))
+                for pins in decisions.stage_pins
+            ),
         )
         layer_option = plan.layer_option or ManualLayerOption()
         return cls(
@@ -339,7 +345,7 @@ class ParallelPlan:
                 f"{source} is not a ParallelPlan (what ParallelPlan.to_dict returns): it is "
                 f"a {type(data).__name__}"
             )
-        read_format(data, PLAN_FORMAT, "ParallelPlan", source)
+        version = read_format(data, PLAN_FORMAT, "ParallelPlan", source)
         sharding = data["sharding_plan"]
         pipeline = data["pipeline_plan"]
         return cls(
@@ -351,7 +357,7 @@ class ParallelPlan:
             cluster_info=ClusterInfo(**data["cluster_info"]),
             num_micro_batches=data["num_micro_batches"],
             sharding_plan=None if sharding is None else sharding_plan_from_json(sharding),
-            pipeline_plan=None if pipeline is None else _pipeline_plan_from_json(pipeline),
+            pipeline_plan=None if pipeline is None else _pipeline_plan_from_json(pipeline, version),
             input_placement_specs=tuple(
                 placement_from_json(p) for p in data["input_placement_specs"]
             ),
@@ -532,53 +538,59 @@ def _pipeline_plan_to_json(plan: PipelinePlan) -> dict:
             key=lambda row: (row[1], row[0]),
         ),
         "objectives": [[s, list(v)] for s, v in sorted(d.objectives.items())],
-        "body_specs": sorted(
-            ([ref, s, spec_to_json(spec)] for (ref, s), spec in d.body_specs.items()),
-            key=lambda row: (row[1], row[0]),
-        ),
-        "operand_specs": sorted(
-            (
-                [ref, s, [spec_to_json(spec) for spec in specs]]
-                for (ref, s), specs in d.operand_specs.items()
-            ),
-            key=lambda row: (row[1], row[0]),
-        ),
-        "partial_sums": sorted(
-            ([ref, s, partial_sum_to_json(p)] for (ref, s), p in d.partial_sums.items()),
-            key=lambda row: (row[1], row[0]),
-        ),
+        "stage_pins": [stage_pins_to_json(pins) for pins in d.stage_pins],
     }
 
 
-def _pipeline_plan_from_json(data: Mapping) -> PipelinePlan:
+def _pipeline_plan_from_json(data: Mapping, version: int) -> PipelinePlan:
     layers = data["layers"]
+    stage_plan = stage_plan_from_json(data["stage_plan"])
+    stage_pins = ()
+    if version >= 2:
+        stage_pins = tuple(stage_pins_from_json(pins) for pins in data["stage_pins"])
     decisions = PipeshardDecisions(
         layers=LayerAssignment(
             tuple(layers["layers"]),
             None if layers["kinds"] is None else tuple(layers["kinds"]),
             layers["num_layers"],
         ),
-        stage_plan=stage_plan_from_json(data["stage_plan"]),
+        stage_plan=stage_plan,
         options=tuple(AutoShardingOption(**o).snapshot() for o in data["options"]),
         logical_meshes=tuple(mesh_from_json(m) for m in data["logical_meshes"]),
         stage_specs={(ref, s): spec_from_json(spec) for ref, s, spec in data["stage_specs"]},
         objectives={s: list(v) for s, v in data["objectives"]},
-        # Absent from plans saved before the stages' lowering took them.
-        body_specs={(ref, s): spec_from_json(spec) for ref, s, spec in data.get("body_specs", [])},
-        operand_specs={
-            (ref, s): tuple(spec_from_json(spec) for spec in specs)
-            for ref, s, specs in data.get("operand_specs", [])
-        },
-        # Absent from plans saved before the stages' lowering took them: those were priced
-        # without partial sums, and lower without them.
-        partial_sums={
-            (ref, s): partial_sum_from_json(p) for ref, s, p in data.get("partial_sums", [])
-        },
+        stage_pins=stage_pins,
     )
     check_pipeline_decisions(decisions)  # an edited file's stages, before they reach a pass
+    if version < 2:  # its stages checked, its tables are read per stage
+        stage_pins = _stage_pins_of_format_1(data, len(stage_plan.device_ranges))
+        decisions = replace(decisions, stage_pins=stage_pins)
     return PipelinePlan(
         data["pipeline_schedule"],
         layer_option_from_json(data["layer_option"]),
         decisions,
         data.get("split_rows", False),  # absent from plans saved before rows were split
     )
+
+
+def _stage_pins_of_format_1(data: Mapping, num_stages: int) -> tuple[StagePins, ...]:
+    """The per-stage records of a format-1 pipeline plan, whose three tables
+    ``body_specs``, ``operand_specs`` and ``partial_sums`` were keyed by ``(ref, stage)``
+    (each absent from plans saved before the stages' lowering took it: those were priced
+    without it, and lower without it). An entry on a stage the plan lacks is refused by
+    name."""
+    tables = {
+        "body_specs": spec_from_json,
+        "operand_specs": lambda specs: tuple(spec_from_json(spec) for spec in specs),
+        "partial_sums": partial_sum_from_json,
+    }
+    per_stage: dict[str, list[dict]] = {name: [{} for _ in range(num_stages)] for name in tables}
+    for name, read in tables.items():
+        for ref, stage, entry in data.get(name, []):
+            if not (isinstance(stage, int) and 0 <= stage < num_stages):
+                raise InconsistentPlanError(
+                    f"{name} has an entry for {ref!r} on stage {stage}: "
+                    + expected_stage(num_stages)
+                )
+            per_stage[name][stage][ref] = read(entry)
+    return tuple(StagePins(*(per_stage[name][s] for name in tables)) for s in range(num_stages))

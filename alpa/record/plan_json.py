@@ -20,6 +20,7 @@ from jax.sharding import PartitionSpec
 
 from alpa.device_mesh import LogicalDeviceMesh
 from alpa.pipeline_parallel.layers.layer_construction import AutoLayerOption, ManualLayerOption
+from alpa.pipeline_parallel.program.stage_sharding import StagePins
 from alpa.pipeline_parallel.stages.stage_construction import StagePlan
 from alpa.runtime.placement import PlacementSpec
 from alpa.shard_parallel.auto_sharding import AutoShardingOption
@@ -83,6 +84,32 @@ def partial_sum_from_json(data: Mapping) -> PartialSum:
     return PartialSum(
         tuple(tuple(spec_from_json(s) for s in specs) for specs in data["operand_specs"]),
         tuple(data["reduce_axes"]),
+    )
+
+
+def stage_pins_to_json(pins: StagePins) -> dict:
+    """A pipeline stage's pins (their values and equations named by refs), each table
+    sorted by ref, so that two records of one plan are the same text."""
+    return {
+        "var_specs": {ref: spec_to_json(pins.var_specs[ref]) for ref in sorted(pins.var_specs)},
+        "operand_specs": {
+            ref: [spec_to_json(s) for s in pins.operand_specs[ref]]
+            for ref in sorted(pins.operand_specs)
+        },
+        "partial_sums": {
+            ref: partial_sum_to_json(pins.partial_sums[ref]) for ref in sorted(pins.partial_sums)
+        },
+    }
+
+
+def stage_pins_from_json(data: Mapping) -> StagePins:
+    return StagePins(
+        {ref: spec_from_json(spec) for ref, spec in data["var_specs"].items()},
+        {
+            ref: tuple(spec_from_json(s) for s in specs)
+            for ref, specs in data["operand_specs"].items()
+        },
+        {ref: partial_sum_from_json(p) for ref, p in data["partial_sums"].items()},
     )
 
 
@@ -230,14 +257,15 @@ def check_pipeline_decisions(decisions: Any) -> None:
         "options": decisions.options,
         "logical_meshes": decisions.logical_meshes,
     }
+    if decisions.stage_pins:  # absent (empty) from plans saved before they were recorded
+        per_stage["stage_pins"] = decisions.stage_pins
     for name, values in per_stage.items():
         if len(values) != num:
             raise InconsistentPlanError(
                 f"{name} has {len(values)} entries but stage_plan.device_ranges has {num} "
                 f"(one per stage): expected {num}"
             )
-    stages = f"{num} stage" + ("s" if num != 1 else "")
-    expected = f"a stage in 0..{num - 1} (stage_plan.device_ranges has {stages})"
+    expected = expected_stage(num)
     layers = stage_plan.layer_to_stage
     if len(layers) != decisions.layers.num_layers:
         raise InconsistentPlanError(
@@ -249,7 +277,7 @@ def check_pipeline_decisions(decisions: Any) -> None:
         if not 0 <= stage < num:
             raise InconsistentPlanError(
                 f"stage_plan.layer_to_stage={list(layers)} puts layer {layer} on stage {stage}: "
-                f"expected {expected}"
+                f"{expected}"
             )
     if list(layers) != sorted(layers):
         raise InconsistentPlanError(
@@ -263,21 +291,20 @@ def check_pipeline_decisions(decisions: Any) -> None:
                 "expected every stage to hold at least one layer"
             )
         _check_stage_mesh(decisions, stage)
-    tables = {
-        "stage_specs": decisions.stage_specs,
-        "body_specs": decisions.body_specs,
-        "operand_specs": decisions.operand_specs,
-        "partial_sums": decisions.partial_sums,
-    }
-    for name, table in tables.items():
-        for ref, stage in table:
-            if not 0 <= stage < num:
-                raise InconsistentPlanError(
-                    f"{name} has an entry for {ref!r} on stage {stage}: expected {expected}"
-                )
+    for ref, stage in decisions.stage_specs:
+        if not 0 <= stage < num:
+            raise InconsistentPlanError(
+                f"stage_specs has an entry for {ref!r} on stage {stage}: {expected}"
+            )
     for stage in decisions.objectives:
         if not 0 <= stage < num:
-            raise InconsistentPlanError(f"objectives names stage {stage}: expected {expected}")
+            raise InconsistentPlanError(f"objectives names stage {stage}: {expected}")
+
+
+def expected_stage(num: int) -> str:
+    """What a stage named in a plan of ``num`` stages must be, for the errors."""
+    stages = f"{num} stage" + ("s" if num != 1 else "")
+    return f"expected a stage in 0..{num - 1} (stage_plan.device_ranges has {stages})"
 
 
 def _check_stage_mesh(decisions: Any, stage: int) -> None:

@@ -17,7 +17,8 @@ The compiled programs' HLO must hold exactly these, counted by kind and bytes pe
 all-reduces (the loss) are left out on both sides: XLA reduces a scalar split over two
 axes in two steps, one per axis, where the plan prices one reduction.
 
-Before the stages took ``body_specs`` and ``operand_specs``, the remat case failed: the
+Before the stages took their plans' specs inside bodies and on operands, the remat case
+failed: the
 last stage's forward all-gathered an activation (16 KiB per device) inside the checkpoint body
 where its plan priced an all-reduce of it. Without ``partial_sums``, the first stage's
 backward all-reduced two of the input gradients of query, key and value each on its own,
@@ -216,15 +217,23 @@ def test_stage_programs_perform_the_collectives_their_plans_priced(remat):
     # and reshard activations (all-gathers) inside the stages.
     assert kinds == {"all-reduce", "all-gather"}, kinds
     if remat:  # the checkpoint bodies' values and operands are pinned too
-        assert executable.plan.body_specs and executable.plan.operand_specs
+        assert _pinned(executable.plan, "var_specs") and _pinned(executable.plan, "operand_specs")
     else:
         # An add of two partial results priced as one reduction (two of the input
         # gradients of query, key and value, split by heads over "y") and lowered so: both
         # computed on each device, added, all-reduced once. The same numbers as serial.
-        ((eqn, stage), partial_sum), *_ = executable.plan.partial_sums.items()
+        ((eqn, stage), partial_sum), *_ = _pinned(executable.plan, "partial_sums").items()
         assert (eqn.primitive.name, stage, partial_sum.reduce_axes) == ("add_any", 0, ("y",))
         expected = jax.jit(step)(*args)  # first: the parallel step donates the state
         assert_allclose(parallel(*args), expected, rtol=1e-4, atol=1e-4)
+
+
+def _pinned(plan, table: str) -> dict:
+    """``(key, stage) -> entry`` of one table of a plan's (or its decisions') per-stage
+    records of pins (``stage_pins``)."""
+    return {
+        (k, s): x for s, pins in enumerate(plan.stage_pins) for k, x in getattr(pins, table).items()
+    }
 
 
 def test_stage_partial_sums_survive_a_saved_plan():
@@ -235,19 +244,20 @@ def test_stage_partial_sums_survive_a_saved_plan():
     executable, args = _executable(remat=False)
     saved = executable.get_parallel_plan().to_json()
     loaded = alpa.ParallelPlan.from_json(saved)
-    recorded = loaded.pipeline_plan.decisions.partial_sums
-    assert len(recorded) == len(executable.plan.partial_sums) == 1
+    recorded = _pinned(loaded.pipeline_plan.decisions, "partial_sums")
+    assert len(recorded) == len(_pinned(executable.plan, "partial_sums")) == 1
     _, _, step = _gpt(remat=False)
     replayed = alpa.parallelize(step, method=alpa.plan_to_method(loaded)).get_executable(*args)
     assert program_text(replayed.get_hlo_text()) == program_text(executable.get_hlo_text())
 
     data = json.loads(saved)
-    del data["pipeline_plan"]["partial_sums"]
+    for pins in data["pipeline_plan"]["stage_pins"]:
+        pins["partial_sums"] = {}
     older = alpa.ParallelPlan.from_json(json.dumps(data))
-    assert older.pipeline_plan.decisions.partial_sums == {}
+    assert _pinned(older.pipeline_plan.decisions, "partial_sums") == {}
     parallel = alpa.parallelize(step, method=alpa.plan_to_method(older))
     compiled = parallel.get_executable(*args)
-    assert not compiled.plan.partial_sums
+    assert not _pinned(compiled.plan, "partial_sums")
     names = executable.get_hlo_names()
     texts = [dict(zip(names, e.get_hlo_text(), strict=True)) for e in (executable, compiled)]
     now, before = (_hlo_collectives(t["stage0_backward"]) for t in texts)
@@ -262,8 +272,51 @@ def test_stage_constraints_survive_a_saved_plan():
     executable, args = _executable(remat=True)
     loaded = alpa.ParallelPlan.from_json(executable.get_parallel_plan().to_json())
     decisions = loaded.pipeline_plan.decisions
-    assert len(decisions.operand_specs) == len(executable.plan.operand_specs) > 0
-    assert len(decisions.body_specs) == len(executable.plan.body_specs) > 0
+    for table in ("operand_specs", "var_specs"):
+        assert len(_pinned(decisions, table)) == len(_pinned(executable.plan, table)) > 0
     _, _, step = _gpt(remat=True)
     replayed = alpa.parallelize(step, method=alpa.plan_to_method(loaded)).get_executable(*args)
     assert program_text(replayed.get_hlo_text()) == program_text(executable.get_hlo_text())
+
+
+_PINS_OF_FORMAT_1 = {"var_specs": "body_specs", "operand_specs": "operand_specs",
+                     "partial_sums": "partial_sums"}  # fmt: skip
+
+
+def _format_1(text: str) -> str:
+    """A saved plan in the layout of format 1, before the stages' pins were one record
+    per stage: three tables of ``[ref, stage, entry]`` rows."""
+    data = json.loads(text)
+    pipeline = data["pipeline_plan"]
+    for table, old in _PINS_OF_FORMAT_1.items():
+        pipeline[old] = [
+            [ref, s, entry]
+            for s, pins in enumerate(pipeline["stage_pins"])
+            for ref, entry in pins[table].items()
+        ]
+    del pipeline["stage_pins"]
+    data["format"] = 1
+    return json.dumps(data)
+
+
+@pytest.mark.parametrize("remat", [False, True])
+def test_a_plan_saved_in_the_previous_layout_replays_the_same_programs(remat):
+    """A plan saved in format 1 (the stages' pins in three ``(ref, stage)`` tables) loads
+    into the same per-stage records as the plan saved now, and (with its checkpoint
+    bodies' and operands' pins) compiles to the same stage programs."""
+    executable, args = _executable(remat=remat)
+    saved = executable.get_parallel_plan().to_json()
+    old = _format_1(saved)
+    assert "stage_pins" not in json.loads(old)["pipeline_plan"]
+    now, before = (alpa.ParallelPlan.from_json(t).pipeline_plan.decisions for t in (saved, old))
+    assert len(before.stage_pins) == len(now.stage_pins) == executable.plan.num_stages
+    tables = ("partial_sums",) if not remat else ("var_specs", "operand_specs")
+    for table in _PINS_OF_FORMAT_1:
+        assert _pinned(before, table) == _pinned(now, table)
+    for table in tables:  # not vacuous
+        assert _pinned(now, table)
+    if remat:
+        _, _, step = _gpt(remat=True)
+        method = alpa.plan_to_method(alpa.ParallelPlan.from_json(old))
+        replayed = alpa.parallelize(step, method=method).get_executable(*args)
+        assert program_text(replayed.get_hlo_text()) == program_text(executable.get_hlo_text())

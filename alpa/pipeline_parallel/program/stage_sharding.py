@@ -35,7 +35,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -125,9 +125,11 @@ def plan_stage_shardings(
     names: dict,
     pinned: dict | None = None,
     workers: int | None = None,
-) -> tuple[dict, dict]:
-    """The table ``(var, mesh) -> PartitionSpec`` and, per stage, the ILP plan objective(s)
-    (``{stage: [objective, ...]}``) of the computations the ILP planned.
+) -> tuple[dict, dict, tuple[StagePins, ...]]:
+    """The table ``(var, mesh) -> PartitionSpec``, per stage the ILP plan objective(s)
+    (``{stage: [objective, ...]}``) of the computations the ILP planned, and per stage
+    what its ILP plans pin besides the table (:class:`StagePins`; empty for a stage the
+    ILP did not plan).
 
     ``pinned`` entries (the user's, ``user_shardings``) are kept as they are. A stage's
     computations are planned in order (forward and backward as one, then each apply
@@ -137,10 +139,10 @@ def plan_stage_shardings(
     pinned = dict(pinned or {})
     shared = _SharedPlans()
 
-    def plan_stage(s: int) -> tuple[dict, list[float], InnerSpecs]:
+    def plan_stage(s: int) -> tuple[dict, list[float], StagePins]:
         table = {key: spec for key, spec in pinned.items() if key[1] == s}
         objectives: list[float] = []
-        inner = InnerSpecs()
+        pins = StagePins()
         mesh, option = logical_meshes[s], options[s]
         if propagates(option, mesh.num_devices):
 
@@ -154,10 +156,12 @@ def plan_stage_shardings(
             planning = _Planning(s, program, mesh, option, names, traced, shared)
 
             def plan_group(comps) -> None:
-                objectives.append(planning.plan_into(table, inner, comps))
+                nonlocal pins
+                objective, pins = planning.plan_into(table, pins, comps)
+                objectives.append(objective)
 
         else:
-            return table, objectives, inner
+            return table, objectives, pins
         forward_backward, applies = _stage_groups(program, s)
         if forward_backward:
             plan_group(forward_backward)
@@ -167,21 +171,17 @@ def plan_stage_shardings(
                 table[(out, s)] = table[(operand, s)]
         for comp in applies:
             plan_group([comp])
-        return table, objectives, inner
+        return table, objectives, pins
 
     stages = range(program.num_stages)
     planned = map_on_threads(taking_turns(plan_stage), stages, workers, "alpa-stage-sharding")
     table: dict = dict(pinned)
     objectives: dict[int, list[float]] = {}
-    inner = InnerSpecs()
-    for s, (stage_table, stage_objectives, stage_inner) in zip(stages, planned, strict=True):
+    for s, (stage_table, stage_objectives, _) in zip(stages, planned, strict=True):
         table.update(stage_table)
-        inner.body_specs.update(stage_inner.body_specs)
-        inner.operand_specs.update(stage_inner.operand_specs)
-        inner.partial_sums.update(stage_inner.partial_sums)
         if stage_objectives:
             objectives[s] = stage_objectives
-    return table, objectives, inner
+    return table, objectives, tuple(pins for _, _, pins in planned)
 
 
 def _stage_groups(
@@ -195,27 +195,48 @@ def _stage_groups(
     return [c for c in first if c is not None and c.eqns], applies
 
 
-@dataclasses.dataclass
-class InnerSpecs:
-    """What the stages' ILP plans pin besides the sharding table, as
-    ``shard_parallel``'s lowering takes it (``ShardingPlan.var_specs`` inside bodies,
-    ``ShardingPlan.operand_specs`` and ``ShardingPlan.partial_sums``), keyed by stage like
-    the table.
+@dataclasses.dataclass(frozen=True, eq=False)
+class StagePins:
+    """What one stage's ILP plans pin besides the sharding table (which holds the values
+    the stage's equations produce and its inputs: ``stage_specs``), as ``shard_parallel``'s
+    lowering takes a plan's pins (``lowering.plan_pins``): the stage's computations are
+    lowered from it and the table's entries for the stage.
+
+    Not a ``ShardingPlan``: a stage is planned as several jaxprs (its forward and backward
+    together, then each apply-grad computation), so it has no one list of inputs and
+    outputs, nor one objective, for that record's required fields.
 
     Attributes:
-      body_specs: ``(value, stage) -> PartitionSpec`` for the values inside the bodies of
+      var_specs: ``value -> PartitionSpec`` for the values inside the bodies of
         checkpoint (``remat2``), ``scan``, ``while`` and ``cond`` equations.
-      operand_specs: ``(equation, stage) -> specs``: the spec each operand of the equation
-        (of the step or of such a body) is resharded to before the equation reads it,
-        ``None`` where it is read as produced: the plan's resharding edges.
-      partial_sums: ``(add equation, stage) -> PartialSum``: the adds of two partial
-        results the plan priced as one reduction of their sum; the stage's lowering adds
-        them on each device and reduces once (``shard_parallel.gradients.partial_sums``).
+      operand_specs: ``equation -> specs``: the spec each operand of the equation (of the
+        step or of such a body) is resharded to before the equation reads it, ``None``
+        where it is read as produced: the plan's resharding edges.
+      partial_sums: ``add equation -> PartialSum``: the adds of two partial results the
+        plan priced as one reduction of their sum; the stage's lowering adds them on each
+        device and reduces once (``shard_parallel.gradients.partial_sums``).
     """
 
-    body_specs: dict = dataclasses.field(default_factory=dict)
-    operand_specs: dict = dataclasses.field(default_factory=dict)
-    partial_sums: dict = dataclasses.field(default_factory=dict)
+    var_specs: Mapping = dataclasses.field(default_factory=dict)
+    operand_specs: Mapping = dataclasses.field(default_factory=dict)
+    partial_sums: Mapping = dataclasses.field(default_factory=dict)
+
+    def rekeyed(self, value: Callable[[Any], Any], eqn: Callable[[Any], Any]) -> StagePins:
+        """This record with each value keyed by ``value(v)`` and each equation by
+        ``eqn(e)`` (a ref of a saved plan, the same equation of another jaxpr); an
+        equation ``eqn`` maps to ``None`` is left out."""
+        operands = {eqn(e): specs for e, specs in self.operand_specs.items()}
+        sums = {eqn(e): p for e, p in self.partial_sums.items()}
+        return StagePins(
+            {value(v): spec for v, spec in self.var_specs.items()},
+            {e: specs for e, specs in operands.items() if e is not None},
+            {e: p for e, p in sums.items() if e is not None},
+        )
+
+    def with_specs(self, var_specs: Mapping) -> StagePins:
+        """This record with ``var_specs`` added to (and taking precedence over) its own:
+        the stage's entries of the sharding table, for its lowering."""
+        return dataclasses.replace(self, var_specs={**self.var_specs, **var_specs})
 
 
 class _SharedPlans:
@@ -253,10 +274,13 @@ class _Planning:
     traced: TracedStep
     shared: _SharedPlans
 
-    def plan_into(self, table: dict, inner: InnerSpecs, comps: Sequence[StageComputation]):
-        """Plan ``comps`` as one jaxpr; record the specs not yet in ``table`` (and what the
-        plan pins inside bodies and on operands in ``inner``); return the ILP objective.
-        A computation of the same structure already planned (``shared``) lends its plan."""
+    def plan_into(
+        self, table: dict, pins: StagePins, comps: Sequence[StageComputation]
+    ) -> tuple[float | None, StagePins]:
+        """Plan ``comps`` as one jaxpr; record the specs not yet in ``table``; return the
+        ILP objective and ``pins`` with what the plan pins inside bodies, on operands and
+        as partial sums added where ``pins`` has none yet. A computation of the same
+        structure already planned (``shared``) lends its plan."""
         s, mesh, option = self.s, self.mesh, self.option
         sub, produced = merged_step(
             self.traced, self.program, comps, mesh.num_devices, self.names, f"stage{s}"
@@ -296,19 +320,21 @@ class _Planning:
             partial_sums = {eqns[id(e)]: p for e, p in partial_sums.items()}
         for v, spec in zip(invars, plan.in_specs, strict=True):
             table.setdefault((v, s), spec)
+        body_specs = {}
         for v, spec in var_specs.items():
             if is_var(v) and v in produced:
                 table.setdefault((v, s), spec)
             elif is_var(v) and v not in invars:  # inside a checkpoint, loop or branch
-                inner.body_specs.setdefault((v, s), spec)
-        for eqn, specs in operand_specs.items():
-            inner.operand_specs.setdefault((eqn, s), specs)
-        for eqn, partial_sum in partial_sums.items():
-            inner.partial_sums.setdefault((eqn, s), partial_sum)
+                body_specs[v] = spec
         for v, spec in zip(outvars, plan.out_specs, strict=True):
             if spec is not None:
                 table.setdefault((v, s), spec)
-        return plan.objective
+        pins = StagePins(
+            body_specs | dict(pins.var_specs),
+            dict(operand_specs) | dict(pins.operand_specs),
+            dict(partial_sums) | dict(pins.partial_sums),
+        )
+        return plan.objective, pins
 
 
 def _positional_vars(step: StepJaxpr) -> list:

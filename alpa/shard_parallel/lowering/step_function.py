@@ -20,6 +20,7 @@ across devices **once per step**, after it (``micro_batches.py``).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -39,10 +40,10 @@ from alpa.shard_parallel.gradients.gradient_sync import (
 from alpa.shard_parallel.gradients.micro_batches import batch_dims, stack_micro_batches
 from alpa.shard_parallel.gradients.packed_collectives import gather_packed, reduce_partials
 from alpa.shard_parallel.gradients.param_gathers import GatherSchedule, Pack, gather_schedule
-from alpa.shard_parallel.gradients.partial_sums import partial_sum_overrides
 from alpa.shard_parallel.gradients.reduce_scatters import reduce_scatter_overrides
 from alpa.shard_parallel.gradients.row_sums import deferrable, deferred_rules, partial_spec
 from alpa.shard_parallel.lowering.constrained_eval import eval_jaxpr_with_constraints, pinned
+from alpa.shard_parallel.lowering.plan_pins import Pins, plan_pins
 from alpa.shard_parallel.sharding_plan import ShardingPlan
 from alpa.tracing import StepJaxpr, new_jaxpr
 from alpa.tracing.batch_draws import batch_size, micro_batch_draws, with_row_ids
@@ -127,12 +128,10 @@ def _average(total, count: int):
 def build_step_function(traced: StepJaxpr, plan: ShardingPlan, mesh, num_micro_batches: int | None):
     """The Python function that ``jax.jit`` compiles for ``plan``: flat leaves in, flat
     leaves out, batch leaves at full batch size."""
-    var_shardings, operand_shardings = _plan_shardings(traced, plan, mesh)
+    pins = _step_pins(traced, plan, mesh)
     if not num_micro_batches:
-        return _one_batch_step(traced, plan, mesh, var_shardings, operand_shardings)
-    return _micro_batched_step(
-        traced, plan, mesh, num_micro_batches, var_shardings, operand_shardings
-    )
+        return _one_batch_step(traced, plan, mesh, pins)
+    return _micro_batched_step(traced, plan, mesh, num_micro_batches, pins)
 
 
 def build_micro_batched_parts(
@@ -142,19 +141,15 @@ def build_micro_batched_parts(
     program each compiles (:class:`MicroBatchedParts`). ``grad_shardings`` (per output of
     the ``alpa.grad`` marker, a sharding or ``None``) pins the gradients, and what the
     compute part computes them from, where the plan does not."""
-    var_shardings, operand_shardings = _plan_shardings(traced, plan, mesh)
-    return micro_batched_parts(
-        traced, plan, mesh, num_micro_batches, var_shardings, operand_shardings, grad_shardings
-    )
+    pins = _step_pins(traced, plan, mesh)
+    return micro_batched_parts(traced, plan, mesh, num_micro_batches, pins, grad_shardings)
 
 
-def _plan_shardings(traced: StepJaxpr, plan: ShardingPlan, mesh) -> tuple[dict, dict]:
-    """``(var_shardings, operand_shardings)``: what the plan pins, on ``mesh``."""
-    var_shardings = {v: NamedSharding(mesh, s) for v, s in plan.var_specs.items()}
-    operand_shardings = {
-        eqn: tuple(None if s is None else NamedSharding(mesh, s) for s in specs)
-        for eqn, specs in plan.operand_specs.items()
-    }
+def _step_pins(traced: StepJaxpr, plan: ShardingPlan, mesh) -> Pins:
+    """What the plan pins, on ``mesh`` (``plan_pins``), its gradient specs on the
+    ``alpa.grad`` marker's outputs too."""
+    pins = plan_pins(plan, mesh)
+    var_shardings = dict(pins.constraints)
     marker = traced.grad_marker()
     if marker is not None and plan.grad_specs is not None:
         for v, spec in zip(marker.outvars, plan.grad_specs, strict=True):
@@ -163,18 +158,17 @@ def _plan_shardings(traced: StepJaxpr, plan: ShardingPlan, mesh) -> tuple[dict, 
     if mesh.size == 1:
         # Nothing to shard; the constraints would only stand between XLA's simplifications
         # (measured: a 25 ms MLP step 12% slower than jax.jit with them, equal without).
-        var_shardings, operand_shardings = {}, {}
-    return var_shardings, operand_shardings
+        return dataclasses.replace(pins, constraints={}, operand_constraints={})
+    return pins.with_constraints(var_shardings)
 
 
-def _one_batch_step(traced: StepJaxpr, plan: ShardingPlan, mesh, var_shardings, operand_shardings):
+def _one_batch_step(traced: StepJaxpr, plan: ShardingPlan, mesh, pins: Pins):
     """The step on the whole batch at once, its gradients reduced at the marker."""
     closed = traced.closed_jaxpr
+    var_shardings, operand_shardings = pins.constraints, pins.operand_constraints
     overrides = reduce_at_marker(traced, plan, mesh, var_shardings)
     if mesh.size > 1:
-        overrides |= partial_sum_overrides(
-            closed.jaxpr, plan.partial_sums, plan.var_specs, mesh, skip=set(overrides)
-        )
+        overrides |= pins.overrides(closed.jaxpr, skip=overrides)
         overrides |= _reduce_scatters(traced, closed.jaxpr, plan, plan.var_specs, mesh, overrides)
     gathered = _gathering(traced, plan, mesh)
     schedule = None
@@ -275,13 +269,11 @@ def _gathering(traced: StepJaxpr, plan: ShardingPlan, mesh) -> _Gathering:
     return _Gathering(dict(gathers.inputs), dict(gathers.outputs), mesh, packs_by_dimension(plan))
 
 
-def _micro_batched_step(
-    traced: StepJaxpr, plan: ShardingPlan, mesh, k: int, var_shardings, operand_shardings
-):
+def _micro_batched_step(traced: StepJaxpr, plan: ShardingPlan, mesh, k: int, pins: Pins):
     """The step over ``k`` micro-batches as one program: a loop of the compute part
     accumulating the gradients (row sums kept per device where they can be), then the
     apply part once."""
-    parts = micro_batched_parts(traced, plan, mesh, k, var_shardings, operand_shardings)
+    parts = micro_batched_parts(traced, plan, mesh, k, pins)
 
     def step(*leaves):
         read = parts.read(leaves)
@@ -347,8 +339,7 @@ def micro_batched_parts(
     plan: ShardingPlan,
     mesh,
     k: int,
-    var_shardings,
-    operand_shardings,
+    pins: Pins,
     grad_shardings=None,
 ) -> MicroBatchedParts:
     closed = traced.closed_jaxpr
@@ -357,15 +348,17 @@ def micro_batched_parts(
     is_batch = traced.batch_invars
     data_axes = tuple(plan.data_axes) if mesh.size > 1 else ()
     var_specs, by_dim = plan.var_specs, packs_by_dimension(plan)
+    var_shardings, operand_shardings = pins.constraints, pins.operand_constraints
     if grad_shardings is not None and mesh.size > 1:
         var_shardings, var_specs = _pin_gradients(split, var_shardings, var_specs, grad_shardings)
+        pins = pins.with_constraints(var_shardings)
 
     # The apply part starts from the step's inputs as they arrive: constraints on them
     # (ZeRO-3 gathers parameters before use) belong to the compute part only.
     step_inputs = set(jaxpr.invars)
     apply_shardings = {v: s for v, s in var_shardings.items() if v not in step_inputs}
 
-    deferred, overrides, num_data = _deferred_sums(traced, plan, split, mesh, data_axes, var_specs)
+    deferred, overrides, num_data = _deferred_sums(traced, plan, pins, split, data_axes, var_specs)
     is_partial = tuple(isinstance(v, Var) and v in deferred for v in split.compute.outvars)
     # A random draw of the batch's shape takes micro-batch j's rows of the full batch's
     # draw (tracing/batch_draws.py); the row ids are one more batch leaf, stacked like the
@@ -477,11 +470,12 @@ def _pin_gradients(split: GradSplit, var_shardings, var_specs, grad_shardings):
     return var_shardings, var_specs
 
 
-def _deferred_sums(traced, plan, split: GradSplit, mesh, data_axes, var_specs):
+def _deferred_sums(traced, plan, pins: Pins, split: GradSplit, data_axes, var_specs):
     """``(deferred, overrides, num_data)``: row sums that reach the marker through linear
     operations are kept per device and reduced once per step (micro_batches.py), by these
-    overrides of the compute part; the rest of it is the serial program under the plan's
-    constraints."""
+    overrides of the compute part (on ``pins.mesh``); the rest of it is the serial program
+    under the plan's constraints."""
+    mesh = pins.mesh
     deferred, overrides, num_data = set(), {}, 1
     if data_axes:
         num_data = int(np.prod([mesh.shape[a] for a in data_axes]))
@@ -493,9 +487,7 @@ def _deferred_sums(traced, plan, split: GradSplit, mesh, data_axes, var_specs):
                 split.compute.eqns, dims, deferred, mesh, data_axes, var_specs
             )
     if mesh.size > 1:
-        overrides |= partial_sum_overrides(
-            split.compute, plan.partial_sums, var_specs, mesh, skip=set(overrides)
-        )
+        overrides |= pins.overrides(split.compute, skip=overrides)
         overrides |= _reduce_scatters(traced, split.compute, plan, var_specs, mesh, overrides)
     return deferred, overrides, num_data
 
