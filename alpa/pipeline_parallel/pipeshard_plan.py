@@ -537,8 +537,11 @@ class PipeshardPlan:
             f"{cluster['num_devices_per_host']} {cluster['name']}, "
             f"{summary['num_micro_batches']} micro-batches, {summary['schedule']}"
         )
-        if summary["predicted_cost"] is not None:
-            title += f", predicted {summary['predicted_cost'] * 1e3:.3f} ms/step"
+        # With pipeline_schedule="auto", the chosen schedule's seconds (the stage DP's
+        # value is under the schedule it searched with, not the one chosen).
+        predicted = self.predicted_cost if self.schedule_candidates else summary["predicted_cost"]
+        if predicted is not None:
+            title += f", predicted {predicted * 1e3:.3f} ms/step"
         cost = self.cost
         if not all(cost.fits):
             over = [s for s, fits in enumerate(cost.fits) if not fits]

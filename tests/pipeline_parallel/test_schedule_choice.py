@@ -112,6 +112,9 @@ def test_auto_on_a_gpt_plan_is_no_worse_than_any_schedule_and_says_why():
     assert auto.cost.step_seconds == pytest.approx(candidates["dualpipev"].seconds)
     table = auto.format_table()
     assert "pipeline_schedule='auto' chose dualpipev" in table
+    title = table.splitlines()[0]  # the chosen schedule's seconds beside its name
+    assert title.endswith(f"dualpipev, predicted {auto.predicted_cost * 1e3:.3f} ms/step")
+    assert auto.predicted_cost == pytest.approx(candidates["dualpipev"].seconds)
     assert all(f"  {c.line()}" in table for c in auto.schedule_candidates)
     summary = auto.summary()
     assert [c["name"] for c in summary["schedule_candidates"]] == list(CANDIDATES) + list(SHARED)
