@@ -223,12 +223,13 @@ class StagePins:
 
     def rekeyed(self, value: Callable[[Any], Any], eqn: Callable[[Any], Any]) -> StagePins:
         """This record with each value keyed by ``value(v)`` and each equation by
-        ``eqn(e)`` (a ref of a saved plan, the same equation of another jaxpr); an
-        equation ``eqn`` maps to ``None`` is left out."""
+        ``eqn(e)`` (a ref of a saved plan, the same value or equation of another jaxpr);
+        a value or equation that maps to ``None`` is left out."""
+        values = {value(v): spec for v, spec in self.var_specs.items()}
         operands = {eqn(e): specs for e, specs in self.operand_specs.items()}
         sums = {eqn(e): p for e, p in self.partial_sums.items()}
         return StagePins(
-            {value(v): spec for v, spec in self.var_specs.items()},
+            {v: spec for v, spec in values.items() if v is not None},
             {e: specs for e, specs in operands.items() if e is not None},
             {e: p for e, p in sums.items() if e is not None},
         )
@@ -309,19 +310,16 @@ class _Planning:
                 f"stage {s}: the ILP planned on a logical mesh of shape "
                 f"{tuple(plan.logical_mesh.shape)}, not the stage's {tuple(mesh.shape)}"
             )
-        var_specs, operand_specs = plan.var_specs, plan.operand_specs
-        partial_sums = plan.partial_sums
+        mine = StagePins(plan.var_specs, plan.operand_specs, plan.partial_sums)
         if planned is not sub:  # the same equations: values and equations match by position
-            mine = dict(zip(_positional_vars(planned), _positional_vars(sub), strict=True))
-            var_specs = {mine[v]: spec for v, spec in var_specs.items() if v in mine}
+            values = dict(zip(_positional_vars(planned), _positional_vars(sub), strict=True))
             pairs = zip(nested_eqns(planned.jaxpr), nested_eqns(sub.jaxpr), strict=True)
             eqns = {id(theirs): e for theirs, e in pairs}
-            operand_specs = {eqns[id(e)]: specs for e, specs in operand_specs.items()}
-            partial_sums = {eqns[id(e)]: p for e, p in partial_sums.items()}
+            mine = mine.rekeyed(values.get, lambda e: eqns[id(e)])
         for v, spec in zip(invars, plan.in_specs, strict=True):
             table.setdefault((v, s), spec)
         body_specs = {}
-        for v, spec in var_specs.items():
+        for v, spec in mine.var_specs.items():
             if is_var(v) and v in produced:
                 table.setdefault((v, s), spec)
             elif is_var(v) and v not in invars:  # inside a checkpoint, loop or branch
@@ -331,8 +329,8 @@ class _Planning:
                 table.setdefault((v, s), spec)
         pins = StagePins(
             body_specs | dict(pins.var_specs),
-            dict(operand_specs) | dict(pins.operand_specs),
-            dict(partial_sums) | dict(pins.partial_sums),
+            dict(mine.operand_specs) | dict(pins.operand_specs),
+            dict(mine.partial_sums) | dict(pins.partial_sums),
         )
         return plan.objective, pins
 
