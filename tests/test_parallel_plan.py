@@ -293,7 +293,7 @@ def _edited(text: str, edit) -> str:
     return json.dumps(data)
 
 
-def _one_stage(pipeline, stages, keep_specs: bool = False):
+def _one_stage(pipeline, stages):
     """The two-stage plan edited into one stage of all eight devices."""
     stages.update(
         layer_to_stage=[0, 0], device_ranges=[[0, 8]], submesh_shapes=[[1, 8]],
@@ -304,14 +304,27 @@ def _one_stage(pipeline, stages, keep_specs: bool = False):
     pipeline["logical_meshes"][0]["shape"] = [1, 8]
     pipeline["objectives"] = pipeline["objectives"][:1]
     pipeline["stage_pins"] = pipeline["stage_pins"][:1]
-    if not keep_specs:
-        pipeline["stage_specs"] = [row for row in pipeline["stage_specs"] if row[1] == 0]
+
+
+def _format_2_layout(data: dict) -> dict:
+    """A saved plan (``to_dict``'s data) in the layout of format 2: the specs of the values
+    of a pipeline's stage computations (refs without a ``/``: not inside a body) in a
+    table of ``[ref, stage, spec]`` rows beside the per-stage records."""
+    data = copy.deepcopy(data)
+    data["format"] = 2
+    pipeline = data["pipeline_plan"]
+    if pipeline is not None:
+        pipeline["stage_specs"] = []
+        for s, pins in enumerate(pipeline["stage_pins"]):
+            for ref in [ref for ref in pins["var_specs"] if "/" not in ref]:
+                pipeline["stage_specs"].append([ref, s, pins["var_specs"].pop(ref)])
+    return data
 
 
 def _format_1_layout(data: dict) -> dict:
-    """A saved plan (``to_dict``'s data) in the layout of format 1: a pipeline plan's
-    per-stage records of pins as three tables of ``[ref, stage, entry]`` rows."""
-    data = copy.deepcopy(data)
+    """A saved plan (``to_dict``'s data) in the layout of format 1: as format 2's, the
+    per-stage records as three more tables of ``[ref, stage, entry]`` rows."""
+    data = _format_2_layout(data)
     data["format"] = 1
     pipeline = data["pipeline_plan"]
     if pipeline is not None:
@@ -341,10 +354,6 @@ def test_an_edited_pipeline_plan_names_the_field_it_contradicts(recorded, tmp_pa
     def cut_device_ranges(_, stages):
         stages["device_ranges"] = stages["device_ranges"][:1]
 
-    def specs_of_stage_5(pipeline, _):
-        ref, _, spec = pipeline["stage_specs"][0]
-        pipeline["stage_specs"].append([ref, 5, spec])
-
     def pins_of_a_third_stage(pipeline, _):
         pipeline["stage_pins"].append(pipeline["stage_pins"][0])
 
@@ -357,13 +366,8 @@ def test_an_edited_pipeline_plan_names_the_field_it_contradicts(recorded, tmp_pa
         r"stage_plan\.layer_to_stage=\[1, 0\] is not in order": (
             lambda _, stages: stages.update(layer_to_stage=[1, 0])
         ),
-        r"stage_specs has an entry for '[^']+' on stage 5: " + two: specs_of_stage_5,
         r"stage_pins has 3 entries but stage_plan\.device_ranges has 2 \(one per stage\): "
         r"expected 2": pins_of_a_third_stage,
-        r"stage_specs has an entry for '[^']+' on stage 1: expected a stage in 0\.\.0 "
-        r"\(stage_plan\.device_ranges has 1 stage\)": (
-            lambda pipeline, stages: _one_stage(pipeline, stages, keep_specs=True)
-        ),
         r"stage 0 has stage_plan\.device_ranges\[0\]=\[0, 8\] \(8 devices\), "
         r"stage_plan\.submesh_shapes\[0\]=\[1, 4\] \(4 devices\), .*expected one number "
         r"of devices": lambda pipeline, stages: (
@@ -375,8 +379,24 @@ def test_an_edited_pipeline_plan_names_the_field_it_contradicts(recorded, tmp_pa
         path.write_text(_edited(text, edit))
         with pytest.raises(ValueError, match=where + message):
             ParallelPlan.load(path)
-    # A plan in the previous layout (format 1: the stages' pins in three (ref, stage)
-    # tables) naming a stage the plan lacks is refused by name too.
+    # A plan in format 2's layout (its values' specs in a (ref, stage) table) naming a
+    # stage the plan lacks is refused by name, as is one cut to one stage whose table
+    # kept the second stage's rows.
+    for stage in (5, 1):
+        old = _format_2_layout(json.loads(text))
+        pipeline = old["pipeline_plan"]
+        ref, _, spec = next(row for row in pipeline["stage_specs"] if row[1] == stage % 2)
+        if stage == 5:
+            pipeline["stage_specs"].append([ref, 5, spec])
+            expected = two
+        else:
+            _one_stage(pipeline, pipeline["stage_plan"])
+            expected = r"expected a stage in 0\.\.0 \(stage_plan\.device_ranges has 1 stage\)"
+        path.write_text(json.dumps(old))
+        with pytest.raises(ValueError, match=where + rf"stage_specs has an entry for "
+                           rf"'{re.escape(ref)}' on stage {stage}: " + expected):  # fmt: skip
+            ParallelPlan.load(path)
+    # One in format 1's (the stages' records in three (ref, stage) tables too) likewise.
     old = _format_1_layout(json.loads(text))
     partial_sum = {"operand_specs": [[None], [None]], "reduce_axes": ["y"]}
     old["pipeline_plan"]["partial_sums"].append(["an add", 5, partial_sum])
@@ -403,7 +423,8 @@ def test_pipeshard_plan_records_stages(recorded):
     stages = pipeline.decisions.stage_plan
     assert stages.stage_layers() == [[0], [1]]
     assert stages.device_ranges == ((0, 4), (4, 8))
-    assert {s for _, s in pipeline.decisions.stage_specs} == {0, 1}
+    assert len(pipeline.decisions.stage_pins) == 2
+    assert all(pins.var_specs for pins in pipeline.decisions.stage_pins)
     # Stage 1's logical shapes (4, 1) and (1, 4) tie or nearly tie (its layer is one
     # matmul and the loss): the table must print whichever the plan recorded.
     assert stages.logical_shapes[0] == (4, 1)
@@ -538,7 +559,7 @@ def test_a_plan_saved_without_its_format_field_still_loads(recorded, tmp_path, n
         text = f.read()
     # Those plans have format 1's layout: a pipeline's stage pins in (ref, stage) tables.
     data = _format_1_layout(json.loads(text))
-    assert json.loads(text)["format"] == PLAN_FORMAT == 2
+    assert json.loads(text)["format"] == PLAN_FORMAT == 3
     del data["format"]
     old = tmp_path / "old.json"
     old.write_text(json.dumps(data, indent=1))

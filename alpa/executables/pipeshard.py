@@ -63,7 +63,7 @@ class PipeshardDriverExecutable(PipeshardExecutable):
             make_jax_mesh(devices[a:b], logical.shape, DATA_AXES)
             for (a, b), logical in zip(stage_plan.device_ranges, plan.logical_meshes, strict=True)
         ]
-        self.stage_specs, self.stage_objectives = plan.stage_specs, plan.objectives
+        self.stage_objectives = plan.objectives
         self.stage_programs = StagePrograms(plan, self.meshes)
         # The state a step replaces is donated where its last reader runs (the apply).
         donated = {

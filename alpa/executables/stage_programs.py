@@ -23,7 +23,6 @@ from jax.sharding import NamedSharding
 from alpa.pipeline_parallel.pipeshard_plan import PipeshardPlan
 from alpa.pipeline_parallel.program.computation import StageComputation
 from alpa.pipeline_parallel.program.deferred_sums import splits_over
-from alpa.pipeline_parallel.program.stage_sharding import StagePins
 from alpa.runtime.instructions import Kernel
 from alpa.runtime.placement import PlacementSpec
 from alpa.shard_parallel.gradients.packed_collectives import gather_packed, reduce_partials
@@ -54,9 +53,7 @@ class StagePrograms:
         self.plan = plan
         self.program = plan.program
         self.meshes = list(meshes)
-        self.stage_specs = plan.stage_specs
         self.var_of = {name: v for v, name in plan.names.items()}
-        self._stage_pins: dict[int, StagePins] = {}
 
     def const_outputs(self, names) -> dict:
         """The step outputs ``names`` that depend on no input, computed here once."""
@@ -73,16 +70,6 @@ class StagePrograms:
 
     def sharding(self, var, mesh: int) -> NamedSharding:
         return NamedSharding(self.meshes[mesh], self.plan.spec_of(var, mesh))
-
-    def stage_pins(self, s: int) -> StagePins:
-        """Stage ``s``'s record of pins (``plan.stage_pins``) with the sharding table's
-        entries on mesh ``s`` among its values: what its computations are lowered from
-        (``lowering.plan_pins``)."""
-        pins = self._stage_pins.get(s)
-        if pins is None:
-            table = {v: spec for (v, m), spec in self.stage_specs.items() if m == s}
-            pins = self._stage_pins[s] = self.plan.pins_of(s).with_specs(table)
-        return pins
 
     def _deferred_rules(self, comp: StageComputation) -> dict:
         """The equations of ``comp`` that compute deferred row sums (``deferred_sums``),
@@ -101,7 +88,7 @@ class StagePrograms:
             values,
             self.meshes[s],
             deferred.stage_axes[s],
-            self.stage_pins(s).var_specs,
+            self.plan.stage_pins[s].var_specs,
         )
 
     def key_sharding(self, key) -> NamedSharding:
@@ -137,8 +124,8 @@ class StagePrograms:
 
     def _gathered_outputs(self, comp: StageComputation, kept) -> dict:
         """ZeRO-2's updated parameters in an apply computation of a stage whose deferred
-        gradients are reduce-scattered over its data axes (split over them in the sharding
-        table: ``deferred_sums.zero2_specs``): each kept output that the stage returns whole,
+        gradients are reduce-scattered over its data axes (split over them in the stage's
+        record: ``deferred_sums.zero2_specs``): each kept output that the stage returns whole,
         computed from a value split over them (a scattered gradient, the split optimizer
         state), by position in ``kept``, as ``(split spec, data axes)``: computed on each
         device's shard and all-gathered in one packed all-gather
@@ -173,7 +160,7 @@ class StagePrograms:
         # names pinned to their sharding (the computation's inputs arrive in theirs), the
         # operands it reads in another spec resharded to it, its partial sums added on each
         # device and reduced once; the deferred row sums' overrides come first.
-        pins = plan_pins(self.stage_pins(comp.stage), mesh, unpinned=comp.invars)
+        pins = plan_pins(self.plan.stage_pins[comp.stage], mesh, unpinned=comp.invars)
         constraints, operand_constraints = dict(pins.constraints), pins.operand_constraints
         overrides = self._deferred_rules(comp)
         overrides |= pins.overrides(sub, skip=overrides)

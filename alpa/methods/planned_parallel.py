@@ -119,10 +119,6 @@ class PlannedParallel(ParallelMethod):
         eqns_by_ref = eqn_refs(traced.jaxpr)
         decisions = replace(
             recorded,
-            stage_specs={
-                (_lookup(vars_by_ref, ref, traced), s): spec
-                for (ref, s), spec in recorded.stage_specs.items()
-            },
             stage_pins=tuple(
                 pins.rekeyed(
                     lambda ref: _lookup(vars_by_ref, ref, traced),

@@ -2,7 +2,7 @@
 (``docs/pipeline.md``, Passes) and returns a ``pipeshard_plan.PipeshardPlan``::
 
     traced step --layers--> LayerAssignment --stages--> StagePlan --split--> PipelineProgram
-       --intra-op per stage--> sharding table --schedule--> PipelineSchedule
+       --intra-op per stage--> a StagePins per stage --schedule--> PipelineSchedule
        --emit--> PipelineInstructions --resolve--> buffer shardings, RESHARD tile plans
        ==> PipeshardPlan
 
@@ -12,7 +12,7 @@ same plan is made whether the cluster is here (the executable then compiles it o
 devices of each submesh) or not (``parallelize(...).plan(*args)`` on a
 ``VirtualPhysicalMesh``). Only ``AutoStageOption(cost_model="measured")`` runs anything,
 and it needs the devices. ``plan_pipeshard(decisions=...)`` replays a plan's layers,
-stages and sharding table without searching; ``pipeline_schedule="auto"`` plans once and
+stages and stage shardings without searching; ``pipeline_schedule="auto"`` plans once and
 replays under the schedule ``schedule_choice`` picks.
 """
 
@@ -44,6 +44,7 @@ from alpa.pipeline_parallel.program.stage_sharding import (
     DATA_AXES,
     StagePins,
     plan_stage_shardings,
+    positional_vars,
     stage_options,
     tie_donated_outputs,
     uses_ilp,
@@ -78,15 +79,16 @@ from alpa.tracing.jaxpr_util import is_var, nested_eqns
 def resolve_value_specs(
     program: PipelineProgram,
     instructions: PipelineInstructions,
-    stage_specs: dict,
+    stage_pins: Sequence[StagePins],
     logical_meshes: Sequence[LogicalDeviceMesh],
     names: dict,
 ) -> dict:
     """The end of the planning chain's sharding decisions: ``(value, mesh) -> spec`` for
     every value a stage computation on that mesh reads or writes, every step input on
-    each mesh that reads it and every buffer of ``instructions``, each the sharding
-    table's entry or, where the table names none, :func:`stage_sharding.value_spec`'s (a
-    deferred gradient's partial sums, else data parallel). Filled here once: the executables
+    each mesh that reads it and every buffer of ``instructions``, each the spec its stage's
+    record (``stage_pins[mesh]``) gives it or, where that names none,
+    :func:`stage_sharding.value_spec`'s (a deferred gradient's partial sums, else data
+    parallel). Filled here once: the executables
     read it as it is."""
     var_of = {name: v for v, name in names.items()}
     keys = [(v, c.stage) for c in program.computations for v in (*c.invars, *c.outvars)]
@@ -96,7 +98,7 @@ def resolve_value_specs(
     for v, mesh in keys:
         if is_var(v) and (v, mesh) not in specs:
             size = logical_meshes[mesh].num_devices
-            specs[(v, mesh)] = value_spec(v, mesh, program, stage_specs, size)
+            specs[(v, mesh)] = value_spec(v, mesh, program, stage_pins, size)
     return specs
 
 
@@ -285,7 +287,7 @@ def _plan_one_schedule(
     ``manual_sharding_option.in_axis_resources`` is matched against.
 
     ``decisions`` (:meth:`PipeshardPlan.decisions` of a plan of this same step) replay
-    that plan's layers, stages and sharding table instead of searching for them (no
+    that plan's layers, stages and stage shardings instead of searching for them (no
     layer clustering, stage DP or ILP); the stage and sharding options are then not read,
     and what follows from the decisions (split, schedule, instructions) is derived again.
     """
@@ -302,7 +304,7 @@ def _plan_one_schedule(
         )
         logical_meshes = _logical_meshes(stage_plan, stage_opts, options.cluster)
     else:
-        check_decisions(decisions, traced, names, options.cluster.num_devices)
+        check_decisions(decisions, traced, options.cluster.num_devices)
         layers, stage_plan = decisions.layers, decisions.stage_plan
         stage_opts, logical_meshes = decisions.options, list(decisions.logical_meshes)
     program = split_computations(
@@ -325,18 +327,17 @@ def _plan_one_schedule(
         for o, n, p in zip(stage_opts, mesh_sizes, propagated, strict=True)
     ]
     if decisions is None:
-        stage_specs, objectives, stage_pins = _stage_shardings(
+        objectives, stage_pins = _stage_shardings(
             traced, program, args, options, logical_meshes, stage_opts, data_parallel, names
         )
     else:
-        stage_specs = dict(decisions.stage_specs)
         objectives = {s: list(v) for s, v in decisions.objectives.items()}
-        stage_pins = _on_program(decisions.stage_pins, traced, program, stage_plan.num_stages)
+        stage_pins = _on_program(decisions.stage_pins, traced, program)
     program = _draw_and_defer(
-        traced, program, options, stage_specs, logical_meshes, data_parallel, propagated, names
+        traced, program, options, stage_pins, logical_meshes, data_parallel, propagated, names
     )
     instructions = emit_instructions(program, schedule, names)
-    value_specs = resolve_value_specs(program, instructions, stage_specs, logical_meshes, names)
+    value_specs = resolve_value_specs(program, instructions, stage_pins, logical_meshes, names)
     buffer_specs, reshards = resolve_buffers(
         instructions, value_specs, logical_meshes, stage_plan.submesh_shapes, names
     )
@@ -349,7 +350,6 @@ def _plan_one_schedule(
         options=tuple(stage_opts),
         logical_meshes=tuple(logical_meshes),
         program=program,
-        stage_specs=stage_specs,
         value_specs=value_specs,
         objectives=objectives,
         schedule=schedule,
@@ -420,10 +420,10 @@ def _stage_shardings(
     data_parallel,
     names,
 ):
-    """``(stage_specs, objectives, stage_pins)``: the user's pins, each stage's ILP, ZeRO-2
-    in the data-parallel stages that prefer reduce-scatter, and donated outputs tied to
-    their inputs; ``stage_pins``: per stage, what its ILPs pin besides the table
-    (``stage_sharding.StagePins``)."""
+    """``(objectives, stage_pins)``: per stage, its ILPs' objectives and its record
+    (``stage_sharding.StagePins``): the user's pins, the stage's ILP plans, ZeRO-2 in the
+    data-parallel stages that prefer reduce-scatter, and donated outputs tied to their
+    inputs, each step a function from the records to new ones."""
     mesh_sizes, mesh_shapes = _mesh_sizes_and_shapes(logical_meshes)
     pinned = pinned_specs(
         traced,
@@ -434,22 +434,22 @@ def _stage_shardings(
         options.stage_input_shardings,
         names,
     )
-    stage_specs, objectives, stage_pins = plan_stage_shardings(
+    objectives, stage_pins = plan_stage_shardings(
         traced, program, logical_meshes, stage_opts, names, pinned
     )
     zero2 = [
         o.prefer_reduce_scatter and dp for o, dp in zip(stage_opts, data_parallel, strict=True)
     ]
-    stage_specs = zero2_specs(traced, program, stage_specs, mesh_sizes, zero2, DATA_AXES)
-    stage_specs = tie_donated_outputs(traced, program, stage_specs, mesh_sizes)
-    return stage_specs, objectives, stage_pins
+    stage_pins = zero2_specs(traced, program, stage_pins, mesh_sizes, zero2, DATA_AXES)
+    stage_pins = tie_donated_outputs(traced, program, stage_pins, mesh_sizes)
+    return objectives, stage_pins
 
 
 def _draw_and_defer(
     traced,
     program,
     options: PipeshardOptions,
-    stage_specs,
+    stage_pins,
     logical_meshes,
     data_parallel,
     propagated,
@@ -468,12 +468,12 @@ def _draw_and_defer(
             names[program.row_ids] = f"v{len(names)}"
     # Every stage's gradients: reduced once per step over its data axes, in apply-grad.
     mesh_sizes, mesh_shapes = _mesh_sizes_and_shapes(logical_meshes)
-    data_axes = stage_data_axes(traced, program, stage_specs, mesh_shapes, data_parallel, DATA_AXES)
+    data_axes = stage_data_axes(traced, program, stage_pins, mesh_shapes, data_parallel, DATA_AXES)
     data_axes = [() if p else axes for axes, p in zip(data_axes, propagated, strict=True)]
     axis_sizes = [dict(zip(DATA_AXES, shape, strict=True)) for shape in mesh_shapes]
     planned = [not dp for dp in data_parallel]
     deferred = defer_gradient_sums(
-        program, traced, mesh_sizes, data_axes, axis_sizes, stage_specs, planned
+        program, traced, mesh_sizes, data_axes, axis_sizes, stage_pins, planned
     )
     if deferred is not None:
         program = dataclasses.replace(program, deferred=deferred)
@@ -514,22 +514,17 @@ def _search_stages(
 
 
 def _on_program(
-    stage_pins: Sequence[StagePins], traced: TracedStep, program: PipelineProgram, num_stages: int
+    stage_pins: Sequence[StagePins], traced: TracedStep, program: PipelineProgram
 ) -> tuple[StagePins, ...]:
     """A replayed plan's per-stage records (``stage_pins``, their equations those of
     ``traced``) with each equation the program's at the same position
-    (``split_computations`` rewrites some equations' operands, never their positions);
-    an empty record per stage where the plan recorded none."""
-    if not stage_pins:
-        return tuple(StagePins() for _ in range(num_stages))
+    (``split_computations`` rewrites some equations' operands, never their positions)."""
     same = zip(nested_eqns(traced.jaxpr), nested_eqns(program.closed_jaxpr.jaxpr), strict=True)
     program_eqn = {id(e): mine for e, mine in same}
     return tuple(pins.rekeyed(lambda v: v, lambda e: program_eqn[id(e)]) for pins in stage_pins)
 
 
-def check_decisions(
-    decisions: PipeshardDecisions, traced: TracedStep, names: dict, num_devices: int
-) -> None:
+def check_decisions(decisions: PipeshardDecisions, traced: TracedStep, num_devices: int) -> None:
     """Raise ``ValueError`` unless ``decisions`` fit ``traced`` on ``num_devices`` devices."""
     num_eqns = len(traced.closed_jaxpr.jaxpr.eqns)
     if len(decisions.layers.layers) != num_eqns:
@@ -537,14 +532,15 @@ def check_decisions(
             f"the recorded pipeshard decisions place {len(decisions.layers.layers)} equations "
             f"but {traced.name} has {num_eqns}: they were made for another step"
         )
-    unknown = [v for v, _ in decisions.stage_specs if v not in names]
+    known = {*traced.jaxpr.constvars, *positional_vars(traced)}
+    unknown = [v for pins in decisions.stage_pins for v in pins.var_specs if v not in known]
     if unknown:
         raise ValueError(
-            f"the recorded sharding table names {len(unknown)} values that {traced.name} "
-            "does not have: it was made for another step"
+            f"the recorded stage shardings name {len(unknown)} values that {traced.name} "
+            "does not have: they were made for another step"
         )
     num_stages = decisions.stage_plan.num_stages
-    if decisions.stage_pins and len(decisions.stage_pins) != num_stages:
+    if len(decisions.stage_pins) != num_stages:
         raise ValueError(
             f"the recorded pipeshard decisions hold {len(decisions.stage_pins)} stage_pins "
             f"records but {num_stages} stages: expected one per stage"

@@ -10,8 +10,8 @@ A plan prints as a table (stage, layers, submesh, logical shape, latency, memory
 its schedule grid; :meth:`PipeshardPlan.summary` is its JSON-able record (versioned:
 ``SUMMARY_FORMAT``) and :meth:`PipeshardPlan.stage_option` replays its stages as a
 ``ManualStageOption``.
-:meth:`PipeshardPlan.decisions` (layers, stages, the sharding table, the per-stage records
-of pins that the stage programs are lowered from), given back to
+:meth:`PipeshardPlan.decisions` (layers, stages, the per-stage sharding plans that the
+stage programs are lowered from), given back to
 ``plan_pipeshard(decisions=...)``, makes the same plan without searching again: what
 ``alpa.plan_to_method`` replays. :attr:`PipeshardPlan.cost` prices it with the analytic
 stage model; :meth:`PipeshardPlan.draw` pictures it (``plan_view``).
@@ -76,22 +76,18 @@ class PipeshardDecisions:
       stage_plan: stages, their layers, submeshes and logical shapes.
       options: per stage, its resolved ``AutoShardingOption``.
       logical_meshes: per stage, the logical mesh (without devices) it was planned on.
-      stage_specs: ``(value, stage) -> PartitionSpec``, the sharding table.
       objectives: per stage, the ILP objective(s) of its computations.
-      stage_pins: per stage, what its ILP plans pin besides the table: values inside
-        bodies, resharded operands and partial sums (``stage_sharding.StagePins``, the
-        record its computations are lowered from; the one of :class:`PipeshardPlan`, not
-        a copy). Empty (``()``) where none were recorded: a plan saved before the
-        stages were lowered with them, which lowers without them.
+      stage_pins: per stage, its sharding plan (``stage_sharding.StagePins``, the record
+        its computations are lowered from; the one of :class:`PipeshardPlan`, its
+        equations those of the traced step).
     """
 
     layers: LayerAssignment
     stage_plan: StagePlan
     options: tuple[AutoShardingOption, ...]
     logical_meshes: tuple[LogicalDeviceMesh, ...]
-    stage_specs: dict
     objectives: dict
-    stage_pins: tuple[StagePins, ...] = ()
+    stage_pins: tuple[StagePins, ...]
 
 
 @dataclass(frozen=True, eq=False)
@@ -108,23 +104,21 @@ class PipeshardPlan:
       options: per stage, its resolved ``AutoShardingOption``.
       logical_meshes: per stage, the logical mesh its sharding was planned on.
       program: the stage computations and where every value lives.
-      stage_specs: ``(value, stage) -> PartitionSpec``: the sharding table, what the
-        stages' plans (and the user's pins, ZeRO-2, the donated outputs' ties) decided;
-        the stage programs pin these values.
       value_specs: ``(value, mesh) -> PartitionSpec`` for every value a stage
         computation on that mesh reads or writes, every step input on the meshes that read
-        it and every buffer: the table's entry, or
-        the one the end of the chain filled in (``pipeshard_passes.resolve_value_specs``).
+        it and every buffer: its stage record's spec, or the one the end of the chain
+        filled in (``pipeshard_passes.resolve_value_specs``).
       objectives: per stage, the ILP objective(s) of its computations.
-      stage_pins: per stage (one record each), what its ILP plans pin besides the
-        sharding table (``stage_sharding.StagePins``): the values inside the checkpoint,
-        loop and branch bodies of its equations (``var_specs``), its resharding edges, the
-        spec each operand is resharded to before an equation reads it (``operand_specs``),
-        and the adds of two partial results priced as one reduction of their sum
-        (``partial_sums``). Each stage computation is lowered from its stage's record and
-        the table's entries for the stage by ``shard_parallel``'s lowering of a plan's
-        pins (``lowering.plan_pins``), as ``ShardParallel`` lowers its one plan, so it
-        performs the collectives the ILP priced.
+      stage_pins: per stage, its sharding plan (``stage_sharding.StagePins``), what the
+        stage's ILP plans (and the user's pins, ZeRO-2, the donated outputs' ties)
+        decided: the spec of every value its computations read or compute and of the
+        values inside the checkpoint, loop and branch bodies of its equations
+        (``var_specs``), its resharding edges, the spec each operand is resharded to
+        before an equation reads it (``operand_specs``), and the adds of two partial
+        results priced as one reduction of their sum (``partial_sums``). Each stage
+        computation is lowered from its stage's record by ``shard_parallel``'s lowering
+        of a plan's pins (``lowering.plan_pins``), as ``ShardParallel`` lowers its one
+        plan, so it performs the collectives the ILP priced.
       schedule_candidates: with ``pipeline_schedule="auto"``, each training schedule
         priced on these stages (``schedule_choice.ScheduleCandidate``: seconds per step,
         memory per stage, whether it fits); :attr:`schedule` is the one chosen.
@@ -151,7 +145,7 @@ class PipeshardPlan:
     options: tuple[AutoShardingOption, ...]
     logical_meshes: tuple[LogicalDeviceMesh, ...]
     program: PipelineProgram
-    stage_specs: dict
+    stage_pins: tuple[StagePins, ...]
     value_specs: dict
     objectives: dict
     schedule: PipelineSchedule
@@ -160,7 +154,6 @@ class PipeshardPlan:
     reshards: dict
     num_micro_batches: int
     layer_option: Any = None
-    stage_pins: tuple[StagePins, ...] = ()
     schedule_candidates: tuple = ()
     row_split: Any = None
 
@@ -385,11 +378,11 @@ class PipeshardPlan:
 
     def spec_of(self, var, mesh: int) -> Any:
         """The one ``PartitionSpec`` of ``var`` on mesh ``mesh`` (``value_specs``, else,
-        for a value inside a stage computation, the sharding table's). A value the plan
+        for a value inside a stage computation, the stage record's). A value the plan
         does not place on ``mesh`` is an error."""
         spec = self.value_specs.get((var, mesh))
         if spec is None:
-            spec = self.stage_specs.get((var, mesh))
+            spec = self.stage_pins[mesh].var_specs.get(var)
         if spec is None:
             raise KeyError(f"the plan places no value {self.names.get(var, var)} on mesh {mesh}")
         return spec
@@ -403,11 +396,6 @@ class PipeshardPlan:
             [self.spec_of(v, s) for v in stage_inputs(self.program, s)]
             for s in range(len(self.logical_meshes))
         ]
-
-    def pins_of(self, stage: int) -> StagePins:
-        """Stage ``stage``'s record of pins (:attr:`stage_pins`; empty where none were
-        recorded)."""
-        return self.stage_pins[stage] if self.stage_pins else StagePins()
 
     def decisions(self) -> PipeshardDecisions:
         """What :func:`plan_pipeshard` needs to make this plan again without searching.
@@ -426,7 +414,6 @@ class PipeshardPlan:
             stage_plan=self.stage_plan,
             options=self.options,
             logical_meshes=self.logical_meshes,
-            stage_specs=dict(self.stage_specs),
             objectives={s: list(v) for s, v in self.objectives.items()},
             stage_pins=tuple(
                 pins.rekeyed(lambda v: v, lambda e: to_traced.get(id(e)))
@@ -450,7 +437,13 @@ class PipeshardPlan:
                     "memory": None if plan.memory is None else plan.memory[s],
                 }
             )
-        specs = sorted((self.names[v], s, str(spec)) for (v, s), spec in self.stage_specs.items())
+        # The values of the stage computations (those inside their bodies have no name).
+        specs = sorted(
+            (self.names[v], s, str(spec))
+            for s, pins in enumerate(self.stage_pins)
+            for v, spec in pins.var_specs.items()
+            if v in self.names
+        )
         deferred = self.program.deferred
         # Gradients of data-parallel stages accumulated per device and reduced once per
         # step, in apply-grad (deferred_sums).

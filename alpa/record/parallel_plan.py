@@ -19,10 +19,10 @@ What a plan records:
   output, the intermediate values and the operands it pins, the data axes and the
   gradient specs;
 * **pipeshard**: the schedule and layer option, the layer of every equation, the stages
-  (layers, submeshes, logical shapes, auto-sharding options), the sharding table
-  ``(value, stage) -> PartitionSpec`` and, per stage, one record of what its ILPs pin
-  besides it (``stage_sharding.StagePins``: values inside bodies, resharded operands,
-  partial sums); the split, the schedule's ticks and the instruction lists follow from
+  (layers, submeshes, logical shapes, auto-sharding options) and, per stage, its
+  sharding record (``stage_sharding.StagePins``: the spec of every value of its
+  computations and of the values inside their bodies, resharded operands, partial
+  sums); the split, the schedule's ticks and the instruction lists follow from
   these and are derived again;
 * both: ``num_micro_batches``, the cluster shape, and where every input is placed.
 
@@ -74,7 +74,6 @@ from alpa.record.plan_json import (
     sharding_plan_from_json,
     sharding_plan_to_json,
     spec_from_json,
-    spec_to_json,
     stage_pins_from_json,
     stage_pins_to_json,
     stage_plan_from_json,
@@ -93,11 +92,14 @@ if TYPE_CHECKING:  # the executables import this record; it knows only their int
 
 #: Version of the JSON layout ``ParallelPlan.to_json`` writes (field ``"format"``; the
 #: rules for reading other versions are :mod:`alpa.saved_format`'s).
-PLAN_FORMAT = 2
+PLAN_FORMAT = 3
 
-# Format 2: a pipeline plan's pins besides its sharding table are one record per stage
-# ("stage_pins"); format 1 kept them in three tables keyed by (ref, stage) ("body_specs",
-# "operand_specs", "partial_sums"), read by :func:`_stage_pins_of_format_1`.
+# Format 3: a pipeline plan's stages each have one sharding record ("stage_pins"), the
+# specs of all the stage's values in it. Format 2 kept the specs of the values the stage
+# computations read and write in a table of [ref, stage, spec] rows ("stage_specs"),
+# beside the records; format 1 kept the records' fields in three such tables too
+# ("body_specs", "operand_specs", "partial_sums"). Both are read into format 3's records
+# (:func:`_stage_pins_of_format_1`, :func:`_with_stage_specs_of_format_2`).
 
 # ----------------------------------------------------------------------------- records
 
@@ -129,9 +131,9 @@ class PipelinePlan:
         ``"zb-h1"``, ``"interleaved-1f1b"``, ``"dualpipev"``, ``"inference"``).
       layer_option: the layer option the step was traced with (``alpa.grad`` cuts the
         loss function as it says, so a replay traces under it again).
-      decisions: layers, stages, per-stage options and logical meshes, the sharding
-        table keyed by ``(value ref, stage)`` (``plan_refs.value_refs``) and the
-        per-stage records of pins keyed by value and equation refs.
+      decisions: layers, stages, per-stage options and logical meshes, and per stage its
+        sharding record keyed by value and equation refs (``plan_refs.value_refs``,
+        ``plan_refs.eqn_refs``).
       split_rows: whether the step's stacked parameters were split by rows
         (``stacked_rows``): the refs name values of the split step, which a replay makes
         again.
@@ -254,7 +256,6 @@ class ParallelPlan:
         decisions = replace(
             decisions,
             logical_meshes=tuple(replace(m, devices=None) for m in decisions.logical_meshes),
-            stage_specs={(refs[v], s): spec for (v, s), spec in decisions.stage_specs.items()},
             # Less the equations of random draws rewritten after the planning.
             stage_pins=tuple(
                 pins.rekeyed(refs.__getitem__, lambda e: eqns.get(id(e)))
@@ -532,11 +533,6 @@ def _pipeline_plan_to_json(plan: PipelinePlan) -> dict:
         "stage_plan": stage_plan_to_json(d.stage_plan),
         "options": [option_to_json(o) for o in d.options],
         "logical_meshes": [mesh_to_json(m) for m in d.logical_meshes],
-        # Sorted, so that two records of one plan are the same text.
-        "stage_specs": sorted(
-            ([ref, s, spec_to_json(spec)] for (ref, s), spec in d.stage_specs.items()),
-            key=lambda row: (row[1], row[0]),
-        ),
         "objectives": [[s, list(v)] for s, v in sorted(d.objectives.items())],
         "stage_pins": [stage_pins_to_json(pins) for pins in d.stage_pins],
     }
@@ -545,9 +541,13 @@ def _pipeline_plan_to_json(plan: PipelinePlan) -> dict:
 def _pipeline_plan_from_json(data: Mapping, version: int) -> PipelinePlan:
     layers = data["layers"]
     stage_plan = stage_plan_from_json(data["stage_plan"])
-    stage_pins = ()
+    num_stages = len(stage_plan.device_ranges)
     if version >= 2:
         stage_pins = tuple(stage_pins_from_json(pins) for pins in data["stage_pins"])
+    else:
+        stage_pins = _stage_pins_of_format_1(data, num_stages)
+    if version < 3:
+        stage_pins = _with_stage_specs_of_format_2(data["stage_specs"], stage_pins, num_stages)
     decisions = PipeshardDecisions(
         layers=LayerAssignment(
             tuple(layers["layers"]),
@@ -557,14 +557,10 @@ def _pipeline_plan_from_json(data: Mapping, version: int) -> PipelinePlan:
         stage_plan=stage_plan,
         options=tuple(AutoShardingOption(**o).snapshot() for o in data["options"]),
         logical_meshes=tuple(mesh_from_json(m) for m in data["logical_meshes"]),
-        stage_specs={(ref, s): spec_from_json(spec) for ref, s, spec in data["stage_specs"]},
         objectives={s: list(v) for s, v in data["objectives"]},
         stage_pins=stage_pins,
     )
     check_pipeline_decisions(decisions)  # an edited file's stages, before they reach a pass
-    if version < 2:  # its stages checked, its tables are read per stage
-        stage_pins = _stage_pins_of_format_1(data, len(stage_plan.device_ranges))
-        decisions = replace(decisions, stage_pins=stage_pins)
     return PipelinePlan(
         data["pipeline_schedule"],
         layer_option_from_json(data["layer_option"]),
@@ -594,3 +590,22 @@ def _stage_pins_of_format_1(data: Mapping, num_stages: int) -> tuple[StagePins, 
                 )
             per_stage[name][stage][ref] = read(entry)
     return tuple(StagePins(*(per_stage[name][s] for name in tables)) for s in range(num_stages))
+
+
+def _with_stage_specs_of_format_2(
+    rows: Sequence, stage_pins: tuple[StagePins, ...], num_stages: int
+) -> tuple[StagePins, ...]:
+    """The per-stage records of a format-1 or format-2 pipeline plan, which kept the specs
+    of the values its stage computations read and write in a table of
+    ``[ref, stage, spec]`` rows (``rows``), with each row's spec in its stage's record. A
+    row on a stage the plan lacks is refused by name."""
+    per_stage: list[dict] = [{} for _ in stage_pins]
+    for ref, stage, spec in rows:
+        if not (isinstance(stage, int) and 0 <= stage < num_stages):
+            raise InconsistentPlanError(
+                f"stage_specs has an entry for {ref!r} on stage {stage}: "
+                + expected_stage(num_stages)
+            )
+        if stage < len(per_stage):  # else the records' count is refused by name after
+            per_stage[stage][ref] = spec_from_json(spec)
+    return tuple(pins.with_specs(specs) for pins, specs in zip(stage_pins, per_stage, strict=True))

@@ -149,7 +149,7 @@ def test_a_gradient_split_over_the_data_axis_is_reduced_per_micro_batch_into_its
     split = [
         out
         for out in program.accumulated
-        if program.home[out] == 1 and "x" in str(plan.stage_specs[(out, 1)])
+        if program.home[out] == 1 and "x" in str(plan.stage_pins[1].var_specs[out])
     ]
     assert split, "the ILP split no gradient of stage 1 over x"
     assert not set(split) & set(partials)

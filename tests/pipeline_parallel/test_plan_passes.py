@@ -253,8 +253,8 @@ def test_equations_key_sees_structure_literals_and_types_not_names():
 @pytest.mark.parametrize("data_parallel", [False, True], ids=["ilp", "data-parallel"])
 def test_every_value_a_stage_reads_or_writes_has_one_spec_filled_once(data_parallel):
     """The end of the chain places every value a stage computation reads or writes, and
-    every buffer, on its mesh (``PipeshardPlan.value_specs``): the sharding table's spec
-    where the table has one (every such value of an ILP-planned stage), a deferred
+    every buffer, on its mesh (``PipeshardPlan.value_specs``): its stage record's spec
+    where the record has one (every such value of an ILP-planned stage), a deferred
     gradient's partial spec or data parallel's (dim 0 over the mesh's devices where it
     holds a batch, else replicated) where not (a data-parallel stage's). The stage
     programs read it (``spec_of``) and fill no gap themselves; a value not on a mesh is
@@ -274,9 +274,9 @@ def test_every_value_a_stage_reads_or_writes_has_one_spec_filled_once(data_paral
                 continue
             spec = plan.value_specs[(v, comp.stage)]
             assert plan.spec_of(v, comp.stage) == spec
-            table = plan.stage_specs.get((v, comp.stage))
-            if table is not None:
-                assert spec == table
+            recorded = plan.stage_pins[comp.stage].var_specs.get(v)
+            if recorded is not None:
+                assert spec == recorded
             elif deferred is not None and v in deferred.accumulators:
                 assert spec == deferred.partial_specs[v]
             else:

@@ -283,37 +283,48 @@ _PINS_OF_FORMAT_1 = {"var_specs": "body_specs", "operand_specs": "operand_specs"
                      "partial_sums": "partial_sums"}  # fmt: skip
 
 
-def _format_1(text: str) -> str:
-    """A saved plan in the layout of format 1, before the stages' pins were one record
-    per stage: three tables of ``[ref, stage, entry]`` rows."""
+def _older_layout(text: str, version: int) -> str:
+    """A saved plan in the layout of format 2 (the specs of the values of the stage
+    computations, refs without a ``/``, in a table of ``[ref, stage, spec]`` rows beside
+    the per-stage records) or of format 1 (the records' fields in three such tables
+    too)."""
     data = json.loads(text)
     pipeline = data["pipeline_plan"]
-    for table, old in _PINS_OF_FORMAT_1.items():
-        pipeline[old] = [
-            [ref, s, entry]
-            for s, pins in enumerate(pipeline["stage_pins"])
-            for ref, entry in pins[table].items()
-        ]
-    del pipeline["stage_pins"]
-    data["format"] = 1
+    pipeline["stage_specs"] = [
+        [ref, s, pins["var_specs"].pop(ref)]
+        for s, pins in enumerate(pipeline["stage_pins"])
+        for ref in [ref for ref in pins["var_specs"] if "/" not in ref]
+    ]
+    if version == 1:
+        for table, old in _PINS_OF_FORMAT_1.items():
+            pipeline[old] = [
+                [ref, s, entry]
+                for s, pins in enumerate(pipeline["stage_pins"])
+                for ref, entry in pins[table].items()
+            ]
+        del pipeline["stage_pins"]
+    data["format"] = version
     return json.dumps(data)
 
 
+@pytest.mark.parametrize("version", [1, 2])
 @pytest.mark.parametrize("remat", [False, True])
-def test_a_plan_saved_in_the_previous_layout_replays_the_same_programs(remat):
-    """A plan saved in format 1 (the stages' pins in three ``(ref, stage)`` tables) loads
-    into the same per-stage records as the plan saved now, and (with its checkpoint
-    bodies' and operands' pins) compiles to the same stage programs."""
+def test_a_plan_saved_in_an_older_layout_replays_the_same_programs(remat, version):
+    """A plan saved in format 1 (the stages' records in ``(ref, stage)`` tables) or 2 (the
+    specs of the stage computations' values in one such table) loads into the same
+    per-stage records as the plan saved now, and (with its checkpoint bodies' and
+    operands' pins) compiles to the same stage programs."""
     executable, args = _executable(remat=remat)
     saved = executable.get_parallel_plan().to_json()
-    old = _format_1(saved)
-    assert "stage_pins" not in json.loads(old)["pipeline_plan"]
+    old = _older_layout(saved, version)
+    pipeline = json.loads(old)["pipeline_plan"]
+    assert pipeline["stage_specs"] and ("stage_pins" in pipeline) == (version == 2)
     now, before = (alpa.ParallelPlan.from_json(t).pipeline_plan.decisions for t in (saved, old))
     assert len(before.stage_pins) == len(now.stage_pins) == executable.plan.num_stages
     tables = ("partial_sums",) if not remat else ("var_specs", "operand_specs")
     for table in _PINS_OF_FORMAT_1:
         assert _pinned(before, table) == _pinned(now, table)
-    for table in tables:  # not vacuous
+    for table in ("var_specs", *tables):  # not vacuous
         assert _pinned(now, table)
     if remat:
         _, _, step = _gpt(remat=True)

@@ -41,6 +41,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 from jax.extend.core import Var
@@ -54,6 +55,9 @@ from alpa.shard_parallel.gradients.row_sums import deferrable, partial_spec
 from alpa.shard_parallel.strategies.data_parallel import is_opt_state, zero_spec
 from alpa.tracing import TracedStep, new_jaxpr
 from alpa.tracing.jaxpr_util import is_var, nested_eqns
+
+if TYPE_CHECKING:
+    from alpa.pipeline_parallel.program.stage_sharding import StagePins
 
 
 @dataclass(frozen=True, eq=False)
@@ -88,7 +92,7 @@ class DeferredSums:
 def stage_data_axes(
     traced: TracedStep,
     program: PipelineProgram,
-    stage_specs: dict,
+    stage_pins: Sequence[StagePins],
     mesh_shapes: Sequence[Sequence[int]],
     data_parallel: Sequence[bool],
     axis_names: tuple[str, ...],
@@ -98,7 +102,7 @@ def stage_data_axes(
     A data-parallel stage: every axis (when it has more than one device). A stage the
     ILP plans: the axes that split dimension 0 of the first batch value its forward
     reads (a batch argument of the step first, else an activation from the stage
-    before), as the sharding table says; none when the plan splits no batch value's
+    before), as the stage's record says; none when the plan splits no batch value's
     rows (pure model parallelism)."""
     batch_args = {
         v for v, b in zip(traced.closed_jaxpr.jaxpr.invars, traced.batch_invars, strict=True) if b
@@ -117,7 +121,7 @@ def stage_data_axes(
         candidates += [v for v in reads if v not in batch_args and v in program.batch_dependent]
         axes: tuple[str, ...] = ()
         for v in candidates:
-            spec = stage_specs.get((v, s))
+            spec = stage_pins[s].var_specs.get(v)
             if not v.aval.shape or v.aval.shape[0] not in micro or not spec or not spec[0]:
                 continue
             first = spec[0] if isinstance(spec[0], tuple) else (spec[0],)
@@ -133,13 +137,13 @@ def defer_gradient_sums(
     mesh_sizes: Sequence[int],
     data_axes: Sequence[tuple[str, ...]],
     axis_sizes: Sequence[dict[str, int]] | None = None,
-    stage_specs: dict | None = None,
+    stage_pins: Sequence[StagePins] | None = None,
     planned: Sequence[bool] | None = None,
 ) -> DeferredSums | None:
     """The deferred sums of ``program`` (module docstring): in stage ``s`` when its
     ``data_axes[s]`` (:func:`stage_data_axes`) hold more than one device
     (``axis_sizes[s]``: the logical mesh's size per axis; default, the data axes span the
-    ``mesh_sizes[s]`` devices). ``stage_specs`` (the sharding table) gives each
+    ``mesh_sizes[s]`` devices). ``stage_pins[s]`` (stage ``s``'s record) gives each
     accumulator the split of its gradient over the other axes. ``None`` when nothing is
     deferred.
 
@@ -152,7 +156,9 @@ def defer_gradient_sums(
     there, as ZeRO-3 does; the stage cost model prices it so (``stage_cost._ilp_layer``)."""
     if not program.is_training:
         return None
-    stage_specs = stage_specs or {}
+
+    def spec_of(v, s: int) -> PartitionSpec | None:
+        return None if stage_pins is None else stage_pins[s].var_specs.get(v)
 
     def num_data(s: int) -> int:
         if not data_axes[s]:
@@ -207,7 +213,7 @@ def defer_gradient_sums(
             marked = {
                 operand: out
                 for operand, out in marked.items()
-                if not splits_over(stage_specs.get((out, s)), data_axes[s])
+                if not splits_over(spec_of(out, s), data_axes[s])
             }
         if not marked:
             continue
@@ -234,7 +240,7 @@ def defer_gradient_sums(
             if operand in deferred:
                 aval = out.aval
                 partials[out] = acc = Var(ShapedArray((n, *aval.shape), aval.dtype))
-                spec = tuple(partial_spec(stage_specs.get((out, s)), data_axes[s]))
+                spec = tuple(partial_spec(spec_of(out, s), data_axes[s]))
                 while spec and spec[-1] is None:
                     spec = spec[:-1]
                 partial_specs[acc] = PartitionSpec(*spec)
@@ -252,22 +258,21 @@ def splits_over(spec: PartitionSpec | None, axes: Sequence[str]) -> bool:
 def zero2_specs(
     traced: TracedStep,
     program: PipelineProgram,
-    table: dict,
+    stage_pins: Sequence[StagePins],
     mesh_sizes: Sequence[int],
     zero2: Sequence[bool],
     data_axes: tuple[str, ...],
-) -> dict:
-    """``table`` with ZeRO-2 in each data-parallel stage with ``prefer_reduce_scatter``
+) -> tuple[StagePins, ...]:
+    """``stage_pins`` with ZeRO-2 in each data-parallel stage with ``prefer_reduce_scatter``
     (``zero2[s]``): its optimizer state and the gradients its apply-grad reads split along
-    their first dimension that the submesh's device count divides (a new table; ``table``
-    is left as it is; entries already there, the user's pins, are kept). Parameters stay
-    replicated: the apply-grad computation updates ``1/n`` of each and all-gathers the
-    result.
+    their first dimension that the submesh's device count divides (new records; specs
+    already there, the user's pins, are kept). Parameters stay replicated: the apply-grad
+    computation updates ``1/n`` of each and all-gathers the result.
 
     Optimizer state is every step input that only apply-grad computations read (whatever
     its name), and every input whose path holds ``opt_state`` (as for ``Zero2Parallel``)."""
     jaxpr = traced.closed_jaxpr.jaxpr
-    table = dict(table)
+    split: list[dict] = [{} for _ in stage_pins]
     kinds: dict[Var, set[str]] = {}
     for comp in program.computations:
         for v in comp.invars:
@@ -277,7 +282,7 @@ def zero2_specs(
             continue
         for s in program.input_stages[v]:
             if zero2[s] and mesh_sizes[s] > 1:
-                table.setdefault((v, s), zero_spec(v.aval.shape, mesh_sizes[s], data_axes))
+                split[s][v] = zero_spec(v.aval.shape, mesh_sizes[s], data_axes)
     # The gradients, and what apply-grad computes from them and the state for another
     # apply computation (a clip's scaled gradients, a moment read at the next level):
     # split too, so that no computation gathers them. The step's outputs are not: a
@@ -291,5 +296,5 @@ def zero2_specs(
             continue
         s = program.home[v]
         if zero2[s] and mesh_sizes[s] > 1:
-            table.setdefault((v, s), zero_spec(v.aval.shape, mesh_sizes[s], data_axes))
-    return table
+            split[s].setdefault(v, zero_spec(v.aval.shape, mesh_sizes[s], data_axes))
+    return tuple(pins.with_defaults(specs) for pins, specs in zip(stage_pins, split, strict=True))

@@ -8,7 +8,8 @@ submesh. Its gradients are whole where the backward writes them (XLA all-reduces
 over the axes that split the micro-batch, inside the backward), so nothing is deferred
 (``deferred_sums``).
 
-The sharding table names every value that crosses a computation, so here they are read
+A stage's record (``stage_sharding.StagePins``) names every value that crosses a
+computation, so here they are read
 off XLA: the stage's forward and backward are compiled once as one program (the merged
 step the ILP would plan), with each input in its pin or replicated and every output left
 to XLA; each apply-grad computation is then compiled the same way, with the specs so
@@ -37,19 +38,20 @@ def propagates(option: AutoShardingOption, num_devices: int) -> bool:
 
 
 def propagate_into(
-    table: dict,
+    specs: dict,
     s: int,
     sub: StepJaxpr,
     produced: set,
     mesh: LogicalDeviceMesh,
 ) -> None:
-    """Record in ``table`` the ``(value, s)`` specs XLA gives the inputs and outputs of
-    ``sub`` (one or several computations of stage ``s`` merged,
+    """Record in ``specs`` (stage ``s``'s ``value -> PartitionSpec``) the specs XLA gives
+    the inputs and outputs of ``sub`` (one or several computations of stage ``s`` merged,
     ``stage_sharding.merged_step``; ``produced``: the values its equations compute) when
-    compiled on ``mesh``'s shape with each input in its ``table`` spec, else replicated."""
+    compiled on ``mesh``'s shape with each input in its ``specs`` entry, else replicated;
+    entries already there are kept."""
     jax_mesh = _local_mesh(s, mesh)
     invars, outvars = sub.jaxpr.invars, sub.jaxpr.outvars
-    in_specs = [table.get((v, s)) or PartitionSpec() for v in invars]
+    in_specs = [specs.get(v) or PartitionSpec() for v in invars]
     in_shardings = [NamedSharding(jax_mesh, spec) for spec in in_specs]
     consts = sub.closed_jaxpr.consts
 
@@ -59,10 +61,10 @@ def propagate_into(
     structs = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in invars]
     compiled = jax.jit(fn, in_shardings=in_shardings).lower(*structs).compile()
     for v, spec in zip(invars, in_specs, strict=True):
-        table.setdefault((v, s), spec)
+        specs.setdefault(v, spec)
     for v, sharding in zip(outvars, compiled.output_shardings, strict=True):
         if is_var(v) and v in produced:
-            table.setdefault((v, s), _spec_of(sharding, v.aval.ndim))
+            specs.setdefault(v, _spec_of(sharding, v.aval.ndim))
 
 
 def _local_mesh(s: int, mesh: LogicalDeviceMesh) -> Mesh:

@@ -2,9 +2,10 @@
 
 Each stage is sharded on its own logical submesh by the auto-sharding ILP
 (``alpa.shard_parallel.auto_sharding``) with that stage's ``AutoShardingOption``. The
-result is one table, ``(value, mesh) -> PartitionSpec``: a value has one sharding on a
-mesh, so every computation that writes or reads it there (and every ``LOAD``,
-``RESHARD`` and accumulator into it) agrees.
+result is one record per stage (:class:`StagePins`): the ``PartitionSpec`` of every value
+the stage reads, computes or holds inside a body, its resharding edges and its partial
+sums. A value has one sharding on a stage's mesh, so every computation that writes or
+reads it there (and every ``LOAD``, ``RESHARD`` and accumulator into it) agrees.
 
 * The forward and backward computations of a stage are planned **together**, as one
   jaxpr: a value the forward passes to its backward is an intermediate of that jaxpr, so
@@ -103,12 +104,14 @@ def data_parallel_spec(var, program: PipelineProgram, num_devices: int) -> Parti
     return PartitionSpec()
 
 
-def value_spec(var, mesh: int, program: PipelineProgram, stage_specs: dict, num_devices: int):
-    """The ``PartitionSpec`` of ``var`` on mesh ``mesh`` (of ``num_devices`` devices): its
-    entry in the sharding table, else ``[n, ...]`` (one slice per device along the stage's
-    data axes) for the accumulator of a deferred gradient's partial sums, else
+def value_spec(
+    var, mesh: int, program: PipelineProgram, stage_pins: Sequence[StagePins], num_devices: int
+):
+    """The ``PartitionSpec`` of ``var`` on mesh ``mesh`` (of ``num_devices`` devices): the
+    one stage ``mesh``'s record gives it, else ``[n, ...]`` (one slice per device along the
+    stage's data axes) for the accumulator of a deferred gradient's partial sums, else
     :func:`data_parallel_spec`."""
-    spec = stage_specs.get((var, mesh))
+    spec = stage_pins[mesh].var_specs.get(var)
     if spec is not None:
         return spec
     deferred = program.deferred
@@ -123,26 +126,26 @@ def plan_stage_shardings(
     logical_meshes: Sequence[LogicalDeviceMesh],
     options: Sequence[AutoShardingOption],
     names: dict,
-    pinned: dict | None = None,
+    pinned: Sequence[Mapping] | None = None,
     workers: int | None = None,
-) -> tuple[dict, dict, tuple[StagePins, ...]]:
-    """The table ``(var, mesh) -> PartitionSpec``, per stage the ILP plan objective(s)
-    (``{stage: [objective, ...]}``) of the computations the ILP planned, and per stage
-    what its ILP plans pin besides the table (:class:`StagePins`; empty for a stage the
-    ILP did not plan).
+) -> tuple[dict, tuple[StagePins, ...]]:
+    """Per stage the ILP plan objective(s) (``{stage: [objective, ...]}``) of the
+    computations the ILP planned, and per stage its record (:class:`StagePins`).
 
-    ``pinned`` entries (the user's, ``user_shardings``) are kept as they are. A stage's
-    computations are planned in order (forward and backward as one, then each apply
-    level, each reading the specs the earlier ones chose); stages are independent (a
-    stage writes only its own ``(var, stage)`` entries), so they are planned on threads,
-    ``workers`` at a time (default: one per CPU); the result does not depend on it."""
-    pinned = dict(pinned or {})
+    ``pinned[s]`` (``value -> PartitionSpec``, the user's pins on stage ``s``,
+    ``user_shardings``) is kept as it is. A stage's computations are planned in order
+    (forward and backward as one, then each apply level, each reading the specs the
+    earlier ones chose); stages are independent (each fills its own record), so they are
+    planned on threads, ``workers`` at a time (default: one per CPU); the result does not
+    depend on it."""
+    pinned = list(pinned) if pinned is not None else [{}] * program.num_stages
     shared = _SharedPlans()
 
-    def plan_stage(s: int) -> tuple[dict, list[float], StagePins]:
-        table = {key: spec for key, spec in pinned.items() if key[1] == s}
+    def plan_stage(s: int) -> tuple[list[float], StagePins]:
+        specs = dict(pinned[s])
+        operands: dict = {}
+        sums: dict = {}
         objectives: list[float] = []
-        pins = StagePins()
         mesh, option = logical_meshes[s], options[s]
         if propagates(option, mesh.num_devices):
 
@@ -150,38 +153,31 @@ def plan_stage_shardings(
                 sub, produced = merged_step(
                     traced, program, comps, mesh.num_devices, names, f"stage{s}"
                 )
-                propagate_into(table, s, sub, produced, mesh)
+                propagate_into(specs, s, sub, produced, mesh)
 
         elif uses_ilp(option, mesh.num_devices):
             planning = _Planning(s, program, mesh, option, names, traced, shared)
 
             def plan_group(comps) -> None:
-                nonlocal pins
-                objective, pins = planning.plan_into(table, pins, comps)
-                objectives.append(objective)
+                objectives.append(planning.plan_into(specs, operands, sums, comps))
 
         else:
-            return table, objectives, pins
+            return objectives, StagePins(specs)
         forward_backward, applies = _stage_groups(program, s)
         if forward_backward:
             plan_group(forward_backward)
         # Each accumulated gradient in the spec of the value its backward computes.
         for out, operand in program.accumulated.items():
-            if program.home[out] == s and (operand, s) in table:
-                table[(out, s)] = table[(operand, s)]
+            if program.home[out] == s and operand in specs:
+                specs[out] = specs[operand]
         for comp in applies:
             plan_group([comp])
-        return table, objectives, pins
+        return objectives, StagePins(specs, operands, sums)
 
     stages = range(program.num_stages)
     planned = map_on_threads(taking_turns(plan_stage), stages, workers, "alpa-stage-sharding")
-    table: dict = dict(pinned)
-    objectives: dict[int, list[float]] = {}
-    for s, (stage_table, stage_objectives, _) in zip(stages, planned, strict=True):
-        table.update(stage_table)
-        if stage_objectives:
-            objectives[s] = stage_objectives
-    return table, objectives, tuple(pins for _, _, pins in planned)
+    objectives = {s: found for s, (found, _) in zip(stages, planned, strict=True) if found}
+    return objectives, tuple(pins for _, pins in planned)
 
 
 def _stage_groups(
@@ -197,18 +193,19 @@ def _stage_groups(
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class StagePins:
-    """What one stage's ILP plans pin besides the sharding table (which holds the values
-    the stage's equations produce and its inputs: ``stage_specs``), as ``shard_parallel``'s
-    lowering takes a plan's pins (``lowering.plan_pins``): the stage's computations are
-    lowered from it and the table's entries for the stage.
+    """One stage's sharding plan, as ``shard_parallel``'s lowering takes a plan's pins
+    (``lowering.plan_pins``): the stage's computations are lowered from it.
 
-    Not a ``ShardingPlan``: a stage is planned as several jaxprs (its forward and backward
-    together, then each apply-grad computation), so it has no one list of inputs and
-    outputs, nor one objective, for that record's required fields.
+    Its ILP plans (and the user's pins, ZeRO-2 and the donated outputs' ties, each a
+    function from these records to new ones) fill it. Not a ``ShardingPlan``: a stage is
+    planned as several jaxprs (its forward and backward together, then each apply-grad
+    computation), so it has no one list of inputs and outputs, nor one objective, for
+    that record's required fields.
 
     Attributes:
-      var_specs: ``value -> PartitionSpec`` for the values inside the bodies of
-        checkpoint (``remat2``), ``scan``, ``while`` and ``cond`` equations.
+      var_specs: ``value -> PartitionSpec`` for every value the stage's computations read
+        or compute, and the values inside the bodies of checkpoint (``remat2``),
+        ``scan``, ``while`` and ``cond`` equations; a value has one spec on the stage.
       operand_specs: ``equation -> specs``: the spec each operand of the equation (of the
         step or of such a body) is resharded to before the equation reads it, ``None``
         where it is read as produced: the plan's resharding edges.
@@ -235,9 +232,16 @@ class StagePins:
         )
 
     def with_specs(self, var_specs: Mapping) -> StagePins:
-        """This record with ``var_specs`` added to (and taking precedence over) its own:
-        the stage's entries of the sharding table, for its lowering."""
+        """This record with ``var_specs`` added to (and taking precedence over) its own."""
+        if not var_specs:
+            return self
         return dataclasses.replace(self, var_specs={**self.var_specs, **var_specs})
+
+    def with_defaults(self, var_specs: Mapping) -> StagePins:
+        """This record with the entries of ``var_specs`` for values it has no spec for."""
+        if not var_specs:
+            return self
+        return dataclasses.replace(self, var_specs={**var_specs, **self.var_specs})
 
 
 class _SharedPlans:
@@ -276,21 +280,22 @@ class _Planning:
     shared: _SharedPlans
 
     def plan_into(
-        self, table: dict, pins: StagePins, comps: Sequence[StageComputation]
-    ) -> tuple[float | None, StagePins]:
-        """Plan ``comps`` as one jaxpr; record the specs not yet in ``table``; return the
-        ILP objective and ``pins`` with what the plan pins inside bodies, on operands and
-        as partial sums added where ``pins`` has none yet. A computation of the same
-        structure already planned (``shared``) lends its plan."""
+        self, specs: dict, operands: dict, sums: dict, comps: Sequence[StageComputation]
+    ) -> float | None:
+        """Plan ``comps`` as one jaxpr; record in ``specs`` (the stage's ``value ->
+        PartitionSpec``), ``operands`` (its resharding edges) and ``sums`` (its partial
+        sums) what the plan decides where they have nothing yet; return the ILP
+        objective. A computation of the same structure already planned (``shared``) lends
+        its plan."""
         s, mesh, option = self.s, self.mesh, self.option
-        sub, produced = merged_step(
+        sub, _ = merged_step(
             self.traced, self.program, comps, mesh.num_devices, self.names, f"stage{s}"
         )
         invars, outvars = sub.jaxpr.invars, sub.jaxpr.outvars
         # Inputs that already have a sharding on this mesh (the user's pins, or parameters
         # and gradients an earlier computation of the stage planned) arrive in it: the ILP
         # plans around them instead of assuming a spec XLA would then have to reshard into.
-        fixed = [table.get((v, s)) for v in invars]
+        fixed = [specs.get(v) for v in invars]
 
         def solve():
             # The stages' lowering runs the forward and the backward as programs of their
@@ -312,30 +317,27 @@ class _Planning:
             )
         mine = StagePins(plan.var_specs, plan.operand_specs, plan.partial_sums)
         if planned is not sub:  # the same equations: values and equations match by position
-            values = dict(zip(_positional_vars(planned), _positional_vars(sub), strict=True))
+            values = dict(zip(positional_vars(planned), positional_vars(sub), strict=True))
             pairs = zip(nested_eqns(planned.jaxpr), nested_eqns(sub.jaxpr), strict=True)
             eqns = {id(theirs): e for theirs, e in pairs}
             mine = mine.rekeyed(values.get, lambda e: eqns[id(e)])
         for v, spec in zip(invars, plan.in_specs, strict=True):
-            table.setdefault((v, s), spec)
-        body_specs = {}
+            specs.setdefault(v, spec)
+        inputs = set(invars)
         for v, spec in mine.var_specs.items():
-            if is_var(v) and v in produced:
-                table.setdefault((v, s), spec)
-            elif is_var(v) and v not in invars:  # inside a checkpoint, loop or branch
-                body_specs[v] = spec
+            if is_var(v) and v not in inputs:  # computed here, or inside a body
+                specs.setdefault(v, spec)
         for v, spec in zip(outvars, plan.out_specs, strict=True):
             if spec is not None:
-                table.setdefault((v, s), spec)
-        pins = StagePins(
-            body_specs | dict(pins.var_specs),
-            dict(mine.operand_specs) | dict(pins.operand_specs),
-            dict(mine.partial_sums) | dict(pins.partial_sums),
-        )
-        return plan.objective, pins
+                specs.setdefault(v, spec)
+        for e, operand_specs in mine.operand_specs.items():
+            operands.setdefault(e, operand_specs)
+        for e, partial_sum in mine.partial_sums.items():
+            sums.setdefault(e, partial_sum)
+        return plan.objective
 
 
-def _positional_vars(step: StepJaxpr) -> list:
+def positional_vars(step: StepJaxpr) -> list:
     """The values of ``step``'s jaxpr in a fixed order: inputs, then per equation (in
     :func:`~alpa.tracing.jaxpr_util.nested_eqns`' order, bodies included) its outputs
     and the inputs of its bodies."""
@@ -449,13 +451,16 @@ def merged_step(
 
 
 def tie_donated_outputs(
-    traced: TracedStep, program: PipelineProgram, table: dict, mesh_sizes: Sequence[int]
-) -> dict:
-    """``table`` with each output that replaces a donated input given the input's spec on
-    the output's mesh (a new table; ``table`` is left as it is; ``mesh_sizes[s]``: devices
-    of mesh ``s``; see the module docstring)."""
+    traced: TracedStep,
+    program: PipelineProgram,
+    stage_pins: Sequence[StagePins],
+    mesh_sizes: Sequence[int],
+) -> tuple[StagePins, ...]:
+    """``stage_pins`` with each output that replaces a donated input given the input's
+    spec on the output's mesh (new records; ``mesh_sizes[s]``: devices of mesh ``s``; see
+    the module docstring)."""
     jaxpr = traced.closed_jaxpr.jaxpr
-    table = dict(table)
+    ties: list[dict] = [{} for _ in stage_pins]
     for i, o in donated_state_pairs(traced):
         var_in, var_out = jaxpr.invars[i], jaxpr.outvars[o]
         if not is_var(var_out) or var_out not in program.home:
@@ -463,8 +468,8 @@ def tie_donated_outputs(
         mesh = program.home[var_out]
         if mesh not in program.input_stages[var_in]:
             continue
-        spec = table.get((var_in, mesh))
+        spec = stage_pins[mesh].var_specs.get(var_in)
         if spec is None:
             spec = data_parallel_spec(var_in, program, mesh_sizes[mesh])
-        table[(var_out, mesh)] = spec
-    return table
+        ties[mesh][var_out] = spec
+    return tuple(pins.with_specs(tied) for pins, tied in zip(stage_pins, ties, strict=True))

@@ -1,8 +1,8 @@
 """Shardings the user pins in a pipeshard step: ``manual_sharding_option`` and
 ``stage_input_shardings`` of ``PipeshardParallel``.
 
-Both produce entries of the table ``(value, mesh) -> PartitionSpec`` of
-``stage_sharding`` before the intra-op pass runs; the pass keeps them and chooses the
+Both produce, per stage, ``value -> PartitionSpec`` entries of the stage's record
+(``stage_sharding.StagePins``) before the intra-op pass runs; the pass keeps them and chooses the
 rest, taking a pinned input of a computation as a fixed input spec of its ILP (pinned
 outputs are constraints the ILP does not see; XLA reshards to them).
 
@@ -50,8 +50,6 @@ from alpa.shard_parallel.strategies.manual_sharding import (
 )
 from alpa.tracing import TracedStep
 from alpa.tracing.jaxpr_util import is_var
-
-Key = tuple[Var, int]
 
 
 def check_stage_input_shardings(value) -> tuple[tuple[PartitionSpec | None, ...] | None, ...]:
@@ -186,15 +184,15 @@ def pinned_specs(
     manual_sharding_option: ManualShardingOption | None,
     stage_input_shardings: Sequence[Sequence[PartitionSpec | None] | None] | None,
     names: dict,
-) -> dict[Key, PartitionSpec]:
-    """The table entries the user pins (see the module docstring), in the mesh axes
+) -> list[dict[Var, PartitionSpec]]:
+    """Per stage, the specs the user pins (see the module docstring), in the mesh axes
     ``("x", "y")`` of the executable's submeshes."""
     num_stages = program.num_stages
     axis_names = stage_axis_names(manual_sharding_option, num_stages)
-    pinned: dict[Key, PartitionSpec] = {}
+    pinned: list[dict[Var, PartitionSpec]] = [{} for _ in range(num_stages)]
 
     def pin(v, s, spec, where):
-        pinned[(v, s)] = _translate(spec, v, axis_names[s], mesh_shapes[s], s, where)
+        pinned[s][v] = _translate(spec, v, axis_names[s], mesh_shapes[s], s, where)
 
     jaxpr = traced.closed_jaxpr.jaxpr
     option = manual_sharding_option
