@@ -88,7 +88,7 @@ class StagePrograms:
             values,
             self.meshes[s],
             deferred.stage_axes[s],
-            self.plan.stage_pins[s].var_specs,
+            self.plan.program_pins[s].var_specs,
         )
 
     def key_sharding(self, key) -> NamedSharding:
@@ -160,7 +160,7 @@ class StagePrograms:
         # names pinned to their sharding (the computation's inputs arrive in theirs), the
         # operands it reads in another spec resharded to it, its partial sums added on each
         # device and reduced once; the deferred row sums' overrides come first.
-        pins = plan_pins(self.plan.stage_pins[comp.stage], mesh, unpinned=comp.invars)
+        pins = plan_pins(self.plan.program_pins[comp.stage], mesh, unpinned=comp.invars)
         constraints, operand_constraints = dict(pins.constraints), pins.operand_constraints
         overrides = self._deferred_rules(comp)
         overrides |= pins.overrides(sub, skip=overrides)

@@ -248,7 +248,7 @@ def plan_pipeshard(
         plan = _plan_one_schedule(traced, chosen, args, devices)
     elif best.name != "1f1b":
         chosen = dataclasses.replace(options, pipeline_schedule=best.name)
-        plan = _plan_one_schedule(traced, chosen, args, devices, plan.decisions())
+        plan = _plan_one_schedule(traced, chosen, args, devices, plan.decisions)
     # The 1F1B plan itself keeps its cost, solved above (the layer ILPs, not again).
     return plan.annotated(schedule_candidates=candidates)
 
@@ -330,9 +330,8 @@ def _plan_one_schedule(
         objectives, stage_pins = _stage_shardings(
             traced, program, args, options, logical_meshes, stage_opts, data_parallel, names
         )
-    else:
-        objectives = {s: list(v) for s, v in decisions.objectives.items()}
-        stage_pins = _on_program(decisions.stage_pins, traced, program)
+    else:  # its records name the traced step's equations, read only for their values here
+        objectives, stage_pins = decisions.objectives, decisions.stage_pins
     program = _draw_and_defer(
         traced, program, options, stage_pins, logical_meshes, data_parallel, propagated, names
     )
@@ -341,24 +340,28 @@ def _plan_one_schedule(
     buffer_specs, reshards = resolve_buffers(
         instructions, value_specs, logical_meshes, stage_plan.submesh_shapes, names
     )
+    if decisions is None:
+        decisions = PipeshardDecisions(
+            layers=layers,
+            stage_plan=stage_plan,
+            options=tuple(stage_opts),
+            logical_meshes=tuple(logical_meshes),
+            objectives=objectives,
+            stage_pins=_on_traced(stage_pins, traced, program),
+        )
     return PipeshardPlan(
         traced=traced,
         names=names,
         cluster=options.cluster,
-        layers=layers,
-        stage_plan=stage_plan,
-        options=tuple(stage_opts),
-        logical_meshes=tuple(logical_meshes),
+        decisions=decisions,
         program=program,
         value_specs=value_specs,
-        objectives=objectives,
         schedule=schedule,
         instructions=instructions,
         buffer_specs=buffer_specs,
         reshards=reshards,
         num_micro_batches=options.num_micro_batches,
         layer_option=layer_option,
-        stage_pins=stage_pins,
     )
 
 
@@ -513,15 +516,18 @@ def _search_stages(
     return plan_stages(stage_option, context)
 
 
-def _on_program(
+def _on_traced(
     stage_pins: Sequence[StagePins], traced: TracedStep, program: PipelineProgram
 ) -> tuple[StagePins, ...]:
-    """A replayed plan's per-stage records (``stage_pins``, their equations those of
-    ``traced``) with each equation the program's at the same position
-    (``split_computations`` rewrites some equations' operands, never their positions)."""
-    same = zip(nested_eqns(traced.jaxpr), nested_eqns(program.closed_jaxpr.jaxpr), strict=True)
-    program_eqn = {id(e): mine for e, mine in same}
-    return tuple(pins.rekeyed(lambda v: v, lambda e: program_eqn[id(e)]) for pins in stage_pins)
+    """The per-stage records the ILPs made (``stage_pins``, their equations those of
+    ``program``) with each equation the traced step's at the same position
+    (``split_computations`` rewrites some equations' operands, never their positions):
+    the plan's decisions, as a replay reads them. An equation the program rewrote after
+    the planning (a random draw cut into micro-batch rows) is left out, as it names
+    nothing the stage programs run."""
+    same = zip(nested_eqns(program.closed_jaxpr.jaxpr), nested_eqns(traced.jaxpr), strict=True)
+    traced_eqn = {id(mine): e for mine, e in same}
+    return tuple(pins.rekeyed(lambda v: v, lambda e: traced_eqn.get(id(e))) for pins in stage_pins)
 
 
 def check_decisions(decisions: PipeshardDecisions, traced: TracedStep, num_devices: int) -> None:

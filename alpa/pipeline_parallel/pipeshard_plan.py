@@ -67,19 +67,29 @@ SUMMARY_FORMAT = 1
 
 @dataclass(frozen=True, eq=False)
 class PipeshardDecisions:
-    """The decisions of a pipeshard plan that took a search to make, and that
-    :func:`plan_pipeshard` takes back to replay a plan without searching again (no layer
-    construction, no stage DP, no ILP; ``alpa.plan_to_method``).
+    """The decisions of a pipeshard plan that took a search to make: the field
+    :attr:`PipeshardPlan.decisions` of every plan, and what :func:`plan_pipeshard` takes
+    back to replay a plan without searching again (no layer construction, no stage DP, no
+    ILP; ``alpa.plan_to_method``).
 
     Attributes:
       layers: the layer of every equation of the traced step.
       stage_plan: stages, their layers, submeshes and logical shapes.
       options: per stage, its resolved ``AutoShardingOption``.
-      logical_meshes: per stage, the logical mesh (without devices) it was planned on.
+      logical_meshes: per stage, the logical mesh its sharding was planned on.
       objectives: per stage, the ILP objective(s) of its computations.
-      stage_pins: per stage, its sharding plan (``stage_sharding.StagePins``, the record
-        its computations are lowered from; the one of :class:`PipeshardPlan`, its
-        equations those of the traced step).
+      stage_pins: per stage, its sharding plan (``stage_sharding.StagePins``), what the
+        stage's ILP plans (and the user's pins, ZeRO-2, the donated outputs' ties)
+        decided: the spec of every value its computations read or compute and of the
+        values inside the checkpoint, loop and branch bodies of its equations
+        (``var_specs``), its resharding edges, the spec each operand is resharded to
+        before an equation reads it (``operand_specs``), and the adds of two partial
+        results priced as one reduction of their sum (``partial_sums``). Its equations
+        are the traced step's; each stage computation is lowered from its stage's
+        record on the split program's equations at the same positions
+        (:attr:`PipeshardPlan.program_pins`) by ``shard_parallel``'s lowering of a
+        plan's pins (``lowering.plan_pins``), as ``ShardParallel`` lowers its one plan,
+        so it performs the collectives the ILP priced.
     """
 
     layers: LayerAssignment
@@ -99,26 +109,14 @@ class PipeshardPlan:
       names: a short name for every value (``v0``, ``v1``, ...) used by instructions.
       cluster: the hardware planned for and its shape: ``num_hosts`` x
         ``num_devices_per_host`` read from it.
-      layers: the layer of every equation.
-      stage_plan: stages, their layers, submeshes, logical shapes and options.
-      options: per stage, its resolved ``AutoShardingOption``.
-      logical_meshes: per stage, the logical mesh its sharding was planned on.
+      decisions: what the search decided (:class:`PipeshardDecisions`: layers, stages,
+        per-stage options, logical meshes, ILP objectives and sharding plans), each also
+        read as an attribute of the plan (``plan.stage_plan``, ``plan.stage_pins``, ...).
       program: the stage computations and where every value lives.
       value_specs: ``(value, mesh) -> PartitionSpec`` for every value a stage
         computation on that mesh reads or writes, every step input on the meshes that read
         it and every buffer: its stage record's spec, or the one the end of the chain
         filled in (``pipeshard_passes.resolve_value_specs``).
-      objectives: per stage, the ILP objective(s) of its computations.
-      stage_pins: per stage, its sharding plan (``stage_sharding.StagePins``), what the
-        stage's ILP plans (and the user's pins, ZeRO-2, the donated outputs' ties)
-        decided: the spec of every value its computations read or compute and of the
-        values inside the checkpoint, loop and branch bodies of its equations
-        (``var_specs``), its resharding edges, the spec each operand is resharded to
-        before an equation reads it (``operand_specs``), and the adds of two partial
-        results priced as one reduction of their sum (``partial_sums``). Each stage
-        computation is lowered from its stage's record by ``shard_parallel``'s lowering
-        of a plan's pins (``lowering.plan_pins``), as ``ShardParallel`` lowers its one
-        plan, so it performs the collectives the ILP priced.
       schedule_candidates: with ``pipeline_schedule="auto"``, each training schedule
         priced on these stages (``schedule_choice.ScheduleCandidate``: seconds per step,
         memory per stage, whether it fits); :attr:`schedule` is the one chosen.
@@ -140,14 +138,9 @@ class PipeshardPlan:
     traced: TracedStep
     names: dict
     cluster: ClusterSpec
-    layers: LayerAssignment
-    stage_plan: StagePlan
-    options: tuple[AutoShardingOption, ...]
-    logical_meshes: tuple[LogicalDeviceMesh, ...]
+    decisions: PipeshardDecisions
     program: PipelineProgram
-    stage_pins: tuple[StagePins, ...]
     value_specs: dict
-    objectives: dict
     schedule: PipelineSchedule
     instructions: PipelineInstructions
     buffer_specs: dict
@@ -156,6 +149,43 @@ class PipeshardPlan:
     layer_option: Any = None
     schedule_candidates: tuple = ()
     row_split: Any = None
+
+    @property
+    def layers(self) -> LayerAssignment:
+        return self.decisions.layers
+
+    @property
+    def stage_plan(self) -> StagePlan:
+        return self.decisions.stage_plan
+
+    @property
+    def options(self) -> tuple[AutoShardingOption, ...]:
+        return self.decisions.options
+
+    @property
+    def logical_meshes(self) -> tuple[LogicalDeviceMesh, ...]:
+        return self.decisions.logical_meshes
+
+    @property
+    def objectives(self) -> dict:
+        return self.decisions.objectives
+
+    @property
+    def stage_pins(self) -> tuple[StagePins, ...]:
+        return self.decisions.stage_pins
+
+    @functools.cached_property
+    def program_pins(self) -> tuple[StagePins, ...]:
+        """Per stage its sharding plan (:attr:`stage_pins`) with each equation the split
+        program's at the same position (``split_computations`` rewrites some equations'
+        operands, never their positions): what the stage programs are lowered from."""
+        same = zip(
+            nested_eqns(self.traced.jaxpr),
+            nested_eqns(self.program.closed_jaxpr.jaxpr),
+            strict=True,
+        )
+        mine = {id(e): program_eqn for e, program_eqn in same}
+        return tuple(pins.rekeyed(lambda v: v, lambda e: mine[id(e)]) for pins in self.stage_pins)
 
     @property
     def user_traced(self) -> TracedStep:
@@ -396,30 +426,6 @@ class PipeshardPlan:
             [self.spec_of(v, s) for v in stage_inputs(self.program, s)]
             for s in range(len(self.logical_meshes))
         ]
-
-    def decisions(self) -> PipeshardDecisions:
-        """What :func:`plan_pipeshard` needs to make this plan again without searching.
-        The equations of its ``stage_pins`` are the traced step's, as a replay reads them
-        (the plan's own are the split program's, at the same positions)."""
-        to_traced = {
-            id(mine): e
-            for mine, e in zip(
-                nested_eqns(self.program.closed_jaxpr.jaxpr),
-                nested_eqns(self.traced.jaxpr),
-                strict=True,
-            )
-        }
-        return PipeshardDecisions(
-            layers=self.layers,
-            stage_plan=self.stage_plan,
-            options=self.options,
-            logical_meshes=self.logical_meshes,
-            objectives={s: list(v) for s, v in self.objectives.items()},
-            stage_pins=tuple(
-                pins.rekeyed(lambda v: v, lambda e: to_traced.get(id(e)))
-                for pins in self.stage_pins
-            ),
-        )
 
     def summary(self) -> dict:
         """The plan's decisions as JSON-able data (what ``to_json`` writes)."""

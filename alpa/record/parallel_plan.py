@@ -245,21 +245,12 @@ class ParallelPlan:
         """The record of a pipeshard compile made from ``plan``."""
         traced = plan.traced
         refs = value_refs(traced.jaxpr)
-        # The stage programs' equations: the step's, some with their operands rewritten
-        # (``computation.read_step_inputs_through_markers``), at the same positions.
-        eqns = {
-            id(e): ref
-            for jaxpr in (plan.program.closed_jaxpr.jaxpr, traced.jaxpr)
-            for ref, e in eqn_refs(jaxpr).items()
-        }
-        decisions = plan.decisions()
+        eqns = {id(e): ref for ref, e in eqn_refs(traced.jaxpr).items()}
         decisions = replace(
-            decisions,
-            logical_meshes=tuple(replace(m, devices=None) for m in decisions.logical_meshes),
-            # Less the equations of random draws rewritten after the planning.
+            plan.decisions,
+            logical_meshes=tuple(replace(m, devices=None) for m in plan.logical_meshes),
             stage_pins=tuple(
-                pins.rekeyed(refs.__getitem__, lambda e: eqns.get(id(e)))
-                for pins in decisions.stage_pins
+                pins.rekeyed(refs.__getitem__, lambda e: eqns[id(e)]) for pins in plan.stage_pins
             ),
         )
         layer_option = plan.layer_option or ManualLayerOption()

@@ -331,3 +331,40 @@ def test_a_plan_saved_in_an_older_layout_replays_the_same_programs(remat, versio
         method = alpa.plan_to_method(alpa.ParallelPlan.from_json(old))
         replayed = alpa.parallelize(step, method=method).get_executable(*args)
         assert program_text(replayed.get_hlo_text()) == program_text(executable.get_hlo_text())
+
+
+def test_a_plan_holds_its_decisions_and_a_replay_keeps_the_ones_it_is_given():
+    """A plan's decisions are one record, ``PipeshardPlan.decisions``, not a copy: its
+    stage records name the traced step's equations, and the stage programs are lowered
+    from the same records on the split program's equations at the same positions
+    (``program_pins``). ``plan_pipeshard(decisions=...)`` keeps the record it is given as
+    its plan's, and lowers from the same pins."""
+    from alpa.pipeline_parallel.pipeshard_passes import PipeshardOptions, plan_pipeshard
+
+    executable, args = _executable(remat=True)
+    plan = executable.plan
+    assert plan.stage_pins is plan.decisions.stage_pins
+    assert plan.stage_plan is plan.decisions.stage_plan
+    traced_eqns = nested_eqns(plan.traced.jaxpr)
+    program_eqns = nested_eqns(plan.program.closed_jaxpr.jaxpr)
+    position = {id(e): i for i, e in enumerate(traced_eqns)}
+    rewritten = sum(a is not b for a, b in zip(traced_eqns, program_eqns, strict=True))
+    assert rewritten, "the split rewrote no equation: the positions are not exercised"
+    for pins, bound in zip(plan.stage_pins, plan.program_pins, strict=True):
+        assert pins.operand_specs  # not vacuous (a remat GPT's stages reshard operands)
+        assert bound.var_specs == pins.var_specs
+        for table in ("operand_specs", "partial_sums"):
+            mine, theirs = getattr(pins, table), getattr(bound, table)
+            assert {program_eqns[position[id(e)]]: x for e, x in mine.items()} == theirs
+    options = PipeshardOptions(
+        plan.cluster, plan.num_micro_batches, pipeline_schedule=plan.schedule.name
+    )
+    replayed = plan_pipeshard(plan.traced, options, args, decisions=plan.decisions)
+    assert replayed.decisions is plan.decisions
+    new_program = nested_eqns(replayed.program.closed_jaxpr.jaxpr)
+    old_position = {id(e): i for i, e in enumerate(program_eqns)}
+    for mine, theirs in zip(plan.program_pins, replayed.program_pins, strict=True):
+        assert mine.var_specs == theirs.var_specs
+        for table in ("operand_specs", "partial_sums"):
+            moved = {new_program[old_position[id(e)]]: x for e, x in getattr(mine, table).items()}
+            assert moved == getattr(theirs, table)
