@@ -21,7 +21,7 @@ from alpa.device_mesh import ClusterSpec
 from alpa.model.gpt import GPTConfig, get_gpt_train_state_and_step
 from alpa.model.mlp import MLPModel, get_mlp_train_state_and_step
 from alpa.pipeline_parallel.stages.layer_facts import compute_layer_facts
-from alpa.pipeline_parallel.stages.measured_stage_cost import MeasuredStageCost
+from alpa.pipeline_parallel.stages.measured_stage_cost import CACHE_FORMAT, MeasuredStageCost
 from alpa.pipeline_parallel.stages.stage_construction import (
     AutoStageOption,
     get_last_dp_result,
@@ -30,6 +30,7 @@ from alpa.pipeline_parallel.stages.stage_construction import (
 from alpa.pipeline_parallel.stages.stage_cost import AnalyticStageCost
 from alpa.pipeline_parallel.stages.stage_imbalance import imbalance_mask
 from alpa.pipeline_parallel.stages.stage_problem import StageCosts
+from alpa.saved_format import NewerFormatError
 from alpa.testing import assert_allclose
 from alpa.tracing.flops import jaxpr_flops
 
@@ -108,7 +109,9 @@ def test_mlp_measured_cost_model_matches_serial_and_caches(tmp_path):
         num_micro_batches=4, layer_option=alpa.AutoLayerOption(layer_num=2), stage_option=option
     )
     check_against_serial(make_train_step, state, batch, method, steps=1)
-    entries = json.loads(cache.read_text())
+    data = json.loads(cache.read_text())
+    assert data["format"] == CACHE_FORMAT
+    entries = data["latencies"]
     assert entries and all(v > 0 for v in entries.values())
     # Planning again measures nothing: every candidate is in the cache.
     step = alpa.parallelize(make_train_step(alpa.value_and_grad), method=method)
@@ -126,8 +129,23 @@ def test_mlp_measured_cost_model_matches_serial_and_caches(tmp_path):
         traced_plan.names,
         4,
     )
-    model(stage_problem(option, context))
+    problem = stage_problem(option, context)
+    model(problem)
     assert model.measured == 0
+    # A cache of format 1 (the latencies alone, before the field) is read the same.
+    cache.write_text(json.dumps(entries))
+    model(problem)
+    assert model.measured == 0 and json.loads(cache.read_text())["latencies"] == entries
+    # One of a newer format is refused by name, and left as it is.
+    newer = json.dumps({"format": CACHE_FORMAT + 1, "latencies": entries})
+    cache.write_text(newer)
+    with pytest.raises(
+        NewerFormatError,
+        match=rf"^{re.escape(repr(str(cache)))} is a stage-cost cache of format "
+        rf"{CACHE_FORMAT + 1}, newer than this alpa reads .*cache_file=",
+    ):
+        model(problem)
+    assert cache.read_text() == newer
 
 
 def test_gpt_tied_embeddings_auto_matches_serial():

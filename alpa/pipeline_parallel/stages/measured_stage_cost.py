@@ -3,8 +3,11 @@
 :class:`MeasuredStageCost` compiles every candidate stage on the real submesh
 (``ShardParallel``'s intra-op pass and lowering) and times it; results are cached on disk
 keyed by the stage's jaxpr, submesh, logical shape and options, so a stage is measured
-once per machine. Memory is priced as in the analytic model: the tables it fills are
-``stage_cost``'s (``stage_cost.fill_tables``), with measured latencies.
+once per machine. The cache file carries its layout's version (``"format"``:
+:data:`CACHE_FORMAT`; a file without it is format 1, the latencies as the whole object);
+one of a newer format is refused by name, not read as latencies or overwritten. Memory
+is priced as in the analytic model: the tables it fills are ``stage_cost``'s
+(``stage_cost.fill_tables``), with measured latencies.
 """
 
 from __future__ import annotations
@@ -21,8 +24,13 @@ import numpy as np
 from alpa.pipeline_parallel.program.stage_sharding import structure_key
 from alpa.pipeline_parallel.stages.stage_cost import LayerPlans, fill_tables, stage_memory
 from alpa.pipeline_parallel.stages.stage_problem import StageCosts, StageProblem
+from alpa.saved_format import FORMAT_KEY, read_format
 from alpa.shard_parallel.auto_sharding import AutoShardingOption, plan_auto_sharding
 from alpa.tracing import StepJaxpr
+
+#: Version of the cache file's layout: ``{"format": 2, "latencies": {key: seconds}}``.
+#: Format 1 (no ``"format"``) was the ``{key: seconds}`` object alone.
+CACHE_FORMAT = 2
 
 
 class MeasuredStageCost:
@@ -122,15 +130,29 @@ class MeasuredStageCost:
         return float(np.median(times))
 
     def _load(self) -> dict:
+        """The cached latencies; none when the file is missing or unreadable (a cache is
+        measured again). One of a newer format raises ``NewerFormatError``."""
         try:
             with open(self.cache_file) as f:
-                return json.load(f)
+                data = json.load(f)
         except (OSError, ValueError):
             return {}
+        if not isinstance(data, dict):
+            return {}
+        version = read_format(
+            data,
+            CACHE_FORMAT,
+            "stage-cost cache",
+            repr(self.cache_file),
+            remedy="pass MeasuredStageCost(cache_file=...) (or AutoStageOption("
+            "profiling_database_filename=...)) another file, or remove it to measure again",
+        )
+        latencies = data if version == 1 else data.get("latencies", {})
+        return {k: v for k, v in latencies.items() if isinstance(v, int | float)}
 
     def _save(self, cache: dict) -> None:
         os.makedirs(os.path.dirname(os.path.abspath(self.cache_file)), exist_ok=True)
         tmp = self.cache_file + ".tmp"
         with open(tmp, "w") as f:
-            json.dump(cache, f)
+            json.dump({FORMAT_KEY: CACHE_FORMAT, "latencies": cache}, f)
         os.replace(tmp, self.cache_file)
