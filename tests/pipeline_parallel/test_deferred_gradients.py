@@ -118,6 +118,41 @@ def test_ilp_stages_reduce_gradients_once_per_step(model):
         assert len(reductions) == 1, (stage, applies)
 
 
+@pytest.mark.parametrize("model", ["gpt", "bert"])
+@pytest.mark.parametrize("option", [{"force_batch_dim_to_mesh_dim": 0}, {}])
+def test_a_stages_data_axes_are_its_plans(model, option, monkeypatch):
+    """The data axes a stage's gradients are reduced over (``deferred_sums``) are its
+    forward-and-backward ILP plan's ``data_axes``, read off the stage's record; that plan's
+    other gradient fields say nothing for a stage (``grad_specs`` ``None``, no
+    ``sync_groups``): the ``alpa.grad`` marker lies between its backward and apply-grad
+    programs, outside every jaxpr its ILPs plan, so the stage's deferral is decided here,
+    not by them. Left free, the ILP splits BERT's batch over ``y``, and the deferral follows."""
+    devices_or_skip(8)
+    from alpa.pipeline_parallel.program import stage_sharding
+
+    first: dict = {}
+    plan_auto_sharding = stage_sharding.plan_auto_sharding
+
+    def recording(step, *args, **kwargs):
+        plan = plan_auto_sharding(step, *args, **kwargs)
+        assert step.grad_marker() is None
+        assert plan.grad_specs is None and plan.sync_groups == ()
+        first.setdefault(step.name, plan)  # a stage's first plan: its forward and backward
+        return plan
+
+    monkeypatch.setattr(stage_sharding, "plan_auto_sharding", recording)
+    state, batch, step = _model(model, alpa.value_and_grad)
+    plan = alpa.parallelize(step, method=_two_stages((2, 2), option)).plan(state, batch)
+    deferred = plan.program.deferred
+    assert deferred is not None and sorted(first) == ["stage0", "stage1"]
+    axes = {s: first[f"stage{s}"].data_axes for s in range(2)}
+    assert deferred.stage_axes == axes and all(axes.values())
+    if option:
+        assert axes == {0: ("x",), 1: ("x",)}
+    elif model == "bert":  # the free ILP splits BERT's batch over y: the deferral follows
+        assert axes == {0: ("y",), 1: ("y",)}
+
+
 def test_a_gradient_split_over_the_data_axis_is_reduced_per_micro_batch_into_its_split():
     """ZeRO-3-like stages: logical (4, 1), the batch split over ``x`` and no parameter
     replicated, so the ILP splits the weights over ``x`` too. A gradient the plan splits
