@@ -4,7 +4,8 @@ A saved plan outlives the alpa that wrote it: ``ParallelPlan.save`` (replayed by
 ``plan_to_method``, drawn by ``python -m alpa.plan_view``) and ``PipeshardPlan.to_json``
 (the summary of a pipeline plan) are read back by later processes, possibly by another
 version of alpa; so are a checkpoint's records (its checksum file, and the record of
-which part holds which leaf when Ray meshes saved it). Each such JSON object carries a
+which part holds which leaf when Ray meshes saved it) and the measured stage-cost cache
+(``measured_stage_cost.MeasuredStageCost``). Each such JSON object carries a
 field ``"format"``, the version of its layout, an integer from 1, raised whenever the
 layout changes in a way an older reader cannot read.
 

@@ -286,7 +286,7 @@ def _plan_one_schedule(
     uses them). ``args`` are the step's positional arguments (abstract or not), which
     ``manual_sharding_option.in_axis_resources`` is matched against.
 
-    ``decisions`` (:meth:`PipeshardPlan.decisions` of a plan of this same step) replay
+    ``decisions`` (:attr:`PipeshardPlan.decisions` of a plan of this same step) replay
     that plan's layers, stages and stage shardings instead of searching for them (no
     layer clustering, stage DP or ILP); the stage and sharding options are then not read,
     and what follows from the decisions (split, schedule, instructions) is derived again.
