@@ -10,8 +10,8 @@ A plan prints as a table (stage, layers, submesh, logical shape, latency, memory
 its schedule grid; :meth:`PipeshardPlan.summary` is its JSON-able record (versioned:
 ``SUMMARY_FORMAT``) and :meth:`PipeshardPlan.stage_option` replays its stages as a
 ``ManualStageOption``.
-:meth:`PipeshardPlan.decisions` (layers, stages, the per-stage sharding plans that the
-stage programs are lowered from), given back to
+:attr:`PipeshardPlan.decisions` (layers, stages, the per-stage sharding plans that the
+stage programs are lowered from), one field of the plan, given back to
 ``plan_pipeshard(decisions=...)``, makes the same plan without searching again: what
 ``alpa.plan_to_method`` replays. :attr:`PipeshardPlan.cost` prices it with the analytic
 stage model; :meth:`PipeshardPlan.draw` pictures it (``plan_view``).
