@@ -56,7 +56,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from alpa.saved_format import read_format
+
+#: Version of a cluster profile's JSON layout (``alpa.saved_format``'s rules).
 PROFILE_FORMAT = 1
+
+_REPROFILE = "profile the cluster again with this alpa (alpa.mesh_profiling.profile_all)"
 
 #: Primitives that move data rather than compute on it: each byte they write is priced
 #: at the measured copy rate (``ClusterProfile.copy``), not the fused elementwise one.
@@ -399,13 +404,8 @@ class ClusterProfile:
         }
 
     @classmethod
-    def from_json(cls, data: Mapping) -> ClusterProfile:
-        version = data.get("format")
-        if version != PROFILE_FORMAT:
-            raise ValueError(
-                f"cluster profile format {version!r} is not the format this alpa reads "
-                f"({PROFILE_FORMAT}); profile the cluster again (alpa.mesh_profiling.profile_all)"
-            )
+    def from_json(cls, data: Mapping, source: str = "the profile") -> ClusterProfile:
+        read_format(data, PROFILE_FORMAT, "cluster profile", source, remedy=_REPROFILE)
         return cls(
             device_kind=data["device_kind"],
             platform=data["platform"],
@@ -495,12 +495,11 @@ def _load_profiles(path: str, mtime_ns: int, size: int) -> dict[str, ClusterProf
         raise ValueError(f"{path!r} is not a cluster profile (not JSON: {error})") from None
     if not isinstance(data, dict) or "profiles" not in data:
         raise ValueError(f"{path!r} is not a cluster profile (no 'profiles' in it)")
-    if data.get("format") != PROFILE_FORMAT:
-        raise ValueError(
-            f"{path!r} is a cluster profile of format {data.get('format')!r}; this alpa "
-            f"reads format {PROFILE_FORMAT}: profile the cluster again"
-        )
-    return {key: ClusterProfile.from_json(p) for key, p in data["profiles"].items()}
+    read_format(data, PROFILE_FORMAT, "cluster profile", repr(path), remedy=_REPROFILE)
+    return {
+        key: ClusterProfile.from_json(p, f"{path!r}'s profile {key!r}")
+        for key, p in data["profiles"].items()
+    }
 
 
 # ----------------------------------------------------------------------------- one mesh

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 
 import numpy as np
 import pytest
@@ -22,6 +23,7 @@ from alpa.cost_profile import (
     save_profiles,
 )
 from alpa.device_mesh import ClusterSpec, LogicalDeviceMesh, VirtualPhysicalMesh
+from alpa.saved_format import NewerFormatError
 
 SIZES = (16, 64, 256)
 DOT_RATE = 1e10  # FLOP/s at every grid point but the smallest cube
@@ -140,7 +142,22 @@ def test_a_file_of_another_format_or_none_is_refused_clearly(tmp_path):
     data = json.loads(path.read_text())
     data["format"] = 99
     path.write_text(json.dumps(data))
-    with pytest.raises(ValueError, match="format 99.*profile the cluster again"):
+    with pytest.raises(
+        NewerFormatError,
+        match=rf"^{re.escape(repr(str(path)))} is a cluster profile of format 99, newer than "
+        r"this alpa reads \(format 1 and older\).*profile the cluster again",
+    ):
+        load_profiles(str(path))
+    data["format"] = "one"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=r"its 'format' is 'one', where a format version"):
+        load_profiles(str(path))
+    # A profile inside the file of a newer format is refused by its key.
+    data["format"] = 1
+    (key,) = data["profiles"]
+    data["profiles"][key]["format"] = 2
+    path.write_text(json.dumps(data))
+    with pytest.raises(NewerFormatError, match=rf"profile '{re.escape(key)}' is a cluster profile"):
         load_profiles(str(path))
     path.write_text("not json")
     with pytest.raises(ValueError, match="not a cluster profile"):
