@@ -39,7 +39,8 @@ Curves are monotone: time never falls with size and bandwidth never falls with s
 this is taken for noise, which only adds time, and lowered.
 
 A profile is keyed by device kind and cluster shape and stored as JSON
-(:func:`save_profiles`, :func:`load_profiles`); ``format`` versions the file.
+(:func:`save_profiles`, :func:`load_profiles`); ``format`` versions the file, read by
+``alpa.saved_format``'s rules (one written by a newer alpa is refused by name).
 """
 
 from __future__ import annotations
