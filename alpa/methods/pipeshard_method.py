@@ -116,7 +116,7 @@ class PipeshardParallel(ParallelMethod):
         self.layer_option = resolve_layer_option(layer_option)
         self.stage_option = resolve_stage_option(stage_option)
 
-    def _resolved(self) -> ResolvedCluster:
+    def resolved_cluster(self) -> ResolvedCluster:
         """Where the stages are planned and run: ``devices`` resolved, ``None`` as the
         part of ``alpa.init``'s cluster that ``set_global_virtual_physical_mesh`` chose
         (all of it by default). On Ray, the stages' meshes are sliced from the cluster,
@@ -163,7 +163,7 @@ class PipeshardParallel(ParallelMethod):
         )
 
     def _plan(self, traced: TracedStep, args: Sequence[Any], require_devices: bool):
-        cluster = self._resolved()
+        cluster = self.resolved_cluster()
         if require_devices:
             cluster.check_here()
         options = PipeshardOptions(

@@ -93,7 +93,7 @@ class PlannedParallel(ParallelMethod):
         return _bound_sharding_plan(recorded, traced.jaxpr, logical)
 
     def _pipeshard_plan(self, traced: TracedStep, args, require_devices: bool):
-        cluster = self._pipeshard._resolved()
+        cluster = self._pipeshard.resolved_cluster()
         info = self.parallel_plan.cluster_info
         shape = (cluster.spec.num_nodes, cluster.spec.num_devices_per_node)
         if shape != (info.num_hosts, info.num_devices_per_host):
