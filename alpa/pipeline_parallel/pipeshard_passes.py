@@ -73,7 +73,7 @@ from alpa.runtime.worker_program import TransferPlan
 from alpa.shard_parallel.auto_sharding import AutoShardingOption
 from alpa.tracing import TracedStep
 from alpa.tracing.batch_draws import batch_size, micro_batch_draws
-from alpa.tracing.jaxpr_util import is_var, nested_eqns
+from alpa.tracing.jaxpr_util import eqns_at_positions, is_var
 
 
 def resolve_value_specs(
@@ -525,8 +525,7 @@ def _on_traced(
     the plan's decisions, as a replay reads them. An equation the program rewrote after
     the planning (a random draw cut into micro-batch rows) is left out, as it names
     nothing the stage programs run."""
-    same = zip(nested_eqns(program.closed_jaxpr.jaxpr), nested_eqns(traced.jaxpr), strict=True)
-    traced_eqn = {id(mine): e for mine, e in same}
+    traced_eqn = eqns_at_positions(program.closed_jaxpr.jaxpr, traced.jaxpr)
     return tuple(pins.rekeyed(lambda v: v, lambda e: traced_eqn.get(id(e))) for pins in stage_pins)
 
 

@@ -58,7 +58,7 @@ from alpa.runtime.worker_program import Layout, TransferPlan
 from alpa.saved_format import FORMAT_KEY, read_format
 from alpa.shard_parallel.auto_sharding import AutoShardingOption
 from alpa.tracing import TracedStep
-from alpa.tracing.jaxpr_util import nested_eqns
+from alpa.tracing.jaxpr_util import eqns_at_positions
 
 #: Version of the JSON layout ``PipeshardPlan.to_json`` writes (field ``"format"``; the
 #: rules for reading other versions are :mod:`alpa.saved_format`'s).
@@ -179,12 +179,7 @@ class PipeshardPlan:
         """Per stage its sharding plan (:attr:`stage_pins`) with each equation the split
         program's at the same position (``split_computations`` rewrites some equations'
         operands, never their positions): what the stage programs are lowered from."""
-        same = zip(
-            nested_eqns(self.traced.jaxpr),
-            nested_eqns(self.program.closed_jaxpr.jaxpr),
-            strict=True,
-        )
-        mine = {id(e): program_eqn for e, program_eqn in same}
+        mine = eqns_at_positions(self.traced.jaxpr, self.program.closed_jaxpr.jaxpr)
         return tuple(pins.rekeyed(lambda v: v, lambda e: mine[id(e)]) for pins in self.stage_pins)
 
     @property

@@ -145,3 +145,11 @@ def nested_eqns(jaxpr: Jaxpr | Sequence[JaxprEqn]) -> list[JaxprEqn]:
         for _, body in planned_bodies(eqn):
             out += nested_eqns(body)
     return out
+
+
+def eqns_at_positions(source: Jaxpr, target: Jaxpr) -> dict[int, JaxprEqn]:
+    """``id(e) -> the equation of target at e's position`` for every equation ``e`` of
+    ``source`` (:func:`nested_eqns`' order, bodies included): the same equations of two
+    jaxprs of one structure (a traced step and its split program, two identical stages),
+    whose equations must be as many."""
+    return {id(e): t for e, t in zip(nested_eqns(source), nested_eqns(target), strict=True)}

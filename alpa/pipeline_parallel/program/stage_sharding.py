@@ -54,7 +54,7 @@ from alpa.shard_parallel.auto_sharding import (
 )
 from alpa.shard_parallel.ilp.milp import taking_turns, turn_given_up
 from alpa.tracing import StepJaxpr, TracedStep, new_jaxpr
-from alpa.tracing.jaxpr_util import is_var, nested_eqns, planned_bodies
+from alpa.tracing.jaxpr_util import eqns_at_positions, is_var, nested_eqns, planned_bodies
 from alpa.tracing.primitive_def import pipeline_p
 from alpa.util import map_on_threads
 
@@ -318,8 +318,7 @@ class _Planning:
         mine = StagePins(plan.var_specs, plan.operand_specs, plan.partial_sums)
         if planned is not sub:  # the same equations: values and equations match by position
             values = dict(zip(positional_vars(planned), positional_vars(sub), strict=True))
-            pairs = zip(nested_eqns(planned.jaxpr), nested_eqns(sub.jaxpr), strict=True)
-            eqns = {id(theirs): e for theirs, e in pairs}
+            eqns = eqns_at_positions(planned.jaxpr, sub.jaxpr)
             mine = mine.rekeyed(values.get, lambda e: eqns[id(e)])
         for v, spec in zip(invars, plan.in_specs, strict=True):
             specs.setdefault(v, spec)
