@@ -564,23 +564,14 @@ def _stage_pins_of_format_1(data: Mapping, num_stages: int) -> tuple[StagePins, 
     """The per-stage records of a format-1 pipeline plan, whose three tables
     ``body_specs``, ``operand_specs`` and ``partial_sums`` were keyed by ``(ref, stage)``
     (each absent from plans saved before the stages' lowering took it: those were priced
-    without it, and lower without it). An entry on a stage the plan lacks is refused by
-    name."""
+    without it, and lower without it)."""
     tables = {
         "body_specs": spec_from_json,
         "operand_specs": lambda specs: tuple(spec_from_json(spec) for spec in specs),
         "partial_sums": partial_sum_from_json,
     }
-    per_stage: dict[str, list[dict]] = {name: [{} for _ in range(num_stages)] for name in tables}
-    for name, read in tables.items():
-        for ref, stage, entry in data.get(name, []):
-            if not (isinstance(stage, int) and 0 <= stage < num_stages):
-                raise InconsistentPlanError(
-                    f"{name} has an entry for {ref!r} on stage {stage}: "
-                    + expected_stage(num_stages)
-                )
-            per_stage[name][stage][ref] = read(entry)
-    return tuple(StagePins(*(per_stage[name][s] for name in tables)) for s in range(num_stages))
+    per_stage = [_rows_per_stage(n, data.get(n, []), num_stages, r) for n, r in tables.items()]
+    return tuple(StagePins(*(table[s] for table in per_stage)) for s in range(num_stages))
 
 
 def _with_stage_specs_of_format_2(
@@ -588,15 +579,22 @@ def _with_stage_specs_of_format_2(
 ) -> tuple[StagePins, ...]:
     """The per-stage records of a format-1 or format-2 pipeline plan, which kept the specs
     of the values its stage computations read and write in a table of
-    ``[ref, stage, spec]`` rows (``rows``), with each row's spec in its stage's record. A
-    row on a stage the plan lacks is refused by name."""
-    per_stage: list[dict] = [{} for _ in stage_pins]
-    for ref, stage, spec in rows:
+    ``[ref, stage, spec]`` rows (``rows``), with each row's spec in its stage's record."""
+    specs = _rows_per_stage("stage_specs", rows, num_stages, spec_from_json)
+    # Records beyond the stages are refused by name after (their count against the stages).
+    return tuple(
+        pins.with_specs(specs[s]) if s < num_stages else pins for s, pins in enumerate(stage_pins)
+    )
+
+
+def _rows_per_stage(name: str, rows: Sequence, num_stages: int, read) -> list[dict]:
+    """Per stage, ``ref -> read(entry)`` of the ``[ref, stage, entry]`` rows of the older
+    layouts' table ``name``; a row on a stage the plan lacks is refused by name."""
+    per_stage: list[dict] = [{} for _ in range(num_stages)]
+    for ref, stage, entry in rows:
         if not (isinstance(stage, int) and 0 <= stage < num_stages):
             raise InconsistentPlanError(
-                f"stage_specs has an entry for {ref!r} on stage {stage}: "
-                + expected_stage(num_stages)
+                f"{name} has an entry for {ref!r} on stage {stage}: " + expected_stage(num_stages)
             )
-        if stage < len(per_stage):  # else the records' count is refused by name after
-            per_stage[stage][ref] = spec_from_json(spec)
-    return tuple(pins.with_specs(specs) for pins, specs in zip(stage_pins, per_stage, strict=True))
+        per_stage[stage][ref] = read(entry)
+    return per_stage
