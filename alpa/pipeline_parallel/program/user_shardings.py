@@ -45,8 +45,7 @@ from alpa.pipeline_parallel.program.stage_sharding import DATA_AXES
 from alpa.shard_parallel.strategies.manual_sharding import (
     ManualShardingOption,
     broadcast_prefix_specs,
-    repeated_axis_names,
-    unknown_axis_names,
+    check_spec_axis_names,
 )
 from alpa.tracing import TracedStep
 from alpa.tracing.jaxpr_util import is_var
@@ -122,20 +121,8 @@ def check_axis_names(
 
 
 def _check_spec_names(spec, names, where: str, whose: str) -> None:
-    if spec is None:
-        return
-    unknown = unknown_axis_names(spec, names)
-    if unknown:
-        raise ValueError(
-            f"{where}: {spec} names mesh axes {unknown} that are not in "
-            f"{whose} submesh axis names {tuple(names)}"
-        )
-    repeated = repeated_axis_names(spec)
-    if repeated:
-        raise ValueError(
-            f"{where}: {spec} uses mesh axis {repeated[0]!r} more than once; each mesh axis "
-            "may split at most one dimension"
-        )
+    if spec is not None:
+        check_spec_axis_names(spec, names, where, str(spec), f"{whose} submesh axis names")
 
 
 def _check_names(names, where: str) -> tuple[str, ...]:

@@ -150,21 +150,30 @@ def repeated_axis_names(spec: PartitionSpec) -> list[str]:
     return list(dict.fromkeys(n for n in used if used.count(n) > 1))
 
 
-def _check_spec(spec, names: Sequence[str], shape, where: str, sizes: dict[str, int]):
-    if spec is None:
-        return
+def check_spec_axis_names(
+    spec: PartitionSpec, names: Sequence[str], where: str, spec_text: str, names_text: str
+) -> None:
+    """Raise ``ValueError`` unless every mesh axis ``spec`` names is one of ``names``, each
+    at most once; the message starts with ``where``, names the spec as ``spec_text`` and
+    the known names as ``names_text``."""
     unknown = unknown_axis_names(spec, names)
     if unknown:
         raise ValueError(
-            f"{where}: PartitionSpec {spec} names mesh axes {unknown} that are "
-            f"not in mesh_axis_names {tuple(names)}"
+            f"{where}: {spec_text} names mesh axes {unknown} that are not in {names_text} "
+            f"{tuple(names)}"
         )
     repeated = repeated_axis_names(spec)
     if repeated:
         raise ValueError(
-            f"{where}: PartitionSpec {spec} uses mesh axis {repeated[0]!r} more than once; "
+            f"{where}: {spec_text} uses mesh axis {repeated[0]!r} more than once; "
             "each mesh axis may split at most one dimension"
         )
+
+
+def _check_spec(spec, names: Sequence[str], shape, where: str, sizes: dict[str, int]):
+    if spec is None:
+        return
+    check_spec_axis_names(spec, names, where, f"PartitionSpec {spec}", "mesh_axis_names")
     if len(spec) > len(shape):
         raise ValueError(
             f"{where}: PartitionSpec {spec} has {len(spec)} entries but the "
