@@ -4,6 +4,7 @@ The device count must be set before jax initializes its backends; a test session
 jax was initialized first would silently run on one device, so that fails loudly here.
 """
 
+import copy
 import os
 
 NUM_DEVICES = 8
@@ -50,6 +51,38 @@ def devices_or_skip(n: int):
     if len(devices) < n:
         pytest.skip(f"needs {n} devices, have {len(devices)}")
     return devices[:n]
+
+
+#: Format 1's tables of a pipeline plan's per-stage records: record field -> table name.
+PINS_OF_FORMAT_1 = {"var_specs": "body_specs", "operand_specs": "operand_specs",
+                    "partial_sums": "partial_sums"}  # fmt: skip
+
+
+def plan_in_older_layout(data: dict, version: int) -> dict:
+    """A saved ``ParallelPlan`` (its JSON data) rewritten in an older layout, a new dict:
+    format 2 keeps the specs of the values of a pipeline's stage computations (refs
+    without a ``/``: not inside a body) in a table of ``[ref, stage, spec]`` rows beside
+    the per-stage records; format 1 keeps the records' fields in three more such tables
+    (:data:`PINS_OF_FORMAT_1`)."""
+    data = copy.deepcopy(data)
+    data["format"] = version
+    pipeline = data["pipeline_plan"]
+    if pipeline is None:
+        return data
+    pipeline["stage_specs"] = [
+        [ref, s, pins["var_specs"].pop(ref)]
+        for s, pins in enumerate(pipeline["stage_pins"])
+        for ref in [ref for ref in pins["var_specs"] if "/" not in ref]
+    ]
+    if version == 1:
+        stage_pins = pipeline.pop("stage_pins")
+        for table, old in PINS_OF_FORMAT_1.items():
+            pipeline[old] = [
+                [ref, s, entry]
+                for s, pins in enumerate(stage_pins)
+                for ref, entry in pins[table].items()
+            ]
+    return data
 
 
 @pytest.fixture(autouse=True)

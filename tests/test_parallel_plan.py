@@ -9,7 +9,6 @@ and layer construction patched to fail, and its results equal the serial step's.
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import re
@@ -306,45 +305,13 @@ def _one_stage(pipeline, stages):
     pipeline["stage_pins"] = pipeline["stage_pins"][:1]
 
 
-def _format_2_layout(data: dict) -> dict:
-    """A saved plan (``to_dict``'s data) in the layout of format 2: the specs of the values
-    of a pipeline's stage computations (refs without a ``/``: not inside a body) in a
-    table of ``[ref, stage, spec]`` rows beside the per-stage records."""
-    data = copy.deepcopy(data)
-    data["format"] = 2
-    pipeline = data["pipeline_plan"]
-    if pipeline is not None:
-        pipeline["stage_specs"] = []
-        for s, pins in enumerate(pipeline["stage_pins"]):
-            for ref in [ref for ref in pins["var_specs"] if "/" not in ref]:
-                pipeline["stage_specs"].append([ref, s, pins["var_specs"].pop(ref)])
-    return data
-
-
-def _format_1_layout(data: dict) -> dict:
-    """A saved plan (``to_dict``'s data) in the layout of format 1: as format 2's, the
-    per-stage records as three more tables of ``[ref, stage, entry]`` rows."""
-    data = _format_2_layout(data)
-    data["format"] = 1
-    pipeline = data["pipeline_plan"]
-    if pipeline is not None:
-        stage_pins = pipeline.pop("stage_pins")
-        tables = {"var_specs": "body_specs", "operand_specs": "operand_specs",
-                  "partial_sums": "partial_sums"}  # fmt: skip
-        for table, old in tables.items():
-            pipeline[old] = [
-                [ref, s, entry]
-                for s, pins in enumerate(stage_pins)
-                for ref, entry in pins[table].items()
-            ]
-    return data
-
-
 def test_an_edited_pipeline_plan_names_the_field_it_contradicts(recorded, tmp_path):
     """A plan file whose stages disagree between its fields is refused when loaded, with
     the field, its value and what was expected (it was an ``IndexError`` in
     ``deferred_sums``, an ``AssertionError`` of the runtime emitter, or a stage's
     specs dropped without a word); edited consistently, it replays."""
+    from conftest import plan_in_older_layout  # the replay subprocess runs this module
+
     with open(recorded["pipeshard_uniform"][1]) as f:
         text = f.read()
     path = tmp_path / "edited.json"
@@ -383,7 +350,7 @@ def test_an_edited_pipeline_plan_names_the_field_it_contradicts(recorded, tmp_pa
     # stage the plan lacks is refused by name, as is one cut to one stage whose table
     # kept the second stage's rows.
     for stage in (5, 1):
-        old = _format_2_layout(json.loads(text))
+        old = plan_in_older_layout(json.loads(text), 2)
         pipeline = old["pipeline_plan"]
         ref, _, spec = next(row for row in pipeline["stage_specs"] if row[1] == stage % 2)
         if stage == 5:
@@ -397,7 +364,7 @@ def test_an_edited_pipeline_plan_names_the_field_it_contradicts(recorded, tmp_pa
                            rf"'{re.escape(ref)}' on stage {stage}: " + expected):  # fmt: skip
             ParallelPlan.load(path)
     # One in format 1's (the stages' records in three (ref, stage) tables too) likewise.
-    old = _format_1_layout(json.loads(text))
+    old = plan_in_older_layout(json.loads(text), 1)
     partial_sum = {"operand_specs": [[None], [None]], "reduce_axes": ["y"]}
     old["pipeline_plan"]["partial_sums"].append(["an add", 5, partial_sum])
     path.write_text(json.dumps(old))
@@ -553,12 +520,14 @@ def test_bad_plans_are_refused():
 
 @pytest.mark.parametrize("name", ["ilp_2d", "pipeshard_auto"])
 def test_a_plan_saved_without_its_format_field_still_loads(recorded, tmp_path, name):
+    from conftest import plan_in_older_layout
+
     # A plan written before plans carried a format version: this code's plan, the field
     # removed. It reads as format 1 and is the same plan, ready to replay.
     with open(recorded[name][1]) as f:
         text = f.read()
     # Those plans have format 1's layout: a pipeline's stage pins in (ref, stage) tables.
-    data = _format_1_layout(json.loads(text))
+    data = plan_in_older_layout(json.loads(text), 1)
     assert json.loads(text)["format"] == PLAN_FORMAT == 3
     del data["format"]
     old = tmp_path / "old.json"

@@ -34,7 +34,7 @@ from collections import Counter
 import jax
 import numpy as np
 import pytest
-from conftest import devices_or_skip
+from conftest import PINS_OF_FORMAT_1, devices_or_skip, plan_in_older_layout
 from jax.extend.core import Literal
 
 import alpa
@@ -279,34 +279,6 @@ def test_stage_constraints_survive_a_saved_plan():
     assert program_text(replayed.get_hlo_text()) == program_text(executable.get_hlo_text())
 
 
-_PINS_OF_FORMAT_1 = {"var_specs": "body_specs", "operand_specs": "operand_specs",
-                     "partial_sums": "partial_sums"}  # fmt: skip
-
-
-def _older_layout(text: str, version: int) -> str:
-    """A saved plan in the layout of format 2 (the specs of the values of the stage
-    computations, refs without a ``/``, in a table of ``[ref, stage, spec]`` rows beside
-    the per-stage records) or of format 1 (the records' fields in three such tables
-    too)."""
-    data = json.loads(text)
-    pipeline = data["pipeline_plan"]
-    pipeline["stage_specs"] = [
-        [ref, s, pins["var_specs"].pop(ref)]
-        for s, pins in enumerate(pipeline["stage_pins"])
-        for ref in [ref for ref in pins["var_specs"] if "/" not in ref]
-    ]
-    if version == 1:
-        for table, old in _PINS_OF_FORMAT_1.items():
-            pipeline[old] = [
-                [ref, s, entry]
-                for s, pins in enumerate(pipeline["stage_pins"])
-                for ref, entry in pins[table].items()
-            ]
-        del pipeline["stage_pins"]
-    data["format"] = version
-    return json.dumps(data)
-
-
 @pytest.mark.parametrize("version", [1, 2])
 @pytest.mark.parametrize("remat", [False, True])
 def test_a_plan_saved_in_an_older_layout_replays_the_same_programs(remat, version):
@@ -316,13 +288,13 @@ def test_a_plan_saved_in_an_older_layout_replays_the_same_programs(remat, versio
     operands' pins) compiles to the same stage programs."""
     executable, args = _executable(remat=remat)
     saved = executable.get_parallel_plan().to_json()
-    old = _older_layout(saved, version)
+    old = json.dumps(plan_in_older_layout(json.loads(saved), version))
     pipeline = json.loads(old)["pipeline_plan"]
     assert pipeline["stage_specs"] and ("stage_pins" in pipeline) == (version == 2)
     now, before = (alpa.ParallelPlan.from_json(t).pipeline_plan.decisions for t in (saved, old))
     assert len(before.stage_pins) == len(now.stage_pins) == executable.plan.num_stages
     tables = ("partial_sums",) if not remat else ("var_specs", "operand_specs")
-    for table in _PINS_OF_FORMAT_1:
+    for table in PINS_OF_FORMAT_1:
         assert _pinned(before, table) == _pinned(now, table)
     for table in ("var_specs", *tables):  # not vacuous
         assert _pinned(now, table)
